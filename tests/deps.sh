@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what the build needs and is missing (Debian 12): meson, ninja, doctest, Google Benchmark.
+set -euo pipefail
+missing=()
+command -v meson >/dev/null 2>&1 || missing+=(meson)
+command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
+dpkg -s doctest-dev >/dev/null 2>&1 || missing+=(doctest-dev)
+dpkg -s libbenchmark-dev >/dev/null 2>&1 || missing+=(libbenchmark-dev)
+dpkg -s pkg-config >/dev/null 2>&1 || command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+if [ "${EXPERT_CACHE_WANT_CLANG:-0}" = 1 ]; then
+  command -v clang++ >/dev/null 2>&1 || missing+=(clang)
+  dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || missing+=(libclang-rt-14-dev)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}" >&2
+  sudo_cmd=""
+  [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}" >/dev/null
+fi

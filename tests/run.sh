@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The README's test command: installs what is missing, then builds and runs every suite.
+#  1. the main build (CUDA tier compiled when nvcc exists; GPU tests SKIP without a device),
+#  2. the host suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
+#  3. a short libFuzzer smoke over the trace parser and the planner (clang).
+# Ends with one line "N passed, N failed" summed over all of them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+EXPERT_CACHE_WANT_CLANG=1 tests/deps.sh || { echo "dependency install failed"; echo "0 passed, 1 failed"; exit 1; }
+export PATH="/usr/local/cuda/bin:$PATH"
+cuda=disabled
+command -v nvcc >/dev/null 2>&1 && cuda=enabled
+
+passed=0; failed=0
+count() {  # adds one Meson summary (from its log) to the totals
+  local log=$1 ok fail to up
+  ok=$(grep -E '^Ok: ' "$log" | awk '{print $2}' | tail -1)
+  fail=$(grep -E '^Fail: ' "$log" | awk '{print $2}' | tail -1)
+  to=$(grep -E '^Timeout: ' "$log" | awk '{print $2}' | tail -1)
+  up=$(grep -E '^Unexpected Pass: ' "$log" | awk '{print $3}' | tail -1)
+  passed=$((passed + ${ok:-0})); failed=$((failed + ${fail:-0} + ${to:-0} + ${up:-0}))
+}
+step() {  # step NAME LOG CMD...: runs a build step; a failure counts as one failed test
+  local name=$1 log=$2; shift 2
+  if ! "$@" >"$log" 2>&1; then
+    echo "== $name failed; log tail:"; tail -40 "$log"; failed=$((failed + 1)); return 1
+  fi
+}
+mkdir -p build-logs
+
+echo "== main build (cuda=$cuda)"
+if step "configure" build-logs/setup.log meson setup build-test --wipe -Dcuda=$cuda -Dtests=enabled -Dbenchmarks=enabled \
+   && step "compile" build-logs/compile.log meson compile -C build-test; then
+  meson test -C build-test --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test.log | grep -vE '^\s*$' | tail -60
+  count build-logs/test.log
+fi
+
+echo "== host suite under ASan + UBSan"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan --wipe -Dcuda=disabled -Dtests=enabled \
+     -Dbenchmarks=disabled -Dbuildtype=debugoptimized -Db_sanitize=address,undefined \
+   && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan; then
+  meson test -C build-asan --suite host --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
+  count build-logs/test-asan.log
+fi
+
+if [ -x tests/fuzz/run.sh ]; then
+  echo "== fuzz smoke"
+  if tests/fuzz/run.sh "${EXPERT_CACHE_FUZZ_SECONDS:-45}" >build-logs/fuzz.log 2>&1; then
+    passed=$((passed + 1)); tail -3 build-logs/fuzz.log
+  else
+    failed=$((failed + 1)); echo "fuzz smoke failed:"; tail -40 build-logs/fuzz.log
+  fi
+fi
+
+echo "$passed passed, $failed failed"
+[ "$failed" = 0 ]
