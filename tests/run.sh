@@ -40,7 +40,7 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=
 if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan --wipe -Dcuda=disabled -Dtests=enabled \
      -Dbenchmarks=disabled -Dbuildtype=debugoptimized -Db_sanitize=address,undefined \
    && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan; then
-  meson test -C build-asan --suite host --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
+  EXPERT_CACHE_SCHEDULES=${EXPERT_CACHE_ASAN_SCHEDULES:-10000} meson test -C build-asan --suite host --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
   count build-logs/test-asan.log
 fi
 

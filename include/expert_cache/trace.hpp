@@ -5,6 +5,7 @@
 // anything allocate a huge array.
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -38,7 +39,7 @@ struct ParseOptions {
 struct TraceForward {
   std::int32_t step = 0;
   std::int32_t layer = 0;
-  std::uint64_t line = 0;     // 1-based line of the forward's first record
+  std::uint64_t line = 0;     // 1-based line of the forward's first record; 0 if generated
   std::uint32_t records = 0;  // records merged into this forward
   std::uint64_t begin = 0;    // [begin, end) into Trace::ids
   std::uint64_t end = 0;
@@ -152,7 +153,6 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
     std::unordered_map<std::uint64_t, std::uint32_t> seen;
     std::int32_t max_id = -1;
     bool open = false;  // trace.forwards.back() is still accepting records
-    std::uint64_t last_record_line = 0;
 
     auto close_forward = [&] {
       TraceForward& f = trace.forwards.back();
@@ -184,9 +184,6 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
 
       const std::string_view step_tok = next_token();
       if (step_tok.empty()) continue;  // blank or comment-only line
-      const std::string_view layer_tok = next_token();
-      if (layer_tok.empty()) return detail::trace_error(line_no, "too few fields: need 'step layer expert...', got only a step");
-
       std::int64_t step = 0;
       std::int64_t layer = 0;
       switch (detail::parse_trace_int(step_tok, trace_max_step, step)) {
@@ -199,6 +196,8 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
           return detail::trace_error(line_no, "step " + detail::quote_token(step_tok) + " exceeds " +
                                                   std::to_string(trace_max_step));
       }
+      const std::string_view layer_tok = next_token();
+      if (layer_tok.empty()) return detail::trace_error(line_no, "too few fields: need 'step layer expert...', got only a step");
       switch (detail::parse_trace_int(layer_tok, trace_max_layer, layer)) {
         case detail::IntParse::ok: break;
         case detail::IntParse::not_integer:
@@ -254,10 +253,8 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
       if (count == 0) return detail::trace_error(line_no, "too few fields: need 'step layer expert...', got no expert id");
       ++trace.forwards.back().records;
       ++trace.records;
-      last_record_line = line_no;
     }
     if (open) close_forward();
-    (void)last_record_line;
     trace.num_experts = options.num_experts ? *options.num_experts : max_id + 1;
     return trace;
   } catch (const std::bad_alloc&) {
@@ -362,11 +359,7 @@ inline double zipf_weight(std::int32_t rank, double s) noexcept {
   // s == 1 (the default) avoids pow, so the default trace does not depend on libm.
   const double r = static_cast<double>(rank + 1);
   if (s == 1.0) return 1.0 / r;
-  if (s == 0.0) return 1.0;
-  double w = 1.0;
-  // exp/log-free power for integral-ish exponents is not worth it; pow is fine here.
-  w = 1.0 / __builtin_pow(r, s);
-  return w;
+  return 1.0 / std::pow(r, s);
 }
 
 }  // namespace detail
@@ -469,9 +462,16 @@ inline double zipf_weight(std::int32_t rank, double s) noexcept {
       ++epoch;
       picks.clear();
       auto& prev = previous[static_cast<std::size_t>(layer)];
+      std::uint32_t rejected = 0;
       while (picks.size() < K) {
         std::int32_t e;
-        if (!prev.empty() && rng.uniform() < spec.sticky) {
+        if (rejected > 64) {
+          // A steep Zipf rarely draws its tail: take the most popular untaken expert so
+          // the loop is bounded (deterministic, so still reproducible).
+          std::size_t rank = 0;
+          while (taken[static_cast<std::size_t>(perm[static_cast<std::size_t>(layer)][rank])] == epoch) ++rank;
+          e = perm[static_cast<std::size_t>(layer)][rank];
+        } else if (!prev.empty() && rng.uniform() < spec.sticky) {
           e = prev[rng.below(static_cast<std::uint32_t>(prev.size()))];
         } else {
           const double u = rng.uniform() * total;
@@ -479,7 +479,10 @@ inline double zipf_weight(std::int32_t rank, double s) noexcept {
           rank = std::min(rank, E - 1);
           e = perm[static_cast<std::size_t>(layer)][rank];
         }
-        if (taken[static_cast<std::size_t>(e)] == epoch) continue;
+        if (taken[static_cast<std::size_t>(e)] == epoch) {
+          ++rejected;
+          continue;
+        }
         taken[static_cast<std::size_t>(e)] = epoch;
         picks.push_back(e);
       }
@@ -488,7 +491,7 @@ inline double zipf_weight(std::int32_t rank, double s) noexcept {
       TraceForward f;
       f.step = step;
       f.layer = layer;
-      f.line = trace.forwards.size() + 1;  // as if written by write_trace without comments
+      f.line = 0;  // not from a file
       f.records = 1;
       f.begin = trace.ids.size();
       trace.ids.insert(trace.ids.end(), picks.begin(), picks.end());

@@ -1,0 +1,368 @@
+// expert-cache-replay: replay a routing trace (format v1, docs/trace_format.md) through the
+// eviction policies and print hits, misses, hit rate and the ratio to OPT (Belady).
+// Exit codes: 0 ok, 2 bad arguments or bad trace, 1 internal error.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
+#include "expert_cache/replay.hpp"
+#include "expert_cache/trace.hpp"
+
+namespace ec = expert_cache;
+
+namespace {
+
+constexpr int exit_usage = 2;
+
+void print_help(std::ostream& out) {
+  out << "usage: expert-cache-replay [--trace FILE | --generate SPEC] [options]\n"
+         "\n"
+         "Replays an expert routing trace through ForwardPlanner with each eviction policy.\n"
+         "\n"
+         "  --trace FILE          trace in format v1 ('-' reads stdin); without it a generated\n"
+         "                        trace is used (see --generate)\n"
+         "  --generate SPEC       generated trace: 'default' or key=value,... with keys layers (8),\n"
+         "                        experts (64), topk (6), steps (2000), zipf (1.0), sticky (0.4), seed (1)\n"
+         "  --write-trace FILE    write the trace (generated or parsed) in format v1 to FILE\n"
+         "                        ('-' = stdout) and exit without replaying\n"
+         "  --capacity N[,N...]   slots per cache (default 8,16,32)\n"
+         "  --policy P[,P...]     policies, or 'all' (default all); available:";
+  for (const std::string& p : ec::replay_policy_names()) out << ' ' << p;
+  out << "\n"
+         "  --scope layer|global  layer: one cache per layer (default); global: one cache for all\n"
+         "                        layers keyed layer_index*E + expert\n"
+         "  --experts E           number of experts per layer (default: max id + 1); ids >= E are errors\n"
+         "  --json                print JSON instead of a table\n"
+         "  --progress            progress on stderr (default: only when stderr is a terminal)\n"
+         "  --help                this text\n"
+         "\n"
+         "Exit status: 0 ok, 2 bad arguments or malformed trace, 1 internal error.\n";
+}
+
+struct UsageError {
+  std::string message;
+};
+
+std::vector<std::string_view> split_commas(std::string_view s) {
+  std::vector<std::string_view> out;
+  std::size_t pos = 0;
+  while (true) {
+    const std::size_t comma = s.find(',', pos);
+    out.push_back(s.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos));
+    if (comma == std::string_view::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
+
+std::int32_t parse_int_arg(std::string_view flag, std::string_view text) {
+  std::int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size() || v < INT32_MIN || v > INT32_MAX) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not an integer"};
+  }
+  return static_cast<std::int32_t>(v);
+}
+
+struct Args {
+  std::optional<std::string> trace_path;
+  std::optional<std::string> generate_spec;
+  std::optional<std::string> write_trace;
+  std::vector<std::int32_t> capacities{8, 16, 32};
+  std::vector<std::string> policies;  // empty = all
+  ec::ReplayScope scope = ec::ReplayScope::layer;
+  std::optional<std::int32_t> experts;
+  bool json = false;
+  bool progress = false;
+  bool help = false;
+};
+
+Args parse_args(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    std::optional<std::string_view> inline_value;
+    if (arg.starts_with("--")) {
+      if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
+        inline_value = arg.substr(eq + 1);
+        arg = arg.substr(0, eq);
+      }
+    }
+    auto value = [&]() -> std::string_view {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError{std::string(arg) + " needs a value"};
+      return argv[++i];
+    };
+    auto no_value = [&] {
+      if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
+    };
+    if (arg == "--help" || arg == "-h") {
+      no_value();
+      a.help = true;
+    } else if (arg == "--trace") {
+      a.trace_path = std::string(value());
+    } else if (arg == "--generate") {
+      a.generate_spec = std::string(value());
+    } else if (arg == "--write-trace") {
+      a.write_trace = std::string(value());
+    } else if (arg == "--capacity") {
+      a.capacities.clear();
+      for (const std::string_view c : split_commas(value())) {
+        const std::int32_t n = parse_int_arg("--capacity", c);
+        if (n < 1) throw UsageError{"--capacity: " + std::to_string(n) + " is below 1"};
+        a.capacities.push_back(n);
+      }
+    } else if (arg == "--policy") {
+      a.policies.clear();
+      const std::vector<std::string> known = ec::replay_policy_names();
+      for (const std::string_view p : split_commas(value())) {
+        if (p == "all") {
+          a.policies.insert(a.policies.end(), known.begin(), known.end());
+          continue;
+        }
+        if (std::find(known.begin(), known.end(), p) == known.end()) {
+          std::string list;
+          for (const std::string& k : known) list += " " + k;
+          throw UsageError{"--policy: unknown policy '" + std::string(p) + "' (available:" + list + ")"};
+        }
+        a.policies.emplace_back(p);
+      }
+    } else if (arg == "--scope") {
+      const std::string_view s = value();
+      if (s == "layer") a.scope = ec::ReplayScope::layer;
+      else if (s == "global") a.scope = ec::ReplayScope::global;
+      else throw UsageError{"--scope: '" + std::string(s) + "' is not 'layer' or 'global'"};
+    } else if (arg == "--experts") {
+      const std::int32_t e = parse_int_arg("--experts", value());
+      if (e < 1 || e > ec::trace_max_experts) {
+        throw UsageError{"--experts: must be in [1, " + std::to_string(ec::trace_max_experts) + "]"};
+      }
+      a.experts = e;
+    } else if (arg == "--json") {
+      no_value();
+      a.json = true;
+    } else if (arg == "--progress") {
+      no_value();
+      a.progress = true;
+    } else {
+      throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
+    }
+  }
+  if (a.trace_path && a.generate_spec) throw UsageError{"--trace and --generate are mutually exclusive"};
+  if (a.policies.empty()) a.policies = ec::replay_policy_names();
+  return a;
+}
+
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      out.push_back('\\');
+      out.push_back(ch);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out.push_back(ch);
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_number(std::optional<double> v) {
+  if (!v || !std::isfinite(*v)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6f", *v);
+  return buf;
+}
+
+std::string ratio_text(std::optional<double> v) {
+  if (!v) return "-";
+  if (!std::isfinite(*v)) return "inf";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.3f", *v);
+  return buf;
+}
+
+void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r) {
+  out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
+      << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
+      << ",\n  \"cache_experts\": " << r.cache_experts << ",\n  \"caches\": " << r.caches
+      << ",\n  \"records\": " << r.records << ",\n  \"forwards\": " << r.forwards
+      << ",\n  \"accesses\": " << r.accesses << ",\n  \"has_opt\": " << (r.has_opt ? "true" : "false")
+      << ",\n  \"results\": [";
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const ec::ReplayRow& row = r.rows[i];
+    out << (i ? ",\n" : "\n") << "    {\"policy\": " << json_string(row.policy) << ", \"capacity\": " << row.capacity
+        << ", \"hits\": " << row.counts.hits << ", \"misses\": " << row.counts.misses
+        << ", \"evictions\": " << row.counts.evictions << ", \"hit_rate\": " << json_number(row.counts.hit_rate());
+    if (r.has_opt) {
+      out << ", \"hits_vs_opt\": " << json_number(row.hits_vs_opt)
+          << ", \"misses_vs_opt\": " << json_number(row.misses_vs_opt);
+    }
+    out << "}";
+  }
+  out << "\n  ]\n}\n";
+}
+
+void print_table(std::ostream& out, const std::string& source, const ec::ReplayReport& r) {
+  out << "trace: " << source << "\n"
+      << "  " << r.records << " records, " << r.forwards << " forwards, " << r.num_layers << " layers, "
+      << r.num_experts << " experts, " << r.accesses << " expert requests\n"
+      << "scope: " << ec::to_string(r.scope) << " (" << r.caches << (r.caches == 1 ? " cache" : " caches")
+      << " of " << r.cache_experts << " keys; capacity = slots per cache)\n\n";
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "%-8s %8s %12s %12s %9s", "policy", "capacity", "hits", "misses", "hit_rate");
+  out << buf;
+  if (r.has_opt) {
+    std::snprintf(buf, sizeof buf, " %9s %11s", "hits/OPT", "misses/OPT");
+    out << buf;
+  }
+  out << '\n';
+  std::int32_t last_capacity = -1;
+  for (const ec::ReplayRow& row : r.rows) {
+    if (last_capacity != -1 && row.capacity != last_capacity) out << '\n';
+    last_capacity = row.capacity;
+    std::snprintf(buf, sizeof buf, "%-8s %8d %12llu %12llu %8.2f%%", row.policy.c_str(), row.capacity,
+                  static_cast<unsigned long long>(row.counts.hits),
+                  static_cast<unsigned long long>(row.counts.misses), 100.0 * row.counts.hit_rate());
+    out << buf;
+    if (r.has_opt) {
+      std::snprintf(buf, sizeof buf, " %9s %11s", ratio_text(row.hits_vs_opt).c_str(),
+                    ratio_text(row.misses_vs_opt).c_str());
+      out << buf;
+    }
+    out << '\n';
+  }
+}
+
+bool stderr_is_tty() {
+#if defined(__unix__) || defined(__APPLE__)
+  return isatty(STDERR_FILENO) != 0;
+#else
+  return false;
+#endif
+}
+
+int fail(const ec::Status& st) {
+  std::cerr << "expert-cache-replay: " << st.to_string() << '\n';
+  return st.code() == ec::ErrorCode::internal ? 1 : exit_usage;
+}
+
+int run(int argc, char** argv) {
+  Args args;
+  try {
+    args = parse_args(argc, argv);
+  } catch (const UsageError& e) {
+    std::cerr << "expert-cache-replay: " << e.message << "\n(run with --help for usage)\n";
+    return exit_usage;
+  }
+  if (args.help) {
+    print_help(std::cout);
+    return 0;
+  }
+
+  ec::Trace trace;
+  std::string source;
+  const ec::ParseOptions parse_options{args.experts};
+  if (args.trace_path) {
+    source = *args.trace_path;
+    ec::Result<ec::Trace> r = *args.trace_path == "-" ? ec::parse_trace(std::cin, parse_options)
+                                                      : ec::load_trace(*args.trace_path, parse_options);
+    if (!r.ok()) {
+      // load_trace already names the file; stdin gets its name here.
+      if (*args.trace_path == "-") return fail(ec::Status(r.status().code(), "<stdin>: " + r.status().message()));
+      return fail(r.status());
+    }
+    trace = std::move(r).value();
+  } else {
+    ec::Result<ec::GeneratorSpec> spec = ec::parse_generator_spec(args.generate_spec.value_or("default"));
+    if (!spec.ok()) return fail(spec.status());
+    source = "generated:" + args.generate_spec.value_or("default");
+    trace = ec::generate_trace(spec.value());
+    if (args.experts) {
+      if (*args.experts < trace.num_experts) {
+        return fail(ec::Status(ec::ErrorCode::expert_out_of_range,
+                               "--experts " + std::to_string(*args.experts) + " is below the generated trace's " +
+                                   std::to_string(trace.num_experts) + " experts"));
+      }
+      trace.num_experts = *args.experts;
+    }
+  }
+
+  if (args.write_trace) {
+    const std::string comment = "source: " + source;
+    if (*args.write_trace == "-") {
+      ec::write_trace(std::cout, trace, comment);
+      std::cout.flush();
+      return std::cout ? 0 : fail(ec::Status(ec::ErrorCode::io_error, "error writing the trace to stdout"));
+    }
+    std::ofstream out(*args.write_trace, std::ios::binary);
+    if (!out) return fail(ec::Status(ec::ErrorCode::io_error, "cannot create '" + *args.write_trace + "'"));
+    ec::write_trace(out, trace, comment);
+    out.close();
+    if (!out) return fail(ec::Status(ec::ErrorCode::io_error, "error writing '" + *args.write_trace + "'"));
+    return 0;
+  }
+
+  ec::ReplayOptions options;
+  options.scope = args.scope;
+  options.capacities = args.capacities;
+  options.policies = args.policies;
+  const bool tty = stderr_is_tty();
+  const bool show_progress = args.progress || tty;
+  if (show_progress) {
+    options.progress_every = 1u << 15;
+    // On a terminal one line is redrawn; into a file or pipe each report is its own line.
+    options.progress = [tty](const ec::ReplayProgress& p) {
+      std::fprintf(stderr, "%sreplay: %-6.*s capacity %-6d %llu/%llu forwards (%3.0f%%)%s", tty ? "\r" : "",
+                   static_cast<int>(p.policy.size()), p.policy.data(), p.capacity,
+                   static_cast<unsigned long long>(p.done), static_cast<unsigned long long>(p.total),
+                   p.total ? 100.0 * static_cast<double>(p.done) / static_cast<double>(p.total) : 100.0,
+                   tty ? "" : "\n");
+      std::fflush(stderr);
+    };
+  }
+  ec::Result<ec::ReplayReport> report = ec::replay(trace, options);
+  if (tty && show_progress) std::fputs("\r\033[K", stderr);  // clear the progress line
+  if (!report.ok()) {
+    const ec::Status& st = report.status();
+    if (args.trace_path && st.code() == ec::ErrorCode::too_many_experts) {
+      return fail(ec::Status(st.code(), *args.trace_path + ": " + st.message()));
+    }
+    return fail(st);
+  }
+  if (args.json) print_json(std::cout, source, report.value());
+  else print_table(std::cout, source, report.value());
+  std::cout.flush();
+  return std::cout ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "expert-cache-replay: internal error: " << e.what() << '\n';
+    return 1;
+  } catch (...) {
+    std::cerr << "expert-cache-replay: internal error\n";
+    return 1;
+  }
+}

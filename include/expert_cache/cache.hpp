@@ -1,0 +1,305 @@
+#pragma once
+// ExpertCache: the forward-oriented public API, composed from compile-time policies.
+//
+//   ExpertCache<Storage, EvictionPolicy, StagingPolicy, ScaleLayout, Runtime>
+//
+//   Storage         TensorMajorStorage | ExpertMajorStorage (template over the runtime)
+//   EvictionPolicy  any eviction_policy (Lru, Lfru, ...)
+//   StagingPolicy   Inline | CopyStream | Batched | (CUDA tier: Gather, ...)
+//   ScaleLayout     Nvfp4Marlin | DenseBf16 | ExplicitLayout: the per-expert tensors and sizes
+//   Runtime         SimRuntime (host model) | CudaRuntime
+//
+// prepare(ids, stream) makes the forward's experts resident and returns the slot buffers and
+// the expert maps; every stream/event edge comes from the one OrderingCore.
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/split.hpp"
+#include "expert_cache/staging/copy_staging.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+
+namespace expert_cache {
+
+// A layout given by explicit per-tensor byte counts (tests, custom formats).
+struct ExplicitLayout {
+  static constexpr std::string_view name = "explicit";
+  ExpertTensorBytes bytes{};
+  [[nodiscard]] Status validate() const { return {}; }
+  [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept { return bytes; }
+};
+
+template <class L>
+concept scale_layout = requires(const L& l) {
+  { L::name } -> std::convertible_to<std::string_view>;
+  { l.tensors() } -> std::same_as<ExpertTensorBytes>;
+  { l.validate() } -> std::same_as<Status>;
+};
+
+template <class S, class R, template <class> class Storage>
+concept staging_policy_for = allocating_runtime<R> && requires(S& s, R& rt, typename R::Stream st,
+                                                                const Storage<R>& storage, std::span<const SlotFill> f) {
+  { S::name } -> std::convertible_to<std::string_view>;
+  { S::uses_copy_stream } -> std::convertible_to<bool>;
+  { s.issue(rt, st, storage, f) } noexcept -> std::same_as<Status>;
+};
+
+struct CacheStats {
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;
+  std::uint64_t promotions = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t invalidations = 0;
+  std::int64_t resident = 0;
+  std::int64_t capacity = 0;
+  std::uint64_t prepare_calls = 0;
+  std::uint64_t generation = 0;
+  std::uint64_t last_copies = 0;    // copies the last prepare() enqueued
+  std::uint64_t total_copies = 0;
+  std::uint64_t owner_changes = 0;
+  std::uint64_t map_uploads = 0;
+  std::uint64_t staging_stalls = 0;
+  std::uint64_t faults = 0;         // runtime failures reported by prepare()/invalidate()
+  std::size_t slot_bytes = 0;       // device: slot buffers + maps
+  std::size_t host_bytes = 0;       // host: expert pools + map staging
+  [[nodiscard]] double hit_rate() const noexcept {
+    const auto n = hits + misses;
+    return n == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(n);
+  }
+};
+
+// What a consumer kernel needs for one forward. All pointers are device pointers.
+struct ForwardView {
+  std::array<SlotTensor, num_expert_tensors> tensors{};  // bytes == 0: tensor absent
+  const std::int32_t* expert_map = nullptr;    // forward-scoped: this forward's experts, else -1
+  const std::int32_t* resident_map = nullptr;  // every resident expert
+  std::uint32_t hits = 0;
+  std::uint32_t misses = 0;
+  std::uint64_t generation = 0;
+  [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
+    return tensors[static_cast<std::size_t>(t)];
+  }
+};
+
+struct CacheOptions {
+  std::int32_t num_experts = 0;
+  std::int32_t capacity = 0;
+  std::int32_t top_k = 1;
+  std::size_t staging_ring = 8;  // host staging buffers for map uploads
+  std::string label = "expert_cache";
+  // Called every `stats_every` accepted prepare() calls (0 = never).
+  std::function<void(const CacheStats&)> stats_callback;
+  std::uint64_t stats_every = 1000;
+  // Receives one line at construction (byte accounting). Default: stderr. Empty = silent.
+  std::function<void(std::string_view)> log = [](std::string_view line) {
+    std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
+  };
+};
+
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, scale_layout ScaleLayout,
+          allocating_runtime Runtime, class Edges = OrderingEdges>
+  requires staging_policy_for<StagingPolicy, Runtime, Storage>
+class ExpertCache {
+ public:
+  using Stream = typename Runtime::Stream;
+  using StorageType = Storage<Runtime>;
+  using Policy = EvictionPolicy;
+
+  // Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
+  // layout that does not validate, sizes that cannot be allocated).
+  ExpertCache(Runtime& rt, CacheOptions options, ScaleLayout layout, EvictionPolicy policy)
+      : rt_(&rt),
+        options_(std::move(options)),
+        layout_(validated(layout)),
+        planner_(CacheShape{options_.num_experts, options_.capacity}, options_.top_k, std::move(policy)),
+        storage_(rt, planner_.shape(), layout_.tensors()),
+        core_(rt, StagingPolicy::uses_copy_stream, static_cast<std::size_t>(options_.num_experts), options_.staging_ring),
+        resident_device_(rt, map_bytes(), MemoryKind::device),
+        forward_device_(rt, map_bytes(), MemoryKind::device) {
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
+    view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
+    view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
+    copies_per_fill_ = detail::copies_per_fill(storage_);
+    if (options_.log) {
+      const CacheStats s = stats();
+      options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
+                   "/" + std::string(StorageType::name) + "/" + std::string(ScaleLayout::name) + ", " +
+                   std::to_string(options_.capacity) + " of " + std::to_string(options_.num_experts) +
+                   " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
+                   std::to_string(s.host_bytes));
+    }
+  }
+
+  ExpertCache(Runtime& rt, CacheOptions options, ScaleLayout layout)
+    requires std::constructible_from<EvictionPolicy, CacheShape>
+      : ExpertCache(rt, options, layout,
+                    EvictionPolicy(ForwardPlanner<EvictionPolicy>::validated(
+                        CacheShape{options.num_experts, options.capacity}, options.top_k))) {}
+
+  ExpertCache(const ExpertCache&) = delete;
+  ExpertCache& operator=(const ExpertCache&) = delete;
+
+  // Top-k routing ids (duplicates fine, negative = padding), processed in ascending order.
+  Result<ForwardView> prepare(std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
+    return prepare_impl<false>(topk_ids, stream);
+  }
+  // An explicit unique list (e.g. one expert-split group), processed in the given order.
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
+    return prepare_impl<true>(unique_ids, stream);
+  }
+
+  // Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
+  // rewritten only by a later prepare(), after the readers of the previous forward.
+  Status invalidate(std::int32_t expert, Stream stream) noexcept {
+    Result<SlotId> freed = planner_.invalidate(expert);
+    if (!freed.ok()) return freed.status();
+    if (!freed.value().valid()) return {};
+    resident_dirty_ = true;
+    const Stream fill = core_.fill_stream(stream);
+    Status s = core_.template order_writes_after_previous_use<Edges::invalidate_order>(fill);
+    if (s) s = upload_resident(fill, stream);
+    if (s) s = core_.publish_writes(fill, stream);
+    if (!s) {
+      ++faults_;
+      return Status(s.code(), "invalidate(" + std::to_string(expert) + "): " + s.message() +
+                                  " (the expert is dropped; the resident map is re-uploaded by the next prepare)");
+    }
+    resident_dirty_ = false;
+    return {};
+  }
+
+  [[nodiscard]] Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_token_chunks(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+  [[nodiscard]] Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_expert_groups(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+
+  [[nodiscard]] CacheStats stats() const noexcept {
+    const auto& c = planner_.counters();
+    const auto& o = core_.counters();
+    CacheStats s;
+    s.hits = c.hits;
+    s.misses = c.misses;
+    s.promotions = c.promotions;
+    s.evictions = c.evictions;
+    s.invalidations = c.invalidations;
+    s.resident = planner_.resident_count();
+    s.capacity = options_.capacity;
+    s.prepare_calls = c.prepare_calls;
+    s.generation = c.generation;
+    s.last_copies = last_copies_;
+    s.total_copies = total_copies_;
+    s.owner_changes = o.owner_changes;
+    s.map_uploads = o.map_uploads;
+    s.staging_stalls = o.staging_stalls;
+    s.faults = faults_;
+    s.slot_bytes = storage_.slot_bytes() + 2 * map_bytes();
+    s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
+    return s;
+  }
+
+  [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
+  [[nodiscard]] const ForwardPlan& last_plan() const noexcept { return plan_; }
+  [[nodiscard]] const ScaleLayout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
+  [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return planner_.resident_map(); }
+  [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept { return planner_.forward_map(); }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
+
+  void set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
+    options_.stats_callback = std::move(callback);
+    options_.stats_every = every;
+  }
+
+ private:
+  static ScaleLayout validated(const ScaleLayout& layout) {
+    throw_if_error(layout.validate());
+    return layout;
+  }
+  [[nodiscard]] std::size_t map_bytes() const noexcept {
+    return static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+  }
+
+  template <bool Unique>
+  Result<ForwardView> prepare_impl(std::span<const std::int32_t> ids, Stream stream) noexcept {
+    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
+      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
+    }
+    Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
+    if (!planned) return planned;  // validation failed: nothing changed
+    const bool writes = !plan_.fills.empty() || resident_dirty_;
+    Status s;
+    if (writes) {
+      const Stream fill = core_.fill_stream(stream);
+      s = core_.template order_writes_after_previous_use<Edges::release_wait>(fill);
+      if (s) s = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
+      if (s) s = upload_resident(fill, stream);
+      if (s) s = core_.publish_writes(fill, stream);
+    }
+    if (s) s = core_.adopt_reader(stream, writes);
+    if (s) s = core_.upload_map(planner_.forward_map().data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+    if (!s) return roll_back(s);
+    if (writes) resident_dirty_ = false;
+    last_copies_ = plan_.fills.size() * copies_per_fill_;
+    total_copies_ += last_copies_;
+    view_.hits = plan_.hits;
+    view_.misses = plan_.misses;
+    view_.generation = planner_.counters().generation;
+    if (options_.stats_callback && options_.stats_every != 0 &&
+        planner_.counters().prepare_calls % options_.stats_every == 0) {
+      options_.stats_callback(stats());
+    }
+    return view_;
+  }
+
+  Status upload_resident(Stream fill, Stream caller) noexcept {
+    const Stream target = Edges::resident_map_serialised ? fill : caller;
+    return core_.upload_map(planner_.resident_map().data(), reinterpret_cast<std::int32_t*>(resident_device_.data()),
+                            target);
+  }
+
+  // A runtime failure after planning: the filled slots' contents are unknown, so those
+  // experts are dropped and refetched by a later prepare; the resident map is re-uploaded.
+  Status roll_back(const Status& failure) noexcept {
+    for (const SlotFill& f : plan_.fills) (void)planner_.invalidate(f.expert.value);
+    resident_dirty_ = true;
+    ++faults_;
+    last_copies_ = 0;
+    return Status(failure.code(), "prepare failed after planning (" + std::to_string(plan_.fills.size()) +
+                                      " filled experts dropped; the next prepare refetches them): " + failure.message());
+  }
+
+  Runtime* rt_;
+  CacheOptions options_;
+  ScaleLayout layout_;
+  ForwardPlanner<EvictionPolicy> planner_;
+  StorageType storage_;
+  OrderingCore<Runtime, Edges> core_;
+  RuntimeBuffer<Runtime> resident_device_;
+  RuntimeBuffer<Runtime> forward_device_;
+  StagingPolicy staging_{};
+  ForwardPlan plan_;
+  ForwardView view_;
+  bool resident_dirty_ = true;  // the device resident map is behind the host's
+  std::size_t copies_per_fill_ = 0;
+  std::uint64_t last_copies_ = 0;
+  std::uint64_t total_copies_ = 0;
+  std::uint64_t faults_ = 0;
+};
+
+}  // namespace expert_cache

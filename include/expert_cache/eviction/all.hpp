@@ -1,0 +1,8 @@
+#pragma once
+// Every eviction policy shipped with the library.
+#include "expert_cache/eviction/arc.hpp"
+#include "expert_cache/eviction/belady.hpp"
+#include "expert_cache/eviction/lfru.hpp"
+#include "expert_cache/eviction/lru.hpp"
+#include "expert_cache/eviction/s3fifo.hpp"
+#include "expert_cache/eviction/sieve.hpp"

@@ -1,0 +1,29 @@
+#pragma once
+// Umbrella header of the host tier (never includes CUDA headers), with the two standard
+// instantiations:
+//   RowCache          tensor-major host pools (one row per expert in each tensor), Lru,
+//                     fills as per-tensor copies on the cache-owned copy stream: the row provider.
+//   WholeExpertCache  the cached provider's policy (Lfru, its exact hit/miss behaviour) with
+//                     expert-major storage, so a miss is ONE transfer, on the cache-owned copy
+//                     stream. The copy stream (not the cached provider's inline copies) lets
+//                     fills overlap earlier work on the consumer stream; use
+//                     ExpertCache<ExpertMajorStorage, Lfru, Inline, ...> for inline copies.
+#include "expert_cache/cache.hpp"
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/split.hpp"
+#include "expert_cache/staging/copy_staging.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/types.hpp"
+
+namespace expert_cache {
+
+template <allocating_runtime Runtime, scale_layout Layout>
+using RowCache = ExpertCache<TensorMajorStorage, Lru, CopyStream, Layout, Runtime>;
+
+template <allocating_runtime Runtime, scale_layout Layout>
+using WholeExpertCache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Layout, Runtime>;
+
+}  // namespace expert_cache

@@ -1,0 +1,408 @@
+#pragma once
+// Replay engine: runs a Trace through ForwardPlanner<Policy> for each requested policy and
+// capacity and reports hits, misses and the ratio to OPT (Belady). Host-only.
+//
+// Scopes (docs/trace_format.md):
+//   layer  - one cache per distinct layer, `capacity` slots each, experts [0, E)
+//   global - one cache of `capacity` slots shared by all layers, keyed layer_index*E + e
+//            (layer_index = rank of the layer among the trace's distinct layers)
+// Either way a forward is one (step, layer) of the trace, and forwards are replayed in
+// trace order.
+#include <algorithm>
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/trace.hpp"
+#include "expert_cache/types.hpp"
+
+namespace expert_cache {
+
+enum class ReplayScope : std::uint8_t { layer, global };
+
+[[nodiscard]] constexpr std::string_view to_string(ReplayScope s) noexcept {
+  return s == ReplayScope::layer ? "layer" : "global";
+}
+
+// Bound on experts per cache (global: layers * E), so a replay never allocates planner
+// arrays from an absurd key space.
+inline constexpr std::int64_t replay_max_cache_experts = std::int64_t{1} << 26;
+
+// The forwards one cache sees, flattened: forward i is ids[offsets[i], offsets[i+1]),
+// unique and ascending, and came from trace forward source[i].
+struct CacheStream {
+  std::int32_t num_experts = 0;
+  std::vector<std::int32_t> ids;
+  std::vector<std::size_t> offsets{0};
+  std::vector<std::size_t> source;
+
+  [[nodiscard]] std::size_t size() const noexcept { return source.size(); }
+  [[nodiscard]] std::span<const std::int32_t> forward(std::size_t i) const noexcept {
+    return std::span<const std::int32_t>(ids).subspan(offsets[i], offsets[i + 1] - offsets[i]);
+  }
+  // The forwards as spans of ExpertId (what a clairvoyant policy is constructed from).
+  [[nodiscard]] std::vector<std::span<const ExpertId>> forwards_as_expert_ids() const {
+    static_assert(sizeof(ExpertId) == sizeof(std::int32_t) && std::is_standard_layout_v<ExpertId>);
+    std::vector<std::span<const ExpertId>> out;
+    out.reserve(size());
+    const auto* base = reinterpret_cast<const ExpertId*>(ids.data());
+    for (std::size_t i = 0; i < size(); ++i) out.emplace_back(base + offsets[i], offsets[i + 1] - offsets[i]);
+    return out;
+  }
+};
+
+// Split a trace into the streams of its caches. Fails (invalid_argument) if the key space
+// is too large or the trace is empty.
+[[nodiscard]] inline Result<std::vector<CacheStream>> build_cache_streams(const Trace& trace, ReplayScope scope) {
+  if (trace.forwards.empty() || trace.num_experts <= 0) {
+    return Status(ErrorCode::invalid_argument, "the trace contains no records");
+  }
+  const std::vector<std::int32_t> layers = trace.layers();
+  auto layer_index = [&](std::int32_t layer) {
+    return static_cast<std::size_t>(std::lower_bound(layers.begin(), layers.end(), layer) - layers.begin());
+  };
+  const std::int64_t E = trace.num_experts;
+  std::vector<CacheStream> streams;
+  if (scope == ReplayScope::layer) {
+    streams.resize(layers.size());
+    for (CacheStream& s : streams) s.num_experts = trace.num_experts;
+  } else {
+    const std::int64_t keys = static_cast<std::int64_t>(layers.size()) * E;
+    if (keys > replay_max_cache_experts) {
+      return Status(ErrorCode::invalid_argument,
+                    "global scope needs " + std::to_string(layers.size()) + " layers x " + std::to_string(E) +
+                        " experts = " + std::to_string(keys) + " keys, above the limit " +
+                        std::to_string(replay_max_cache_experts));
+    }
+    streams.resize(1);
+    streams[0].num_experts = static_cast<std::int32_t>(keys);
+    streams[0].ids.reserve(trace.ids.size());
+  }
+  for (std::size_t i = 0; i < trace.forwards.size(); ++i) {
+    const TraceForward& f = trace.forwards[i];
+    const std::size_t li = layer_index(f.layer);
+    CacheStream& s = streams[scope == ReplayScope::layer ? li : 0];
+    const std::int32_t base = scope == ReplayScope::layer ? 0 : static_cast<std::int32_t>(static_cast<std::int64_t>(li) * E);
+    for (const std::int32_t e : trace.experts(f)) s.ids.push_back(base + e);  // stays ascending
+    s.offsets.push_back(s.ids.size());
+    s.source.push_back(i);
+  }
+  return streams;
+}
+
+// ---- policy registry ------------------------------------------------------------------
+
+template <class... Policies>
+struct PolicyList {};
+
+// Belady's view of one cache's future (independent of the capacity, so built once).
+[[nodiscard]] inline std::shared_ptr<const BeladyFuture> make_belady_future(const CacheStream& stream) {
+  std::vector<std::vector<std::int32_t>> forwards;
+  forwards.reserve(stream.size());
+  for (std::size_t i = 0; i < stream.size(); ++i) {
+    const auto f = stream.forward(i);
+    forwards.emplace_back(f.begin(), f.end());
+  }
+  return std::make_shared<const BeladyFuture>(stream.num_experts, forwards);
+}
+
+// How a policy is built for one cache: ordinary policies take the CacheShape; Belady
+// also takes the cache's whole forward sequence (`future`, built on first use).
+template <class P>
+P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_ptr<const BeladyFuture>& future) {
+  if constexpr (std::constructible_from<P, std::shared_ptr<const BeladyFuture>, CacheShape>) {
+    if (!future) future = make_belady_future(stream);
+    return P(future, shape);
+  } else {
+    (void)stream, (void)future;
+    return P(shape);
+  }
+}
+
+using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc>;
+// The policy used as OPT (void would leave OPT and the ratio columns out).
+using ReplayOptPolicy = Belady;
+
+// Names of OPT accepted by replay(); rows keep the name they were requested by.
+inline constexpr std::string_view opt_policy_alias = "opt";
+
+namespace detail {
+inline bool is_opt_name(std::string_view name) noexcept {
+  if (name == opt_policy_alias) return true;
+  if constexpr (!std::is_void_v<ReplayOptPolicy>) return name == ReplayOptPolicy::name;
+  return false;
+}
+}  // namespace detail
+
+namespace detail {
+
+template <class... Ps>
+std::vector<std::string> policy_names(PolicyList<Ps...>) {
+  return {std::string(Ps::name)...};
+}
+
+}  // namespace detail
+
+// Names accepted by replay(), in the order the CLI lists them ("opt" last when available).
+[[nodiscard]] inline std::vector<std::string> replay_policy_names() {
+  std::vector<std::string> names = detail::policy_names(ReplayPolicies{});
+  if constexpr (!std::is_void_v<ReplayOptPolicy>) names.emplace_back(opt_policy_alias);
+  return names;
+}
+
+[[nodiscard]] constexpr bool replay_has_opt() noexcept { return !std::is_void_v<ReplayOptPolicy>; }
+
+// ---- results ----------------------------------------------------------------------------
+
+struct ReplayProgress {
+  std::string_view policy;
+  std::int32_t capacity = 0;
+  std::uint64_t done = 0;   // forwards replayed so far, over all runs
+  std::uint64_t total = 0;  // forwards to replay over all runs
+};
+
+struct ReplayOptions {
+  ReplayScope scope = ReplayScope::layer;
+  std::vector<std::int32_t> capacities;
+  std::vector<std::string> policies;  // names from replay_policy_names()
+  std::function<void(const ReplayProgress&)> progress;  // optional
+  std::uint64_t progress_every = 1u << 16;                // forwards between progress calls
+};
+
+struct ReplayCounts {
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;
+  std::uint64_t evictions = 0;
+  [[nodiscard]] std::uint64_t accesses() const noexcept { return hits + misses; }
+  [[nodiscard]] double hit_rate() const noexcept {
+    return accesses() == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(accesses());
+  }
+  friend bool operator==(const ReplayCounts&, const ReplayCounts&) = default;
+};
+
+struct ReplayRow {
+  std::string policy;
+  std::int32_t capacity = 0;
+  ReplayCounts counts;
+  // Present when OPT is available: this policy's hits / OPT's hits, misses / OPT's misses
+  // (1.0 when both are zero).
+  std::optional<double> hits_vs_opt;
+  std::optional<double> misses_vs_opt;
+};
+
+struct ReplayReport {
+  ReplayScope scope = ReplayScope::layer;
+  std::int32_t num_experts = 0;   // E of the trace
+  std::int32_t num_layers = 0;    // distinct layers
+  std::int32_t cache_experts = 0; // keys per cache: E (layer) or layers*E (global)
+  std::int32_t caches = 0;        // caches replayed per run
+  std::uint64_t forwards = 0;
+  std::uint64_t records = 0;
+  std::uint64_t accesses = 0;     // unique experts summed over forwards (same for every run)
+  bool has_opt = false;
+  std::vector<ReplayRow> rows;    // capacities outer, policies inner, in request order
+};
+
+namespace detail {
+
+inline std::string forward_where(const Trace& trace, std::size_t forward) {
+  const TraceForward& f = trace.forwards[forward];
+  std::string where = f.line != 0 ? "line " + std::to_string(f.line) + ": "
+                                  : "forward #" + std::to_string(forward) + ": ";
+  return where + "forward (step " + std::to_string(f.step) + ", layer " + std::to_string(f.layer) + ")";
+}
+
+struct ProgressState {
+  const ReplayOptions* options;
+  std::uint64_t done = 0;
+  std::uint64_t total = 0;
+  std::uint64_t next_report = 0;
+};
+
+template <class P>
+Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream, std::int32_t capacity,
+                                   std::shared_ptr<const BeladyFuture>& future, ProgressState& progress) {
+  const CacheShape shape{stream.num_experts, capacity};
+  ForwardPlanner<P> planner(shape, 1, make_replay_policy<P>(shape, stream, future));
+  ForwardPlan plan;
+  for (std::size_t i = 0; i < stream.size(); ++i) {
+    if (Status st = planner.plan_unique(stream.forward(i), plan); !st.ok()) {
+      return Status(st.code(), forward_where(trace, stream.source[i]) + ": " + st.message());
+    }
+    if (++progress.done >= progress.next_report && progress.options->progress && i + 1 < stream.size()) {
+      progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
+      progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
+    }
+  }
+  if (progress.options->progress) {  // always report the end of a cache's stream
+    progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
+    progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
+  }
+  if constexpr (requires { planner.policy().divergent_forwards(); }) {
+    if (planner.policy().divergent_forwards() != 0) {  // OPT was fed a different sequence: a bug
+      return Status(ErrorCode::internal, std::string(P::name) + " saw forwards that differ from its future");
+    }
+  }
+  const PlannerCounters& c = planner.counters();
+  return ReplayCounts{c.hits, c.misses, c.evictions};
+}
+
+// Per-cache state shared across runs: the streams and Belady's futures (built lazily).
+struct ReplayCaches {
+  std::vector<CacheStream> streams;
+  std::vector<std::shared_ptr<const BeladyFuture>> futures;
+};
+
+template <class P>
+Result<ReplayCounts> replay_policy(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
+                                   ProgressState& progress) {
+  ReplayCounts total;
+  for (std::size_t i = 0; i < caches.streams.size(); ++i) {
+    Result<ReplayCounts> r = replay_stream<P>(trace, caches.streams[i], capacity, caches.futures[i], progress);
+    if (!r.ok()) return r.status();
+    total.hits += r.value().hits;
+    total.misses += r.value().misses;
+    total.evictions += r.value().evictions;
+  }
+  return total;
+}
+
+// Dispatch a policy name to its type.
+template <class... Ps>
+std::optional<Result<ReplayCounts>> replay_named(PolicyList<Ps...>, std::string_view name, const Trace& trace,
+                                                 ReplayCaches& caches, std::int32_t capacity,
+                                                 ProgressState& progress) {
+  std::optional<Result<ReplayCounts>> out;
+  ((name == Ps::name && !out ? (void)(out.emplace(replay_policy<Ps>(trace, caches, capacity, progress))) : (void)0),
+   ...);
+  return out;
+}
+
+// OPT's counts, or nothing while no OPT policy exists (Opt = void).
+template <class Opt>
+std::optional<Result<ReplayCounts>> replay_opt(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
+                                               ProgressState& progress) {
+  if constexpr (std::is_void_v<Opt>) {
+    (void)trace, (void)caches, (void)capacity, (void)progress;
+    return std::nullopt;
+  } else {
+    return replay_policy<Opt>(trace, caches, capacity, progress);
+  }
+}
+
+inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
+  if (b == 0) return a == 0 ? 1.0 : std::numeric_limits<double>::infinity();
+  return static_cast<double>(a) / static_cast<double>(b);
+}
+
+}  // namespace detail
+
+// Replay `trace` for every (capacity, policy). Errors: invalid_argument (unknown policy,
+// empty trace, no capacities), invalid_capacity (capacity < 1 or above the experts of one
+// cache), too_many_experts (a forward's union exceeds a capacity; names its line).
+[[nodiscard]] inline Result<ReplayReport> replay(const Trace& trace, const ReplayOptions& options) noexcept {
+  try {
+    if (options.capacities.empty()) return Status(ErrorCode::invalid_argument, "no capacity given");
+    if (options.policies.empty()) return Status(ErrorCode::invalid_argument, "no policy given");
+    const std::vector<std::string> known = replay_policy_names();
+    for (const std::string& p : options.policies) {
+      if (std::find(known.begin(), known.end(), p) == known.end() && !(replay_has_opt() && detail::is_opt_name(p))) {
+        std::string list;
+        for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+        return Status(ErrorCode::invalid_argument, "unknown policy '" + p + "' (available: " + list + ")");
+      }
+    }
+    Result<std::vector<CacheStream>> streams_r = build_cache_streams(trace, options.scope);
+    if (!streams_r.ok()) return streams_r.status();
+    detail::ReplayCaches caches{std::move(streams_r).value(), {}};
+    caches.futures.resize(caches.streams.size());
+    const std::vector<CacheStream>& streams = caches.streams;
+
+    ReplayReport report;
+    report.scope = options.scope;
+    report.num_experts = trace.num_experts;
+    report.num_layers = static_cast<std::int32_t>(trace.layers().size());
+    report.cache_experts = streams[0].num_experts;
+    report.caches = static_cast<std::int32_t>(streams.size());
+    report.forwards = trace.forwards.size();
+    report.records = trace.records;
+    report.accesses = trace.ids.size();
+    report.has_opt = replay_has_opt();
+
+    // Validate every capacity before running anything, so errors come back fast.
+    std::size_t widest = 0;  // the first forward with the largest union
+    for (std::size_t i = 0; i < trace.forwards.size(); ++i) {
+      if (trace.forwards[i].size() > trace.forwards[widest].size()) widest = i;
+    }
+    for (const std::int32_t c : options.capacities) {
+      if (c < 1 || c > report.cache_experts) {
+        return Status(ErrorCode::invalid_capacity,
+                      "capacity " + std::to_string(c) + " must be in [1, " + std::to_string(report.cache_experts) +
+                          "] (the experts one " + std::string(to_string(options.scope)) + "-scope cache can hold)");
+      }
+      if (trace.forwards[widest].size() > static_cast<std::size_t>(c)) {
+        std::size_t first = 0;  // name the first forward that does not fit
+        while (trace.forwards[first].size() <= static_cast<std::size_t>(c)) ++first;
+        return Status(ErrorCode::too_many_experts,
+                      detail::forward_where(trace, first) + " needs " + std::to_string(trace.forwards[first].size()) +
+                          " unique experts but the cache has " + std::to_string(c) +
+                          " slots (largest forward in the trace: " + std::to_string(trace.forwards[widest].size()) + ")");
+      }
+    }
+
+    const std::size_t runs = options.capacities.size() *
+                             (options.policies.size() + (replay_has_opt() ? 1 : 0));
+    detail::ProgressState progress{&options, 0, runs * trace.forwards.size(),
+                                   std::max<std::uint64_t>(options.progress_every, 1)};
+
+    for (const std::int32_t c : options.capacities) {
+      std::optional<ReplayCounts> opt;
+      if (std::optional<Result<ReplayCounts>> r = detail::replay_opt<ReplayOptPolicy>(trace, caches, c, progress)) {
+        if (!r->ok()) return r->status();
+        opt = r->value();
+      }
+      for (const std::string& name : options.policies) {
+        ReplayRow row;
+        row.policy = name;
+        row.capacity = c;
+        if (detail::is_opt_name(name) && opt) {
+          row.counts = *opt;
+        } else {
+          std::optional<Result<ReplayCounts>> r =
+              detail::replay_named(ReplayPolicies{}, name, trace, caches, c, progress);
+          if (!r) return Status(ErrorCode::internal, "policy '" + name + "' is listed but not dispatchable");
+          if (!r->ok()) return r->status();
+          row.counts = r->value();
+        }
+        if (opt) {
+          row.hits_vs_opt = detail::ratio(row.counts.hits, opt->hits);
+          row.misses_vs_opt = detail::ratio(row.counts.misses, opt->misses);
+        }
+        report.rows.push_back(std::move(row));
+      }
+    }
+    return report;
+  } catch (const Error& e) {
+    return Status(e.code(), e.what());
+  } catch (const std::bad_alloc&) {
+    return Status(ErrorCode::invalid_argument, "out of memory during replay");
+  } catch (...) {
+    return Status(ErrorCode::internal, "unexpected exception during replay");
+  }
+}
+
+}  // namespace expert_cache

@@ -1,0 +1,302 @@
+// libFuzzer target over the trace parser and the ForwardPlanner API (.ci/fuzz.sh builds it).
+//   clang++ -std=c++20 -fsanitize=fuzzer,address,undefined -Iinclude tests/fuzz/fuzz_trace_planner.cpp
+// Part 1 parses the input as trace text and checks the parsed structure, a write/parse
+// round trip and (for small traces) a replay. Part 2 reads the same bytes as a sequence of
+// plan_topk / plan_unique / invalidate calls on a small planner, for every policy, and
+// checks the planner's invariants after each call. Failures abort (a crash for libFuzzer).
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <vector>
+
+#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/replay.hpp"
+#include "expert_cache/trace.hpp"
+
+namespace ec = expert_cache;
+
+#define FUZZ_CHECK(cond)                                                              \
+  do {                                                                                \
+    if (!(cond)) {                                                                    \
+      std::fprintf(stderr, "%s:%d: invariant failed: %s\n", __FILE__, __LINE__, #cond); \
+      std::abort();                                                                   \
+    }                                                                                 \
+  } while (0)
+
+namespace {
+
+// ---- part 1: parser ---------------------------------------------------------------------
+
+void check_trace(const ec::Trace& t, std::optional<std::int32_t> num_experts) {
+  std::uint64_t records = 0;
+  std::uint64_t last_line = 0;
+  std::uint64_t expected_begin = 0;
+  std::set<std::pair<std::int32_t, std::int32_t>> keys;
+  std::int32_t max_id = -1;
+  for (const ec::TraceForward& f : t.forwards) {
+    FUZZ_CHECK(f.step >= 0 && f.layer >= 0);
+    FUZZ_CHECK(f.line > last_line);
+    last_line = f.line;
+    FUZZ_CHECK(f.records >= 1);
+    records += f.records;
+    FUZZ_CHECK(f.begin == expected_begin && f.end > f.begin && f.end <= t.ids.size());
+    expected_begin = f.end;
+    FUZZ_CHECK(keys.insert({f.step, f.layer}).second);  // one forward per (step, layer)
+    const auto ids = t.experts(f);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      FUZZ_CHECK(ids[i] >= 0 && ids[i] < t.num_experts);
+      if (i) FUZZ_CHECK(ids[i - 1] < ids[i]);  // unique, ascending
+      max_id = std::max(max_id, ids[i]);
+    }
+  }
+  FUZZ_CHECK(expected_begin == t.ids.size());
+  FUZZ_CHECK(records == t.records);
+  FUZZ_CHECK(t.num_experts == (num_experts ? *num_experts : max_id + 1));
+}
+
+void fuzz_parser(std::string_view text, std::optional<std::int32_t> num_experts) {
+  const ec::Result<ec::Trace> r = ec::parse_trace_text(text, ec::ParseOptions{num_experts});
+  if (!r.ok()) {
+    FUZZ_CHECK(r.status().code() == ec::ErrorCode::parse_error);
+    FUZZ_CHECK(r.status().message().rfind("line ", 0) == 0);
+    return;
+  }
+  const ec::Trace& t = r.value();
+  check_trace(t, num_experts);
+
+  // Round trip through the writer.
+  std::ostringstream out;
+  ec::write_trace(out, t);
+  const ec::Result<ec::Trace> back = ec::parse_trace_text(out.str(), ec::ParseOptions{num_experts});
+  FUZZ_CHECK(back.ok());
+  FUZZ_CHECK(back.value().ids == t.ids);
+  FUZZ_CHECK(back.value().forwards.size() == t.forwards.size());
+
+  // Replay small traces with every policy and OPT at the smallest feasible capacity.
+  if (t.forwards.empty() || t.num_experts > 512) return;
+  std::size_t widest = 0;
+  for (const ec::TraceForward& f : t.forwards) widest = std::max(widest, f.size());
+  ec::ReplayOptions options;
+  options.policies = ec::replay_policy_names();
+  options.capacities = {static_cast<std::int32_t>(widest)};
+  for (const ec::ReplayScope scope : {ec::ReplayScope::layer, ec::ReplayScope::global}) {
+    options.scope = scope;
+    if (scope == ec::ReplayScope::global && t.layers().size() * static_cast<std::size_t>(t.num_experts) > 4096) break;
+    const ec::Result<ec::ReplayReport> rep = ec::replay(t, options);
+    FUZZ_CHECK(rep.ok());
+    for (const ec::ReplayRow& row : rep.value().rows) {
+      FUZZ_CHECK(row.counts.accesses() == t.ids.size());
+      // Belady is optimal for demand fetching: nobody beats it without invalidations.
+      if (row.hits_vs_opt) FUZZ_CHECK(*row.hits_vs_opt <= 1.0);
+    }
+    // A capacity below the widest forward names a line.
+    if (widest > 1) {
+      ec::ReplayOptions narrow = options;
+      narrow.capacities = {static_cast<std::int32_t>(widest - 1)};
+      const ec::Result<ec::ReplayReport> bad = ec::replay(t, narrow);
+      FUZZ_CHECK(!bad.ok() && bad.status().code() == ec::ErrorCode::too_many_experts);
+      FUZZ_CHECK(bad.status().message().rfind("line ", 0) == 0);
+    }
+  }
+}
+
+// ---- part 2: planner API ---------------------------------------------------------------
+
+class Bytes {
+ public:
+  Bytes(const std::uint8_t* data, std::size_t size) : data_(data), size_(size) {}
+  [[nodiscard]] bool empty() const noexcept { return pos_ >= size_; }
+  std::uint8_t next() noexcept { return pos_ < size_ ? data_[pos_++] : 0; }
+
+ private:
+  const std::uint8_t* data_;
+  std::size_t size_;
+  std::size_t pos_ = 0;
+};
+
+enum class OpKind : std::uint8_t { topk, unique, invalidate };
+
+struct Op {
+  OpKind kind;
+  std::vector<std::int32_t> ids;  // the id list, or {expert} for invalidate
+  bool accepted;                  // predicted outcome
+  std::vector<std::int32_t> set;  // the forward's unique set in processing order, if accepted
+};
+
+// Decode ops and predict which are accepted, independently of the planner.
+std::vector<Op> decode_ops(Bytes& in, std::int32_t num_experts, std::int32_t capacity) {
+  std::vector<Op> ops;
+  while (!in.empty() && ops.size() < 256) {
+    Op op;
+    const std::uint8_t b = in.next();
+    op.kind = static_cast<OpKind>(b % 3);
+    // Ids range over [-2, num_experts + 1] so out-of-range and padding ids occur.
+    auto draw_id = [&] { return static_cast<std::int32_t>(in.next() % static_cast<unsigned>(num_experts + 4)) - 2; };
+    if (op.kind == OpKind::invalidate) {
+      op.ids.push_back(draw_id());
+      op.accepted = op.ids[0] >= 0 && op.ids[0] < num_experts;
+    } else {
+      const std::size_t n = in.next() % static_cast<unsigned>(capacity + 4);
+      for (std::size_t i = 0; i < n; ++i) op.ids.push_back(draw_id());
+      // Mostly in-range ids: clamp negatives away for half the ops so forwards get accepted.
+      if ((b & 0x80) == 0) {
+        for (std::int32_t& id : op.ids) id = std::clamp(id, 0, num_experts - 1);
+      }
+      bool in_range = true;
+      bool duplicate = false;
+      std::vector<std::int32_t> seen;
+      for (const std::int32_t id : op.ids) {
+        if (op.kind == OpKind::topk && id < 0) continue;  // padding
+        if (id < 0 || id >= num_experts) in_range = false;
+        if (std::find(seen.begin(), seen.end(), id) != seen.end()) {
+          duplicate = true;
+          continue;
+        }
+        seen.push_back(id);
+      }
+      if (op.kind == OpKind::topk) {
+        std::sort(seen.begin(), seen.end());
+        op.accepted = in_range && static_cast<std::int32_t>(seen.size()) <= capacity;
+      } else {
+        op.accepted = in_range && !duplicate && static_cast<std::int32_t>(seen.size()) <= capacity;
+      }
+      op.set = std::move(seen);
+    }
+    ops.push_back(std::move(op));
+  }
+  return ops;
+}
+
+template <class Planner>
+void check_maps(const Planner& p) {
+  const ec::CacheShape shape = p.shape();
+  const auto resident = p.resident_map();
+  const auto owner = p.slot_owner();
+  FUZZ_CHECK(resident.size() == static_cast<std::size_t>(shape.num_experts));
+  FUZZ_CHECK(owner.size() == static_cast<std::size_t>(shape.capacity));
+  std::int32_t count = 0;
+  for (std::int32_t e = 0; e < shape.num_experts; ++e) {
+    const std::int32_t s = resident[static_cast<std::size_t>(e)];
+    if (s == ec::absent_slot) continue;
+    FUZZ_CHECK(s >= 0 && s < shape.capacity);
+    FUZZ_CHECK(owner[static_cast<std::size_t>(s)] == e);
+    ++count;
+  }
+  for (std::int32_t s = 0; s < shape.capacity; ++s) {
+    const std::int32_t e = owner[static_cast<std::size_t>(s)];
+    if (e == -1) continue;
+    FUZZ_CHECK(e >= 0 && e < shape.num_experts && resident[static_cast<std::size_t>(e)] == s);
+  }
+  FUZZ_CHECK(count == p.resident_count());
+}
+
+template <class Policy>
+void run_ops(const std::vector<Op>& ops, ec::CacheShape shape, Policy policy) {
+  ec::ForwardPlanner<Policy> p(shape, 1, std::move(policy));
+  ec::ForwardPlan plan;
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;
+  for (const Op& op : ops) {
+    const auto before = p.snapshot();
+    bool ok;
+    if (op.kind == OpKind::invalidate) {
+      const bool was_resident = p.is_resident(op.ids[0]);
+      const std::int32_t old_slot = was_resident ? p.resident_map()[static_cast<std::size_t>(op.ids[0])] : -1;
+      const ec::Result<ec::SlotId> r = p.invalidate(op.ids[0]);
+      ok = r.ok();
+      if (ok) {
+        FUZZ_CHECK(r.value().valid() == was_resident);
+        if (was_resident) FUZZ_CHECK(r.value().value == old_slot);
+        FUZZ_CHECK(!p.is_resident(op.ids[0]));
+        FUZZ_CHECK(p.forward_map()[static_cast<std::size_t>(op.ids[0])] == ec::absent_slot);
+        if (!was_resident) FUZZ_CHECK(p.snapshot() == before);
+      } else {
+        FUZZ_CHECK(r.status().code() == ec::ErrorCode::expert_out_of_range);
+      }
+    } else {
+      const ec::Status st = op.kind == OpKind::topk ? p.plan_topk(op.ids, plan) : p.plan_unique(op.ids, plan);
+      ok = st.ok();
+      if (ok) {
+        // The plan covers exactly the forward's set; hits were resident before.
+        FUZZ_CHECK(plan.unique.size() == op.set.size());
+        std::uint32_t expected_hits = 0;
+        for (std::size_t i = 0; i < op.set.size(); ++i) {
+          FUZZ_CHECK(plan.unique[i].value == op.set[i]);
+          if (before.resident_map[static_cast<std::size_t>(op.set[i])] != ec::absent_slot) ++expected_hits;
+        }
+        FUZZ_CHECK(plan.hits == expected_hits);
+        FUZZ_CHECK(plan.hits + plan.misses == op.set.size());
+        FUZZ_CHECK(plan.fills.size() == plan.misses);
+        FUZZ_CHECK(plan.evictions.size() <= plan.fills.size());
+        hits += plan.hits;
+        misses += plan.misses;
+        for (const ec::SlotEviction& ev : plan.evictions) {
+          FUZZ_CHECK(std::find(op.set.begin(), op.set.end(), ev.expert.value) == op.set.end());
+          FUZZ_CHECK(!p.is_resident(ev.expert.value));
+          FUZZ_CHECK(before.resident_map[ev.expert.index()] == ev.slot.value);
+        }
+        for (const ec::SlotFill& f : plan.fills) FUZZ_CHECK(p.resident_map()[f.expert.index()] == f.slot.value);
+        // forward_map is exactly the forward's set, each at its resident slot.
+        const auto fwd = p.forward_map();
+        std::size_t in_forward = 0;
+        for (std::int32_t e = 0; e < shape.num_experts; ++e) {
+          const std::int32_t s = fwd[static_cast<std::size_t>(e)];
+          if (s == ec::absent_slot) continue;
+          ++in_forward;
+          FUZZ_CHECK(std::find(op.set.begin(), op.set.end(), e) != op.set.end());
+          FUZZ_CHECK(s == p.resident_map()[static_cast<std::size_t>(e)]);
+        }
+        FUZZ_CHECK(in_forward == op.set.size());
+      } else {
+        const ec::ErrorCode c = st.code();
+        FUZZ_CHECK(c == ec::ErrorCode::expert_out_of_range || c == ec::ErrorCode::too_many_experts ||
+                   c == ec::ErrorCode::duplicate_expert);
+      }
+    }
+    FUZZ_CHECK(ok == op.accepted);
+    if (!ok) FUZZ_CHECK(p.snapshot() == before);  // rejected calls change nothing
+    check_maps(p);
+  }
+  FUZZ_CHECK(p.counters().hits == hits && p.counters().misses == misses);
+  if constexpr (requires { p.policy().divergent_forwards(); }) FUZZ_CHECK(p.policy().divergent_forwards() == 0);
+}
+
+void fuzz_planner(const std::uint8_t* data, std::size_t size) {
+  Bytes in(data, size);
+  const std::int32_t num_experts = 1 + in.next() % 16;
+  const std::int32_t capacity = 1 + in.next() % static_cast<unsigned>(num_experts);
+  const ec::CacheShape shape{num_experts, capacity};
+  const std::vector<Op> ops = decode_ops(in, num_experts, capacity);
+
+  run_ops(ops, shape, ec::Lru(shape));
+  run_ops(ops, shape, ec::Lfru(shape));
+  run_ops(ops, shape, ec::Sieve(shape));
+  run_ops(ops, shape, ec::S3Fifo(shape));
+  run_ops(ops, shape, ec::Arc(shape));
+  // Belady's future is the sequence of accepted forwards.
+  std::vector<std::vector<std::int32_t>> future;
+  for (const Op& op : ops) {
+    if (op.kind != OpKind::invalidate && op.accepted) future.push_back(op.set);
+  }
+  run_ops(ops, shape, ec::Belady(std::make_shared<const ec::BeladyFuture>(num_experts, future), shape));
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  if (size == 0) return 0;
+  // First byte: parser options (num_experts given or not, and how many).
+  const std::uint8_t mode = data[0];
+  std::optional<std::int32_t> num_experts;
+  if (mode & 1) num_experts = 1 + (mode >> 1);
+  fuzz_parser(std::string_view(reinterpret_cast<const char*>(data + 1), size - 1), num_experts);
+  fuzz_planner(data + 1, size - 1);
+  return 0;
+}

@@ -1,0 +1,578 @@
+// Eviction policies: hand-computed sequences, an independent LFRU model, and properties
+// (in-forward victim protection, OPT dominance, no allocation on the hot path).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <new>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/planner.hpp"
+
+// Counts heap allocations so a test can prove the planning hot path makes none.
+namespace {
+std::atomic<std::uint64_t> g_allocations{0};
+}  // namespace
+
+// noinline: once inlined, GCC pairs `delete` with the malloc below and warns (false positive).
+[[gnu::noinline]] void* operator new(std::size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return operator new(size); }
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+using namespace expert_cache;
+
+namespace {
+
+using Ids = std::vector<std::int32_t>;
+using Forwards = std::vector<Ids>;
+
+// Outcome of one forward, in a form the hand-computed tables can spell out.
+struct Step {
+  std::uint32_t hits = 0;
+  std::uint32_t misses = 0;
+  Ids victims;     // in eviction order
+  Ids fill_slots;  // slot of each miss, in processing order
+};
+
+template <class P>
+Step run(ForwardPlanner<P>& planner, const Ids& unique_ids) {
+  ForwardPlan plan;
+  const Status s = planner.plan_unique(unique_ids, plan);
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+  Step out{plan.hits, plan.misses, {}, {}};
+  for (const auto& ev : plan.evictions) out.victims.push_back(ev.expert.value);
+  for (const auto& f : plan.fills) out.fill_slots.push_back(f.slot.value);
+  return out;
+}
+
+// Random forwards with some locality: a sticky subset of the previous forward plus draws
+// from a skewed distribution. Ids are unique per forward, in random processing order.
+Forwards random_forwards(std::uint64_t seed, std::int32_t num_experts, std::int32_t capacity,
+                         std::size_t count) {
+  std::mt19937_64 rng(seed);
+  Forwards out;
+  Ids prev;
+  for (std::size_t t = 0; t < count; ++t) {
+    const auto width = 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(capacity));
+    Ids f;
+    for (const std::int32_t e : prev) {
+      if (static_cast<std::int32_t>(f.size()) < width && rng() % 3 == 0) f.push_back(e);
+    }
+    while (static_cast<std::int32_t>(f.size()) < width) {
+      // Squaring a uniform draw skews towards low ids.
+      const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+      const auto e = static_cast<std::int32_t>(u * u * num_experts);
+      if (std::find(f.begin(), f.end(), e) == f.end()) f.push_back(e);
+    }
+    std::shuffle(f.begin(), f.end(), rng);
+    prev = f;
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+template <class P>
+P make_policy(CacheShape shape, const Forwards& forwards) {
+  if constexpr (std::is_same_v<P, Belady>) {
+    return Belady(std::make_shared<const BeladyFuture>(shape.num_experts, forwards), shape);
+  } else {
+    (void)forwards;
+    return P(shape);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Independent LFRU model: a literal transcription of the brief's Python pseudo-code.
+// Residency is an insertion-ordered list (a Python dict), scores are doubles.
+class NaiveLfru {
+ public:
+  NaiveLfru(std::int32_t capacity, std::uint64_t clock) : clock_(clock) {
+    for (std::int32_t s = 0; s < capacity; ++s) free_.push_back(s);  // popped from the end
+  }
+
+  struct Out {
+    std::uint32_t hits = 0, misses = 0;
+  };
+
+  Out prepare(const Ids& ids) {
+    Out out;
+    for (const std::int32_t e : ids) {
+      auto it = find(e);
+      if (it != entries_.end()) {
+        clock_ += 1;
+        it->freq += 1;
+        it->last = clock_;
+        ++out.hits;
+        continue;
+      }
+      std::int32_t slot;
+      if (!free_.empty()) {
+        slot = free_.back();
+        free_.pop_back();
+      } else {
+        auto victim = entries_.end();
+        double best = 0.0;
+        for (auto k = entries_.begin(); k != entries_.end(); ++k) {
+          if (std::find(ids.begin(), ids.end(), k->id) != ids.end()) continue;
+          const double score = static_cast<double>(k->freq) / static_cast<double>(clock_ - k->last + 1);
+          if (victim == entries_.end() || score < best) {
+            victim = k;
+            best = score;
+          }
+        }
+        REQUIRE(victim != entries_.end());
+        slot = victim->slot;
+        entries_.erase(victim);
+      }
+      clock_ += 1;
+      entries_.push_back({e, slot, 1, clock_});
+      ++out.misses;
+    }
+    return out;
+  }
+
+  void invalidate(std::int32_t e) {
+    auto it = find(e);
+    if (it == entries_.end()) return;
+    free_.push_back(it->slot);
+    entries_.erase(it);
+  }
+
+  [[nodiscard]] std::int32_t slot_of(std::int32_t e) const {
+    for (const auto& k : entries_) if (k.id == e) return k.slot;
+    return -1;
+  }
+
+ private:
+  struct Entry {
+    std::int32_t id;
+    std::int32_t slot;
+    std::uint64_t freq;
+    std::uint64_t last;
+  };
+  std::vector<Entry>::iterator find(std::int32_t e) {
+    return std::find_if(entries_.begin(), entries_.end(), [e](const Entry& k) { return k.id == e; });
+  }
+
+  std::vector<Entry> entries_;
+  std::vector<std::int32_t> free_;
+  std::uint64_t clock_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// LFRU
+
+TEST_CASE("lfru: hand-computed sequence with in-forward protection and LIFO slot reuse") {
+  ForwardPlanner<Lfru> p(CacheShape{8, 3}, 1);
+  // F1 [0,1,2]: free slots are handed out from the top: 2, 1, 0. clock 1..3, freq 1 each.
+  Step s = run(p, {0, 1, 2});
+  CHECK(s.misses == 3);
+  CHECK(s.fill_slots == Ids{2, 1, 0});
+  CHECK(p.policy().clock() == 3);
+  // F2..F4 [0,1]: hits. After F4: 0 (freq 4, last 8), 1 (freq 4, last 9), clock 9.
+  for (int i = 0; i < 3; ++i) CHECK(run(p, {0, 1}).hits == 2);
+  CHECK(p.policy().clock() == 9);
+  CHECK(p.policy().freq(ExpertId(0)) == 4);
+  CHECK(p.policy().last(ExpertId(1)) == 9);
+  // F5 [3,4]. Miss 3 at clock 9: scores 0: 4/2 = 2, 1: 4/1 = 4, 2: 1/7 -> victim 2 (slot 0);
+  // 3 inserted at clock 10. Miss 4 at clock 10: 0: 4/3 = 1.33, 1: 4/2 = 2, and 3 (in this
+  // forward) would score 1/1 = 1, the minimum -> protection makes the victim 0 (slot 2).
+  s = run(p, {3, 4});
+  CHECK(s.misses == 2);
+  CHECK(s.victims == Ids{2, 0});
+  CHECK(s.fill_slots == Ids{0, 2});
+  CHECK(p.policy().clock() == 11);
+  CHECK(p.policy().insertion_order() == Ids{1, 3, 4});
+  // Invalidate 3: slot 0 goes back on the free list and is reused first, no eviction.
+  auto freed = p.invalidate(3);
+  REQUIRE(freed.ok());
+  CHECK(freed.value().value == 0);
+  s = run(p, {5});
+  CHECK(s.victims.empty());
+  CHECK(s.fill_slots == Ids{0});
+  CHECK(p.policy().insertion_order() == Ids{1, 4, 5});
+  // Re-inserting 0 restarts its frequency at 1. Miss 0 at clock 12: 1: 4/4 = 1,
+  // 4: 1/2 = 0.5, 5: 1/1 = 1 -> victim 4 (slot 2).
+  s = run(p, {0});
+  CHECK(s.victims == Ids{4});
+  CHECK(s.fill_slots == Ids{2});
+  CHECK(p.policy().freq(ExpertId(0)) == 1);
+  CHECK(p.policy().last(ExpertId(0)) == 13);
+}
+
+TEST_CASE("lfru: ties go to the earliest-inserted resident; hits do not reorder") {
+  ForwardPlanner<Lfru> p(CacheShape{8, 3}, 1);
+  // [2] c1 (slot 2), [4] c2 (slot 1), [4] c3, [4] c4, [2] c5, [1] c6 (slot 0).
+  // State: 2 (f2, l5), 4 (f3, l4), 1 (f1, l6); insertion order 2, 4, 1.
+  for (const Ids& f : {Ids{2}, Ids{4}, Ids{4}, Ids{4}, Ids{2}, Ids{1}}) (void)run(p, f);
+  CHECK(p.policy().insertion_order() == Ids{2, 4, 1});
+  // Miss 0 at clock 6: 2: 2/2 = 1, 4: 3/3 = 1, 1: 1/1 = 1 -> three-way tie. Earliest
+  // inserted is 2 (a hit-reordered dict would say 4, lowest id would say 1).
+  const Step s = run(p, {0});
+  CHECK(s.victims == Ids{2});
+  CHECK(s.fill_slots == Ids{2});
+}
+
+TEST_CASE("lfru: matches an independent model of the reference over random traces") {
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    std::mt19937_64 rng(seed);
+    const std::int32_t experts = seed % 3 == 0 ? 64 : (seed % 3 == 1 ? 16 : 8);
+    const auto capacity = 1 + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(experts));
+    // Some seeds start near 2^40 to cover the floating-point comparison path.
+    const std::uint64_t start_clock = seed % 4 == 0 ? (std::uint64_t{1} << 40) + seed : 0;
+    CAPTURE(seed);
+    CAPTURE(capacity);
+    Lfru policy(CacheShape{experts, capacity});
+    policy.set_clock_for_testing(start_clock);
+    ForwardPlanner<Lfru> planner(CacheShape{experts, capacity}, 1, policy);
+    NaiveLfru model(capacity, start_clock);
+    ForwardPlan plan;
+    for (int t = 0; t < 400; ++t) {
+      if (rng() % 10 == 0) {  // occasional invalidation
+        const auto e = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(experts));
+        REQUIRE(planner.invalidate(e).ok());
+        model.invalidate(e);
+        continue;
+      }
+      // Top-k style input (duplicates and padding); both sides process sorted unique ids.
+      Ids topk;
+      const auto n = 1 + rng() % static_cast<std::uint64_t>(capacity);
+      for (std::uint64_t i = 0; i < n; ++i) {
+        const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53;
+        topk.push_back(rng() % 8 == 0 ? -1 : static_cast<std::int32_t>(u * u * experts));
+      }
+      Ids unique;
+      for (const auto e : topk) if (e >= 0) unique.push_back(e);
+      std::sort(unique.begin(), unique.end());
+      unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+      if (static_cast<std::int32_t>(unique.size()) > capacity) continue;
+      REQUIRE(planner.plan_topk(topk, plan).ok());
+      const auto expect = model.prepare(unique);
+      REQUIRE(plan.hits == expect.hits);
+      REQUIRE(plan.misses == expect.misses);
+      for (std::int32_t e = 0; e < experts; ++e) {
+        REQUIRE(planner.resident_map()[static_cast<std::size_t>(e)] == model.slot_of(e));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Other policies, hand-computed
+
+TEST_CASE("lru: hand-computed sequence") {
+  ForwardPlanner<Lru> p(CacheShape{8, 3}, 1);
+  (void)run(p, {0, 1, 2});   // slots 0, 1, 2 (lowest first)
+  (void)run(p, {0});         // recency: 1, 2, 0
+  Step s = run(p, {3, 1});   // LRU-most is 1, but it is in the forward -> evict 2 (slot 2)
+  CHECK(s.hits == 1);
+  CHECK(s.victims == Ids{2});
+  CHECK(s.fill_slots == Ids{2});
+  s = run(p, {4});           // recency 0, 3, 1 -> evict 0 (slot 0)
+  CHECK(s.victims == Ids{0});
+  CHECK(s.fill_slots == Ids{0});
+}
+
+TEST_CASE("sieve: hand-computed sequence") {
+  ForwardPlanner<Sieve> p(CacheShape{8, 3}, 1);
+  // FIFO (oldest first) 0, 1, 2 in slots 0, 1, 2; hit 0 sets its visited bit.
+  (void)run(p, {0});
+  (void)run(p, {1});
+  (void)run(p, {2});
+  CHECK(run(p, {0}).hits == 1);
+  // [3]: the hand starts at 0 (visited: clear, pass), evicts 1; the hand stays at 2.
+  Step s = run(p, {3});
+  CHECK(s.victims == Ids{1});
+  CHECK(s.fill_slots == Ids{1});
+  // [1]: hand at 2 (unvisited) -> evict 2; hand moves to 3.  Queue: 0, 3, 1.
+  s = run(p, {1});
+  CHECK(s.victims == Ids{2});
+  CHECK(s.fill_slots == Ids{2});
+  // [2]: hand at 3 -> evict 3; hand moves to 1.  Queue: 0, 1, 2.
+  s = run(p, {2});
+  CHECK(s.victims == Ids{3});
+  CHECK(s.fill_slots == Ids{1});
+  // [4]: hand at 1 -> evict 1. Expert 0 survives all of it on one hit.
+  s = run(p, {4});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.is_resident(0));
+}
+
+TEST_CASE("sieve: victim protection passes over the forward's entries") {
+  ForwardPlanner<Sieve> p(CacheShape{8, 2}, 1);
+  (void)run(p, {0});
+  (void)run(p, {1});
+  CHECK(run(p, {1}).hits == 1);  // 1 visited
+  // [2,3]: 2 evicts 0 (unvisited); hand -> 1. 3: 1 visited -> clear, pass; 2 is in the
+  // forward -> pass; wrap to 1 -> evict it. Unprotected SIEVE would have taken 2.
+  const Step s = run(p, {2, 3});
+  CHECK(s.victims == Ids{0, 1});
+  CHECK(p.is_resident(2));
+  CHECK(p.is_resident(3));
+}
+
+TEST_CASE("s3fifo: hand-computed sequence through small, main and ghost") {
+  // capacity 4: small target 1, ghost holds 3 ids.
+  ForwardPlanner<S3Fifo> p(CacheShape{16, 4}, 1);
+  for (std::int32_t e = 0; e < 4; ++e) (void)run(p, {e});  // S: 0 1 2 3
+  CHECK(run(p, {0}).hits == 1);                           // 0 hit in S
+  // [4]: S tail 0 was hit -> moves to M (freq reset); 1 was not -> victim, ghosted.
+  Step s = run(p, {4});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.policy().in_main(ExpertId(0)));
+  CHECK(p.policy().in_ghost(ExpertId(1)));
+  // [1]: ghost hit -> inserted into M; the victim is S's tail 2.
+  s = run(p, {1});
+  CHECK(s.victims == Ids{2});
+  CHECK(p.policy().in_main(ExpertId(1)));
+  CHECK_FALSE(p.policy().in_ghost(ExpertId(1)));
+  // [2] ghost -> M, victim 3; [3] ghost -> M, victim 4. S is now empty, M: 0 1 2 3.
+  CHECK(run(p, {2}).victims == Ids{3});
+  CHECK(run(p, {3}).victims == Ids{4});
+  CHECK(p.policy().small_size() == 0);
+  CHECK(p.policy().main_size() == 4);
+  // Two hits on 0 (freq 2). [5]: S below target -> evict from M: 0 reinserted (freq 1),
+  // 1 evicted without a ghost.
+  (void)run(p, {0});
+  (void)run(p, {0});
+  s = run(p, {5});
+  CHECK(s.victims == Ids{1});
+  CHECK_FALSE(p.policy().in_ghost(ExpertId(1)));
+  // [1]: not a ghost -> enters S; S (5) is at target -> victim 5, ghosted.
+  s = run(p, {1});
+  CHECK(s.victims == Ids{5});
+  CHECK(p.policy().in_small(ExpertId(1)));
+  CHECK(p.policy().in_ghost(ExpertId(5)));
+}
+
+TEST_CASE("s3fifo: ghost forgets beyond its capacity; protection falls back to main") {
+  ForwardPlanner<S3Fifo> g(CacheShape{16, 4}, 1);  // ghost capacity 3
+  for (std::int32_t e = 0; e < 8; ++e) (void)run(g, {e});  // victims 0..3 ghosted in order
+  CHECK_FALSE(g.policy().in_ghost(ExpertId(0)));  // pushed out by 1, 2, 3
+  CHECK(g.policy().in_ghost(ExpertId(1)));
+  CHECK(g.policy().in_ghost(ExpertId(3)));
+
+  ForwardPlanner<S3Fifo> p(CacheShape{16, 2}, 1);  // small target 1
+  (void)run(p, {0});
+  (void)run(p, {1});
+  (void)run(p, {0});  // 0 hit
+  // [2,3]: 2: S tail 0 (hit) -> M, 1 -> victim. 3: S holds only 2, which is in the forward,
+  // so the victim comes from M: 0.
+  const Step s = run(p, {2, 3});
+  CHECK(s.victims == Ids{1, 0});
+}
+
+TEST_CASE("arc: hand-computed sequence with ghost hits adapting p") {
+  ForwardPlanner<Arc> p(CacheShape{8, 2}, 1);
+  (void)run(p, {0});  // T1: 0
+  (void)run(p, {1});  // T1: 0 1
+  (void)run(p, {0});  // hit: T2: 0, T1: 1
+  CHECK(p.policy().in_t2(ExpertId(0)));
+  // [2]: new; |T1| = 1 > p = 0 -> evict T1's LRU 1 into B1.
+  Step s = run(p, {2});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.policy().in_b1(ExpertId(1)));
+  // [1]: B1 ghost hit: p = 0 + max(1, |B2|/|B1|) = 1. |T1| = 1 is not > p -> evict T2's
+  // LRU 0 into B2; 1 goes to T2.
+  s = run(p, {1});
+  CHECK(s.victims == Ids{0});
+  CHECK(p.policy().target_t1() == doctest::Approx(1.0));
+  CHECK(p.policy().in_t2(ExpertId(1)));
+  CHECK(p.policy().in_b2(ExpertId(0)));
+  // [0]: B2 ghost hit: p = max(0, 1 - max(1, 0/1)) = 0. |T1| = 1 > 0 -> evict 2 into B1.
+  s = run(p, {0});
+  CHECK(s.victims == Ids{2});
+  CHECK(p.policy().target_t1() == doctest::Approx(0.0));
+  CHECK(p.policy().in_b1(ExpertId(2)));
+  // [3]: new; T1 empty -> evict T2's LRU 1 into B2; 3 enters T1.
+  s = run(p, {3});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.policy().in_b2(ExpertId(1)));
+  CHECK(p.policy().in_t1(ExpertId(3)));
+}
+
+TEST_CASE("belady: hand-computed sequences") {
+  SUBCASE("furthest next use") {
+    const Forwards f{{0}, {1}, {2}, {0}, {1}, {2}};
+    const CacheShape shape{8, 2};
+    ForwardPlanner<Belady> p(shape, 1, make_policy<Belady>(shape, f));
+    (void)run(p, f[0]);
+    (void)run(p, f[1]);
+    CHECK(run(p, f[2]).victims == Ids{1});  // 0 is next used at 3, 1 at 4
+    CHECK(run(p, f[3]).hits == 1);
+    CHECK(run(p, f[4]).victims == Ids{0});  // 0 never again, 2 at 5
+    CHECK(run(p, f[5]).hits == 1);
+    CHECK(p.counters().hits == 2);
+    CHECK(p.policy().divergent_forwards() == 0);
+  }
+  SUBCASE("never again ties go to the lowest id") {
+    const Forwards f{{3}, {1}, {2}};
+    const CacheShape shape{8, 2};
+    ForwardPlanner<Belady> p(shape, 1, make_policy<Belady>(shape, f));
+    (void)run(p, f[0]);
+    (void)run(p, f[1]);
+    CHECK(run(p, f[2]).victims == Ids{1});
+  }
+  SUBCASE("protection inside a forward") {
+    const Forwards f{{0}, {1}, {2, 3}, {0}};
+    const CacheShape shape{8, 2};
+    ForwardPlanner<Belady> p(shape, 1, make_policy<Belady>(shape, f));
+    (void)run(p, f[0]);
+    (void)run(p, f[1]);
+    // 2: 1 is never used again -> victim 1. 3: only 0 is outside the forward -> victim 0.
+    CHECK(run(p, f[2]).victims == Ids{1, 0});
+  }
+  SUBCASE("a forward that differs from the future is counted") {
+    const Forwards f{{0}, {1}};
+    const CacheShape shape{8, 2};
+    ForwardPlanner<Belady> p(shape, 1, make_policy<Belady>(shape, f));
+    (void)run(p, {0});
+    (void)run(p, {2});
+    CHECK(p.policy().divergent_forwards() == 1);
+  }
+  SUBCASE("bad futures are rejected") {
+    CHECK_THROWS_AS(BeladyFuture(4, Forwards{{0, 4}}), Error);
+    CHECK_THROWS_AS(BeladyFuture(4, Forwards{{1, 1}}), Error);
+    const auto fut = std::make_shared<const BeladyFuture>(4, Forwards{{0}});
+    CHECK_THROWS_AS(Belady(fut, CacheShape{5, 2}), Error);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Properties over random traces, every policy
+
+namespace {
+
+// Checks in-forward protection and map consistency after every forward; returns hits.
+template <class P>
+std::uint64_t replay_checked(const Forwards& forwards, CacheShape shape, std::uint64_t seed,
+                             bool with_invalidations) {
+  ForwardPlanner<P> planner(shape, 1, make_policy<P>(shape, forwards));
+  std::mt19937_64 rng(seed);
+  ForwardPlan plan;
+  for (const Ids& f : forwards) {
+    if (with_invalidations && rng() % 8 == 0) {
+      REQUIRE(planner.invalidate(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(shape.num_experts))).ok());
+    }
+    const Status s = planner.plan_unique(f, plan);
+    // The planner rejects a victim inside the forward with ErrorCode::internal.
+    REQUIRE_MESSAGE(s.ok(), s.to_string());
+    for (const auto& ev : plan.evictions) {
+      REQUIRE(std::find(f.begin(), f.end(), ev.expert.value) == f.end());
+    }
+    REQUIRE(plan.hits + plan.misses == f.size());
+    for (const std::int32_t e : f) {
+      const std::int32_t slot = planner.resident_map()[static_cast<std::size_t>(e)];
+      REQUIRE(slot >= 0);
+      REQUIRE(planner.forward_map()[static_cast<std::size_t>(e)] == slot);
+      REQUIRE(planner.slot_owner()[static_cast<std::size_t>(slot)] == e);
+    }
+    // Every slot holds at most one expert and the owner table mirrors the resident map.
+    std::int32_t owned = 0;
+    for (std::int32_t slot = 0; slot < shape.capacity; ++slot) {
+      const std::int32_t owner = planner.slot_owner()[static_cast<std::size_t>(slot)];
+      if (owner < 0) continue;
+      ++owned;
+      REQUIRE(planner.resident_map()[static_cast<std::size_t>(owner)] == slot);
+    }
+    REQUIRE(owned == planner.resident_count());
+  }
+  if constexpr (std::is_same_v<P, Belady>) REQUIRE(planner.policy().divergent_forwards() == 0);
+  return planner.counters().hits;
+}
+
+template <class P>
+void protection_property() {
+  for (std::uint64_t seed = 1; seed <= 80; ++seed) {
+    const std::int32_t experts = seed % 2 == 0 ? 16 : 48;
+    const auto capacity = 1 + static_cast<std::int32_t>(seed % 12);
+    CAPTURE(seed);
+    const Forwards f = random_forwards(seed, experts, capacity, 300);
+    (void)replay_checked<P>(f, CacheShape{experts, capacity}, seed, true);
+  }
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("victim protection and map consistency over random traces", P, Lru, Lfru, Sieve,
+                   S3Fifo, Arc, Belady) {
+  protection_property<P>();
+}
+
+TEST_CASE("OPT hits >= every online policy's hits over random traces") {
+  std::uint64_t strictly_better = 0;
+  for (std::uint64_t seed = 100; seed < 300; ++seed) {
+    const std::int32_t experts = 8 + static_cast<std::int32_t>(seed % 57);
+    const auto capacity = 1 + static_cast<std::int32_t>(seed % static_cast<std::uint64_t>(std::min(experts, 20)));
+    const CacheShape shape{experts, capacity};
+    const Forwards f = random_forwards(seed, experts, std::min(capacity, 6), 250);
+    CAPTURE(seed);
+    const std::uint64_t opt = replay_checked<Belady>(f, shape, seed, false);
+    const std::uint64_t online[] = {
+        replay_checked<Lru>(f, shape, seed, false),    replay_checked<Lfru>(f, shape, seed, false),
+        replay_checked<Sieve>(f, shape, seed, false),  replay_checked<S3Fifo>(f, shape, seed, false),
+        replay_checked<Arc>(f, shape, seed, false),
+    };
+    for (const std::uint64_t h : online) {
+      REQUIRE(opt >= h);
+      if (opt > h) ++strictly_better;
+    }
+  }
+  CHECK(strictly_better > 500);  // the traces do separate OPT from the online policies
+}
+
+TEST_CASE_TEMPLATE("policies are values: a copied planner replays identically", P, Lru, Lfru, Sieve,
+                   S3Fifo, Arc, Belady) {
+  const CacheShape shape{32, 6};
+  const Forwards f = random_forwards(7, shape.num_experts, shape.capacity, 200);
+  ForwardPlanner<P> a(shape, 1, make_policy<P>(shape, f));
+  ForwardPlan plan;
+  for (std::size_t t = 0; t < 100; ++t) REQUIRE(a.plan_unique(f[t], plan).ok());
+  ForwardPlanner<P> b = a;
+  REQUIRE(a.snapshot() == b.snapshot());
+  for (std::size_t t = 100; t < f.size(); ++t) {
+    REQUIRE(a.plan_unique(f[t], plan).ok());
+    REQUIRE(b.plan_unique(f[t], plan).ok());
+  }
+  CHECK(a.snapshot() == b.snapshot());
+  CHECK(a.policy() == b.policy());
+  // Equality is not vacuous: a fresh policy differs from one that has seen traffic.
+  CHECK_FALSE(a.policy() == make_policy<P>(shape, f));
+}
+
+TEST_CASE_TEMPLATE("planning allocates nothing after warm-up", P, Lru, Lfru, Sieve, S3Fifo, Arc, Belady) {
+  const CacheShape shape{512, 208};
+  const Forwards f = random_forwards(3, shape.num_experts, 10, 3000);
+  ForwardPlanner<P> planner(shape, 10, make_policy<P>(shape, f));
+  // The plan is caller-owned; sized once here, so any growth below would be the planner's
+  // or the policy's.
+  ForwardPlan plan;
+  plan.unique.reserve(208);
+  plan.fills.reserve(208);
+  plan.evictions.reserve(208);
+  std::size_t t = 0;
+  for (; t < 500; ++t) REQUIRE(planner.plan_unique(f[t], plan).ok());
+  std::uint64_t misses_before = planner.counters().misses;
+  const std::uint64_t before = g_allocations.load();
+  bool all_ok = true;
+  for (; t < f.size(); ++t) all_ok = planner.plan_unique(f[t], plan).ok() && all_ok;
+  const std::uint64_t after = g_allocations.load();
+  CHECK(all_ok);
+  CHECK(after == before);
+  CHECK(planner.counters().misses > misses_before);  // evictions did happen in the window
+}
