@@ -165,7 +165,7 @@ class ExpertCache {
     if (!freed.value().valid()) return {};
     resident_dirty_ = true;
     const Stream fill = core_.fill_stream(stream);
-    Status s = core_.template order_writes_after_previous_use<Edges::invalidate_order>(fill);
+    Status s = core_.template order_writes_after_previous_use<Edges::invalidate_order>(fill, stream);
     if (s) s = upload_resident(fill, stream);
     if (s) s = core_.publish_writes(fill, stream);
     if (!s) {
@@ -246,7 +246,7 @@ class ExpertCache {
     Status s;
     if (writes) {
       const Stream fill = core_.fill_stream(stream);
-      s = core_.template order_writes_after_previous_use<Edges::release_wait>(fill);
+      s = core_.template order_writes_after_previous_use<Edges::release_wait>(fill, stream);
       if (s) s = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
       if (s) s = upload_resident(fill, stream);
       if (s) s = core_.publish_writes(fill, stream);

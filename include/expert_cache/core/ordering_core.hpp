@@ -166,7 +166,7 @@ class OrderingCore {
     ring_.reserve(staging_ring);
     for (std::size_t i = 0; i < staging_ring; ++i) {
       ring_.push_back(StagingBuffer{RuntimeBuffer<R>(rt, map_bytes_, MemoryKind::pinned_host),
-                                    RuntimeHandle<R, false>(rt), false});
+                                    RuntimeHandle<R, false>(rt), false, 0});
     }
   }
 
@@ -185,8 +185,19 @@ class OrderingCore {
 
   // Before any write on F: F waits for every earlier reader (owner) and writer (last_fill).
   // `enabled` is the edge switch of the calling operation (fills or invalidate).
+  // capture_join: when the caller's stream is being captured into a graph and F is another
+  // stream, F first waits for a record made on the caller inside the capture, which forks F
+  // into the same capture (otherwise F's writes would run eagerly, outside the graph).
   template <bool Enabled>
-  Status order_writes_after_previous_use(Stream fill) noexcept {
+  Status order_writes_after_previous_use(Stream fill, Stream caller) noexcept {
+    if (fill != caller) {
+      Result<bool> capturing = rt_->is_capturing(caller);
+      if (!capturing.ok()) return capturing.status();
+      if (capturing.value()) {
+        if (Status s = rt_->record(release_owner_.get(), caller); !s) return s;
+        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
+      }
+    }
     if constexpr (Enabled) {
       if (owner_ && *owner_ != fill) {
         if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
@@ -248,8 +259,26 @@ class OrderingCore {
 
   // One async copy of a host map (int32 entries) into a device buffer on `stream`, through
   // the next staging buffer of the ring.
+  //
+  // Under graph capture the copy becomes a graph node that reads the staging buffer at each
+  // launch, and `consumed` becomes a captured event the host cannot query. Such a buffer is
+  // treated as free by the capture contract (docs/cuda_backend.md: a graph holding a captured
+  // cache call is launched and completed before the cache's next call), except inside the
+  // capture that used it: rewriting it there would change what the graph uploads, so that
+  // is refused.
   Status upload_map(const std::int32_t* host_map, std::int32_t* device_map, Stream stream) noexcept {
+    Result<std::uint64_t> capture = capture_sequence(stream);
+    if (!capture.ok()) return capture.status();
     StagingBuffer& buf = ring_[next_staging_];
+    if (buf.capture != 0) {
+      if (buf.capture == capture.value()) {
+        return Status(ErrorCode::capture_unsupported,
+                      "one graph capture needs more map uploads than the staging ring holds (" +
+                          std::to_string(ring_.size()) + " buffers); raise CacheOptions::staging_ring");
+      }
+      buf.recorded = false;
+      buf.capture = 0;
+    }
     next_staging_ = (next_staging_ + 1) % ring_.size();
     if constexpr (Edges::staging_guard) {
       if (buf.recorded) {
@@ -269,11 +298,24 @@ class OrderingCore {
       return s;
     }
     buf.recorded = true;
+    buf.capture = capture.value();
     ++counters_.map_uploads;
     return {};
   }
 
  private:
+  // 0 when `s` is not capturing, else an id of the capture sequence: distinct per capture
+  // where the runtime has capture_id() (CudaRuntime), otherwise 1 for every capture.
+  Result<std::uint64_t> capture_sequence(Stream s) noexcept {
+    if constexpr (requires { { rt_->capture_id(s) } -> std::same_as<Result<std::uint64_t>>; }) {
+      return rt_->capture_id(s);
+    } else {
+      Result<bool> capturing = rt_->is_capturing(s);
+      if (!capturing.ok()) return capturing.status();
+      return std::uint64_t{capturing.value() ? 1u : 0u};
+    }
+  }
+
   [[nodiscard]] bool ready_seen_by(Stream s) const noexcept {
     for (std::size_t i = 0; i < ready_seen_count_; ++i) {
       if (ready_seen_[i] == s) return true;
@@ -289,6 +331,7 @@ class OrderingCore {
     RuntimeBuffer<R> memory;
     RuntimeHandle<R, false> consumed;  // recorded after the copy that reads `memory`
     bool recorded = false;
+    std::uint64_t capture = 0;  // capture sequence of the last record (0: recorded eagerly)
   };
 
   R* rt_;

@@ -1,0 +1,162 @@
+#pragma once
+// Gather staging policy (needs nvcc): all of a prepare()'s misses copied by ONE kernel launch on
+// the cache-owned copy stream, the SMs reading the mapped pinned host pools zero-copy with
+// 16-byte loads. Capturable in a CUDA graph (a kernel node; nothing is read from host staging
+// memory at replay time, unlike cudaMemcpyBatchAsync which cannot be captured at all).
+//
+// The fill list is a kernel parameter (device/fill_gather.cuh): per fill an (expert, slot)
+// pair, plus per tensor its source/destination bases. Launch sizes are tiers of 16, 128 and
+// 1024 fills (0.2, 1.2 and 8.3 KiB of parameters; > 4 KiB parameters need CUDA 12.1+, which
+// the tier requires anyway); a prepare with more than 1024 misses is split into several
+// launches on the same stream (ordering unchanged).
+#if !defined(__CUDACC__)
+#error "expert_cache/staging/gather.cuh needs nvcc"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+
+#include "expert_cache/device/fill_gather.cuh"
+#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/runtime/cuda_runtime.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+
+namespace expert_cache {
+
+class Gather {
+ public:
+  static constexpr std::string_view name = "gather";
+  static constexpr bool uses_copy_stream = true;
+  // Thread blocks of the launch: a zero-copy read saturates PCIe with ~16 blocks (limits/h200.md),
+  // and fewer blocks leave more SMs to compute that overlaps the fill.
+  static constexpr int blocks = 32;
+  static constexpr int threads = 512;
+
+  template <class Storage>
+  Status issue(CudaRuntime& rt, cudaStream_t stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    if (fills.empty()) return {};
+    if (Status s = resolve(rt, storage); !s) return s;
+    while (!fills.empty()) {
+      const std::size_t n = fills.size() < 1024 ? fills.size() : 1024;
+      const std::span<const SlotFill> part = fills.first(n);
+      fills = fills.subspan(n);
+      if (Status s = launch_tier(rt, stream, part); !s) return s;
+    }
+    return {};
+  }
+
+ private:
+  // Source/destination bases and item shapes of the storage; computed once per storage (the
+  // pools never move), device addresses of the host pools through cudaHostGetDevicePointer.
+  template <class Storage>
+  Status resolve(CudaRuntime& rt, const Storage& storage) noexcept {
+    const void* key = host_base(storage, 0);
+    if (key == resolved_for_) return {};
+    header_ = Header{};
+    if constexpr (Storage::expert_contiguous) {
+      Status s = add_tensor(rt, storage.host_expert(0), storage.slot_blob(0), storage.blob_bytes(), storage.blob_bytes());
+      if (!s) return s;
+    } else {
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        const std::size_t bytes = storage.tensors()[t].bytes_per_expert;
+        if (bytes == 0) continue;
+        if (Status s = add_tensor(rt, storage.host_tensor(t, 0), storage.slot_tensor(t).base, bytes, bytes); !s) return s;
+      }
+    }
+    resolved_for_ = key;
+    return {};
+  }
+
+  template <class Storage>
+  static const void* host_base(const Storage& storage, std::size_t t) noexcept {
+    if constexpr (Storage::expert_contiguous) {
+      (void)t;
+      return storage.host_expert(0);
+    } else {
+      for (; t < num_expert_tensors; ++t) {
+        if (storage.tensors()[t].bytes_per_expert != 0) return storage.host_tensor(t, 0);
+      }
+      return nullptr;
+    }
+  }
+
+  Status add_tensor(CudaRuntime& rt, const void* host, void* slots, std::size_t row_bytes, std::size_t copy_bytes) noexcept {
+    Result<const void*> src = rt.device_pointer(host);
+    if (!src.ok()) {
+      return Status(src.status().code(),
+                    "Gather staging needs mapped pinned host pools (cudaHostAllocMapped / cudaHostRegisterMapped): " +
+                        src.status().message());
+    }
+    const auto s = reinterpret_cast<std::uintptr_t>(src.value());
+    const auto d = reinterpret_cast<std::uintptr_t>(slots);
+    const std::uint32_t width = ((s | d | row_bytes) % 16 == 0) ? 16 : ((s | d | row_bytes) % 4 == 0) ? 4 : 1;
+    device::GatherTensor& g = header_.tensors[header_.num_tensors];
+    g.src = static_cast<const unsigned char*>(src.value());
+    g.dst = static_cast<unsigned char*>(slots);
+    g.row_bytes = row_bytes;
+    g.copy_bytes = copy_bytes;
+    g.width = width;
+    g.items = static_cast<std::uint32_t>((copy_bytes + width - 1) / width);
+    header_.item_begin[header_.num_tensors] = header_.items_per_fill;
+    header_.items_per_fill += g.items;
+    ++header_.num_tensors;
+    header_.item_begin[header_.num_tensors] = header_.items_per_fill;
+    return {};
+  }
+
+  // The smallest parameter block that holds the fills (fewer parameter bytes per launch).
+  Status launch_tier(CudaRuntime& rt, cudaStream_t stream, std::span<const SlotFill> fills) noexcept {
+    if (fills.size() <= 16) return launch<16>(rt, stream, fills);
+    if (fills.size() <= 128) return launch<128>(rt, stream, fills);
+    return launch<1024>(rt, stream, fills);
+  }
+
+  template <int MaxFills>
+  Status launch(CudaRuntime& rt, cudaStream_t stream, std::span<const SlotFill> fills) noexcept {
+    device::FillGatherParams<MaxFills>& p = params<MaxFills>();
+    for (int t = 0; t < device::gather_max_tensors; ++t) p.tensors[t] = header_.tensors[t];
+    for (int t = 0; t <= device::gather_max_tensors; ++t) p.item_begin[t] = header_.item_begin[t];
+    p.num_tensors = header_.num_tensors;
+    p.items_per_fill = header_.items_per_fill;
+    p.num_fills = static_cast<std::uint32_t>(fills.size());
+    for (std::size_t i = 0; i < fills.size(); ++i) {
+      p.expert[i] = fills[i].expert.value;
+      p.slot[i] = fills[i].slot.value;
+    }
+    // Never more blocks than items need (a single small expert launches few blocks).
+    const std::uint64_t items = static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill;
+    const std::uint64_t per_block = static_cast<std::uint64_t>(threads) * 4;
+    const int grid = static_cast<int>(items / per_block + 1 < static_cast<std::uint64_t>(blocks) ? items / per_block + 1 : blocks);
+    if (Status s = cuda_status(device::launch_fill_gather(p, grid, threads, stream), "fill_gather_kernel launch"); !s) return s;
+    return rt.after_enqueue(stream, "fill_gather_kernel");
+  }
+
+  // Parameter blocks live in the policy (no stack frame of 8 KiB, no allocation per call);
+  // the launch copies them, so reusing them for the next prepare is safe.
+  template <int MaxFills>
+  device::FillGatherParams<MaxFills>& params() noexcept {
+    if constexpr (MaxFills == 16) return small_;
+    else if constexpr (MaxFills == 128) return medium_;
+    else return large_;
+  }
+
+  struct Header {
+    device::GatherTensor tensors[device::gather_max_tensors]{};
+    std::uint32_t item_begin[device::gather_max_tensors + 1]{};
+    std::uint32_t num_tensors = 0;
+    std::uint32_t items_per_fill = 0;
+  };
+
+  const void* resolved_for_ = nullptr;
+  Header header_{};
+  device::FillGatherParams<16> small_{};
+  device::FillGatherParams<128> medium_{};
+  device::FillGatherParams<1024> large_{};
+};
+
+}  // namespace expert_cache

@@ -1,0 +1,360 @@
+// GPU tests of the NVFP4 -> Marlin kernels and the gather helpers, against the host reference.
+// Exits 77 (Meson: SKIP) when no CUDA device is present.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "expert_cache/device/gather.cuh"
+#include "expert_cache/device/marlin_repack.cuh"
+#include "expert_cache/layout/nvfp4_reference.hpp"
+
+using namespace expert_cache;
+
+namespace {
+
+#define REQUIRE_CUDA(expr) REQUIRE((expr) == cudaSuccess)
+
+// Device buffer owning `n` elements of T.
+template <class T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(std::size_t n) : n_(n) { REQUIRE_CUDA(cudaMalloc(&ptr_, std::max<std::size_t>(n, 1) * sizeof(T))); }
+  DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { (void)cudaFree(ptr_); }
+  void upload(const std::vector<T>& host) {
+    REQUIRE(host.size() == n_);
+    REQUIRE_CUDA(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    REQUIRE_CUDA(cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  T* get() const { return ptr_; }
+
+ private:
+  T* ptr_ = nullptr;
+  std::size_t n_;
+};
+
+// Pinned host buffer of `n` elements of T.
+template <class T>
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(std::size_t n) : n_(n) {
+    void* p = nullptr;
+    REQUIRE_CUDA(cudaHostAlloc(&p, std::max<std::size_t>(n, 1) * sizeof(T), cudaHostAllocDefault));
+    ptr_ = static_cast<T*>(p);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { (void)cudaFreeHost(ptr_); }
+  std::span<T> span() const { return {ptr_, n_}; }
+  std::vector<T> vec() const { return {ptr_, ptr_ + n_}; }
+  void fill_from(const std::vector<T>& v) { std::copy(v.begin(), v.end(), ptr_); }
+
+ private:
+  T* ptr_ = nullptr;
+  std::size_t n_;
+};
+
+struct HostLayer {
+  std::int64_t e = 0;
+  std::vector<std::uint8_t> w13, s13, w2, s2;
+  std::vector<float> g13, g2;
+  Nvfp4CheckpointLayer view() const { return {e, w13, s13, g13, w2, s2, g2}; }
+};
+
+HostLayer random_layer(const Nvfp4Marlin& l, std::int64_t e, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  HostLayer h;
+  h.e = e;
+  auto bytes = [&](std::int64_t n) {
+    std::vector<std::uint8_t> v(static_cast<std::size_t>(n));
+    for (auto& b : v) b = static_cast<std::uint8_t>(rng());
+    return v;
+  };
+  auto scale = [&](std::uint8_t cap) {  // zeros, subnormals, -0 and normals up to `cap`
+    const unsigned kind = rng() % 16;
+    if (kind == 0) return std::uint8_t{0};
+    if (kind == 1) return static_cast<std::uint8_t>(1 + rng() % 7);
+    if (kind == 2) return std::uint8_t{0x80};
+    return static_cast<std::uint8_t>(0x08 + rng() % (cap - 0x08 + 1));
+  };
+  h.w13 = bytes(e * l.ckpt_w13_bytes());
+  h.w2 = bytes(e * l.ckpt_w2_bytes());
+  h.s13.resize(static_cast<std::size_t>(e * l.ckpt_w13_scale_bytes()));
+  h.s2.resize(static_cast<std::size_t>(e * l.ckpt_w2_scale_bytes()));
+  for (auto& b : h.s13) b = scale(0x7E);
+  for (auto& b : h.s2) b = scale(0x3F);
+  std::uniform_real_distribution<float> gd(1e-4f, 1e-2f);
+  for (std::int64_t i = 0; i < e; ++i) {
+    const float g = gd(rng);
+    h.g13.push_back(g);
+    h.g13.push_back(i == 5 ? g * 0.5f : g);  // one expert with differing w1/w3 globals
+    h.g2.push_back(gd(rng));
+  }
+  return h;
+}
+
+struct HostMarlin {
+  std::vector<std::uint32_t> w13, w2;
+  std::vector<std::uint8_t> s13, s2;
+  std::vector<float> g13, g2;
+  HostMarlin(const Nvfp4Marlin& l, std::int64_t e)
+      : w13(static_cast<std::size_t>(e * l.w13_words())), w2(static_cast<std::size_t>(e * l.w2_words())),
+        s13(static_cast<std::size_t>(e * l.w13_scale_bytes())), s2(static_cast<std::size_t>(e * l.w2_scale_bytes())),
+        g13(static_cast<std::size_t>(e)), g2(static_cast<std::size_t>(e)) {}
+  Nvfp4MarlinLayer view() { return {w13, w2, s13, s2, g13, g2}; }
+};
+
+bool bytes_equal(const auto& a, const auto& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+}
+
+bool layers_equal(const HostMarlin& a, const HostMarlin& b) {
+  return bytes_equal(a.w13, b.w13) && bytes_equal(a.w2, b.w2) && bytes_equal(a.s13, b.s13) &&
+         bytes_equal(a.s2, b.s2) && bytes_equal(a.g13, b.g13) && bytes_equal(a.g2, b.g2);
+}
+
+// The layer resident on the device, in both layouts.
+struct DeviceLayer {
+  DeviceBuffer<std::uint8_t> w13, s13, w2, s2;
+  DeviceBuffer<float> g13, g2;
+  DeviceBuffer<std::uint32_t> mw13, mw2;
+  DeviceBuffer<std::uint8_t> ms13, ms2;
+  DeviceBuffer<float> mg13, mg2;
+  DeviceLayer(const Nvfp4Marlin& l, const HostLayer& h)
+      : w13(h.w13), s13(h.s13), w2(h.w2), s2(h.s2), g13(h.g13), g2(h.g2),
+        mw13(static_cast<std::size_t>(h.e * l.w13_words())), mw2(static_cast<std::size_t>(h.e * l.w2_words())),
+        ms13(static_cast<std::size_t>(h.e * l.w13_scale_bytes())), ms2(static_cast<std::size_t>(h.e * l.w2_scale_bytes())),
+        mg13(static_cast<std::size_t>(h.e)), mg2(static_cast<std::size_t>(h.e)) {}
+  device::Nvfp4CheckpointPtrs src() const { return {w13.get(), s13.get(), g13.get(), w2.get(), s2.get(), g2.get()}; }
+  device::Nvfp4MarlinPtrs dst() const { return {mw13.get(), mw2.get(), ms13.get(), ms2.get(), mg13.get(), mg2.get()}; }
+  HostMarlin download(const Nvfp4Marlin& l, std::int64_t e) const {
+    HostMarlin m(l, e);
+    m.w13 = mw13.download();
+    m.w2 = mw2.download();
+    m.s13 = ms13.download();
+    m.s2 = ms2.download();
+    m.g13 = mg13.download();
+    m.g2 = mg2.download();
+    return m;
+  }
+};
+
+struct Shape {
+  std::int64_t k, n;
+  ActDtype d;
+};
+constexpr Shape shapes[] = {{256, 128, ActDtype::bf16}, {256, 96, ActDtype::bf16}, {192, 64, ActDtype::fp16}};
+constexpr std::int64_t num_experts = 8;
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+
+TEST_CASE("device repack is byte-identical to the host reference (E=8, N=128 and N=96)") {
+  for (const Shape& s : shapes) {
+    CAPTURE(s.k);
+    CAPTURE(s.n);
+    const Nvfp4Marlin l{s.k, s.n, s.d};
+    const HostLayer h = random_layer(l, num_experts, static_cast<std::uint32_t>(s.n * 7 + s.k));
+    HostMarlin want(l, num_experts);
+    auto host_report = repack_layer_reference(l, h.view(), want.view());
+    REQUIRE(host_report.ok());
+
+    DeviceLayer d(l, h);
+    auto report = device::repack_layer_device(l, num_experts, d.src(), d.dst(), nullptr);
+    REQUIRE(report.ok());
+    REQUIRE_CUDA(cudaDeviceSynchronize());
+    CHECK(report->params == host_report->params);
+    CHECK(report->w13_global_mismatches == 1);
+    CHECK(report->first_mismatch == 5);
+    const HostMarlin got = d.download(l, num_experts);
+    CHECK(bytes_equal(got.w13, want.w13));
+    CHECK(bytes_equal(got.w2, want.w2));
+    CHECK(bytes_equal(got.s13, want.s13));
+    CHECK(bytes_equal(got.s2, want.s2));
+    CHECK(bytes_equal(got.g13, want.g13));
+    CHECK(bytes_equal(got.g2, want.g2));
+  }
+}
+
+TEST_CASE("host-chunked path (chunks 3+3+2, and one chunk) is byte-identical to the device path") {
+  cudaStream_t stream = nullptr;
+  REQUIRE_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const Shape& s : shapes) {
+    CAPTURE(s.k);
+    CAPTURE(s.n);
+    const Nvfp4Marlin l{s.k, s.n, s.d};
+    const HostLayer h = random_layer(l, num_experts, static_cast<std::uint32_t>(s.n * 3 + s.k));
+    DeviceLayer d(l, h);
+    REQUIRE(device::repack_layer_device(l, num_experts, d.src(), d.dst(), stream).ok());
+    REQUIRE_CUDA(cudaStreamSynchronize(stream));
+    const HostMarlin device_out = d.download(l, num_experts);
+
+    // Pinned sources and outputs.
+    PinnedBuffer<std::uint8_t> w13(h.w13.size()), s13(h.s13.size()), w2(h.w2.size()), s2(h.s2.size());
+    PinnedBuffer<float> g13(h.g13.size()), g2(h.g2.size());
+    w13.fill_from(h.w13);
+    s13.fill_from(h.s13);
+    w2.fill_from(h.w2);
+    s2.fill_from(h.s2);
+    g13.fill_from(h.g13);
+    g2.fill_from(h.g2);
+    const Nvfp4CheckpointLayer src{num_experts, w13.span(), s13.span(), g13.span(), w2.span(), s2.span(), g2.span()};
+    const auto E = static_cast<std::size_t>(num_experts);
+    PinnedBuffer<std::uint32_t> mw13(E * static_cast<std::size_t>(l.w13_words())), mw2(E * static_cast<std::size_t>(l.w2_words()));
+    PinnedBuffer<std::uint8_t> ms13(E * static_cast<std::size_t>(l.w13_scale_bytes())), ms2(E * static_cast<std::size_t>(l.w2_scale_bytes()));
+    PinnedBuffer<float> mg13(E), mg2(E);
+    const Nvfp4MarlinLayer dst{mw13.span(), mw2.span(), ms13.span(), ms2.span(), mg13.span(), mg2.span()};
+    auto collect = [&] {
+      HostMarlin m(l, num_experts);
+      m.w13 = mw13.vec();
+      m.w2 = mw2.vec();
+      m.s13 = ms13.vec();
+      m.s2 = ms2.vec();
+      m.g13 = mg13.vec();
+      m.g2 = mg2.vec();
+      return m;
+    };
+
+    for (std::int64_t chunk : {std::int64_t{3}, std::int64_t{64}, std::int64_t{1}}) {
+      CAPTURE(chunk);
+      std::fill(ms13.span().begin(), ms13.span().end(), std::uint8_t{0xAB});
+      auto r = device::repack_layer_host_chunked(l, src, dst, stream, chunk);
+      REQUIRE(r.ok());
+      CHECK(layers_equal(collect(), device_out));
+    }
+
+    // expert_chunk <= 0 is rejected before any side effect.
+    std::fill(ms13.span().begin(), ms13.span().end(), std::uint8_t{0xAB});
+    for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{-1}}) {
+      auto r = device::repack_layer_host_chunked(l, src, dst, stream, chunk);
+      CHECK(r.status().code() == ErrorCode::invalid_argument);
+    }
+    CHECK(std::all_of(ms13.span().begin(), ms13.span().end(), [](std::uint8_t b) { return b == 0xAB; }));
+  }
+  REQUIRE_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("round trip: dequant of the device output == e2m1 * e4m3 * g up to the flush") {
+  for (const Shape& s : shapes) {
+    CAPTURE(s.k);
+    CAPTURE(s.n);
+    const Nvfp4Marlin l{s.k, s.n, s.d};
+    const HostLayer h = random_layer(l, num_experts, static_cast<std::uint32_t>(s.n + 11));
+    DeviceLayer d(l, h);
+    auto report = device::repack_layer_device(l, num_experts, d.src(), d.dst(), nullptr);
+    REQUIRE(report.ok());
+    REQUIRE_CUDA(cudaDeviceSynchronize());
+    HostMarlin got = d.download(l, num_experts);
+    const auto n13 = static_cast<std::size_t>(num_experts * 2 * s.n * s.k), n2 = static_cast<std::size_t>(num_experts * s.k * s.n);
+    std::vector<double> a13(n13), a2(n2), b13(n13), b2(n2);
+    REQUIRE(dequant_marlin_reference(l, num_experts, got.view().as_const(), a13, a2).ok());
+    REQUIRE(dequant_checkpoint_reference(l, h.view(), b13, b2, &report->params).ok());
+    CHECK(a13 == b13);
+    CHECK(a2 == b2);
+  }
+}
+
+TEST_CASE("device path rejects NaN / negative scales before writing any output") {
+  const Nvfp4Marlin l{256, 96, ActDtype::bf16};
+  HostLayer h = random_layer(l, num_experts, 1234);
+  for (int which = 0; which < 3; ++which) {
+    CAPTURE(which);
+    HostLayer b = h;
+    if (which == 0) b.s13[100] = 0x7F;   // NaN
+    if (which == 1) b.s2[7] = 0xC0;      // negative
+    if (which == 2) b.g2[3] = -0.5f;     // negative global
+    DeviceLayer d(l, b);
+    REQUIRE_CUDA(cudaMemset(d.mw13.get(), 0xAB, static_cast<std::size_t>(num_experts * l.w13_words()) * 4));
+    REQUIRE_CUDA(cudaMemset(d.ms2.get(), 0xAB, static_cast<std::size_t>(num_experts * l.w2_scale_bytes())));
+    auto r = device::repack_layer_device(l, num_experts, d.src(), d.dst(), nullptr);
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    REQUIRE_CUDA(cudaDeviceSynchronize());
+    const auto w = d.mw13.download();
+    const auto s = d.ms2.download();
+    CHECK(std::all_of(w.begin(), w.end(), [](std::uint32_t x) { return x == 0xABABABABu; }));
+    CHECK(std::all_of(s.begin(), s.end(), [](std::uint8_t x) { return x == 0xAB; }));
+  }
+}
+
+TEST_CASE("apply_expert_map: global -> slot, -1 for absent and for any out-of-range id") {
+  const std::int32_t num = 8, cap = 4;
+  const std::vector<std::int32_t> map{-1, 2, -1, 0, 3, -1, 1, 7 /* not a valid slot */};
+  DeviceBuffer<std::int32_t> d_map(map);
+  const std::vector<std::int32_t> ids32{0, 1, 2, 3, 4, 5, 6, 7, 8, -1, INT_MIN, INT_MAX, 1};
+  const std::vector<std::int32_t> want{-1, 2, -1, 0, 3, -1, 1, -1, -1, -1, -1, -1, 2};
+  DeviceBuffer<std::int32_t> d_ids(ids32), d_out(ids32.size());
+  REQUIRE(device::apply_expert_map(d_ids.get(), static_cast<std::int64_t>(ids32.size()), d_map.get(), num, cap, d_out.get(), nullptr).ok());
+  CHECK(d_out.download() == want);
+  for (std::size_t i = 0; i < ids32.size(); ++i) CHECK(device::map_expert_to_slot(ids32[i], map.data(), num, cap) == want[i]);
+
+  const std::vector<std::int64_t> ids64{3, (std::int64_t{1} << 32) + 3, -(std::int64_t{1} << 40), LLONG_MAX, 6};
+  const std::vector<std::int32_t> want64{0, -1, -1, -1, 1};
+  DeviceBuffer<std::int64_t> d_ids64(ids64);
+  DeviceBuffer<std::int32_t> d_out64(ids64.size());
+  REQUIRE(device::apply_expert_map(d_ids64.get(), static_cast<std::int64_t>(ids64.size()), d_map.get(), num, cap, d_out64.get(), nullptr).ok());
+  CHECK(d_out64.download() == want64);
+  CHECK(device::apply_expert_map(d_ids.get(), -1, d_map.get(), num, cap, d_out.get(), nullptr).code() == ErrorCode::invalid_argument);
+}
+
+TEST_CASE("gather_experts_to_slots copies whole rows into slots, from device or mapped host memory") {
+  const std::int32_t num = 6, cap = 3;
+  for (std::size_t row_bytes : {std::size_t{4096 + 16}, std::size_t{1000 + 3}}) {  // 16-byte path and byte path
+    CAPTURE(row_bytes);
+    std::vector<std::uint8_t> pool(static_cast<std::size_t>(num) * row_bytes);
+    for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<std::uint8_t>(i * 31 + i / row_bytes);
+    const std::vector<std::int32_t> experts{4, 1, 9 /* dropped */, 5};
+    const std::vector<std::int32_t> slots{2, 0, 1, -1 /* dropped */};
+    DeviceBuffer<std::int32_t> d_e(experts), d_s(slots);
+    std::vector<std::uint8_t> init(static_cast<std::size_t>(cap) * row_bytes, 0xEE);
+    std::vector<std::uint8_t> want = init;
+    std::copy_n(pool.begin() + 4 * static_cast<std::ptrdiff_t>(row_bytes), row_bytes, want.begin() + 2 * static_cast<std::ptrdiff_t>(row_bytes));
+    std::copy_n(pool.begin() + 1 * static_cast<std::ptrdiff_t>(row_bytes), row_bytes, want.begin());
+
+    DeviceBuffer<std::uint8_t> d_pool(pool), d_slots(init);
+    REQUIRE(device::gather_experts_to_slots(d_pool.get(), num, d_slots.get(), cap, row_bytes, d_e.get(), d_s.get(), 4, nullptr).ok());
+    CHECK(d_slots.download() == want);
+
+    // Zero-copy from mapped pinned host memory.
+    void* mapped = nullptr;
+    REQUIRE_CUDA(cudaHostAlloc(&mapped, pool.size(), cudaHostAllocMapped));
+    std::memcpy(mapped, pool.data(), pool.size());
+    void* mapped_dev = nullptr;
+    REQUIRE_CUDA(cudaHostGetDevicePointer(&mapped_dev, mapped, 0));
+    d_slots.upload(init);
+    REQUIRE(device::gather_experts_to_slots(mapped_dev, num, d_slots.get(), cap, row_bytes, d_e.get(), d_s.get(), 4, nullptr).ok());
+    CHECK(d_slots.download() == want);
+    REQUIRE_CUDA(cudaFreeHost(mapped));
+  }
+}
+
+}  // TEST_SUITE
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();
+    std::fprintf(stderr, "no CUDA device: skipping the GPU suite\n");
+    return 77;  // Meson's SKIP exit code
+  }
+  doctest::Context context;
+  context.applyCommandLine(argc, argv);
+  return context.run();
+}
