@@ -29,7 +29,8 @@ step() {  # step NAME LOG CMD...: runs a build step; a failure counts as one fai
 mkdir -p build-logs
 
 echo "== main build (cuda=$cuda)"
-if step "configure" build-logs/setup.log meson setup build-test --wipe -Dcuda=$cuda -Dtests=enabled -Dbenchmarks=enabled \
+rm -rf build-test build-asan
+if step "configure" build-logs/setup.log meson setup build-test -Dcuda=$cuda -Dtests=enabled -Dbenchmarks=enabled \
    && step "compile" build-logs/compile.log meson compile -C build-test; then
   meson test -C build-test --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test.log | grep -vE '^\s*$' | tail -60
   count build-logs/test.log
@@ -37,7 +38,7 @@ fi
 
 echo "== host suite under ASan + UBSan"
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan --wipe -Dcuda=disabled -Dtests=enabled \
+if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan -Dcuda=disabled -Dtests=enabled \
      -Dbenchmarks=disabled -Dbuildtype=debugoptimized -Db_sanitize=address,undefined \
    && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan; then
   EXPERT_CACHE_SCHEDULES=${EXPERT_CACHE_ASAN_SCHEDULES:-10000} meson test -C build-asan --suite host --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
