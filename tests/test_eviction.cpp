@@ -335,6 +335,7 @@ TEST_CASE("s3fifo: hand-computed sequence through small, main and ghost") {
   Step s = run(p, {4});
   CHECK(s.victims == Ids{1});
   CHECK(p.policy().in_main(ExpertId(0)));
+  CHECK(p.policy().freq(ExpertId(0)) == 0);
   CHECK(p.policy().in_ghost(ExpertId(1)));
   // [1]: ghost hit -> inserted into M; the victim is S's tail 2.
   s = run(p, {1});
@@ -350,8 +351,10 @@ TEST_CASE("s3fifo: hand-computed sequence through small, main and ghost") {
   // 1 evicted without a ghost.
   (void)run(p, {0});
   (void)run(p, {0});
+  CHECK(p.policy().freq(ExpertId(0)) == 2);
   s = run(p, {5});
   CHECK(s.victims == Ids{1});
+  CHECK(p.policy().freq(ExpertId(0)) == 1);
   CHECK_FALSE(p.policy().in_ghost(ExpertId(1)));
   // [1]: not a ghost -> enters S; S (5) is at target -> victim 5, ghosted.
   s = run(p, {1});

@@ -142,7 +142,9 @@ TEST_CASE("stream order is honoured under every schedule") {
     }).ok());
     REQUIRE(rt.copy_async(c, b, 32, s).ok());  // c <- b (after the doubling)
     REQUIRE(rt.launch(s, std::array{Access{c, 32, AccessMode::read}}, [&] { order.push_back(2); }).ok());
-    REQUIRE(rt.launch(other, std::array{Access{unrelated, 32, AccessMode::write}}, [&] { order.push_back(9); }).ok());
+    REQUIRE(rt.launch(other, std::array{Access{unrelated, 32, AccessMode::write}}, [&] {
+      order.push_back(9);
+    }).ok());
     rt.run_random(seed);
     CHECK(rt.idle());
     for (std::uint32_t i = 0; i < 8; ++i) CHECK(c[i] == 2 * (7 * i + 1));
@@ -428,7 +430,8 @@ TEST_CASE("different seeds give different interleavings, race-free programs the 
       REQUIRE(rt.record(e, s[static_cast<std::size_t>(i)]).ok());
       REQUIRE(rt.wait(s[0], e).ok());  // captures this record before the next re-record
     }
-    REQUIRE(rt.launch(s[0], std::array{Access{dst, 192, AccessMode::read}, Access{dst + 192, 1, AccessMode::write}},
+    REQUIRE(rt.launch(s[0],
+                      std::array{Access{dst, 192, AccessMode::read}, Access{dst + 192, 1, AccessMode::write}},
                       [dst] {
                         unsigned sum = 0;
                         for (int j = 0; j < 192; ++j) sum += dst[j];
@@ -708,7 +711,8 @@ ProtocolRun run_protocol(SimRuntime& rt, std::uint64_t seed, Skip skip, int forw
   const Event ready = rt.create_event().value();
   auto* host = static_cast<std::uint8_t*>(rt.allocate(experts * row, MemoryKind::pinned_host).value());
   auto* slot_buf = static_cast<std::uint8_t*>(rt.allocate(slots * row, MemoryKind::device).value());
-  auto* out = static_cast<std::uint8_t*>(rt.allocate(static_cast<std::size_t>(forwards), MemoryKind::device).value());
+  auto* out =
+      static_cast<std::uint8_t*>(rt.allocate(static_cast<std::size_t>(forwards), MemoryKind::device).value());
   for (std::size_t i = 0; i < experts * row; ++i) host[i] = static_cast<std::uint8_t>(i * 7 + 3);
 
   std::array<int, slots> owner{-1, -1, -1};
@@ -738,7 +742,8 @@ ProtocolRun run_protocol(SimRuntime& rt, std::uint64_t seed, Skip skip, int forw
     if (skip != Skip::ready_wait) REQUIRE(rt.wait(consumer, ready).ok());
     std::uint8_t* rows = slot_buf + static_cast<std::size_t>(slot) * row;
     rt.set_next_label("expert gemm");
-    REQUIRE(rt.launch(consumer, std::array{Access{rows, row, AccessMode::read}, Access{out + f, 1, AccessMode::write}},
+    REQUIRE(rt.launch(consumer,
+                      std::array{Access{rows, row, AccessMode::read}, Access{out + f, 1, AccessMode::write}},
                       [rows, o = out + f] {
                         std::uint8_t sum = 0;
                         for (std::size_t i = 0; i < row; ++i) sum = static_cast<std::uint8_t>(sum + rows[i]);

@@ -188,6 +188,7 @@ class ForwardPlanner {
   // Everything was validated; from here on nothing can fail except a broken policy.
   Status apply(ForwardPlan& plan) noexcept {
     plan.clear();
+    reserve(plan);
     for (const ExpertId e : previous_forward_) forward_map_[e.index()] = absent_slot;
     previous_forward_.clear();
     if constexpr (has_begin_forward<Policy>) policy_.begin_forward(std::span<const ExpertId>(scratch_));
@@ -232,6 +233,18 @@ class ForwardPlanner {
     ++counters_.prepare_calls;
     ++counters_.generation;
     return {};
+  }
+
+  // A plan never holds more than `capacity` entries per list: sized once, reused after.
+  void reserve(ForwardPlan& plan) const noexcept {
+    const auto cap = static_cast<std::size_t>(shape_.capacity);
+    if (plan.unique.capacity() >= cap) return;
+    try {
+      plan.unique.reserve(cap);
+      plan.fills.reserve(cap);
+      plan.evictions.reserve(cap);
+    } catch (...) {  // out of memory: the push_backs below report it by terminating, as before
+    }
   }
 
   void next_epoch() noexcept {

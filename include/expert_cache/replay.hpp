@@ -243,14 +243,10 @@ Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream
     if (Status st = planner.plan_unique(stream.forward(i), plan); !st.ok()) {
       return Status(st.code(), forward_where(trace, stream.source[i]) + ": " + st.message());
     }
-    if (++progress.done >= progress.next_report && progress.options->progress && i + 1 < stream.size()) {
+    if (++progress.done >= progress.next_report && progress.options->progress) {
       progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
       progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
     }
-  }
-  if (progress.options->progress) {  // always report the end of a cache's stream
-    progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
-    progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
   }
   if constexpr (requires { planner.policy().divergent_forwards(); }) {
     if (planner.policy().divergent_forwards() != 0) {  // OPT was fed a different sequence: a bug
@@ -277,6 +273,10 @@ Result<ReplayCounts> replay_policy(const Trace& trace, ReplayCaches& caches, std
     total.hits += r.value().hits;
     total.misses += r.value().misses;
     total.evictions += r.value().evictions;
+  }
+  if (progress.options->progress) {  // always report the end of a run
+    progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
+    progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
   }
   return total;
 }

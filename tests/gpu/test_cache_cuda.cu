@@ -492,7 +492,7 @@ TEST_CASE_TEMPLATE("prepare() captured into a CUDA graph replays correctly", Cac
     if (replay > 0) {  // wipe the slots and maps: the replay must restore them
       for (std::size_t t = 0; t < num_expert_tensors; ++t) {
         const SlotTensor st = f.cache->storage().slot_tensor(t);
-        if (st.bytes != 0) CUDA_REQUIRE(cudaMemset(st.base, 0xA5, st.slot_stride * capacity));
+        if (st.bytes != 0) CUDA_REQUIRE(cudaMemset(st.base, 0xA5, st.slot_stride * (capacity - 1) + st.bytes));
       }
       CUDA_REQUIRE(cudaMemset(const_cast<std::int32_t*>(f.cache->forward_map_device()), 0xFF, experts * sizeof(std::int32_t)));
     }

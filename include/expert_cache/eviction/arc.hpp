@@ -112,7 +112,7 @@ class Arc {
   void adapt(std::uint8_t q) noexcept {
     const double n1 = lists_.size(b1), n2 = lists_.size(b2);
     if (q == b1) {
-      p_ = std::min<double>(capacity_, p_ + 2.0);
+      p_ = std::min<double>(capacity_, p_ + std::max(1.0, n2 / n1));
     } else if (q == b2) {
       p_ = std::max(0.0, p_ - std::max(1.0, n1 / n2));
     }

@@ -74,6 +74,7 @@ class S3Fifo {
   [[nodiscard]] bool in_small(ExpertId e) const noexcept { return queues_.contains(small, e.value); }
   [[nodiscard]] bool in_main(ExpertId e) const noexcept { return queues_.contains(main, e.value); }
   [[nodiscard]] bool in_ghost(ExpertId e) const noexcept { return in_ghost(ghost_stamp_[e.index()]); }
+  [[nodiscard]] std::int32_t freq(ExpertId e) const noexcept { return freq_[e.index()]; }
 
   friend bool operator==(const S3Fifo&, const S3Fifo&) = default;
 

@@ -25,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -78,9 +79,23 @@ class CudaRuntime {
     if (e != nullptr) (void)cuda_status(cudaEventDestroy(e), "cudaEventDestroy");
   }
 
-  Status record(Event e, Stream s) noexcept { return cuda_status(cudaEventRecord(e, s), "cudaEventRecord"); }
+  Status record(Event e, Stream s) noexcept {
+    if (Status st = cuda_status(cudaEventRecord(e, s), "cudaEventRecord"); !st) return st;
+    // Remember events whose latest record is a capture node: outside that capture CUDA
+    // rejects waits on them (seen on the H200: cudaErrorInvalidValue, not only
+    // cudaErrorCapturedEvent), and by the capture contract their work has completed.
+    const bool captured = capturing_or_unknown(s);
+    const auto it = std::find(captured_events_.begin(), captured_events_.end(), e);
+    if (captured && it == captured_events_.end()) {
+      captured_events_.push_back(e);  // bounded by the number of events a cache owns
+    } else if (!captured && it != captured_events_.end()) {
+      captured_events_.erase(it);
+    }
+    return {};
+  }
 
   Status wait(Stream s, Event e) noexcept {
+    if (recorded_in_finished_capture(e, s)) return {};
     const cudaError_t err = cudaStreamWaitEvent(s, e, 0);
     // The event's last record is a node of a finished capture: complete by the capture
     // contract (see the header comment). Inside a capture the error is real.
@@ -92,6 +107,7 @@ class CudaRuntime {
   }
 
   Result<bool> query(Event e) noexcept {
+    if (is_captured_event(e)) return true;  // complete by the capture contract
     cudaError_t err = cudaSuccess;
     {
       RelaxedCaptureMode relaxed;
@@ -110,6 +126,7 @@ class CudaRuntime {
   }
 
   Status synchronize(Event e) noexcept {
+    if (is_captured_event(e)) return {};
     cudaError_t err = cudaSuccess;
     {
       RelaxedCaptureMode relaxed;
@@ -267,6 +284,16 @@ class CudaRuntime {
     bool ok_ = false;
   };
 
+  // True when e's latest record was captured and the waiting stream is not capturing: the
+  // captured work is complete by contract, so there is nothing to wait for.
+  bool recorded_in_finished_capture(Event e, Stream waiter) noexcept {
+    return is_captured_event(e) && !capturing_or_unknown(waiter);
+  }
+  [[nodiscard]] bool is_captured_event(Event e) const noexcept {
+    return !captured_events_.empty() &&
+           std::find(captured_events_.begin(), captured_events_.end(), e) != captured_events_.end();
+  }
+
   bool capturing_or_unknown(Stream s) noexcept {
     Result<bool> c = is_capturing(s);
     return !c.ok() || c.value();
@@ -282,6 +309,7 @@ class CudaRuntime {
   }
 
   bool sync_after_enqueue_;
+  std::vector<Event> captured_events_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<std::size_t> sizes_;

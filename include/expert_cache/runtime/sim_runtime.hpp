@@ -429,7 +429,8 @@ class SimRuntime {
 
   Status open_gate(Gate g) noexcept {
     if (g.id == 0 || g.id > gates_.size())
-      return Status(ErrorCode::invalid_argument, "SimRuntime: open_gate: unknown gate #" + std::to_string(g.id));
+      return Status(ErrorCode::invalid_argument,
+                    "SimRuntime: open_gate: unknown gate #" + std::to_string(g.id));
     GateState& gs = gates_[g.id - 1];
     if (gs.open) return {};
     try {
@@ -463,7 +464,8 @@ class SimRuntime {
 
   // Seeded scheduler: up to max_ops times, completes the head of a random stream whose head is
   // ready. Returns the number of ops completed (fewer when everything is done or blocked).
-  std::size_t run_random(std::uint64_t seed, std::size_t max_ops = std::numeric_limits<std::size_t>::max()) noexcept {
+  std::size_t run_random(std::uint64_t seed,
+                         std::size_t max_ops = std::numeric_limits<std::size_t>::max()) noexcept {
     Rng rng(seed);
     return run_some(rng, max_ops);
   }
@@ -515,7 +517,8 @@ class SimRuntime {
   Status deallocate(void* p) noexcept {
     const auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == allocations_.end())
-      return Status(ErrorCode::invalid_argument, "SimRuntime: deallocate of a pointer allocate() did not return");
+      return Status(ErrorCode::invalid_argument,
+                    "SimRuntime: deallocate of a pointer allocate() did not return");
     forget_range(it->first, it->first + it->second.bytes);
     allocated_bytes_ -= it->second.bytes;
     ::operator delete(p, std::align_val_t{alignment});
@@ -701,11 +704,13 @@ class SimRuntime {
   }
   static Status bad_stream(const char* verb, Stream s) {
     return Status(ErrorCode::invalid_argument,
-                  std::string("SimRuntime: ") + verb + ": stream #" + std::to_string(s.id) + " is not a live stream");
+                  std::string("SimRuntime: ") + verb + ": stream #" + std::to_string(s.id) +
+                      " is not a live stream");
   }
   static Status bad_event(const char* verb, Event e) {
     return Status(ErrorCode::invalid_argument,
-                  std::string("SimRuntime: ") + verb + ": event #" + std::to_string(e.id) + " is not a live event");
+                  std::string("SimRuntime: ") + verb + ": event #" + std::to_string(e.id) +
+                      " is not a live event");
   }
   static Status alloc_failure(const char* verb, const std::exception& e) {
     return Status(ErrorCode::runtime_failure, std::string("SimRuntime: ") + verb + ": " + e.what());
@@ -732,7 +737,8 @@ class SimRuntime {
     ++counters_.injected_failures;
     return Status(ErrorCode::runtime_failure,
                   std::string("SimRuntime: injected failure of ") + to_string(kind) + " call #" +
-                      std::to_string(faults_[static_cast<std::size_t>(kind)].calls) + " (nothing was enqueued)");
+                      std::to_string(faults_[static_cast<std::size_t>(kind)].calls) +
+                      " (nothing was enqueued)");
   }
 
   Status deadlock(const std::string& what) {
@@ -741,7 +747,8 @@ class SimRuntime {
       const StreamState& st = *streams_[i];
       if (st.empty()) continue;
       const Op& op = st.ops[st.head];
-      msg += " stream #" + std::to_string(i + 1) + " (" + std::to_string(st.size()) + " pending) is blocked on " +
+      msg += " stream #" + std::to_string(i + 1) + " (" + std::to_string(st.size()) +
+             " pending) is blocked on " +
              to_string(op.kind) + " op #" + std::to_string(op.seq);
       if (op.kind == SimOpKind::wait)
         msg += " awaiting record op #" + std::to_string(op.record->seq) + " on stream #" +
@@ -787,7 +794,9 @@ class SimRuntime {
     if (into.size() < from.size()) into.resize(from.size(), 0);
     for (std::size_t i = 0; i < from.size(); ++i) into[i] = std::max(into[i], from[i]);
   }
-  static bool happens_before(const AccessRec& a, const Clock& c) noexcept { return a.epoch <= at(c, a.actor); }
+  static bool happens_before(const AccessRec& a, const Clock& c) noexcept {
+    return a.epoch <= at(c, a.actor);
+  }
 
   void acquire_on_host(const RecordState& rec) {
     join(host_clock_, rec.clock);
@@ -905,7 +914,8 @@ class SimRuntime {
             } catch (const std::exception& e) {
               if (async_error_.ok())
                 async_error_ = Status(ErrorCode::runtime_failure,
-                                      "SimRuntime: launch op #" + std::to_string(op.seq) + " body threw: " + e.what());
+                                      "SimRuntime: launch op #" + std::to_string(op.seq) +
+                                          " body threw: " + e.what());
             }
           }
           break;
@@ -922,7 +932,8 @@ class SimRuntime {
     } catch (...) {
       // Out of memory in bookkeeping. Still complete a record so waiters cannot hang forever.
       if (op.kind == SimOpKind::record) op.record->completed = true;
-      if (async_error_.ok()) async_error_ = Status(ErrorCode::runtime_failure, "SimRuntime: out of memory while completing an op");
+      if (async_error_.ok())
+        async_error_ = Status(ErrorCode::runtime_failure, "SimRuntime: out of memory while completing an op");
     }
   }
 
@@ -1072,10 +1083,12 @@ class SimRuntime {
     if (it != allocations_.begin()) {
       --it;
       if (r.begin < it->first + it->second.bytes)
-        where += " = " + std::string(to_string(it->second.kind)) + " allocation #" + std::to_string(it->second.id) +
-                 " bytes [" + std::to_string(r.begin - it->first) + ", " + std::to_string(r.end - it->first) + ")";
+        where += " = " + std::string(to_string(it->second.kind)) + " allocation #" +
+                 std::to_string(it->second.id) + " bytes [" + std::to_string(r.begin - it->first) + ", " +
+                 std::to_string(r.end - it->first) + ")";
     }
-    r.description = "data race on " + where + ": " + describe_side(r.earlier) + " and " + describe_side(r.later) +
+    r.description = "data race on " + where + ": " + describe_side(r.earlier) + " and " +
+                    describe_side(r.later) +
                     " are not ordered by happens-before";
   }
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build and run the libFuzzer target over the trace parser and the planner API.
-#   .ci/fuzz.sh [SECONDS] [extra libFuzzer args...]     (default 60 s)
-#   FUZZ_RUNS=1000000 .ci/fuzz.sh 0                     (a fixed number of executions)
+#   tests/fuzz/run.sh [SECONDS] [extra libFuzzer args...]     (default 60 s)
+#   FUZZ_RUNS=1000000 tests/fuzz/run.sh 0                     (a fixed number of executions)
 # Env: CXX (default clang++), FUZZ_BUILD (default build-fuzz), FUZZ_JOBS (parallel workers, default 1).
 # Exit status is libFuzzer's: non-zero when a crash or invariant failure was found; the
 # reproducer is written to $FUZZ_BUILD/artifacts/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 seconds="${1:-60}"
 shift || true

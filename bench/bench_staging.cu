@@ -1,0 +1,298 @@
+// Staging benchmarks of the CUDA tier (Google Benchmark). Expert = NVFP4 Marlin layout, hidden
+// 2048, intermediate 512: six tensors 1 MiB, 512 KiB, 128 KiB, 64 KiB, 4 B, 4 B (1.688 MiB).
+//
+//   ceiling                      one large pinned H2D cudaMemcpyAsync, measured first; every fill
+//                                benchmark reports `ratio` = its GB/s / this ceiling
+//   fill/<policy>/<storage>/misses:N   GPU time (cudaEvents, manual time) of a prepare() whose N
+//                                experts all miss; counters GBps and ratio
+//   cold208/<policy>/<storage>   a 208-slot cache filled from empty in one prepare
+//   host/<cache>/all_hit, host/<cache>/misses:10   wall-clock of the prepare() call alone (the
+//                                GPU is drained before each call and not waited after it)
+//
+// Targets: best policy >= 95% of the ceiling at >= 8 misses; host prepare <= 3 us all-hit and
+// <= 10 us with 10 misses. Run with --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+// and read the medians.
+#include <benchmark/benchmark.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <typeinfo>
+#include <vector>
+
+#include "expert_cache/cuda.hpp"
+
+using namespace expert_cache;
+
+namespace {
+
+#define BENCH_CUDA(call)                                                                                  \
+  do {                                                                                                    \
+    const cudaError_t err_ = (call);                                                                      \
+    if (err_ != cudaSuccess) {                                                                            \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(err_));                           \
+      std::exit(1);                                                                                       \
+    }                                                                                                     \
+  } while (0)
+
+constexpr std::size_t expert_bytes = (1u << 20) + (512u << 10) + (128u << 10) + (64u << 10) + 4 + 4;
+constexpr std::int32_t fill_capacity = 208;
+constexpr std::int32_t fill_experts = 352;  // >= capacity + 128: a sliding window of misses never hits
+
+ExplicitLayout nvfp4_layout() {
+  return ExplicitLayout{{{{"w13", 1u << 20}, {"w2", 512u << 10}, {"w13_scale", 128u << 10}, {"w2_scale", 64u << 10},
+                          {"w13_scale_2", 4}, {"w2_scale_2", 4}}}};
+}
+
+CudaRuntime& runtime() {
+  static CudaRuntime rt;
+  return rt;
+}
+
+double g_ceiling_gbps = 0.0;
+
+// Median GB/s of one large pinned H2D copy (the copy engine's ceiling on this machine).
+double measure_ceiling() {
+  const std::size_t bytes = 128 * expert_bytes;  // 216 MiB, like 128 misses
+  void* host = nullptr;
+  void* dev = nullptr;
+  BENCH_CUDA(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  BENCH_CUDA(cudaMalloc(&dev, bytes));
+  std::memset(host, 1, bytes);
+  cudaStream_t s = nullptr;
+  cudaEvent_t a = nullptr, b = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < 11; ++r) {
+    BENCH_CUDA(cudaEventRecord(a, s));
+    BENCH_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
+    BENCH_CUDA(cudaEventRecord(b, s));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
+    if (r >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double gbps = static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e6);
+  BENCH_CUDA(cudaEventDestroy(a));
+  BENCH_CUDA(cudaEventDestroy(b));
+  BENCH_CUDA(cudaStreamDestroy(s));
+  BENCH_CUDA(cudaFree(dev));
+  BENCH_CUDA(cudaFreeHost(host));
+  return gbps;
+}
+
+void BM_Ceiling(benchmark::State& state) {
+  for (auto _ : state) {
+    state.SetIterationTime(static_cast<double>(128 * expert_bytes) / (g_ceiling_gbps * 1e9));
+  }
+  state.counters["GBps"] = g_ceiling_gbps;
+  state.counters["ratio"] = 1.0;
+}
+
+// One cache alive at a time (each holds ~600 MiB of pinned host memory): asking for another
+// type destroys the previous one. Benchmarks of one cache type run back to back.
+struct Held {
+  const std::type_info* type = nullptr;
+  std::shared_ptr<void> cache;
+  cudaStream_t stream = nullptr;
+};
+Held& held() {
+  static Held h;
+  return h;
+}
+
+template <class Cache>
+Cache& cache_for(std::int32_t experts, std::int32_t capacity) {
+  Held& h = held();
+  if (h.type == nullptr || *h.type != typeid(Cache) || static_cast<Cache*>(h.cache.get())->options().capacity != capacity ||
+      static_cast<Cache*>(h.cache.get())->options().num_experts != experts) {
+    BENCH_CUDA(cudaDeviceSynchronize());
+    h.cache.reset();
+    CacheOptions o;
+    o.num_experts = experts;
+    o.capacity = capacity;
+    o.top_k = 8;
+    o.log = {};
+    h.cache = std::make_shared<Cache>(runtime(), o, nvfp4_layout());
+    h.type = &typeid(Cache);
+    if (h.stream == nullptr) h.stream = runtime().create_stream().value();
+  }
+  return *static_cast<Cache*>(h.cache.get());
+}
+
+// Drops every resident expert (untimed), so the next prepare fills from empty.
+template <class Cache>
+void make_cold(Cache& cache, cudaStream_t s) {
+  for (std::int32_t e = 0; e < cache.options().num_experts; ++e) {
+    if (cache.resident_map_host()[static_cast<std::size_t>(e)] >= 0) (void)cache.invalidate(e, s);
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+}
+
+// GPU time of prepare() with `misses` misses: events around the call on the caller stream (the
+// caller waits for the fills, so the end event covers them).
+template <class Cache>
+void BM_Fill(benchmark::State& state, std::int32_t misses, bool cold) {
+  const std::int32_t capacity = fill_capacity;
+  Cache& cache = cache_for<Cache>(fill_experts, capacity);
+  const cudaStream_t s = held().stream;
+  cudaEvent_t a = nullptr, b = nullptr;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(misses));
+  std::int32_t next = 0;
+  std::uint64_t bytes = 0;
+  double gpu_seconds = 0;
+  make_cold(cache, s);  // earlier runs left experts resident that the window below would hit
+  for (auto _ : state) {
+    if (cold) {
+      make_cold(cache, s);
+      next = 0;
+    }
+    for (auto& id : ids) {
+      id = next;
+      next = (next + 1) % fill_experts;
+    }
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    BENCH_CUDA(cudaEventRecord(a, s));
+    auto view = cache.prepare_unique(ids, s);
+    BENCH_CUDA(cudaEventRecord(b, s));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    if (!view.ok()) {
+      state.SkipWithError(view.status().to_string().c_str());
+      break;
+    }
+    if (view.value().misses != static_cast<std::uint32_t>(misses)) {
+      state.SkipWithError("benchmark setup: not every expert missed");
+      break;
+    }
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    state.SetIterationTime(ms / 1e3);
+    gpu_seconds += ms / 1e3;
+    bytes += static_cast<std::uint64_t>(misses) * expert_bytes;
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes));
+  // GB/s over the GPU (event) time of the iterations, and its share of the ceiling measured in
+  // this process. With --benchmark_repetitions the aggregates give their median.
+  const double gbps = gpu_seconds > 0 ? static_cast<double>(bytes) / gpu_seconds / 1e9 : 0.0;
+  state.counters["GBps"] = gbps;
+  state.counters["ratio"] = g_ceiling_gbps > 0 ? gbps / g_ceiling_gbps : 0.0;
+  BENCH_CUDA(cudaEventDestroy(a));
+  BENCH_CUDA(cudaEventDestroy(b));
+}
+
+// Host wall-clock of prepare() alone; the GPU is drained before each call (untimed) so no staging
+// stall or queue back-pressure is measured, and not waited after it.
+template <class Cache>
+void BM_HostPrepare(benchmark::State& state, std::int32_t misses) {
+  Cache& cache = cache_for<Cache>(fill_experts, fill_capacity);
+  const cudaStream_t s = held().stream;
+  std::vector<std::int32_t> ids;
+  std::int32_t next = 0;
+  if (misses == 0) {
+    ids = {3, 17, 42, 5, 99, 120, 7, 64};  // one token, top-8, all resident after the warm-up
+    if (!cache.prepare(ids, s).ok()) state.SkipWithError("warm-up prepare failed");
+  } else {
+    make_cold(cache, s);  // earlier runs left experts resident that the window below would hit
+    ids.resize(static_cast<std::size_t>(misses));
+  }
+  for (auto _ : state) {
+    if (misses != 0) {
+      for (auto& id : ids) {
+        id = next;
+        next = (next + 1) % fill_experts;
+      }
+    }
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    const auto t0 = std::chrono::steady_clock::now();
+    auto view = cache.prepare(ids, s);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!view.ok()) {
+      state.SkipWithError(view.status().to_string().c_str());
+      break;
+    }
+    if (view.value().misses != static_cast<std::uint32_t>(misses)) {
+      state.SkipWithError("benchmark setup: unexpected hit/miss count");
+      break;
+    }
+    state.SetIterationTime(std::chrono::duration<double>(t1 - t0).count());
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+}
+
+template <template <class> class S, class P>
+using BenchCache = ExpertCache<S, Lru, P, ExplicitLayout, CudaRuntime>;
+
+template <template <class> class S, class P>
+void register_fill(const char* policy, const char* storage) {
+  for (std::int32_t m : {1, 8, 32, 128}) {
+    benchmark::RegisterBenchmark((std::string("fill/") + policy + "/" + storage + "/misses:" + std::to_string(m)).c_str(),
+                                 [m](benchmark::State& st) { BM_Fill<BenchCache<S, P>>(st, m, false); })
+        ->UseManualTime()
+        ->MinTime(0.2)
+        ->Unit(benchmark::kMicrosecond);
+  }
+  benchmark::RegisterBenchmark((std::string("cold208/") + policy + "/" + storage).c_str(),
+                               [](benchmark::State& st) { BM_Fill<BenchCache<S, P>>(st, fill_capacity, true); })
+      ->UseManualTime()
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(5);
+}
+
+template <class Cache>
+void register_host(const char* name) {
+  benchmark::RegisterBenchmark((std::string("host/") + name + "/all_hit").c_str(),
+                               [](benchmark::State& st) { BM_HostPrepare<Cache>(st, 0); })
+      ->UseManualTime()
+      ->MinTime(0.1)
+      ->Unit(benchmark::kMicrosecond);
+  benchmark::RegisterBenchmark((std::string("host/") + name + "/misses:10").c_str(),
+                               [](benchmark::State& st) { BM_HostPrepare<Cache>(st, 10); })
+      ->UseManualTime()
+      ->Unit(benchmark::kMicrosecond)
+      ->Iterations(2000);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "bench_staging: no CUDA device\n");
+    return 77;
+  }
+  benchmark::Initialize(&argc, argv);
+  g_ceiling_gbps = measure_ceiling();
+  std::fprintf(stderr, "ceiling: one %.0f MiB pinned H2D cudaMemcpyAsync = %.2f GB/s (median of 9)\n",
+               128.0 * expert_bytes / (1 << 20), g_ceiling_gbps);
+  benchmark::RegisterBenchmark("ceiling/pinned_memcpy_216MiB", BM_Ceiling)->UseManualTime()->Unit(benchmark::kMillisecond);
+
+  register_fill<TensorMajorStorage, CopyStream>("copy_stream", "tensor_major");
+  register_fill<ExpertMajorStorage, CopyStream>("copy_stream", "expert_major");
+  register_fill<TensorMajorStorage, Inline>("inline", "tensor_major");
+  register_fill<ExpertMajorStorage, Inline>("inline", "expert_major");
+  register_fill<TensorMajorStorage, Batched>("batched", "tensor_major");
+  register_fill<ExpertMajorStorage, Batched>("batched", "expert_major");
+  register_fill<TensorMajorStorage, Gather>("gather", "tensor_major");
+  register_fill<ExpertMajorStorage, Gather>("gather", "expert_major");
+
+  register_host<RowCache<CudaRuntime, ExplicitLayout>>("row_cache");
+  register_host<WholeExpertCache<CudaRuntime, ExplicitLayout>>("whole_expert_cache");
+  register_host<ExpertCache<TensorMajorStorage, Lru, Gather, ExplicitLayout, CudaRuntime>>("gather_row_cache");
+  register_host<ExpertCache<ExpertMajorStorage, Lfru, Gather, ExplicitLayout, CudaRuntime>>("gather_whole_expert_cache");
+
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  held().cache.reset();
+  return 0;
+}

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""End-to-end tests of expert-cache-bench (the decode-loop provider benchmark).
+
+usage: test_bench_cli.py PATH_TO_BENCH CASE
+Cases: smoke (a short modelled run, table + Google-Benchmark JSON), bad_args (every rejection
+exits 2 with a clear message and prints no table). 'all' runs both. Always forces --runtime sim
+so the tests behave the same with or without a GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+BENCH = None
+TMP = None
+
+
+def run(*args):
+    p = subprocess.run([BENCH, *args], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def expect(cond, what, *context):
+    if not cond:
+        print("FAILED:", what)
+        for c in context:
+            print("----\n" + str(c))
+        sys.exit(1)
+
+
+def write(name, text):
+    path = os.path.join(TMP, name)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def case_smoke():
+    out_json = os.path.join(TMP, "bench.json")
+    rc, out, err = run("--runtime", "sim", "--steps", "2", "--warmup", "2", "--layers", "4", "--json", out_json)
+    expect(rc == 0, "smoke run exits 0", out, err)
+    expect("MODELLED (SimRuntime cost model), not measured" in out, "modelled label on stdout", out)
+    for name in ("resident", "row", "cached", "inline", "copy_stream", "batched"):
+        expect(name in out, f"table mentions {name}", out)
+    with open(out_json, encoding="utf-8") as f:
+        doc = json.load(f)
+    expect(doc["context"]["expert_cache_mode"] == "modelled", "json mode", doc["context"])
+    names = [b["name"] for b in doc["benchmarks"]]
+    expect(names[0] == "decode/resident" and "decode/row/copy_stream" in names and "decode/cached/batched" in names,
+           "benchmark names", names)
+    for b in doc["benchmarks"]:
+        for key in ("real_time", "cpu_time", "time_unit", "iterations", "tokens_per_second", "hit_rate",
+                    "misses_per_token", "pcie_bytes_per_token", "host_us_per_prepare", "vs_resident",
+                    "vs_pcie_bound", "cold_start_ms"):
+            expect(key in b, f"{b['name']} has {key}", b)
+        expect(b["iterations"] == 2 and b["tokens_per_second"] > 0, "tokens measured", b)
+        expect(b["check_failures"] == 0, "consumer checks pass", b)
+        if b["provider"] != "resident":
+            expect(0.0 <= b["hit_rate"] <= 1.0 and b["vs_resident"] <= 1.0 + 1e-9, "ratios in range", b)
+    # A trace file, batch 2, one provider and staging.
+    trace = write("t.trace", "".join(f"{s} {l} {(s + l) % 6} {(s * 3 + l) % 6 + 6}\n" for s in range(12) for l in range(3)))
+    rc, out, err = run("--runtime", "sim", "--trace", trace, "--capacity", "6", "--batch", "2", "--steps", "3",
+                       "--warmup", "1", "--provider", "cached", "--staging", "copy_stream", "--progress")
+    expect(rc == 0, "trace run exits 0", out, err)
+    expect("cached" in out and "copy_stream" in out and "row" not in out.split("provider")[1], "only cached", out)
+    expect("expert-cache-bench: [1/1]" in err, "--progress reports on stderr", err)
+
+
+def expect_usage_error(args, needle):
+    rc, out, err = run("--runtime", "sim", *args)
+    expect(rc == 2, f"exit code 2 for {args}, got {rc}", out, err)
+    expect(needle in err, f"stderr of {args} mentions {needle!r}", err)
+    expect("tok/s" not in out, f"no table for {args}", out)
+    expect("internal" not in err and "Traceback" not in err, f"no crash text for {args}", err)
+
+
+def case_bad_args():
+    expect_usage_error(["--capacity", "5"], "is below top-k 10")
+    expect_usage_error(["--capacity", "600"], "exceeds the 512 experts")
+    expect_usage_error(["--provider", "bogus"], "unknown provider 'bogus'")
+    expect_usage_error(["--staging", "fast"], "unknown staging 'fast'")
+    expect_usage_error(["--staging", "gather"], "needs the CUDA runtime")
+    expect_usage_error(["--runtime", "gpu"], "--runtime")
+    expect_usage_error(["--trace", os.path.join(TMP, "missing.trace")], "cannot open trace file")
+    expect_usage_error(["--trace", write("bad.trace", "0 0 1 2\n1 0 x\n")], "line 2")
+    expect_usage_error(["--trace", write("neg.trace", "0 0 1\n1 0 -3\n")], "negative")
+    expect_usage_error(["--trace", write("empty.trace", "# nothing\n")], "no records")
+    expect_usage_error(["--trace", write("short.trace", "0 0 1 2\n1 0 2 3\n"), "--capacity", "4"], "steps but")
+    expect_usage_error(["--batch", "0"], "--batch")
+    expect_usage_error(["--batch", "17"], "--batch")
+    expect_usage_error(["--steps", "x"], "not an integer")
+    expect_usage_error(["--topk", "20", "--capacity", "16"], "is below top-k 20")
+    expect_usage_error(["--json"], "needs a value")
+    expect_usage_error(["--frobnicate"], "unknown argument")
+    rc, out, err = run("--help")
+    expect(rc == 0 and "--provider" in out and "--staging" in out and "--trace" in out, "--help", out, err)
+
+
+CASES = {"smoke": case_smoke, "bad_args": case_bad_args}
+
+
+def main():
+    global BENCH, TMP
+    if len(sys.argv) != 3 or (sys.argv[2] not in CASES and sys.argv[2] != "all"):
+        print(__doc__)
+        return 2
+    BENCH = os.path.abspath(sys.argv[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        TMP = tmp
+        for name, fn in CASES.items():
+            if sys.argv[2] in (name, "all"):
+                fn()
+                print("ok", name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
