@@ -81,21 +81,24 @@ class CudaRuntime {
 
   Status record(Event e, Stream s) noexcept {
     if (Status st = cuda_status(cudaEventRecord(e, s), "cudaEventRecord"); !st) return st;
-    // Remember events whose latest record is a capture node: outside that capture CUDA
-    // rejects waits on them (seen on the H200: cudaErrorInvalidValue, not only
-    // cudaErrorCapturedEvent), and by the capture contract their work has completed.
-    const bool captured = capturing_or_unknown(s);
-    const auto it = std::find(captured_events_.begin(), captured_events_.end(), e);
-    if (captured && it == captured_events_.end()) {
-      captured_events_.push_back(e);  // bounded by the number of events a cache owns
-    } else if (!captured && it != captured_events_.end()) {
+    // Remember events whose latest record is a capture node. Once that capture has ended,
+    // CUDA rejects waits on them (seen on the H200: cudaErrorInvalidValue, not only
+    // cudaErrorCapturedEvent); by the capture contract their work has completed then.
+    Result<std::uint64_t> capture = capture_id(s);
+    const std::uint64_t id = capture.ok() ? capture.value() : 0;
+    const auto it = std::find_if(captured_events_.begin(), captured_events_.end(),
+                                 [e](const CapturedRecord& r) { return r.event == e; });
+    if (id != 0) {
+      if (it != captured_events_.end()) *it = CapturedRecord{e, s, id};
+      else captured_events_.push_back(CapturedRecord{e, s, id});  // bounded by the cache's events
+    } else if (it != captured_events_.end()) {
       captured_events_.erase(it);
     }
     return {};
   }
 
   Status wait(Stream s, Event e) noexcept {
-    if (recorded_in_finished_capture(e, s)) return {};
+    if (recorded_in_finished_capture(e)) return {};
     const cudaError_t err = cudaStreamWaitEvent(s, e, 0);
     // The event's last record is a node of a finished capture: complete by the capture
     // contract (see the header comment). Inside a capture the error is real.
@@ -107,7 +110,7 @@ class CudaRuntime {
   }
 
   Result<bool> query(Event e) noexcept {
-    if (is_captured_event(e)) return true;  // complete by the capture contract
+    if (recorded_in_finished_capture(e)) return true;  // complete by the capture contract
     cudaError_t err = cudaSuccess;
     {
       RelaxedCaptureMode relaxed;
@@ -126,7 +129,7 @@ class CudaRuntime {
   }
 
   Status synchronize(Event e) noexcept {
-    if (is_captured_event(e)) return {};
+    if (recorded_in_finished_capture(e)) return {};
     cudaError_t err = cudaSuccess;
     {
       RelaxedCaptureMode relaxed;
@@ -284,14 +287,16 @@ class CudaRuntime {
     bool ok_ = false;
   };
 
-  // True when e's latest record was captured and the waiting stream is not capturing: the
-  // captured work is complete by contract, so there is nothing to wait for.
-  bool recorded_in_finished_capture(Event e, Stream waiter) noexcept {
-    return is_captured_event(e) && !capturing_or_unknown(waiter);
-  }
-  [[nodiscard]] bool is_captured_event(Event e) const noexcept {
-    return !captured_events_.empty() &&
-           std::find(captured_events_.begin(), captured_events_.end(), e) != captured_events_.end();
+  // True when e's latest record is a node of a capture that has ended (the recording stream
+  // is no longer in that capture). While the capture runs, waits on e are real capture edges
+  // (they join other streams into it) and must reach CUDA.
+  bool recorded_in_finished_capture(Event e) noexcept {
+    if (captured_events_.empty()) return false;
+    const auto it = std::find_if(captured_events_.begin(), captured_events_.end(),
+                                 [e](const CapturedRecord& r) { return r.event == e; });
+    if (it == captured_events_.end()) return false;
+    Result<std::uint64_t> now = capture_id(it->stream);
+    return !now.ok() || now.value() != it->capture;
   }
 
   bool capturing_or_unknown(Stream s) noexcept {
@@ -309,7 +314,12 @@ class CudaRuntime {
   }
 
   bool sync_after_enqueue_;
-  std::vector<Event> captured_events_;
+  struct CapturedRecord {
+    Event event;
+    Stream stream;
+    std::uint64_t capture;
+  };
+  std::vector<CapturedRecord> captured_events_;
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<std::size_t> sizes_;
