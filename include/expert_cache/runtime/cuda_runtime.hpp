@@ -84,6 +84,10 @@ class CudaRuntime {
     // Remember events whose latest record is a capture node. Once that capture has ended,
     // CUDA rejects waits on them (seen on the H200: cudaErrorInvalidValue, not only
     // cudaErrorCapturedEvent); by the capture contract their work has completed then.
+    // Until any capture has been seen, skip the query: every cache call asks for its stream's
+    // capture state (capture_id / is_capturing) before its first record on that stream, so the
+    // first capture is always observed in time, and the common never-captured path stays cheap.
+    if (!capture_seen_) return {};
     Result<std::uint64_t> capture = capture_id(s);
     const std::uint64_t id = capture.ok() ? capture.value() : 0;
     const auto it = std::find_if(captured_events_.begin(), captured_events_.end(),
@@ -148,6 +152,7 @@ class CudaRuntime {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     if (Status st = cuda_status(cudaStreamIsCapturing(s, &status), "cudaStreamIsCapturing"); !st) return st;
     // An invalidated capture still counts: anything enqueued now would be lost with it.
+    if (status != cudaStreamCaptureStatusNone) capture_seen_ = true;
     return status != cudaStreamCaptureStatusNone;
   }
 
@@ -157,6 +162,7 @@ class CudaRuntime {
     unsigned long long id = 0;
     if (Status st = cuda_status(cudaStreamGetCaptureInfo(s, &status, &id), "cudaStreamGetCaptureInfo"); !st) return st;
     if (status == cudaStreamCaptureStatusNone) return std::uint64_t{0};
+    capture_seen_ = true;
     return static_cast<std::uint64_t>(id) + 1;  // +1: keep 0 for "not capturing"
   }
 
@@ -320,6 +326,7 @@ class CudaRuntime {
     std::uint64_t capture;
   };
   std::vector<CapturedRecord> captured_events_;
+  bool capture_seen_ = false;  // sticky: some stream was seen capturing
   std::vector<void*> dsts_;
   std::vector<const void*> srcs_;
   std::vector<std::size_t> sizes_;
