@@ -37,6 +37,7 @@
 #include <unistd.h>
 #endif
 
+#include "cli_args.hpp"
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
@@ -47,10 +48,6 @@ namespace expert_cache::bench {
 inline constexpr int exit_ok = 0;
 inline constexpr int exit_failure = 1;
 inline constexpr int exit_usage = 2;
-
-struct UsageError {
-  std::string message;
-};
 
 // ---- arguments ------------------------------------------------------------------------------
 
@@ -194,23 +191,11 @@ inline std::vector<std::string> parse_list(std::string_view flag, std::string_vi
 
 inline BenchArgs parse_args(int argc, char** argv) {
   BenchArgs a;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    std::optional<std::string_view> inline_value;
-    if (arg.starts_with("--")) {
-      if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
-        inline_value = arg.substr(eq + 1);
-        arg = arg.substr(0, eq);
-      }
-    }
-    auto value = [&]() -> std::string_view {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= argc) throw UsageError{std::string(arg) + " needs a value"};
-      return argv[++i];
-    };
-    auto no_value = [&] {
-      if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
-    };
+  ArgCursor cursor(argc, argv);
+  while (cursor.next()) {
+    const std::string_view arg = cursor.name();
+    auto value = [&] { return cursor.value(); };
+    auto no_value = [&] { cursor.no_value(); };
     using detail::parse_int;
     if (arg == "--help" || arg == "-h") {
       no_value();

@@ -18,6 +18,7 @@
 #include <unistd.h>
 #endif
 
+#include "cli_args.hpp"
 #include "expert_cache/replay.hpp"
 #include "expert_cache/trace.hpp"
 
@@ -52,9 +53,8 @@ void print_help(std::ostream& out) {
          "Exit status: 0 ok, 2 bad arguments or malformed trace, 1 internal error.\n";
 }
 
-struct UsageError {
-  std::string message;
-};
+using expert_cache::bench::ArgCursor;
+using expert_cache::bench::UsageError;
 
 std::vector<std::string_view> split_commas(std::string_view s) {
   std::vector<std::string_view> out;
@@ -92,23 +92,11 @@ struct Args {
 
 Args parse_args(int argc, char** argv) {
   Args a;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg = argv[i];
-    std::optional<std::string_view> inline_value;
-    if (arg.starts_with("--")) {
-      if (const std::size_t eq = arg.find('='); eq != std::string_view::npos) {
-        inline_value = arg.substr(eq + 1);
-        arg = arg.substr(0, eq);
-      }
-    }
-    auto value = [&]() -> std::string_view {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= argc) throw UsageError{std::string(arg) + " needs a value"};
-      return argv[++i];
-    };
-    auto no_value = [&] {
-      if (inline_value) throw UsageError{std::string(arg) + " takes no value"};
-    };
+  ArgCursor cursor(argc, argv);
+  while (cursor.next()) {
+    const std::string_view arg = cursor.name();
+    auto value = [&] { return cursor.value(); };
+    auto no_value = [&] { cursor.no_value(); };
     if (arg == "--help" || arg == "-h") {
       no_value();
       a.help = true;

@@ -15,22 +15,9 @@
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/planner.hpp"
 
-// Counts heap allocations so a test can prove the planning hot path makes none.
-namespace {
-std::atomic<std::uint64_t> g_allocations{0};
-}  // namespace
+#include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
 
-// noinline: once inlined, GCC pairs `delete` with the malloc below and warns (false positive).
-[[gnu::noinline]] void* operator new(std::size_t size) {
-  g_allocations.fetch_add(1, std::memory_order_relaxed);
-  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t size) { return operator new(size); }
-[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-[[gnu::noinline]] void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+using expert_cache::test::g_allocations;
 
 using namespace expert_cache;
 
