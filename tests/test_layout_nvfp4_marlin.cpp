@@ -328,6 +328,25 @@ TEST_CASE("weight index map equals the permutation built by the spec's per-lane 
   }
 }
 
+TEST_CASE("weight_word_from_bytes (the tiled kernel's form) equals weight_word on random rows") {
+  // One 16 x 64 tile of random checkpoint rows (64 rows n, 8 bytes = 16 codes k each).
+  std::mt19937 rng(77);
+  std::array<std::uint8_t, 64 * 8> rows{};
+  for (auto& b : rows) b = static_cast<std::uint8_t>(rng());
+  const auto code_at = [&](std::int64_t k, std::int64_t n) {
+    return marlin::packed_code(rows.data() + n * 8, k);
+  };
+  int mismatches = 0;
+  for (int t = 0; t < 32; ++t)
+    for (int w = 0; w < 4; ++w) {
+      const int byte = t % 4, c = 16 * w + t / 4;  // k = r = 2 * (t % 4) lives in byte t % 4
+      const std::uint32_t got = marlin::weight_word_from_bytes(rows[c * 8 + byte], rows[c * 8 + byte + 4],
+                                                               rows[(c + 8) * 8 + byte], rows[(c + 8) * 8 + byte + 4]);
+      mismatches += got != marlin::weight_word(code_at, 0, 4 * t + w) ? 1 : 0;
+    }
+  CHECK(mismatches == 0);
+}
+
 TEST_CASE("scale index map equals scale_perm followed by the [0,2,1,3] swap") {
   const auto perm = literal_scale_perm();
   CHECK(perm[1] == 8);

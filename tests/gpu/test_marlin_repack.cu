@@ -13,6 +13,7 @@
 #include <cstring>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "expert_cache/device/gather.cuh"
@@ -160,7 +161,10 @@ struct Shape {
   std::int64_t k, n;
   ActDtype d;
 };
-constexpr Shape shapes[] = {{256, 128, ActDtype::bf16}, {256, 96, ActDtype::bf16}, {192, 64, ActDtype::fp16}};
+// N = 128 and 96 (shard padding), K % 128 != 0, and two shapes whose k-tiles and scale groups do
+// not fill the tiled kernels' runs (K = 320: 20 k-tiles, w2 padded 80 -> 128; K = 2304: 144 groups).
+constexpr Shape shapes[] = {{256, 128, ActDtype::bf16}, {256, 96, ActDtype::bf16}, {192, 64, ActDtype::fp16},
+                            {320, 80, ActDtype::bf16},  {2304, 64, ActDtype::fp16}};
 constexpr std::int64_t num_experts = 8;
 
 }  // namespace
@@ -233,7 +237,8 @@ TEST_CASE("host-chunked path (chunks 3+3+2, and one chunk) is byte-identical to 
       return m;
     };
 
-    for (std::int64_t chunk : {std::int64_t{3}, std::int64_t{64}, std::int64_t{1}}) {
+    // Rounds of ceil(chunk / 2) experts: 2+2+2+2, 3+3+2 (not dividing E), one round, 1 each.
+    for (std::int64_t chunk : {std::int64_t{3}, std::int64_t{5}, std::int64_t{64}, std::int64_t{1}}) {
       CAPTURE(chunk);
       std::fill(ms13.span().begin(), ms13.span().end(), std::uint8_t{0xAB});
       auto r = device::repack_layer_host_chunked(l, src, dst, stream, chunk);
@@ -250,6 +255,80 @@ TEST_CASE("host-chunked path (chunks 3+3+2, and one chunk) is byte-identical to 
     CHECK(std::all_of(ms13.span().begin(), ms13.span().end(), [](std::uint8_t b) { return b == 0xAB; }));
   }
   REQUIRE_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("host-chunked path rejects bad values before writing any output, naming the first one") {
+  const Nvfp4Marlin l{256, 96, ActDtype::bf16};
+  cudaStream_t stream = nullptr;
+  REQUIRE_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int which = 0; which < 3; ++which) {
+    CAPTURE(which);
+    HostLayer h = random_layer(l, num_experts, 99);
+    const std::size_t last_s2 = h.s2.size() - 3, last_s13 = h.s13.size() - 1;
+    std::string want;
+    if (which == 0) {  // two bad w2 scales in different rounds: the first is named
+      h.s2[last_s2] = 0x7F;
+      h.s2[40] = 0xC0;
+      want = "w2_scale[40]";
+    }
+    if (which == 1) {  // in the last expert, found only by the last round of the stats pass
+      h.s13[last_s13] = 0xFF;
+      want = "w13_scale[" + std::to_string(last_s13) + "]";
+    }
+    if (which == 2) {  // a w3 global (column 1) of expert 6
+      h.g13[13] = std::nanf("");
+      want = "w13_scale_2[13]";
+    }
+    const auto E = static_cast<std::size_t>(num_experts);
+    PinnedBuffer<std::uint32_t> mw13(E * static_cast<std::size_t>(l.w13_words())), mw2(E * static_cast<std::size_t>(l.w2_words()));
+    PinnedBuffer<std::uint8_t> ms13(E * static_cast<std::size_t>(l.w13_scale_bytes())), ms2(E * static_cast<std::size_t>(l.w2_scale_bytes()));
+    PinnedBuffer<float> mg13(E), mg2(E);
+    std::fill(mw13.span().begin(), mw13.span().end(), 0xABABABABu);
+    std::fill(ms2.span().begin(), ms2.span().end(), std::uint8_t{0xAB});
+    std::fill(mg13.span().begin(), mg13.span().end(), -1.0f);
+    const Nvfp4MarlinLayer dst{mw13.span(), mw2.span(), ms13.span(), ms2.span(), mg13.span(), mg2.span()};
+    auto r = device::repack_layer_host_chunked(l, h.view(), dst, stream, 3);
+    REQUIRE(!r.ok());
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    CHECK(r.status().message().find(want) != std::string::npos);
+    CHECK(std::all_of(mw13.span().begin(), mw13.span().end(), [](std::uint32_t x) { return x == 0xABABABABu; }));
+    CHECK(std::all_of(ms2.span().begin(), ms2.span().end(), [](std::uint8_t x) { return x == 0xAB; }));
+    CHECK(std::all_of(mg13.span().begin(), mg13.span().end(), [](float x) { return x == -1.0f; }));
+  }
+  REQUIRE_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("misaligned tensors take the generic kernels and stay byte-identical to the host reference") {
+  const Nvfp4Marlin l{320, 80, ActDtype::bf16};
+  const HostLayer h = random_layer(l, num_experts, 4242);
+  HostMarlin want(l, num_experts);
+  REQUIRE(repack_layer_reference(l, h.view(), want.view()).ok());
+  // Every tensor at an offset that breaks the tiled kernels' alignment (words stay 4-aligned).
+  constexpr std::size_t byte_shift = 1, word_shift = 4;
+  const auto padded = [](std::size_t bytes) { return bytes + 16; };
+  DeviceBuffer<std::uint8_t> w13(padded(h.w13.size())), w2(padded(h.w2.size()));
+  DeviceBuffer<std::uint8_t> mw13(padded(want.w13.size() * 4)), mw2(padded(want.w2.size() * 4));
+  DeviceBuffer<std::uint8_t> ms13(padded(want.s13.size())), ms2(padded(want.s2.size()));
+  const DeviceBuffer<std::uint8_t> s13(h.s13), s2(h.s2);
+  const DeviceBuffer<float> g13(h.g13), g2(h.g2);
+  DeviceBuffer<float> mg13(want.g13.size()), mg2(want.g2.size());
+  REQUIRE_CUDA(cudaMemcpy(w13.get() + byte_shift, h.w13.data(), h.w13.size(), cudaMemcpyHostToDevice));
+  REQUIRE_CUDA(cudaMemcpy(w2.get() + byte_shift, h.w2.data(), h.w2.size(), cudaMemcpyHostToDevice));
+  const device::Nvfp4CheckpointPtrs src{w13.get() + byte_shift, s13.get(), g13.get(), w2.get() + byte_shift, s2.get(), g2.get()};
+  const device::Nvfp4MarlinPtrs dst{reinterpret_cast<std::uint32_t*>(mw13.get() + word_shift),
+                                    reinterpret_cast<std::uint32_t*>(mw2.get() + word_shift), ms13.get() + byte_shift,
+                                    ms2.get() + byte_shift, mg13.get(), mg2.get()};
+  auto report = device::repack_layer_device(l, num_experts, src, dst, nullptr);
+  REQUIRE(report.ok());
+  REQUIRE_CUDA(cudaDeviceSynchronize());
+  HostMarlin got(l, num_experts);
+  REQUIRE_CUDA(cudaMemcpy(got.w13.data(), mw13.get() + word_shift, got.w13.size() * 4, cudaMemcpyDeviceToHost));
+  REQUIRE_CUDA(cudaMemcpy(got.w2.data(), mw2.get() + word_shift, got.w2.size() * 4, cudaMemcpyDeviceToHost));
+  REQUIRE_CUDA(cudaMemcpy(got.s13.data(), ms13.get() + byte_shift, got.s13.size(), cudaMemcpyDeviceToHost));
+  REQUIRE_CUDA(cudaMemcpy(got.s2.data(), ms2.get() + byte_shift, got.s2.size(), cudaMemcpyDeviceToHost));
+  got.g13 = mg13.download();
+  got.g2 = mg2.download();
+  CHECK(layers_equal(got, want));
 }
 
 TEST_CASE("round trip: dequant of the device output == e2m1 * e4m3 * g up to the flush") {

@@ -82,6 +82,183 @@ inline int grid_for(std::int64_t work) {
 
 enum : int { w13_tensor = 0, w2_tensor = 1 };
 
+// ---------------------------------------------------------------------------------------------
+// Tiled kernels (the fast path). Both repacks are transposes: the checkpoint is n-major (one row
+// per GEMM output column, packed along k), Marlin is k-major. A block stages a 64-column strip of
+// the source in shared memory with coalesced loads and writes whole output tiles with coalesced
+// stores. Rows in the w13 shard padding and k beyond N in w2 read as zero.
+
+inline constexpr int weight_chunk_tiles = 16;  // 16-k tiles per block: 128 source bytes per row
+inline constexpr int weight_smem_row = weight_chunk_tiles * 8 + 8;  // +8 B: rows 8 apart hit different banks
+inline constexpr int scale_chunk_groups = 64;   // 16-k groups per block
+inline constexpr int scale_smem_row = 64 + 4;   // [group][column] rows, +4 B against bank conflicts
+inline constexpr std::int64_t max_grid = std::int64_t{1} << 20;
+
+// The source rows behind one 64-column strip of a GEMM operand, for one expert. A strip never
+// straddles the w13 shards (Np is a multiple of 64), so its rows are one contiguous run of
+// checkpoint rows followed by zero rows (shard padding); along k, w2's source ends at N (Np > N
+// is zero padding, in whole 16-k groups since N % 16 == 0).
+struct SourceStrip {
+  std::int64_t first_row = 0;  // checkpoint row of strip row 0 (layer-wide, experts stacked)
+  int valid_rows = 0;          // strip rows [0, valid_rows) exist in the checkpoint
+  std::int64_t valid_k = 0;    // codes [0, valid_k) along k exist
+};
+
+template <int Tensor>
+__device__ __forceinline__ SourceStrip source_strip(const RepackArgs& a, std::int64_t e, int nt) {
+  const std::int64_t n0 = std::int64_t{64} * nt;
+  if constexpr (Tensor == w13_tensor) {
+    const std::int64_t shard = n0 / a.padded, in_shard = n0 % a.padded;
+    const std::int64_t rows = a.intermediate - in_shard;
+    return {e * 2 * a.intermediate + shard * a.intermediate + in_shard,
+            static_cast<int>(rows < 0 ? 0 : rows < 64 ? rows : 64), a.hidden};
+  } else {
+    return {e * a.hidden + n0, 64, a.intermediate};
+  }
+}
+
+// Block task = (expert, 64-column tile nt, run of up to 16 k-tiles). Needs 8-byte aligned sources
+// and 16-byte aligned outputs (checked by the launcher). Each thread writes one uint4: the words
+// of lane t for all four warps w of a tile (output words 4t .. 4t+3).
+template <int Tensor>
+__global__ void __launch_bounds__(block_threads) marlin_weights_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
+                                                                             RepackArgs a) {
+  __shared__ __align__(16) unsigned char strip[64 * weight_smem_row];
+  const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
+  const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
+  const std::int64_t row_bytes = (Tensor == w13_tensor ? a.hidden : a.intermediate) / 2;
+  const std::uint8_t* in_base = Tensor == w13_tensor ? src.w13 : src.w2;
+  std::uint32_t* out_base = Tensor == w13_tensor ? dst.w13 : dst.w2;
+  const int k_tiles = static_cast<int>(size_k / marlin::tile_k);
+  const int n_tiles = static_cast<int>(size_n / marlin::tile_n);
+  const int chunks = (k_tiles + weight_chunk_tiles - 1) / weight_chunk_tiles;
+  const std::int64_t per_expert_words = std::int64_t{k_tiles} * 2 * size_n;
+  const std::int64_t tasks = a.num_experts * n_tiles * chunks;
+  const int tid = static_cast<int>(threadIdx.x);
+
+  for (std::int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int chunk = static_cast<int>(task % chunks);
+    const std::int64_t rest = task / chunks;
+    const int nt = static_cast<int>(rest % n_tiles);
+    const std::int64_t e = rest / n_tiles;
+    const int kt0 = chunk * weight_chunk_tiles;
+    const int kts = min(weight_chunk_tiles, k_tiles - kt0);
+    const SourceStrip ss = source_strip<Tensor>(a, e, nt);
+    const std::int64_t source_pieces = ss.valid_k / marlin::tile_k - kt0;  // may be <= 0 (w2 padding)
+    const int valid_pieces = static_cast<int>(source_pieces < 0 ? 0 : source_pieces < kts ? source_pieces : kts);
+    const std::uint8_t* strip_src = in_base + ss.first_row * row_bytes + std::int64_t{kt0} * 8;
+
+    // Stage: row i / 16 of the strip, piece i % 16; a warp reads two rows' 128 contiguous bytes.
+    constexpr int pieces = 64 * weight_chunk_tiles;
+#pragma unroll
+    for (int i = tid; i < pieces; i += block_threads) {
+      const int row = i / weight_chunk_tiles, piece = i % weight_chunk_tiles;
+      uint2 v = make_uint2(0u, 0u);
+      if (row < ss.valid_rows && piece < valid_pieces)
+        v = __ldg(reinterpret_cast<const uint2*>(strip_src + row * row_bytes + piece * 8));
+      *reinterpret_cast<uint2*>(strip + row * weight_smem_row + piece * 8) = v;
+    }
+    __syncthreads();
+
+    for (int i = tid; i < kts * 32; i += block_threads) {
+      const int piece = i / 32, t = i % 32;
+      const int shift = 8 * (t % 4);  // byte t % 4 of a piece holds k = r, r + 1 (r = 2 (t % 4))
+      const unsigned char* col = strip + (t / 4) * weight_smem_row + piece * 8;
+      std::uint32_t words[4];
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * w) * weight_smem_row);
+        const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * w + 8) * weight_smem_row);
+        words[w] = marlin::weight_word_from_bytes(c0.x >> shift, c0.y >> shift, c8.x >> shift, c8.y >> shift);
+      }
+      std::uint32_t* out = out_base + e * per_expert_words + std::int64_t{kt0 + piece} * 2 * size_n +
+                           marlin::words_per_tile * nt + 4 * t;
+      *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    __syncthreads();
+  }
+}
+
+// e4m3 scale byte S[g][n] of expert e (0 in padding), for the generic kernel.
+template <int Tensor>
+__device__ __forceinline__ std::uint8_t scale_byte(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, std::int64_t e,
+                                                   std::int64_t g, std::int64_t n) {
+  if constexpr (Tensor == w13_tensor) {
+    const std::int64_t groups = a.hidden / marlin::group_size;
+    const std::int64_t row = marlin::w13_checkpoint_row(n, a.intermediate, a.padded);
+    return row < 0 ? std::uint8_t{0} : __ldg(src.w13_scale + (e * 2 * a.intermediate + row) * groups + g);
+  } else {
+    const std::int64_t groups = a.intermediate / marlin::group_size;
+    return g >= groups ? std::uint8_t{0} : __ldg(src.w2_scale + (e * a.hidden + n) * groups + g);
+  }
+}
+
+// Block task = (expert, 64-column block, run of up to 64 groups). The permutation stays inside a
+// 64-column block, so the block transposes S[g][n] through shared memory and writes each output
+// row's 64 bytes as 16 aligned words; the S0E5M3 encode is a 256-entry table built per block.
+// Needs 4-byte aligned scale outputs (checked by the launcher).
+template <int Tensor>
+__global__ void __launch_bounds__(block_threads) marlin_scales_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
+                                                                            RepackArgs a) {
+  static_assert(block_threads == 256, "one encode-table entry per thread");
+  __shared__ std::uint8_t encode[256];
+  __shared__ __align__(4) std::uint8_t block[scale_chunk_groups * scale_smem_row];
+  const int tid = static_cast<int>(threadIdx.x);
+  encode[tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), Tensor == w13_tensor ? a.w13_log2_sf : a.w2_log2_sf);
+
+  const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
+  const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
+  const std::int64_t row_bytes = (Tensor == w13_tensor ? a.hidden : a.intermediate) / marlin::group_size;
+  const std::uint8_t* in_base = Tensor == w13_tensor ? src.w13_scale : src.w2_scale;
+  std::uint8_t* out_base = Tensor == w13_tensor ? dst.w13_scale : dst.w2_scale;
+  const int groups = static_cast<int>(size_k / marlin::group_size);
+  const int n_blocks = static_cast<int>(size_n / 64);
+  const int chunks = (groups + scale_chunk_groups - 1) / scale_chunk_groups;
+  const std::int64_t tasks = a.num_experts * n_blocks * chunks;
+
+  for (std::int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int chunk = static_cast<int>(task % chunks);
+    const std::int64_t rest = task / chunks;
+    const int nb = static_cast<int>(rest % n_blocks);
+    const std::int64_t e = rest / n_blocks;
+    const int g0 = chunk * scale_chunk_groups;
+    const int gs = min(scale_chunk_groups, groups - g0);
+    const SourceStrip ss = source_strip<Tensor>(a, e, nb);
+    const std::int64_t source_groups = ss.valid_k / marlin::group_size - g0;
+    const int valid_groups = static_cast<int>(source_groups < 0 ? 0 : source_groups < gs ? source_groups : gs);
+    const std::uint8_t* strip_src = in_base + ss.first_row * row_bytes + g0;
+
+    // Stage transposed: source row (column n) i / 64, group i % 64 -> block[group][n].
+#pragma unroll
+    for (int i = tid; i < 64 * scale_chunk_groups; i += block_threads) {
+      const int n = i / scale_chunk_groups, g = i % scale_chunk_groups;
+      block[g * scale_smem_row + n] =
+          n < ss.valid_rows && g < valid_groups ? __ldg(strip_src + n * row_bytes + g) : std::uint8_t{0};
+    }
+    __syncthreads();  // also publishes `encode` on the first task
+
+    for (int i = tid; i < gs * 16; i += block_threads) {
+      const int g = i / 16, quad = i % 16;
+      const std::uint8_t* row = block + g * scale_smem_row;
+      std::uint32_t word = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        word |= std::uint32_t{encode[row[marlin::scale_source_col(4 * quad + b)]]} << (8 * b);
+      std::uint8_t* out = out_base + (e * groups + g0 + g) * size_n + 64 * std::int64_t{nb} + 4 * quad;
+      *reinterpret_cast<std::uint32_t*>(out) = word;
+    }
+    __syncthreads();
+  }
+}
+
+inline int grid_for_tasks(std::int64_t tasks) { return static_cast<int>(std::min(tasks, max_grid)); }
+
+inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std::uintptr_t>(p) % to == 0; }
+
+// ---------------------------------------------------------------------------------------------
+// Generic kernels: any alignment, one thread per output element. Used when a pointer does not
+// meet the tiled kernels' alignment (e.g. a tensor view at an odd byte offset).
+
 // One thread per output int32 word (grid-stride); each gathers its eight codes (spec §4.2).
 template <int Tensor>
 __global__ void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
@@ -114,15 +291,9 @@ __global__ void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs ds
        idx += std::int64_t{gridDim.x} * blockDim.x) {
     const std::int64_t e = idx / per_expert, b = idx % per_expert;
     const std::int64_t g = b / size_n, n = marlin::scale_source_col(b % size_n);
-    if constexpr (Tensor == w13_tensor) {
-      const marlin::W13Scales s{src.w13_scale + e * 2 * a.intermediate * (a.hidden / marlin::group_size), a.hidden,
-                                a.intermediate, a.padded};
-      dst.w13_scale[idx] = marlin::s0e5m3_from_e4m3(s(g, n), a.w13_log2_sf);
-    } else {
-      const marlin::W2Scales s{src.w2_scale + e * a.hidden * (a.intermediate / marlin::group_size), a.hidden,
-                               a.intermediate};
-      dst.w2_scale[idx] = marlin::s0e5m3_from_e4m3(s(g, n), a.w2_log2_sf);
-    }
+    const std::uint8_t s = scale_byte<Tensor>(src, a, e, g, n);
+    (Tensor == w13_tensor ? dst.w13_scale : dst.w2_scale)[idx] =
+        marlin::s0e5m3_from_e4m3(s, Tensor == w13_tensor ? a.w13_log2_sf : a.w2_log2_sf);
   }
 }
 
@@ -136,50 +307,102 @@ __global__ void marlin_globals_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs d
   }
 }
 
-// Layer statistics for validation and the scale factors, all in one read-only pass.
+// Layer statistics for validation and the scale factors, all in one read-only pass. The "first_*"
+// slots hold the smallest offending element index (all ones when none), so errors name an element.
 enum StatSlot : int {
-  stat_max13 = 0,     // max positive e4m3 byte of all w13 scales
-  stat_max2,          // same for w2
-  stat_bad_scale13,   // nonzero: a NaN or negative w13 block scale exists
-  stat_bad_scale2,
-  stat_bad_global,    // nonzero: a NaN, infinite or negative global scale exists
-  stat_mismatches,    // experts whose w1 and w3 globals differ
-  stat_first_mismatch,  // min such expert (0xFFFFFFFF if none)
+  stat_max13 = 0,       // max positive e4m3 byte of all w13 scales
+  stat_max2,            // same for w2
+  stat_mismatches,      // experts whose w1 and w3 globals differ
+  stat_first_bad13,     // first NaN or negative w13 block scale (byte index in the layer)
+  stat_first_bad2,      // same for w2
+  stat_first_bad_g13,   // first NaN, infinite or negative w13_scale_2 element
+  stat_first_bad_g2,    // same for w2_scale_2
+  stat_first_mismatch,  // first expert whose w1 and w3 globals differ
   stat_count
 };
+inline constexpr int stat_first_slot = stat_first_bad13;
+inline constexpr unsigned long long stat_none = ~0ull;
 
 __device__ inline bool bad_global(float g) { return !(g >= 0.0f && g <= FLT_MAX); }
 
+// `src` points at expert `expert_base` of the layer; indices are reported layer-wide.
 template <class = void>
 __global__ void nvfp4_stats_kernel(Nvfp4CheckpointPtrs src, std::int64_t n13, std::int64_t n2,
-                                   std::int64_t num_experts, unsigned int* stats) {
-  unsigned int max13 = 0, max2 = 0, bad13 = 0, bad2 = 0, bad_g = 0;
+                                   std::int64_t num_experts, std::int64_t expert_base, std::int64_t scale13_per_expert,
+                                   std::int64_t scale2_per_expert, unsigned long long* stats) {
+  unsigned long long max13 = 0, max2 = 0, mismatches = 0;
+  unsigned long long bad13 = stat_none, bad2 = stat_none, bad_g13 = stat_none, bad_g2 = stat_none,
+                     first_mismatch = stat_none;
   const std::int64_t stride = std::int64_t{gridDim.x} * blockDim.x;
   const std::int64_t first = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  const auto at = [](std::int64_t base, std::int64_t i) { return static_cast<unsigned long long>(base + i); };
   for (std::int64_t i = first; i < n13; i += stride) {
-    const std::uint8_t b = src.w13_scale[i];
-    bad13 |= marlin::is_bad_e4m3_scale(b) ? 1u : 0u;
-    if (marlin::is_positive_e4m3(b)) max13 = max(max13, static_cast<unsigned int>(b));
+    const std::uint8_t b = __ldg(src.w13_scale + i);
+    if (marlin::is_bad_e4m3_scale(b)) bad13 = min(bad13, at(expert_base * scale13_per_expert, i));
+    if (marlin::is_positive_e4m3(b)) max13 = max(max13, static_cast<unsigned long long>(b));
   }
   for (std::int64_t i = first; i < n2; i += stride) {
-    const std::uint8_t b = src.w2_scale[i];
-    bad2 |= marlin::is_bad_e4m3_scale(b) ? 1u : 0u;
-    if (marlin::is_positive_e4m3(b)) max2 = max(max2, static_cast<unsigned int>(b));
+    const std::uint8_t b = __ldg(src.w2_scale + i);
+    if (marlin::is_bad_e4m3_scale(b)) bad2 = min(bad2, at(expert_base * scale2_per_expert, i));
+    if (marlin::is_positive_e4m3(b)) max2 = max(max2, static_cast<unsigned long long>(b));
   }
   for (std::int64_t e = first; e < num_experts; e += stride) {
     const float g1 = src.w13_scale_2[2 * e], g3 = src.w13_scale_2[2 * e + 1], g2 = src.w2_scale_2[e];
-    bad_g |= (bad_global(g1) || bad_global(g3) || bad_global(g2)) ? 1u : 0u;
+    if (bad_global(g1)) bad_g13 = min(bad_g13, at(2 * expert_base, 2 * e));
+    else if (bad_global(g3)) bad_g13 = min(bad_g13, at(2 * expert_base, 2 * e + 1));
+    if (bad_global(g2)) bad_g2 = min(bad_g2, at(expert_base, e));
     if (g1 != g3) {
-      atomicAdd(&stats[stat_mismatches], 1u);
-      atomicMin(&stats[stat_first_mismatch], static_cast<unsigned int>(e));
+      ++mismatches;
+      first_mismatch = min(first_mismatch, at(expert_base, e));
     }
   }
-  // One atomic per thread and statistic; only when it can change the result.
+  // One atomic per thread and statistic, only when it can change the result.
   if (max13 != 0) atomicMax(&stats[stat_max13], max13);
   if (max2 != 0) atomicMax(&stats[stat_max2], max2);
-  if (bad13) atomicOr(&stats[stat_bad_scale13], 1u);
-  if (bad2) atomicOr(&stats[stat_bad_scale2], 1u);
-  if (bad_g) atomicOr(&stats[stat_bad_global], 1u);
+  if (mismatches != 0) atomicAdd(&stats[stat_mismatches], mismatches);
+  if (bad13 != stat_none) atomicMin(&stats[stat_first_bad13], bad13);
+  if (bad2 != stat_none) atomicMin(&stats[stat_first_bad2], bad2);
+  if (bad_g13 != stat_none) atomicMin(&stats[stat_first_bad_g13], bad_g13);
+  if (bad_g2 != stat_none) atomicMin(&stats[stat_first_bad_g2], bad_g2);
+  if (first_mismatch != stat_none) atomicMin(&stats[stat_first_mismatch], first_mismatch);
+}
+
+inline Status reset_stats(unsigned long long* d_stats, cudaStream_t stream) {
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemsetAsync(d_stats, 0, stat_first_slot * sizeof(unsigned long long), stream));
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemsetAsync(d_stats + stat_first_slot, 0xFF,
+                                               (stat_count - stat_first_slot) * sizeof(unsigned long long), stream));
+  return {};
+}
+
+// Enqueues the stats pass over `num_experts` experts starting at layer expert `expert_base`.
+inline Status launch_stats(const Nvfp4Marlin& layout, const Nvfp4CheckpointPtrs& src, std::int64_t num_experts,
+                           std::int64_t expert_base, unsigned long long* d_stats, cudaStream_t stream) {
+  const std::int64_t n13 = num_experts * layout.ckpt_w13_scale_bytes();
+  const std::int64_t n2 = num_experts * layout.ckpt_w2_scale_bytes();
+  nvfp4_stats_kernel<><<<grid_for(std::max(n13, n2)), block_threads, 0, stream>>>(
+      src, n13, n2, num_experts, expert_base, layout.ckpt_w13_scale_bytes(), layout.ckpt_w2_scale_bytes(), d_stats);
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  return {};
+}
+
+// Turns the statistics into the layer report, or the error for the first invalid value.
+inline Result<Nvfp4LayerReport> report_from_stats(const Nvfp4Marlin& layout, const unsigned long long (&stats)[stat_count]) {
+  const auto invalid = [](const char* what, unsigned long long index, const char* why) {
+    return Status(ErrorCode::invalid_argument,
+                  std::string("nvfp4: ") + what + "[" + std::to_string(index) + "] " + why);
+  };
+  if (stats[stat_first_bad13] != stat_none) return invalid("w13_scale", stats[stat_first_bad13], "is a negative or NaN e4m3 scale");
+  if (stats[stat_first_bad2] != stat_none) return invalid("w2_scale", stats[stat_first_bad2], "is a negative or NaN e4m3 scale");
+  if (stats[stat_first_bad_g13] != stat_none)
+    return invalid("w13_scale_2", stats[stat_first_bad_g13], "is negative or not finite");
+  if (stats[stat_first_bad_g2] != stat_none)
+    return invalid("w2_scale_2", stats[stat_first_bad_g2], "is negative or not finite");
+  Nvfp4LayerReport report;
+  report.params.w13_log2_sf = marlin::scale_factor_log2(static_cast<std::uint8_t>(stats[stat_max13]), layout.dtype);
+  report.params.w2_log2_sf = marlin::scale_factor_log2(static_cast<std::uint8_t>(stats[stat_max2]), layout.dtype);
+  report.w13_global_mismatches = static_cast<std::int64_t>(stats[stat_mismatches]);
+  report.first_mismatch = report.w13_global_mismatches ? static_cast<std::int64_t>(stats[stat_first_mismatch]) : -1;
+  return report;
 }
 
 inline RepackArgs make_args(const Nvfp4Marlin& layout, std::int64_t num_experts, const Nvfp4MarlinParams& p) {
@@ -214,6 +437,38 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
   return !d.w13 || !d.w2 || !d.w13_scale || !d.w2_scale || !d.w13_scale_2 || !d.w2_scale_2;
 }
 
+// The tiled weight kernel loads 8-byte pieces and stores 16-byte quads; the tiled scale kernel
+// stores 4-byte words. Any other alignment takes the generic kernels.
+inline bool weights_tileable(const Nvfp4CheckpointPtrs& s, const Nvfp4MarlinPtrs& d) {
+  return aligned(s.w13, 8) && aligned(s.w2, 8) && aligned(d.w13, 16) && aligned(d.w2, 16);
+}
+inline bool scales_tileable(const Nvfp4MarlinPtrs& d) { return aligned(d.w13_scale, 4) && aligned(d.w2_scale, 4); }
+
+// A second stream and four events for the chunked path's copy-out overlap; released (after the
+// caller drained both streams) on every exit path.
+class ChunkPipeline {
+ public:
+  ChunkPipeline() = default;
+  ChunkPipeline(const ChunkPipeline&) = delete;
+  ChunkPipeline& operator=(const ChunkPipeline&) = delete;
+  ~ChunkPipeline() {
+    for (cudaEvent_t e : computed) if (e) (void)cudaEventDestroy(e);
+    for (cudaEvent_t e : drained) if (e) (void)cudaEventDestroy(e);
+    if (copy_out) (void)cudaStreamDestroy(copy_out);
+  }
+  [[nodiscard]] Status create() {
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamCreateWithFlags(&copy_out, cudaStreamNonBlocking));
+    for (int b = 0; b < 2; ++b) {
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventCreateWithFlags(&computed[b], cudaEventDisableTiming));
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventCreateWithFlags(&drained[b], cudaEventDisableTiming));
+    }
+    return {};
+  }
+  cudaStream_t copy_out = nullptr;
+  cudaEvent_t computed[2] = {};  // buffer set b's outputs are written (recorded on the caller's stream)
+  cudaEvent_t drained[2] = {};   // buffer set b's outputs are copied out (recorded on copy_out)
+};
+
 }  // namespace detail
 
 // Enqueues the repack of `num_experts` device-resident experts with given layer-wide factors.
@@ -223,21 +478,45 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
                                                   const Nvfp4MarlinParams& params, cudaStream_t stream) {
   if (auto s = expert_cache::detail::check_nvfp4_shape(layout, num_experts); !s.ok()) return s;
   if (detail::any_null(src) || detail::any_null(dst))
-    return Status(ErrorCode::invalid_argument, "nvfp4 repack: null tensor pointer");
+    return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
   const detail::RepackArgs a = detail::make_args(layout, num_experts, params);
   constexpr int threads = detail::block_threads;
-  detail::marlin_weights_kernel<detail::w13_tensor>
-      <<<detail::grid_for(layout.w13_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  detail::marlin_weights_kernel<detail::w2_tensor>
-      <<<detail::grid_for(layout.w2_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  detail::marlin_scales_kernel<detail::w13_tensor>
-      <<<detail::grid_for(layout.w13_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  detail::marlin_scales_kernel<detail::w2_tensor>
-      <<<detail::grid_for(layout.w2_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  const auto g13 = layout.w13_gemm(), g2 = layout.w2_gemm();
+  const auto weight_tasks = [&](MarlinGemmShape g) {
+    const std::int64_t chunks = (g.rows() + detail::weight_chunk_tiles - 1) / detail::weight_chunk_tiles;
+    return detail::grid_for_tasks(num_experts * (g.size_n / marlin::tile_n) * chunks);
+  };
+  const auto scale_tasks = [&](MarlinGemmShape g) {
+    const std::int64_t groups = g.size_k / marlin::group_size;
+    const std::int64_t chunks = (groups + detail::scale_chunk_groups - 1) / detail::scale_chunk_groups;
+    return detail::grid_for_tasks(num_experts * (g.size_n / 64) * chunks);
+  };
+  if (detail::weights_tileable(src, dst)) {
+    detail::marlin_weights_tiled_kernel<detail::w13_tensor><<<weight_tasks(g13), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    detail::marlin_weights_tiled_kernel<detail::w2_tensor><<<weight_tasks(g2), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  } else {
+    detail::marlin_weights_kernel<detail::w13_tensor>
+        <<<detail::grid_for(layout.w13_words() * num_experts), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    detail::marlin_weights_kernel<detail::w2_tensor>
+        <<<detail::grid_for(layout.w2_words() * num_experts), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  }
+  if (detail::scales_tileable(dst)) {
+    detail::marlin_scales_tiled_kernel<detail::w13_tensor><<<scale_tasks(g13), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    detail::marlin_scales_tiled_kernel<detail::w2_tensor><<<scale_tasks(g2), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  } else {
+    detail::marlin_scales_kernel<detail::w13_tensor>
+        <<<detail::grid_for(layout.w13_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    detail::marlin_scales_kernel<detail::w2_tensor>
+        <<<detail::grid_for(layout.w2_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  }
   detail::marlin_globals_kernel<><<<detail::grid_for(num_experts), threads, 0, stream>>>(src, dst, a);
   EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
   return {};
@@ -251,46 +530,33 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
                                                                   const Nvfp4MarlinPtrs& dst, cudaStream_t stream) {
   if (auto s = expert_cache::detail::check_nvfp4_shape(layout, num_experts); !s.ok()) return s;
   if (detail::any_null(src) || detail::any_null(dst))
-    return Status(ErrorCode::invalid_argument, "nvfp4 repack: null tensor pointer");
+    return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
 
-  unsigned int stats[detail::stat_count] = {};
+  unsigned long long stats[detail::stat_count] = {};
   {
     detail::DeviceScratch scratch(stream);
     if (auto s = scratch.allocate(sizeof(stats)); !s.ok()) return s;
-    auto* d_stats = reinterpret_cast<unsigned int*>(scratch.get());
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemsetAsync(d_stats, 0, sizeof(stats), stream));
-    EXPERT_CACHE_DETAIL_TRY_CUDA(
-        cudaMemsetAsync(d_stats + detail::stat_first_mismatch, 0xFF, sizeof(unsigned int), stream));
-    const std::int64_t n13 = num_experts * layout.ckpt_w13_scale_bytes();
-    const std::int64_t n2 = num_experts * layout.ckpt_w2_scale_bytes();
-    detail::nvfp4_stats_kernel<><<<detail::grid_for(std::max(n13, n2)), detail::block_threads, 0, stream>>>(
-        src, n13, n2, num_experts, d_stats);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    auto* d_stats = reinterpret_cast<unsigned long long*>(scratch.get());
+    if (auto s = detail::reset_stats(d_stats, stream); !s.ok()) return s;
+    if (auto s = detail::launch_stats(layout, src, num_experts, 0, d_stats, stream); !s.ok()) return s;
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
   }
-  if (stats[detail::stat_bad_scale13])
-    return Status(ErrorCode::invalid_argument, "nvfp4: w13_scale holds a negative or NaN e4m3 scale");
-  if (stats[detail::stat_bad_scale2])
-    return Status(ErrorCode::invalid_argument, "nvfp4: w2_scale holds a negative or NaN e4m3 scale");
-  if (stats[detail::stat_bad_global])
-    return Status(ErrorCode::invalid_argument, "nvfp4: a global scale (*_scale_2) is negative or not finite");
-
-  Nvfp4LayerReport report;
-  report.params.w13_log2_sf = marlin::scale_factor_log2(static_cast<std::uint8_t>(stats[detail::stat_max13]), layout.dtype);
-  report.params.w2_log2_sf = marlin::scale_factor_log2(static_cast<std::uint8_t>(stats[detail::stat_max2]), layout.dtype);
-  report.w13_global_mismatches = stats[detail::stat_mismatches];
-  report.first_mismatch = report.w13_global_mismatches ? static_cast<std::int64_t>(stats[detail::stat_first_mismatch]) : -1;
-  expert_cache::detail::warn_global_mismatch(report);
-  if (auto s = launch_repack_experts(layout, num_experts, src, dst, report.params, stream); !s.ok()) return s;
+  auto report = detail::report_from_stats(layout, stats);
+  if (!report.ok()) return report;
+  expert_cache::detail::warn_global_mismatch(*report);
+  if (auto s = launch_repack_experts(layout, num_experts, src, dst, report->params, stream); !s.ok()) return s;
   return report;
 }
 
 // Chunked conversion of a host-resident layer (spec §4.7): `src` and `dst` in host memory
-// (pinned for asynchronous copies; pageable works but serialises). Validation and the two
-// layer-wide scale factors run on the host over all experts before any device work; then each
-// chunk of `expert_chunk` experts goes H2D, through the kernels, and D2H into rows [a, b) of
-// `dst`. Returns after the stream has drained. Byte-identical to repack_layer_device.
+// (pinned for asynchronous copies; pageable works but serialises). Sizes are checked on the host;
+// then a first pass streams only the scale tensors through the stats kernel (validation and the
+// two layer-wide factors over all experts) before anything is written to `dst`. The second pass
+// converts ceil(expert_chunk / 2) experts at a time through two device buffer sets (GPU peak ~ one
+// chunk): uploads and kernels run on `stream`, copies out on an internal stream, so the D2H of one
+// set overlaps the H2D of the other. Returns after both streams drained. Byte-identical to
+// repack_layer_device.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_host_chunked(const Nvfp4Marlin& layout,
                                                                         const Nvfp4CheckpointLayer& src,
                                                                         const Nvfp4MarlinLayer& dst,
@@ -298,14 +564,12 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
                                                                         std::int64_t expert_chunk = 64) {
   if (expert_chunk <= 0)
     return Status(ErrorCode::invalid_argument, "nvfp4: expert_chunk must be positive, got " + std::to_string(expert_chunk));
-  auto report = analyze_checkpoint(layout, src);
-  if (!report.ok()) return report.status();
+  if (auto s = check_checkpoint_sizes(layout, src); !s.ok()) return s;
   const std::int64_t num_experts = src.num_experts;
   if (auto s = check_marlin_sizes(layout, num_experts, dst.as_const()); !s.ok()) return s;
-  expert_cache::detail::warn_global_mismatch(*report);
 
-  // Per-expert bytes of the twelve tensors, each region 256-byte aligned in one allocation.
-  const std::int64_t chunk = std::min(expert_chunk, num_experts);
+  // Two buffer sets of `sub` experts, twelve 256-byte aligned regions each, then the statistics.
+  const std::int64_t sub = (std::min(expert_chunk, num_experts) + 1) / 2;
   const std::size_t in_bytes[6] = {
       static_cast<std::size_t>(layout.ckpt_w13_bytes()), static_cast<std::size_t>(layout.ckpt_w13_scale_bytes()),
       2 * sizeof(float), static_cast<std::size_t>(layout.ckpt_w2_bytes()),
@@ -314,47 +578,108 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
       static_cast<std::size_t>(layout.w13_words()) * 4, static_cast<std::size_t>(layout.w2_words()) * 4,
       static_cast<std::size_t>(layout.w13_scale_bytes()), static_cast<std::size_t>(layout.w2_scale_bytes()),
       sizeof(float), sizeof(float)};
-  std::size_t offsets[12] = {};
+  std::size_t offsets[2][12] = {};
   std::size_t total = 0;
-  for (int i = 0; i < 12; ++i) {
-    offsets[i] = total;
-    total += (((i < 6 ? in_bytes[i] : out_bytes[i - 6]) * static_cast<std::size_t>(chunk)) + 255) / 256 * 256;
-  }
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < 12; ++i) {
+      offsets[b][i] = total;
+      total += (((i < 6 ? in_bytes[i] : out_bytes[i - 6]) * static_cast<std::size_t>(sub)) + 255) / 256 * 256;
+    }
+  const std::size_t stats_offset = total;
+  total += sizeof(unsigned long long) * detail::stat_count;
 
   detail::DeviceScratch scratch(stream);
   if (auto s = scratch.allocate(total); !s.ok()) return s;
+  detail::ChunkPipeline pipe;
+  if (auto s = pipe.create(); !s.ok()) return s;
   std::byte* base = scratch.get();
-  const Nvfp4CheckpointPtrs d_src{
-      reinterpret_cast<const std::uint8_t*>(base + offsets[0]), reinterpret_cast<const std::uint8_t*>(base + offsets[1]),
-      reinterpret_cast<const float*>(base + offsets[2]), reinterpret_cast<const std::uint8_t*>(base + offsets[3]),
-      reinterpret_cast<const std::uint8_t*>(base + offsets[4]), reinterpret_cast<const float*>(base + offsets[5])};
-  const Nvfp4MarlinPtrs d_dst{
-      reinterpret_cast<std::uint32_t*>(base + offsets[6]), reinterpret_cast<std::uint32_t*>(base + offsets[7]),
-      reinterpret_cast<std::uint8_t*>(base + offsets[8]), reinterpret_cast<std::uint8_t*>(base + offsets[9]),
-      reinterpret_cast<float*>(base + offsets[10]), reinterpret_cast<float*>(base + offsets[11])};
+  auto* d_stats = reinterpret_cast<unsigned long long*>(base + stats_offset);
+  const auto set_src = [&](int b) {
+    return Nvfp4CheckpointPtrs{reinterpret_cast<const std::uint8_t*>(base + offsets[b][0]),
+                               reinterpret_cast<const std::uint8_t*>(base + offsets[b][1]),
+                               reinterpret_cast<const float*>(base + offsets[b][2]),
+                               reinterpret_cast<const std::uint8_t*>(base + offsets[b][3]),
+                               reinterpret_cast<const std::uint8_t*>(base + offsets[b][4]),
+                               reinterpret_cast<const float*>(base + offsets[b][5])};
+  };
+  const auto set_dst = [&](int b) {
+    return Nvfp4MarlinPtrs{reinterpret_cast<std::uint32_t*>(base + offsets[b][6]),
+                           reinterpret_cast<std::uint32_t*>(base + offsets[b][7]),
+                           reinterpret_cast<std::uint8_t*>(base + offsets[b][8]),
+                           reinterpret_cast<std::uint8_t*>(base + offsets[b][9]),
+                           reinterpret_cast<float*>(base + offsets[b][10]),
+                           reinterpret_cast<float*>(base + offsets[b][11])};
+  };
   const void* h_src[6] = {src.w13.data(), src.w13_scale.data(), src.w13_scale_2.data(),
                           src.w2.data(), src.w2_scale.data(), src.w2_scale_2.data()};
   void* h_dst[6] = {dst.w13.data(), dst.w2.data(), dst.w13_scale.data(),
                     dst.w2_scale.data(), dst.w13_scale_2.data(), dst.w2_scale_2.data()};
+  constexpr int scale_inputs[4] = {1, 2, 4, 5};  // the tensors the stats pass reads
+  const std::int64_t rounds = (num_experts + sub - 1) / sub;
+  const auto upload = [&](int b, int i, std::size_t first, std::size_t n) -> Status {
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(base + offsets[b][i], static_cast<const std::byte*>(h_src[i]) + first * in_bytes[i],
+                                                 n * in_bytes[i], cudaMemcpyHostToDevice, stream));
+    return {};
+  };
 
-  auto run = [&]() -> Status {
-    for (std::int64_t a = 0; a < num_experts; a += chunk) {
-      const auto n = static_cast<std::size_t>(std::min(chunk, num_experts - a));
-      const auto first = static_cast<std::size_t>(a);
-      for (int i = 0; i < 6; ++i)
-        EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(base + offsets[i], static_cast<const std::byte*>(h_src[i]) + first * in_bytes[i],
-                                                     n * in_bytes[i], cudaMemcpyHostToDevice, stream));
-      if (auto s = launch_repack_experts(layout, static_cast<std::int64_t>(n), d_src, d_dst, report->params, stream); !s.ok())
+  // Pass 1: statistics over all experts; nothing is written to `dst` before it is checked.
+  auto stats_pass = [&]() -> Result<Nvfp4LayerReport> {
+    if (auto s = detail::reset_stats(d_stats, stream); !s.ok()) return s;
+    for (std::int64_t r = 0; r < rounds; ++r) {
+      const auto first = static_cast<std::size_t>(r * sub);
+      const auto n = static_cast<std::size_t>(std::min(sub, num_experts - r * sub));
+      for (int i : scale_inputs)
+        if (auto s = upload(0, i, first, n); !s.ok()) return s;
+      if (auto s = detail::launch_stats(layout, set_src(0), static_cast<std::int64_t>(n), static_cast<std::int64_t>(first),
+                                        d_stats, stream); !s.ok())
         return s;
+    }
+    unsigned long long stats[detail::stat_count] = {};
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
+    return detail::report_from_stats(layout, stats);
+  };
+  auto report = stats_pass();
+  if (!report.ok()) {
+    (void)cudaStreamSynchronize(stream);  // after a CUDA error an upload may still be in flight
+    return report;
+  }
+  expert_cache::detail::warn_global_mismatch(*report);
+
+  // Pass 2: round r uses buffer set r % 2. With one round, pass 1 left its scales in set 0.
+  auto convert_pass = [&]() -> Status {
+    for (std::int64_t r = 0; r < rounds; ++r) {
+      const int b = static_cast<int>(r % 2);
+      const auto first = static_cast<std::size_t>(r * sub);
+      const auto n = static_cast<std::size_t>(std::min(sub, num_experts - r * sub));
+      // Set b's outputs from round r - 2 must be copied out before this round overwrites them.
+      if (r >= 2) EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
+      for (int i = 0; i < 6; ++i) {
+        const bool resident = rounds == 1 && (i == 1 || i == 2 || i == 4 || i == 5);
+        if (!resident)
+          if (auto s = upload(b, i, first, n); !s.ok()) return s;
+      }
+      if (auto s = launch_repack_experts(layout, static_cast<std::int64_t>(n), set_src(b), set_dst(b), report->params, stream);
+          !s.ok())
+        return s;
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventRecord(pipe.computed[b], stream));
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(pipe.copy_out, pipe.computed[b], 0));
       for (int i = 0; i < 6; ++i)
         EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(static_cast<std::byte*>(h_dst[i]) + first * out_bytes[i],
-                                                     base + offsets[6 + i], n * out_bytes[i], cudaMemcpyDeviceToHost, stream));
+                                                     base + offsets[b][6 + i], n * out_bytes[i], cudaMemcpyDeviceToHost,
+                                                     pipe.copy_out));
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventRecord(pipe.drained[b], pipe.copy_out));
     }
+    // The caller's stream (and the scratch free queued on it) waits for the last copies out.
+    for (int b = 0; b < std::min<std::int64_t>(rounds, 2); ++b)
+      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
     return {};
   };
-  if (auto s = run(); !s.ok()) {
-    (void)cudaStreamSynchronize(stream);  // no copy may still target the caller's buffers
+  if (auto s = convert_pass(); !s.ok()) {
+    // No copy may still target the caller's buffers, nor read the scratch after its free.
+    (void)cudaStreamSynchronize(pipe.copy_out);
+    (void)cudaStreamSynchronize(stream);
     return s;
   }
   return report;

@@ -114,6 +114,21 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t weight_word(const CodeAt& code_
   return word;
 }
 
+// The same word from the four checkpoint bytes it draws on. Codes k and k+1 (k even) share a
+// byte (low nibble first), so word (kt, t, w) needs only the bytes holding k = r and k = r + 8 in
+// columns c and c + 8: `row_c_lo` = byte of (r, c), `row_c_hi` = (r + 8, c), `row_c8_lo` =
+// (r, c + 8), `row_c8_hi` = (r + 8, c + 8). The tiled kernel uses this form; tests compare it
+// with weight_word.
+EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t weight_word_from_bytes(std::uint32_t row_c_lo, std::uint32_t row_c_hi,
+                                                                        std::uint32_t row_c8_lo,
+                                                                        std::uint32_t row_c8_hi) noexcept {
+  // Low nibbles (k = r, r+8) fill nibbles 0-3, high nibbles (k = r+1, r+9) nibbles 4-7.
+  const std::uint32_t lows = (row_c_lo & 0xFu) | (row_c_hi & 0xFu) << 4 | (row_c8_lo & 0xFu) << 8 | (row_c8_hi & 0xFu) << 12;
+  const std::uint32_t highs = (row_c_lo >> 4 & 0xFu) | (row_c_hi >> 4 & 0xFu) << 4 | (row_c8_lo >> 4 & 0xFu) << 8 |
+                              (row_c8_hi >> 4 & 0xFu) << 12;
+  return lows | highs << 16;
+}
+
 // 4-bit code of element k of a checkpoint row packed two per byte along K (low nibble first).
 EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t packed_code(const std::uint8_t* row, std::int64_t k) noexcept {
   return (static_cast<std::uint32_t>(row[k / 2]) >> (4 * (k % 2))) & 0xFu;
