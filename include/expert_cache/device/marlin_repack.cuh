@@ -90,9 +90,9 @@ enum : int { w13_tensor = 0, w2_tensor = 1 };
 
 inline constexpr int weight_chunk_tiles = 16;  // 16-k tiles per block: 128 source bytes per row
 inline constexpr int weight_smem_row = weight_chunk_tiles * 8 + 8;  // +8 B: rows 8 apart hit different banks
-inline constexpr int scale_chunk_groups = 64;   // 16-k groups per block
+inline constexpr int scale_chunk_groups = 32;   // 16-k groups per block task
 inline constexpr int scale_smem_row = 64 + 4;   // [group][column] rows, +4 B against bank conflicts
-inline constexpr std::int64_t max_grid = std::int64_t{1} << 20;
+inline constexpr int tiled_min_blocks = 6;      // resident blocks per SM the register budget allows
 
 // The source rows behind one 64-column strip of a GEMM operand, for one expert. A strip never
 // straddles the w13 shards (Np is a multiple of 64), so its rows are one contiguous run of
@@ -117,13 +117,49 @@ __device__ __forceinline__ SourceStrip source_strip(const RepackArgs& a, std::in
   }
 }
 
-// Block task = (expert, 64-column tile nt, run of up to 16 k-tiles). Needs 8-byte aligned sources
-// and 16-byte aligned outputs (checked by the launcher). Each thread writes one uint4: the words
-// of lane t for all four warps w of a tile (output words 4t .. 4t+3).
+// Where one block task reads and writes: (expert, 64-column strip, run of k-tiles or groups).
+struct StripTask {
+  int expert = 0;       // < 2^20 (check_nvfp4_shape)
+  int strip = 0;        // 64-column index nt
+  int first = 0;        // first k-tile (weights) or group (scales) of the run
+  int count = 0;        // k-tiles or groups in the run
+  int valid_rows = 0;   // strip rows with a checkpoint source
+  int valid_count = 0;  // leading run entries with a checkpoint source
+  const std::uint8_t* source = nullptr;  // strip row 0 at `first`
+};
+
+// Task `task` of a layer-wide enumeration (run fastest, then strip, then expert). `per_run` is
+// the number of k-tiles / groups a block handles, `unit` the source bytes (weights) or bytes
+// per row (scales) one of them spans along k, `unit_k` the codes per unit.
 template <int Tensor>
-__global__ void __launch_bounds__(block_threads) marlin_weights_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
-                                                                             RepackArgs a) {
+__device__ __forceinline__ StripTask strip_task(const RepackArgs& a, std::int64_t task, int runs, int strips, int total,
+                                                int per_run, const std::uint8_t* in_base, std::int64_t row_bytes,
+                                                int unit_bytes) {
+  StripTask t;
+  const int run = static_cast<int>(task % runs);
+  const std::int64_t rest = task / runs;
+  t.strip = static_cast<int>(rest % strips);
+  t.expert = static_cast<int>(rest / strips);
+  t.first = run * per_run;
+  t.count = min(per_run, total - t.first);
+  const SourceStrip ss = source_strip<Tensor>(a, t.expert, t.strip);
+  const std::int64_t with_source = ss.valid_k / marlin::tile_k - t.first;  // tile_k == group_size; <= 0 in w2 padding
+  t.valid_count = static_cast<int>(with_source < 0 ? 0 : with_source < t.count ? with_source : t.count);
+  t.valid_rows = ss.valid_rows;
+  t.source = in_base + ss.first_row * row_bytes + std::int64_t{t.first} * unit_bytes;
+  return t;
+}
+
+// Block task = (expert, 64-column tile nt, run of up to 16 k-tiles). Needs 8-byte aligned sources
+// and 16-byte aligned outputs (checked by the launcher). Persistent blocks: the next task's
+// pieces are loaded into registers while the current task's tiles are written, so loads stay in
+// flight across the store phase. Each thread writes uint4s: the words of lane t for all four
+// warps w of a tile (output words 4t .. 4t+3).
+template <int Tensor>
+__global__ void __launch_bounds__(block_threads, tiled_min_blocks) marlin_weights_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
+                                                                                RepackArgs a) {
   __shared__ __align__(16) unsigned char strip[64 * weight_smem_row];
+  constexpr int per_thread = 64 * weight_chunk_tiles / block_threads;
   const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
   const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
   const std::int64_t row_bytes = (Tensor == w13_tensor ? a.hidden : a.intermediate) / 2;
@@ -131,36 +167,45 @@ __global__ void __launch_bounds__(block_threads) marlin_weights_tiled_kernel(Nvf
   std::uint32_t* out_base = Tensor == w13_tensor ? dst.w13 : dst.w2;
   const int k_tiles = static_cast<int>(size_k / marlin::tile_k);
   const int n_tiles = static_cast<int>(size_n / marlin::tile_n);
-  const int chunks = (k_tiles + weight_chunk_tiles - 1) / weight_chunk_tiles;
+  const int runs = (k_tiles + weight_chunk_tiles - 1) / weight_chunk_tiles;
   const std::int64_t per_expert_words = std::int64_t{k_tiles} * 2 * size_n;
-  const std::int64_t tasks = a.num_experts * n_tiles * chunks;
+  const std::int64_t tasks = a.num_experts * n_tiles * runs;
   const int tid = static_cast<int>(threadIdx.x);
 
-  for (std::int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int chunk = static_cast<int>(task % chunks);
-    const std::int64_t rest = task / chunks;
-    const int nt = static_cast<int>(rest % n_tiles);
-    const std::int64_t e = rest / n_tiles;
-    const int kt0 = chunk * weight_chunk_tiles;
-    const int kts = min(weight_chunk_tiles, k_tiles - kt0);
-    const SourceStrip ss = source_strip<Tensor>(a, e, nt);
-    const std::int64_t source_pieces = ss.valid_k / marlin::tile_k - kt0;  // may be <= 0 (w2 padding)
-    const int valid_pieces = static_cast<int>(source_pieces < 0 ? 0 : source_pieces < kts ? source_pieces : kts);
-    const std::uint8_t* strip_src = in_base + ss.first_row * row_bytes + std::int64_t{kt0} * 8;
-
-    // Stage: row i / 16 of the strip, piece i % 16; a warp reads two rows' 128 contiguous bytes.
-    constexpr int pieces = 64 * weight_chunk_tiles;
+  // Thread piece j: strip row (tid + 256 j) / 16, piece tid % 16; a warp reads two rows' 128 bytes.
+  const auto load = [&](const StripTask& t, uint2 (&v)[per_thread]) {
 #pragma unroll
-    for (int i = tid; i < pieces; i += block_threads) {
-      const int row = i / weight_chunk_tiles, piece = i % weight_chunk_tiles;
-      uint2 v = make_uint2(0u, 0u);
-      if (row < ss.valid_rows && piece < valid_pieces)
-        v = __ldg(reinterpret_cast<const uint2*>(strip_src + row * row_bytes + piece * 8));
-      *reinterpret_cast<uint2*>(strip + row * weight_smem_row + piece * 8) = v;
+    for (int j = 0; j < per_thread; ++j) {
+      const int i = tid + j * block_threads, row = i / weight_chunk_tiles, piece = i % weight_chunk_tiles;
+      v[j] = row < t.valid_rows && piece < t.valid_count
+                 ? __ldg(reinterpret_cast<const uint2*>(t.source + row * row_bytes + piece * 8))
+                 : make_uint2(0u, 0u);
+    }
+  };
+  const auto task_at = [&](std::int64_t task) {
+    return strip_task<Tensor>(a, task, runs, n_tiles, k_tiles, weight_chunk_tiles, in_base, row_bytes, 8);
+  };
+
+  std::int64_t task = blockIdx.x;
+  if (task >= tasks) return;
+  StripTask cur = task_at(task);
+  uint2 v[per_thread];
+  load(cur, v);
+  for (;;) {
+#pragma unroll
+    for (int j = 0; j < per_thread; ++j) {
+      const int i = tid + j * block_threads;
+      *reinterpret_cast<uint2*>(strip + (i / weight_chunk_tiles) * weight_smem_row + (i % weight_chunk_tiles) * 8) = v[j];
     }
     __syncthreads();
+    const std::int64_t next_task = task + gridDim.x;
+    StripTask next;
+    if (next_task < tasks) {
+      next = task_at(next_task);
+      load(next, v);
+    }
 
-    for (int i = tid; i < kts * 32; i += block_threads) {
+    for (int i = tid; i < cur.count * 32; i += block_threads) {
       const int piece = i / 32, t = i % 32;
       const int shift = 8 * (t % 4);  // byte t % 4 of a piece holds k = r, r + 1 (r = 2 (t % 4))
       const unsigned char* col = strip + (t / 4) * weight_smem_row + piece * 8;
@@ -171,11 +216,14 @@ __global__ void __launch_bounds__(block_threads) marlin_weights_tiled_kernel(Nvf
         const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * w + 8) * weight_smem_row);
         words[w] = marlin::weight_word_from_bytes(c0.x >> shift, c0.y >> shift, c8.x >> shift, c8.y >> shift);
       }
-      std::uint32_t* out = out_base + e * per_expert_words + std::int64_t{kt0 + piece} * 2 * size_n +
-                           marlin::words_per_tile * nt + 4 * t;
+      std::uint32_t* out = out_base + cur.expert * per_expert_words + std::int64_t{cur.first + piece} * 2 * size_n +
+                           marlin::words_per_tile * cur.strip + 4 * t;
       *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
     }
-    __syncthreads();
+    if (next_task >= tasks) return;
+    __syncthreads();  // the strip is rewritten next
+    task = next_task;
+    cur = next;
   }
 }
 
@@ -193,16 +241,18 @@ __device__ __forceinline__ std::uint8_t scale_byte(const Nvfp4CheckpointPtrs& sr
   }
 }
 
-// Block task = (expert, 64-column block, run of up to 64 groups). The permutation stays inside a
+// Block task = (expert, 64-column block, run of up to 32 groups). The permutation stays inside a
 // 64-column block, so the block transposes S[g][n] through shared memory and writes each output
 // row's 64 bytes as 16 aligned words; the S0E5M3 encode is a 256-entry table built per block.
-// Needs 4-byte aligned scale outputs (checked by the launcher).
+// Needs 4-byte aligned scale outputs (checked by the launcher). Persistent blocks with the next
+// task's bytes prefetched into registers, as in the weight kernel.
 template <int Tensor>
-__global__ void __launch_bounds__(block_threads) marlin_scales_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
-                                                                            RepackArgs a) {
+__global__ void __launch_bounds__(block_threads, tiled_min_blocks) marlin_scales_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
+                                                                               RepackArgs a) {
   static_assert(block_threads == 256, "one encode-table entry per thread");
   __shared__ std::uint8_t encode[256];
   __shared__ __align__(4) std::uint8_t block[scale_chunk_groups * scale_smem_row];
+  constexpr int per_thread = 64 * scale_chunk_groups / block_threads;
   const int tid = static_cast<int>(threadIdx.x);
   encode[tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), Tensor == w13_tensor ? a.w13_log2_sf : a.w2_log2_sf);
 
@@ -213,45 +263,61 @@ __global__ void __launch_bounds__(block_threads) marlin_scales_tiled_kernel(Nvfp
   std::uint8_t* out_base = Tensor == w13_tensor ? dst.w13_scale : dst.w2_scale;
   const int groups = static_cast<int>(size_k / marlin::group_size);
   const int n_blocks = static_cast<int>(size_n / 64);
-  const int chunks = (groups + scale_chunk_groups - 1) / scale_chunk_groups;
-  const std::int64_t tasks = a.num_experts * n_blocks * chunks;
+  const int runs = (groups + scale_chunk_groups - 1) / scale_chunk_groups;
+  const std::int64_t tasks = a.num_experts * n_blocks * runs;
 
-  for (std::int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    const int chunk = static_cast<int>(task % chunks);
-    const std::int64_t rest = task / chunks;
-    const int nb = static_cast<int>(rest % n_blocks);
-    const std::int64_t e = rest / n_blocks;
-    const int g0 = chunk * scale_chunk_groups;
-    const int gs = min(scale_chunk_groups, groups - g0);
-    const SourceStrip ss = source_strip<Tensor>(a, e, nb);
-    const std::int64_t source_groups = ss.valid_k / marlin::group_size - g0;
-    const int valid_groups = static_cast<int>(source_groups < 0 ? 0 : source_groups < gs ? source_groups : gs);
-    const std::uint8_t* strip_src = in_base + ss.first_row * row_bytes + g0;
-
-    // Stage transposed: source row (column n) i / 64, group i % 64 -> block[group][n].
+  // Thread byte j: source row (column n) (tid + 256 j) / 32, group tid % 32.
+  const auto load = [&](const StripTask& t, std::uint8_t (&v)[per_thread]) {
 #pragma unroll
-    for (int i = tid; i < 64 * scale_chunk_groups; i += block_threads) {
-      const int n = i / scale_chunk_groups, g = i % scale_chunk_groups;
-      block[g * scale_smem_row + n] =
-          n < ss.valid_rows && g < valid_groups ? __ldg(strip_src + n * row_bytes + g) : std::uint8_t{0};
+    for (int j = 0; j < per_thread; ++j) {
+      const int i = tid + j * block_threads, n = i / scale_chunk_groups, g = i % scale_chunk_groups;
+      v[j] = n < t.valid_rows && g < t.valid_count ? __ldg(t.source + n * row_bytes + g) : std::uint8_t{0};
+    }
+  };
+  const auto task_at = [&](std::int64_t task) {
+    return strip_task<Tensor>(a, task, runs, n_blocks, groups, scale_chunk_groups, in_base, row_bytes, 1);
+  };
+
+  std::int64_t task = blockIdx.x;
+  if (task >= tasks) return;
+  StripTask cur = task_at(task);
+  std::uint8_t v[per_thread];
+  load(cur, v);
+  for (;;) {
+#pragma unroll
+    for (int j = 0; j < per_thread; ++j) {  // transposed: block[group][n]
+      const int i = tid + j * block_threads;
+      block[(i % scale_chunk_groups) * scale_smem_row + i / scale_chunk_groups] = v[j];
     }
     __syncthreads();  // also publishes `encode` on the first task
+    const std::int64_t next_task = task + gridDim.x;
+    StripTask next;
+    if (next_task < tasks) {
+      next = task_at(next_task);
+      load(next, v);
+    }
 
-    for (int i = tid; i < gs * 16; i += block_threads) {
+    for (int i = tid; i < cur.count * 16; i += block_threads) {
       const int g = i / 16, quad = i % 16;
       const std::uint8_t* row = block + g * scale_smem_row;
       std::uint32_t word = 0;
 #pragma unroll
       for (int b = 0; b < 4; ++b)
         word |= std::uint32_t{encode[row[marlin::scale_source_col(4 * quad + b)]]} << (8 * b);
-      std::uint8_t* out = out_base + (e * groups + g0 + g) * size_n + 64 * std::int64_t{nb} + 4 * quad;
+      std::uint8_t* out = out_base + (cur.expert * groups + cur.first + g) * size_n + 64 * std::int64_t{cur.strip} + 4 * quad;
       *reinterpret_cast<std::uint32_t*>(out) = word;
     }
+    if (next_task >= tasks) return;
     __syncthreads();
+    task = next_task;
+    cur = next;
   }
 }
 
-inline int grid_for_tasks(std::int64_t tasks) { return static_cast<int>(std::min(tasks, max_grid)); }
+// Persistent grid: as many blocks as fit at once (by the launch bounds), at most `tasks`.
+inline int grid_for_tasks(std::int64_t tasks, int sm_count) {
+  return static_cast<int>(std::min<std::int64_t>(tasks, std::int64_t{tiled_min_blocks} * std::max(sm_count, 1)));
+}
 
 inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std::uintptr_t>(p) % to == 0; }
 
@@ -356,15 +422,33 @@ __global__ void nvfp4_stats_kernel(Nvfp4CheckpointPtrs src, std::int64_t n13, st
       first_mismatch = min(first_mismatch, at(expert_base, e));
     }
   }
-  // One atomic per thread and statistic, only when it can change the result.
-  if (max13 != 0) atomicMax(&stats[stat_max13], max13);
-  if (max2 != 0) atomicMax(&stats[stat_max2], max2);
-  if (mismatches != 0) atomicAdd(&stats[stat_mismatches], mismatches);
-  if (bad13 != stat_none) atomicMin(&stats[stat_first_bad13], bad13);
-  if (bad2 != stat_none) atomicMin(&stats[stat_first_bad2], bad2);
-  if (bad_g13 != stat_none) atomicMin(&stats[stat_first_bad_g13], bad_g13);
-  if (bad_g2 != stat_none) atomicMin(&stats[stat_first_bad_g2], bad_g2);
-  if (first_mismatch != stat_none) atomicMin(&stats[stat_first_mismatch], first_mismatch);
+  // Reduce in the block first (warp shuffles, then one warp over the warps' results), so each
+  // block issues at most one atomic per statistic: per-thread atomics on one address serialise.
+  unsigned long long v[stat_count] = {max13, max2, mismatches, bad13, bad2, bad_g13, bad_g2, first_mismatch};
+  const auto combine = [](int slot, unsigned long long x, unsigned long long y) {
+    return slot == stat_mismatches ? x + y : slot < stat_first_slot ? max(x, y) : min(x, y);
+  };
+#pragma unroll
+  for (int slot = 0; slot < stat_count; ++slot)
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v[slot] = combine(slot, v[slot], __shfl_xor_sync(0xffffffffu, v[slot], off));
+  __shared__ unsigned long long per_warp[block_threads / 32][stat_count];
+  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
+  if (lane == 0)
+#pragma unroll
+    for (int slot = 0; slot < stat_count; ++slot) per_warp[warp][slot] = v[slot];
+  __syncthreads();
+  if (threadIdx.x < stat_count) {
+    const int slot = static_cast<int>(threadIdx.x);
+    unsigned long long x = per_warp[0][slot];
+    for (int w = 1; w < block_threads / 32; ++w) x = combine(slot, x, per_warp[w][slot]);
+    const bool neutral = slot < stat_first_slot ? x == 0 : x == stat_none;
+    if (!neutral) {
+      if (slot == stat_mismatches) atomicAdd(&stats[slot], x);
+      else if (slot < stat_first_slot) atomicMax(&stats[slot], x);
+      else atomicMin(&stats[slot], x);
+    }
+  }
 }
 
 inline Status reset_stats(unsigned long long* d_stats, cudaStream_t stream) {
@@ -379,7 +463,9 @@ inline Status launch_stats(const Nvfp4Marlin& layout, const Nvfp4CheckpointPtrs&
                            std::int64_t expert_base, unsigned long long* d_stats, cudaStream_t stream) {
   const std::int64_t n13 = num_experts * layout.ckpt_w13_scale_bytes();
   const std::int64_t n2 = num_experts * layout.ckpt_w2_scale_bytes();
-  nvfp4_stats_kernel<><<<grid_for(std::max(n13, n2)), block_threads, 0, stream>>>(
+  // A grid-stride pass: ~16 bytes per thread at most keeps the block reductions cheap.
+  const int grid = static_cast<int>(std::min<std::int64_t>((std::max(n13, n2) / 16 + block_threads - 1) / block_threads + 1, 4096));
+  nvfp4_stats_kernel<><<<grid, block_threads, 0, stream>>>(
       src, n13, n2, num_experts, expert_base, layout.ckpt_w13_scale_bytes(), layout.ckpt_w2_scale_bytes(), d_stats);
   EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
   return {};
@@ -482,14 +568,17 @@ class ChunkPipeline {
   const detail::RepackArgs a = detail::make_args(layout, num_experts, params);
   constexpr int threads = detail::block_threads;
   const auto g13 = layout.w13_gemm(), g2 = layout.w2_gemm();
+  int device = 0, sm_count = 0;
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   const auto weight_tasks = [&](MarlinGemmShape g) {
     const std::int64_t chunks = (g.rows() + detail::weight_chunk_tiles - 1) / detail::weight_chunk_tiles;
-    return detail::grid_for_tasks(num_experts * (g.size_n / marlin::tile_n) * chunks);
+    return detail::grid_for_tasks(num_experts * (g.size_n / marlin::tile_n) * chunks, sm_count);
   };
   const auto scale_tasks = [&](MarlinGemmShape g) {
     const std::int64_t groups = g.size_k / marlin::group_size;
     const std::int64_t chunks = (groups + detail::scale_chunk_groups - 1) / detail::scale_chunk_groups;
-    return detail::grid_for_tasks(num_experts * (g.size_n / 64) * chunks);
+    return detail::grid_for_tasks(num_experts * (g.size_n / 64) * chunks, sm_count);
   };
   if (detail::weights_tileable(src, dst)) {
     detail::marlin_weights_tiled_kernel<detail::w13_tensor><<<weight_tasks(g13), threads, 0, stream>>>(src, dst, a);

@@ -8,24 +8,46 @@
 //   C3  = A . W2[slot]                  (Np -> K)
 //   out[m] = sum_j topk_weight[p] * C3
 // Dequant follows the kernel decode contract (spec §4.5): value = fp4 * 2^-B * s0e5m3(scale) * g'
-// with B the activation dtype's bias; fp32 activations and accumulation (a reference, not a
-// tensor-core GEMM). Pairs whose expert is -1, out of range or absent from the map contribute 0.
+// with B the activation dtype's bias. Pairs whose expert is -1, out of range or absent from the
+// map contribute 0.
 //
-// Deterministic: no atomics; every sum has a fixed order, so a cached run and an all-resident
-// run of the same weights give bit-identical outputs.
+// Arithmetic: fp32 inputs and fp32 accumulation, through bf16 tensor-core MMAs (m16n8k16) so
+// the decode, not the FMA, is the per-weight cost. Each fp32 input is split exactly into three
+// bf16 terms (rows 0-2 of the MMA's A; about 24 significant bits); each weight times its block
+// scale is exact in bf16 (2 x 4 significant bits). Marlin's weight words are already the MMA's B
+// fragments: lane (g, t) of word 4t'+w holds k = 2t + {0, 1, 8, 9} of columns 16w + g and +8.
 //
-// Weight streaming (batch 1 is weight-bandwidth bound): one block per (64-column tile, slice of
-// 16 K-rows, pair); each warp lane loads one 16-byte piece of a tile row (4 Marlin words: the
-// words of lanes t, all four warps w), the eight row groups of a block load different rows.
+// Two kernels per run (both 256 threads):
+//   moe_w13  grid (Np/64, K/256, pairs): the gate tile j and the up tile j over 16 K-rows. The
+//            last block of (pair, j) (integer counter) sums the splits in split order, applies
+//            SiLU-and-mul and stores A as its three bf16 terms, already in MMA fragment order.
+//   moe_w2   grid (K/64, Np/512, pairs): one 64-column tile over 32 K-rows, scaled by
+//            topk_weight * g2'. The last block of (token, tile) sums pairs and splits in order.
+// Deterministic: no floating-point atomics; every sum has a fixed order, so a cached run and an
+// all-resident run of the same weights give bit-identical outputs. The counters reset themselves.
+//
+// Programmatic dependent launch (sm_90): moe_w2 is launched as soon as every moe_w13 block has
+// started, loads its weights, and only then waits for moe_w13's results; moe_w13 itself waits
+// for the previous kernel before reading anything. Without the launch attribute (older device
+// or driver, PTX for an older target) plain stream order applies and the waits are no-ops.
+//
+// Limits: inputs and activations below 2^63 in magnitude (they are pre-scaled by 2^62); scale
+// bytes 1-7 (never produced by the repack) go through bf16 subnormals in the MMA.
 #if !defined(__CUDACC__)
 #error "expert_cache/device/moe_consumer.cuh needs nvcc"
 #endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "expert_cache/device/moe_consumer.cuh needs sm_80 or newer (bf16 tensor-core MMA)"
+#endif
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <utility>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
@@ -68,17 +90,6 @@ EXPERT_CACHE_HOST_DEVICE inline float e2m1_decode(std::uint32_t code) noexcept {
 #endif
 }
 
-// The nibble at bit `Shift` of `word` as the float e2m1 * 2^-126, exactly: the three magnitude
-// bits land in the lowest float exponent bits and the top mantissa bit (e = 0 codes become float
-// subnormals, just as e2m1's own subnormal), the sign bit in the sign. Four integer ops, no select:
-// the inner loop's cost. Needs denormals (nvcc's default; not --use_fast_math / -ftz=true).
-template <int Shift>
-EXPERT_CACHE_HOST_DEVICE inline std::uint32_t e2m1_scaled_bits(std::uint32_t word) noexcept {
-  const std::uint32_t mag = (Shift <= 22 ? word << (22 - Shift) : word >> (Shift - 22)) & 0x01C00000u;
-  return mag | ((word << (28 - Shift)) & 0x80000000u);
-}
-inline constexpr float e2m1_scaled_unit = 0x1p-126f;  // e2m1_scaled_bits value = e2m1 * this
-
 // S0E5M3 scale byte -> float, exact (= marlin::s0e5m3_value): bytes >= 8 are fp16 bits << 7,
 // i.e. float exponent e16 + 112 and the top three mantissa bits.
 EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
@@ -95,96 +106,174 @@ EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
 
 namespace moe_detail {
 
-inline constexpr int rows_per_block = 16;  // K-rows (of 16 k) per block: the split-K slice
-inline constexpr int row_groups = 8;       // warps per block, each on its own rows
-inline constexpr int gemv_threads = 32 * row_groups;
+inline constexpr int warps = 8;
+inline constexpr int threads = 32 * warps;
+inline constexpr int rows_per_warp = 4;  // K-rows (of 16 k) per warp: 4 x 16-byte weight loads in flight per lane
+inline constexpr int w13_row_groups = 4;  // warps per tile in moe_w13 (gate tile: warps 0-3, up tile: 4-7)
+inline constexpr int w13_rows = w13_row_groups * rows_per_warp;  // K-rows per moe_w13 block
+inline constexpr int w2_rows = warps * rows_per_warp;            // K-rows per moe_w2 block
+inline constexpr int terms = 3;                                  // bf16 terms per fp32 input
+static_assert(w13_rows * 16 == threads, "moe_w13 splits its x slice one element per thread");
+
+// Inputs are scaled by 2^62 before the bf16 split and MMA B values carry 2^-111 (below), so the
+// MMA sums are sum(x * fp4 * s0e5m3) * 2^-49: normal floats for |x * fp4 * s0e5m3| > 2^-77.
+inline constexpr float in_scale = 0x1p62f;
+inline constexpr float out_scale = 0x1p49f;
+inline constexpr std::uint32_t bf16x2_two_pow_127 = 0x7F007F00u;
+
+// bf16x2 of the e2m1 nibbles I (low half) and I + 4 (high half) of a Marlin word, each as
+// e2m1 * 2^-126: the three magnitude bits land in the two lowest exponent bits and the top
+// mantissa bit (e = 0 codes are bf16 subnormals, just as e2m1's own subnormal), the sign in the
+// sign. Nibbles I and I + 4 are the MMA's k = 2t and 2t + 1 (I = 0, 2) or 2t + 8 and 2t + 9
+// (I = 1, 3) of column 16w + g (I = 0, 1) or 16w + g + 8 (I = 2, 3).
+template <int I>
+EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t e2m1_pair_bf16(std::uint32_t word) noexcept {
+  static_assert(I >= 0 && I < 4);
+  std::uint32_t mag = 0;
+  if constexpr (I < 2) {
+    mag = word << (6 - 4 * I);
+  } else {
+    mag = word >> (4 * I - 6);
+  }
+  return (mag & 0x01C001C0u) | ((word << (12 - 4 * I)) & 0x80008000u);
+}
+
+// A lane's eight scale bytes of a K-row (bytes 8g..8g+7 of the tile's 64) hold the scales of its
+// columns 16w + 8h + g at byte swap_middle_of_4(2w + h) (marlin::scale_dest_col). The two of word w
+// as bf16x2 {h = 0, h = 1}, each s0e5m3 * 2^-112 exactly (bf16 bits = byte << 4, bytes < 8 as bf16
+// subnormals, 0 as 0): w = 0, 1 take bytes {0, 2}, {1, 3} of `lo`; w = 2, 3 the same of `hi`.
+EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t s0e5m3_pair_bf16(std::uint32_t lo, std::uint32_t hi, int w) noexcept {
+  const std::uint32_t s = w < 2 ? lo : hi;
+  return ((w & 1) != 0 ? s >> 4 : s << 4) & 0x0FF00FF0u;
+}
+EXPERT_CACHE_HOST_DEVICE constexpr int scale_byte(int w, int h) noexcept {
+  const int j = 2 * w + h;
+  return ((j & 3) == 1 || (j & 3) == 2) ? (j ^ 3) : j;
+}
+
+// Position of input element kk (0..15) of a K-row in the lane-ordered A fragment [t][4]:
+// lane t holds k = 2t, 2t + 1 (register a0a1) and 2t + 8, 2t + 9 (register a4a5).
+EXPERT_CACHE_HOST_DEVICE constexpr int a_frag_index(int kk) noexcept {
+  return ((kk & 7) >> 1) * 4 + (kk & 1) + ((kk & 8) >> 2);
+}
+
+__device__ __forceinline__ void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Streamed once: skip L1. volatile keeps them ahead of griddep_wait (moe_w2 prefetches).
+__device__ __forceinline__ uint4 load_stream16(const unsigned char* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_stream8(const unsigned char* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
+  std::uint32_t d;
+#if __CUDA_ARCH__ >= 900
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
+  return d;
+}
+
+// c[0..1] += rows g of A (x) B for one n8 tile; rows 8-15 of A are zero, so are D's c2, c3.
+__device__ __forceinline__ void mma_bf16(float (&c)[2], uint2 a, std::uint32_t b0, std::uint32_t b1) {
+  float d2, d3;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %10, %10};"
+      : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
+      : "r"(a.x), "r"(0u), "r"(a.y), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// One K-row of a 64-column tile: the lane's 16-byte weight piece (words w = 0..3) and its eight
+// scale bytes, eight MMAs (tiles (w, h) at columns 16w + 8h).
+__device__ __forceinline__ void mma_row(float (&acc)[4][2][2], uint2 a, uint4 q, uint2 s) {
+  const std::uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    // s0e5m3 * 2^-112 * 2^127: every byte's scale as a normal bf16, so scale * e2m1 * 2^-126 is.
+    const std::uint32_t sc = bf16x2_mul(s0e5m3_pair_bf16(s.x, s.y, w), bf16x2_two_pow_127);
+    const std::uint32_t s0 = __byte_perm(sc, 0u, 0x1010), s1 = __byte_perm(sc, 0u, 0x3232);
+    const std::uint32_t v = words[w];
+    mma_bf16(acc[w][0], a, bf16x2_mul(e2m1_pair_bf16<0>(v), s0), bf16x2_mul(e2m1_pair_bf16<1>(v), s0));
+    mma_bf16(acc[w][1], a, bf16x2_mul(e2m1_pair_bf16<2>(v), s1), bf16x2_mul(e2m1_pair_bf16<3>(v), s1));
+  }
+}
+
+// v (already times in_scale) as three bf16 terms whose sum is v to about 24 bits: each
+// difference is exact in fp32.
+__device__ __forceinline__ void split_bf16(float v, unsigned short (&out)[terms]) {
+#pragma unroll
+  for (int i = 0; i < terms; ++i) {
+    const __nv_bfloat16 b = __float2bfloat16_rn(v);
+    out[i] = __bfloat16_as_ushort(b);
+    v -= __bfloat162float(b);
+  }
+}
+
+// Lanes g < 3 hold rows g (the three terms) of their 16 columns; red[warp][term][col].
+__device__ __forceinline__ void stash_acc(float (&red)[warps][terms][64], const float (&acc)[4][2][2], int warp,
+                                          int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  if (g >= terms) return;
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) red[warp][g][16 * w + 8 * h + 2 * t + e] = acc[w][h][e];
+}
+
+// Column c of warps [w0, w0 + n): warps in order per term, then the terms in order.
+__device__ __forceinline__ float reduce_col(const float (&red)[warps][terms][64], int w0, int n, int c) {
+  float v[terms];
+#pragma unroll
+  for (int r = 0; r < terms; ++r) {
+    float s = 0.0f;
+    for (int i = 0; i < n; ++i) s += red[w0 + i][r][c];
+    v[r] = s;
+  }
+  return (v[0] + v[1]) + v[2];
+}
+
+// Publishes this block's partials and counts it in; true in every thread of the block that
+// arrives last (it then sees all partials through L2). The last block resets the counter, so
+// the next run starts from 0 without a memset.
+__device__ __forceinline__ bool arrive_last(unsigned* counter, unsigned expected) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1u) == expected - 1u;
+    if (last) {
+      *counter = 0u;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  return last;
+}
 
 __device__ __forceinline__ std::int32_t slot_of(const MoeWeights& w, const std::int32_t* ids, int p) {
   const std::int32_t e = ids[p];
   if (e < 0 || e >= w.num_experts) return -1;
   return w.expert_map[e];
-}
-
-// partial[p][split][n] = sum over this block's K-rows of in[k] * W(k, n) * s0e5m3(S[k/16][n])
-// (fp4 decoded without 2^-B; the global scale and 2^-B are applied by the next kernel).
-// Grid: (size_n / 64 tiles, splits, pairs).
-template <int WeightTensor, int ScaleTensor>
-__global__ void __launch_bounds__(gemv_threads)
-    marlin_gemv_partial(MoeWeights w, const std::int32_t* ids,
-                        const float* in, long long in_stride, int in_div, long long size_k, long long size_n,
-                        float* partial) {
-  const int p = static_cast<int>(blockIdx.z);
-  const std::int32_t slot = slot_of(w, ids, p);
-  if (slot < 0) return;  // never read: the reductions skip absent pairs
-  const int nt = static_cast<int>(blockIdx.x);
-  const int split = static_cast<int>(blockIdx.y);
-  const int splits = static_cast<int>(gridDim.y);
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int rg = static_cast<int>(threadIdx.x) >> 5;
-  const long long rows = size_k / marlin::tile_k;
-  const long long kt0 = static_cast<long long>(split) * rows_per_block;
-  const long long kt1 = kt0 + rows_per_block < rows ? kt0 + rows_per_block : rows;
-
-  const auto* words = reinterpret_cast<const uint4*>(w.base[WeightTensor] + static_cast<unsigned long long>(slot) * w.stride[WeightTensor]);
-  const unsigned char* scales = w.base[ScaleTensor] + static_cast<unsigned long long>(slot) * w.stride[ScaleTensor];
-  const float* x = in + static_cast<long long>(p / in_div) * in_stride;
-
-  // Lane t holds words j = 128 nt + 4 t + w (w = 0..3) of every row: Marlin's (warp w, lane t).
-  // Per marlin::weight_source: nibble i of word j is code (16 kt + r + dk(i), 64 nt + c + dn(i))
-  // with r = 2 (t % 4), c = 16 w + t / 4, dk = (i & 4 ? 1 : 0) + (i & 1 ? 8 : 0), dn = i & 2 ? 8 : 0.
-  const int r = 2 * (lane % 4);
-  long long scale_col[4][2];
-#pragma unroll
-  for (int ww = 0; ww < 4; ++ww)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) scale_col[ww][h] = marlin::scale_dest_col(64LL * nt + 16 * ww + lane / 4 + 8 * h);
-
-  float acc[4][2] = {};
-  const long long row_uint4 = 2 * size_n / 4;  // uint4 per K-row
-  for (long long kt = kt0 + rg; kt < kt1; kt += row_groups) {
-    const uint4 q = __ldg(&words[kt * row_uint4 + 32LL * nt + lane]);
-    const long long k = kt * marlin::tile_k + r;
-    // x * 2^64 times e2m1 * 2^-126 = x * e2m1 * 2^-62: normal floats (full precision) for any
-    // |x * e2m1| > 2^-64; the 2^62 goes into the scale. Inputs must stay below 2^63 in magnitude.
-    const float x0 = x[k] * 0x1p64f, x1 = x[k + 1] * 0x1p64f, x8 = x[k + 8] * 0x1p64f, x9 = x[k + 9] * 0x1p64f;
-    const unsigned char* srow = scales + kt * size_n;
-    const std::uint32_t qw[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int ww = 0; ww < 4; ++ww) {
-      const std::uint32_t v = qw[ww];
-      // h = 0: nibbles 0, 1, 4, 5 (k = r, r+8, r+1, r+9); h = 1: nibbles 2, 3, 6, 7.
-      const float s0 = x0 * __uint_as_float(e2m1_scaled_bits<0>(v)) + x8 * __uint_as_float(e2m1_scaled_bits<4>(v)) +
-                       x1 * __uint_as_float(e2m1_scaled_bits<16>(v)) + x9 * __uint_as_float(e2m1_scaled_bits<20>(v));
-      const float s1 = x0 * __uint_as_float(e2m1_scaled_bits<8>(v)) + x8 * __uint_as_float(e2m1_scaled_bits<12>(v)) +
-                       x1 * __uint_as_float(e2m1_scaled_bits<24>(v)) + x9 * __uint_as_float(e2m1_scaled_bits<28>(v));
-      acc[ww][0] += s0 * (s0e5m3_decode(srow[scale_col[ww][0]]) * 0x1p62f);
-      acc[ww][1] += s1 * (s0e5m3_decode(srow[scale_col[ww][1]]) * 0x1p62f);
-    }
-  }
-  // The four lanes of a column group (t % 4 = 0..3) hold different k: sum them.
-#pragma unroll
-  for (int ww = 0; ww < 4; ++ww)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float v = acc[ww][h];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      acc[ww][h] = v;
-    }
-  __shared__ float red[row_groups][64];
-  if (lane % 4 == 0) {
-#pragma unroll
-    for (int ww = 0; ww < 4; ++ww)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) red[rg][16 * ww + lane / 4 + 8 * h] = acc[ww][h];
-  }
-  __syncthreads();
-  if (threadIdx.x < 64) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int g = 0; g < row_groups; ++g) sum += red[g][threadIdx.x];
-    partial[(static_cast<long long>(p) * splits + split) * size_n + 64LL * nt + threadIdx.x] = sum;
-  }
 }
 
 __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std::int32_t slot) {
@@ -193,47 +282,166 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
   return g;
 }
 
-// act[p][j] = silu(C1[j]) * C1[Np + j], C1 = (sum over splits) * g13' * 2^-B. Grid: pairs.
-__global__ void moe_activation(MoeWeights w, const std::int32_t* ids, const float* partial, int splits,
-                               long long padded, float unbias, float* act) {
-  const int p = static_cast<int>(blockIdx.x);
+// C1 partials of the gate tile j and the up tile j over K-rows [16 split, 16 split + 16), then, in
+// the last block of (pair, j), A = silu(gate) * up for k in [64 j, 64 j + 64) as bf16 terms in
+// fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
+__global__ void __launch_bounds__(threads) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
+                                                   int top_k, int rows, int padded, float gscale, float* partial,
+                                                   unsigned* counters, unsigned short* act) {
+  griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
+  griddep_launch_dependents();  // only after the wait: moe_w2 reads slot buffers before its own
+  const int j = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
+  const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
+  const int p = static_cast<int>(blockIdx.z);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kt0 = split * w13_rows;
+  const int m = p / top_k;
+  const bool x_ok = kt0 + (tid >> 4) < rows;
+  const float xv = x_ok ? x[static_cast<long long>(m) * hidden + 16LL * kt0 + tid] : 0.0f;
   const std::int32_t slot = slot_of(w, ids, p);
-  if (slot < 0) return;
-  const float g = global_of(w, 4, slot) * unbias;
-  const long long size_n = 2 * padded;
-  for (long long j = threadIdx.x; j < padded; j += blockDim.x) {
-    float gate = 0.0f, up = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      gate += partial[(static_cast<long long>(p) * splits + s) * size_n + j];
-      up += partial[(static_cast<long long>(p) * splits + s) * size_n + padded + j];
+  if (slot < 0) return;  // never read: moe_w2 skips absent pairs
+
+  const long long size_n = 2LL * padded;
+  const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
+  const long long nt = static_cast<long long>(sel) * tiles + j;
+  const unsigned char* wp = w.base[0] + static_cast<unsigned long long>(slot) * w.stride[0] + nt * 512 + lane * 16;
+  const unsigned char* sp = w.base[2] + static_cast<unsigned long long>(slot) * w.stride[2] + nt * 64 + 8 * g;
+  uint4 q[rows_per_warp];
+  uint2 s[rows_per_warp];
+#pragma unroll
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int kt = kt0 + rg * rows_per_warp + i;
+    q[i] = make_uint4(0u, 0u, 0u, 0u);
+    s[i] = make_uint2(0u, 0u);
+    if (kt < rows) {
+      q[i] = load_stream16(wp + kt * 8 * size_n);
+      s[i] = load_stream8(sp + kt * size_n);
     }
-    gate *= g;
-    up *= g;
-    act[static_cast<long long>(p) * padded + j] = gate / (1.0f + expf(-gate)) * up;
+  }
+
+  __shared__ __align__(16) unsigned short a_s[w13_rows][terms][16];
+  __shared__ float red[warps][terms][64];
+  {
+    unsigned short b[terms];
+    split_bf16(xv * in_scale, b);
+    const int fi = a_frag_index(tid & 15);
+#pragma unroll
+    for (int r = 0; r < terms; ++r) a_s[tid >> 4][r][fi] = b[r];
+  }
+  __syncthreads();
+
+  float acc[4][2][2] = {};
+#pragma unroll
+  for (int i = 0; i < rows_per_warp; ++i) {
+    const int ktl = rg * rows_per_warp + i;
+    const uint2 a = g < terms ? *reinterpret_cast<const uint2*>(&a_s[ktl][g][4 * t]) : make_uint2(0u, 0u);
+    mma_row(acc, a, q[i], s[i]);
+  }
+  stash_acc(red, acc, warp, lane);
+  __syncthreads();
+  float* part = partial + static_cast<long long>(p) * splits * size_n + 64LL * j;
+  if (tid < 128) {
+    const int sel_c = tid >> 6, c = tid & 63;
+    part[split * size_n + sel_c * padded + c] = reduce_col(red, sel_c * w13_row_groups, w13_row_groups, c);
+  }
+  if (!arrive_last(&counters[static_cast<long long>(p) * tiles + j], static_cast<unsigned>(splits))) return;
+
+  if (tid < 64) {
+    const float gs = global_of(w, 4, slot) * gscale;
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll 8
+    for (int i = 0; i < splits; ++i) {
+      gate += __ldcg(part + i * size_n + tid);
+      up += __ldcg(part + i * size_n + padded + tid);
+    }
+    gate *= gs;
+    up *= gs;
+    const float a = gate / (1.0f + expf(-gate)) * up;
+    unsigned short b[terms];
+    split_bf16(a * in_scale, b);
+    const int k = 64 * j + tid;
+    unsigned short* dst = act + (static_cast<long long>(p) * (padded / 16) + k / 16) * (terms * 16) + a_frag_index(k % 16);
+#pragma unroll
+    for (int r = 0; r < terms; ++r) dst[16 * r] = b[r];
   }
 }
 
-// out[m][n] = sum_j weight[p] * (sum over splits) * g2' * 2^-B. Grid: (ceil(K / block), tokens).
-__global__ void moe_combine(MoeWeights w, const std::int32_t* ids, const float* topk_weights, int top_k,
-                            const float* partial, int splits, long long hidden, float unbias, float* out) {
-  const int m = static_cast<int>(blockIdx.y);
-  const long long n = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (n >= hidden) return;
-  float sum = 0.0f;
-  for (int j = 0; j < top_k; ++j) {
-    const int p = m * top_k + j;
-    const std::int32_t slot = slot_of(w, ids, p);
-    if (slot < 0) continue;
-    float c = 0.0f;
-    for (int s = 0; s < splits; ++s) c += partial[(static_cast<long long>(p) * splits + s) * hidden + n];
-    sum += topk_weights[p] * (c * (global_of(w, 5, slot) * unbias));
+// C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
+// (0 for absent pairs), then, in the last block of (token, nt), out = the sum over the token's
+// pairs and splits in order. Grid (K / 64, splits, pairs).
+__global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
+                                                  int hidden, int top_k, int rows, float gscale,
+                                                  const unsigned short* act, float* partial, unsigned* counters,
+                                                  float* out) {
+  const int nt = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
+  const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
+  const int p = static_cast<int>(blockIdx.z);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kt0 = split * w2_rows + warp * rows_per_warp;
+
+  // Before the wait, only what no kernel since moe_w13's own wait can write: ids, the map and
+  // the slot buffers. This is the overlap with moe_w13: these weights are loaded while it runs.
+  const std::int32_t slot = slot_of(w, ids, p);
+  uint4 q[rows_per_warp];
+  uint2 s[rows_per_warp];
+  float g2 = 0.0f;
+  if (slot >= 0) {
+    const unsigned char* wp = w.base[1] + static_cast<unsigned long long>(slot) * w.stride[1] + nt * 512LL + lane * 16;
+    const unsigned char* sp = w.base[3] + static_cast<unsigned long long>(slot) * w.stride[3] + nt * 64LL + 8 * g;
+#pragma unroll
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const int kt = kt0 + i;
+      q[i] = make_uint4(0u, 0u, 0u, 0u);
+      s[i] = make_uint2(0u, 0u);
+      if (kt < rows) {
+        q[i] = load_stream16(wp + static_cast<long long>(kt) * 8 * hidden);
+        s[i] = load_stream8(sp + static_cast<long long>(kt) * hidden);
+      }
+    }
+    g2 = global_of(w, 5, slot) * gscale;
   }
-  out[static_cast<long long>(m) * hidden + n] = sum;
+  griddep_launch_dependents();
+  griddep_wait();  // act (moe_w13) and topk_weights; the partials of the previous run are read
+
+  __shared__ float red[warps][terms][64];
+  float* part = partial + (static_cast<long long>(p) * splits + split) * hidden + 64LL * nt;
+  if (slot >= 0) {
+    const float coef = topk_weights[p];
+    uint2 a[rows_per_warp];
+#pragma unroll
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const int kt = kt0 + i;
+      a[i] = make_uint2(0u, 0u);
+      if (g < terms && kt < rows)
+        a[i] = __ldcg(reinterpret_cast<const uint2*>(act + (static_cast<long long>(p) * rows + kt) * (terms * 16) + 16 * g) + t);
+    }
+    float acc[4][2][2] = {};
+#pragma unroll
+    for (int i = 0; i < rows_per_warp; ++i) mma_row(acc, a[i], q[i], s[i]);
+    stash_acc(red, acc, warp, lane);
+    __syncthreads();
+    if (tid < 64) part[tid] = coef * (reduce_col(red, 0, warps, tid) * g2);
+  } else if (tid < 64) {
+    part[tid] = 0.0f;
+  }
+  const int m = p / top_k;
+  const unsigned arrivals = static_cast<unsigned>(top_k) * static_cast<unsigned>(splits);
+  if (!arrive_last(&counters[static_cast<long long>(m) * tiles + nt], arrivals)) return;
+
+  if (tid < 64) {
+    const float* src = partial + static_cast<long long>(m) * arrivals * hidden + 64LL * nt + tid;
+    float sum = 0.0f;
+#pragma unroll 8
+    for (unsigned i = 0; i < arrivals; ++i) sum += __ldcg(src + static_cast<long long>(i) * hidden);
+    out[static_cast<long long>(m) * hidden + 64LL * nt + tid] = sum;
+  }
 }
 
 }  // namespace moe_detail
 
-// Owns the workspace for up to `max_tokens` tokens of `top_k` experts; run() enqueues four
+// Owns the workspace for up to `max_tokens` tokens of `top_k` experts; run() enqueues two
 // kernels on `stream`. Inputs and outputs are device pointers: ids and weights [tokens * top_k],
 // x and out [tokens, hidden] fp32.
 class MoeConsumer {
@@ -242,15 +450,24 @@ class MoeConsumer {
     throw_if_error(layout.validate());
     if (max_tokens < 1 || top_k < 1) throw Error(ErrorCode::invalid_argument, "MoeConsumer: max_tokens and top_k must be >= 1");
     const long long pairs = static_cast<long long>(max_tokens) * top_k;
-    splits1_ = splits(layout.w13_gemm().size_k);
-    splits2_ = splits(layout.w2_gemm().size_k);
-    const std::size_t bytes1 = static_cast<std::size_t>(pairs * splits1_ * layout.w13_gemm().size_n) * sizeof(float);
-    const std::size_t bytes_act = static_cast<std::size_t>(pairs * layout.padded_intermediate()) * sizeof(float);
-    const std::size_t bytes2 = static_cast<std::size_t>(pairs * splits2_ * layout.w2_gemm().size_n) * sizeof(float);
-    alloc(part1_, bytes1);
-    alloc(act_, bytes_act);
-    alloc(part2_, bytes2);
+    if (pairs > 65535) throw Error(ErrorCode::invalid_argument, "MoeConsumer: max_tokens * top_k must be <= 65535");
+    const long long padded = layout.padded_intermediate();
+    rows1_ = static_cast<int>(layout.hidden / marlin::tile_k);
+    rows2_ = static_cast<int>(padded / marlin::tile_k);
+    splits1_ = (rows1_ + moe_detail::w13_rows - 1) / moe_detail::w13_rows;
+    splits2_ = (rows2_ + moe_detail::w2_rows - 1) / moe_detail::w2_rows;
+    counters1_ = pairs * (padded / 64);
+    const long long counters2 = static_cast<long long>(max_tokens) * (layout.hidden / 64);
+    alloc(part1_, static_cast<std::size_t>(pairs * splits1_ * 2 * padded) * sizeof(float));
+    alloc(act_, static_cast<std::size_t>(pairs * rows2_ * moe_detail::terms * 16) * sizeof(unsigned short));
+    alloc(part2_, static_cast<std::size_t>(pairs * splits2_ * layout.hidden) * sizeof(float));
+    alloc(counters_, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned));
+    // The kernels keep the counters at zero between runs; they start at zero once. Synchronous,
+    // so that work on any (non-blocking) stream sees it.
+    check(cudaMemset(counters_, 0, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned)), "cudaMemset");
+    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     unbias_ = marlin::exp2i(-marlin::dtype_bias(layout.dtype));
+    use_pdl_ = pdl_supported();
   }
   MoeConsumer(const MoeConsumer&) = delete;
   MoeConsumer& operator=(const MoeConsumer&) = delete;
@@ -258,6 +475,7 @@ class MoeConsumer {
     cudaFree(part1_);
     cudaFree(act_);
     cudaFree(part2_);
+    cudaFree(counters_);
   }
 
   [[nodiscard]] Status run(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
@@ -266,19 +484,18 @@ class MoeConsumer {
       return Status(ErrorCode::invalid_argument, "MoeConsumer::run: tokens " + std::to_string(tokens) +
                                                      " outside [1, " + std::to_string(max_tokens_) + "]");
     }
-    const auto g13 = layout_.w13_gemm(), g2 = layout_.w2_gemm();
     const unsigned pairs = static_cast<unsigned>(tokens * top_k_);
-    const long long padded = layout_.padded_intermediate();
-    moe_detail::marlin_gemv_partial<0, 2><<<dim3(static_cast<unsigned>(g13.size_n / 64), static_cast<unsigned>(splits1_), pairs),
-                                            moe_detail::gemv_threads, 0, stream>>>(
-        w, ids, x, layout_.hidden, top_k_, g13.size_k, g13.size_n, part1_);
-    moe_detail::moe_activation<<<pairs, 256, 0, stream>>>(w, ids, part1_, splits1_, padded, unbias_, act_);
-    moe_detail::marlin_gemv_partial<1, 3><<<dim3(static_cast<unsigned>(g2.size_n / 64), static_cast<unsigned>(splits2_), pairs),
-                                            moe_detail::gemv_threads, 0, stream>>>(w, ids, act_, padded, 1, g2.size_k,
-                                                                             g2.size_n, part2_);
-    moe_detail::moe_combine<<<dim3(static_cast<unsigned>((layout_.hidden + 255) / 256), static_cast<unsigned>(tokens)), 256, 0,
-                              stream>>>(w, ids, topk_weights, top_k_, part2_, splits2_, layout_.hidden, unbias_, out);
-    const cudaError_t err = cudaGetLastError();
+    const int padded = static_cast<int>(layout_.padded_intermediate());
+    const int hidden = static_cast<int>(layout_.hidden);
+    const float gscale = unbias_ * moe_detail::out_scale;
+    cudaError_t err = launch(moe_detail::moe_w13, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
+                             stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_);
+    if (err == cudaSuccess) {
+      err = launch(moe_detail::moe_w2, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
+                   ids, topk_weights, hidden, top_k_, rows2_, gscale, static_cast<const unsigned short*>(act_), part2_,
+                   counters_ + counters1_, out);
+    }
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) {
       return Status(ErrorCode::runtime_failure, std::string("MoeConsumer::run: launch failed: ") + cudaGetErrorName(err) +
                                                     ": " + cudaGetErrorString(err));
@@ -290,11 +507,43 @@ class MoeConsumer {
   [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
 
  private:
-  static int splits(long long size_k) noexcept {
-    const long long rows = size_k / marlin::tile_k;
-    return static_cast<int>((rows + moe_detail::rows_per_block - 1) / moe_detail::rows_per_block);
+  // PDL needs sm_90 and kernels whose code has the waits (PTX for sm_90 or newer): a kernel
+  // JIT-compiled from older PTX would not wait, so it then runs in plain stream order.
+  static bool pdl_supported() noexcept {
+    int dev = 0, major = 0;
+    cudaFuncAttributes a13{}, a2{};
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaFuncGetAttributes(&a13, moe_detail::moe_w13) != cudaSuccess ||
+        cudaFuncGetAttributes(&a2, moe_detail::moe_w2) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return major >= 9 && a13.ptxVersion >= 90 && a2.ptxVersion >= 90;
   }
-  static void alloc(float*& p, std::size_t bytes) {
+
+  template <class... Params, class... Args>
+  cudaError_t launch(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args&&... args) const noexcept {
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(moe_detail::threads);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = use_pdl_ ? 1u : 0u;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  }
+
+  static void check(cudaError_t err, const char* what) {
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw Error(ErrorCode::runtime_failure, std::string("MoeConsumer: ") + what + " failed: " + cudaGetErrorString(err));
+    }
+  }
+  template <class T>
+  static void alloc(T*& p, std::size_t bytes) {
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {
       (void)cudaGetLastError();
@@ -306,12 +555,17 @@ class MoeConsumer {
   Nvfp4Marlin layout_;
   int max_tokens_;
   int top_k_;
+  int rows1_ = 0;
+  int rows2_ = 0;
   int splits1_ = 1;
   int splits2_ = 1;
+  long long counters1_ = 0;
   float unbias_ = 1.0f;
+  bool use_pdl_ = false;
   float* part1_ = nullptr;
-  float* act_ = nullptr;
+  unsigned short* act_ = nullptr;
   float* part2_ = nullptr;
+  unsigned* counters_ = nullptr;
 };
 
 }  // namespace expert_cache::device
