@@ -83,239 +83,192 @@ inline int grid_for(std::int64_t work) {
 enum : int { w13_tensor = 0, w2_tensor = 1 };
 
 // ---------------------------------------------------------------------------------------------
-// Tiled kernels (the fast path). Both repacks are transposes: the checkpoint is n-major (one row
-// per GEMM output column, packed along k), Marlin is k-major. A block stages a 64-column strip of
-// the source in shared memory with coalesced loads and writes whole output tiles with coalesced
-// stores. Rows in the w13 shard padding and k beyond N in w2 read as zero.
+// The tiled kernel (the fast path): the whole layer in ONE launch. Both repacks are transposes:
+// the checkpoint is n-major (one row per GEMM output column, packed along k), Marlin is k-major.
+// A block task is (tensor, expert, 64-column strip nt, run of RunTiles 16-k tiles). Since a
+// weight tile and a scale group both span 16 k, the task's weight tiles and its scale groups
+// come from the same 64 source rows: the block stages both in shared memory with coalesced loads
+// and writes whole output tiles (weights) and 64-byte output rows (scales) with coalesced stores.
+// Rows in the w13 shard padding and k beyond N in w2 read as zero. Persistent blocks prefetch the
+// next task's bytes into registers while they write the current task, so loads stay in flight.
 
-inline constexpr int weight_chunk_tiles = 16;  // 16-k tiles per block: 128 source bytes per row
-inline constexpr int weight_smem_row = weight_chunk_tiles * 8 + 8;  // +8 B: rows 8 apart hit different banks
-inline constexpr int scale_chunk_groups = 32;   // 16-k groups per block task
-inline constexpr int scale_smem_row = 64 + 4;   // [group][column] rows, +4 B against bank conflicts
-inline constexpr int tiled_min_blocks = 6;      // resident blocks per SM the register budget allows
+inline constexpr int tiled_run_tiles = 16;  // 16-k tiles per task: 128 weight bytes per source row
+inline constexpr int tiled_min_blocks = 5;  // resident blocks per SM the register budget allows
 
 // The source rows behind one 64-column strip of a GEMM operand, for one expert. A strip never
 // straddles the w13 shards (Np is a multiple of 64), so its rows are one contiguous run of
 // checkpoint rows followed by zero rows (shard padding); along k, w2's source ends at N (Np > N
 // is zero padding, in whole 16-k groups since N % 16 == 0).
-struct SourceStrip {
-  std::int64_t first_row = 0;  // checkpoint row of strip row 0 (layer-wide, experts stacked)
-  int valid_rows = 0;          // strip rows [0, valid_rows) exist in the checkpoint
-  std::int64_t valid_k = 0;    // codes [0, valid_k) along k exist
+struct StripTask {
+  int tensor = w13_tensor;
+  int expert = 0;        // < 2^20 (check_nvfp4_shape)
+  int strip = 0;         // 64-column index nt
+  int first = 0;         // first k-tile (= scale group) of the run
+  int count = 0;         // k-tiles in the run
+  int valid_rows = 0;    // strip rows [0, valid_rows) have a checkpoint source
+  int valid_count = 0;   // run tiles [0, valid_count) have a checkpoint source
+  std::int64_t row = 0;  // checkpoint row of strip row 0 (experts stacked)
 };
 
-template <int Tensor>
-__device__ __forceinline__ SourceStrip source_strip(const RepackArgs& a, std::int64_t e, int nt) {
-  const std::int64_t n0 = std::int64_t{64} * nt;
-  if constexpr (Tensor == w13_tensor) {
+// Per-tensor geometry of the tiled kernel (k along the GEMM reduction, n along its output).
+struct TiledGeometry {
+  std::int64_t row_bytes = 0;        // checkpoint code bytes per source row
+  std::int64_t scale_row_bytes = 0;  // checkpoint scale bytes per source row
+  std::int64_t size_n = 0;
+  int k_tiles = 0, n_tiles = 0, runs = 0;
+};
+
+__device__ __forceinline__ TiledGeometry tiled_geometry(const RepackArgs& a, int tensor, int run_tiles) {
+  TiledGeometry g;
+  const std::int64_t size_k = tensor == w13_tensor ? a.hidden : a.padded;
+  const std::int64_t source_k = tensor == w13_tensor ? a.hidden : a.intermediate;
+  g.row_bytes = source_k / 2;
+  g.scale_row_bytes = source_k / marlin::group_size;
+  g.size_n = tensor == w13_tensor ? 2 * a.padded : a.hidden;
+  g.k_tiles = static_cast<int>(size_k / marlin::tile_k);
+  g.n_tiles = static_cast<int>(g.size_n / marlin::tile_n);
+  g.runs = (g.k_tiles + run_tiles - 1) / run_tiles;
+  return g;
+}
+
+// Task `task` of one tensor: run fastest, then strip, then expert.
+__device__ __forceinline__ StripTask strip_task(const RepackArgs& a, int tensor, std::int64_t task, int run_tiles) {
+  const TiledGeometry g = tiled_geometry(a, tensor, run_tiles);
+  StripTask s;
+  s.tensor = tensor;
+  const int run = static_cast<int>(task % g.runs);
+  const std::int64_t rest = task / g.runs;
+  s.strip = static_cast<int>(rest % g.n_tiles);
+  s.expert = static_cast<int>(rest / g.n_tiles);
+  s.first = run * run_tiles;
+  s.count = min(run_tiles, g.k_tiles - s.first);
+  const std::int64_t n0 = std::int64_t{64} * s.strip;
+  std::int64_t source_tiles = 0;
+  if (tensor == w13_tensor) {
     const std::int64_t shard = n0 / a.padded, in_shard = n0 % a.padded;
     const std::int64_t rows = a.intermediate - in_shard;
-    return {e * 2 * a.intermediate + shard * a.intermediate + in_shard,
-            static_cast<int>(rows < 0 ? 0 : rows < 64 ? rows : 64), a.hidden};
+    s.row = std::int64_t{s.expert} * 2 * a.intermediate + shard * a.intermediate + in_shard;
+    s.valid_rows = static_cast<int>(rows < 0 ? 0 : rows < 64 ? rows : 64);
+    source_tiles = g.k_tiles;
   } else {
-    return {e * a.hidden + n0, 64, a.intermediate};
+    s.row = std::int64_t{s.expert} * a.hidden + n0;
+    s.valid_rows = 64;
+    source_tiles = a.intermediate / marlin::tile_k;  // the rest is padding
+  }
+  const std::int64_t with_source = source_tiles - s.first;
+  s.valid_count = static_cast<int>(with_source < 0 ? 0 : with_source < s.count ? with_source : s.count);
+  return s;
+}
+
+inline std::int64_t tiled_tasks(const MarlinGemmShape& g, std::int64_t num_experts, int run_tiles) {
+  return num_experts * (g.size_n / marlin::tile_n) * ((g.rows() + run_tiles - 1) / run_tiles);
+}
+
+// Thread j-th weight piece: strip row (tid + 256 j) / RunTiles, tile tid % RunTiles (a warp reads
+// whole source rows' contiguous bytes); j-th scale byte: the same row, group tid % RunTiles.
+template <int RunTiles, int Pieces>
+__device__ __forceinline__ void load_task(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, const StripTask& t,
+                                          int tid, uint2 (&w)[Pieces], std::uint8_t (&sc)[Pieces]) {
+  const bool w13 = t.tensor == w13_tensor;
+  const std::int64_t row_bytes = (w13 ? a.hidden : a.intermediate) / 2;
+  const std::int64_t scale_row_bytes = (w13 ? a.hidden : a.intermediate) / marlin::group_size;
+  const std::uint8_t* weights = (w13 ? src.w13 : src.w2) + t.row * row_bytes + std::int64_t{t.first} * 8;
+  const std::uint8_t* scales = (w13 ? src.w13_scale : src.w2_scale) + t.row * scale_row_bytes + t.first;
+#pragma unroll
+  for (int j = 0; j < Pieces; ++j) {
+    const int i = tid + j * block_threads, row = i / RunTiles, piece = i % RunTiles;
+    const bool valid = row < t.valid_rows && piece < t.valid_count;
+    w[j] = valid ? __ldg(reinterpret_cast<const uint2*>(weights + row * row_bytes + piece * 8)) : make_uint2(0u, 0u);
+    sc[j] = valid ? __ldg(scales + row * scale_row_bytes + piece) : std::uint8_t{0};
   }
 }
 
-// Where one block task reads and writes: (expert, 64-column strip, run of k-tiles or groups).
-struct StripTask {
-  int expert = 0;       // < 2^20 (check_nvfp4_shape)
-  int strip = 0;        // 64-column index nt
-  int first = 0;        // first k-tile (weights) or group (scales) of the run
-  int count = 0;        // k-tiles or groups in the run
-  int valid_rows = 0;   // strip rows with a checkpoint source
-  int valid_count = 0;  // leading run entries with a checkpoint source
-  const std::uint8_t* source = nullptr;  // strip row 0 at `first`
-};
-
-// Task `task` of a layer-wide enumeration (run fastest, then strip, then expert). `per_run` is
-// the number of k-tiles / groups a block handles, `unit` the source bytes (weights) or bytes
-// per row (scales) one of them spans along k, `unit_k` the codes per unit.
-template <int Tensor>
-__device__ __forceinline__ StripTask strip_task(const RepackArgs& a, std::int64_t task, int runs, int strips, int total,
-                                                int per_run, const std::uint8_t* in_base, std::int64_t row_bytes,
-                                                int unit_bytes) {
-  StripTask t;
-  const int run = static_cast<int>(task % runs);
-  const std::int64_t rest = task / runs;
-  t.strip = static_cast<int>(rest % strips);
-  t.expert = static_cast<int>(rest / strips);
-  t.first = run * per_run;
-  t.count = min(per_run, total - t.first);
-  const SourceStrip ss = source_strip<Tensor>(a, t.expert, t.strip);
-  const std::int64_t with_source = ss.valid_k / marlin::tile_k - t.first;  // tile_k == group_size; <= 0 in w2 padding
-  t.valid_count = static_cast<int>(with_source < 0 ? 0 : with_source < t.count ? with_source : t.count);
-  t.valid_rows = ss.valid_rows;
-  t.source = in_base + ss.first_row * row_bytes + std::int64_t{t.first} * unit_bytes;
-  return t;
-}
-
-// Block task = (expert, 64-column tile nt, run of up to 16 k-tiles). Needs 8-byte aligned sources
-// and 16-byte aligned outputs (checked by the launcher). Persistent blocks: the next task's
-// pieces are loaded into registers while the current task's tiles are written, so loads stay in
-// flight across the store phase. Each thread writes uint4s: the words of lane t for all four
-// warps w of a tile (output words 4t .. 4t+3).
-template <int Tensor>
-__global__ void __launch_bounds__(block_threads, tiled_min_blocks) marlin_weights_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
-                                                                                RepackArgs a) {
-  __shared__ __align__(16) unsigned char strip[64 * weight_smem_row];
-  constexpr int per_thread = 64 * weight_chunk_tiles / block_threads;
-  const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
-  const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
-  const std::int64_t row_bytes = (Tensor == w13_tensor ? a.hidden : a.intermediate) / 2;
-  const std::uint8_t* in_base = Tensor == w13_tensor ? src.w13 : src.w2;
-  std::uint32_t* out_base = Tensor == w13_tensor ? dst.w13 : dst.w2;
-  const int k_tiles = static_cast<int>(size_k / marlin::tile_k);
-  const int n_tiles = static_cast<int>(size_n / marlin::tile_n);
-  const int runs = (k_tiles + weight_chunk_tiles - 1) / weight_chunk_tiles;
-  const std::int64_t per_expert_words = std::int64_t{k_tiles} * 2 * size_n;
-  const std::int64_t tasks = a.num_experts * n_tiles * runs;
+// Needs 8-byte aligned weight sources, 16-byte aligned weight outputs and 4-byte aligned scale
+// outputs (the launcher checks). `w13_tasks` = tiled_tasks of the w13 GEMM; w2 tasks follow.
+template <int RunTiles>
+__global__ void __launch_bounds__(block_threads, tiled_min_blocks)
+    marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, std::int64_t w13_tasks,
+                               std::int64_t tasks) {
+  constexpr int weight_row = RunTiles * 8 + 8;  // +8 B: strip rows 8 apart fall in different banks
+  constexpr int scale_row = 64 + 4;             // [group][column], +4 B against bank conflicts
+  constexpr int pieces = 64 * RunTiles / block_threads;
+  static_assert(block_threads == 256 && pieces >= 1, "one encode-table entry per thread; whole pieces per thread");
+  __shared__ __align__(16) unsigned char strip[64 * weight_row];
+  __shared__ __align__(4) std::uint8_t scale_block[RunTiles * scale_row];
+  __shared__ std::uint8_t encode[2][256];
   const int tid = static_cast<int>(threadIdx.x);
-
-  // Thread piece j: strip row (tid + 256 j) / 16, piece tid % 16; a warp reads two rows' 128 bytes.
-  const auto load = [&](const StripTask& t, uint2 (&v)[per_thread]) {
-#pragma unroll
-    for (int j = 0; j < per_thread; ++j) {
-      const int i = tid + j * block_threads, row = i / weight_chunk_tiles, piece = i % weight_chunk_tiles;
-      v[j] = row < t.valid_rows && piece < t.valid_count
-                 ? __ldg(reinterpret_cast<const uint2*>(t.source + row * row_bytes + piece * 8))
-                 : make_uint2(0u, 0u);
-    }
-  };
+  encode[w13_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w13_log2_sf);
+  encode[w2_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w2_log2_sf);
   const auto task_at = [&](std::int64_t task) {
-    return strip_task<Tensor>(a, task, runs, n_tiles, k_tiles, weight_chunk_tiles, in_base, row_bytes, 8);
+    return task < w13_tasks ? strip_task(a, w13_tensor, task, RunTiles) : strip_task(a, w2_tensor, task - w13_tasks, RunTiles);
   };
 
   std::int64_t task = blockIdx.x;
   if (task >= tasks) return;
   StripTask cur = task_at(task);
-  uint2 v[per_thread];
-  load(cur, v);
+  uint2 w[pieces];
+  std::uint8_t sc[pieces];
+  load_task<RunTiles>(src, a, cur, tid, w, sc);
   for (;;) {
 #pragma unroll
-    for (int j = 0; j < per_thread; ++j) {
-      const int i = tid + j * block_threads;
-      *reinterpret_cast<uint2*>(strip + (i / weight_chunk_tiles) * weight_smem_row + (i % weight_chunk_tiles) * 8) = v[j];
-    }
-    __syncthreads();
-    const std::int64_t next_task = task + gridDim.x;
-    StripTask next;
-    if (next_task < tasks) {
-      next = task_at(next_task);
-      load(next, v);
-    }
-
-    for (int i = tid; i < cur.count * 32; i += block_threads) {
-      const int piece = i / 32, t = i % 32;
-      const int shift = 8 * (t % 4);  // byte t % 4 of a piece holds k = r, r + 1 (r = 2 (t % 4))
-      const unsigned char* col = strip + (t / 4) * weight_smem_row + piece * 8;
-      std::uint32_t words[4];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * w) * weight_smem_row);
-        const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * w + 8) * weight_smem_row);
-        words[w] = marlin::weight_word_from_bytes(c0.x >> shift, c0.y >> shift, c8.x >> shift, c8.y >> shift);
-      }
-      std::uint32_t* out = out_base + cur.expert * per_expert_words + std::int64_t{cur.first + piece} * 2 * size_n +
-                           marlin::words_per_tile * cur.strip + 4 * t;
-      *reinterpret_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
-    }
-    if (next_task >= tasks) return;
-    __syncthreads();  // the strip is rewritten next
-    task = next_task;
-    cur = next;
-  }
-}
-
-// e4m3 scale byte S[g][n] of expert e (0 in padding), for the generic kernel.
-template <int Tensor>
-__device__ __forceinline__ std::uint8_t scale_byte(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, std::int64_t e,
-                                                   std::int64_t g, std::int64_t n) {
-  if constexpr (Tensor == w13_tensor) {
-    const std::int64_t groups = a.hidden / marlin::group_size;
-    const std::int64_t row = marlin::w13_checkpoint_row(n, a.intermediate, a.padded);
-    return row < 0 ? std::uint8_t{0} : __ldg(src.w13_scale + (e * 2 * a.intermediate + row) * groups + g);
-  } else {
-    const std::int64_t groups = a.intermediate / marlin::group_size;
-    return g >= groups ? std::uint8_t{0} : __ldg(src.w2_scale + (e * a.hidden + n) * groups + g);
-  }
-}
-
-// Block task = (expert, 64-column block, run of up to 32 groups). The permutation stays inside a
-// 64-column block, so the block transposes S[g][n] through shared memory and writes each output
-// row's 64 bytes as 16 aligned words; the S0E5M3 encode is a 256-entry table built per block.
-// Needs 4-byte aligned scale outputs (checked by the launcher). Persistent blocks with the next
-// task's bytes prefetched into registers, as in the weight kernel.
-template <int Tensor>
-__global__ void __launch_bounds__(block_threads, tiled_min_blocks) marlin_scales_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst,
-                                                                               RepackArgs a) {
-  static_assert(block_threads == 256, "one encode-table entry per thread");
-  __shared__ std::uint8_t encode[256];
-  __shared__ __align__(4) std::uint8_t block[scale_chunk_groups * scale_smem_row];
-  constexpr int per_thread = 64 * scale_chunk_groups / block_threads;
-  const int tid = static_cast<int>(threadIdx.x);
-  encode[tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), Tensor == w13_tensor ? a.w13_log2_sf : a.w2_log2_sf);
-
-  const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
-  const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
-  const std::int64_t row_bytes = (Tensor == w13_tensor ? a.hidden : a.intermediate) / marlin::group_size;
-  const std::uint8_t* in_base = Tensor == w13_tensor ? src.w13_scale : src.w2_scale;
-  std::uint8_t* out_base = Tensor == w13_tensor ? dst.w13_scale : dst.w2_scale;
-  const int groups = static_cast<int>(size_k / marlin::group_size);
-  const int n_blocks = static_cast<int>(size_n / 64);
-  const int runs = (groups + scale_chunk_groups - 1) / scale_chunk_groups;
-  const std::int64_t tasks = a.num_experts * n_blocks * runs;
-
-  // Thread byte j: source row (column n) (tid + 256 j) / 32, group tid % 32.
-  const auto load = [&](const StripTask& t, std::uint8_t (&v)[per_thread]) {
-#pragma unroll
-    for (int j = 0; j < per_thread; ++j) {
-      const int i = tid + j * block_threads, n = i / scale_chunk_groups, g = i % scale_chunk_groups;
-      v[j] = n < t.valid_rows && g < t.valid_count ? __ldg(t.source + n * row_bytes + g) : std::uint8_t{0};
-    }
-  };
-  const auto task_at = [&](std::int64_t task) {
-    return strip_task<Tensor>(a, task, runs, n_blocks, groups, scale_chunk_groups, in_base, row_bytes, 1);
-  };
-
-  std::int64_t task = blockIdx.x;
-  if (task >= tasks) return;
-  StripTask cur = task_at(task);
-  std::uint8_t v[per_thread];
-  load(cur, v);
-  for (;;) {
-#pragma unroll
-    for (int j = 0; j < per_thread; ++j) {  // transposed: block[group][n]
-      const int i = tid + j * block_threads;
-      block[(i % scale_chunk_groups) * scale_smem_row + i / scale_chunk_groups] = v[j];
+    for (int j = 0; j < pieces; ++j) {
+      const int i = tid + j * block_threads, row = i / RunTiles, piece = i % RunTiles;
+      *reinterpret_cast<uint2*>(strip + row * weight_row + piece * 8) = w[j];
+      scale_block[piece * scale_row + row] = sc[j];  // transposed: [group][column]
     }
     __syncthreads();  // also publishes `encode` on the first task
     const std::int64_t next_task = task + gridDim.x;
     StripTask next;
     if (next_task < tasks) {
       next = task_at(next_task);
-      load(next, v);
+      load_task<RunTiles>(src, a, next, tid, w, sc);
     }
 
+    const bool w13 = cur.tensor == w13_tensor;
+    const std::int64_t size_n = w13 ? 2 * a.padded : a.hidden;
+    const std::int64_t k_tiles = (w13 ? a.hidden : a.padded) / marlin::tile_k;
+    const std::int64_t first_row = std::int64_t{cur.expert} * k_tiles + cur.first;  // output k-tile row
+    // Weights: a thread builds the words of lane t for all four warps w of a tile (4t .. 4t+3).
+    std::uint32_t* out_w = (w13 ? dst.w13 : dst.w2) + first_row * 2 * size_n + marlin::words_per_tile * cur.strip;
+    for (int i = tid; i < cur.count * 32; i += block_threads) {
+      const int piece = i / 32, t = i % 32;
+      const int shift = 8 * (t % 4);  // byte t % 4 of a piece holds k = r, r + 1 (r = 2 (t % 4))
+      const unsigned char* col = strip + (t / 4) * weight_row + piece * 8;
+      std::uint32_t words[4];
+#pragma unroll
+      for (int ww = 0; ww < 4; ++ww) {
+        const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * ww) * weight_row);
+        const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * ww + 8) * weight_row);
+        words[ww] = marlin::weight_word_from_bytes(c0.x >> shift, c0.y >> shift, c8.x >> shift, c8.y >> shift);
+      }
+      *reinterpret_cast<uint4*>(out_w + std::int64_t{piece} * 2 * size_n + 4 * t) =
+          make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    // Scales: output row g of the run is 64 bytes = 16 words; byte col takes column scale_source_col(col).
+    std::uint8_t* out_s = (w13 ? dst.w13_scale : dst.w2_scale) + first_row * size_n + 64 * cur.strip;
+    const std::uint8_t* table = encode[cur.tensor];
     for (int i = tid; i < cur.count * 16; i += block_threads) {
       const int g = i / 16, quad = i % 16;
-      const std::uint8_t* row = block + g * scale_smem_row;
+      const std::uint8_t* row = scale_block + g * scale_row;
       std::uint32_t word = 0;
 #pragma unroll
-      for (int b = 0; b < 4; ++b)
-        word |= std::uint32_t{encode[row[marlin::scale_source_col(4 * quad + b)]]} << (8 * b);
-      std::uint8_t* out = out_base + (cur.expert * groups + cur.first + g) * size_n + 64 * std::int64_t{cur.strip} + 4 * quad;
-      *reinterpret_cast<std::uint32_t*>(out) = word;
+      for (int b = 0; b < 4; ++b) word |= std::uint32_t{table[row[marlin::scale_source_col(4 * quad + b)]]} << (8 * b);
+      *reinterpret_cast<std::uint32_t*>(out_s + std::int64_t{g} * size_n + 4 * quad) = word;
+    }
+    // Global scales (spec §4.4), once per expert: with its first w13 task.
+    if (w13 && cur.strip == 0 && cur.first == 0 && tid == 0) {
+      dst.w13_scale_2[cur.expert] = marlin::global_scale(src.w13_scale_2[2 * cur.expert], a.w13_log2_sf, a.dtype);
+      dst.w2_scale_2[cur.expert] = marlin::global_scale(src.w2_scale_2[cur.expert], a.w2_log2_sf, a.dtype);
     }
     if (next_task >= tasks) return;
-    __syncthreads();
+    __syncthreads();  // the shared blocks are rewritten next
     task = next_task;
     cur = next;
   }
 }
 
 // Persistent grid: as many blocks as fit at once (by the launch bounds), at most `tasks`.
-inline int grid_for_tasks(std::int64_t tasks, int sm_count) {
+inline int tiled_grid(std::int64_t tasks, int sm_count) {
   return static_cast<int>(std::min<std::int64_t>(tasks, std::int64_t{tiled_min_blocks} * std::max(sm_count, 1)));
 }
 
@@ -343,6 +296,20 @@ __global__ void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs d
       const marlin::W2Codes q{src.w2 + e * a.hidden * a.intermediate / 2, a.hidden, a.intermediate};
       dst.w2[idx] = marlin::weight_word(q, w / per_row, w % per_row);
     }
+  }
+}
+
+// e4m3 scale byte S[g][n] of expert e (0 in padding).
+template <int Tensor>
+__device__ __forceinline__ std::uint8_t scale_byte(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, std::int64_t e,
+                                                   std::int64_t g, std::int64_t n) {
+  if constexpr (Tensor == w13_tensor) {
+    const std::int64_t groups = a.hidden / marlin::group_size;
+    const std::int64_t row = marlin::w13_checkpoint_row(n, a.intermediate, a.padded);
+    return row < 0 ? std::uint8_t{0} : src.w13_scale[(e * 2 * a.intermediate + row) * groups + g];
+  } else {
+    const std::int64_t groups = a.intermediate / marlin::group_size;
+    return g >= groups ? std::uint8_t{0} : src.w2_scale[(e * a.hidden + n) * groups + g];
   }
 }
 
@@ -523,12 +490,12 @@ inline bool any_null(const Nvfp4MarlinPtrs& d) {
   return !d.w13 || !d.w2 || !d.w13_scale || !d.w2_scale || !d.w13_scale_2 || !d.w2_scale_2;
 }
 
-// The tiled weight kernel loads 8-byte pieces and stores 16-byte quads; the tiled scale kernel
-// stores 4-byte words. Any other alignment takes the generic kernels.
-inline bool weights_tileable(const Nvfp4CheckpointPtrs& s, const Nvfp4MarlinPtrs& d) {
-  return aligned(s.w13, 8) && aligned(s.w2, 8) && aligned(d.w13, 16) && aligned(d.w2, 16);
+// The tiled kernel loads 8-byte weight pieces and stores 16-byte weight quads and 4-byte scale
+// words. Any other alignment (e.g. a tensor view at an odd byte offset) takes the generic kernels.
+inline bool tileable(const Nvfp4CheckpointPtrs& s, const Nvfp4MarlinPtrs& d) {
+  return aligned(s.w13, 8) && aligned(s.w2, 8) && aligned(d.w13, 16) && aligned(d.w2, 16) && aligned(d.w13_scale, 4) &&
+         aligned(d.w2_scale, 4);
 }
-inline bool scales_tileable(const Nvfp4MarlinPtrs& d) { return aligned(d.w13_scale, 4) && aligned(d.w2_scale, 4); }
 
 // A second stream and four events for the chunked path's copy-out overlap; released (after the
 // caller drained both streams) on every exit path.
@@ -567,45 +534,30 @@ class ChunkPipeline {
     return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
   const detail::RepackArgs a = detail::make_args(layout, num_experts, params);
   constexpr int threads = detail::block_threads;
-  const auto g13 = layout.w13_gemm(), g2 = layout.w2_gemm();
-  int device = 0, sm_count = 0;
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-  const auto weight_tasks = [&](MarlinGemmShape g) {
-    const std::int64_t chunks = (g.rows() + detail::weight_chunk_tiles - 1) / detail::weight_chunk_tiles;
-    return detail::grid_for_tasks(num_experts * (g.size_n / marlin::tile_n) * chunks, sm_count);
-  };
-  const auto scale_tasks = [&](MarlinGemmShape g) {
-    const std::int64_t groups = g.size_k / marlin::group_size;
-    const std::int64_t chunks = (groups + detail::scale_chunk_groups - 1) / detail::scale_chunk_groups;
-    return detail::grid_for_tasks(num_experts * (g.size_n / 64) * chunks, sm_count);
-  };
-  if (detail::weights_tileable(src, dst)) {
-    detail::marlin_weights_tiled_kernel<detail::w13_tensor><<<weight_tasks(g13), threads, 0, stream>>>(src, dst, a);
+  if (detail::tileable(src, dst)) {
+    int device = 0, sm_count = 0;
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
+    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    constexpr int run = detail::tiled_run_tiles;
+    const std::int64_t w13_tasks = detail::tiled_tasks(layout.w13_gemm(), num_experts, run);
+    const std::int64_t tasks = w13_tasks + detail::tiled_tasks(layout.w2_gemm(), num_experts, run);
+    detail::marlin_repack_tiled_kernel<run><<<detail::tiled_grid(tasks, sm_count), threads, 0, stream>>>(
+        src, dst, a, w13_tasks, tasks);
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-    detail::marlin_weights_tiled_kernel<detail::w2_tensor><<<weight_tasks(g2), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  } else {
-    detail::marlin_weights_kernel<detail::w13_tensor>
-        <<<detail::grid_for(layout.w13_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-    detail::marlin_weights_kernel<detail::w2_tensor>
-        <<<detail::grid_for(layout.w2_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    return {};
   }
-  if (detail::scales_tileable(dst)) {
-    detail::marlin_scales_tiled_kernel<detail::w13_tensor><<<scale_tasks(g13), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-    detail::marlin_scales_tiled_kernel<detail::w2_tensor><<<scale_tasks(g2), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  } else {
-    detail::marlin_scales_kernel<detail::w13_tensor>
-        <<<detail::grid_for(layout.w13_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-    detail::marlin_scales_kernel<detail::w2_tensor>
-        <<<detail::grid_for(layout.w2_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
-  }
+  detail::marlin_weights_kernel<detail::w13_tensor>
+      <<<detail::grid_for(layout.w13_words() * num_experts), threads, 0, stream>>>(src, dst, a);
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  detail::marlin_weights_kernel<detail::w2_tensor>
+      <<<detail::grid_for(layout.w2_words() * num_experts), threads, 0, stream>>>(src, dst, a);
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  detail::marlin_scales_kernel<detail::w13_tensor>
+      <<<detail::grid_for(layout.w13_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  detail::marlin_scales_kernel<detail::w2_tensor>
+      <<<detail::grid_for(layout.w2_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
   detail::marlin_globals_kernel<><<<detail::grid_for(num_experts), threads, 0, stream>>>(src, dst, a);
   EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
   return {};

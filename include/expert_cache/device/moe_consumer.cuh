@@ -113,6 +113,7 @@ inline constexpr int w13_row_groups = 4;  // warps per tile in moe_w13 (gate til
 inline constexpr int w13_rows = w13_row_groups * rows_per_warp;  // K-rows per moe_w13 block
 inline constexpr int w2_rows = warps * rows_per_warp;            // K-rows per moe_w2 block
 inline constexpr int terms = 3;                                  // bf16 terms per fp32 input
+inline constexpr int w13_blocks_per_sm = 4;  // 64 registers: moe_w13 is 4.85 blocks per SM at K = 2048, Np = 512, top 10
 static_assert(w13_rows * 16 == threads, "moe_w13 splits its x slice one element per thread");
 
 // Inputs are scaled by 2^62 before the bf16 split and MMA B values carry 2^-111 (below), so the
@@ -192,18 +193,18 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
   return d;
 }
 
-// c[0..1] += rows g of A (x) B for one n8 tile; rows 8-15 of A are zero, so are D's c2, c3.
-__device__ __forceinline__ void mma_bf16(float (&c)[2], uint2 a, std::uint32_t b0, std::uint32_t b1) {
-  float d2, d3;
+// c += A (x) B for one n8 tile. Rows 8-15 of A are zero, so c[2], c[3] stay zero (finite
+// weights) and are never read; they are carried rather than re-zeroed before every MMA.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint2 a, std::uint32_t b0, std::uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %10, %10};"
-      : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
-      : "r"(a.x), "r"(0u), "r"(a.y), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a.x), "r"(0u), "r"(a.y), "r"(0u), "r"(b0), "r"(b1));
 }
 
 // One K-row of a 64-column tile: the lane's 16-byte weight piece (words w = 0..3) and its eight
 // scale bytes, eight MMAs (tiles (w, h) at columns 16w + 8h).
-__device__ __forceinline__ void mma_row(float (&acc)[4][2][2], uint2 a, uint4 q, uint2 s) {
+__device__ __forceinline__ void mma_row(float (&acc)[4][2][4], uint2 a, uint4 q, uint2 s) {
   const std::uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
@@ -228,7 +229,7 @@ __device__ __forceinline__ void split_bf16(float v, unsigned short (&out)[terms]
 }
 
 // Lanes g < 3 hold rows g (the three terms) of their 16 columns; red[warp][term][col].
-__device__ __forceinline__ void stash_acc(float (&red)[warps][terms][64], const float (&acc)[4][2][2], int warp,
+__device__ __forceinline__ void stash_acc(float (&red)[warps][terms][64], const float (&acc)[4][2][4], int warp,
                                           int lane) {
   const int g = lane >> 2, t = lane & 3;
   if (g >= terms) return;
@@ -285,7 +286,7 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
 // C1 partials of the gate tile j and the up tile j over K-rows [16 split, 16 split + 16), then, in
 // the last block of (pair, j), A = silu(gate) * up for k in [64 j, 64 j + 64) as bf16 terms in
 // fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
-__global__ void __launch_bounds__(threads) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
+__global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
                                                    int top_k, int rows, int padded, float gscale, float* partial,
                                                    unsigned* counters, unsigned short* act) {
   griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(threads) moe_w13(MoeWeights w, const std::int3
   }
   __syncthreads();
 
-  float acc[4][2][2] = {};
+  float acc[4][2][4] = {};
 #pragma unroll
   for (int i = 0; i < rows_per_warp; ++i) {
     const int ktl = rg * rows_per_warp + i;
@@ -417,7 +418,7 @@ __global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32
       if (g < terms && kt < rows)
         a[i] = __ldcg(reinterpret_cast<const uint2*>(act + (static_cast<long long>(p) * rows + kt) * (terms * 16) + 16 * g) + t);
     }
-    float acc[4][2][2] = {};
+    float acc[4][2][4] = {};
 #pragma unroll
     for (int i = 0; i < rows_per_warp; ++i) mma_row(acc, a[i], q[i], s[i]);
     stash_acc(red, acc, warp, lane);
