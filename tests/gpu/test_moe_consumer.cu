@@ -115,8 +115,10 @@ Layer make_layer(std::int64_t hidden, std::int64_t intermediate, std::int64_t ex
 }
 
 // out[m][n] in double, from the dequantised weights.
+// `map` (expert -> slot or -1, empty: all present): experts absent from it contribute 0.
 std::vector<double> reference_moe(const Layer& L, const std::vector<float>& x, const std::vector<std::int32_t>& ids,
-                                  const std::vector<float>& w, int tokens, int top_k) {
+                                  const std::vector<float>& w, int tokens, int top_k,
+                                  const std::vector<std::int32_t>& map = {}) {
   const std::int64_t K = L.layout.hidden, N = L.layout.intermediate;
   std::vector<double> out(static_cast<std::size_t>(tokens * K), 0.0);
   std::vector<double> c1(static_cast<std::size_t>(2 * N)), act(static_cast<std::size_t>(N));
@@ -124,6 +126,7 @@ std::vector<double> reference_moe(const Layer& L, const std::vector<float>& x, c
     for (int j = 0; j < top_k; ++j) {
       const std::int32_t e = ids[static_cast<std::size_t>(m * top_k + j)];
       if (e < 0 || e >= L.experts) continue;
+      if (!map.empty() && map[static_cast<std::size_t>(e)] < 0) continue;
       for (std::int64_t r = 0; r < 2 * N; ++r) {
         double s = 0;
         for (std::int64_t k = 0; k < K; ++k)
@@ -143,24 +146,30 @@ std::vector<double> reference_moe(const Layer& L, const std::vector<float>& x, c
   return out;
 }
 
-// All-resident device copy of a layer: slot = expert, identity map.
+// Device slot buffers of a layer: expert e in slot map[e] (map empty: slot = expert, identity
+// map, all resident). Slots no expert maps to hold garbage (NaN global scales), so reading one shows.
 struct ResidentLayer {
   std::vector<std::unique_ptr<DevArray<unsigned char>>> tensors;
-  std::unique_ptr<DevArray<std::int32_t>> identity;
+  std::unique_ptr<DevArray<std::int32_t>> map_dev;
   device::MoeWeights weights;
-  explicit ResidentLayer(const Layer& L) {
+  explicit ResidentLayer(const Layer& L, std::vector<std::int32_t> map = {}, std::int64_t slots = 0) {
+    if (map.empty()) {
+      map.resize(static_cast<std::size_t>(L.experts));
+      for (std::size_t e = 0; e < map.size(); ++e) map[e] = static_cast<std::int32_t>(e);
+    }
+    if (slots == 0) slots = L.experts;
     const ExpertTensorBytes b = L.layout.tensors();
     for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-      const std::size_t n = b[t].bytes_per_expert * static_cast<std::size_t>(L.experts);
-      tensors.push_back(std::make_unique<DevArray<unsigned char>>(n));
-      REQUIRE(cudaMemcpy(tensors.back()->p, L.tensor(t, 0), n, cudaMemcpyHostToDevice) == cudaSuccess);
+      const std::size_t row = b[t].bytes_per_expert;
+      std::vector<unsigned char> host(row * static_cast<std::size_t>(slots), 0xFF);
+      for (std::size_t e = 0; e < map.size(); ++e)
+        if (map[e] >= 0) std::memcpy(host.data() + row * static_cast<std::size_t>(map[e]), L.tensor(t, static_cast<std::int64_t>(e)), row);
+      tensors.push_back(std::make_unique<DevArray<unsigned char>>(host));
       weights.base[t] = tensors.back()->p;
-      weights.stride[t] = b[t].bytes_per_expert;
+      weights.stride[t] = row;
     }
-    std::vector<std::int32_t> ident(static_cast<std::size_t>(L.experts));
-    for (std::size_t e = 0; e < ident.size(); ++e) ident[e] = static_cast<std::int32_t>(e);
-    identity = std::make_unique<DevArray<std::int32_t>>(ident);
-    weights.expert_map = identity->p;
+    map_dev = std::make_unique<DevArray<std::int32_t>>(map);
+    weights.expert_map = map_dev->p;
     weights.num_experts = static_cast<std::int32_t>(L.experts);
   }
 };
@@ -181,26 +190,62 @@ double max_abs(const std::vector<double>& v) {
 
 }  // namespace
 
-TEST_CASE("moe consumer: fast decodes and the nibble map equal the layout's reference") {
+namespace {
+
+float bf16_value(std::uint32_t bits16) {
+  const std::uint32_t bits = bits16 << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e2m1_pair_bf16<I>: nibbles I and I + 4 of any word -> bf16 halves e2m1 * 2^-126, neighbours ignored.
+template <int I>
+void check_e2m1_pair() {
+  CAPTURE(I);
+  for (std::uint32_t lo = 0; lo < 16; ++lo)
+    for (std::uint32_t hi = 0; hi < 16; ++hi) {
+      const std::uint32_t word = (0x9ABCDEF1u & ~((15u << (4 * I)) | (15u << (4 * I + 16)))) | (lo << (4 * I)) | (hi << (4 * I + 16));
+      const std::uint32_t pair = device::moe_detail::e2m1_pair_bf16<I>(word);
+      CHECK(bf16_value(pair & 0xFFFFu) == marlin::e2m1_value(lo) * 0x1p-126f);
+      CHECK(bf16_value(pair >> 16) == marlin::e2m1_value(hi) * 0x1p-126f);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("moe consumer: fast decodes, the nibble map and the MMA fragment maps equal the layout's reference") {
   for (std::uint32_t c = 0; c < 16; ++c) CHECK(device::e2m1_decode(c) == marlin::e2m1_value(c));
-  // The inner loop's decode: nibble at each shift -> e2m1 * 2^-126, neighbours ignored.
-  auto scaled = [](std::uint32_t bits) {
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f / device::e2m1_scaled_unit;
-  };
-  for (std::uint32_t c = 0; c < 16; ++c) {
-    auto word = [c](int shift) { return (0x9ABCDEF1u & ~(15u << shift)) | (c << shift); };
-    CHECK(scaled(device::e2m1_scaled_bits<0>(word(0))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<4>(word(4))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<8>(word(8))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<12>(word(12))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<16>(word(16))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<20>(word(20))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<24>(word(24))) == marlin::e2m1_value(c));
-    CHECK(scaled(device::e2m1_scaled_bits<28>(word(28))) == marlin::e2m1_value(c));
-  }
+  check_e2m1_pair<0>();
+  check_e2m1_pair<1>();
+  check_e2m1_pair<2>();
+  check_e2m1_pair<3>();
   for (std::uint32_t b = 0; b < 256; ++b) CHECK(device::s0e5m3_decode(b) == marlin::s0e5m3_value(static_cast<std::uint8_t>(b)));
+  // Scale bytes as bf16 pairs: byte b at position scale_byte(w, h) of a lane's eight bytes is the
+  // scale of column 16w + 8h + g (marlin::scale_dest_col), decoded exactly as s0e5m3 * 2^-112.
+  for (int nt = 0; nt < 3; ++nt)
+    for (int g = 0; g < 8; ++g)
+      for (int w = 0; w < 4; ++w)
+        for (int h = 0; h < 2; ++h)
+          CHECK(marlin::scale_dest_col(64 * nt + 16 * w + 8 * h + g) == 64 * nt + 8 * g + device::moe_detail::scale_byte(w, h));
+  for (std::uint32_t b = 0; b < 256; ++b)
+    for (int w = 0; w < 4; ++w)
+      for (int h = 0; h < 2; ++h) {
+        unsigned char bytes[8] = {0x5A, 0xA5, 0xFF, 0x01, 0x80, 0x7F, 0x3C, 0xC3};
+        bytes[device::moe_detail::scale_byte(w, h)] = static_cast<unsigned char>(b);
+        std::uint32_t lo, hi;
+        std::memcpy(&lo, bytes, 4);
+        std::memcpy(&hi, bytes + 4, 4);
+        const std::uint32_t pair = device::moe_detail::s0e5m3_pair_bf16(lo, hi, w);
+        CHECK(bf16_value(h == 0 ? pair & 0xFFFFu : pair >> 16) == marlin::s0e5m3_value(static_cast<std::uint8_t>(b)) * 0x1p-112f);
+      }
+  // A fragment order: element kk of a K-row sits at lane t = index / 4, slot e = index % 4 with
+  // k = 2t + (e & 1) + (e & 2 ? 8 : 0) (MMA registers a0a1, a4a5).
+  for (int kk = 0; kk < 16; ++kk) {
+    const int idx = device::moe_detail::a_frag_index(kk);
+    const int t = idx / 4, e = idx % 4;
+    CHECK(2 * t + (e & 1) + ((e & 2) ? 8 : 0) == kk);
+  }
   for (int lane = 0; lane < 32; ++lane)
     for (int w = 0; w < 4; ++w)
       for (int i = 0; i < 8; ++i) {
@@ -211,32 +256,94 @@ TEST_CASE("moe consumer: fast decodes and the nibble map equal the layout's refe
       }
 }
 
-TEST_CASE("moe consumer: matches the double host MoE on a repacked checkpoint (shard padding)") {
-  for (const auto& [hidden, inter] : {std::pair<std::int64_t, std::int64_t>{256, 80}, {192, 64}}) {
-    CAPTURE(hidden);
-    CAPTURE(inter);
-    const Layer L = make_layer(hidden, inter, 8, 11 + static_cast<std::uint64_t>(hidden));
-    const int tokens = 3, top_k = 4;
-    const std::vector<std::int32_t> ids{0, 5, 7, 2, 3, -1, 5, 1, 6, 4, 0, 7};  // -1: a padded pair
-    std::vector<float> w(ids.size());
-    for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.1f + 0.05f * static_cast<float>(i % 5);
-    const std::vector<float> x = random_x(tokens, hidden, 5);
-    const std::vector<double> want = reference_moe(L, x, ids, w, tokens, top_k);
+namespace {
 
-    ResidentLayer res(L);
-    DevArray<std::int32_t> d_ids(ids);
-    DevArray<float> d_w(w), d_x(x), d_out(static_cast<std::size_t>(tokens * hidden));
-    device::MoeConsumer moe(L.layout, 16, top_k);
-    REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, d_out.p, tokens, nullptr).ok());
-    CUDA_REQUIRE(cudaDeviceSynchronize());
-    const std::vector<float> got = d_out.get();
-    const double scale = max_abs(want);
-    REQUIRE(scale > 0);
-    double worst = 0;
-    for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / scale);
-    INFO("max |gpu - host| / max|host| = " << worst << ", max|host| = " << scale);
-    CHECK(worst < 2e-4);
+// Runs the consumer on `res` and compares with the double host MoE (absent experts per `map`):
+// max |gpu - host| / max|host| must stay below 2e-4. A second run must be bit-identical.
+void check_against_host(const Layer& L, const ResidentLayer& res, const std::vector<std::int32_t>& map,
+                        const std::vector<std::int32_t>& ids, int tokens, int top_k, int max_tokens, std::uint64_t seed) {
+  CAPTURE(L.layout.hidden);
+  CAPTURE(L.layout.intermediate);
+  CAPTURE(tokens);
+  CAPTURE(top_k);
+  const std::int64_t hidden = L.layout.hidden;
+  REQUIRE(ids.size() == static_cast<std::size_t>(tokens * top_k));
+  std::vector<float> w(ids.size());
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = 0.1f + 0.05f * static_cast<float>(i % 5);
+  const std::vector<float> x = random_x(tokens, hidden, seed);
+  const std::vector<double> want = reference_moe(L, x, ids, w, tokens, top_k, map);
+
+  DevArray<std::int32_t> d_ids(ids);
+  DevArray<float> d_w(w), d_x(x), d_out(static_cast<std::size_t>(tokens * hidden));
+  device::MoeConsumer moe(L.layout, max_tokens, top_k);
+  REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, d_out.p, tokens, nullptr).ok());
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  const std::vector<float> got = d_out.get();
+  const double scale = max_abs(want);
+  REQUIRE(scale > 0);
+  double worst = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    REQUIRE(std::isfinite(got[i]));
+    worst = std::max(worst, std::abs(static_cast<double>(got[i]) - want[i]) / scale);
   }
+  INFO("max |gpu - host| / max|host| = " << worst << ", max|host| = " << scale);
+  CHECK(worst < 2e-4);
+  // Tokens whose every pair is absent get exact zeros.
+  for (int m = 0; m < tokens; ++m) {
+    bool any = false;
+    for (int j = 0; j < top_k; ++j) {
+      const std::int32_t e = ids[static_cast<std::size_t>(m * top_k + j)];
+      any = any || (e >= 0 && e < L.experts && (map.empty() || map[static_cast<std::size_t>(e)] >= 0));
+    }
+    if (!any)
+      for (std::int64_t n = 0; n < hidden; ++n) CHECK(got[static_cast<std::size_t>(m * hidden + n)] == 0.0f);
+  }
+  // Deterministic: the same run again (the counters reset themselves) gives the same bits.
+  REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, d_out.p, tokens, nullptr).ok());
+  CUDA_REQUIRE(cudaDeviceSynchronize());
+  const std::vector<float> again = d_out.get();
+  CHECK(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("moe consumer: matches the double host MoE on a repacked checkpoint (shard padding)") {
+  for (const auto& [hidden, inter] : {std::pair<std::int64_t, std::int64_t>{256, 80}, {192, 64}, {192, 96}}) {
+    const Layer L = make_layer(hidden, inter, 8, 11 + static_cast<std::uint64_t>(hidden + inter));
+    const ResidentLayer res(L);
+    const std::vector<std::int32_t> ids{0, 5, 7, 2, 3, -1, 5, 1, 6, 4, 0, 7};  // -1: a padded pair
+    check_against_host(L, res, {}, ids, 3, 4, 16, 5);
+  }
+}
+
+TEST_CASE("moe consumer: several K splits in both GEMMs (last-block reductions)") {
+  // K = 1024: 64 K-rows = 4 moe_w13 splits; Np = 576: 36 K-rows = 2 moe_w2 splits.
+  const Layer L = make_layer(1024, 576, 6, 31);
+  const ResidentLayer res(L);
+  check_against_host(L, res, {}, {4, 1, 5, 2, -1, 0}, 2, 3, 2, 7);
+}
+
+TEST_CASE("moe consumer: batch 16, and fewer tokens than the workspace holds") {
+  const Layer L = make_layer(256, 96, 8, 41);  // Np = 128: 32 rows of shard padding
+  const ResidentLayer res(L);
+  std::vector<std::int32_t> ids(32);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int32_t>((i * 5 + i / 7) % 8);
+  ids[9] = -1;
+  check_against_host(L, res, {}, ids, 16, 2, 16, 9);
+  check_against_host(L, res, {}, std::vector<std::int32_t>(ids.begin(), ids.begin() + 10), 5, 2, 16, 10);
+}
+
+TEST_CASE("moe consumer: experts absent from the map, ids out of range, permuted slots") {
+  // 8 experts in 10 slots: expert e in slot (7 e + 3) % 10, experts 2 and 6 absent (their slots
+  // and the two spare ones hold garbage). Ids 8 and 12 are out of range, -1 is a padded pair.
+  const Layer L = make_layer(192, 96, 8, 51);  // K % 128 != 0: Np = 128
+  std::vector<std::int32_t> map(8);
+  for (std::size_t e = 0; e < map.size(); ++e) map[e] = static_cast<std::int32_t>((7 * e + 3) % 10);
+  map[2] = map[6] = -1;
+  const ResidentLayer res(L, map, 10);
+  // Token 2 has only absent / invalid pairs: its output must be exactly zero.
+  const std::vector<std::int32_t> ids{0, 2, 5, 7, 6, 1, 2, 8, -1, 3, 12, 4, 6, 6, 0};
+  check_against_host(L, res, map, ids, 5, 3, 8, 13);
 }
 
 namespace {

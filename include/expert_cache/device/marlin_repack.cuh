@@ -95,14 +95,62 @@ enum : int { w13_tensor = 0, w2_tensor = 1 };
 inline constexpr int tiled_run_tiles = 16;  // 16-k tiles per task: 128 weight bytes per source row
 inline constexpr int tiled_min_blocks = 5;  // resident blocks per SM the register budget allows
 
-// The source rows behind one 64-column strip of a GEMM operand, for one expert. A strip never
-// straddles the w13 shards (Np is a multiple of 64), so its rows are one contiguous run of
-// checkpoint rows followed by zero rows (shard padding); along k, w2's source ends at N (Np > N
-// is zero padding, in whole 16-k groups since N % 16 == 0).
+// The kernel is instruction-bound before it is memory-bound, so everything a task needs beyond
+// its own indices is precomputed on the host, and task decoding uses 32-bit arithmetic (the
+// launcher checks the task count fits).
+struct TiledTensorConsts {
+  int runs = 0;             // task runs along k: ceil(k_tiles / RunTiles)
+  int n_tiles = 0;          // 64-column strips
+  int k_tiles = 0;          // 16-k tiles of the GEMM operand (padding included)
+  int source_tiles = 0;     // leading k-tiles with a checkpoint source (w2: N / 16)
+  int row_bytes = 0;        // checkpoint code bytes per source row
+  int scale_row_bytes = 0;  // checkpoint scale bytes per source row
+  int size_n = 0;
+};
+
+struct TiledConsts {
+  TiledTensorConsts tensor[2];
+  int w13_tasks = 0;
+  int tasks = 0;
+  int intermediate = 0;
+  int padded = 0;
+  int hidden = 0;
+};
+
+inline TiledConsts tiled_consts(const Nvfp4Marlin& layout, std::int64_t num_experts, int run_tiles) {
+  TiledConsts c;
+  const MarlinGemmShape shapes[2] = {layout.w13_gemm(), layout.w2_gemm()};
+  const std::int64_t source_k[2] = {layout.hidden, layout.intermediate};
+  std::int64_t tasks[2] = {};
+  for (int t = 0; t < 2; ++t) {
+    TiledTensorConsts& x = c.tensor[t];
+    x.k_tiles = static_cast<int>(shapes[t].rows());
+    x.runs = (x.k_tiles + run_tiles - 1) / run_tiles;
+    x.n_tiles = static_cast<int>(shapes[t].size_n / marlin::tile_n);
+    x.source_tiles = static_cast<int>(source_k[t] / marlin::tile_k);
+    x.row_bytes = static_cast<int>(source_k[t] / 2);
+    x.scale_row_bytes = static_cast<int>(source_k[t] / marlin::group_size);
+    x.size_n = static_cast<int>(shapes[t].size_n);
+    tasks[t] = num_experts * x.n_tiles * x.runs;
+  }
+  // Sizes are <= 2^20 (Nvfp4Marlin::validate), so only the task count can exceed 32 bits.
+  const std::int64_t total = tasks[0] + tasks[1];
+  c.w13_tasks = static_cast<int>(std::min<std::int64_t>(tasks[0], INT32_MAX));
+  c.tasks = total > INT32_MAX ? -1 : static_cast<int>(total);
+  c.intermediate = static_cast<int>(layout.intermediate);
+  c.padded = static_cast<int>(layout.padded_intermediate());
+  c.hidden = static_cast<int>(layout.hidden);
+  return c;
+}
+
+// One block task: (tensor, expert, 64-column strip, run of k-tiles). A strip never straddles
+// the w13 shards (Np is a multiple of 64), so its source is one contiguous run of checkpoint rows
+// followed by zero rows (shard padding); along k, w2's source ends at N (Np > N is padding, in
+// whole 16-k tiles since N % 16 == 0).
 struct StripTask {
   int tensor = w13_tensor;
-  int expert = 0;        // < 2^20 (check_nvfp4_shape)
-  int strip = 0;         // 64-column index nt
+  int expert = 0;
+  int strip = 0;
   int first = 0;         // first k-tile (= scale group) of the run
   int count = 0;         // k-tiles in the run
   int valid_rows = 0;    // strip rows [0, valid_rows) have a checkpoint source
@@ -110,85 +158,56 @@ struct StripTask {
   std::int64_t row = 0;  // checkpoint row of strip row 0 (experts stacked)
 };
 
-// Per-tensor geometry of the tiled kernel (k along the GEMM reduction, n along its output).
-struct TiledGeometry {
-  std::int64_t row_bytes = 0;        // checkpoint code bytes per source row
-  std::int64_t scale_row_bytes = 0;  // checkpoint scale bytes per source row
-  std::int64_t size_n = 0;
-  int k_tiles = 0, n_tiles = 0, runs = 0;
-};
-
-__device__ __forceinline__ TiledGeometry tiled_geometry(const RepackArgs& a, int tensor, int run_tiles) {
-  TiledGeometry g;
-  const std::int64_t size_k = tensor == w13_tensor ? a.hidden : a.padded;
-  const std::int64_t source_k = tensor == w13_tensor ? a.hidden : a.intermediate;
-  g.row_bytes = source_k / 2;
-  g.scale_row_bytes = source_k / marlin::group_size;
-  g.size_n = tensor == w13_tensor ? 2 * a.padded : a.hidden;
-  g.k_tiles = static_cast<int>(size_k / marlin::tile_k);
-  g.n_tiles = static_cast<int>(g.size_n / marlin::tile_n);
-  g.runs = (g.k_tiles + run_tiles - 1) / run_tiles;
-  return g;
-}
-
-// Task `task` of one tensor: run fastest, then strip, then expert.
-__device__ __forceinline__ StripTask strip_task(const RepackArgs& a, int tensor, std::int64_t task, int run_tiles) {
-  const TiledGeometry g = tiled_geometry(a, tensor, run_tiles);
+template <int RunTiles>
+__device__ __forceinline__ StripTask strip_task(const TiledConsts& c, int task) {
   StripTask s;
-  s.tensor = tensor;
-  const int run = static_cast<int>(task % g.runs);
-  const std::int64_t rest = task / g.runs;
-  s.strip = static_cast<int>(rest % g.n_tiles);
-  s.expert = static_cast<int>(rest / g.n_tiles);
-  s.first = run * run_tiles;
-  s.count = min(run_tiles, g.k_tiles - s.first);
-  const std::int64_t n0 = std::int64_t{64} * s.strip;
-  std::int64_t source_tiles = 0;
-  if (tensor == w13_tensor) {
-    const std::int64_t shard = n0 / a.padded, in_shard = n0 % a.padded;
-    const std::int64_t rows = a.intermediate - in_shard;
-    s.row = std::int64_t{s.expert} * 2 * a.intermediate + shard * a.intermediate + in_shard;
-    s.valid_rows = static_cast<int>(rows < 0 ? 0 : rows < 64 ? rows : 64);
-    source_tiles = g.k_tiles;
+  s.tensor = task < c.w13_tasks ? w13_tensor : w2_tensor;
+  const TiledTensorConsts& x = c.tensor[s.tensor];
+  const int local = task - (s.tensor == w13_tensor ? 0 : c.w13_tasks);
+  const int run = local % x.runs, rest = local / x.runs;
+  s.strip = rest % x.n_tiles;
+  s.expert = rest / x.n_tiles;
+  s.first = run * RunTiles;
+  s.count = min(RunTiles, x.k_tiles - s.first);
+  s.valid_count = max(0, min(s.count, x.source_tiles - s.first));
+  const int n0 = 64 * s.strip;
+  if (s.tensor == w13_tensor) {
+    const int shard = n0 >= c.padded ? 1 : 0, in_shard = n0 - shard * c.padded;
+    s.row = std::int64_t{s.expert} * 2 * c.intermediate + shard * c.intermediate + in_shard;
+    s.valid_rows = max(0, min(64, c.intermediate - in_shard));
   } else {
-    s.row = std::int64_t{s.expert} * a.hidden + n0;
+    s.row = std::int64_t{s.expert} * c.hidden + n0;
     s.valid_rows = 64;
-    source_tiles = a.intermediate / marlin::tile_k;  // the rest is padding
   }
-  const std::int64_t with_source = source_tiles - s.first;
-  s.valid_count = static_cast<int>(with_source < 0 ? 0 : with_source < s.count ? with_source : s.count);
   return s;
 }
 
-inline std::int64_t tiled_tasks(const MarlinGemmShape& g, std::int64_t num_experts, int run_tiles) {
-  return num_experts * (g.size_n / marlin::tile_n) * ((g.rows() + run_tiles - 1) / run_tiles);
-}
-
-// Thread j-th weight piece: strip row (tid + 256 j) / RunTiles, tile tid % RunTiles (a warp reads
-// whole source rows' contiguous bytes); j-th scale byte: the same row, group tid % RunTiles.
+// Thread piece j: strip row tid / RunTiles + j * (256 / RunTiles), tile tid % RunTiles, so a
+// warp reads whole source rows' contiguous bytes; scale byte j: the same row, group tid % RunTiles.
 template <int RunTiles, int Pieces>
-__device__ __forceinline__ void load_task(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, const StripTask& t,
+__device__ __forceinline__ void load_task(const Nvfp4CheckpointPtrs& src, const TiledConsts& c, const StripTask& t,
                                           int tid, uint2 (&w)[Pieces], std::uint8_t (&sc)[Pieces]) {
+  constexpr int rows_per_piece = block_threads / RunTiles;
+  const TiledTensorConsts& x = c.tensor[t.tensor];
   const bool w13 = t.tensor == w13_tensor;
-  const std::int64_t row_bytes = (w13 ? a.hidden : a.intermediate) / 2;
-  const std::int64_t scale_row_bytes = (w13 ? a.hidden : a.intermediate) / marlin::group_size;
-  const std::uint8_t* weights = (w13 ? src.w13 : src.w2) + t.row * row_bytes + std::int64_t{t.first} * 8;
-  const std::uint8_t* scales = (w13 ? src.w13_scale : src.w2_scale) + t.row * scale_row_bytes + t.first;
+  const std::uint8_t* weights = (w13 ? src.w13 : src.w2) + t.row * x.row_bytes + t.first * 8;
+  const std::uint8_t* scales = (w13 ? src.w13_scale : src.w2_scale) + t.row * x.scale_row_bytes + t.first;
+  const int row0 = tid / RunTiles, piece = tid % RunTiles;
+  const bool piece_valid = piece < t.valid_count;
 #pragma unroll
   for (int j = 0; j < Pieces; ++j) {
-    const int i = tid + j * block_threads, row = i / RunTiles, piece = i % RunTiles;
-    const bool valid = row < t.valid_rows && piece < t.valid_count;
-    w[j] = valid ? __ldg(reinterpret_cast<const uint2*>(weights + row * row_bytes + piece * 8)) : make_uint2(0u, 0u);
-    sc[j] = valid ? __ldg(scales + row * scale_row_bytes + piece) : std::uint8_t{0};
+    const int row = row0 + j * rows_per_piece;
+    const bool valid = piece_valid && row < t.valid_rows;
+    w[j] = valid ? __ldg(reinterpret_cast<const uint2*>(weights + row * x.row_bytes + piece * 8)) : make_uint2(0u, 0u);
+    sc[j] = valid ? __ldg(scales + row * x.scale_row_bytes + piece) : std::uint8_t{0};
   }
 }
 
 // Needs 8-byte aligned weight sources, 16-byte aligned weight outputs and 4-byte aligned scale
-// outputs (the launcher checks). `w13_tasks` = tiled_tasks of the w13 GEMM; w2 tasks follow.
+// outputs, and a task count that fits 32 bits (the launcher checks).
 template <int RunTiles>
 __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
-    marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, std::int64_t w13_tasks,
-                               std::int64_t tasks) {
+    marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, TiledConsts c) {
   constexpr int weight_row = RunTiles * 8 + 8;  // +8 B: strip rows 8 apart fall in different banks
   constexpr int scale_row = 64 + 4;             // [group][column], +4 B against bank conflicts
   constexpr int pieces = 64 * RunTiles / block_threads;
@@ -199,68 +218,74 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
   const int tid = static_cast<int>(threadIdx.x);
   encode[w13_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w13_log2_sf);
   encode[w2_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w2_log2_sf);
-  const auto task_at = [&](std::int64_t task) {
-    return task < w13_tasks ? strip_task(a, w13_tensor, task, RunTiles) : strip_task(a, w2_tensor, task - w13_tasks, RunTiles);
-  };
 
-  std::int64_t task = blockIdx.x;
-  if (task >= tasks) return;
-  StripTask cur = task_at(task);
+  // Per-thread constants of the write phase.
+  const int lane = tid % 32, warp = tid / 32;
+  const int byte_select = (lane % 4) | ((lane % 4 + 4) << 4);  // bytes t%4 of .x and .y: k = r and r + 8
+  const unsigned char* lane_col = strip + (lane / 4) * weight_row;
+  const int quad = tid % 16, scale_g0 = tid / 16;
+  int scale_src[4];
+#pragma unroll
+  for (int b = 0; b < 4; ++b) scale_src[b] = static_cast<int>(marlin::scale_source_col(4 * quad + b));
+
+  int task = static_cast<int>(blockIdx.x);
+  if (task >= c.tasks) return;
+  StripTask cur = strip_task<RunTiles>(c, task);
   uint2 w[pieces];
   std::uint8_t sc[pieces];
-  load_task<RunTiles>(src, a, cur, tid, w, sc);
+  load_task<RunTiles>(src, c, cur, tid, w, sc);
   for (;;) {
+    {
+      const int row0 = tid / RunTiles, piece = tid % RunTiles;
 #pragma unroll
-    for (int j = 0; j < pieces; ++j) {
-      const int i = tid + j * block_threads, row = i / RunTiles, piece = i % RunTiles;
-      *reinterpret_cast<uint2*>(strip + row * weight_row + piece * 8) = w[j];
-      scale_block[piece * scale_row + row] = sc[j];  // transposed: [group][column]
+      for (int j = 0; j < pieces; ++j) {
+        const int row = row0 + j * (block_threads / RunTiles);
+        *reinterpret_cast<uint2*>(strip + row * weight_row + piece * 8) = w[j];
+        scale_block[piece * scale_row + row] = sc[j];  // transposed: [group][column]
+      }
     }
     __syncthreads();  // also publishes `encode` on the first task
-    const std::int64_t next_task = task + gridDim.x;
+    const int next_task = task + static_cast<int>(gridDim.x);
     StripTask next;
-    if (next_task < tasks) {
-      next = task_at(next_task);
-      load_task<RunTiles>(src, a, next, tid, w, sc);
+    if (next_task < c.tasks) {
+      next = strip_task<RunTiles>(c, next_task);
+      load_task<RunTiles>(src, c, next, tid, w, sc);
     }
 
     const bool w13 = cur.tensor == w13_tensor;
-    const std::int64_t size_n = w13 ? 2 * a.padded : a.hidden;
-    const std::int64_t k_tiles = (w13 ? a.hidden : a.padded) / marlin::tile_k;
-    const std::int64_t first_row = std::int64_t{cur.expert} * k_tiles + cur.first;  // output k-tile row
-    // Weights: a thread builds the words of lane t for all four warps w of a tile (4t .. 4t+3).
-    std::uint32_t* out_w = (w13 ? dst.w13 : dst.w2) + first_row * 2 * size_n + marlin::words_per_tile * cur.strip;
-    for (int i = tid; i < cur.count * 32; i += block_threads) {
-      const int piece = i / 32, t = i % 32;
-      const int shift = 8 * (t % 4);  // byte t % 4 of a piece holds k = r, r + 1 (r = 2 (t % 4))
-      const unsigned char* col = strip + (t / 4) * weight_row + piece * 8;
+    const TiledTensorConsts& x = c.tensor[cur.tensor];
+    const std::int64_t first_row = std::int64_t{cur.expert} * x.k_tiles + cur.first;  // output k-tile row
+    // Weights: warp `piece` of a pass builds tile `piece`; lane t the words of lane t for all
+    // four warps w (output words 4t .. 4t+3, one 16-byte store).
+    std::uint32_t* out_w = (w13 ? dst.w13 : dst.w2) + first_row * 2 * x.size_n + marlin::words_per_tile * cur.strip + 4 * lane;
+    for (int piece = warp; piece < cur.count; piece += block_threads / 32) {
+      const unsigned char* col = lane_col + piece * 8;
       std::uint32_t words[4];
 #pragma unroll
       for (int ww = 0; ww < 4; ++ww) {
         const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * ww) * weight_row);
         const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * ww + 8) * weight_row);
-        words[ww] = marlin::weight_word_from_bytes(c0.x >> shift, c0.y >> shift, c8.x >> shift, c8.y >> shift);
+        const std::uint32_t quad_bytes =
+            __byte_perm(__byte_perm(c0.x, c0.y, byte_select), __byte_perm(c8.x, c8.y, byte_select), 0x5410);
+        words[ww] = marlin::weight_word_from_quad(quad_bytes);
       }
-      *reinterpret_cast<uint4*>(out_w + std::int64_t{piece} * 2 * size_n + 4 * t) =
-          make_uint4(words[0], words[1], words[2], words[3]);
+      *reinterpret_cast<uint4*>(out_w + std::int64_t{piece} * 2 * x.size_n) = make_uint4(words[0], words[1], words[2], words[3]);
     }
     // Scales: output row g of the run is 64 bytes = 16 words; byte col takes column scale_source_col(col).
-    std::uint8_t* out_s = (w13 ? dst.w13_scale : dst.w2_scale) + first_row * size_n + 64 * cur.strip;
+    std::uint8_t* out_s = (w13 ? dst.w13_scale : dst.w2_scale) + first_row * x.size_n + 64 * cur.strip + 4 * quad;
     const std::uint8_t* table = encode[cur.tensor];
-    for (int i = tid; i < cur.count * 16; i += block_threads) {
-      const int g = i / 16, quad = i % 16;
+    for (int g = scale_g0; g < cur.count; g += block_threads / 16) {
       const std::uint8_t* row = scale_block + g * scale_row;
-      std::uint32_t word = 0;
-#pragma unroll
-      for (int b = 0; b < 4; ++b) word |= std::uint32_t{table[row[marlin::scale_source_col(4 * quad + b)]]} << (8 * b);
-      *reinterpret_cast<std::uint32_t*>(out_s + std::int64_t{g} * size_n + 4 * quad) = word;
+      const std::uint32_t word = std::uint32_t{table[row[scale_src[0]]]} | std::uint32_t{table[row[scale_src[1]]]} << 8 |
+                                 std::uint32_t{table[row[scale_src[2]]]} << 16 | std::uint32_t{table[row[scale_src[3]]]} << 24;
+      *reinterpret_cast<std::uint32_t*>(out_s + std::int64_t{g} * x.size_n) = word;
     }
     // Global scales (spec §4.4), once per expert: with its first w13 task.
     if (w13 && cur.strip == 0 && cur.first == 0 && tid == 0) {
       dst.w13_scale_2[cur.expert] = marlin::global_scale(src.w13_scale_2[2 * cur.expert], a.w13_log2_sf, a.dtype);
       dst.w2_scale_2[cur.expert] = marlin::global_scale(src.w2_scale_2[cur.expert], a.w2_log2_sf, a.dtype);
     }
-    if (next_task >= tasks) return;
+    if (next_task >= c.tasks) return;
     __syncthreads();  // the shared blocks are rewritten next
     task = next_task;
     cur = next;
@@ -268,9 +293,7 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
 }
 
 // Persistent grid: as many blocks as fit at once (by the launch bounds), at most `tasks`.
-inline int tiled_grid(std::int64_t tasks, int sm_count) {
-  return static_cast<int>(std::min<std::int64_t>(tasks, std::int64_t{tiled_min_blocks} * std::max(sm_count, 1)));
-}
+inline int tiled_grid(int tasks, int sm_count) { return std::min(tasks, tiled_min_blocks * std::max(sm_count, 1)); }
 
 inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std::uintptr_t>(p) % to == 0; }
 
@@ -534,15 +557,14 @@ class ChunkPipeline {
     return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
   const detail::RepackArgs a = detail::make_args(layout, num_experts, params);
   constexpr int threads = detail::block_threads;
-  if (detail::tileable(src, dst)) {
+  if (detail::tileable(src, dst) && detail::tiled_consts(layout, num_experts, detail::tiled_run_tiles).tasks > 0) {
     int device = 0, sm_count = 0;
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     constexpr int run = detail::tiled_run_tiles;
-    const std::int64_t w13_tasks = detail::tiled_tasks(layout.w13_gemm(), num_experts, run);
-    const std::int64_t tasks = w13_tasks + detail::tiled_tasks(layout.w2_gemm(), num_experts, run);
-    detail::marlin_repack_tiled_kernel<run><<<detail::tiled_grid(tasks, sm_count), threads, 0, stream>>>(
-        src, dst, a, w13_tasks, tasks);
+    const detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
+    detail::marlin_repack_tiled_kernel<run><<<detail::tiled_grid(consts.tasks, sm_count), threads, 0, stream>>>(
+        src, dst, a, consts);
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
     return {};
   }

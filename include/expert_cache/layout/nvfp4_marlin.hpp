@@ -116,17 +116,22 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t weight_word(const CodeAt& code_
 
 // The same word from the four checkpoint bytes it draws on. Codes k and k+1 (k even) share a
 // byte (low nibble first), so word (kt, t, w) needs only the bytes holding k = r and k = r + 8 in
-// columns c and c + 8: `row_c_lo` = byte of (r, c), `row_c_hi` = (r + 8, c), `row_c8_lo` =
-// (r, c + 8), `row_c8_hi` = (r + 8, c + 8). The tiled kernel uses this form; tests compare it
-// with weight_word.
+// columns c and c + 8. `quad` packs them, low byte first: (r, c), (r + 8, c), (r, c + 8),
+// (r + 8, c + 8); its nibbles n0..n7 are then the codes of nibbles 0, 4, 1, 5, 2, 6, 3, 7 of the
+// word, so the word is the nibble unshuffle [n0 n2 n4 n6 n1 n3 n5 n7]: two delta swaps. The
+// tiled kernel uses this form; tests compare it with weight_word.
+EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t weight_word_from_quad(std::uint32_t quad) noexcept {
+  std::uint32_t t = (quad ^ (quad >> 4)) & 0x00F000F0u;  // swap nibbles 1 <-> 2 and 5 <-> 6
+  quad ^= t ^ (t << 4);
+  t = (quad ^ (quad >> 8)) & 0x0000FF00u;  // swap nibble pairs (2, 3) <-> (4, 5)
+  return quad ^ t ^ (t << 8);
+}
+
 EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t weight_word_from_bytes(std::uint32_t row_c_lo, std::uint32_t row_c_hi,
                                                                         std::uint32_t row_c8_lo,
                                                                         std::uint32_t row_c8_hi) noexcept {
-  // Low nibbles (k = r, r+8) fill nibbles 0-3, high nibbles (k = r+1, r+9) nibbles 4-7.
-  const std::uint32_t lows = (row_c_lo & 0xFu) | (row_c_hi & 0xFu) << 4 | (row_c8_lo & 0xFu) << 8 | (row_c8_hi & 0xFu) << 12;
-  const std::uint32_t highs = (row_c_lo >> 4 & 0xFu) | (row_c_hi >> 4 & 0xFu) << 4 | (row_c8_lo >> 4 & 0xFu) << 8 |
-                              (row_c8_hi >> 4 & 0xFu) << 12;
-  return lows | highs << 16;
+  return weight_word_from_quad((row_c_lo & 0xFFu) | (row_c_hi & 0xFFu) << 8 | (row_c8_lo & 0xFFu) << 16 |
+                               (row_c8_hi & 0xFFu) << 24);
 }
 
 // 4-bit code of element k of a checkpoint row packed two per byte along K (low nibble first).
