@@ -158,11 +158,27 @@ struct StripTask {
   std::int64_t row = 0;  // checkpoint row of strip row 0 (experts stacked)
 };
 
+// Field-wise select: indexing the kernel-parameter array with a runtime index made nvcc copy
+// the whole parameter block to local memory.
+__device__ __forceinline__ TiledTensorConsts pick(const TiledConsts& c, int tensor) {
+  const TiledTensorConsts &a = c.tensor[w13_tensor], &b = c.tensor[w2_tensor];
+  const bool w13 = tensor == w13_tensor;
+  TiledTensorConsts x;
+  x.runs = w13 ? a.runs : b.runs;
+  x.n_tiles = w13 ? a.n_tiles : b.n_tiles;
+  x.k_tiles = w13 ? a.k_tiles : b.k_tiles;
+  x.source_tiles = w13 ? a.source_tiles : b.source_tiles;
+  x.row_bytes = w13 ? a.row_bytes : b.row_bytes;
+  x.scale_row_bytes = w13 ? a.scale_row_bytes : b.scale_row_bytes;
+  x.size_n = w13 ? a.size_n : b.size_n;
+  return x;
+}
+
 template <int RunTiles>
 __device__ __forceinline__ StripTask strip_task(const TiledConsts& c, int task) {
   StripTask s;
   s.tensor = task < c.w13_tasks ? w13_tensor : w2_tensor;
-  const TiledTensorConsts& x = c.tensor[s.tensor];
+  const TiledTensorConsts x = pick(c, s.tensor);
   const int local = task - (s.tensor == w13_tensor ? 0 : c.w13_tasks);
   const int run = local % x.runs, rest = local / x.runs;
   s.strip = rest % x.n_tiles;
@@ -188,7 +204,7 @@ template <int RunTiles, int Pieces>
 __device__ __forceinline__ void load_task(const Nvfp4CheckpointPtrs& src, const TiledConsts& c, const StripTask& t,
                                           int tid, uint2 (&w)[Pieces], std::uint8_t (&sc)[Pieces]) {
   constexpr int rows_per_piece = block_threads / RunTiles;
-  const TiledTensorConsts& x = c.tensor[t.tensor];
+  const TiledTensorConsts x = pick(c, t.tensor);
   const bool w13 = t.tensor == w13_tensor;
   const std::uint8_t* weights = (w13 ? src.w13 : src.w2) + t.row * x.row_bytes + t.first * 8;
   const std::uint8_t* scales = (w13 ? src.w13_scale : src.w2_scale) + t.row * x.scale_row_bytes + t.first;
@@ -253,7 +269,7 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     }
 
     const bool w13 = cur.tensor == w13_tensor;
-    const TiledTensorConsts& x = c.tensor[cur.tensor];
+    const TiledTensorConsts x = pick(c, cur.tensor);
     const std::int64_t first_row = std::int64_t{cur.expert} * x.k_tiles + cur.first;  // output k-tile row
     // Weights: warp `piece` of a pass builds tile `piece`; lane t the words of lane t for all
     // four warps w (output words 4t .. 4t+3, one 16-byte store).
@@ -269,7 +285,9 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
             __byte_perm(__byte_perm(c0.x, c0.y, byte_select), __byte_perm(c8.x, c8.y, byte_select), 0x5410);
         words[ww] = marlin::weight_word_from_quad(quad_bytes);
       }
-      *reinterpret_cast<uint4*>(out_w + std::int64_t{piece} * 2 * x.size_n) = make_uint4(words[0], words[1], words[2], words[3]);
+      // __stcs: an explicit 16-byte streaming store (a plain uint4 assignment was split into four
+      // 4-byte stores, quadrupling the L2 write sectors).
+      __stcs(reinterpret_cast<uint4*>(out_w + std::int64_t{piece} * 2 * x.size_n), make_uint4(words[0], words[1], words[2], words[3]));
     }
     // Scales: output row g of the run is 64 bytes = 16 words; byte col takes column scale_source_col(col).
     std::uint8_t* out_s = (w13 ? dst.w13_scale : dst.w2_scale) + first_row * x.size_n + 64 * cur.strip + 4 * quad;
@@ -278,7 +296,7 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
       const std::uint8_t* row = scale_block + g * scale_row;
       const std::uint32_t word = std::uint32_t{table[row[scale_src[0]]]} | std::uint32_t{table[row[scale_src[1]]]} << 8 |
                                  std::uint32_t{table[row[scale_src[2]]]} << 16 | std::uint32_t{table[row[scale_src[3]]]} << 24;
-      *reinterpret_cast<std::uint32_t*>(out_s + std::int64_t{g} * x.size_n) = word;
+      __stcs(reinterpret_cast<unsigned int*>(out_s + std::int64_t{g} * x.size_n), word);
     }
     // Global scales (spec §4.4), once per expert: with its first w13 task.
     if (w13 && cur.strip == 0 && cur.first == 0 && tid == 0) {

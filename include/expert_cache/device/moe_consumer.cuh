@@ -47,7 +47,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <utility>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
@@ -463,10 +462,11 @@ class MoeConsumer {
     alloc(act_, static_cast<std::size_t>(pairs * rows2_ * moe_detail::terms * 16) * sizeof(unsigned short));
     alloc(part2_, static_cast<std::size_t>(pairs * splits2_ * layout.hidden) * sizeof(float));
     alloc(counters_, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned));
-    // The kernels keep the counters at zero between runs; they start at zero once. Synchronous,
-    // so that work on any (non-blocking) stream sees it.
-    check(cudaMemset(counters_, 0, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned)), "cudaMemset");
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    // The kernels keep the counters at zero between runs; they start at zero once. Waited for
+    // here, so that runs on any stream (non-blocking ones too) see it.
+    check(cudaMemsetAsync(counters_, 0, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned), cudaStreamLegacy),
+          "cudaMemsetAsync");
+    check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");
     unbias_ = marlin::exp2i(-marlin::dtype_bias(layout.dtype));
     use_pdl_ = pdl_supported();
   }
@@ -522,8 +522,10 @@ class MoeConsumer {
     return major >= 9 && a13.ptxVersion >= 90 && a2.ptxVersion >= 90;
   }
 
+  // With the PDL attribute where supported; a launch refused with it is retried in plain
+  // stream order (always correct: the kernels' waits are then no-ops).
   template <class... Params, class... Args>
-  cudaError_t launch(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args&&... args) const noexcept {
+  cudaError_t launch(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, const Args&... args) const noexcept {
     cudaLaunchAttribute attr[1] = {};
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -534,7 +536,13 @@ class MoeConsumer {
     cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = use_pdl_ ? 1u : 0u;
-    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+    cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (err != cudaSuccess && cfg.numAttrs != 0) {
+      (void)cudaGetLastError();
+      cfg.numAttrs = 0;
+      err = cudaLaunchKernelEx(&cfg, kernel, args...);
+    }
+    return err;
   }
 
   static void check(cudaError_t err, const char* what) {
