@@ -13,6 +13,7 @@
 #error "expert_cache/device/marlin_repack.cuh needs nvcc; host code can use layout/nvfp4_reference.hpp"
 #endif
 
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,7 +94,8 @@ enum : int { w13_tensor = 0, w2_tensor = 1 };
 // next task's bytes into registers while they write the current task, so loads stay in flight.
 
 inline constexpr int tiled_run_tiles = 16;  // 16-k tiles per task: 128 weight bytes per source row
-inline constexpr int tiled_min_blocks = 5;  // resident blocks per SM the register budget allows
+inline constexpr int tiled_stages = 3;      // cp.async pipeline depth (tasks in flight per block)
+inline constexpr int tiled_min_blocks = 6;  // resident blocks per SM the register budget allows
 
 // The kernel is instruction-bound before it is memory-bound, so everything a task needs beyond
 // its own indices is precomputed on the host, and task decoding uses 32-bit arithmetic (the
@@ -112,6 +114,7 @@ struct TiledConsts {
   TiledTensorConsts tensor[2];
   int w13_tasks = 0;
   int tasks = 0;
+  bool scale_words[2] = {};  // scale rows allow 4-byte async copies (row bytes % 4 == 0 and aligned)
   int intermediate = 0;
   int padded = 0;
   int hidden = 0;
@@ -198,38 +201,71 @@ __device__ __forceinline__ StripTask strip_task(const TiledConsts& c, int task) 
   return s;
 }
 
-// Thread piece j: strip row tid / RunTiles + j * (256 / RunTiles), tile tid % RunTiles, so a
-// warp reads whole source rows' contiguous bytes; scale byte j: the same row, group tid % RunTiles.
-template <int RunTiles, int Pieces>
-__device__ __forceinline__ void load_task(const Nvfp4CheckpointPtrs& src, const TiledConsts& c, const StripTask& t,
-                                          int tid, uint2 (&w)[Pieces], std::uint8_t (&sc)[Pieces]) {
-  constexpr int rows_per_piece = block_threads / RunTiles;
+// Shared-memory stage of one task: the strip's weight bytes ([row][tile], rows padded by 8 B so
+// rows 8 apart fall in different banks) and its scale bytes ([row][group], untransposed).
+template <int RunTiles>
+struct TiledStage {
+  static constexpr int weight_row = RunTiles * 8 + 8;
+  static constexpr int scale_row = RunTiles + 4;
+  __align__(16) unsigned char weights[64 * weight_row];
+  __align__(16) std::uint8_t scales[64 * scale_row];
+};
+
+// Issues the copies of task `t` into `stage` (cp.async: no registers held while in flight).
+// Weight piece j of a thread: strip row tid / RunTiles + j * (256 / RunTiles), tile
+// tid % RunTiles, so a warp reads whole source rows' contiguous bytes. Scales: 4-byte copies when
+// the source rows allow (`c.scale_words`), else plain byte loads (w2 with N % 64 != 0). Rows and
+// tiles without a checkpoint source are zero-filled.
+template <int RunTiles>
+__device__ __forceinline__ void issue_task(const Nvfp4CheckpointPtrs& src, const TiledConsts& c, const StripTask& t,
+                                           int tid, TiledStage<RunTiles>& stage) {
+  using Stage = TiledStage<RunTiles>;
+  constexpr int pieces = 64 * RunTiles / block_threads;
+  constexpr int rows_per_pass = block_threads / RunTiles;
   const TiledTensorConsts x = pick(c, t.tensor);
   const bool w13 = t.tensor == w13_tensor;
   const std::uint8_t* weights = (w13 ? src.w13 : src.w2) + t.row * x.row_bytes + t.first * 8;
   const std::uint8_t* scales = (w13 ? src.w13_scale : src.w2_scale) + t.row * x.scale_row_bytes + t.first;
-  const int row0 = tid / RunTiles, piece = tid % RunTiles;
-  const bool piece_valid = piece < t.valid_count;
+  {
+    const int row0 = tid / RunTiles, piece = tid % RunTiles;
+    const bool piece_valid = piece < t.valid_count;
 #pragma unroll
-  for (int j = 0; j < Pieces; ++j) {
-    const int row = row0 + j * rows_per_piece;
-    const bool valid = piece_valid && row < t.valid_rows;
-    w[j] = valid ? __ldg(reinterpret_cast<const uint2*>(weights + row * x.row_bytes + piece * 8)) : make_uint2(0u, 0u);
-    sc[j] = valid ? __ldg(scales + row * x.scale_row_bytes + piece) : std::uint8_t{0};
+    for (int j = 0; j < pieces; ++j) {
+      const int row = row0 + j * rows_per_pass;
+      unsigned char* to = stage.weights + row * Stage::weight_row + piece * 8;
+      if (piece_valid && row < t.valid_rows)
+        __pipeline_memcpy_async(to, weights + row * x.row_bytes + piece * 8, 8);
+      else
+        *reinterpret_cast<uint2*>(to) = make_uint2(0u, 0u);
+    }
+  }
+  constexpr int words_per_row = RunTiles / 4;
+  for (int i = tid; i < 64 * words_per_row; i += block_threads) {
+    const int row = i / words_per_row, word = i % words_per_row;
+    std::uint8_t* to = stage.scales + row * Stage::scale_row + 4 * word;
+    const int valid_bytes = row < t.valid_rows ? max(0, min(4, t.valid_count - 4 * word)) : 0;
+    const std::uint8_t* from = scales + row * x.scale_row_bytes + 4 * word;
+    if (valid_bytes == 4 && (t.tensor == w13_tensor ? c.scale_words[0] : c.scale_words[1])) {
+      __pipeline_memcpy_async(to, from, 4);
+    } else {
+      std::uint32_t v = 0;
+      for (int b = 0; b < valid_bytes; ++b) v |= std::uint32_t{__ldg(from + b)} << (8 * b);
+      *reinterpret_cast<std::uint32_t*>(to) = v;
+    }
   }
 }
 
 // Needs 8-byte aligned weight sources, 16-byte aligned weight outputs and 4-byte aligned scale
-// outputs, and a task count that fits 32 bits (the launcher checks).
-template <int RunTiles>
+// outputs, and a task count that fits 32 bits (the launcher checks). Persistent blocks run a
+// `Stages`-deep cp.async pipeline over their tasks: while a block writes task k, the copies of
+// tasks k+1 .. k+Stages-1 are in flight.
+template <int RunTiles, int Stages>
 __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, TiledConsts c) {
-  constexpr int weight_row = RunTiles * 8 + 8;  // +8 B: strip rows 8 apart fall in different banks
-  constexpr int scale_row = 64 + 4;             // [group][column], +4 B against bank conflicts
-  constexpr int pieces = 64 * RunTiles / block_threads;
-  static_assert(block_threads == 256 && pieces >= 1, "one encode-table entry per thread; whole pieces per thread");
-  __shared__ __align__(16) unsigned char strip[64 * weight_row];
-  __shared__ __align__(4) std::uint8_t scale_block[RunTiles * scale_row];
+  using Stage = TiledStage<RunTiles>;
+  static_assert(block_threads == 256 && 64 * RunTiles % block_threads == 0 && RunTiles % 4 == 0,
+                "one encode-table entry per thread; whole weight pieces and scale words per thread");
+  __shared__ Stage stages[Stages];
   __shared__ std::uint8_t encode[2][256];
   const int tid = static_cast<int>(threadIdx.x);
   encode[w13_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w13_log2_sf);
@@ -238,36 +274,34 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
   // Per-thread constants of the write phase.
   const int lane = tid % 32, warp = tid / 32;
   const int byte_select = (lane % 4) | ((lane % 4 + 4) << 4);  // bytes t%4 of .x and .y: k = r and r + 8
-  const unsigned char* lane_col = strip + (lane / 4) * weight_row;
+  const int lane_row = lane / 4;
   const int quad = tid % 16, scale_g0 = tid / 16;
   int scale_src[4];
 #pragma unroll
-  for (int b = 0; b < 4; ++b) scale_src[b] = static_cast<int>(marlin::scale_source_col(4 * quad + b));
+  for (int b = 0; b < 4; ++b) scale_src[b] = static_cast<int>(marlin::scale_source_col(4 * quad + b)) * Stage::scale_row;
 
-  int task = static_cast<int>(blockIdx.x);
-  if (task >= c.tasks) return;
-  StripTask cur = strip_task<RunTiles>(c, task);
-  uint2 w[pieces];
-  std::uint8_t sc[pieces];
-  load_task<RunTiles>(src, c, cur, tid, w, sc);
-  for (;;) {
-    {
-      const int row0 = tid / RunTiles, piece = tid % RunTiles;
+  // Prologue: tasks blockIdx.x + s * gridDim.x go to stage s; one commit group per stage, empty
+  // when the block has fewer tasks, so the wait count below is uniform.
+  const int stride = static_cast<int>(gridDim.x);
+  const int first_task = static_cast<int>(blockIdx.x);
 #pragma unroll
-      for (int j = 0; j < pieces; ++j) {
-        const int row = row0 + j * (block_threads / RunTiles);
-        *reinterpret_cast<uint2*>(strip + row * weight_row + piece * 8) = w[j];
-        scale_block[piece * scale_row + row] = sc[j];  // transposed: [group][column]
-      }
+  for (int s = 0; s < Stages - 1; ++s) {
+    const int task = first_task + s * stride;
+    if (task < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, task), tid, stages[s]);
+    __pipeline_commit();
+  }
+  int stage = 0;
+  for (int task = first_task; task < c.tasks; task += stride) {
+    __pipeline_wait_prior(Stages - 2);  // this thread's copies for `task` have landed
+    __syncthreads();                    // everyone's have; and stage (stage - 1) is free again
+    {
+      const int ahead = task + (Stages - 1) * stride;
+      const int ahead_stage = (stage + Stages - 1) % Stages;
+      if (ahead < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, ahead), tid, stages[ahead_stage]);
+      __pipeline_commit();
     }
-    __syncthreads();  // also publishes `encode` on the first task
-    const int next_task = task + static_cast<int>(gridDim.x);
-    StripTask next;
-    if (next_task < c.tasks) {
-      next = strip_task<RunTiles>(c, next_task);
-      load_task<RunTiles>(src, c, next, tid, w, sc);
-    }
-
+    const StripTask cur = strip_task<RunTiles>(c, task);
+    const Stage& st = stages[stage];
     const bool w13 = cur.tensor == w13_tensor;
     const TiledTensorConsts x = pick(c, cur.tensor);
     const std::int64_t first_row = std::int64_t{cur.expert} * x.k_tiles + cur.first;  // output k-tile row
@@ -275,12 +309,12 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     // four warps w (output words 4t .. 4t+3, one 16-byte store).
     std::uint32_t* out_w = (w13 ? dst.w13 : dst.w2) + first_row * 2 * x.size_n + marlin::words_per_tile * cur.strip + 4 * lane;
     for (int piece = warp; piece < cur.count; piece += block_threads / 32) {
-      const unsigned char* col = lane_col + piece * 8;
+      const unsigned char* col = st.weights + lane_row * Stage::weight_row + piece * 8;
       std::uint32_t words[4];
 #pragma unroll
       for (int ww = 0; ww < 4; ++ww) {
-        const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * ww) * weight_row);
-        const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * ww + 8) * weight_row);
+        const uint2 c0 = *reinterpret_cast<const uint2*>(col + (16 * ww) * Stage::weight_row);
+        const uint2 c8 = *reinterpret_cast<const uint2*>(col + (16 * ww + 8) * Stage::weight_row);
         const std::uint32_t quad_bytes =
             __byte_perm(__byte_perm(c0.x, c0.y, byte_select), __byte_perm(c8.x, c8.y, byte_select), 0x5410);
         words[ww] = marlin::weight_word_from_quad(quad_bytes);
@@ -293,9 +327,9 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     std::uint8_t* out_s = (w13 ? dst.w13_scale : dst.w2_scale) + first_row * x.size_n + 64 * cur.strip + 4 * quad;
     const std::uint8_t* table = encode[cur.tensor];
     for (int g = scale_g0; g < cur.count; g += block_threads / 16) {
-      const std::uint8_t* row = scale_block + g * scale_row;
-      const std::uint32_t word = std::uint32_t{table[row[scale_src[0]]]} | std::uint32_t{table[row[scale_src[1]]]} << 8 |
-                                 std::uint32_t{table[row[scale_src[2]]]} << 16 | std::uint32_t{table[row[scale_src[3]]]} << 24;
+      const std::uint8_t* col = st.scales + g;
+      const std::uint32_t word = std::uint32_t{table[col[scale_src[0]]]} | std::uint32_t{table[col[scale_src[1]]]} << 8 |
+                                 std::uint32_t{table[col[scale_src[2]]]} << 16 | std::uint32_t{table[col[scale_src[3]]]} << 24;
       __stcs(reinterpret_cast<unsigned int*>(out_s + std::int64_t{g} * x.size_n), word);
     }
     // Global scales (spec §4.4), once per expert: with its first w13 task.
@@ -303,11 +337,9 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
       dst.w13_scale_2[cur.expert] = marlin::global_scale(src.w13_scale_2[2 * cur.expert], a.w13_log2_sf, a.dtype);
       dst.w2_scale_2[cur.expert] = marlin::global_scale(src.w2_scale_2[cur.expert], a.w2_log2_sf, a.dtype);
     }
-    if (next_task >= c.tasks) return;
-    __syncthreads();  // the shared blocks are rewritten next
-    task = next_task;
-    cur = next;
+    stage = (stage + 1) % Stages;
   }
+  __pipeline_wait_prior(0);  // leave no copy in flight into shared memory at exit
 }
 
 // Persistent grid: as many blocks as fit at once (by the launch bounds), at most `tasks`.
@@ -580,9 +612,11 @@ class ChunkPipeline {
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     constexpr int run = detail::tiled_run_tiles;
-    const detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
-    detail::marlin_repack_tiled_kernel<run><<<detail::tiled_grid(consts.tasks, sm_count), threads, 0, stream>>>(
-        src, dst, a, consts);
+    detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
+    consts.scale_words[0] = consts.tensor[0].scale_row_bytes % 4 == 0 && detail::aligned(src.w13_scale, 4);
+    consts.scale_words[1] = consts.tensor[1].scale_row_bytes % 4 == 0 && detail::aligned(src.w2_scale, 4);
+    detail::marlin_repack_tiled_kernel<run, detail::tiled_stages>
+        <<<detail::tiled_grid(consts.tasks, sm_count), threads, 0, stream>>>(src, dst, a, consts);
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
     return {};
   }

@@ -113,7 +113,7 @@ inline constexpr int w13_rows = w13_row_groups * rows_per_warp;  // K-rows per m
 inline constexpr int w2_rows = warps * rows_per_warp;            // K-rows per moe_w2 block
 inline constexpr int terms = 3;                                  // bf16 terms per fp32 input
 inline constexpr int w13_blocks_per_sm = 4;  // 64 registers: moe_w13 is 4.85 blocks per SM at K = 2048, Np = 512, top 10
-static_assert(w13_rows * 16 == threads, "moe_w13 splits its x slice one element per thread");
+static_assert(warps == 2 * w13_row_groups, "moe_w13: half the warps on the gate tile, half on the up tile");
 
 // Inputs are scaled by 2^62 before the bf16 split and MMA B values carry 2^-111 (below), so the
 // MMA sums are sum(x * fp4 * s0e5m3) * 2^-49: normal floats for |x * fp4 * s0e5m3| > 2^-77.
@@ -297,8 +297,14 @@ __global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights
   const int g = lane >> 2, t = lane & 3;
   const int kt0 = split * w13_rows;
   const int m = p / top_k;
-  const bool x_ok = kt0 + (tid >> 4) < rows;
-  const float xv = x_ok ? x[static_cast<long long>(m) * hidden + 16LL * kt0 + tid] : 0.0f;
+  // This block's slice of x (16 w13_rows elements), loaded before the slot look-up.
+  constexpr int x_per_thread = (16 * w13_rows + threads - 1) / threads;
+  float xv[x_per_thread];
+#pragma unroll
+  for (int i = 0; i < x_per_thread; ++i) {
+    const int idx = tid + i * threads;
+    xv[i] = idx < 16 * w13_rows && kt0 + idx / 16 < rows ? x[static_cast<long long>(m) * hidden + 16LL * kt0 + idx] : 0.0f;
+  }
   const std::int32_t slot = slot_of(w, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
 
@@ -322,12 +328,15 @@ __global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights
 
   __shared__ __align__(16) unsigned short a_s[w13_rows][terms][16];
   __shared__ float red[warps][terms][64];
-  {
-    unsigned short b[terms];
-    split_bf16(xv * in_scale, b);
-    const int fi = a_frag_index(tid & 15);
 #pragma unroll
-    for (int r = 0; r < terms; ++r) a_s[tid >> 4][r][fi] = b[r];
+  for (int i = 0; i < x_per_thread; ++i) {
+    const int idx = tid + i * threads;
+    if (idx < 16 * w13_rows) {
+      unsigned short b[terms];
+      split_bf16(xv[i] * in_scale, b);
+#pragma unroll
+      for (int r = 0; r < terms; ++r) a_s[idx / 16][r][a_frag_index(idx % 16)] = b[r];
+    }
   }
   __syncthreads();
 
@@ -403,7 +412,9 @@ __global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32
     g2 = global_of(w, 5, slot) * gscale;
   }
   griddep_launch_dependents();
-  griddep_wait();  // act (moe_w13) and topk_weights; the partials of the previous run are read
+  // After the wait: act (moe_w13), topk_weights (the previous kernel) and the partials and
+  // counters (still used by the previous run's moe_w2 until moe_w13 waited for it).
+  griddep_wait();
 
   __shared__ float red[warps][terms][64];
   float* part = partial + (static_cast<long long>(p) * splits + split) * hidden + 64LL * nt;
