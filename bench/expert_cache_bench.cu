@@ -258,34 +258,48 @@ RunResult run_resident(const Model& m, const Routing& routing, const BenchArgs& 
               [&](std::int32_t l, std::span<const std::int32_t>, bool) { return weights_of(l); });
   ctx.resident_out = last_outputs(m, ctx);
 
-  // Consumer weight-read bandwidth at this batch: layer 0 of the first step, 50 repetitions.
+  // Consumer weight-read bandwidth at this batch: the first step's forwards, cycling through all
+  // layers (each layer's own experts and ids), so the weights come from HBM, not from an L2 that a
+  // single repeated layer (~18 MB) would fit in.
   {
-    const std::int32_t unique = routing.unique_count(0, 0);
-    const double bytes = static_cast<double>(unique) * static_cast<double>(m.expert_bytes());
-    const auto ids = routing.forward(0, 0);
-    check_cuda(cudaMemcpy(ctx.ids.p, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+    const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
+    DeviceBuffer all_ids(n_ids * sizeof(std::int32_t) * static_cast<std::size_t>(m.layers));
+    double bytes_per_cycle = 0;
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      const auto ids = routing.forward(0, l);
+      check_cuda(cudaMemcpy(all_ids.as<std::int32_t>() + static_cast<std::size_t>(l) * n_ids, ids.data(),
+                            ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+                 "cudaMemcpy");
+      bytes_per_cycle += static_cast<double>(routing.unique_count(0, l)) * static_cast<double>(m.expert_bytes());
+    }
     cudaEvent_t e0, e1;
     check_cuda(cudaEventCreate(&e0), "cudaEventCreate");
     check_cuda(cudaEventCreate(&e1), "cudaEventCreate");
-    const int reps = 50;
-    check_cuda(cudaEventRecord(e0, ctx.consumer), "cudaEventRecord");
-    for (int i = 0; i < reps; ++i)
-      if (Status st = ctx.moe->run(weights_of(0), ctx.ids.as<std::int32_t>(), ctx.weights.as<float>(), ctx.x.as<float>(),
-                                   ctx.out.as<float>(), m.batch, ctx.consumer);
+    const int cycles = std::max(1, 200 / m.layers);
+    const auto run_layer = [&](std::int32_t l) {
+      if (Status st = ctx.moe->run(weights_of(l), all_ids.as<std::int32_t>() + static_cast<std::size_t>(l) * n_ids,
+                                   ctx.weights.as<float>(), ctx.x.as<float>(), ctx.out.as<float>(), m.batch, ctx.consumer);
           !st)
         throw Error(st);
+    };
+    for (std::int32_t l = 0; l < m.layers; ++l) run_layer(l);  // warm-up
+    check_cuda(cudaEventRecord(e0, ctx.consumer), "cudaEventRecord");
+    for (int c = 0; c < cycles; ++c)
+      for (std::int32_t l = 0; l < m.layers; ++l) run_layer(l);
     check_cuda(cudaEventRecord(e1, ctx.consumer), "cudaEventRecord");
     check_cuda(cudaEventSynchronize(e1), "cudaEventSynchronize");
     float ms = 0;
     check_cuda(cudaEventElapsedTime(&ms, e0, e1), "cudaEventElapsedTime");
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
-    const double us = static_cast<double>(ms) * 1e3 / reps;
-    char buf[200];
+    const double runs = static_cast<double>(cycles) * m.layers;
+    const double us = static_cast<double>(ms) * 1e3 / runs;
+    const double bytes = bytes_per_cycle / m.layers;
+    char buf[240];
     std::snprintf(buf, sizeof buf,
-                  "consumer (device/moe_consumer.cuh), batch %d, %d experts: %.1f us per layer, weight reads %.0f GB/s "
-                  "(measured, resident weights)",
-                  m.batch, unique, us, bytes / (us * 1e-6) * 1e-9);
+                  "consumer (device/moe_consumer.cuh), batch %d, %.1f experts per layer: %.1f us per layer, weight "
+                  "reads %.0f GB/s (measured, resident weights, %d layers cycled)",
+                  m.batch, bytes / static_cast<double>(m.expert_bytes()), us, bytes / (us * 1e-6) * 1e-9, m.layers);
     notes.emplace_back(buf);
   }
   return r;

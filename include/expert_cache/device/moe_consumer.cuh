@@ -14,8 +14,9 @@
 // Arithmetic: fp32 inputs and fp32 accumulation, through bf16 tensor-core MMAs (m16n8k16) so
 // the decode, not the FMA, is the per-weight cost. Each fp32 input is split exactly into three
 // bf16 terms (rows 0-2 of the MMA's A; about 24 significant bits); each weight times its block
-// scale is exact in bf16 (2 x 4 significant bits). Marlin's weight words are already the MMA's B
-// fragments: lane (g, t) of word 4t'+w holds k = 2t + {0, 1, 8, 9} of columns 16w + g and +8.
+// scale is exact in bf16 (2 + 4 significant bits). Marlin's weight words are already the MMA's B
+// fragments: word 128 nt + 4 lane + w, lane = 4g + t, holds k = 2t + {0, 1, 8, 9} of columns
+// 64 nt + 16w + g and + 8.
 //
 // Two kernels per run (both 256 threads):
 //   moe_w13  grid (Np/64, K/256, pairs): the gate tile j and the up tile j over 16 K-rows. The
@@ -125,7 +126,8 @@ inline constexpr std::uint32_t bf16x2_two_pow_127 = 0x7F007F00u;
 // e2m1 * 2^-126: the three magnitude bits land in the two lowest exponent bits and the top
 // mantissa bit (e = 0 codes are bf16 subnormals, just as e2m1's own subnormal), the sign in the
 // sign. Nibbles I and I + 4 are the MMA's k = 2t and 2t + 1 (I = 0, 2) or 2t + 8 and 2t + 9
-// (I = 1, 3) of column 16w + g (I = 0, 1) or 16w + g + 8 (I = 2, 3).
+// (I = 1, 3) of column 16w + g (I = 0, 1) or 16w + g + 8 (I = 2, 3). The bf16 multiply by the
+// scale (subnormal inputs are exact there, as in Marlin's own bf16 path) makes them normal.
 template <int I>
 EXPERT_CACHE_HOST_DEVICE constexpr std::uint32_t e2m1_pair_bf16(std::uint32_t word) noexcept {
   static_assert(I >= 0 && I < 4);
