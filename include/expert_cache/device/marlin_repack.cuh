@@ -93,8 +93,11 @@ enum : int { w13_tensor = 0, w2_tensor = 1 };
 // Rows in the w13 shard padding and k beyond N in w2 read as zero. Persistent blocks prefetch the
 // next task's bytes into registers while they write the current task, so loads stay in flight.
 
-inline constexpr int tiled_run_tiles = 16;  // 16-k tiles per task: 128 weight bytes per source row
-inline constexpr int tiled_stages = 3;      // cp.async pipeline depth (tasks in flight per block)
+// Measured on the H200 (bench_repack, E64 K2048 N512): 32 tiles x 2 stages with 8 blocks per SM
+// in the grid beat 16 x 2/3/4 and 8 x 4 at 4-8 blocks per SM (docs/benchmarks.md).
+inline constexpr int tiled_run_tiles = 32;  // 16-k tiles per task: 256 weight bytes per source row
+inline constexpr int tiled_stages = 2;      // cp.async pipeline depth (tasks in flight per block)
+inline constexpr int tiled_grid_per_sm = 8; // blocks launched per SM (more than are resident at once)
 inline constexpr int tiled_min_blocks = 6;  // resident blocks per SM the register budget allows
 
 // The kernel is instruction-bound before it is memory-bound, so everything a task needs beyond
@@ -342,8 +345,8 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
   __pipeline_wait_prior(0);  // leave no copy in flight into shared memory at exit
 }
 
-// Persistent grid: as many blocks as fit at once (by the launch bounds), at most `tasks`.
-inline int tiled_grid(int tasks, int sm_count) { return std::min(tasks, tiled_min_blocks * std::max(sm_count, 1)); }
+// A grid-stride grid of tiled_grid_per_sm blocks per SM, at most `tasks`.
+inline int tiled_grid(int tasks, int sm_count) { return std::min(tasks, tiled_grid_per_sm * std::max(sm_count, 1)); }
 
 inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std::uintptr_t>(p) % to == 0; }
 
