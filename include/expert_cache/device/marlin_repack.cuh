@@ -93,12 +93,11 @@ enum : int { w13_tensor = 0, w2_tensor = 1 };
 // Rows in the w13 shard padding and k beyond N in w2 read as zero. Persistent blocks prefetch the
 // next task's bytes into registers while they write the current task, so loads stay in flight.
 
-// Measured on the H200 (bench_repack, E64 K2048 N512): 32 tiles x 2 stages with 8 blocks per SM
-// in the grid beat 16 x 2/3/4 and 8 x 4 at 4-8 blocks per SM (docs/benchmarks.md).
+// Measured on the H200 (bench_repack, E64 K2048 N512): 32-tile runs, 2 stages, 8 blocks per SM
+// in the grid beat 16-tile runs with 2-4 stages and 8-tile runs, at 4-8 blocks per SM.
 inline constexpr int tiled_run_tiles = 32;  // 16-k tiles per task: 256 weight bytes per source row
-inline constexpr int tiled_stages = 2;      // cp.async pipeline depth (tasks in flight per block)
 inline constexpr int tiled_grid_per_sm = 8; // blocks launched per SM (more than are resident at once)
-inline constexpr int tiled_min_blocks = 6;  // resident blocks per SM the register budget allows
+inline constexpr int tiled_min_blocks = 5;  // resident blocks per SM the register budget allows
 
 // The kernel is instruction-bound before it is memory-bound, so everything a task needs beyond
 // its own indices is precomputed on the host, and task decoding uses 32-bit arithmetic (the
@@ -214,14 +213,24 @@ struct TiledStage {
   __align__(16) std::uint8_t scales[64 * scale_row];
 };
 
+// Scale bytes a thread loads with plain loads for the NEXT stage when the scale rows do not allow
+// 4-byte async copies (w2 with N % 64 != 0): held in registers and written to shared memory one
+// iteration later, so their latency is hidden like the cp.async copies'.
+template <int RunTiles>
+struct PendingScales {
+  static constexpr int words = 64 * (RunTiles / 4) / block_threads;
+  std::uint8_t bytes[words][4];
+  bool active = false;
+};
+
 // Issues the copies of task `t` into `stage` (cp.async: no registers held while in flight).
 // Weight piece j of a thread: strip row tid / RunTiles + j * (256 / RunTiles), tile
 // tid % RunTiles, so a warp reads whole source rows' contiguous bytes. Scales: 4-byte copies when
-// the source rows allow (`c.scale_words`), else plain byte loads (w2 with N % 64 != 0). Rows and
-// tiles without a checkpoint source are zero-filled.
+// the source rows allow (`c.scale_words`), else plain byte loads into `pending`. Rows and tiles
+// without a checkpoint source are zero-filled.
 template <int RunTiles>
 __device__ __forceinline__ void issue_task(const Nvfp4CheckpointPtrs& src, const TiledConsts& c, const StripTask& t,
-                                           int tid, TiledStage<RunTiles>& stage) {
+                                           int tid, TiledStage<RunTiles>& stage, PendingScales<RunTiles>& pending) {
   using Stage = TiledStage<RunTiles>;
   constexpr int pieces = 64 * RunTiles / block_threads;
   constexpr int rows_per_pass = block_threads / RunTiles;
@@ -243,32 +252,51 @@ __device__ __forceinline__ void issue_task(const Nvfp4CheckpointPtrs& src, const
     }
   }
   constexpr int words_per_row = RunTiles / 4;
-  for (int i = tid; i < 64 * words_per_row; i += block_threads) {
-    const int row = i / words_per_row, word = i % words_per_row;
-    std::uint8_t* to = stage.scales + row * Stage::scale_row + 4 * word;
+  pending.active = !(w13 ? c.scale_words[0] : c.scale_words[1]);
+#pragma unroll
+  for (int j = 0; j < PendingScales<RunTiles>::words; ++j) {
+    const int i = tid + j * block_threads, row = i / words_per_row, word = i % words_per_row;
     const int valid_bytes = row < t.valid_rows ? max(0, min(4, t.valid_count - 4 * word)) : 0;
     const std::uint8_t* from = scales + row * x.scale_row_bytes + 4 * word;
-    if (valid_bytes == 4 && (t.tensor == w13_tensor ? c.scale_words[0] : c.scale_words[1])) {
-      __pipeline_memcpy_async(to, from, 4);
+    if (pending.active) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) pending.bytes[j][b] = b < valid_bytes ? __ldg(from + b) : std::uint8_t{0};
     } else {
-      std::uint32_t v = 0;
-      for (int b = 0; b < valid_bytes; ++b) v |= std::uint32_t{__ldg(from + b)} << (8 * b);
-      *reinterpret_cast<std::uint32_t*>(to) = v;
+      // Word-aligned rows: valid_bytes is 0 or 4 (the row length and the run starts are multiples of 4).
+      std::uint8_t* to = stage.scales + row * Stage::scale_row + 4 * word;
+      if (valid_bytes == 4)
+        __pipeline_memcpy_async(to, from, 4);
+      else
+        *reinterpret_cast<std::uint32_t*>(to) = 0u;
     }
   }
 }
 
+// Writes the plain-loaded scale bytes of the task whose copies were issued into `stage`.
+template <int RunTiles>
+__device__ __forceinline__ void land_pending(const PendingScales<RunTiles>& pending, int tid, TiledStage<RunTiles>& stage) {
+  if (!pending.active) return;
+  constexpr int words_per_row = RunTiles / 4;
+#pragma unroll
+  for (int j = 0; j < PendingScales<RunTiles>::words; ++j) {
+    const int i = tid + j * block_threads, row = i / words_per_row, word = i % words_per_row;
+    const std::uint32_t v = std::uint32_t{pending.bytes[j][0]} | std::uint32_t{pending.bytes[j][1]} << 8 |
+                            std::uint32_t{pending.bytes[j][2]} << 16 | std::uint32_t{pending.bytes[j][3]} << 24;
+    *reinterpret_cast<std::uint32_t*>(stage.scales + row * TiledStage<RunTiles>::scale_row + 4 * word) = v;
+  }
+}
+
 // Needs 8-byte aligned weight sources, 16-byte aligned weight outputs and 4-byte aligned scale
-// outputs, and a task count that fits 32 bits (the launcher checks). Persistent blocks run a
-// `Stages`-deep cp.async pipeline over their tasks: while a block writes task k, the copies of
-// tasks k+1 .. k+Stages-1 are in flight.
-template <int RunTiles, int Stages>
+// outputs, and a task count that fits 32 bits (the launcher checks). Grid-stride blocks run a
+// two-stage cp.async pipeline over their tasks: while a block writes task k, the copies of its
+// next task are in flight.
+template <int RunTiles>
 __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, TiledConsts c) {
   using Stage = TiledStage<RunTiles>;
   static_assert(block_threads == 256 && 64 * RunTiles % block_threads == 0 && RunTiles % 4 == 0,
                 "one encode-table entry per thread; whole weight pieces and scale words per thread");
-  __shared__ Stage stages[Stages];
+  __shared__ Stage stages[2];
   __shared__ std::uint8_t encode[2][256];
   const int tid = static_cast<int>(threadIdx.x);
   encode[w13_tensor][tid] = marlin::s0e5m3_from_e4m3(static_cast<std::uint8_t>(tid), a.w13_log2_sf);
@@ -283,24 +311,22 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
 #pragma unroll
   for (int b = 0; b < 4; ++b) scale_src[b] = static_cast<int>(marlin::scale_source_col(4 * quad + b)) * Stage::scale_row;
 
-  // Prologue: tasks blockIdx.x + s * gridDim.x go to stage s; one commit group per stage, empty
-  // when the block has fewer tasks, so the wait count below is uniform.
+  // Prologue: task blockIdx.x goes to stage 0. Every iteration commits one group (empty when
+  // the block has no further task), so the wait count is uniform.
   const int stride = static_cast<int>(gridDim.x);
   const int first_task = static_cast<int>(blockIdx.x);
-#pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) {
-    const int task = first_task + s * stride;
-    if (task < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, task), tid, stages[s]);
-    __pipeline_commit();
-  }
+  PendingScales<RunTiles> pending;
+  if (first_task < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, first_task), tid, stages[0], pending);
+  __pipeline_commit();
   int stage = 0;
   for (int task = first_task; task < c.tasks; task += stride) {
-    __pipeline_wait_prior(Stages - 2);  // this thread's copies for `task` have landed
-    __syncthreads();                    // everyone's have; and stage (stage - 1) is free again
+    land_pending<RunTiles>(pending, tid, stages[stage]);
+    __pipeline_wait_prior(0);  // this thread's copies for `task` have landed
+    __syncthreads();           // everyone's have; and the other stage is free again
     {
-      const int ahead = task + (Stages - 1) * stride;
-      const int ahead_stage = (stage + Stages - 1) % Stages;
-      if (ahead < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, ahead), tid, stages[ahead_stage]);
+      const int ahead = task + stride;
+      pending.active = false;
+      if (ahead < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, ahead), tid, stages[stage ^ 1], pending);
       __pipeline_commit();
     }
     const StripTask cur = strip_task<RunTiles>(c, task);
@@ -340,7 +366,7 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
       dst.w13_scale_2[cur.expert] = marlin::global_scale(src.w13_scale_2[2 * cur.expert], a.w13_log2_sf, a.dtype);
       dst.w2_scale_2[cur.expert] = marlin::global_scale(src.w2_scale_2[cur.expert], a.w2_log2_sf, a.dtype);
     }
-    stage = (stage + 1) % Stages;
+    stage ^= 1;
   }
   __pipeline_wait_prior(0);  // leave no copy in flight into shared memory at exit
 }
@@ -618,7 +644,7 @@ class ChunkPipeline {
     detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
     consts.scale_words[0] = consts.tensor[0].scale_row_bytes % 4 == 0 && detail::aligned(src.w13_scale, 4);
     consts.scale_words[1] = consts.tensor[1].scale_row_bytes % 4 == 0 && detail::aligned(src.w2_scale, 4);
-    detail::marlin_repack_tiled_kernel<run, detail::tiled_stages>
+    detail::marlin_repack_tiled_kernel<run>
         <<<detail::tiled_grid(consts.tasks, sm_count), threads, 0, stream>>>(src, dst, a, consts);
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
     return {};
