@@ -332,6 +332,49 @@ TEST_CASE_TEMPLATE("bad input through the full cache: specific error, state and 
   f.check_clean_after_drain();
 }
 
+TEST_CASE_TEMPLATE("forward map: a repeat is not re-uploaded; a change, a captured upload or a fault re-uploads",
+                   Cache, RowSim, WholeSim, InlineSim) {
+  Fixture<Cache> f(10, 4, 2);
+  const auto uploads = [&] { return f.cache->stats().map_uploads; };
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  REQUIRE(f.forward(Ids{3, 4}, f.streams[0]).ok());  // 1-4 resident from here on: all hits below
+  const std::uint64_t start = uploads();
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  CHECK(uploads() == start + 1);  // the forward map changed
+  // The same forward again, from the same stream and from another one: no upload, and the
+  // readers (which check the map they read against the request) still see the right slots.
+  REQUIRE(f.forward(Ids{2, 1}, f.streams[0]).ok());
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[1]).ok());
+  CHECK(uploads() == start + 1);
+  REQUIRE(f.forward(Ids{1, 3}, f.streams[1]).ok());
+  CHECK(uploads() == start + 2);
+  REQUIRE(f.forward(Ids{1, 3}, f.streams[0]).ok());
+  CHECK(uploads() == start + 2);
+
+  // Under capture a repeat of the eagerly uploaded map is skipped too (by the capture contract the
+  // graph runs before the next cache call, so the device map still holds it) ...
+  REQUIRE(f.rt.set_capturing(f.streams[0], true).ok());
+  REQUIRE(f.forward(Ids{1, 3}, f.streams[0]).ok());
+  CHECK(uploads() == start + 2);
+  // ... but a map uploaded inside a capture only lands if the graph is launched: the next eager
+  // prepare of the same forward uploads it again.
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  CHECK(uploads() == start + 3);
+  REQUIRE(f.rt.set_capturing(f.streams[0], false).ok());
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  CHECK(uploads() == start + 4);
+
+  std::uint64_t before = 0;
+  // After a failed prepare the device map's content is not trusted: the next prepare uploads.
+  f.rt.inject_failure(FaultKind::copy, 1);
+  CHECK_FALSE(f.forward(Ids{5, 6}, f.streams[1]).ok());
+  f.rt.clear_failures();
+  before = uploads();
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[1]).ok());
+  CHECK(uploads() > before);
+  f.check_clean_after_drain();
+}
+
 TEST_CASE("Batched staging refuses a capturing stream before any state change") {
   Fixture<BatchedSim> f(10, 3, 2);
   REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());

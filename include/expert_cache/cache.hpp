@@ -11,6 +11,7 @@
 //
 // prepare(ids, stream) makes the forward's experts resident and returns the slot buffers and
 // the expert maps; every stream/event edge comes from the one OrderingCore.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdio>
@@ -127,6 +128,7 @@ class ExpertCache {
         forward_device_(rt, map_bytes(), MemoryKind::device) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
+    forward_shadow_.assign(static_cast<std::size_t>(options_.num_experts), absent_slot);
     view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
     copies_per_fill_ = detail::copies_per_fill(storage_);
     if (options_.log) {
@@ -252,7 +254,7 @@ class ExpertCache {
       if (s) s = core_.publish_writes(fill, stream);
     }
     if (s) s = core_.adopt_reader(stream, writes);
-    if (s) s = core_.upload_map(planner_.forward_map().data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+    if (s && !forward_map_uploaded()) s = upload_forward_map(stream);
     if (!s) return roll_back(s);
     if (writes) resident_dirty_ = false;
     last_copies_ = plan_.fills.size() * copies_per_fill_;
@@ -267,6 +269,26 @@ class ExpertCache {
     return view_;
   }
 
+  // The device forward map already holds the host's: the last upload had the same entries, was
+  // enqueued outside any graph capture (a captured upload only lands if the graph is launched),
+  // and nothing failed since. Readers are ordered after that upload like after any earlier write
+  // (stream order, or the owner-change wait in adopt_reader), so skipping a repeat is safe.
+  [[nodiscard]] bool forward_map_uploaded() const noexcept {
+    const auto map = planner_.forward_map();
+    return forward_shadow_valid_ && std::equal(map.begin(), map.end(), forward_shadow_.begin());
+  }
+
+  Status upload_forward_map(Stream stream) noexcept {
+    forward_shadow_valid_ = false;  // unknown until the upload is enqueued
+    const auto map = planner_.forward_map();
+    Status s = core_.upload_map(map.data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+    if (s && !core_.last_upload_captured()) {
+      std::copy(map.begin(), map.end(), forward_shadow_.begin());
+      forward_shadow_valid_ = true;
+    }
+    return s;
+  }
+
   Status upload_resident(Stream fill, Stream caller) noexcept {
     const Stream target = Edges::resident_map_serialised ? fill : caller;
     return core_.upload_map(planner_.resident_map().data(), reinterpret_cast<std::int32_t*>(resident_device_.data()),
@@ -278,6 +300,7 @@ class ExpertCache {
   Status roll_back(const Status& failure) noexcept {
     for (const SlotFill& f : plan_.fills) (void)planner_.invalidate(f.expert.value);
     resident_dirty_ = true;
+    forward_shadow_valid_ = false;
     ++faults_;
     last_copies_ = 0;
     return Status(failure.code(), "prepare failed after planning (" + std::to_string(plan_.fills.size()) +
@@ -292,6 +315,8 @@ class ExpertCache {
   OrderingCore<Runtime, Edges> core_;
   RuntimeBuffer<Runtime> resident_device_;
   RuntimeBuffer<Runtime> forward_device_;
+  std::vector<std::int32_t> forward_shadow_;  // what the last uncaptured forward-map upload wrote
+  bool forward_shadow_valid_ = false;
   StagingPolicy staging_{};
   ForwardPlan plan_;
   ForwardView view_;

@@ -299,9 +299,13 @@ class OrderingCore {
     }
     buf.recorded = true;
     buf.capture = capture.value();
+    last_upload_captured_ = capture.value() != 0;
     ++counters_.map_uploads;
     return {};
   }
+
+  // Whether the last successful upload_map was recorded into a graph capture.
+  [[nodiscard]] bool last_upload_captured() const noexcept { return last_upload_captured_; }
 
  private:
   // 0 when `s` is not capturing, else an id of the capture sequence: distinct per capture
@@ -348,6 +352,7 @@ class OrderingCore {
   std::optional<Stream> last_fill_;
   std::vector<StagingBuffer> ring_;
   std::size_t next_staging_ = 0;
+  bool last_upload_captured_ = false;
   OrderingCounters counters_;
 };
 
