@@ -1,7 +1,7 @@
 #pragma once
 // Host reference for the NVFP4 -> Marlin repack of a whole MoE layer, and dequantisation of both
-// layouts. Used by the tests (ground truth for the CUDA kernels) and by the chunked host path in
-// device/marlin_repack.cuh (validation and the layer-wide scale factors). Pure host code.
+// layouts. Used by the tests (ground truth for the CUDA kernels); device/marlin_repack.cuh uses its
+// layer types and size checks (it validates values on the GPU). Pure host code.
 //
 // Tensors are expert-major and contiguous. Checkpoint (ModelOpt, spec §3):
 //   w13 u8 [E, 2N, K/2]   w13_scale e4m3 [E, 2N, K/16]   w13_scale_2 f32 [E, 2]
