@@ -157,6 +157,28 @@ struct DeviceLayer {
   }
 };
 
+// Marlin outputs of `e` experts in pinned host memory (the chunked path's destination).
+struct PinnedMarlin {
+  PinnedBuffer<std::uint32_t> w13, w2;
+  PinnedBuffer<std::uint8_t> s13, s2;
+  PinnedBuffer<float> g13, g2;
+  PinnedMarlin(const Nvfp4Marlin& l, std::int64_t e)
+      : w13(static_cast<std::size_t>(e * l.w13_words())), w2(static_cast<std::size_t>(e * l.w2_words())),
+        s13(static_cast<std::size_t>(e * l.w13_scale_bytes())), s2(static_cast<std::size_t>(e * l.w2_scale_bytes())),
+        g13(static_cast<std::size_t>(e)), g2(static_cast<std::size_t>(e)) {}
+  Nvfp4MarlinLayer view() const { return {w13.span(), w2.span(), s13.span(), s2.span(), g13.span(), g2.span()}; }
+  HostMarlin collect(const Nvfp4Marlin& l, std::int64_t e) const {
+    HostMarlin m(l, e);
+    m.w13 = w13.vec();
+    m.w2 = w2.vec();
+    m.s13 = s13.vec();
+    m.s2 = s2.vec();
+    m.g13 = g13.vec();
+    m.g2 = g2.vec();
+    return m;
+  }
+};
+
 struct Shape {
   std::int64_t k, n;
   ActDtype d;
@@ -221,21 +243,9 @@ TEST_CASE("host-chunked path (chunks 3+3+2, and one chunk) is byte-identical to 
     g13.fill_from(h.g13);
     g2.fill_from(h.g2);
     const Nvfp4CheckpointLayer src{num_experts, w13.span(), s13.span(), g13.span(), w2.span(), s2.span(), g2.span()};
-    const auto E = static_cast<std::size_t>(num_experts);
-    PinnedBuffer<std::uint32_t> mw13(E * static_cast<std::size_t>(l.w13_words())), mw2(E * static_cast<std::size_t>(l.w2_words()));
-    PinnedBuffer<std::uint8_t> ms13(E * static_cast<std::size_t>(l.w13_scale_bytes())), ms2(E * static_cast<std::size_t>(l.w2_scale_bytes()));
-    PinnedBuffer<float> mg13(E), mg2(E);
-    const Nvfp4MarlinLayer dst{mw13.span(), mw2.span(), ms13.span(), ms2.span(), mg13.span(), mg2.span()};
-    auto collect = [&] {
-      HostMarlin m(l, num_experts);
-      m.w13 = mw13.vec();
-      m.w2 = mw2.vec();
-      m.s13 = ms13.vec();
-      m.s2 = ms2.vec();
-      m.g13 = mg13.vec();
-      m.g2 = mg2.vec();
-      return m;
-    };
+    const PinnedMarlin out(l, num_experts);
+    const Nvfp4MarlinLayer dst = out.view();
+    const auto& ms13 = out.s13;
 
     // Rounds of ceil(chunk / 2) experts: 2+2+2+2, 3+3+2 (not dividing E), one round, 1 each.
     for (std::int64_t chunk : {std::int64_t{3}, std::int64_t{5}, std::int64_t{64}, std::int64_t{1}}) {
@@ -243,7 +253,7 @@ TEST_CASE("host-chunked path (chunks 3+3+2, and one chunk) is byte-identical to 
       std::fill(ms13.span().begin(), ms13.span().end(), std::uint8_t{0xAB});
       auto r = device::repack_layer_host_chunked(l, src, dst, stream, chunk);
       REQUIRE(r.ok());
-      CHECK(layers_equal(collect(), device_out));
+      CHECK(layers_equal(out.collect(l, num_experts), device_out));
     }
 
     // expert_chunk <= 0 is rejected before any side effect.
@@ -279,15 +289,14 @@ TEST_CASE("host-chunked path rejects bad values before writing any output, namin
       h.g13[13] = std::nanf("");
       want = "w13_scale_2[13]";
     }
-    const auto E = static_cast<std::size_t>(num_experts);
-    PinnedBuffer<std::uint32_t> mw13(E * static_cast<std::size_t>(l.w13_words())), mw2(E * static_cast<std::size_t>(l.w2_words()));
-    PinnedBuffer<std::uint8_t> ms13(E * static_cast<std::size_t>(l.w13_scale_bytes())), ms2(E * static_cast<std::size_t>(l.w2_scale_bytes()));
-    PinnedBuffer<float> mg13(E), mg2(E);
+    const PinnedMarlin out(l, num_experts);
+    const auto& mw13 = out.w13;
+    const auto& ms2 = out.s2;
+    const auto& mg13 = out.g13;
     std::fill(mw13.span().begin(), mw13.span().end(), 0xABABABABu);
     std::fill(ms2.span().begin(), ms2.span().end(), std::uint8_t{0xAB});
     std::fill(mg13.span().begin(), mg13.span().end(), -1.0f);
-    const Nvfp4MarlinLayer dst{mw13.span(), mw2.span(), ms13.span(), ms2.span(), mg13.span(), mg2.span()};
-    auto r = device::repack_layer_host_chunked(l, h.view(), dst, stream, 3);
+    auto r = device::repack_layer_host_chunked(l, h.view(), out.view(), stream, 3);
     REQUIRE(!r.ok());
     CHECK(r.status().code() == ErrorCode::invalid_argument);
     CHECK(r.status().message().find(want) != std::string::npos);

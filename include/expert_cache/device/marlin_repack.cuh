@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
@@ -120,9 +121,6 @@ struct TiledConsts {
   int w13_tasks = 0;
   int tasks = 0;
   bool scale_words[2] = {};  // scale rows allow 4-byte async copies (row bytes % 4 == 0 and aligned)
-  int intermediate = 0;
-  int padded = 0;
-  int hidden = 0;
 };
 
 inline TiledConsts tiled_consts(const Nvfp4Marlin& layout, std::int64_t num_experts, int run_tiles) {
@@ -145,9 +143,6 @@ inline TiledConsts tiled_consts(const Nvfp4Marlin& layout, std::int64_t num_expe
   const std::int64_t total = tasks[0] + tasks[1];
   c.w13_tasks = static_cast<int>(std::min<std::int64_t>(tasks[0], INT32_MAX));
   c.tasks = total > INT32_MAX ? -1 : static_cast<int>(total);
-  c.intermediate = static_cast<int>(layout.intermediate);
-  c.padded = static_cast<int>(layout.padded_intermediate());
-  c.hidden = static_cast<int>(layout.hidden);
   return c;
 }
 
@@ -182,8 +177,9 @@ __device__ __forceinline__ TiledTensorConsts pick(const TiledConsts& c, int tens
   return x;
 }
 
+// Sizes come from RepackArgs as 32-bit values (<= 2^20 by Nvfp4Marlin::validate).
 template <int RunTiles>
-__device__ __forceinline__ StripTask strip_task(const TiledConsts& c, int task) {
+__device__ __forceinline__ StripTask strip_task(const RepackArgs& a, const TiledConsts& c, int task) {
   StripTask s;
   s.tensor = task < c.w13_tasks ? w13_tensor : w2_tensor;
   const TiledTensorConsts x = pick(c, s.tensor);
@@ -195,12 +191,13 @@ __device__ __forceinline__ StripTask strip_task(const TiledConsts& c, int task) 
   s.count = min(RunTiles, x.k_tiles - s.first);
   s.valid_count = max(0, min(s.count, x.source_tiles - s.first));
   const int n0 = 64 * s.strip;
+  const int intermediate = static_cast<int>(a.intermediate), padded = static_cast<int>(a.padded);
   if (s.tensor == w13_tensor) {
-    const int shard = n0 >= c.padded ? 1 : 0, in_shard = n0 - shard * c.padded;
-    s.row = std::int64_t{s.expert} * 2 * c.intermediate + shard * c.intermediate + in_shard;
-    s.valid_rows = max(0, min(64, c.intermediate - in_shard));
+    const int shard = n0 >= padded ? 1 : 0, in_shard = n0 - shard * padded;
+    s.row = std::int64_t{s.expert} * 2 * intermediate + shard * intermediate + in_shard;
+    s.valid_rows = max(0, min(64, intermediate - in_shard));
   } else {
-    s.row = std::int64_t{s.expert} * c.hidden + n0;
+    s.row = std::int64_t{s.expert} * static_cast<int>(a.hidden) + n0;
     s.valid_rows = 64;
   }
   return s;
@@ -319,7 +316,7 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
   const int stride = static_cast<int>(gridDim.x);
   const int first_task = static_cast<int>(blockIdx.x);
   PendingScales<RunTiles> pending;
-  if (first_task < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, first_task), tid, stages[0], pending);
+  if (first_task < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(a, c, first_task), tid, stages[0], pending);
   __pipeline_commit();
   int stage = 0;
   for (int task = first_task; task < c.tasks; task += stride) {
@@ -329,10 +326,10 @@ __global__ void __launch_bounds__(block_threads, tiled_min_blocks)
     {
       const int ahead = task + stride;
       pending.active = false;
-      if (ahead < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(c, ahead), tid, stages[stage ^ 1], pending);
+      if (ahead < c.tasks) issue_task<RunTiles>(src, c, strip_task<RunTiles>(a, c, ahead), tid, stages[stage ^ 1], pending);
       __pipeline_commit();
     }
-    const StripTask cur = strip_task<RunTiles>(c, task);
+    const StripTask cur = strip_task<RunTiles>(a, c, task);
     const Stage& st = stages[stage];
     const bool w13 = cur.tensor == w13_tensor;
     const TiledTensorConsts x = pick(c, cur.tensor);
@@ -404,20 +401,6 @@ __global__ void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs d
   }
 }
 
-// e4m3 scale byte S[g][n] of expert e (0 in padding).
-template <int Tensor>
-__device__ __forceinline__ std::uint8_t scale_byte(const Nvfp4CheckpointPtrs& src, const RepackArgs& a, std::int64_t e,
-                                                   std::int64_t g, std::int64_t n) {
-  if constexpr (Tensor == w13_tensor) {
-    const std::int64_t groups = a.hidden / marlin::group_size;
-    const std::int64_t row = marlin::w13_checkpoint_row(n, a.intermediate, a.padded);
-    return row < 0 ? std::uint8_t{0} : src.w13_scale[(e * 2 * a.intermediate + row) * groups + g];
-  } else {
-    const std::int64_t groups = a.intermediate / marlin::group_size;
-    return g >= groups ? std::uint8_t{0} : src.w2_scale[(e * a.hidden + n) * groups + g];
-  }
-}
-
 // One thread per output scale byte (spec §4.3): permuted source, then the S0E5M3 encode.
 template <int Tensor>
 __global__ void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
@@ -429,9 +412,15 @@ __global__ void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs ds
        idx += std::int64_t{gridDim.x} * blockDim.x) {
     const std::int64_t e = idx / per_expert, b = idx % per_expert;
     const std::int64_t g = b / size_n, n = marlin::scale_source_col(b % size_n);
-    const std::uint8_t s = scale_byte<Tensor>(src, a, e, g, n);
-    (Tensor == w13_tensor ? dst.w13_scale : dst.w2_scale)[idx] =
-        marlin::s0e5m3_from_e4m3(s, Tensor == w13_tensor ? a.w13_log2_sf : a.w2_log2_sf);
+    if constexpr (Tensor == w13_tensor) {
+      const marlin::W13Scales s{src.w13_scale + e * 2 * a.intermediate * (a.hidden / marlin::group_size), a.hidden,
+                                a.intermediate, a.padded};
+      dst.w13_scale[idx] = marlin::s0e5m3_from_e4m3(s(g, n), a.w13_log2_sf);
+    } else {
+      const marlin::W2Scales s{src.w2_scale + e * a.hidden * (a.intermediate / marlin::group_size), a.hidden,
+                               a.intermediate};
+      dst.w2_scale[idx] = marlin::s0e5m3_from_e4m3(s(g, n), a.w2_log2_sf);
+    }
   }
 }
 
@@ -563,6 +552,14 @@ inline Result<Nvfp4LayerReport> report_from_stats(const Nvfp4Marlin& layout, con
   return report;
 }
 
+// Copies the statistics back (one host sync) and turns them into the report or the error.
+inline Result<Nvfp4LayerReport> read_report(const Nvfp4Marlin& layout, const unsigned long long* d_stats, cudaStream_t stream) {
+  unsigned long long stats[stat_count] = {};
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
+  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
+  return report_from_stats(layout, stats);
+}
+
 inline RepackArgs make_args(const Nvfp4Marlin& layout, std::int64_t num_experts, const Nvfp4MarlinParams& p) {
   return {layout.hidden, layout.intermediate, layout.padded_intermediate(), num_experts, p.w13_log2_sf,
           p.w2_log2_sf, layout.dtype};
@@ -639,12 +636,12 @@ class ChunkPipeline {
     return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
   const detail::RepackArgs a = detail::make_args(layout, num_experts, params);
   constexpr int threads = detail::block_threads;
-  if (detail::tileable(src, dst) && detail::tiled_consts(layout, num_experts, detail::tiled_run_tiles).tasks > 0) {
+  constexpr int run = detail::tiled_run_tiles;
+  detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
+  if (detail::tileable(src, dst) && consts.tasks > 0) {
     int device = 0, sm_count = 0;
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
     EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
-    constexpr int run = detail::tiled_run_tiles;
-    detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
     consts.scale_words[0] = consts.tensor[0].scale_row_bytes % 4 == 0 && detail::aligned(src.w13_scale, 4);
     consts.scale_words[1] = consts.tensor[1].scale_row_bytes % 4 == 0 && detail::aligned(src.w2_scale, 4);
     detail::marlin_repack_tiled_kernel<run>
@@ -679,17 +676,15 @@ class ChunkPipeline {
   if (detail::any_null(src) || detail::any_null(dst))
     return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
 
-  unsigned long long stats[detail::stat_count] = {};
-  {
+  auto validate = [&]() -> Result<Nvfp4LayerReport> {
     detail::DeviceScratch scratch(stream);
-    if (auto s = scratch.allocate(sizeof(stats)); !s.ok()) return s;
+    if (auto s = scratch.allocate(sizeof(unsigned long long) * detail::stat_count); !s.ok()) return s;
     auto* d_stats = reinterpret_cast<unsigned long long*>(scratch.get());
     if (auto s = detail::reset_stats(d_stats, stream); !s.ok()) return s;
     if (auto s = detail::launch_stats(layout, src, num_experts, 0, d_stats, stream); !s.ok()) return s;
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
-  }
-  auto report = detail::report_from_stats(layout, stats);
+    return detail::read_report(layout, d_stats, stream);
+  };
+  auto report = validate();
   if (!report.ok()) return report;
   expert_cache::detail::warn_global_mismatch(*report);
   if (auto s = launch_repack_experts(layout, num_experts, src, dst, report->params, stream); !s.ok()) return s;
@@ -781,10 +776,7 @@ class ChunkPipeline {
                                         d_stats, stream); !s.ok())
         return s;
     }
-    unsigned long long stats[detail::stat_count] = {};
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
-    return detail::report_from_stats(layout, stats);
+    return detail::read_report(layout, d_stats, stream);
   };
   auto report = stats_pass();
   if (!report.ok()) {
@@ -802,7 +794,7 @@ class ChunkPipeline {
       // Set b's outputs from round r - 2 must be copied out before this round overwrites them.
       if (r >= 2) EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
       for (int i = 0; i < 6; ++i) {
-        const bool resident = rounds == 1 && (i == 1 || i == 2 || i == 4 || i == 5);
+        const bool resident = rounds == 1 && std::find(std::begin(scale_inputs), std::end(scale_inputs), i) != std::end(scale_inputs);
         if (!resident)
           if (auto s = upload(b, i, first, n); !s.ok()) return s;
       }
