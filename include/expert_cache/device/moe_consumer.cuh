@@ -13,10 +13,10 @@
 //
 // Arithmetic: fp32 inputs and fp32 accumulation, through bf16 tensor-core MMAs (m16n8k16) so
 // the decode, not the FMA, is the per-weight cost. Each fp32 input is split exactly into three
-// bf16 terms (rows 0-2 of the MMA's A; about 24 significant bits); each weight times its block
-// scale is exact in bf16 (2 + 4 significant bits). Marlin's weight words are already the MMA's B
-// fragments: word 128 nt + 4 lane + w, lane = 4g + t, holds k = 2t + {0, 1, 8, 9} of columns
-// 64 nt + 16w + g and + 8.
+// bf16 terms (columns 0-2 of the MMA's B; about 24 significant bits); each weight times its block
+// scale is exact in bf16 (2 + 4 significant bits). The weights are the MMA's A: Marlin's word
+// 128 nt + 4 lane + w, lane = 4g + t, holds k = 2t + {0, 1, 8, 9} of columns 64 nt + 16w + g and
+// + 8, which is exactly one lane's A fragment of a 16-column x 16-k tile (see mma_bf16).
 //
 // Two kernels per run (both 256 threads):
 //   moe_w13  grid (Np/64, K/256, pairs): the gate tile j and the up tile j over 16 K-rows. The
@@ -113,10 +113,10 @@ inline constexpr int w13_row_groups = 4;  // warps per tile in moe_w13 (gate til
 inline constexpr int w13_rows = w13_row_groups * rows_per_warp;  // K-rows per moe_w13 block
 inline constexpr int w2_rows = warps * rows_per_warp;            // K-rows per moe_w2 block
 inline constexpr int terms = 3;                                  // bf16 terms per fp32 input
-inline constexpr int w13_blocks_per_sm = 4;  // 64 registers: moe_w13 is 4.85 blocks per SM at K = 2048, Np = 512, top 10
+inline constexpr int w13_blocks_per_sm = 5;  // 48 registers: moe_w13's 640 blocks (K = 2048, Np = 512, top 10) in one wave
 static_assert(warps == 2 * w13_row_groups, "moe_w13: half the warps on the gate tile, half on the up tile");
 
-// Inputs are scaled by 2^62 before the bf16 split and MMA B values carry 2^-111 (below), so the
+// Inputs are scaled by 2^62 before the bf16 split and the weight values carry 2^-111 (below), so the
 // MMA sums are sum(x * fp4 * s0e5m3) * 2^-49: normal floats for |x * fp4 * s0e5m3| > 2^-77.
 inline constexpr float in_scale = 0x1p62f;
 inline constexpr float out_scale = 0x1p49f;
@@ -153,8 +153,8 @@ EXPERT_CACHE_HOST_DEVICE constexpr int scale_byte(int w, int h) noexcept {
   return ((j & 3) == 1 || (j & 3) == 2) ? (j ^ 3) : j;
 }
 
-// Position of input element kk (0..15) of a K-row in the lane-ordered A fragment [t][4]:
-// lane t holds k = 2t, 2t + 1 (register a0a1) and 2t + 8, 2t + 9 (register a4a5).
+// Position of input element kk (0..15) of a K-row in the lane-ordered input fragment [t][4] (the
+// MMA's B): lane t holds k = 2t, 2t + 1 (register b0b1) and 2t + 8, 2t + 9 (register b2b3).
 EXPERT_CACHE_HOST_DEVICE constexpr int a_frag_index(int kk) noexcept {
   return ((kk & 7) >> 1) * 4 + (kk & 1) + ((kk & 8) >> 2);
 }
@@ -194,18 +194,24 @@ __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32
   return d;
 }
 
-// c += A (x) B for one n8 tile. Rows 8-15 of A are zero, so c[2], c[3] stay zero (finite
-// weights) and are never read; they are carried rather than re-zeroed before every MMA.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint2 a, std::uint32_t b0, std::uint32_t b1) {
+// c += W (x) X for one 16-column group: the weights are the MMA's A (16 columns x 16 k, row
+// major) and the input's three bf16 terms its B (16 k x 8: terms in columns 0-2, the rest zero).
+// A Marlin word is exactly one lane's A fragment: nibbles I and I + 4 are k = 2t, 2t + 1
+// (I = 0, 2) or 2t + 8, 2t + 9 (I = 1, 3) of column 16w + g (I = 0, 1) or 16w + g + 8 (I = 2, 3),
+// i.e. registers a0a1, a4a5, a2a3, a6a7. D: lane (g, t) holds terms 2t, 2t + 1 of columns g, g + 8.
+// One MMA per word and no zero operands to materialise (the previous orientation, weights as B,
+// needed two MMAs per word with rows 8-15 of A zero).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, uint2 b) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(0u), "r"(a.y), "r"(0u), "r"(b0), "r"(b1));
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y));
 }
 
-// One K-row of a 64-column tile: the lane's 16-byte weight piece (words w = 0..3) and its eight
-// scale bytes, eight MMAs (tiles (w, h) at columns 16w + 8h).
-__device__ __forceinline__ void mma_row(float (&acc)[4][2][4], uint2 a, uint4 q, uint2 s) {
+// One K-row of a 64-column tile: the lane's 16-byte weight piece (words w = 0..3), its eight
+// scale bytes and the row's input terms (B fragment); one MMA per 16-column group w.
+__device__ __forceinline__ void mma_row(float (&acc)[4][4], uint2 x_terms, uint4 q, uint2 s) {
   const std::uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
@@ -213,8 +219,8 @@ __device__ __forceinline__ void mma_row(float (&acc)[4][2][4], uint2 a, uint4 q,
     const std::uint32_t sc = bf16x2_mul(s0e5m3_pair_bf16(s.x, s.y, w), bf16x2_two_pow_127);
     const std::uint32_t s0 = __byte_perm(sc, 0u, 0x1010), s1 = __byte_perm(sc, 0u, 0x3232);
     const std::uint32_t v = words[w];
-    mma_bf16(acc[w][0], a, bf16x2_mul(e2m1_pair_bf16<0>(v), s0), bf16x2_mul(e2m1_pair_bf16<1>(v), s0));
-    mma_bf16(acc[w][1], a, bf16x2_mul(e2m1_pair_bf16<2>(v), s1), bf16x2_mul(e2m1_pair_bf16<3>(v), s1));
+    mma_bf16(acc[w], bf16x2_mul(e2m1_pair_bf16<0>(v), s0), bf16x2_mul(e2m1_pair_bf16<2>(v), s1),
+             bf16x2_mul(e2m1_pair_bf16<1>(v), s0), bf16x2_mul(e2m1_pair_bf16<3>(v), s1), x_terms);
   }
 }
 
@@ -229,29 +235,23 @@ __device__ __forceinline__ void split_bf16(float v, unsigned short (&out)[terms]
   }
 }
 
-// Lanes g < 3 hold rows g (the three terms) of their 16 columns; red[warp][term][col].
-__device__ __forceinline__ void stash_acc(float (&red)[warps][terms][64], const float (&acc)[4][2][4], int warp,
-                                          int lane) {
-  const int g = lane >> 2, t = lane & 3;
-  if (g >= terms) return;
+// Each column's three terms summed in fixed order ((0 + 1) + 2: lane t = 0 holds terms 0 and 1,
+// lane t = 1 term 2), stored by lanes t = 0 into red[warp][col].
+__device__ __forceinline__ void stash_acc(float (&red)[warps][64], const float (&acc)[4][4], int warp, int lane) {
 #pragma unroll
   for (int w = 0; w < 4; ++w)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) red[warp][g][16 * w + 8 * h + 2 * t + e] = acc[w][h][e];
+    for (int h = 0; h < 2; ++h) {
+      const float term2 = __shfl_down_sync(0xFFFFFFFFu, acc[w][2 * h], 1);
+      if ((lane & 3) == 0) red[warp][16 * w + 8 * h + (lane >> 2)] = (acc[w][2 * h] + acc[w][2 * h + 1]) + term2;
+    }
 }
 
-// Column c of warps [w0, w0 + n): warps in order per term, then the terms in order.
-__device__ __forceinline__ float reduce_col(const float (&red)[warps][terms][64], int w0, int n, int c) {
-  float v[terms];
-#pragma unroll
-  for (int r = 0; r < terms; ++r) {
-    float s = 0.0f;
-    for (int i = 0; i < n; ++i) s += red[w0 + i][r][c];
-    v[r] = s;
-  }
-  return (v[0] + v[1]) + v[2];
+// Column c of warps [w0, w0 + n), in warp order.
+__device__ __forceinline__ float reduce_col(const float (&red)[warps][64], int w0, int n, int c) {
+  float s = 0.0f;
+  for (int i = 0; i < n; ++i) s += red[w0 + i][c];
+  return s;
 }
 
 // Publishes this block's partials and counts it in; true in every thread of the block that
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights
   }
 
   __shared__ __align__(16) unsigned short a_s[w13_rows][terms][16];
-  __shared__ float red[warps][terms][64];
+  __shared__ float red[warps][64];
 #pragma unroll
   for (int i = 0; i < x_per_thread; ++i) {
     const int idx = tid + i * threads;
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights
   }
   __syncthreads();
 
-  float acc[4][2][4] = {};
+  float acc[4][4] = {};
 #pragma unroll
   for (int i = 0; i < rows_per_warp; ++i) {
     const int ktl = rg * rows_per_warp + i;
@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32
   // counters (still used by the previous run's moe_w2 until moe_w13 waited for it).
   griddep_wait();
 
-  __shared__ float red[warps][terms][64];
+  __shared__ float red[warps][64];
   float* part = partial + (static_cast<long long>(p) * splits + split) * hidden + 64LL * nt;
   if (slot >= 0) {
     const float coef = topk_weights[p];
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32
       if (g < terms && kt < rows)
         a[i] = __ldcg(reinterpret_cast<const uint2*>(act + (static_cast<long long>(p) * rows + kt) * (terms * 16) + 16 * g) + t);
     }
-    float acc[4][2][4] = {};
+    float acc[4][4] = {};
 #pragma unroll
     for (int i = 0; i < rows_per_warp; ++i) mma_row(acc, a[i], q[i], s[i]);
     stash_acc(red, acc, warp, lane);
