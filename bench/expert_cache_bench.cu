@@ -206,51 +206,6 @@ void compare_outputs(const Model& m, GpuContext& ctx, RunResult& r) {
 
 // ---- consumer speed references ------------------------------------------------------------------
 
-// Bytes of the four tensors the consumer streams per expert (weights and block scales of w13, w2).
-struct StreamBytes {
-  unsigned long long bytes[4];
-};
-
-StreamBytes stream_bytes_of(const Nvfp4Marlin& layout) {
-  const ExpertTensorBytes t = layout.tensors();
-  return StreamBytes{{t[0].bytes_per_expert, t[1].bytes_per_expert, t[2].bytes_per_expert, t[3].bytes_per_expert}};
-}
-
-constexpr int stream_threads = 256;
-constexpr int stream_loads = 16;  // 16-byte loads in flight per thread: 64 KiB per block
-constexpr unsigned long long stream_block_bytes = 16ull * stream_threads * stream_loads;
-
-// Reads tensors 0-3 of every pair's slot (through the map, as the consumer does) and computes
-// nothing: grid (ceil(largest tensor / 64 KiB), pairs * 4). The XOR keeps the loads alive.
-__global__ void __launch_bounds__(stream_threads) stream_layer_weights(device::MoeWeights w, const std::int32_t* ids,
-                                                                       StreamBytes n, unsigned* sink) {
-  const int p = static_cast<int>(blockIdx.y) / 4, t = static_cast<int>(blockIdx.y) % 4;
-  const std::int32_t e = ids[p];
-  if (e < 0 || e >= w.num_experts) return;
-  const std::int32_t slot = w.expert_map[e];
-  if (slot < 0) return;
-  const unsigned char* base = w.base[t] + static_cast<unsigned long long>(slot) * w.stride[t];
-  const unsigned long long first = blockIdx.x * stream_block_bytes + threadIdx.x * 16ull;
-  uint4 v[stream_loads];
-#pragma unroll
-  for (int i = 0; i < stream_loads; ++i) {
-    const unsigned long long off = first + static_cast<unsigned long long>(i) * 16 * stream_threads;
-    v[i] = off < n.bytes[t] ? __ldg(reinterpret_cast<const uint4*>(base + off)) : make_uint4(0u, 0u, 0u, 0u);
-  }
-  unsigned x = 0;
-#pragma unroll
-  for (int i = 0; i < stream_loads; ++i) x ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
-  if (x == 0x9E3779B9u) atomicAdd(sink, 1u);
-}
-
-void launch_stream_layer_weights(const device::MoeWeights& w, const std::int32_t* ids, int pairs, const StreamBytes& n,
-                                 unsigned* sink, cudaStream_t stream) {
-  const unsigned long long largest = std::max({n.bytes[0], n.bytes[1], n.bytes[2], n.bytes[3]});
-  const dim3 grid(static_cast<unsigned>((largest + stream_block_bytes - 1) / stream_block_bytes), static_cast<unsigned>(pairs * 4));
-  stream_layer_weights<<<grid, stream_threads, 0, stream>>>(w, ids, n, sink);
-  check_cuda(cudaGetLastError(), "stream_layer_weights launch");
-}
-
 // Microseconds per layer of `cycles` passes over `layers` launches of enqueue_layer (after one
 // warm-up pass), enqueued one by one.
 template <class Enqueue>
@@ -371,10 +326,9 @@ RunResult run_resident(const Model& m, const Routing& routing, const BenchArgs& 
 
   // Consumer weight-read bandwidth at this batch: the first step's forwards, cycling through all
   // layers (each layer's own experts and ids), so the weights come from HBM, not from an L2 that a
-  // single repeated layer (~18 MB) would fit in. Measured three ways in the same run: the consumer
-  // enqueued run by run (eager), the same runs replayed from a CUDA graph (how an engine's decode
-  // step runs them), and stream_layer_weights, which reads the same bytes per layer and computes
-  // nothing (the per-launch floor of any consumer); against a large device-to-device copy.
+  // single repeated layer (~18 MB) would fit in. Measured two ways in the same run, each against a
+  // large device-to-device copy: the consumer enqueued run by run (eager), and the same runs
+  // replayed from a CUDA graph (how an engine's decode step runs them).
   {
     const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
     DeviceBuffer all_ids(n_ids * sizeof(std::int32_t) * static_cast<std::size_t>(m.layers));
@@ -393,16 +347,9 @@ RunResult run_resident(const Model& m, const Routing& routing, const BenchArgs& 
           !st)
         throw Error(st);
     };
-    DeviceBuffer sink(sizeof(unsigned));
-    const StreamBytes stream_bytes = stream_bytes_of(m.layout);
-    const auto stream_layer = [&](std::int32_t l) {
-      launch_stream_layer_weights(weights_of(l), layer_ids(l), static_cast<int>(n_ids), stream_bytes, sink.as<unsigned>(),
-                                  ctx.consumer);
-    };
     const int cycles = std::max(1, 200 / m.layers);
     const double eager_us = time_per_layer(m.layers, cycles, ctx.consumer, run_layer);
     const double graph_us = time_per_layer_graph(m.layers, cycles, ctx.consumer, run_layer);
-    const double stream_us = time_per_layer(m.layers, cycles, ctx.consumer, stream_layer);
     const double hbm = hbm_copy_bytes_per_s(ctx.consumer);
     const double bytes = bytes_per_cycle / m.layers;
     const auto rate = [&](double us) { return bytes / (us * 1e-6); };
@@ -410,11 +357,9 @@ RunResult run_resident(const Model& m, const Routing& routing, const BenchArgs& 
     std::snprintf(buf, sizeof buf,
                   "consumer (device/moe_consumer.cuh), batch %d, %.1f experts per layer (measured, resident weights, %d "
                   "layers cycled): %.1f us per layer eager = weight reads %.0f GB/s = %.3f of the HBM copy (%.0f GB/s "
-                  "read+write); %.1f us graph-replayed = %.3f of HBM; a kernel that only reads the same bytes: %.1f us "
-                  "= %.3f of HBM (consumer / read-only floor, eager: %.2f)",
+                  "read+write); %.1f us graph-replayed = %.3f of HBM",
                   m.batch, bytes / static_cast<double>(m.expert_bytes()), m.layers, eager_us, rate(eager_us) * 1e-9,
-                  rate(eager_us) / hbm, hbm * 1e-9, graph_us, rate(graph_us) / hbm, stream_us, rate(stream_us) / hbm,
-                  eager_us / stream_us);
+                  rate(eager_us) / hbm, hbm * 1e-9, graph_us, rate(graph_us) / hbm);
     notes.emplace_back(buf);
   }
   return r;
