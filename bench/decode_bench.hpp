@@ -734,8 +734,8 @@ struct SimCosts {
   double event_host_ns = 175.0;           // [h200.md] record + wait = 0.35 us per pair
   double launch_host_ns = 2500.0;         // assumption: host cost of one kernel launch
   double consumer_fixed_ns = 5000.0;      // assumption: launch latency + tail of the MoE consumer
-  double hbm_bytes_per_ns = 1450.0;       // fit to the measured consumer (docs/benchmarks.md, H200 at 5d7ac63):
-                                          // 10 experts (17.7 MB) in 17.2 us = 5 us + 17.7 MB / 1.45 TB/s
+  double hbm_bytes_per_ns = 1570.0;       // fit to the measured consumer (docs/benchmarks.md, H200 at a8e2c2f):
+                                          // 10 experts (17.7 MB) in 16.3 us = 5 us + 17.7 MB / 1.57 TB/s
   [[nodiscard]] std::string json() const {
     using detail::json_number;
     return "{\"pcie_bytes_per_ns\": " + json_number(pcie_bytes_per_ns) + ", \"copy_device_ns\": " + json_number(copy_device_ns) +
