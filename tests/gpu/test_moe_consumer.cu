@@ -6,8 +6,8 @@
 //    double-precision host MoE built from dequant_marlin_reference;
 //  * through CudaRuntime caches (row and whole-expert, every staging policy run here) its output
 //    is bit-identical to the all-resident run, step after step with evictions;
-//  * at batch 1 on the seed's expert shape its weight reads reach >= 50% of the measured HBM
-//    copy bandwidth.
+//  * at batch 1 on the seed's expert shape it reports its weight-read bandwidth against the HBM
+//    copy (a message, no assertion: the speed target is a benchmark number, docs/benchmarks.md).
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
