@@ -38,6 +38,7 @@
 #endif
 
 #include "cli_args.hpp"
+#include "json_text.hpp"
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
@@ -542,23 +543,6 @@ inline void print_table(std::FILE* out, const Report& rep) {
 }
 
 namespace detail {
-inline std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(ch);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out.push_back(ch);
-    }
-  }
-  return out + "\"";
-}
 inline std::string json_number(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[40];
@@ -593,7 +577,6 @@ inline std::string iso_date() {
 // read this. Times are per token, in milliseconds.
 inline void write_json(std::ostream& out, const Report& rep, const std::string& executable) {
   using detail::json_number;
-  using detail::json_string;
   const Model& m = rep.model;
   out << "{\n  \"context\": {\n"
       << "    \"date\": " << json_string(detail::iso_date()) << ",\n"

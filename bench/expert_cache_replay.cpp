@@ -19,6 +19,7 @@
 #endif
 
 #include "cli_args.hpp"
+#include "json_text.hpp"
 #include "expert_cache/replay.hpp"
 #include "expert_cache/trace.hpp"
 
@@ -55,6 +56,7 @@ void print_help(std::ostream& out) {
 
 using expert_cache::bench::ArgCursor;
 using expert_cache::bench::UsageError;
+using expert_cache::bench::json_string;
 
 std::vector<std::string_view> split_commas(std::string_view s) {
   std::vector<std::string_view> out;
@@ -152,24 +154,6 @@ Args parse_args(int argc, char** argv) {
   if (a.trace_path && a.generate_spec) throw UsageError{"--trace and --generate are mutually exclusive"};
   if (a.policies.empty()) a.policies = ec::replay_policy_names();
   return a;
-}
-
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      out.push_back('\\');
-      out.push_back(ch);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out.push_back(ch);
-    }
-  }
-  return out + "\"";
 }
 
 std::string json_number(std::optional<double> v) {
