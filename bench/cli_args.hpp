@@ -4,8 +4,22 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace expert_cache::bench {
+
+// "a,b,,c" -> {"a", "b", "", "c"}: list-valued flags.
+inline std::vector<std::string_view> split_commas(std::string_view s) {
+  std::vector<std::string_view> out;
+  std::size_t pos = 0;
+  while (true) {
+    const std::size_t comma = s.find(',', pos);
+    out.push_back(s.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos));
+    if (comma == std::string_view::npos) break;
+    pos = comma + 1;
+  }
+  return out;
+}
 
 struct UsageError {
   std::string message;

@@ -133,18 +133,6 @@ inline void print_help(std::FILE* out, bool cuda_built) {
 
 namespace detail {
 
-inline std::vector<std::string_view> split_commas(std::string_view s) {
-  std::vector<std::string_view> out;
-  std::size_t pos = 0;
-  while (true) {
-    const std::size_t comma = s.find(',', pos);
-    out.push_back(s.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos));
-    if (comma == std::string_view::npos) break;
-    pos = comma + 1;
-  }
-  return out;
-}
-
 inline std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_t lo, std::int64_t hi) {
   std::int64_t v = 0;
   const auto r = std::from_chars(text.data(), text.data() + text.size(), v);

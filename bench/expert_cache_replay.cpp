@@ -57,18 +57,7 @@ void print_help(std::ostream& out) {
 using expert_cache::bench::ArgCursor;
 using expert_cache::bench::UsageError;
 using expert_cache::bench::json_string;
-
-std::vector<std::string_view> split_commas(std::string_view s) {
-  std::vector<std::string_view> out;
-  std::size_t pos = 0;
-  while (true) {
-    const std::size_t comma = s.find(',', pos);
-    out.push_back(s.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos));
-    if (comma == std::string_view::npos) break;
-    pos = comma + 1;
-  }
-  return out;
-}
+using expert_cache::bench::split_commas;
 
 std::int32_t parse_int_arg(std::string_view flag, std::string_view text) {
   std::int64_t v = 0;
