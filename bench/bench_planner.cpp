@@ -25,6 +25,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -206,7 +207,7 @@ struct Layered {
 
 Layered read_trace(const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw Error(ErrorCode::io_error, "cannot read " + path);
+  if (!in) throw std::runtime_error("cannot read " + path);
   std::map<std::int64_t, std::map<std::int64_t, Rows>> by_layer;  // layer -> step -> rows
   std::int32_t max_id = -1;
   std::string line;

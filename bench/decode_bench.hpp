@@ -42,7 +42,8 @@
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
-#include "expert_cache/trace.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 
 namespace expert_cache::bench {
 

@@ -20,8 +20,9 @@
 
 #include "cli_args.hpp"
 #include "json_text.hpp"
-#include "expert_cache/replay.hpp"
-#include "expert_cache/trace.hpp"
+#include "expert_cache/tools/replay.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 
 namespace ec = expert_cache;
 
@@ -220,9 +221,9 @@ bool stderr_is_tty() {
 #endif
 }
 
-int fail(const ec::Status& st) {
+int fail(const ec::ToolStatus& st) {
   std::cerr << "expert-cache-replay: " << st.to_string() << '\n';
-  return st.code() == ec::ErrorCode::internal ? 1 : exit_usage;
+  return st.code() == ec::ToolErrorCode::library && st.library_code() == ec::ErrorCode::internal ? 1 : exit_usage;
 }
 
 int run(int argc, char** argv) {
@@ -243,16 +244,16 @@ int run(int argc, char** argv) {
   const ec::ParseOptions parse_options{args.experts};
   if (args.trace_path) {
     source = *args.trace_path;
-    ec::Result<ec::Trace> r = *args.trace_path == "-" ? ec::parse_trace(std::cin, parse_options)
+    ec::ToolResult<ec::Trace> r = *args.trace_path == "-" ? ec::parse_trace(std::cin, parse_options)
                                                       : ec::load_trace(*args.trace_path, parse_options);
     if (!r.ok()) {
       // load_trace already names the file; stdin gets its name here.
-      if (*args.trace_path == "-") return fail(ec::Status(r.status().code(), "<stdin>: " + r.status().message()));
+      if (*args.trace_path == "-") return fail(r.status().with_prefix("<stdin>"));
       return fail(r.status());
     }
     trace = std::move(r).value();
   } else {
-    ec::Result<ec::GeneratorSpec> spec = ec::parse_generator_spec(args.generate_spec.value_or("default"));
+    ec::ToolResult<ec::GeneratorSpec> spec = ec::parse_generator_spec(args.generate_spec.value_or("default"));
     if (!spec.ok()) return fail(spec.status());
     source = "generated:" + args.generate_spec.value_or("default");
     trace = ec::generate_trace(spec.value());
@@ -271,13 +272,13 @@ int run(int argc, char** argv) {
     if (*args.write_trace == "-") {
       ec::write_trace(std::cout, trace, comment);
       std::cout.flush();
-      return std::cout ? 0 : fail(ec::Status(ec::ErrorCode::io_error, "error writing the trace to stdout"));
+      return std::cout ? 0 : fail(ec::ToolStatus(ec::ToolErrorCode::io_error, "error writing the trace to stdout"));
     }
     std::ofstream out(*args.write_trace, std::ios::binary);
-    if (!out) return fail(ec::Status(ec::ErrorCode::io_error, "cannot create '" + *args.write_trace + "'"));
+    if (!out) return fail(ec::ToolStatus(ec::ToolErrorCode::io_error, "cannot create '" + *args.write_trace + "'"));
     ec::write_trace(out, trace, comment);
     out.close();
-    if (!out) return fail(ec::Status(ec::ErrorCode::io_error, "error writing '" + *args.write_trace + "'"));
+    if (!out) return fail(ec::ToolStatus(ec::ToolErrorCode::io_error, "error writing '" + *args.write_trace + "'"));
     return 0;
   }
 
@@ -304,7 +305,7 @@ int run(int argc, char** argv) {
   if (!report.ok()) {
     const ec::Status& st = report.status();
     if (args.trace_path && st.code() == ec::ErrorCode::too_many_experts) {
-      return fail(ec::Status(st.code(), *args.trace_path + ": " + st.message()));
+      return fail(ec::ToolStatus(st).with_prefix(*args.trace_path));
     }
     return fail(st);
   }

@@ -6,6 +6,7 @@
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/split.hpp"
+#include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
 
 using namespace expert_cache;
 using Ids = std::vector<std::int32_t>;
@@ -261,4 +262,27 @@ TEST_CASE("expert groups planned through the cache one at a time: each expert fe
     }
   }
   CHECK(fetched == 20);
+}
+
+TEST_CASE("a rejected forward allocates nothing: the error is built in the Status, not on the heap") {
+  ForwardPlanner<Lru> p(CacheShape{16, 4}, 2);
+  ForwardPlan plan;
+  REQUIRE(p.plan_topk(Ids{1, 2}, plan).ok());  // sizes the plan's vectors once
+  const Ids out_of_range{3, 600};
+  const Ids too_many{0, 1, 2, 3, 4, 5};
+  const Ids duplicate{5, 5};
+  const auto snapshot = p.snapshot();
+  const std::uint64_t before = expert_cache::test::g_allocations.load();
+  const Status a = p.plan_topk(out_of_range, plan);
+  const Status b = p.plan_topk(too_many, plan);
+  const Status c = p.plan_unique(duplicate, plan);
+  const std::uint64_t after = expert_cache::test::g_allocations.load();
+  CHECK(after == before);
+  CHECK(a.code() == ErrorCode::expert_out_of_range);
+  CHECK(a.message() == "expert id 600 is outside [0, 16)");
+  CHECK(b.code() == ErrorCode::too_many_experts);
+  CHECK(b.message().find("6 unique experts but the cache has 4 slots") != std::string_view::npos);
+  CHECK(c.code() == ErrorCode::duplicate_expert);
+  CHECK(c.message() == "expert 5 appears more than once in the unique id list");
+  CHECK(p.snapshot() == snapshot);  // and nothing changed
 }

@@ -1,5 +1,8 @@
 #include <doctest/doctest.h>
 
+#include <string>
+#include <type_traits>
+
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
@@ -39,4 +42,36 @@ TEST_CASE("strong ids compare and report validity") {
   CHECK_FALSE(SlotId().valid());
   CHECK(SlotId(0).valid());
   CHECK(ExpertId(5).index() == 5u);
+}
+
+TEST_CASE("Status::format builds the message in place; long messages are truncated, never lost") {
+  const Status s = Status::format(ErrorCode::expert_out_of_range, "expert id %d is outside [0, %d)", 600, 512);
+  CHECK(s.code() == ErrorCode::expert_out_of_range);
+  CHECK(s.message() == "expert id 600 is outside [0, 512)");
+
+  const std::string long_text(1000, 'x');
+  const Status t(ErrorCode::internal, long_text);
+  CHECK(t.message().size() == Status::message_capacity);
+  CHECK(t.message().substr(t.message().size() - 3) == "...");
+  CHECK(t.message().substr(0, 10) == "xxxxxxxxxx");
+  const Status f = Status::format(ErrorCode::internal, "%s", long_text.c_str());
+  CHECK(f.message() == t.message());
+
+  const Status c = s.with_context("prepare(layer %d)", 7);
+  CHECK(c.code() == ErrorCode::expert_out_of_range);
+  CHECK(c.message() == "prepare(layer 7): expert id 600 is outside [0, 512)");
+  const Status still_ok = Status().with_context("ignored %d", 1);
+  CHECK(still_ok.ok());
+  CHECK(still_ok.message().empty());
+}
+
+TEST_CASE("Status is a trivially copyable value: copies keep code and message") {
+  static_assert(std::is_trivially_copyable_v<Status>);
+  const Status a = Status::format(ErrorCode::duplicate_expert, "expert %d twice", 3);
+  Status b;
+  b = a;
+  CHECK(b.code() == ErrorCode::duplicate_expert);
+  CHECK(b.message() == "expert 3 twice");
+  CHECK(Error(b).code() == ErrorCode::duplicate_expert);
+  CHECK(std::string(Error(b).what()) == "duplicate_expert: expert 3 twice");
 }

@@ -8,14 +8,15 @@
 
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/planner.hpp"
-#include "expert_cache/replay.hpp"
-#include "expert_cache/trace.hpp"
+#include "expert_cache/tools/replay.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 
 using namespace expert_cache;
 
 namespace {
 
-Result<Trace> parse(const std::string& text, ParseOptions options = {}) {
+ToolResult<Trace> parse(const std::string& text, ParseOptions options = {}) {
   std::istringstream in(text);
   return parse_trace(in, options);
 }
@@ -28,9 +29,9 @@ std::vector<std::int32_t> ids_of(const Trace& t, std::size_t forward) {
 // The error must be a parse_error whose message starts with "line N:" and mentions `what`.
 void check_error(const std::string& text, std::uint64_t line, const std::string& what, ParseOptions options = {}) {
   CAPTURE(text);
-  const Result<Trace> r = parse(text, options);
+  const ToolResult<Trace> r = parse(text, options);
   REQUIRE_FALSE(r.ok());
-  CHECK(r.status().code() == ErrorCode::parse_error);
+  CHECK(r.status().code() == ToolErrorCode::parse_error);
   const std::string msg = r.status().message();
   CAPTURE(msg);
   CHECK(msg.rfind("line " + std::to_string(line) + ":", 0) == 0);
@@ -49,7 +50,7 @@ TEST_CASE("parse: records, comments, blank lines, CRLF and tabs") {
       "1 2 7#comment glued to a number\n"
       "#0 9 9 9\n"
       "1 3 0";  // no final newline
-  const Result<Trace> r = parse(text);
+  const ToolResult<Trace> r = parse(text);
   REQUIRE(r.ok());
   const Trace& t = r.value();
   REQUIRE(t.forwards.size() == 4);
@@ -68,7 +69,7 @@ TEST_CASE("parse: records, comments, blank lines, CRLF and tabs") {
 }
 
 TEST_CASE("parse: contiguous records of one (step, layer) merge into one forward") {
-  const Result<Trace> r = parse("5 1 4 2\n5 1 2 9\n5 1 0\n5 2 4\n6 1 4\n");
+  const ToolResult<Trace> r = parse("5 1 4 2\n5 1 2 9\n5 1 0\n5 2 4\n6 1 4\n");
   REQUIRE(r.ok());
   const Trace& t = r.value();
   REQUIRE(t.forwards.size() == 3);
@@ -79,7 +80,7 @@ TEST_CASE("parse: contiguous records of one (step, layer) merge into one forward
   CHECK(ids_of(t, 1) == std::vector<std::int32_t>{4});
   CHECK(ids_of(t, 2) == std::vector<std::int32_t>{4});
   // Steps need not be increasing: forwards keep file order.
-  const Result<Trace> r2 = parse("9 0 1\n3 0 2\n");
+  const ToolResult<Trace> r2 = parse("9 0 1\n3 0 2\n");
   REQUIRE(r2.ok());
   CHECK(r2.value().forwards[0].step == 9);
   CHECK(r2.value().forwards[1].step == 3);
@@ -90,13 +91,13 @@ TEST_CASE("parse: a forward resumed after another is an error naming the line") 
 }
 
 TEST_CASE("parse: num_experts option") {
-  const Result<Trace> r = parse("0 0 1 2\n", ParseOptions{64});
+  const ToolResult<Trace> r = parse("0 0 1 2\n", ParseOptions{64});
   REQUIRE(r.ok());
   CHECK(r.value().num_experts == 64);
   check_error("0 0 1\n0 1 63\n1 0 64\n", 3, "is >= num_experts 64", ParseOptions{64});
-  const Result<Trace> bad = parse("0 0 1\n", ParseOptions{0});
+  const ToolResult<Trace> bad = parse("0 0 1\n", ParseOptions{0});
   REQUIRE_FALSE(bad.ok());
-  CHECK(bad.status().code() == ErrorCode::invalid_argument);
+  CHECK(bad.status().code() == ToolErrorCode::invalid_argument);
 }
 
 TEST_CASE("parse: every malformed-input class names its line") {
@@ -127,13 +128,13 @@ TEST_CASE("parse: every malformed-input class names its line") {
 }
 
 TEST_CASE("parse: empty input and io") {
-  const Result<Trace> r = parse("# nothing\n\n");
+  const ToolResult<Trace> r = parse("# nothing\n\n");
   REQUIRE(r.ok());
   CHECK(r.value().forwards.empty());
   CHECK(r.value().num_experts == 0);
-  const Result<Trace> missing = load_trace("/nonexistent/dir/x.trace");
+  const ToolResult<Trace> missing = load_trace("/nonexistent/dir/x.trace");
   REQUIRE_FALSE(missing.ok());
-  CHECK(missing.status().code() == ErrorCode::io_error);
+  CHECK(missing.status().code() == ToolErrorCode::io_error);
 }
 
 TEST_CASE("write_trace round-trips, generator is deterministic") {
@@ -149,7 +150,7 @@ TEST_CASE("write_trace round-trips, generator is deterministic") {
   for (std::size_t i = 0; i < a.forwards.size(); ++i) CHECK(a.forwards[i].size() == 4);
   std::ostringstream out;
   write_trace(out, a, "test");
-  const Result<Trace> back = parse(out.str());
+  const ToolResult<Trace> back = parse(out.str());
   REQUIRE(back.ok());
   CHECK(back.value().ids == a.ids);
   CHECK(back.value().forwards.size() == a.forwards.size());
@@ -162,7 +163,7 @@ TEST_CASE("write_trace round-trips, generator is deterministic") {
 }
 
 TEST_CASE("generator spec parsing") {
-  const Result<GeneratorSpec> s = parse_generator_spec("layers=2,experts=32,topk=3,steps=10,zipf=0.8,sticky=0.1,seed=9");
+  const ToolResult<GeneratorSpec> s = parse_generator_spec("layers=2,experts=32,topk=3,steps=10,zipf=0.8,sticky=0.1,seed=9");
   REQUIRE(s.ok());
   CHECK(s.value().layers == 2);
   CHECK(s.value().experts == 32);
@@ -215,7 +216,7 @@ TEST_CASE("replay (layer scope) equals a direct ForwardPlanner run per layer") {
 
 TEST_CASE("replay (global scope) equals a direct run keyed layer_index*E + e") {
   // Sparse, unordered layer numbers: the key uses the layer's rank, not its number.
-  const Result<Trace> t = parse("0 7 1 2\n0 3 1\n1 7 2 3\n1 3 0 1\n2 7 1\n2 3 3\n");
+  const ToolResult<Trace> t = parse("0 7 1 2\n0 3 1\n1 7 2 3\n1 3 0 1\n2 7 1\n2 3 3\n");
   REQUIRE(t.ok());
   ReplayOptions options;
   options.scope = ReplayScope::global;
@@ -233,7 +234,7 @@ TEST_CASE("replay (global scope) equals a direct run keyed layer_index*E + e") {
 }
 
 TEST_CASE("replay errors") {
-  const Result<Trace> t = parse("0 0 1 2\n1 0 3\n1 0 4 5 6\n2 0 1\n");
+  const ToolResult<Trace> t = parse("0 0 1 2\n1 0 3\n1 0 4 5 6\n2 0 1\n");
   REQUIRE(t.ok());
   ReplayOptions options;
   options.policies = {"lru"};

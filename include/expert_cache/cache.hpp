@@ -14,7 +14,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdio>
 #include <functional>
 #include <span>
 #include <string>
@@ -29,7 +28,7 @@
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // A layout given by explicit per-tensor byte counts (tests, custom formats).
 struct ExplicitLayout {
@@ -100,10 +99,9 @@ struct CacheOptions {
   // Called every `stats_every` accepted prepare() calls (0 = never).
   std::function<void(const CacheStats&)> stats_callback;
   std::uint64_t stats_every = 1000;
-  // Receives one line at construction (byte accounting). Default: stderr. Empty = silent.
-  std::function<void(std::string_view)> log = [](std::string_view line) {
-    std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data());
-  };
+  // Receives one line at construction (policies, sizes, byte accounting). The library is
+  // silent unless a sink is given here.
+  std::function<void(std::string_view)> log;
 };
 
 template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, scale_layout ScaleLayout,
@@ -172,8 +170,8 @@ class ExpertCache {
     if (s) s = core_.publish_writes(fill, stream);
     if (!s) {
       ++faults_;
-      return Status(s.code(), "invalidate(" + std::to_string(expert) + "): " + s.message() +
-                                  " (the expert is dropped; the resident map is re-uploaded by the next prepare)");
+      return s.with_context("invalidate(%d) (the expert is dropped; the next prepare re-uploads the resident map)",
+                            expert);
     }
     resident_dirty_ = false;
     return {};
@@ -303,8 +301,8 @@ class ExpertCache {
     forward_shadow_valid_ = false;
     ++faults_;
     last_copies_ = 0;
-    return Status(failure.code(), "prepare failed after planning (" + std::to_string(plan_.fills.size()) +
-                                      " filled experts dropped; the next prepare refetches them): " + failure.message());
+    return failure.with_context("prepare failed after planning (%zu filled experts dropped; the next prepare refetches them)",
+                                plan_.fills.size());
   }
 
   Runtime* rt_;
@@ -327,4 +325,4 @@ class ExpertCache {
   std::uint64_t faults_ = 0;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -7,7 +7,7 @@
 
 #include "expert_cache/types.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Size of one cache: how many experts exist and how many slots hold them.
 struct CacheShape {
@@ -70,4 +70,4 @@ constexpr FreeSlotOrder free_slot_order_of() noexcept {
   }
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

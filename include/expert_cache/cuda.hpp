@@ -20,7 +20,7 @@
 #endif
 #endif
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 template <scale_layout Layout>
 using CudaRowCache = RowCache<CudaRuntime, Layout>;
@@ -36,4 +36,4 @@ using CudaGatherRowCache = ExpertCache<TensorMajorStorage, Lru, Gather, Layout, 
 [[nodiscard]] inline cudaStream_t to_cuda_stream(::cuda::stream_ref stream) noexcept { return stream.get(); }
 #endif
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -18,7 +18,7 @@
 #include "expert_cache/storage/slot_storage.hpp"
 #include "expert_cache/types.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 template <allocating_runtime Runtime, scale_layout Layout>
 using RowCache = ExpertCache<TensorMajorStorage, Lru, CopyStream, Layout, Runtime>;
@@ -26,4 +26,4 @@ using RowCache = ExpertCache<TensorMajorStorage, Lru, CopyStream, Layout, Runtim
 template <allocating_runtime Runtime, scale_layout Layout>
 using WholeExpertCache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Layout, Runtime>;
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -13,7 +13,7 @@
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 struct SlotFill {
   ExpertId expert;
@@ -121,8 +121,7 @@ class ForwardPlanner {
     for (const std::int32_t id : unique_ids) {
       if (id < 0 || id >= shape_.num_experts) return out_of_range(id);
       if (stamps_[static_cast<std::size_t>(id)] == epoch_) {
-        return Status(ErrorCode::duplicate_expert,
-                      "expert " + std::to_string(id) + " appears more than once in the unique id list");
+        return Status::format(ErrorCode::duplicate_expert, "expert %d appears more than once in the unique id list", id);
       }
       stamps_[static_cast<std::size_t>(id)] = epoch_;
       scratch_.push_back(ExpertId(id));
@@ -207,9 +206,9 @@ class ForwardPlanner {
           const ExpertId victim = policy_.choose_victim(needed);
           if (!victim.valid() || victim.value >= shape_.num_experts ||
               resident_map_[victim.index()] == absent_slot || needed.contains(victim)) {
-            return Status(ErrorCode::internal,
-                          std::string("eviction policy '") + std::string(Policy::name) +
-                              "' returned an invalid victim " + std::to_string(victim.value));
+            return Status::format(ErrorCode::internal, "eviction policy '%.*s' returned an invalid victim %d",
+                                  static_cast<int>(std::string_view(Policy::name).size()),
+                                  std::string_view(Policy::name).data(), victim.value);
           }
           target = resident_map_[victim.index()];
           policy_.on_remove(victim);
@@ -266,14 +265,12 @@ class ForwardPlanner {
   }
 
   Status out_of_range(std::int32_t id) const {
-    return Status(ErrorCode::expert_out_of_range,
-                  "expert id " + std::to_string(id) + " is outside [0, " +
-                      std::to_string(shape_.num_experts) + ")");
+    return Status::format(ErrorCode::expert_out_of_range, "expert id %d is outside [0, %d)", id, shape_.num_experts);
   }
   Status too_many(std::int64_t unique) const {
-    return Status(ErrorCode::too_many_experts,
-                  "forward needs " + std::to_string(unique) + " unique experts but the cache has " +
-                      std::to_string(shape_.capacity) + " slots; use a token or expert split plan");
+    return Status::format(ErrorCode::too_many_experts,
+                          "forward needs %lld unique experts but the cache has %d slots; use a token or expert split plan",
+                          static_cast<long long>(unique), shape_.capacity);
   }
 
   CacheShape shape_;
@@ -290,4 +287,4 @@ class ForwardPlanner {
   PlannerCounters counters_;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

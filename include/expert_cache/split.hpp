@@ -12,7 +12,7 @@
 
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 struct TokenChunk {
   std::int64_t row_begin = 0;             // rows [row_begin, row_end) of the top-k matrix
@@ -30,11 +30,10 @@ struct ExpertGroup {
 namespace detail {
 inline Status check_split_args(std::size_t ids, std::int32_t top_k, std::int32_t capacity,
                                std::int32_t num_experts) {
-  if (top_k <= 0) return Status(ErrorCode::invalid_argument, "top_k must be positive, got " + std::to_string(top_k));
-  if (capacity <= 0) return Status(ErrorCode::invalid_capacity, "capacity must be positive, got " + std::to_string(capacity));
+  if (top_k <= 0) return Status::format(ErrorCode::invalid_argument, "top_k must be positive, got %d", top_k);
+  if (capacity <= 0) return Status::format(ErrorCode::invalid_capacity, "capacity must be positive, got %d", capacity);
   if (ids % static_cast<std::size_t>(top_k) != 0) {
-    return Status(ErrorCode::invalid_argument, "top-k id count " + std::to_string(ids) +
-                                                   " is not a multiple of top_k " + std::to_string(top_k));
+    return Status::format(ErrorCode::invalid_argument, "top-k id count %zu is not a multiple of top_k %d", ids, top_k);
   }
   (void)num_experts;
   return {};
@@ -42,9 +41,8 @@ inline Status check_split_args(std::size_t ids, std::int32_t top_k, std::int32_t
 
 inline Status check_id(std::int32_t id, std::int32_t num_experts, std::int64_t row) {
   if (id >= num_experts) {
-    return Status(ErrorCode::expert_out_of_range, "expert id " + std::to_string(id) + " in row " +
-                                                      std::to_string(row) + " is outside [0, " +
-                                                      std::to_string(num_experts) + ")");
+    return Status::format(ErrorCode::expert_out_of_range, "expert id %d in row %lld is outside [0, %d)", id,
+                          static_cast<long long>(row), num_experts);
   }
   return {};
 }
@@ -118,4 +116,4 @@ inline Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::
   return groups;
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

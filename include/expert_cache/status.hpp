@@ -1,14 +1,21 @@
 #pragma once
 // Error model: hot paths return Status / Result<T>; constructors throw Error.
-// Every failure carries a specific ErrorCode and a human-readable message.
+// Every failure carries a specific ErrorCode and a human-readable message. A Status never
+// allocates: the message lives in a fixed buffer inside it (formatted with snprintf, truncated
+// with "..." if longer), so rejecting a forward inside a noexcept planning path costs no heap.
+#include <algorithm>
+#include <cstdarg>
+#include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <variant>
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 enum class ErrorCode : std::uint8_t {
   ok = 0,
@@ -18,8 +25,6 @@ enum class ErrorCode : std::uint8_t {
   duplicate_expert,        // the same id twice in an explicit unique list
   too_many_experts,        // a forward's unique set is larger than the capacity
   row_exceeds_capacity,    // token split: one row alone needs more slots than exist
-  parse_error,             // trace text malformed
-  io_error,                // file could not be read
   runtime_failure,         // the runtime (CUDA or simulated) reported a failed operation
   capture_unsupported,     // an operation that is silently dropped under stream capture was requested
   not_supported,           // the combination of policies cannot do this
@@ -35,8 +40,6 @@ enum class ErrorCode : std::uint8_t {
     case ErrorCode::duplicate_expert: return "duplicate_expert";
     case ErrorCode::too_many_experts: return "too_many_experts";
     case ErrorCode::row_exceeds_capacity: return "row_exceeds_capacity";
-    case ErrorCode::parse_error: return "parse_error";
-    case ErrorCode::io_error: return "io_error";
     case ErrorCode::runtime_failure: return "runtime_failure";
     case ErrorCode::capture_unsupported: return "capture_unsupported";
     case ErrorCode::not_supported: return "not_supported";
@@ -45,35 +48,105 @@ enum class ErrorCode : std::uint8_t {
   return "unknown";
 }
 
-// A status is ok (no allocation) or an error code with a message.
+#if defined(__GNUC__)
+#define EXPERT_CACHE_PRINTF_FORMAT(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define EXPERT_CACHE_PRINTF_FORMAT(fmt, args)
+#endif
+
+// A status is ok or an error code with a message. Trivially copyable; never allocates.
 class [[nodiscard]] Status {
  public:
+  // Longest message kept; longer ones end in "...".
+  static constexpr std::size_t message_capacity = 246;
+
   Status() noexcept = default;
-  Status(ErrorCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  Status(ErrorCode code, std::string_view message) noexcept : code_(code) { assign(message); }
+
+  // printf-style construction into the inline buffer: the allocation-free way to build a
+  // message with numbers in it.
+  [[nodiscard]] static Status format(ErrorCode code, const char* fmt, ...) noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
+    Status s;
+    s.code_ = code;
+    std::va_list args;
+    va_start(args, fmt);
+    s.vformat_into(0, fmt, args);
+    va_end(args);
+    return s;
+  }
+
+  // The same error with "<context>: " in front of its message (e.g. which call failed).
+  [[nodiscard]] Status with_context(const char* fmt, ...) const noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
+    if (ok()) return *this;
+    Status s;
+    s.code_ = code_;
+    std::va_list args;
+    va_start(args, fmt);
+    s.vformat_into(0, fmt, args);
+    va_end(args);
+    s.append(": ");
+    s.append(message());
+    return s;
+  }
+
+  [[nodiscard]] static Status unexpected_ok() noexcept {
+    return Status(ErrorCode::internal, "Result constructed from an ok Status without a value");
+  }
 
   [[nodiscard]] bool ok() const noexcept { return code_ == ErrorCode::ok; }
   explicit operator bool() const noexcept { return ok(); }
   [[nodiscard]] ErrorCode code() const noexcept { return code_; }
-  [[nodiscard]] const std::string& message() const noexcept { return message_; }
+  [[nodiscard]] std::string_view message() const noexcept { return std::string_view(text_, length_); }
   [[nodiscard]] std::string to_string() const {
     return ok() ? std::string("ok")
-                : std::string(expert_cache::to_string(code_)) + ": " + message_;
+                : std::string(expert_cache::to_string(code_)) + ": " + std::string(message());
   }
 
  private:
+  void assign(std::string_view m) noexcept {
+    length_ = 0;
+    append(m);
+  }
+  void append(std::string_view m) noexcept {
+    const std::size_t room = message_capacity - length_;
+    if (m.size() <= room) {
+      std::memcpy(text_ + length_, m.data(), m.size());
+      length_ = static_cast<std::uint8_t>(length_ + m.size());
+      return;
+    }
+    std::memcpy(text_ + length_, m.data(), room);
+    length_ = static_cast<std::uint8_t>(message_capacity);
+    mark_truncated();
+  }
+  void vformat_into(std::size_t at, const char* fmt, std::va_list args) noexcept {
+    char buf[message_capacity + 1];
+    const int n = std::vsnprintf(buf, sizeof buf, fmt, args);
+    length_ = static_cast<std::uint8_t>(at);
+    if (n < 0) return append("(message formatting failed)");
+    append(std::string_view(buf, std::min<std::size_t>(static_cast<std::size_t>(n), message_capacity)));
+    if (static_cast<std::size_t>(n) > message_capacity) mark_truncated();
+  }
+  void mark_truncated() noexcept { std::memcpy(text_ + message_capacity - 3, "...", 3); }
+
   ErrorCode code_ = ErrorCode::ok;
-  std::string message_;
+  std::uint8_t length_ = 0;
+  char text_[message_capacity];  // only the first length_ bytes are meaningful
 };
+static_assert(Status::message_capacity <= 255, "length_ is one byte");
 
 // Exception thrown by constructors (and by Result::value() on error).
 class Error : public std::runtime_error {
  public:
   explicit Error(const Status& status)
       : std::runtime_error(status.to_string()), code_(status.code()) {}
-  Error(ErrorCode code, const std::string& message) : Error(Status(code, message)) {}
+  Error(ErrorCode code, std::string_view message) : std::runtime_error(full_message(code, message)), code_(code) {}
   [[nodiscard]] ErrorCode code() const noexcept { return code_; }
 
  private:
+  // Constructors are cold: their message is not truncated to a Status buffer.
+  static std::string full_message(ErrorCode code, std::string_view message) {
+    return std::string(expert_cache::to_string(code)) + ": " + std::string(message);
+  }
   ErrorCode code_;
 };
 
@@ -81,36 +154,40 @@ inline void throw_if_error(const Status& status) {
   if (!status.ok()) throw Error(status);
 }
 
-// A value or a failed Status (a small stand-in for C++23 std::expected).
-template <class T>
+[[noreturn]] inline void throw_error(const Status& status) { throw Error(status); }
+
+// A value or a failed error status (a small stand-in for C++23 std::expected). `E` is Status
+// for the library; the tools use their own status type (tools/tool_status.hpp). E provides
+// ok(), a static `unexpected_ok()` (the error that replaces an ok E given without a value),
+// and a `throw_error(const E&)` found by argument-dependent lookup.
+template <class T, class E = Status>
 class [[nodiscard]] Result {
  public:
   Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit by design
-  Result(Status error) : storage_(std::move(error)) {  // NOLINT
-    if (std::get<Status>(storage_).ok())
-      storage_ = Status(ErrorCode::internal, "Result constructed from an ok Status without a value");
+  Result(E error) : storage_(std::move(error)) {  // NOLINT
+    if (std::get<E>(storage_).ok()) storage_ = E::unexpected_ok();
   }
 
   [[nodiscard]] bool ok() const noexcept { return std::holds_alternative<T>(storage_); }
   explicit operator bool() const noexcept { return ok(); }
-  [[nodiscard]] Status status() const { return ok() ? Status() : std::get<Status>(storage_); }
+  [[nodiscard]] E status() const { return ok() ? E() : std::get<E>(storage_); }
   [[nodiscard]] T& value() & {
-    if (!ok()) throw Error(std::get<Status>(storage_));
+    if (!ok()) throw_error(std::get<E>(storage_));
     return std::get<T>(storage_);
   }
   [[nodiscard]] const T& value() const& {
-    if (!ok()) throw Error(std::get<Status>(storage_));
+    if (!ok()) throw_error(std::get<E>(storage_));
     return std::get<T>(storage_);
   }
   [[nodiscard]] T&& value() && {
-    if (!ok()) throw Error(std::get<Status>(storage_));
+    if (!ok()) throw_error(std::get<E>(storage_));
     return std::get<T>(std::move(storage_));
   }
   T* operator->() { return &value(); }
   T& operator*() { return value(); }
 
  private:
-  std::variant<T, Status> storage_;
+  std::variant<T, E> storage_;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

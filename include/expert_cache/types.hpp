@@ -4,7 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Strong ids: an expert id and a slot id can never be mixed up by accident.
 // The value type is int32_t because the device maps use -1 for "absent".
@@ -25,4 +25,4 @@ using SlotId = StrongId<SlotTag>;
 
 inline constexpr std::int32_t absent_slot = -1;  // value of an expert map entry for "not here"
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

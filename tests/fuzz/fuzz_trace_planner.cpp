@@ -17,8 +17,9 @@
 
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/planner.hpp"
-#include "expert_cache/replay.hpp"
-#include "expert_cache/trace.hpp"
+#include "expert_cache/tools/replay.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 
 namespace ec = expert_cache;
 
@@ -62,9 +63,9 @@ void check_trace(const ec::Trace& t, std::optional<std::int32_t> num_experts) {
 }
 
 void fuzz_parser(std::string_view text, std::optional<std::int32_t> num_experts) {
-  const ec::Result<ec::Trace> r = ec::parse_trace_text(text, ec::ParseOptions{num_experts});
+  const ec::ToolResult<ec::Trace> r = ec::parse_trace_text(text, ec::ParseOptions{num_experts});
   if (!r.ok()) {
-    FUZZ_CHECK(r.status().code() == ec::ErrorCode::parse_error);
+    FUZZ_CHECK(r.status().code() == ec::ToolErrorCode::parse_error);
     FUZZ_CHECK(r.status().message().rfind("line ", 0) == 0);
     return;
   }
@@ -74,7 +75,7 @@ void fuzz_parser(std::string_view text, std::optional<std::int32_t> num_experts)
   // Round trip through the writer.
   std::ostringstream out;
   ec::write_trace(out, t);
-  const ec::Result<ec::Trace> back = ec::parse_trace_text(out.str(), ec::ParseOptions{num_experts});
+  const ec::ToolResult<ec::Trace> back = ec::parse_trace_text(out.str(), ec::ParseOptions{num_experts});
   FUZZ_CHECK(back.ok());
   FUZZ_CHECK(back.value().ids == t.ids);
   FUZZ_CHECK(back.value().forwards.size() == t.forwards.size());

@@ -30,7 +30,7 @@
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 struct OrderingEdges {
   static constexpr bool release_wait = true;
@@ -272,9 +272,10 @@ class OrderingCore {
     StagingBuffer& buf = ring_[next_staging_];
     if (buf.capture != 0) {
       if (buf.capture == capture.value()) {
-        return Status(ErrorCode::capture_unsupported,
-                      "one graph capture needs more map uploads than the staging ring holds (" +
-                          std::to_string(ring_.size()) + " buffers); raise CacheOptions::staging_ring");
+        return Status::format(ErrorCode::capture_unsupported,
+                              "one graph capture needs more map uploads than the staging ring holds (%zu buffers); "
+                              "raise CacheOptions::staging_ring",
+                              ring_.size());
       }
       buf.recorded = false;
       buf.capture = 0;
@@ -356,4 +357,4 @@ class OrderingCore {
   OrderingCounters counters_;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

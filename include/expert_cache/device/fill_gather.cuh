@@ -16,7 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace expert_cache::device {
+namespace expert_cache::inline v0::device {
 
 // One tensor (tensor-major storage) or the whole blob (expert-major storage).
 struct GatherTensor {
@@ -104,4 +104,4 @@ cudaError_t launch_fill_gather(const FillGatherParams<MaxFills>& params, int blo
                           dim3(static_cast<unsigned>(threads)), args, 0, stream);
 }
 
-}  // namespace expert_cache::device
+}  // namespace expert_cache::inline v0::device

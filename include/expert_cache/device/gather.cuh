@@ -20,7 +20,7 @@
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
-namespace expert_cache::device {
+namespace expert_cache::inline v0::device {
 
 // Slot of global expert `id`, or absent_slot. The comparison happens in the id's own type, so
 // int64 ids beyond the int32 range never wrap into a valid index.
@@ -119,4 +119,4 @@ template <class IdT>
   return {};
 }
 
-}  // namespace expert_cache::device
+}  // namespace expert_cache::inline v0::device

@@ -27,7 +27,7 @@
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache::device {
+namespace expert_cache::inline v0::device {
 
 // Pointers to a contiguous run of experts in the checkpoint layout (see nvfp4_reference.hpp).
 struct Nvfp4CheckpointPtrs {
@@ -824,4 +824,4 @@ class ChunkPipeline {
   return report;
 }
 
-}  // namespace expert_cache::device
+}  // namespace expert_cache::inline v0::device

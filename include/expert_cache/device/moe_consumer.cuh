@@ -53,7 +53,7 @@
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache::device {
+namespace expert_cache::inline v0::device {
 
 // Where the six tensors of a slot live and which slot holds an expert. Built from a cache's
 // ForwardView (moe_weights_from_view) or from all-resident arrays (slot = expert, identity map).
@@ -590,4 +590,4 @@ class MoeConsumer {
   unsigned* counters_ = nullptr;
 };
 
-}  // namespace expert_cache::device
+}  // namespace expert_cache::inline v0::device

@@ -17,7 +17,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/intrusive_queues.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class Arc {
  public:
@@ -138,4 +138,4 @@ class Arc {
 static_assert(eviction_policy<Arc>);
 static_assert(has_begin_forward<Arc>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -15,7 +15,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // The request sequence, indexed by expert: for each id the ascending list of forwards
 // (0-based) that request it. Immutable and shared by every copy of a Belady policy.
@@ -166,4 +166,4 @@ class Belady {
 static_assert(eviction_policy<Belady>);
 static_assert(has_begin_forward<Belady>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

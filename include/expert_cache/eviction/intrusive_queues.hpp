@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace expert_cache::detail {
+namespace expert_cache::inline v0::detail {
 
 template <std::size_t NumQueues>
 class IntrusiveQueues {
@@ -69,4 +69,4 @@ class IntrusiveQueues {
   std::array<Ends, NumQueues> ends_{};
 };
 
-}  // namespace expert_cache::detail
+}  // namespace expert_cache::inline v0::detail

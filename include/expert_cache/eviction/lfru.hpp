@@ -10,7 +10,7 @@
 
 #include "expert_cache/concepts.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class Lfru {
  public:
@@ -110,4 +110,4 @@ class Lfru {
 
 static_assert(eviction_policy<Lfru>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -5,7 +5,7 @@
 
 #include "expert_cache/concepts.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Intrusive doubly linked list over expert ids: O(1) touch, insert and remove, no allocation
 // after construction. Head = least recently used.
@@ -56,4 +56,4 @@ class Lru {
 
 static_assert(eviction_policy<Lru>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

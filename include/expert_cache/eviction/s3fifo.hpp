@@ -16,7 +16,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/intrusive_queues.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class S3Fifo {
  public:
@@ -135,4 +135,4 @@ class S3Fifo {
 
 static_assert(eviction_policy<S3Fifo>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -8,7 +8,7 @@
 
 #include "expert_cache/concepts.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class Sieve {
  public:
@@ -80,4 +80,4 @@ class Sieve {
 
 static_assert(eviction_policy<Sieve>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

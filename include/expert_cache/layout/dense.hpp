@@ -7,7 +7,7 @@
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 struct DenseBf16 {
   static constexpr std::string_view name = "dense_bf16";
@@ -46,4 +46,4 @@ struct DenseBf16 {
   }
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -18,7 +18,7 @@
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Activation dtype of the MoE GEMM; it selects the scale factor rule and the global-scale bias.
 enum class ActDtype : std::uint8_t { fp16, bf16 };
@@ -376,4 +376,4 @@ struct Nvfp4Marlin {
   }
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -19,7 +19,7 @@
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 struct Nvfp4CheckpointLayer {
   std::int64_t num_experts = 0;
@@ -300,4 +300,4 @@ inline void repack_experts_unchecked(const Nvfp4Marlin& layout, const Nvfp4Check
   return {};
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string_view>
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 enum class ExpertTensor : std::uint8_t { w13 = 0, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2 };
 
@@ -30,4 +30,4 @@ using ExpertTensorBytes = std::array<TensorBytes, num_expert_tensors>;
   return sum;
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -2,11 +2,9 @@
 // CUDA error -> Status conversion shared by the CUDA tier. Host compiler + <cuda_runtime_api.h>.
 #include <cuda_runtime_api.h>
 
-#include <string>
-
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Status(runtime_failure, "<call> failed: <name>: <description>"). Also reads and clears the
 // runtime's last error, so a failure reported here does not resurface in an unrelated later
@@ -14,12 +12,8 @@ namespace expert_cache {
 [[nodiscard]] inline Status cuda_status(cudaError_t err, const char* call) noexcept {
   if (err == cudaSuccess) return {};
   (void)cudaGetLastError();
-  try {
-    return Status(ErrorCode::runtime_failure,
-                  std::string(call) + " failed: " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
-  } catch (...) {
-    return Status(ErrorCode::runtime_failure, std::string());  // out of memory building the message
-  }
+  return Status::format(ErrorCode::runtime_failure, "%s failed: %s: %s", call, cudaGetErrorName(err),
+                        cudaGetErrorString(err));
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -37,7 +37,7 @@
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class CudaRuntime {
  public:
@@ -270,7 +270,7 @@ class CudaRuntime {
     if (!capturing.ok()) return capturing.status();
     if (capturing.value()) return {};  // nothing runs during capture; illegal to synchronise
     if (Status st = cuda_status(cudaStreamSynchronize(s), "cudaStreamSynchronize (EXPERT_CACHE_CUDA_SYNC)"); !st) {
-      return Status(st.code(), std::string("after ") + what + ": " + st.message());
+      return st.with_context("after %s", what);
     }
     return {};
   }
@@ -311,7 +311,8 @@ class CudaRuntime {
   }
 
   static Status with_size(const Status& st, std::size_t bytes, MemoryKind kind) {
-    return Status(st.code(), st.message() + " (" + std::to_string(bytes) + " bytes of " + to_string(kind) + ")");
+    return Status::format(st.code(), "%.*s (%zu bytes of %s)", static_cast<int>(st.message().size()),
+                          st.message().data(), bytes, to_string(kind));
   }
 
   static bool env_sync() noexcept {
@@ -335,4 +336,4 @@ class CudaRuntime {
 static_assert(runtime<CudaRuntime>);
 static_assert(allocating_runtime<CudaRuntime>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -11,7 +11,7 @@
 
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // How an operation (or the host) touches a byte range.
 enum class AccessMode : std::uint8_t { read, write };
@@ -79,4 +79,4 @@ concept runtime =
       { rt.host_access(p, n, mode) } noexcept -> std::same_as<void>;
     };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

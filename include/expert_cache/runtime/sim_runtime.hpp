@@ -48,7 +48,7 @@
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 enum class SimOpKind : std::uint8_t { copy, copy_batch, record, wait, launch, gate, host };
 
@@ -1128,4 +1128,4 @@ class SimRuntime {
 
 static_assert(runtime<SimRuntime>);
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -12,7 +12,7 @@
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 namespace detail {
 // Calls fn(dst, src, bytes) for every copy the fills need.
@@ -120,4 +120,4 @@ class Batched {
   std::vector<CopyDesc> copies_;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -26,7 +26,7 @@
 #include "expert_cache/runtime/cuda_runtime.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 class Gather {
  public:
@@ -159,4 +159,4 @@ class Gather {
   device::FillGatherParams<1024> large_{};
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -17,7 +17,7 @@
 #include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // One tensor of the slot buffers as the consumer sees it: tensor of slot s starts at
 // base + s * slot_stride and is `bytes` long. bytes == 0: the layout has no such tensor.
@@ -142,4 +142,4 @@ class ExpertMajorStorage {
   RuntimeBuffer<R> slots_;
 };
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

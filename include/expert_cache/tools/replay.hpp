@@ -27,10 +27,11 @@
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/status.hpp"
-#include "expert_cache/trace.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 #include "expert_cache/types.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 enum class ReplayScope : std::uint8_t { layer, global };
 
@@ -241,7 +242,7 @@ Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream
   ForwardPlan plan;
   for (std::size_t i = 0; i < stream.size(); ++i) {
     if (Status st = planner.plan_unique(stream.forward(i), plan); !st.ok()) {
-      return Status(st.code(), forward_where(trace, stream.source[i]) + ": " + st.message());
+      return Status(st.code(), forward_where(trace, stream.source[i]) + ": " + std::string(st.message()));
     }
     if (++progress.done >= progress.next_report && progress.options->progress) {
       progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
@@ -405,4 +406,4 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
   }
 }
 
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

@@ -1,5 +1,5 @@
 #pragma once
-// Routing traces, format v1 (docs/trace_format.md): parse, write and generate. Host-only.
+// Routing traces, format v1 (docs/trace_format.md): parse and write. Host-only.
 // The parser never throws on malformed input: every problem comes back as a parse_error
 // naming the 1-based line. Untrusted sizes are bounded so one bad number cannot make
 // anything allocate a huge array.
@@ -20,8 +20,9 @@
 #include <vector>
 
 #include "expert_cache/status.hpp"
+#include "expert_cache/tools/tool_status.hpp"
 
-namespace expert_cache {
+namespace expert_cache::inline v0 {
 
 // Largest step or layer number a trace may use.
 inline constexpr std::int64_t trace_max_step = 2147483647;
@@ -123,8 +124,8 @@ inline IntParse parse_trace_int(std::string_view token, std::int64_t limit, std:
   return IntParse::ok;
 }
 
-inline Status trace_error(std::uint64_t line, const std::string& what) {
-  return Status(ErrorCode::parse_error, "line " + std::to_string(line) + ": " + what);
+inline ToolStatus trace_error(std::uint64_t line, const std::string& what) {
+  return ToolStatus(ToolErrorCode::parse_error, "line " + std::to_string(line) + ": " + what);
 }
 
 inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept {
@@ -136,12 +137,12 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
 
 // Parse trace text held in memory. Never throws except std::bad_alloc for a genuinely
 // huge (well-formed) input, which is converted to an error too.
-[[nodiscard]] inline Result<Trace> parse_trace_text(std::string_view text, const ParseOptions& options = {}) noexcept {
+[[nodiscard]] inline ToolResult<Trace> parse_trace_text(std::string_view text, const ParseOptions& options = {}) noexcept {
   try {
     std::int64_t id_limit = trace_max_experts - 1;
     if (options.num_experts) {
       if (*options.num_experts < 1 || *options.num_experts > trace_max_experts) {
-        return Status(ErrorCode::invalid_argument,
+        return ToolStatus(ToolErrorCode::invalid_argument,
                       "num_experts must be in [1, " + std::to_string(trace_max_experts) + "], got " +
                           std::to_string(*options.num_experts));
       }
@@ -258,14 +259,14 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
     trace.num_experts = options.num_experts ? *options.num_experts : max_id + 1;
     return trace;
   } catch (const std::bad_alloc&) {
-    return Status(ErrorCode::invalid_argument, "trace too large: out of memory while parsing");
+    return ToolStatus(ToolErrorCode::invalid_argument, "trace too large: out of memory while parsing");
   } catch (...) {
-    return Status(ErrorCode::internal, "unexpected exception while parsing a trace");
+    return ToolStatus(Status(ErrorCode::internal, "unexpected exception while parsing a trace"));
   }
 }
 
 // Read the whole stream, then parse it. A stream failure is io_error.
-[[nodiscard]] inline Result<Trace> parse_trace(std::istream& in, const ParseOptions& options = {}) noexcept {
+[[nodiscard]] inline ToolResult<Trace> parse_trace(std::istream& in, const ParseOptions& options = {}) noexcept {
   std::string text;
   try {
     constexpr std::size_t chunk = std::size_t{1} << 20;
@@ -276,26 +277,26 @@ inline std::uint64_t forward_key(std::int32_t step, std::int32_t layer) noexcept
       used += static_cast<std::size_t>(in.gcount());
     }
     text.resize(used);
-    if (in.bad()) return Status(ErrorCode::io_error, "error while reading the trace stream");
+    if (in.bad()) return ToolStatus(ToolErrorCode::io_error, "error while reading the trace stream");
   } catch (const std::bad_alloc&) {
-    return Status(ErrorCode::io_error, "trace too large: out of memory while reading");
+    return ToolStatus(ToolErrorCode::io_error, "trace too large: out of memory while reading");
   } catch (...) {
-    return Status(ErrorCode::io_error, "error while reading the trace stream");
+    return ToolStatus(ToolErrorCode::io_error, "error while reading the trace stream");
   }
   return parse_trace_text(text, options);
 }
 
-[[nodiscard]] inline Result<Trace> load_trace(const std::string& path, const ParseOptions& options = {}) noexcept {
+[[nodiscard]] inline ToolResult<Trace> load_trace(const std::string& path, const ParseOptions& options = {}) noexcept {
   try {
     std::ifstream in(path, std::ios::binary);
-    if (!in) return Status(ErrorCode::io_error, "cannot open trace file '" + path + "'");
-    Result<Trace> r = parse_trace(in, options);
-    if (!r.ok() && r.status().code() == ErrorCode::parse_error) {
-      return Status(ErrorCode::parse_error, path + ": " + r.status().message());
+    if (!in) return ToolStatus(ToolErrorCode::io_error, "cannot open trace file '" + path + "'");
+    ToolResult<Trace> r = parse_trace(in, options);
+    if (!r.ok() && r.status().code() == ToolErrorCode::parse_error) {
+      return ToolStatus(ToolErrorCode::parse_error, path + ": " + r.status().message());
     }
     return r;
   } catch (...) {
-    return Status(ErrorCode::io_error, "cannot read trace file '" + path + "'");
+    return ToolStatus(ToolErrorCode::io_error, "cannot read trace file '" + path + "'");
   }
 }
 
@@ -323,184 +324,4 @@ inline void write_trace(std::ostream& out, const Trace& trace, std::string_view 
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// Deterministic synthetic traces with temporal locality (docs/trace_format.md).
-// Every step routes each layer to top_k distinct experts. Each of the top_k picks either
-// reuses one of that layer's previous picks (probability `sticky`) or draws from a
-// per-layer Zipf(zipf_s) popularity over a per-layer random permutation of the experts.
-// Bit-for-bit reproducible across platforms: own PRNG, no <random> distributions.
-struct GeneratorSpec {
-  std::int32_t layers = 8;
-  std::int32_t experts = 64;
-  std::int32_t top_k = 6;
-  std::int32_t steps = 2000;
-  double zipf_s = 1.0;
-  double sticky = 0.4;
-  std::uint64_t seed = 1;
-};
-
-namespace detail {
-
-struct SplitMix64 {
-  std::uint64_t state;
-  std::uint64_t next() noexcept {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ULL);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-    return z ^ (z >> 31);
-  }
-  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
-  std::uint32_t below(std::uint32_t n) noexcept {  // [0, n); bias negligible for small n
-    return static_cast<std::uint32_t>((next() >> 32) * n >> 32);
-  }
-};
-
-inline double zipf_weight(std::int32_t rank, double s) noexcept {
-  // s == 1 (the default) avoids pow, so the default trace does not depend on libm.
-  const double r = static_cast<double>(rank + 1);
-  if (s == 1.0) return 1.0 / r;
-  return 1.0 / std::pow(r, s);
-}
-
-}  // namespace detail
-
-// Parse "key=value,key=value" (keys: layers experts topk steps zipf sticky seed); an empty
-// string or "default" keeps the defaults.
-[[nodiscard]] inline Result<GeneratorSpec> parse_generator_spec(std::string_view text) {
-  GeneratorSpec spec;
-  if (text.empty() || text == "default") return spec;
-  std::size_t pos = 0;
-  while (pos <= text.size()) {
-    const std::size_t comma = std::min(text.find(',', pos), text.size());
-    const std::string_view item = text.substr(pos, comma - pos);
-    pos = comma + 1;
-    const std::size_t eq = item.find('=');
-    if (eq == std::string_view::npos) {
-      return Status(ErrorCode::invalid_argument, "generator spec item '" + std::string(item) + "' is not key=value");
-    }
-    const std::string_view key = item.substr(0, eq);
-    const std::string_view val = item.substr(eq + 1);
-    auto int_in = [&](std::int64_t lo, std::int64_t hi, std::int64_t& out) -> bool {
-      const auto r = std::from_chars(val.data(), val.data() + val.size(), out);
-      return r.ec == std::errc() && r.ptr == val.data() + val.size() && out >= lo && out <= hi;
-    };
-    auto real_in = [&](double lo, double hi, double& out) -> bool {
-      const auto r = std::from_chars(val.data(), val.data() + val.size(), out);
-      return r.ec == std::errc() && r.ptr == val.data() + val.size() && out >= lo && out <= hi;
-    };
-    auto bad = [&](const char* range) {
-      return Status(ErrorCode::invalid_argument, "generator spec: " + std::string(key) + "='" + std::string(val) +
-                                                     "' must be " + range);
-    };
-    std::int64_t v = 0;
-    if (key == "layers") {
-      if (!int_in(1, 4096, v)) return bad("an integer in [1, 4096]");
-      spec.layers = static_cast<std::int32_t>(v);
-    } else if (key == "experts") {
-      if (!int_in(1, 1 << 20, v)) return bad("an integer in [1, 1048576]");
-      spec.experts = static_cast<std::int32_t>(v);
-    } else if (key == "topk") {
-      if (!int_in(1, 1 << 20, v)) return bad("an integer in [1, experts]");
-      spec.top_k = static_cast<std::int32_t>(v);
-    } else if (key == "steps") {
-      if (!int_in(1, trace_max_step, v)) return bad("an integer in [1, 2147483647]");
-      spec.steps = static_cast<std::int32_t>(v);
-    } else if (key == "seed") {
-      if (!int_in(0, INT64_MAX, v)) return bad("a non-negative integer");
-      spec.seed = static_cast<std::uint64_t>(v);
-    } else if (key == "zipf") {
-      if (!real_in(0.0, 10.0, spec.zipf_s)) return bad("a number in [0, 10]");
-    } else if (key == "sticky") {
-      if (!real_in(0.0, 1.0, spec.sticky)) return bad("a number in [0, 1]");
-    } else {
-      return Status(ErrorCode::invalid_argument,
-                    "generator spec: unknown key '" + std::string(key) +
-                        "' (known: layers, experts, topk, steps, zipf, sticky, seed)");
-    }
-  }
-  if (spec.top_k > spec.experts) {
-    return Status(ErrorCode::invalid_argument, "generator spec: topk " + std::to_string(spec.top_k) +
-                                                   " exceeds experts " + std::to_string(spec.experts));
-  }
-  if (static_cast<std::int64_t>(spec.layers) * spec.steps * spec.top_k > (std::int64_t{1} << 31)) {
-    return Status(ErrorCode::invalid_argument, "generator spec: layers*steps*topk exceeds 2^31 ids");
-  }
-  return spec;
-}
-
-// Generate a trace (layers numbered 0..layers-1, steps 0..steps-1, step-major).
-[[nodiscard]] inline Trace generate_trace(const GeneratorSpec& spec) {
-  Trace trace;
-  trace.num_experts = spec.experts;
-  const auto E = static_cast<std::size_t>(spec.experts);
-  const auto K = static_cast<std::size_t>(spec.top_k);
-  detail::SplitMix64 rng{spec.seed};
-
-  // Zipf CDF over ranks, shared; each layer maps ranks to experts through its own permutation.
-  std::vector<double> cdf(E);
-  double total = 0.0;
-  for (std::size_t r = 0; r < E; ++r) {
-    total += detail::zipf_weight(static_cast<std::int32_t>(r), spec.zipf_s);
-    cdf[r] = total;
-  }
-  std::vector<std::vector<std::int32_t>> perm(static_cast<std::size_t>(spec.layers));
-  for (auto& p : perm) {
-    p.resize(E);
-    for (std::size_t i = 0; i < E; ++i) p[i] = static_cast<std::int32_t>(i);
-    for (std::size_t i = E; i > 1; --i) std::swap(p[i - 1], p[rng.below(static_cast<std::uint32_t>(i))]);
-  }
-  std::vector<std::vector<std::int32_t>> previous(static_cast<std::size_t>(spec.layers));
-  std::vector<std::uint32_t> taken(E, 0);  // epoch stamps: experts already picked this forward
-  std::uint32_t epoch = 0;
-  std::vector<std::int32_t> picks;
-  picks.reserve(K);
-
-  trace.forwards.reserve(static_cast<std::size_t>(spec.layers) * static_cast<std::size_t>(spec.steps));
-  trace.ids.reserve(trace.forwards.capacity() * K);
-  for (std::int32_t step = 0; step < spec.steps; ++step) {
-    for (std::int32_t layer = 0; layer < spec.layers; ++layer) {
-      ++epoch;
-      picks.clear();
-      auto& prev = previous[static_cast<std::size_t>(layer)];
-      std::uint32_t rejected = 0;
-      while (picks.size() < K) {
-        std::int32_t e;
-        if (rejected > 64) {
-          // A steep Zipf rarely draws its tail: take the most popular untaken expert so
-          // the loop is bounded (deterministic, so still reproducible).
-          std::size_t rank = 0;
-          while (taken[static_cast<std::size_t>(perm[static_cast<std::size_t>(layer)][rank])] == epoch) ++rank;
-          e = perm[static_cast<std::size_t>(layer)][rank];
-        } else if (!prev.empty() && rng.uniform() < spec.sticky) {
-          e = prev[rng.below(static_cast<std::uint32_t>(prev.size()))];
-        } else {
-          const double u = rng.uniform() * total;
-          auto rank = static_cast<std::size_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin());
-          rank = std::min(rank, E - 1);
-          e = perm[static_cast<std::size_t>(layer)][rank];
-        }
-        if (taken[static_cast<std::size_t>(e)] == epoch) {
-          ++rejected;
-          continue;
-        }
-        taken[static_cast<std::size_t>(e)] = epoch;
-        picks.push_back(e);
-      }
-      prev = picks;
-      std::sort(picks.begin(), picks.end());
-      TraceForward f;
-      f.step = step;
-      f.layer = layer;
-      f.line = 0;  // not from a file
-      f.records = 1;
-      f.begin = trace.ids.size();
-      trace.ids.insert(trace.ids.end(), picks.begin(), picks.end());
-      f.end = trace.ids.size();
-      trace.forwards.push_back(f);
-      ++trace.records;
-    }
-  }
-  return trace;
-}
-
-}  // namespace expert_cache
+}  // namespace expert_cache::inline v0

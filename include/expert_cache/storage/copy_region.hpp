@@ -1,0 +1,40 @@
+#pragma once
+// How a storage's bytes move on a fill: a small list of copy regions, each one strided run of
+// bytes per expert from the host pool into the slot buffers. Staging policies (host-issued
+// copies, batched copies, gather kernels, the device-planned fill) read only this list, so a
+// new storage arrangement needs no change in any of them. Host and device (plain data).
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "expert_cache/layout/tensor_bytes.hpp"
+
+namespace expert_cache::inline v0 {
+
+// Expert e's bytes of this region are host_base + e * host_stride .. + bytes; slot s's are
+// slot_base + s * slot_stride .. + bytes. Tensor-major storage has one region per present
+// tensor; expert-major storage one region covering the whole (padded) blob.
+struct CopyRegion {
+  const std::byte* host_base = nullptr;
+  std::byte* slot_base = nullptr;
+  std::size_t host_stride = 0;
+  std::size_t slot_stride = 0;
+  std::size_t bytes = 0;
+};
+
+// At most one region per expert tensor.
+inline constexpr std::size_t max_copy_regions = num_expert_tensors;
+
+struct CopyRegions {
+  std::array<CopyRegion, max_copy_regions> regions{};
+  std::size_t count = 0;
+  [[nodiscard]] constexpr const CopyRegion* begin() const noexcept { return regions.data(); }
+  [[nodiscard]] constexpr const CopyRegion* end() const noexcept { return regions.data() + count; }
+  [[nodiscard]] constexpr std::size_t bytes_per_expert() const noexcept {
+    std::size_t sum = 0;
+    for (std::size_t i = 0; i < count; ++i) sum += regions[i].bytes;
+    return sum;
+  }
+};
+
+}  // namespace expert_cache::inline v0
