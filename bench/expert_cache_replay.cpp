@@ -49,6 +49,8 @@ void print_help(std::ostream& out) {
          "                        layers keyed layer_index*E + expert\n"
          "  --experts E           number of experts per layer (default: max id + 1); ids >= E are errors\n"
          "  --json                print JSON instead of a table\n"
+         "  --per-layer           per-layer breakdown against OPT (most useful with --scope global:\n"
+         "                        which layers lose the most hits); JSON gains per_layer arrays\n"
          "  --progress            progress on stderr (default: only when stderr is a terminal)\n"
          "  --help                this text\n"
          "\n"
@@ -78,6 +80,7 @@ struct Args {
   ec::ReplayScope scope = ec::ReplayScope::layer;
   std::optional<std::int32_t> experts;
   bool json = false;
+  bool per_layer = false;
   bool progress = false;
   bool help = false;
 };
@@ -131,6 +134,9 @@ Args parse_args(int argc, char** argv) {
         throw UsageError{"--experts: must be in [1, " + std::to_string(ec::trace_max_experts) + "]"};
       }
       a.experts = e;
+    } else if (arg == "--per-layer") {
+      no_value();
+      a.per_layer = true;
     } else if (arg == "--json") {
       no_value();
       a.json = true;
@@ -161,7 +167,7 @@ std::string ratio_text(std::optional<double> v) {
   return buf;
 }
 
-void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r) {
+void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r, bool per_layer) {
   out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
       << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
       << ",\n  \"cache_experts\": " << r.cache_experts << ",\n  \"caches\": " << r.caches
@@ -176,6 +182,16 @@ void print_json(std::ostream& out, const std::string& source, const ec::ReplayRe
     if (r.has_opt) {
       out << ", \"hits_vs_opt\": " << json_number(row.hits_vs_opt)
           << ", \"misses_vs_opt\": " << json_number(row.misses_vs_opt);
+    }
+    if (per_layer) {
+      out << ", \"per_layer\": [";
+      for (std::size_t l = 0; l < row.per_layer.size(); ++l) {
+        out << (l ? ", " : "") << "{\"layer\": " << r.layers[l] << ", \"hits\": " << row.per_layer[l].hits
+            << ", \"misses\": " << row.per_layer[l].misses;
+        if (row.opt_per_layer) out << ", \"opt_hits\": " << (*row.opt_per_layer)[l].hits;
+        out << "}";
+      }
+      out << "]";
     }
     out << "}";
   }
@@ -210,6 +226,60 @@ void print_table(std::ostream& out, const std::string& source, const ec::ReplayR
       out << buf;
     }
     out << '\n';
+  }
+}
+
+// Per capacity: one line per layer with OPT's hit rate and every policy's hits / OPT, then
+// for each policy the layers that lose the most hits against OPT (where a better policy or
+// a larger share of a global pool would pay off).
+void print_per_layer(std::ostream& out, const ec::ReplayReport& r) {
+  char buf[64];
+  std::size_t first = 0;
+  while (first < r.rows.size()) {
+    std::size_t end = first;
+    while (end < r.rows.size() && r.rows[end].capacity == r.rows[first].capacity) ++end;
+    const ec::ReplayRow& head = r.rows[first];
+    if (!head.opt_per_layer) return;  // no OPT: nothing to compare with
+    const std::vector<ec::ReplayCounts>& opt = *head.opt_per_layer;
+    out << "\nper layer, capacity " << head.capacity << " (" << ec::to_string(r.scope)
+        << " scope): hit rate of OPT, hits / OPT of each policy\n";
+    std::snprintf(buf, sizeof buf, "%6s %9s %7s", "layer", "requests", "OPT");
+    out << buf;
+    for (std::size_t i = first; i < end; ++i) {
+      std::snprintf(buf, sizeof buf, " %8.8s", r.rows[i].policy.c_str());
+      out << buf;
+    }
+    out << '\n';
+    for (std::size_t l = 0; l < opt.size(); ++l) {
+      std::snprintf(buf, sizeof buf, "%6d %9llu %6.1f%%", r.layers[l], static_cast<unsigned long long>(opt[l].accesses()),
+                    100.0 * opt[l].hit_rate());
+      out << buf;
+      for (std::size_t i = first; i < end; ++i) {
+        const double x = opt[l].hits == 0 ? 1.0 : static_cast<double>(r.rows[i].per_layer[l].hits) /
+                                                      static_cast<double>(opt[l].hits);
+        std::snprintf(buf, sizeof buf, " %8.3f", x);
+        out << buf;
+      }
+      out << '\n';
+    }
+    for (std::size_t i = first; i < end; ++i) {
+      const ec::ReplayRow& row = r.rows[i];
+      std::vector<std::size_t> order(opt.size());
+      for (std::size_t l = 0; l < order.size(); ++l) order[l] = l;
+      auto lost = [&](std::size_t l) {
+        return static_cast<std::int64_t>(opt[l].hits) - static_cast<std::int64_t>(row.per_layer[l].hits);
+      };
+      std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return lost(a) > lost(b); });
+      std::int64_t total = 0;
+      for (std::size_t l = 0; l < opt.size(); ++l) total += lost(l);
+      if (total <= 0) continue;  // OPT itself, or a policy that matches it
+      out << "  " << row.policy << " loses " << total << " hits vs OPT; most at layers";
+      for (std::size_t k = 0; k < std::min<std::size_t>(5, order.size()) && lost(order[k]) > 0; ++k) {
+        out << ' ' << r.layers[order[k]] << " (" << lost(order[k]) << ')';
+      }
+      out << '\n';
+    }
+    first = end;
   }
 }
 
@@ -309,8 +379,12 @@ int run(int argc, char** argv) {
     }
     return fail(st);
   }
-  if (args.json) print_json(std::cout, source, report.value());
-  else print_table(std::cout, source, report.value());
+  if (args.json) {
+    print_json(std::cout, source, report.value(), args.per_layer);
+  } else {
+    print_table(std::cout, source, report.value());
+    if (args.per_layer) print_per_layer(std::cout, report.value());
+  }
   std::cout.flush();
   return std::cout ? 0 : 1;
 }

@@ -6,3 +6,4 @@
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/eviction/s3fifo.hpp"
 #include "expert_cache/eviction/sieve.hpp"
+#include "expert_cache/eviction/lrfu.hpp"

@@ -47,9 +47,11 @@ inline constexpr std::int64_t replay_max_cache_experts = std::int64_t{1} << 26;
 // unique and ascending, and came from trace forward source[i].
 struct CacheStream {
   std::int32_t num_experts = 0;
+  std::int32_t experts_per_layer = 0;  // E: ids are layer_index * E + expert (global scope)
   std::vector<std::int32_t> ids;
   std::vector<std::size_t> offsets{0};
   std::vector<std::size_t> source;
+  std::vector<std::int32_t> layer_index;  // per forward: rank of its layer among the trace's layers
 
   [[nodiscard]] std::size_t size() const noexcept { return source.size(); }
   [[nodiscard]] std::span<const std::int32_t> forward(std::size_t i) const noexcept {
@@ -80,7 +82,7 @@ struct CacheStream {
   std::vector<CacheStream> streams;
   if (scope == ReplayScope::layer) {
     streams.resize(layers.size());
-    for (CacheStream& s : streams) s.num_experts = trace.num_experts;
+    for (CacheStream& s : streams) s.num_experts = s.experts_per_layer = trace.num_experts;
   } else {
     const std::int64_t keys = static_cast<std::int64_t>(layers.size()) * E;
     if (keys > replay_max_cache_experts) {
@@ -91,6 +93,7 @@ struct CacheStream {
     }
     streams.resize(1);
     streams[0].num_experts = static_cast<std::int32_t>(keys);
+    streams[0].experts_per_layer = trace.num_experts;
     streams[0].ids.reserve(trace.ids.size());
   }
   for (std::size_t i = 0; i < trace.forwards.size(); ++i) {
@@ -101,6 +104,7 @@ struct CacheStream {
     for (const std::int32_t e : trace.experts(f)) s.ids.push_back(base + e);  // stays ascending
     s.offsets.push_back(s.ids.size());
     s.source.push_back(i);
+    s.layer_index.push_back(static_cast<std::int32_t>(li));
   }
   return streams;
 }
@@ -121,20 +125,24 @@ struct PolicyList {};
   return std::make_shared<const BeladyFuture>(stream.num_experts, forwards);
 }
 
-// How a policy is built for one cache: ordinary policies take the CacheShape; Belady
-// also takes the cache's whole forward sequence (`future`, built on first use).
+// How a policy is built for one cache: ordinary policies take the CacheShape; layer-aware
+// ones also the pool's layer split; Belady also takes the cache's whole forward sequence
+// (`future`, built on first use).
 template <class P>
 P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_ptr<const BeladyFuture>& future) {
   if constexpr (std::constructible_from<P, std::shared_ptr<const BeladyFuture>, CacheShape>) {
     if (!future) future = make_belady_future(stream);
     return P(future, shape);
+  } else if constexpr (std::constructible_from<P, CacheShape, PoolLayout>) {
+    (void)future;
+    return P(shape, PoolLayout{stream.experts_per_layer});
   } else {
     (void)stream, (void)future;
     return P(shape);
   }
 }
 
-using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc>;
+using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc, Lrfu>;
 // The policy used as OPT (void would leave OPT and the ratio columns out).
 using ReplayOptPolicy = Belady;
 
@@ -199,6 +207,10 @@ struct ReplayRow {
   std::string policy;
   std::int32_t capacity = 0;
   ReplayCounts counts;
+  // Hits and misses of each layer (index = rank in ReplayReport::layers; evictions stay 0:
+  // in a global pool a victim's layer is not the forward's).
+  std::vector<ReplayCounts> per_layer;
+  std::optional<std::vector<ReplayCounts>> opt_per_layer;  // OPT's, when available
   // Present when OPT is available: this policy's hits / OPT's hits, misses / OPT's misses
   // (1.0 when both are zero).
   std::optional<double> hits_vs_opt;
@@ -209,6 +221,7 @@ struct ReplayReport {
   ReplayScope scope = ReplayScope::layer;
   std::int32_t num_experts = 0;   // E of the trace
   std::int32_t num_layers = 0;    // distinct layers
+  std::vector<std::int32_t> layers;  // the distinct layer numbers, ascending (per_layer's index)
   std::int32_t cache_experts = 0; // keys per cache: E (layer) or layers*E (global)
   std::int32_t caches = 0;        // caches replayed per run
   std::uint64_t forwards = 0;
@@ -234,9 +247,16 @@ struct ProgressState {
   std::uint64_t next_report = 0;
 };
 
+// Counts of one run: the total and per layer (per_layer has one entry per trace layer).
+struct RunCounts {
+  ReplayCounts total;
+  std::vector<ReplayCounts> per_layer;
+};
+
 template <class P>
 Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream, std::int32_t capacity,
-                                   std::shared_ptr<const BeladyFuture>& future, ProgressState& progress) {
+                                   std::shared_ptr<const BeladyFuture>& future, ProgressState& progress,
+                                   std::vector<ReplayCounts>& per_layer) {
   const CacheShape shape{stream.num_experts, capacity};
   ForwardPlanner<P> planner(shape, 1, make_replay_policy<P>(shape, stream, future));
   ForwardPlan plan;
@@ -244,6 +264,9 @@ Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream
     if (Status st = planner.plan_unique(stream.forward(i), plan); !st.ok()) {
       return Status(st.code(), forward_where(trace, stream.source[i]) + ": " + std::string(st.message()));
     }
+    ReplayCounts& layer = per_layer[static_cast<std::size_t>(stream.layer_index[i])];
+    layer.hits += plan.hits;
+    layer.misses += plan.misses;
     if (++progress.done >= progress.next_report && progress.options->progress) {
       progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
       progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
@@ -262,32 +285,35 @@ Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream
 struct ReplayCaches {
   std::vector<CacheStream> streams;
   std::vector<std::shared_ptr<const BeladyFuture>> futures;
+  std::size_t num_layers = 0;
 };
 
 template <class P>
-Result<ReplayCounts> replay_policy(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
-                                   ProgressState& progress) {
-  ReplayCounts total;
+Result<RunCounts> replay_policy(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
+                                ProgressState& progress) {
+  RunCounts run;
+  run.per_layer.resize(caches.num_layers);
   for (std::size_t i = 0; i < caches.streams.size(); ++i) {
-    Result<ReplayCounts> r = replay_stream<P>(trace, caches.streams[i], capacity, caches.futures[i], progress);
+    Result<ReplayCounts> r =
+        replay_stream<P>(trace, caches.streams[i], capacity, caches.futures[i], progress, run.per_layer);
     if (!r.ok()) return r.status();
-    total.hits += r.value().hits;
-    total.misses += r.value().misses;
-    total.evictions += r.value().evictions;
+    run.total.hits += r.value().hits;
+    run.total.misses += r.value().misses;
+    run.total.evictions += r.value().evictions;
   }
   if (progress.options->progress) {  // always report the end of a run
     progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
     progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
   }
-  return total;
+  return run;
 }
 
 // Dispatch a policy name to its type.
 template <class... Ps>
-std::optional<Result<ReplayCounts>> replay_named(PolicyList<Ps...>, std::string_view name, const Trace& trace,
+std::optional<Result<RunCounts>> replay_named(PolicyList<Ps...>, std::string_view name, const Trace& trace,
                                                  ReplayCaches& caches, std::int32_t capacity,
                                                  ProgressState& progress) {
-  std::optional<Result<ReplayCounts>> out;
+  std::optional<Result<RunCounts>> out;
   ((name == Ps::name && !out ? (void)(out.emplace(replay_policy<Ps>(trace, caches, capacity, progress))) : (void)0),
    ...);
   return out;
@@ -295,7 +321,7 @@ std::optional<Result<ReplayCounts>> replay_named(PolicyList<Ps...>, std::string_
 
 // OPT's counts, or nothing while no OPT policy exists (Opt = void).
 template <class Opt>
-std::optional<Result<ReplayCounts>> replay_opt(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
+std::optional<Result<RunCounts>> replay_opt(const Trace& trace, ReplayCaches& caches, std::int32_t capacity,
                                                ProgressState& progress) {
   if constexpr (std::is_void_v<Opt>) {
     (void)trace, (void)caches, (void)capacity, (void)progress;
@@ -329,14 +355,15 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     }
     Result<std::vector<CacheStream>> streams_r = build_cache_streams(trace, options.scope);
     if (!streams_r.ok()) return streams_r.status();
-    detail::ReplayCaches caches{std::move(streams_r).value(), {}};
+    detail::ReplayCaches caches{std::move(streams_r).value(), {}, trace.layers().size()};
     caches.futures.resize(caches.streams.size());
     const std::vector<CacheStream>& streams = caches.streams;
 
     ReplayReport report;
     report.scope = options.scope;
     report.num_experts = trace.num_experts;
-    report.num_layers = static_cast<std::int32_t>(trace.layers().size());
+    report.layers = trace.layers();
+    report.num_layers = static_cast<std::int32_t>(report.layers.size());
     report.cache_experts = streams[0].num_experts;
     report.caches = static_cast<std::int32_t>(streams.size());
     report.forwards = trace.forwards.size();
@@ -372,9 +399,11 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
 
     for (const std::int32_t c : options.capacities) {
       std::optional<ReplayCounts> opt;
-      if (std::optional<Result<ReplayCounts>> r = detail::replay_opt<ReplayOptPolicy>(trace, caches, c, progress)) {
+      std::optional<std::vector<ReplayCounts>> opt_per_layer;
+      if (std::optional<Result<detail::RunCounts>> r = detail::replay_opt<ReplayOptPolicy>(trace, caches, c, progress)) {
         if (!r->ok()) return r->status();
-        opt = r->value();
+        opt = r->value().total;
+        opt_per_layer = r->value().per_layer;
       }
       for (const std::string& name : options.policies) {
         ReplayRow row;
@@ -382,13 +411,16 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
         row.capacity = c;
         if (detail::is_opt_name(name) && opt) {
           row.counts = *opt;
+          row.per_layer = *opt_per_layer;
         } else {
-          std::optional<Result<ReplayCounts>> r =
+          std::optional<Result<detail::RunCounts>> r =
               detail::replay_named(ReplayPolicies{}, name, trace, caches, c, progress);
           if (!r) return Status(ErrorCode::internal, "policy '" + name + "' is listed but not dispatchable");
           if (!r->ok()) return r->status();
-          row.counts = r->value();
+          row.counts = r->value().total;
+          row.per_layer = std::move(r->value().per_layer);
         }
+        row.opt_per_layer = opt_per_layer;
         if (opt) {
           row.hits_vs_opt = detail::ratio(row.counts.hits, opt->hits);
           row.misses_vs_opt = detail::ratio(row.counts.misses, opt->misses);

@@ -1,0 +1,154 @@
+#pragma once
+// LRFU (Lee et al., IEEE ToC 2001) with per-layer time, for a pool that spans layers.
+// Each expert's value is its combined recency-frequency CRF = sum over past requests of
+// 2^(-age / half_life), the age counted in forwards of the expert's own layer (steps), not
+// in pool accesses: in a global pool every layer is visited once per step, so a pool-wide
+// clock would make an expert of the next layer look older than one of the layer just done,
+// although it is needed sooner. The victim is the resident outside the forward whose next
+// request is expected furthest away: d + L * (1/p - 1) forwards, where p = CRF * (1 - 2^(-1/h))
+// estimates the chance of a request per step and d is how many forwards until its layer
+// comes round again. Within a layer that is the lowest CRF (a heap top), so a miss looks at
+// one candidate per layer. CRF is kept for non-residents too (the id space is small and
+// dense), so a returning expert resumes its history.
+// Cost: O(log n) per hit/insert/remove, O(L + log n) per victim (L = layers in the pool).
+// Device planner: fits. Per id one float + one int, per layer a heap; the victim is an
+// argmax over L layer tops (one warp), the heap update a short sequential sift.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/layer_heaps.hpp"
+#include "expert_cache/eviction/pool_layout.hpp"
+
+namespace expert_cache::inline v0 {
+
+struct LrfuParams {
+  double half_life = 8.0;     // steps (forwards of the expert's layer)
+  double phase_weight = 1.0;  // 0: ignore where in the layer cycle the pool stands
+  friend bool operator==(const LrfuParams&, const LrfuParams&) = default;
+};
+
+class Lrfu {
+ public:
+  static constexpr std::string_view name = "lrfu";
+
+  explicit Lrfu(CacheShape shape, PoolLayout layout = {}, LrfuParams params = {})
+      : heaps_(shape, layout),
+        params_(params),
+        inv_half_life_(1.0 / std::max(params.half_life, 1e-3)),
+        one_minus_decay_(1.0 - std::exp2(-inv_half_life_)),
+        crf_(static_cast<std::size_t>(shape.num_experts), 0.0),
+        last_(static_cast<std::size_t>(shape.num_experts), 0),
+        resident_(static_cast<std::size_t>(shape.num_experts), 0),
+        clock_(static_cast<std::size_t>(heaps_.num_layers()), 0),
+        pinned_(static_cast<std::size_t>(shape.capacity), -1) {}
+
+  // Residents of the previous forward become evictable again; this forward's are pinned
+  // (taken out of their heap), so every heap top is a legal victim.
+  void begin_forward(std::span<const ExpertId> ids) noexcept {
+    for (std::size_t i = 0; i < pinned_count_; ++i) heaps_.push(pinned_[i]);
+    pinned_count_ = 0;
+    std::int32_t last_layer = -1;
+    for (const ExpertId e : ids) {
+      const std::int32_t l = heaps_.layer_of(e.value);
+      if (l != last_layer) ++clock_[static_cast<std::size_t>(l)];  // ids of one layer are contiguous
+      last_layer = l;
+      current_layer_ = l;
+      if (resident_[e.index()] && heaps_.contains(e.value)) pin(e.value);
+    }
+  }
+
+  void on_hit(ExpertId e) noexcept { touch(e.value); }
+
+  void on_insert(ExpertId e) noexcept {
+    resident_[e.index()] = 1;
+    touch(e.value);
+    heaps_.push(e.value);
+    pin(e.value);
+  }
+
+  void on_remove(ExpertId e) noexcept {
+    resident_[e.index()] = 0;
+    heaps_.remove(e.value);
+    for (std::size_t i = 0; i < pinned_count_; ++i) {  // only an invalidation finds it here
+      if (pinned_[i] == e.value) {
+        pinned_[i] = pinned_[--pinned_count_];
+        break;
+      }
+    }
+  }
+
+  [[nodiscard]] ExpertId choose_victim(const ForwardSet& needed) const noexcept {
+    const std::int32_t layers = heaps_.num_layers();
+    std::int32_t best = -1;
+    double best_wait = 0.0;
+    for (std::int32_t l = 0; l < layers; ++l) {
+      const std::int32_t e = heaps_.top(l);
+      if (e < 0 || needed.contains(ExpertId(e))) continue;  // pinned forward ids are never tops
+      const double wait = expected_wait(e, l);
+      if (best < 0 || wait > best_wait) {
+        best = e;
+        best_wait = wait;
+      }
+    }
+    return ExpertId(best);  // -1 only if every resident is in the forward (precondition)
+  }
+
+  // CRF of `e` now (in its layer's time).
+  [[nodiscard]] double crf(ExpertId e) const noexcept {
+    const auto i = e.index();
+    const std::int32_t l = heaps_.layer_of(e.value);
+    return crf_[i] * std::exp2(-static_cast<double>(clock_[static_cast<std::size_t>(l)] - last_[i]) * inv_half_life_);
+  }
+
+  friend bool operator==(const Lrfu&, const Lrfu&) = default;
+
+ private:
+  // Takes a resident out of its heap for the rest of the forward. A forward never holds more
+  // than `capacity` ids; beyond that an id simply stays evictable by the heap (choose_victim
+  // still skips it through `needed`).
+  void pin(std::int32_t e) noexcept {
+    if (pinned_count_ == pinned_.size()) return;
+    heaps_.remove(e);
+    pinned_[pinned_count_++] = e;
+  }
+
+  void touch(std::int32_t e) noexcept {
+    const auto i = static_cast<std::size_t>(e);
+    const std::uint32_t now = clock_[static_cast<std::size_t>(heaps_.layer_of(e))];
+    crf_[i] = crf_[i] * std::exp2(-static_cast<double>(now - last_[i]) * inv_half_life_) + 1.0;
+    last_[i] = now;
+    // Forward decay: log2(CRF) + now/h orders a layer's ids the same at every later time.
+    heaps_.set_key(e, std::log2(crf_[i]) + static_cast<double>(now) * inv_half_life_);
+  }
+
+  // Expected forwards until `e` (top of layer l) is requested again.
+  [[nodiscard]] double expected_wait(std::int32_t e, std::int32_t l) const noexcept {
+    const std::int32_t layers = heaps_.num_layers();
+    const double log_crf = heaps_.key(e) - static_cast<double>(clock_[static_cast<std::size_t>(l)]) * inv_half_life_;
+    const double p = std::min(1.0, std::exp2(log_crf) * one_minus_decay_);
+    const std::int32_t d = (l - current_layer_ + layers) % layers;  // forwards until layer l again
+    return params_.phase_weight * d + layers * (1.0 / std::max(p, 1e-300) - 1.0);
+  }
+
+  detail::LayerHeaps heaps_;
+  LrfuParams params_;
+  double inv_half_life_;
+  double one_minus_decay_;
+  std::vector<double> crf_;           // per id, as of last_
+  std::vector<std::uint32_t> last_;   // per id: its layer's clock at its last request
+  std::vector<std::uint8_t> resident_;
+  std::vector<std::uint32_t> clock_;  // per layer: forwards seen
+  std::vector<std::int32_t> pinned_;  // residents of the current forward (out of the heaps);
+  std::size_t pinned_count_ = 0;      // a fixed array, not push_back: copies keep no reserve
+  std::int32_t current_layer_ = 0;
+};
+
+static_assert(eviction_policy<Lrfu>);
+static_assert(has_begin_forward<Lrfu>);
+
+}  // namespace expert_cache::inline v0
