@@ -2,7 +2,7 @@
 # Installs what the build needs and is missing (Debian 12): meson, ninja, doctest, Google Benchmark.
 set -euo pipefail
 # A dependency counts as present when pkg-config finds it (Debian's package, or a staged copy
-# on PKG_CONFIG_PATH as on the GPU machine, which has no package registry).
+# on PKG_CONFIG_PATH, for machines without a package registry).
 has_pc() { command -v pkg-config >/dev/null 2>&1 && pkg-config --exists "$1"; }
 missing=()
 command -v meson >/dev/null 2>&1 || python3 -c 'import mesonbuild' >/dev/null 2>&1 || missing+=(meson)

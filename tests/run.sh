@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 EXPERT_CACHE_WANT_CLANG=1 tests/deps.sh || { echo "dependency install failed"; echo "0 passed, 1 failed"; exit 1; }
 export PATH="/usr/local/cuda/bin:$PATH"
-# Meson from Debian, or the Python package where only that exists (the GPU machine's image).
+# Meson from Debian, or the Python package where only that exists (some CUDA images ship Meson only as a Python package).
 meson() { if command -v meson >/dev/null 2>&1; then command meson "$@"; else python3 -m mesonbuild.mesonmain "$@"; fi; }
 cuda=disabled
 command -v nvcc >/dev/null 2>&1 && cuda=enabled
