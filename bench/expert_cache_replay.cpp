@@ -205,7 +205,7 @@ void print_table(std::ostream& out, const std::string& source, const ec::ReplayR
       << "scope: " << ec::to_string(r.scope) << " (" << r.caches << (r.caches == 1 ? " cache" : " caches")
       << " of " << r.cache_experts << " keys; capacity = slots per cache)\n\n";
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%-8s %8s %12s %12s %9s", "policy", "capacity", "hits", "misses", "hit_rate");
+  std::snprintf(buf, sizeof buf, "%-10s %8s %12s %12s %9s", "policy", "capacity", "hits", "misses", "hit_rate");
   out << buf;
   if (r.has_opt) {
     std::snprintf(buf, sizeof buf, " %9s %11s", "hits/OPT", "misses/OPT");
@@ -216,7 +216,7 @@ void print_table(std::ostream& out, const std::string& source, const ec::ReplayR
   for (const ec::ReplayRow& row : r.rows) {
     if (last_capacity != -1 && row.capacity != last_capacity) out << '\n';
     last_capacity = row.capacity;
-    std::snprintf(buf, sizeof buf, "%-8s %8d %12llu %12llu %8.2f%%", row.policy.c_str(), row.capacity,
+    std::snprintf(buf, sizeof buf, "%-10s %8d %12llu %12llu %8.2f%%", row.policy.c_str(), row.capacity,
                   static_cast<unsigned long long>(row.counts.hits),
                   static_cast<unsigned long long>(row.counts.misses), 100.0 * row.counts.hit_rate());
     out << buf;
@@ -246,7 +246,7 @@ void print_per_layer(std::ostream& out, const ec::ReplayReport& r) {
     std::snprintf(buf, sizeof buf, "%6s %9s %7s", "layer", "requests", "OPT");
     out << buf;
     for (std::size_t i = first; i < end; ++i) {
-      std::snprintf(buf, sizeof buf, " %8.8s", r.rows[i].policy.c_str());
+      std::snprintf(buf, sizeof buf, " %10.10s", r.rows[i].policy.c_str());
       out << buf;
     }
     out << '\n';
@@ -257,7 +257,7 @@ void print_per_layer(std::ostream& out, const ec::ReplayReport& r) {
       for (std::size_t i = first; i < end; ++i) {
         const double x = opt[l].hits == 0 ? 1.0 : static_cast<double>(r.rows[i].per_layer[l].hits) /
                                                       static_cast<double>(opt[l].hits);
-        std::snprintf(buf, sizeof buf, " %8.3f", x);
+        std::snprintf(buf, sizeof buf, " %10.3f", x);
         out << buf;
       }
       out << '\n';

@@ -1,0 +1,166 @@
+#pragma once
+// Layer-aware capacity for one pool shared by all layers: every layer owns a share (target)
+// of the slots, and shares move to the layers whose working sets need them. A victim comes
+// from the layer most above its share (outside the forward); inside a layer it is the
+// resident with the lowest recency-frequency value (CRF with per-layer time, as in Lrfu).
+// Shares adapt on ghost hits, as ARC's p does between its two lists: a miss on an id that
+// its layer evicted within the pool's last capacity/10 evictions means that layer
+// would have hit with one more slot, so its share grows by one slot, taken from the other
+// layers in proportion to their shares (the total stays `capacity`).
+// A layer's forward that needs more than its share borrows from the layers above theirs;
+// the next forward takes the loan back from the layer just done, so a layer's share keeps
+// its most valuable experts and the slack rotates (scan resistance in a cyclic pool).
+// Cost: O(log n) per hit/insert/remove, O(L) per victim and per ghost hit (L = layers).
+// Device planner: fits; the state is per-id arrays plus L shares, the victim an argmax over
+// L layers (one warp), and the share update an O(L) vector operation.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/layer_heaps.hpp"
+#include "expert_cache/eviction/pool_layout.hpp"
+
+namespace expert_cache::inline v0 {
+
+struct LayerShareParams {
+  double half_life = 8.0;   // steps, for the within-layer CRF order
+  double ghost_gain = 1.0;  // slots a layer's share grows by per ghost hit
+  double ghost_depth = 0.1; // ghosts remembered, as a fraction of the capacity (the marginal slots)
+  friend bool operator==(const LayerShareParams&, const LayerShareParams&) = default;
+};
+
+class LayerShare {
+ public:
+  static constexpr std::string_view name = "layershare";
+
+  explicit LayerShare(CacheShape shape, PoolLayout layout = {}, LayerShareParams params = {})
+      : heaps_(shape, layout),
+        params_(params),
+        capacity_(shape.capacity),
+        ghost_depth_(static_cast<std::uint64_t>(std::max(1.0, params.ghost_depth * shape.capacity))),
+        inv_half_life_(1.0 / std::max(params.half_life, 1e-3)),
+        crf_(static_cast<std::size_t>(shape.num_experts), 0.0),
+        last_(static_cast<std::size_t>(shape.num_experts), 0),
+        evicted_at_(static_cast<std::size_t>(shape.num_experts), 0),
+        clock_(static_cast<std::size_t>(heaps_.num_layers()), 0),
+        share_(static_cast<std::size_t>(heaps_.num_layers()),
+               static_cast<double>(shape.capacity) / heaps_.num_layers()),
+        residents_(static_cast<std::size_t>(heaps_.num_layers()), 0),
+        pinned_(static_cast<std::size_t>(shape.capacity), -1) {}
+
+  void begin_forward(std::span<const ExpertId> ids) noexcept {
+    for (std::size_t i = 0; i < pinned_count_; ++i) heaps_.push(pinned_[i]);
+    pinned_count_ = 0;
+    std::int32_t last_layer = -1;
+    for (const ExpertId e : ids) {
+      const std::int32_t l = heaps_.layer_of(e.value);
+      if (l != last_layer) ++clock_[static_cast<std::size_t>(l)];
+      last_layer = l;
+      if (heaps_.contains(e.value)) pin(e.value);
+    }
+  }
+
+  void on_hit(ExpertId e) noexcept { touch(e.value); }
+
+  void on_insert(ExpertId e) noexcept {
+    const auto i = e.index();
+    const std::int32_t l = heaps_.layer_of(e.value);
+    if (evicted_at_[i] != 0 && evictions_ - evicted_at_[i] < ghost_depth_) grow(l);
+    evicted_at_[i] = 0;
+    ++residents_[static_cast<std::size_t>(l)];
+    touch(e.value);
+    heaps_.push(e.value);
+    pin(e.value);
+  }
+
+  void on_remove(ExpertId e) noexcept {
+    const auto i = e.index();
+    --residents_[static_cast<std::size_t>(heaps_.layer_of(e.value))];
+    heaps_.remove(e.value);
+    if (e.value == victim_) evicted_at_[i] = ++evictions_;  // invalidations leave no ghost
+    victim_ = -1;
+    for (std::size_t k = 0; k < pinned_count_; ++k) {  // only an invalidation finds it here
+      if (pinned_[k] == e.value) {
+        pinned_[k] = pinned_[--pinned_count_];
+        break;
+      }
+    }
+  }
+
+  [[nodiscard]] ExpertId choose_victim(const ForwardSet& needed) noexcept {
+    std::int32_t best = -1;
+    double best_excess = 0.0;
+    for (std::int32_t l = 0; l < heaps_.num_layers(); ++l) {
+      const std::int32_t e = heaps_.top(l);
+      if (e < 0 || needed.contains(ExpertId(e))) continue;
+      const double excess = residents_[static_cast<std::size_t>(l)] - share_[static_cast<std::size_t>(l)];
+      if (best < 0 || excess > best_excess) {
+        best = e;
+        best_excess = excess;
+      }
+    }
+    victim_ = best;
+    return ExpertId(best);
+  }
+
+  [[nodiscard]] double share(std::int32_t layer) const noexcept { return share_[static_cast<std::size_t>(layer)]; }
+  [[nodiscard]] std::int32_t residents(std::int32_t layer) const noexcept {
+    return residents_[static_cast<std::size_t>(layer)];
+  }
+
+  friend bool operator==(const LayerShare&, const LayerShare&) = default;
+
+ private:
+  void pin(std::int32_t e) noexcept {
+    if (pinned_count_ == pinned_.size()) return;  // a forward holds at most `capacity` ids
+    heaps_.remove(e);
+    pinned_[pinned_count_++] = e;
+  }
+
+  void touch(std::int32_t e) noexcept {
+    const auto i = static_cast<std::size_t>(e);
+    const std::uint32_t now = clock_[static_cast<std::size_t>(heaps_.layer_of(e))];
+    crf_[i] = crf_[i] * std::exp2(-static_cast<double>(now - last_[i]) * inv_half_life_) + 1.0;
+    last_[i] = now;
+    heaps_.set_key(e, std::log2(crf_[i]) + static_cast<double>(now) * inv_half_life_);
+  }
+
+  // Layer l would have hit with one more slot: move ghost_gain slots to it from the others,
+  // in proportion to their shares.
+  void grow(std::int32_t l) noexcept {
+    double& mine = share_[static_cast<std::size_t>(l)];
+    const double others = capacity_ - mine;
+    const double gain = std::min(params_.ghost_gain, others);
+    if (gain <= 0.0) return;
+    const double keep = (others - gain) / others;
+    for (std::size_t m = 0; m < share_.size(); ++m) {
+      if (m != static_cast<std::size_t>(l)) share_[m] *= keep;
+    }
+    mine += gain;
+  }
+
+  detail::LayerHeaps heaps_;
+  LayerShareParams params_;
+  std::int32_t capacity_;
+  std::uint64_t ghost_depth_;
+  double inv_half_life_;
+  std::vector<double> crf_;                // per id, as of last_
+  std::vector<std::uint32_t> last_;        // per id: its layer's clock at its last request
+  std::vector<std::uint64_t> evicted_at_;  // per id: eviction number, 0 = no ghost
+  std::vector<std::uint32_t> clock_;       // per layer: forwards seen
+  std::vector<double> share_;              // per layer: target slots, sum = capacity
+  std::vector<std::int32_t> residents_;    // per layer
+  std::vector<std::int32_t> pinned_;       // residents of the current forward (out of the heaps)
+  std::size_t pinned_count_ = 0;
+  std::uint64_t evictions_ = 0;
+  std::int32_t victim_ = -1;  // last choose_victim result, ghosted in on_remove
+};
+
+static_assert(eviction_policy<LayerShare>);
+static_assert(has_begin_forward<LayerShare>);
+
+}  // namespace expert_cache::inline v0
