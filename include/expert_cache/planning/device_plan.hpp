@@ -1,0 +1,518 @@
+#pragma once
+// Device-side forward planning (issue 12, phase 1): the LRU planning step written once as
+// __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
+// algorithm the CUDA kernel runs (planning/device_plan.hpp + SequentialBlock on the host,
+// device/plan_kernel.cuh + CubBlock on the GPU). Its decisions equal ForwardPlanner<Lru>
+// exactly: the same hits, misses, victims, slots, fill and eviction lists, resident map and
+// forward map after every step (tests/test_device_plan.cpp, tests/gpu/test_device_plan.cu).
+//
+// Why the host planner's LRU list becomes a recency tick: Lru's list, head to tail, is in order
+// of last touch, and a forward touches its unique ids in ascending order. So a global counter
+// stamped on every touch (hit or insert) orders the residents exactly like the list, and the
+// victims of a forward are the residents outside the forward with the smallest ticks, taken in
+// tick order. Giving the forward's hits their new ticks (all >= the forward's first tick) BEFORE
+// the victim search makes "outside the forward" automatic: the smallest ticks then all belong
+// to non-forward residents (a group of n <= C experts never needs more victims than there are
+// non-forward residents). Ticks are stored per slot (a resident has exactly one slot), so the
+// victim search reads two contiguous arrays of C entries; 64-bit, so they never wrap.
+//
+// Overflow (more unique valid experts than slots): the host planner rejects such a forward and
+// the cache runs an expert split (split.hpp: ascending groups of <= capacity ids). A kernel
+// cannot return an error to a graph, so the device does the split itself: plan_forward
+// deduplicates into the sorted unique list, plans group 0 (the first C ids) and records
+// group_count; plan_group(g) plans group g = ids [g*C, (g+1)*C) exactly like host plan_unique
+// on that group (protection covers the group being planned; earlier groups' consumers already
+// ran in stream order). A graph holds max_groups(n_ids) (plan_group -> fill -> consumer) rounds;
+// a round with g >= group_count is empty: it clears the forward map and writes an empty fill
+// list, so its consumer computes nothing and the result is still correct. Overflowing forwards
+// are counted (stats.overflows, stats.overflow_groups) and flagged in the error word: never
+// silent, never wrong.
+//
+// Ids: -1 is padding (ignored, like the host). Any other id outside [0, E) — INT32_MIN, -7,
+// E, INT32_MAX: values a broken router writes, not padding — is counted in stats.bad_ids, flags
+// plan_error_bad_id and is dropped (the plan is then the host plan of the remaining ids). An id
+// is compared against E before it indexes anything. `sanitized` (optional) receives the ids
+// with every dropped one replaced by -1, so a consumer indexing the forward map with them stays
+// in bounds; it may alias the input.
+//
+// Host-compilable with g++ alone (no CUDA headers); under nvcc every function here is
+// __host__ __device__.
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "expert_cache/config.hpp"
+
+namespace expert_cache::inline v0 {
+
+// Pointer + size: cuda::std::span is not available to g++, and the kernel parameter must be a
+// trivially copyable view.
+template <class T>
+struct PlanSpan {
+  T* data = nullptr;
+  std::int32_t size = 0;
+  EXPERT_CACHE_HOST_DEVICE constexpr T& operator[](std::int32_t i) const noexcept { return data[i]; }
+};
+
+// One fill (slot `slot` must receive expert `expert`) or one eviction (expert left slot).
+struct PlanEntry {
+  std::int32_t expert = -1;
+  std::int32_t slot = -1;
+  friend constexpr bool operator==(const PlanEntry&, const PlanEntry&) = default;
+};
+
+// Cumulative counters; in mapped host memory on the GPU so the host reads them while a graph
+// runs (64-bit aligned words, updated atomically by the device).
+struct DevicePlanStats {
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;
+  std::uint64_t evictions = 0;
+  std::uint64_t overflows = 0;        // forwards with more unique experts than slots
+  std::uint64_t overflow_groups = 0;  // groups beyond group 0 those forwards needed
+  std::uint64_t bad_ids = 0;          // ids dropped by plan_forward / plan_invalidate
+  std::uint64_t forwards = 0;         // plan_forward calls
+  std::uint64_t invalidations = 0;    // experts dropped by plan_invalidate
+  friend constexpr bool operator==(const DevicePlanStats&, const DevicePlanStats&) = default;
+};
+
+// Bits of the sticky error word (OR-ed by the device, read and cleared by the host).
+enum PlanErrorBit : std::uint32_t {
+  plan_error_bad_id = 1u << 0,        // an id outside [0, E) other than -1 was dropped
+  plan_error_overflow = 1u << 1,      // a forward needed more than one group
+  plan_error_bad_state = 1u << 2,     // the state view or its scalars are inconsistent: nothing planned
+  plan_error_bad_argument = 1u << 3,  // n_ids < 0, null ids with n_ids > 0, or group < 0
+};
+
+// Mutable scalars of one cache's planning state (device memory on the GPU).
+struct DevicePlanScalars {
+  std::uint64_t tick = 1;          // next recency tick (slot_tick 0 = never used)
+  std::int32_t free_count = 0;     // entries of free_stack in use; top = free_count - 1
+  std::int32_t prev_count = 0;     // experts of the last planned group (in prev_forward)
+  std::int32_t unique_count = 0;   // unique valid experts of the current forward
+  std::int32_t group_count = 0;    // ceil(unique_count / capacity); 0 for an empty forward
+  std::int32_t group = 0;          // group planned last
+  std::int32_t group_size = 0;     // its experts
+  std::int32_t fill_count = 0;     // entries of fills (= misses of the last group)
+  std::int32_t eviction_count = 0; // entries of evictions
+  std::int32_t hits = 0;           // of the last group
+  std::int32_t misses = 0;         // of the last group
+  std::int32_t bad_ids = 0;        // of the last forward
+  std::int32_t last_invalidated_slot = -1;
+};
+
+// The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
+// passed by value as a kernel parameter, it stays valid in a replayed graph.
+struct DevicePlanState {
+  std::int32_t num_experts = 0;  // E
+  std::int32_t capacity = 0;     // C
+  PlanSpan<std::int32_t> resident_map;  // [E] expert -> slot, -1 absent (every resident)
+  PlanSpan<std::int32_t> forward_map;   // [E] expert -> slot for the last planned group only
+  PlanSpan<std::int32_t> unique;        // [E] sorted unique valid ids of the current forward
+  PlanSpan<std::uint32_t> marks;        // [E] dedup scratch, all zero between calls
+  PlanSpan<std::int32_t> slot_owner;    // [C] slot -> expert, -1 free
+  PlanSpan<std::uint64_t> slot_tick;    // [C] recency tick of the slot's resident (LRU = smallest)
+  PlanSpan<std::int32_t> free_stack;    // [C] LIFO, same initial order and pops as ForwardPlanner
+  PlanSpan<std::int32_t> prev_forward;  // [C] experts of the last group (sparse forward-map clear)
+  PlanSpan<PlanEntry> fills;            // [C] fill list of the last group, in processing order
+  PlanSpan<PlanEntry> evictions;        // [C] evictions of the last group, in order
+  DevicePlanScalars* scalars = nullptr;
+  DevicePlanStats* stats = nullptr;
+  std::uint32_t* error_word = nullptr;
+};
+
+// Ordering key of a resident: (tick, slot). Ticks of residents are distinct; the slot only
+// makes the order total should a corrupted state repeat one.
+struct PlanKey {
+  std::uint64_t tick = ~std::uint64_t{0};
+  std::int32_t slot = 0x7fffffff;
+  EXPERT_CACHE_HOST_DEVICE friend constexpr bool operator<(const PlanKey& a, const PlanKey& b) noexcept {
+    return a.tick < b.tick || (a.tick == b.tick && a.slot < b.slot);
+  }
+};
+
+// Cooperative primitives the planning code needs from the group of threads running it. Every
+// member except thread_rank/size is called by all threads of the block with the same control
+// flow (block-collective); counter_add / flags_or are called by one thread.
+template <class B>
+concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey k, std::uint64_t& c64,
+                              std::uint32_t& c32) {
+  { b.thread_rank() } -> std::same_as<std::int32_t>;
+  { b.size() } -> std::same_as<std::int32_t>;
+  b.sync();                                                         // barrier + memory visibility
+  { b.exclusive_sum(v, total) } -> std::same_as<std::int32_t>;     // prefix sum, total to all
+  { b.sum(v) } -> std::same_as<std::int32_t>;                      // result to all threads
+  { b.min_key(k) } -> std::same_as<PlanKey>;                       // arg-min, result to all
+  b.counter_add(c64, std::uint64_t{});                              // shared 64-bit counter
+  b.flags_or(c32, std::uint32_t{});                                 // sticky error word
+  b.mark(c32);                                                      // racing stores of 1
+};
+
+// The host block: one thread, barriers are no-ops. Also valid as a one-thread device block.
+struct SequentialBlock {
+  EXPERT_CACHE_HOST_DEVICE std::int32_t thread_rank() const noexcept { return 0; }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t size() const noexcept { return 1; }
+  EXPERT_CACHE_HOST_DEVICE void sync() noexcept {}
+  EXPERT_CACHE_HOST_DEVICE std::int32_t exclusive_sum(std::int32_t v, std::int32_t& total) noexcept {
+    total = v;
+    return 0;
+  }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t sum(std::int32_t v) noexcept { return v; }
+  EXPERT_CACHE_HOST_DEVICE PlanKey min_key(PlanKey k) noexcept { return k; }
+  EXPERT_CACHE_HOST_DEVICE void counter_add(std::uint64_t& c, std::uint64_t v) noexcept { c += v; }
+  EXPERT_CACHE_HOST_DEVICE void flags_or(std::uint32_t& w, std::uint32_t v) noexcept { w |= v; }
+  EXPERT_CACHE_HOST_DEVICE void mark(std::uint32_t& w) noexcept { w = 1; }
+};
+static_assert(plan_block<SequentialBlock>);
+
+inline constexpr std::int32_t plan_padding_id = -1;
+
+// Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
+EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
+                                                                std::int32_t capacity) noexcept {
+  if (n_ids <= 0 || capacity <= 0) return 1;
+  const std::int64_t u = n_ids < num_experts ? n_ids : num_experts;
+  return static_cast<std::int32_t>((u + capacity - 1) / capacity);
+}
+
+// ---- one allocation for every array ----------------------------------------------------------
+
+namespace detail {
+// Lays the arrays out back to back (16-byte aligned) from `base`; base 0 measures the size.
+struct PlanCursor {
+  std::uintptr_t at;
+  template <class T>
+  EXPERT_CACHE_HOST_DEVICE PlanSpan<T> take(std::int32_t n) noexcept {
+    at = (at + 15u) & ~std::uintptr_t{15};
+    PlanSpan<T> s{reinterpret_cast<T*>(at), n};
+    at += sizeof(T) * static_cast<std::size_t>(n);
+    return s;
+  }
+};
+}  // namespace detail
+
+// Binds a view onto `base` (plan_state_bytes(E, C) bytes, 16-byte aligned). The same layout on
+// the host and the device, so a byte copy of the device block, bound here, reads as a state.
+EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std::int32_t num_experts,
+                                                                std::int32_t capacity, DevicePlanStats* stats,
+                                                                std::uint32_t* error_word) noexcept {
+  DevicePlanState s;
+  s.num_experts = num_experts;
+  s.capacity = capacity;
+  detail::PlanCursor c{reinterpret_cast<std::uintptr_t>(base)};
+  s.scalars = c.take<DevicePlanScalars>(1).data;
+  s.slot_tick = c.take<std::uint64_t>(capacity);
+  s.resident_map = c.take<std::int32_t>(num_experts);
+  s.forward_map = c.take<std::int32_t>(num_experts);
+  s.unique = c.take<std::int32_t>(num_experts);
+  s.marks = c.take<std::uint32_t>(num_experts);
+  s.slot_owner = c.take<std::int32_t>(capacity);
+  s.free_stack = c.take<std::int32_t>(capacity);
+  s.prev_forward = c.take<std::int32_t>(capacity);
+  s.fills = c.take<PlanEntry>(capacity);
+  s.evictions = c.take<PlanEntry>(capacity);
+  s.stats = stats;
+  s.error_word = error_word;
+  return s;
+}
+
+EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_experts, std::int32_t capacity) noexcept {
+  if (num_experts <= 0 || capacity <= 0) return 0;
+  const DevicePlanState s = bind_plan_state(nullptr, num_experts, capacity, nullptr, nullptr);
+  const auto end = reinterpret_cast<std::uintptr_t>(s.evictions.data + capacity);
+  return static_cast<std::size_t>(end);
+}
+
+// Shape and pointers consistent, and the scalars within range. Checked at every entry so a
+// broken view cannot make the planner index out of bounds; the scalars are written only by
+// this code, the check guards against a state corrupted from outside.
+EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noexcept {
+  const std::int32_t e = s.num_experts, c = s.capacity;
+  if (e <= 0 || c <= 0 || c > e || s.scalars == nullptr || s.stats == nullptr || s.error_word == nullptr) return false;
+  if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
+  if (s.slot_owner.size != c || s.slot_tick.size != c || s.free_stack.size != c || s.prev_forward.size != c ||
+      s.fills.size != c || s.evictions.size != c) {
+    return false;
+  }
+  const DevicePlanScalars& k = *s.scalars;
+  return k.free_count >= 0 && k.free_count <= c && k.prev_count >= 0 && k.prev_count <= c && k.unique_count >= 0 &&
+         k.unique_count <= e && k.group_count >= 0 && k.group_count <= e;
+}
+
+namespace detail {
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_fail(Block& b, const DevicePlanState& s, std::uint32_t bit) noexcept {
+  if (b.thread_rank() == 0 && s.error_word != nullptr) b.flags_or(*s.error_word, bit);
+  b.sync();
+}
+EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t min_i32(std::int32_t a, std::int32_t b) noexcept { return a < b ? a : b; }
+}  // namespace detail
+
+// Empty cache: nothing resident, free stack [C-1, ..., 0] (slot 0 popped first, like
+// ForwardPlanner<Lru>, whose free_slot_order is lowest_first), counters and error word zero.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& s) noexcept {
+  const std::int32_t r = b.thread_rank(), n = b.size();
+  for (std::int32_t e = r; e < s.resident_map.size; e += n) {
+    s.resident_map[e] = -1;
+    s.forward_map[e] = -1;
+    s.unique[e] = -1;
+    s.marks[e] = 0;
+  }
+  const std::int32_t c = s.capacity;
+  for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
+    s.slot_owner[i] = -1;
+    s.slot_tick[i] = 0;
+    s.free_stack[i] = c - 1 - i;
+    s.prev_forward[i] = -1;
+    s.fills[i] = PlanEntry{};
+    s.evictions[i] = PlanEntry{};
+  }
+  if (r == 0) {
+    *s.scalars = DevicePlanScalars{};
+    s.scalars->free_count = c;
+    if (s.stats != nullptr) *s.stats = DevicePlanStats{};
+    if (s.error_word != nullptr) *s.error_word = 0;
+  }
+  b.sync();
+}
+
+// Plans group g of the current forward (set up by plan_forward): ids unique[g*C, g*C + n) in
+// ascending order, with ForwardPlanner<Lru>::plan_unique's decisions. g >= group_count is an
+// empty group (see the overflow note at the top). All threads of the block call it.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g) noexcept {
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  if (g < 0) return detail::plan_fail(b, s, plan_error_bad_argument);
+  const std::int32_t rank = b.thread_rank(), nt = b.size();
+  const std::int32_t E = s.num_experts, C = s.capacity;
+  DevicePlanScalars& sc = *s.scalars;
+  const std::int32_t prev = sc.prev_count, unique = sc.unique_count, groups = sc.group_count, free = sc.free_count;
+  const std::uint64_t tick0 = sc.tick;
+
+  // The forward map holds only the last group: clear its entries (<= C writes, not E).
+  for (std::int32_t i = rank; i < prev; i += nt) {
+    const std::int32_t e = s.prev_forward[i];
+    if (e >= 0 && e < E) s.forward_map[e] = -1;
+  }
+  b.sync();  // a cleared entry may belong to this group too: clear before set
+  if (g >= groups) {
+    if (rank == 0) {
+      sc.prev_count = sc.fill_count = sc.eviction_count = sc.hits = sc.misses = sc.group_size = 0;
+      sc.group = g;
+    }
+    b.sync();
+    return;
+  }
+  const std::int32_t begin = g * C;  // g < groups <= ceil(E / C): no overflow
+  const std::int32_t n = detail::min_i32(C, unique - begin);
+
+  // Classify. Hits take their new tick now, so that every resident of this group is younger
+  // than every other resident before the victim search (in-forward protection by ordering).
+  // Misses are compacted in ascending order into the fill list; `slot` temporarily holds the
+  // expert's position in the group (its tick offset) until the slot is known.
+  std::int32_t misses = 0;
+  for (std::int32_t base = 0; base < n; base += nt) {
+    const std::int32_t i = base + rank;
+    std::int32_t miss = 0, e = -1;
+    if (i < n) {
+      e = s.unique[begin + i];
+      const std::int32_t slot = (e >= 0 && e < E) ? s.resident_map[e] : -2;
+      s.prev_forward[i] = e;
+      if (slot >= 0 && slot < C) {
+        s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
+        s.forward_map[e] = slot;
+      } else {
+        miss = 1;
+      }
+    }
+    std::int32_t total = 0;
+    const std::int32_t offset = b.exclusive_sum(miss, total);
+    if (miss) s.fills[misses + offset] = PlanEntry{e, i};
+    misses += total;
+  }
+  const std::int32_t from_free = detail::min_i32(misses, free);
+  const std::int32_t victims = misses - from_free;
+  b.sync();  // hit ticks and the fill list visible to every thread
+
+  // Victims: the `victims` smallest (tick, slot) keys among residents, one block arg-min each,
+  // each strictly above the previous one. Only evicting forwards pay this (the all-hit decode
+  // step and misses served from free slots skip it); O(victims * C / threads).
+  PlanKey last{0, -1};
+  for (std::int32_t j = 0; j < victims; ++j) {
+    PlanKey best;
+    for (std::int32_t slot = rank; slot < C; slot += nt) {
+      if (s.slot_owner[slot] < 0) continue;
+      const PlanKey key{s.slot_tick[slot], slot};
+      if (last < key && key < best) best = key;
+    }
+    best = b.min_key(best);
+    // Not found, or a resident of this group: only a corrupted state gets here (the host
+    // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
+    if (best.slot < 0 || best.slot >= C || best.tick >= tick0) return detail::plan_fail(b, s, plan_error_bad_state);
+    if (rank == 0) s.evictions[j] = PlanEntry{s.slot_owner[best.slot], best.slot};
+    last = best;
+  }
+  b.sync();  // the eviction list visible to every thread
+
+  // Apply: the r-th miss pops the free stack while it lasts (top first, like the host's
+  // pop_back), then takes the r - from_free-th victim's slot.
+  for (std::int32_t r = rank; r < misses; r += nt) {
+    const PlanEntry f = s.fills[r];
+    std::int32_t slot;
+    if (r < from_free) {
+      slot = s.free_stack[free - 1 - r];
+    } else {
+      const PlanEntry v = s.evictions[r - from_free];
+      if (v.expert >= 0 && v.expert < E) s.resident_map[v.expert] = -1;
+      slot = v.slot;
+    }
+    if (slot < 0 || slot >= C || f.expert < 0 || f.expert >= E) continue;  // corrupted free stack only
+    s.fills[r].slot = slot;
+    s.resident_map[f.expert] = slot;
+    s.forward_map[f.expert] = slot;
+    s.slot_owner[slot] = f.expert;
+    s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+  }
+  if (rank == 0) {
+    sc.free_count = free - from_free;
+    sc.prev_count = n;
+    sc.fill_count = misses;
+    sc.eviction_count = victims;
+    sc.hits = n - misses;
+    sc.misses = misses;
+    sc.group = g;
+    sc.group_size = n;
+    sc.tick = tick0 + static_cast<std::uint64_t>(n);
+    b.counter_add(s.stats->hits, static_cast<std::uint64_t>(n - misses));
+    b.counter_add(s.stats->misses, static_cast<std::uint64_t>(misses));
+    if (victims > 0) b.counter_add(s.stats->evictions, static_cast<std::uint64_t>(victims));
+  }
+  b.sync();
+}
+
+// Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
+// out-of-range ids counted and dropped): deduplicates into the ascending unique list, records
+// the group count, and plans group 0. All threads of the block call it.
+//
+// Dedup by marking instead of sorting: each valid id sets marks[id], then one block scan over
+// the E marks emits the unique ids already in ascending order (and clears the marks). That is
+// O(n_ids / threads + E / threads) for any n_ids, where a block radix sort needs the input size
+// fixed at compile time and log2(E)-bit passes each with their own scans.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, const std::int32_t* ids,
+                                           std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  const std::int32_t rank = b.thread_rank(), nt = b.size();
+  const std::int32_t E = s.num_experts, C = s.capacity;
+  std::uint32_t arg_error = 0;
+  if (n_ids < 0 || (ids == nullptr && n_ids > 0)) {
+    arg_error = plan_error_bad_argument;
+    n_ids = 0;  // planned as an empty forward: maps stay consistent
+  }
+
+  std::int32_t bad = 0;
+  for (std::int32_t i = rank; i < n_ids; i += nt) {
+    const std::int32_t id = ids[i];
+    const bool valid = id >= 0 && id < E;
+    if (valid) {
+      b.mark(s.marks[id]);
+    } else if (id != plan_padding_id) {
+      ++bad;
+    }
+    if (sanitized != nullptr) sanitized[i] = valid ? id : plan_padding_id;
+  }
+  const std::int32_t bad_total = b.sum(bad);
+  b.sync();  // every mark visible
+
+  std::int32_t unique = 0;
+  for (std::int32_t base = 0; base < E; base += nt) {
+    const std::int32_t e = base + rank;
+    const std::int32_t flag = (e < E && s.marks[e] != 0) ? 1 : 0;
+    std::int32_t total = 0;
+    const std::int32_t offset = b.exclusive_sum(flag, total);
+    if (flag) {
+      s.unique[unique + offset] = e;
+      s.marks[e] = 0;  // only this thread touches marks[e] in this phase
+    }
+    unique += total;
+  }
+  const std::int32_t groups = static_cast<std::int32_t>((static_cast<std::int64_t>(unique) + C - 1) / C);
+  if (rank == 0) {
+    DevicePlanScalars& sc = *s.scalars;
+    sc.unique_count = unique;
+    sc.group_count = groups;
+    sc.bad_ids = bad_total;
+    b.counter_add(s.stats->forwards, 1);
+    std::uint32_t flags = arg_error;
+    if (bad_total > 0) {
+      b.counter_add(s.stats->bad_ids, static_cast<std::uint64_t>(bad_total));
+      flags |= plan_error_bad_id;
+    }
+    if (groups > 1) {
+      b.counter_add(s.stats->overflows, 1);
+      b.counter_add(s.stats->overflow_groups, static_cast<std::uint64_t>(groups - 1));
+      flags |= plan_error_overflow;
+    }
+    if (flags != 0) b.flags_or(*s.error_word, flags);
+  }
+  b.sync();  // unique list and group count visible
+  plan_group(b, s, 0);
+}
+
+// Drops `expert` from residency (ForwardPlanner::invalidate): resident -> -1, its forward-map
+// entry -> -1, slot freed and pushed on the free stack (reused first). Not resident: no-op.
+// Out of range: counted as a bad id. The freed slot (or -1) lands in scalars->last_invalidated_slot.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s, std::int32_t expert) noexcept {
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  if (b.thread_rank() == 0) {
+    DevicePlanScalars& sc = *s.scalars;
+    sc.last_invalidated_slot = -1;
+    if (expert < 0 || expert >= s.num_experts) {
+      b.counter_add(s.stats->bad_ids, 1);
+      b.flags_or(*s.error_word, plan_error_bad_id);
+    } else {
+      const std::int32_t slot = s.resident_map[expert];
+      if (slot >= 0 && slot < s.capacity && sc.free_count < s.capacity) {
+        s.resident_map[expert] = -1;
+        s.forward_map[expert] = -1;
+        s.slot_owner[slot] = -1;
+        s.free_stack[sc.free_count] = slot;
+        sc.free_count += 1;
+        sc.last_invalidated_slot = slot;
+        b.counter_add(s.stats->invalidations, 1);
+      }
+    }
+  }
+  b.sync();
+}
+
+// Host memory for one state (the CPU suite; a SimRuntime model later): the block laid out by
+// bind_plan_state, stats and error word, reset to an empty cache. Not for device code.
+class HostPlanStorage {
+ public:
+  HostPlanStorage(std::int32_t num_experts, std::int32_t capacity)
+      : block_((plan_state_bytes(num_experts, capacity) + sizeof(Chunk) - 1) / sizeof(Chunk)) {
+    state_ = bind_plan_state(block_.data(), num_experts, capacity, &stats_, &error_word_);
+    SequentialBlock b;
+    reset_plan_state(b, state_);
+  }
+  HostPlanStorage(const HostPlanStorage&) = delete;  // the view points into this object
+  HostPlanStorage& operator=(const HostPlanStorage&) = delete;
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
+  [[nodiscard]] void* block() noexcept { return block_.data(); }
+  [[nodiscard]] std::size_t bytes() const noexcept { return block_.size() * sizeof(Chunk); }
+
+ private:
+  struct alignas(16) Chunk {
+    std::byte b[16];
+  };
+  std::vector<Chunk> block_;
+  DevicePlanStats stats_{};
+  std::uint32_t error_word_ = 0;
+  DevicePlanState state_{};
+};
+
+}  // namespace expert_cache::inline v0

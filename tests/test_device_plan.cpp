@@ -1,0 +1,458 @@
+// The device planning code (planning/device_plan.hpp) run on the host with SequentialBlock,
+// against ForwardPlanner<Lru>: after every step the same hits, misses, fill and eviction lists,
+// resident map, forward map, slot owners and free stack. Overflowing forwards are compared with
+// the host's expert split (plan_unique on ascending groups of <= capacity ids).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "expert_cache/eviction/lru.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/split.hpp"
+
+using namespace expert_cache;
+using Ids = std::vector<std::int32_t>;
+
+namespace {
+
+template <class T>
+std::vector<T> to_vector(PlanSpan<T> s, std::int32_t n) {
+  return std::vector<T>(s.data, s.data + n);
+}
+
+std::vector<PlanEntry> entries(const std::vector<SlotFill>& v) {
+  std::vector<PlanEntry> out;
+  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
+  return out;
+}
+std::vector<PlanEntry> entries(const std::vector<SlotEviction>& v) {
+  std::vector<PlanEntry> out;
+  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
+  return out;
+}
+
+// Sorted unique valid ids, split into ascending groups of <= capacity (split.hpp's expert split).
+std::vector<Ids> host_groups(const Ids& ids, std::int32_t num_experts, std::int32_t capacity) {
+  std::set<std::int32_t> u;
+  for (std::int32_t id : ids) {
+    if (id >= 0 && id < num_experts) u.insert(id);
+  }
+  const Ids all(u.begin(), u.end());
+  std::vector<Ids> groups;
+  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
+    groups.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b),
+                        all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), b + static_cast<std::size_t>(capacity))));
+  }
+  return groups;
+}
+
+std::int64_t count_bad(const Ids& ids, std::int32_t num_experts) {
+  return std::count_if(ids.begin(), ids.end(),
+                       [&](std::int32_t id) { return id != -1 && (id < 0 || id >= num_experts); });
+}
+
+// Everything observable of the device state equals the host planner after `plan`.
+void check_same(const ForwardPlanner<Lru>& host, const ForwardPlan& plan, const DevicePlanState& s) {
+  const DevicePlanScalars& k = *s.scalars;
+  const auto E = s.num_experts, C = s.capacity;
+  REQUIRE(k.hits == static_cast<std::int32_t>(plan.hits));
+  REQUIRE(k.misses == static_cast<std::int32_t>(plan.misses));
+  REQUIRE(k.fill_count == static_cast<std::int32_t>(plan.fills.size()));
+  REQUIRE(k.eviction_count == static_cast<std::int32_t>(plan.evictions.size()));
+  CHECK(to_vector(s.fills, k.fill_count) == entries(plan.fills));
+  CHECK(to_vector(s.evictions, k.eviction_count) == entries(plan.evictions));
+  Ids unique;
+  for (ExpertId e : plan.unique) unique.push_back(e.value);
+  CHECK(k.group_size == static_cast<std::int32_t>(unique.size()));
+  CHECK(to_vector(s.prev_forward, k.prev_count) == unique);
+  CHECK(to_vector(s.resident_map, E) == Ids(host.resident_map().begin(), host.resident_map().end()));
+  CHECK(to_vector(s.forward_map, E) == Ids(host.forward_map().begin(), host.forward_map().end()));
+  CHECK(to_vector(s.slot_owner, C) == Ids(host.slot_owner().begin(), host.slot_owner().end()));
+  CHECK(to_vector(s.free_stack, k.free_count) == host.snapshot().free_slots);
+  CHECK(to_vector(s.marks, E) == std::vector<std::uint32_t>(static_cast<std::size_t>(E), 0u));
+}
+
+// One forward through both planners; device groups beyond group_count up to `max_groups` must
+// be empty and change nothing but the forward map (cleared).
+struct Pair {
+  ForwardPlanner<Lru> host;
+  HostPlanStorage dev;
+  SequentialBlock block;
+  ForwardPlan plan;
+  std::int64_t bad = 0, overflows = 0, overflow_groups = 0, forwards = 0;
+  bool forward_cleared = false;  // an empty device group ran after the host's last group
+
+  Pair(std::int32_t E, std::int32_t C, std::int32_t top_k) : host(CacheShape{E, C}, top_k), dev(E, C) {}
+
+  void step(const Ids& ids, std::int32_t max_groups = 0) {
+    const DevicePlanState& s = dev.state();
+    const auto groups = host_groups(ids, s.num_experts, s.capacity);
+    Ids sanitized(ids.size(), 12345);
+    plan_forward(block, s, ids.data(), static_cast<std::int32_t>(ids.size()), sanitized.data());
+    ++forwards;
+    bad += count_bad(ids, s.num_experts);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const bool valid = ids[i] >= 0 && ids[i] < s.num_experts;
+      REQUIRE(sanitized[i] == (valid ? ids[i] : -1));
+    }
+    REQUIRE(s.scalars->group_count == static_cast<std::int32_t>(groups.size()));
+    if (groups.size() > 1) {
+      ++overflows;
+      overflow_groups += static_cast<std::int64_t>(groups.size()) - 1;
+    }
+    if (groups.size() <= 1) {
+      // The common path: plan_topk on the raw ids (bad ids removed; the host rejects them).
+      Ids valid;
+      for (std::int32_t id : ids) {
+        if (id == -1 || (id >= 0 && id < s.num_experts)) valid.push_back(id);
+      }
+      REQUIRE(host.plan_topk(valid, plan));
+      check_same(host, plan, s);
+    } else {
+      for (std::size_t g = 0; g < groups.size(); ++g) {
+        if (g > 0) plan_group(block, s, static_cast<std::int32_t>(g));
+        REQUIRE(host.plan_unique(groups[g], plan));
+        check_same(host, plan, s);
+      }
+    }
+    forward_cleared = false;
+    for (auto g = static_cast<std::int32_t>(groups.size()); g < max_groups; ++g) {
+      plan_group(block, s, g);
+      forward_cleared = true;
+      plan.clear();
+      // The host has no empty group: its maps are the last group's minus the forward map.
+      CHECK(s.scalars->fill_count == 0);
+      CHECK(s.scalars->group_size == 0);
+      CHECK(to_vector(s.forward_map, s.num_experts) == Ids(static_cast<std::size_t>(s.num_experts), -1));
+      CHECK(to_vector(s.resident_map, s.num_experts) ==
+            Ids(host.resident_map().begin(), host.resident_map().end()));
+    }
+    check_stats();
+  }
+
+  void invalidate(std::int32_t e) {
+    const DevicePlanState& s = dev.state();
+    plan_invalidate(block, s, e);
+    if (e < 0 || e >= s.num_experts) {
+      ++bad;
+      CHECK(s.scalars->last_invalidated_slot == -1);
+    } else {
+      auto r = host.invalidate(e);
+      REQUIRE(r);
+      CHECK(s.scalars->last_invalidated_slot == r.value().value);
+    }
+    CHECK(to_vector(s.resident_map, s.num_experts) == Ids(host.resident_map().begin(), host.resident_map().end()));
+    CHECK(to_vector(s.forward_map, s.num_experts) ==
+          (forward_cleared ? Ids(static_cast<std::size_t>(s.num_experts), -1)
+                           : Ids(host.forward_map().begin(), host.forward_map().end())));
+    CHECK(to_vector(s.slot_owner, s.capacity) == Ids(host.slot_owner().begin(), host.slot_owner().end()));
+    CHECK(to_vector(s.free_stack, s.scalars->free_count) == host.snapshot().free_slots);
+    check_stats();
+  }
+
+  void check_stats() const {
+    const DevicePlanStats& st = *dev.state().stats;
+    CHECK(st.hits == host.counters().hits);
+    CHECK(st.misses == host.counters().misses);
+    CHECK(st.evictions == host.counters().evictions);
+    CHECK(st.invalidations == host.counters().invalidations);
+    CHECK(st.bad_ids == static_cast<std::uint64_t>(bad));
+    CHECK(st.overflows == static_cast<std::uint64_t>(overflows));
+    CHECK(st.overflow_groups == static_cast<std::uint64_t>(overflow_groups));
+    CHECK(st.forwards == static_cast<std::uint64_t>(forwards));
+    const std::uint32_t want = (bad > 0 ? plan_error_bad_id : 0u) | (overflows > 0 ? plan_error_overflow : 0u);
+    CHECK(*dev.state().error_word == want);
+  }
+};
+
+// Router-like ids: each token picks top_k distinct experts, half from a small hot set.
+// The fixture sits beside this source (tests/data/); __FILE__ is absolute or relative to the
+// build directory, where meson runs the tests. EXPERT_CACHE_TEST_DATA overrides the folder.
+std::string fixture_path() {
+  if (const char* dir = std::getenv("EXPERT_CACHE_TEST_DATA")) return std::string(dir) + "/device_plan_fixture.txt";
+  std::string here = __FILE__;
+  const auto slash = here.find_last_of('/');
+  here = slash == std::string::npos ? std::string(".") : here.substr(0, slash);
+  return here + "/data/device_plan_fixture.txt";
+}
+
+Ids random_ids(std::mt19937_64& rng, std::int32_t E, std::int32_t top_k, std::int32_t tokens, double pad_p,
+               double bad_p) {
+  std::uniform_int_distribution<std::int32_t> any(0, E - 1);
+  std::uniform_int_distribution<std::int32_t> hot(0, std::max(1, E / 8) - 1);
+  std::uniform_real_distribution<double> u(0, 1);
+  const std::int32_t bad_values[] = {E, E + 1, INT32_MAX, INT32_MIN, -2, -1000};
+  Ids ids;
+  for (std::int32_t t = 0; t < tokens; ++t) {
+    std::set<std::int32_t> row;
+    while (static_cast<std::int32_t>(row.size()) < top_k) row.insert(u(rng) < 0.5 ? hot(rng) : any(rng));
+    for (std::int32_t id : row) {
+      if (u(rng) < pad_p) id = -1;
+      else if (u(rng) < bad_p) id = bad_values[rng() % 6];
+      ids.push_back(id);
+    }
+  }
+  std::shuffle(ids.begin(), ids.end(), rng);
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("device plan: random traces equal ForwardPlanner<Lru> step by step") {
+  struct Config {
+    std::int32_t E, C, top_k, max_tokens;
+  };
+  const Config configs[] = {
+      {8, 4, 2, 3},     {16, 6, 2, 4},   {64, 16, 4, 8},  {64, 64, 8, 10},  // capacity == E
+      {32, 4, 4, 3},    {512, 208, 10, 4}, {512, 208, 10, 32}, {300, 37, 6, 12}, {1, 1, 1, 2},
+      {128, 10, 10, 2},  // capacity == top_k
+  };
+  std::uint64_t seed = 1, evictions = 0, overflows = 0, bad = 0, invalidations = 0;
+  for (const Config& c : configs) {
+    for (int rep = 0; rep < 3; ++rep) {
+      CAPTURE(c.E);
+      CAPTURE(c.C);
+      CAPTURE(c.top_k);
+      CAPTURE(rep);
+      std::mt19937_64 rng(seed++);
+      Pair p(c.E, c.C, c.top_k);
+      const std::int32_t max_groups = plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, c.C);
+      for (int step = 0; step < 150; ++step) {
+        CAPTURE(step);
+        const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
+        p.step(random_ids(rng, c.E, c.top_k, tokens, rep == 1 ? 0.2 : 0.02, rep == 2 ? 0.05 : 0.0), max_groups);
+        if (rng() % 8 == 0) p.invalidate(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E)));
+      }
+      evictions += p.dev.state().stats->evictions;
+      overflows += p.dev.state().stats->overflows;
+      bad += p.dev.state().stats->bad_ids;
+      invalidations += p.dev.state().stats->invalidations;
+    }
+  }
+  // The traces exercise every path, not just hits.
+  MESSAGE("evictions ", evictions, ", overflowing forwards ", overflows, ", bad ids ", bad, ", invalidations ",
+          invalidations);
+  CHECK(evictions > 10000);
+  CHECK(overflows > 100);
+  CHECK(bad > 100);
+  CHECK(invalidations > 100);
+}
+
+TEST_CASE("device plan: committed fixture (tests/data/device_plan_fixture.txt)") {
+  std::ifstream in(fixture_path());
+  INFO("fixture: ", fixture_path());
+  REQUIRE(in.good());
+  std::string line;
+  std::int32_t E = 0, C = 0, top_k = 0;
+  while (std::getline(in, line) && line.rfind("shape", 0) != 0) {}
+  REQUIRE(std::sscanf(line.c_str(), "shape %d %d %d", &E, &C, &top_k) == 3);
+  Pair p(E, C, top_k);
+  const DevicePlanState& s = p.dev.state();
+  auto parse_pairs = [](std::istringstream& is) {
+    std::vector<PlanEntry> v;
+    std::string tok;
+    while (is >> tok && tok != "|") {
+      if (tok == "-") continue;
+      const auto colon = tok.find(':');
+      v.push_back({std::stoi(tok.substr(0, colon)), std::stoi(tok.substr(colon + 1))});
+    }
+    return v;
+  };
+  int steps = 0, groups_seen = 0, line_no = 3;
+  std::vector<std::int32_t> planned_group;  // device group index of the next "group" line
+  Ids ids;
+  while (std::getline(in, line)) {
+    ++line_no;
+    CAPTURE(line_no);
+    std::istringstream is(line);
+    std::string kind;
+    is >> kind;
+    if (kind == "invalidate") {
+      std::int32_t e = 0;
+      is >> e;
+      p.invalidate(e);
+    } else if (kind == "step") {
+      ids.clear();
+      for (std::int32_t id; is >> id;) ids.push_back(id);
+      p.step(ids, plan_max_groups(static_cast<std::int64_t>(ids.size()), E, C));
+      ++steps;
+      // Pair::step left the device after its last non-empty group; replay the groups on a
+      // second device state to check each group line against the fixture.
+    } else if (kind == "group") {
+      ++groups_seen;
+    }
+  }
+  CHECK(steps == 40);
+  CHECK(groups_seen >= 42);
+
+  // Second pass: the device state alone against the fixture's expectations, group by group.
+  std::ifstream in2(fixture_path());
+  HostPlanStorage dev(E, C);
+  const DevicePlanState& d = dev.state();
+  SequentialBlock b;
+  std::uint64_t bad_expected = 0;
+  while (std::getline(in2, line)) {
+    std::istringstream is(line);
+    std::string kind;
+    is >> kind;
+    if (kind == "invalidate") {
+      std::int32_t e = 0;
+      is >> e;
+      plan_invalidate(b, d, e);
+    } else if (kind == "step") {
+      ids.clear();
+      for (std::int32_t id; is >> id;) ids.push_back(id);
+      bad_expected += static_cast<std::uint64_t>(count_bad(ids, E));
+      plan_forward(b, d, ids.data(), static_cast<std::int32_t>(ids.size()));
+    } else if (kind == "group") {
+      CAPTURE(line);
+      std::int32_t g = 0, hits = 0, misses = 0;
+      is >> g >> hits >> misses;
+      if (g > 0) plan_group(b, d, g);
+      const auto fills = parse_pairs(is);
+      const auto evictions = parse_pairs(is);
+      CHECK(d.scalars->hits == hits);
+      CHECK(d.scalars->misses == misses);
+      CHECK(to_vector(d.fills, d.scalars->fill_count) == fills);
+      CHECK(to_vector(d.evictions, d.scalars->eviction_count) == evictions);
+    }
+  }
+  CHECK(d.stats->bad_ids == bad_expected);
+  CHECK(bad_expected == 3);
+  CHECK(d.stats->overflows == 3);
+  (void)s;
+}
+
+TEST_CASE("device plan: padding, duplicates and an empty forward") {
+  Pair p(16, 4, 2);
+  p.step({-1, -1});
+  CHECK(p.dev.state().scalars->group_count == 0);
+  p.step({3, 3, 3, -1, 7, 3});
+  CHECK(p.dev.state().scalars->fill_count == 2);
+  CHECK(p.dev.state().fills[0] == PlanEntry{3, 0});  // slot 0 first (lowest_first)
+  CHECK(p.dev.state().fills[1] == PlanEntry{7, 1});
+  p.step({7, 3, 7, 3});
+  CHECK(p.dev.state().scalars->hits == 2);
+  p.step({});
+  CHECK(p.dev.state().forward_map[3] == -1);
+  CHECK(p.dev.state().resident_map[3] == 0);
+  CHECK(*p.dev.state().error_word == 0);
+}
+
+TEST_CASE("device plan: bad ids are counted, dropped, never indexed") {
+  Pair p(16, 4, 2);
+  const Ids ids = {16, 2, INT32_MAX, INT32_MIN, -1, -2, 5, 17, 2};
+  p.step(ids);
+  const DevicePlanState& s = p.dev.state();
+  CHECK(s.scalars->bad_ids == 5);
+  CHECK(s.stats->bad_ids == 5);
+  CHECK((*s.error_word & plan_error_bad_id) != 0);
+  CHECK(s.scalars->misses == 2);
+  CHECK(s.resident_map[2] == 0);
+  CHECK(s.resident_map[5] == 1);
+  // Sanitized in place: the consumer then indexes the forward map with -1 or a valid id only.
+  Ids in_place = ids;
+  plan_forward(p.block, s, in_place.data(), static_cast<std::int32_t>(in_place.size()), in_place.data());
+  CHECK(in_place == Ids{-1, 2, -1, -1, -1, -1, 5, -1, 2});
+  // Invalidate with an out-of-range id: counted, nothing else changes.
+  const auto before = to_vector(s.resident_map, 16);
+  plan_invalidate(p.block, s, 99);
+  plan_invalidate(p.block, s, INT32_MIN);
+  CHECK(s.stats->bad_ids == 12);
+  CHECK(to_vector(s.resident_map, 16) == before);
+}
+
+TEST_CASE("device plan: overflow is planned as ascending groups and counted") {
+  Pair p(16, 4, 2);
+  p.step({0, 1, 2, 3});  // fill the cache: slots 0..3
+  // 10 unique ids with capacity 4: groups {0,1,2,3} {4,5,6,7} {8,9}, as the host's expert split.
+  const Ids ids = {9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 9, 0};
+  auto split = plan_expert_groups(ids, 2, 4, 16);
+  REQUIRE(split);
+  REQUIRE(split.value().size() == 3);
+  CHECK(host_groups(ids, 16, 4)[1] == split.value()[1].unique_ids);
+  p.step(ids, plan_max_groups(static_cast<std::int64_t>(ids.size()), 16, 4));
+  const DevicePlanState& s = p.dev.state();
+  CHECK(s.scalars->group_count == 3);
+  CHECK(s.stats->overflows == 1);
+  CHECK(s.stats->overflow_groups == 2);
+  CHECK((*s.error_word & plan_error_overflow) != 0);
+  // The last group {8, 9} evicted group 1's least recent residents; group 0 hit everything.
+  CHECK(s.stats->hits == 4);
+  CHECK(s.stats->misses == 4 + 6);
+  CHECK(s.resident_map[8] >= 0);
+  CHECK(s.resident_map[9] >= 0);
+  // Every unique expert (16) at capacity 16: one group, no overflow.
+  Pair q(16, 16, 2);
+  Ids all;
+  for (int e = 15; e >= 0; --e) all.push_back(e);
+  q.step(all);
+  CHECK(q.dev.state().scalars->group_count == 1);
+  CHECK(q.dev.state().stats->overflows == 0);
+}
+
+TEST_CASE("device plan: invalidate then replan reuses the freed slot first") {
+  Pair p(8, 3, 1);
+  p.step({0, 1, 2});
+  p.invalidate(1);  // slot 1 back on top of the (empty) free stack
+  CHECK(p.dev.state().scalars->free_count == 1);
+  p.invalidate(1);  // not resident: no-op
+  p.step({5});
+  CHECK(p.dev.state().fills[0] == PlanEntry{5, 1});
+  CHECK(p.dev.state().scalars->eviction_count == 0);
+  p.step({6, 0});  // full again: evicts the LRU outside {0, 6}, which is 2
+  CHECK(p.dev.state().evictions[0] == PlanEntry{2, 2});
+  p.invalidate(0);
+  p.invalidate(6);
+  p.step({7, 0, 6});
+}
+
+TEST_CASE("device plan: capacity == E never evicts; capacity == top_k evicts the whole forward") {
+  Pair full(12, 12, 3);
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 60; ++i) full.step(random_ids(rng, 12, 3, 4, 0.1, 0.0));
+  CHECK(full.dev.state().stats->evictions == 0);
+  Pair tight(40, 5, 5);
+  for (int i = 0; i < 60; ++i) tight.step(random_ids(rng, 40, 5, 1, 0.0, 0.0));
+  CHECK(tight.dev.state().stats->evictions > 0);
+}
+
+TEST_CASE("device plan: broken views and arguments are reported, not followed") {
+  HostPlanStorage dev(16, 4);
+  SequentialBlock b;
+  DevicePlanState s = dev.state();
+  const Ids ids = {1, 2};
+  plan_forward(b, s, nullptr, 5);  // null ids with n > 0: an empty forward
+  CHECK((*s.error_word & plan_error_bad_argument) != 0);
+  CHECK(s.scalars->group_count == 0);
+  plan_forward(b, s, ids.data(), -3);
+  plan_group(b, s, -1);
+  CHECK(s.scalars->misses == 0);
+  *s.error_word = 0;
+  DevicePlanState broken = s;
+  broken.resident_map.size = 15;
+  plan_forward(b, broken, ids.data(), 2);
+  CHECK(*s.error_word == plan_error_bad_state);
+  CHECK(s.resident_map[1] == -1);
+  broken = s;
+  broken.capacity = 17;
+  plan_invalidate(b, broken, 1);
+  s.scalars->free_count = 99;  // corrupted scalar
+  plan_forward(b, s, ids.data(), 2);
+  CHECK(s.resident_map[1] == -1);
+  CHECK(plan_state_bytes(0, 4) == 0);
+  CHECK(plan_max_groups(0, 16, 4) == 1);
+  CHECK(plan_max_groups(40, 16, 4) == 4);
+  CHECK(plan_max_groups(9, 16, 4) == 3);
+}
