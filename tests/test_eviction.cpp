@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -72,13 +73,36 @@ Forwards random_forwards(std::uint64_t seed, std::int32_t num_experts, std::int3
 }
 
 template <class P>
-P make_policy(CacheShape shape, const Forwards& forwards) {
+P make_policy(CacheShape shape, const Forwards& forwards, PoolLayout layout = {}) {
   if constexpr (std::is_same_v<P, Belady>) {
     return Belady(std::make_shared<const BeladyFuture>(shape.num_experts, forwards), shape);
-  } else {
+  } else if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
     (void)forwards;
+    return P(shape, layout);
+  } else {
+    (void)forwards, (void)layout;
     return P(shape);
   }
+}
+
+// A global pool over `layers` layers of `experts` each: steps visit the layers in order and
+// every forward is one layer's random set, keyed layer * experts + e (the replay tool's
+// global scope).
+Forwards pool_forwards(std::uint64_t seed, std::int32_t layers, std::int32_t experts, std::int32_t width,
+                       std::size_t steps) {
+  std::vector<Forwards> per_layer;
+  for (std::int32_t l = 0; l < layers; ++l) {
+    per_layer.push_back(random_forwards(seed * 131 + static_cast<std::uint64_t>(l), experts, width, steps));
+  }
+  Forwards out;
+  for (std::size_t t = 0; t < steps; ++t) {
+    for (std::int32_t l = 0; l < layers; ++l) {
+      Ids f = per_layer[static_cast<std::size_t>(l)][t];
+      for (std::int32_t& e : f) e += l * experts;
+      out.push_back(std::move(f));
+    }
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -275,6 +299,72 @@ TEST_CASE("lru: hand-computed sequence") {
   CHECK(s.fill_slots == Ids{0});
 }
 
+TEST_CASE("lrfu: hand-computed sequence (half-life 2 forwards)") {
+  // One layer, so the clock counts forwards. CRF = sum of 2^(-age/2); the victim is the
+  // resident outside the forward with the lowest CRF now.
+  ForwardPlanner<Lrfu> p(CacheShape{8, 3}, 1, Lrfu(CacheShape{8, 3}, PoolLayout{}, LrfuParams{2.0, 1.0}));
+  (void)run(p, {0});  // t1: CRF0 = 1
+  (void)run(p, {0});  // t2: 1 * 2^-0.5 + 1 = 1.707
+  (void)run(p, {0});  // t3: 1.707 * 2^-0.5 + 1 = 2.207
+  (void)run(p, {1});  // t4: CRF1 = 1
+  (void)run(p, {2});  // t5: CRF2 = 1
+  // t6: CRF0 = 2.207 * 2^-1.5 = 0.780, CRF1 = 2^-1 = 0.5, CRF2 = 2^-0.5 = 0.707 -> evict 1
+  // (LRU would evict 0, the oldest).
+  Step s = run(p, {3});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.policy().crf(ExpertId(0)) == doctest::Approx(2.207107 * std::exp2(-1.5)));
+  // t7: CRF0 = 0.552, CRF2 = 0.5, CRF3 = 0.707 -> evict 2. Expert 1 comes back with its
+  // history: 1 * 2^-1.5 + 1.
+  s = run(p, {1});
+  CHECK(s.victims == Ids{2});
+  CHECK(p.policy().crf(ExpertId(1)) == doctest::Approx(1.0 + std::exp2(-1.5)));
+  // t8: 0 has the lowest CRF but is in the forward; 3 (0.5) goes, not 1 (1.354 * 2^-0.5).
+  s = run(p, {4, 0});
+  CHECK(s.hits == 1);
+  CHECK(s.victims == Ids{3});
+}
+
+TEST_CASE("layershare: hand-computed sequence in a two-layer pool") {
+  // Layers of 4 experts (ids 0-3 and 4-7), 4 slots: shares start at 2 + 2. Ghost depth
+  // 0.1 * 4 rounds up to 1: only the latest victim is a ghost.
+  const CacheShape shape{8, 4};
+  ForwardPlanner<LayerShare> p(shape, 1, LayerShare(shape, PoolLayout{4}));
+  (void)run(p, {0, 1});  // layer 0
+  (void)run(p, {4, 5});  // layer 1: full
+  // Both layers sit at their share; the first layer wins the tie, its lowest CRF (tie: id) goes.
+  Step s = run(p, {2});
+  CHECK(s.victims == Ids{0});
+  // 0 was the latest victim: a ghost hit, so layer 0's share grows by one slot, taken from
+  // layer 1 (3 + 1). Now layer 1 is above its share (2 > 1) and gives the victim.
+  s = run(p, {0});
+  CHECK(s.victims == Ids{4});
+  CHECK(p.policy().share(0) == doctest::Approx(3.0));
+  CHECK(p.policy().share(1) == doctest::Approx(1.0));
+  CHECK(p.policy().residents(0) == 3);
+  CHECK(p.policy().residents(1) == 1);
+}
+
+TEST_CASE("wtinylfu: hand-computed sequence through window, probation and protected") {
+  // 4 slots: window 1, main 3 (protected target 2).
+  const CacheShape shape{16, 4};
+  ForwardPlanner<WTinyLfu> p(shape, 1);
+  for (const std::int32_t e : {0, 1, 2, 3}) (void)run(p, {e});  // window [3], probation [0 1 2]
+  CHECK(p.policy().in_window(ExpertId(3)));
+  CHECK(p.policy().in_probation(ExpertId(0)));
+  CHECK(run(p, {0}).hits == 1);  // probation hit -> protected
+  CHECK(p.policy().in_protected(ExpertId(0)));
+  // Candidate 3 (freq 1) does not beat probation's victim 1 (freq 1): 3 is evicted.
+  Step s = run(p, {4});
+  CHECK(s.victims == Ids{3});
+  CHECK(run(p, {4}).hits == 1);  // freq(4) = 2
+  // Candidate 4 (freq 2) beats 1 (freq 1): 4 is admitted to probation and 1 goes.
+  s = run(p, {5});
+  CHECK(s.victims == Ids{1});
+  CHECK(p.policy().in_probation(ExpertId(4)));
+  CHECK(p.policy().in_window(ExpertId(5)));
+  CHECK(p.policy().frequency(ExpertId(4)) == 2);
+}
+
 TEST_CASE("sieve: hand-computed sequence") {
   ForwardPlanner<Sieve> p(CacheShape{8, 3}, 1);
   // FIFO (oldest first) 0, 1, 2 in slots 0, 1, 2; hit 0 sets its visited bit.
@@ -451,8 +541,8 @@ namespace {
 // Checks in-forward protection and map consistency after every forward; returns hits.
 template <class P>
 std::uint64_t replay_checked(const Forwards& forwards, CacheShape shape, std::uint64_t seed,
-                             bool with_invalidations) {
-  ForwardPlanner<P> planner(shape, 1, make_policy<P>(shape, forwards));
+                             bool with_invalidations, PoolLayout layout = {}) {
+  ForwardPlanner<P> planner(shape, 1, make_policy<P>(shape, forwards, layout));
   std::mt19937_64 rng(seed);
   ForwardPlan plan;
   for (const Ids& f : forwards) {
@@ -495,12 +585,21 @@ void protection_property() {
     const Forwards f = random_forwards(seed, experts, capacity, 300);
     (void)replay_checked<P>(f, CacheShape{experts, capacity}, seed, true);
   }
+  // A global pool over several layers, the layer split given to policies that take it.
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    const std::int32_t layers = 2 + static_cast<std::int32_t>(seed % 5), experts = 8 + static_cast<std::int32_t>(seed % 9);
+    const std::int32_t width = 1 + static_cast<std::int32_t>(seed % 4);
+    const std::int32_t capacity = width + static_cast<std::int32_t>(seed % static_cast<std::uint64_t>(layers * experts - width));
+    CAPTURE(seed);
+    const Forwards f = pool_forwards(seed, layers, experts, width, 120);
+    (void)replay_checked<P>(f, CacheShape{layers * experts, capacity}, seed, true, PoolLayout{experts});
+  }
 }
 
 }  // namespace
 
 TEST_CASE_TEMPLATE("victim protection and map consistency over random traces", P, Lru, Lfru, Sieve,
-                   S3Fifo, Arc, Belady) {
+                   S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Belady) {
   protection_property<P>();
 }
 
@@ -516,18 +615,54 @@ TEST_CASE("OPT hits >= every online policy's hits over random traces") {
     const std::uint64_t online[] = {
         replay_checked<Lru>(f, shape, seed, false),    replay_checked<Lfru>(f, shape, seed, false),
         replay_checked<Sieve>(f, shape, seed, false),  replay_checked<S3Fifo>(f, shape, seed, false),
-        replay_checked<Arc>(f, shape, seed, false),
+        replay_checked<Arc>(f, shape, seed, false),    replay_checked<WTinyLfu>(f, shape, seed, false),
+        replay_checked<Lrfu>(f, shape, seed, false),   replay_checked<LayerShare>(f, shape, seed, false),
     };
     for (const std::uint64_t h : online) {
       REQUIRE(opt >= h);
       if (opt > h) ++strictly_better;
     }
   }
-  CHECK(strictly_better > 500);  // the traces do separate OPT from the online policies
+  CHECK(strictly_better > 800);  // the traces do separate OPT from the online policies
+}
+
+TEST_CASE("OPT hits >= the layer-aware policies' hits in a global pool") {
+  for (std::uint64_t seed = 1; seed <= 60; ++seed) {
+    const std::int32_t layers = 2 + static_cast<std::int32_t>(seed % 6), experts = 8 + static_cast<std::int32_t>(seed % 17);
+    const std::int32_t width = 2 + static_cast<std::int32_t>(seed % 5);
+    const std::int32_t capacity = width + static_cast<std::int32_t>(seed * 7 % static_cast<std::uint64_t>(layers * experts - width));
+    const CacheShape shape{layers * experts, capacity};
+    const PoolLayout layout{experts};
+    const Forwards f = pool_forwards(seed, layers, experts, width, 150);
+    CAPTURE(seed);
+    const std::uint64_t opt = replay_checked<Belady>(f, shape, seed, false);
+    REQUIRE(opt >= replay_checked<Lrfu>(f, shape, seed, false, layout));
+    REQUIRE(opt >= replay_checked<LayerShare>(f, shape, seed, false, layout));
+    REQUIRE(opt >= replay_checked<WTinyLfu>(f, shape, seed, false));
+  }
+}
+
+TEST_CASE_TEMPLATE("layer-aware policies are deterministic in a global pool", P, Lrfu, LayerShare) {
+  const CacheShape shape{6 * 16, 30};
+  const PoolLayout layout{16};
+  const Forwards f = pool_forwards(5, 6, 16, 4, 200);
+  ForwardPlanner<P> a(shape, 1, P(shape, layout));
+  ForwardPlanner<P> b(shape, 1, P(shape, layout));
+  ForwardPlan pa, pb;
+  for (const Ids& ids : f) {
+    REQUIRE(a.plan_unique(ids, pa).ok());
+    REQUIRE(b.plan_unique(ids, pb).ok());
+    REQUIRE(pa.evictions == pb.evictions);
+  }
+  CHECK(a.snapshot() == b.snapshot());
+  // The layer split matters: the same policy without it makes other choices.
+  ForwardPlanner<P> flat(shape, 1, P(shape));
+  for (const Ids& ids : f) REQUIRE(flat.plan_unique(ids, pa).ok());
+  CHECK(flat.counters().hits != a.counters().hits);
 }
 
 TEST_CASE_TEMPLATE("policies are values: a copied planner replays identically", P, Lru, Lfru, Sieve,
-                   S3Fifo, Arc, Belady) {
+                   S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Belady) {
   const CacheShape shape{32, 6};
   const Forwards f = random_forwards(7, shape.num_experts, shape.capacity, 200);
   ForwardPlanner<P> a(shape, 1, make_policy<P>(shape, f));
@@ -545,7 +680,8 @@ TEST_CASE_TEMPLATE("policies are values: a copied planner replays identically", 
   CHECK_FALSE(a.policy() == make_policy<P>(shape, f));
 }
 
-TEST_CASE_TEMPLATE("planning allocates nothing after warm-up", P, Lru, Lfru, Sieve, S3Fifo, Arc, Belady) {
+TEST_CASE_TEMPLATE("planning allocates nothing after warm-up", P, Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu,
+                   LayerShare, Belady) {
   const CacheShape shape{512, 208};
   const Forwards f = random_forwards(3, shape.num_experts, 10, 3000);
   ForwardPlanner<P> planner(shape, 10, make_policy<P>(shape, f));

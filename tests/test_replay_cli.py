@@ -99,6 +99,38 @@ def case_global_scope():
     expect(r["hits"] == 2, "hits by hand", r)
 
 
+def case_per_layer():
+    path = write("g.trace", "0 0 1 2\n0 1 1\n1 0 2 3\n1 1 0 1\n")
+    rc, out, err = run("--trace", path, "--scope", "global", "--capacity", "3", "--policy", "lru,opt",
+                       "--per-layer", "--json")
+    expect(rc == 0, "--per-layer --json", out, err)
+    doc = json.loads(out)
+    lru = doc["results"][0]
+    # By hand (see global_scope): layer 0 requests {1,2} {2,3} and hits 2; layer 1 requests
+    # {5} {4,5} and hits 5. OPT hits the same two.
+    expect([(x["layer"], x["hits"], x["misses"]) for x in lru["per_layer"]] == [(0, 1, 3), (1, 1, 2)],
+           "per-layer counts by hand", lru)
+    expect([x["opt_hits"] for x in lru["per_layer"]] == [1, 1], "OPT per layer", lru)
+    # Without --per-layer the JSON stays as it was.
+    rc, out, err = run("--trace", path, "--scope", "global", "--capacity", "3", "--policy", "lru", "--json")
+    expect(rc == 0 and "per_layer" not in out, "no per_layer without the flag", out, err)
+    # A generated pool: per-layer sums equal the totals, and the table names the layers that
+    # lose the most against OPT.
+    gen = generated_file()
+    rc, out, err = run("--trace", gen, "--scope", "global", "--capacity", "6,12", "--policy", "all",
+                       "--per-layer", "--json")
+    expect(rc == 0, "global --per-layer on a generated trace", out, err)
+    for r in json.loads(out)["results"]:
+        expect(len(r["per_layer"]) == 3, "one entry per layer", r)
+        expect(sum(x["hits"] for x in r["per_layer"]) == r["hits"], "per-layer hits sum to the total", r)
+        expect(sum(x["misses"] for x in r["per_layer"]) == r["misses"], "per-layer misses sum to the total", r)
+        expect(all(x["opt_hits"] >= 0 for x in r["per_layer"]), "OPT per layer present", r)
+    rc, out, err = run("--trace", gen, "--scope", "global", "--capacity", "6", "--policy", "lru,lrfu,layershare",
+                       "--per-layer")
+    expect(rc == 0 and "per layer, capacity 6 (global scope)" in out, "per-layer table", out, err)
+    expect("lru loses" in out and "most at layers" in out, "layers that lose the most", out)
+
+
 def case_progress():
     path = generated_file()
     rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--progress")
@@ -155,6 +187,7 @@ CASES = {
     "default_generated": case_default_generated,
     "file_table_and_json": case_file_table_and_json,
     "global_scope": case_global_scope,
+    "per_layer": case_per_layer,
     "progress": case_progress,
     "bad_args": case_bad_args,
     "malformed_traces": case_malformed_traces,

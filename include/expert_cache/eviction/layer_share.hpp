@@ -60,7 +60,13 @@ class LayerShare {
       const std::int32_t l = heaps_.layer_of(e.value);
       if (l != last_layer) ++clock_[static_cast<std::size_t>(l)];
       last_layer = l;
-      if (heaps_.contains(e.value)) pin(e.value);
+      if (heaps_.contains(e.value)) {
+        pin(e.value);
+      } else if (is_ghost(e.value)) {
+        // This forward will miss on an id its layer evicted lately. Adapt before the
+        // forward's victims are chosen, as ARC adapts p before its replacement.
+        grow(l);
+      }
     }
   }
 
@@ -68,10 +74,8 @@ class LayerShare {
 
   void on_insert(ExpertId e) noexcept {
     const auto i = e.index();
-    const std::int32_t l = heaps_.layer_of(e.value);
-    if (evicted_at_[i] != 0 && evictions_ - evicted_at_[i] < ghost_depth_) grow(l);
     evicted_at_[i] = 0;
-    ++residents_[static_cast<std::size_t>(l)];
+    ++residents_[static_cast<std::size_t>(heaps_.layer_of(e.value))];
     touch(e.value);
     heaps_.push(e.value);
     pin(e.value);
@@ -115,6 +119,11 @@ class LayerShare {
   friend bool operator==(const LayerShare&, const LayerShare&) = default;
 
  private:
+  [[nodiscard]] bool is_ghost(std::int32_t e) const noexcept {
+    const std::uint64_t at = evicted_at_[static_cast<std::size_t>(e)];
+    return at != 0 && evictions_ - at < ghost_depth_;
+  }
+
   void pin(std::int32_t e) noexcept {
     if (pinned_count_ == pinned_.size()) return;  // a forward holds at most `capacity` ids
     heaps_.remove(e);
