@@ -12,21 +12,19 @@
 //   call); record -> wait (the record current when wait() was called); record -> host on
 //   synchronize(event) and on query()==true; stream -> host on synchronize(stream); host ->
 //   gate op on open_gate().
-// - Race detection: every completing op checks its declared accesses (copies: read src,
-//   write dst; launches: the declared list), and host_access() checks as the host, against a
-//   shadow map of earlier completed accesses. Two accesses race when their byte ranges
-//   overlap, at least one writes, and neither happens-before the other. Races are recorded,
-//   never thrown. Accesses of ops still pending are checked when they complete, so drain()
-//   before asserting races().empty().
-// - Shadow history is pruned FastTrack-style: per disjoint byte segment, the last write plus
-//   the reads not already ordered before a later read. A pruned access can only hide a race
-//   when another race on the same bytes has been reported. Memory use is bounded by the
-//   number of distinct segments times the number of actors.
+// - Race detection (sim/shadow_memory.hpp): every completing op checks its declared accesses
+//   (copies: read src, write dst; launches: the declared list), and host_access() checks as
+//   the host. Accesses of ops still pending are checked when they complete, so drain() before
+//   asserting races().empty().
 // - Graph capture is only a flag (set_capturing): ops still run normally. Under capture,
 //   synchronize(stream) and copy_batch_async return capture_unsupported, as CUDA does
 //   (cudaMemcpyBatchAsync is rejected during capture).
-// - Optional virtual time (SimCostModel): op finish = max(stream time, host time at enqueue,
-//   awaited record / gate time) + cost. Independent of the schedule chosen by run_random.
+// - Optional virtual time (SimCostModel, sim/cost_model.hpp).
+//
+// Parts: sim/vector_clock.hpp (happens-before), sim/stream_queue.hpp (streams, events, gates),
+// sim/scheduler.hpp (which heads may run, seeded choice), sim/shadow_memory.hpp (races),
+// sim/fault_injection.hpp, sim/cost_model.hpp, sim/trace.hpp (counters and call log). This
+// class composes them: the API, enqueue, op execution and memory.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -34,7 +32,6 @@
 #include <cstring>
 #include <exception>
 #include <functional>
-#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -46,108 +43,17 @@
 #include <vector>
 
 #include "expert_cache/runtime/runtime.hpp"
+#include "expert_cache/runtime/sim/cost_model.hpp"
+#include "expert_cache/runtime/sim/fault_injection.hpp"
+#include "expert_cache/runtime/sim/op_kind.hpp"
+#include "expert_cache/runtime/sim/scheduler.hpp"
+#include "expert_cache/runtime/sim/shadow_memory.hpp"
+#include "expert_cache/runtime/sim/stream_queue.hpp"
+#include "expert_cache/runtime/sim/trace.hpp"
+#include "expert_cache/runtime/sim/vector_clock.hpp"
 #include "expert_cache/status.hpp"
 
 namespace expert_cache::inline v0 {
-
-enum class SimOpKind : std::uint8_t { copy, copy_batch, record, wait, launch, gate, host };
-
-// API calls that can be made to fail by SimRuntime::inject_failure.
-// `copy` covers copy_async and copy_batch_async.
-enum class FaultKind : std::uint8_t { copy, record, wait, launch };
-
-// Calls logged by the optional trace (in API-call order, for golden protocol tests).
-enum class SimCall : std::uint8_t {
-  copy, copy_batch, record, wait, launch, gate, synchronize_event, synchronize_stream, query
-};
-
-[[nodiscard]] constexpr const char* to_string(SimOpKind kind) noexcept {
-  switch (kind) {
-    case SimOpKind::copy: return "copy";
-    case SimOpKind::copy_batch: return "copy_batch";
-    case SimOpKind::record: return "record";
-    case SimOpKind::wait: return "wait";
-    case SimOpKind::launch: return "launch";
-    case SimOpKind::gate: return "gate";
-    case SimOpKind::host: return "host_access";
-  }
-  return "unknown";
-}
-
-[[nodiscard]] constexpr const char* to_string(FaultKind kind) noexcept {
-  switch (kind) {
-    case FaultKind::copy: return "copy";
-    case FaultKind::record: return "record";
-    case FaultKind::wait: return "wait";
-    case FaultKind::launch: return "launch";
-  }
-  return "unknown";
-}
-
-[[nodiscard]] constexpr const char* to_string(SimCall call) noexcept {
-  switch (call) {
-    case SimCall::copy: return "copy";
-    case SimCall::copy_batch: return "copy_batch";
-    case SimCall::record: return "record";
-    case SimCall::wait: return "wait";
-    case SimCall::launch: return "launch";
-    case SimCall::gate: return "gate";
-    case SimCall::synchronize_event: return "synchronize_event";
-    case SimCall::synchronize_stream: return "synchronize_stream";
-    case SimCall::query: return "query";
-  }
-  return "unknown";
-}
-
-// Virtual-time costs (nanoseconds). All zero by default: time stays 0.
-struct SimCostModel {
-  double copy_latency_ns = 0.0;    // per copy (a batch pays it once per descriptor)
-  double copy_bytes_per_ns = 0.0;  // bandwidth; 0 = infinite
-  double launch_ns = 0.0;          // default duration of a launch (see set_next_duration_ns)
-  double host_call_ns = 0.0;       // host time spent per enqueueing call
-};
-
-// Successful calls, per kind (for tests and for modelled benchmarks).
-struct SimCounters {
-  std::uint64_t copies = 0;          // copy_async calls that enqueued an op
-  std::uint64_t copy_batches = 0;    // copy_batch_async calls that enqueued an op
-  std::uint64_t batch_copies = 0;    // descriptors inside those batches
-  std::uint64_t copy_bytes = 0;      // bytes of all enqueued copies (single and batched)
-  std::uint64_t records = 0;
-  std::uint64_t waits = 0;           // wait() calls that enqueued an op
-  std::uint64_t noop_waits = 0;      // wait() on a never-recorded event (nothing enqueued)
-  std::uint64_t launches = 0;
-  std::uint64_t gates = 0;
-  std::uint64_t host_syncs = 0;      // successful synchronize(event|stream)
-  std::uint64_t completed_ops = 0;
-  std::uint64_t injected_failures = 0;
-  friend bool operator==(const SimCounters&, const SimCounters&) = default;
-};
-
-// One detected race. `earlier` completed (or happened on the host) first in the simulated
-// execution; neither side happens-before the other.
-struct RaceReport {
-  struct Side {
-    SimOpKind kind = SimOpKind::host;
-    AccessMode mode = AccessMode::read;
-    std::uint32_t stream = 0;  // stream id; 0 = the host
-    std::uint64_t op = 0;      // sequence number of the op or host access (unique per runtime)
-    std::string label;
-  };
-  Side earlier;
-  Side later;
-  std::uintptr_t begin = 0;  // overlapping bytes [begin, end)
-  std::uintptr_t end = 0;
-  std::string description;
-};
-
-struct SimTraceEntry {
-  SimCall call = SimCall::copy;
-  std::uint32_t stream = 0;  // 0 for calls without a stream
-  std::uint32_t event = 0;   // record / wait / synchronize_event / query; 0 otherwise
-  std::size_t bytes = 0;     // copy bytes (batch: total)
-  std::string label;
-};
 
 class SimRuntime {
  public:
@@ -303,7 +209,7 @@ class SimRuntime {
       // completed ones.
       Clock done = st->clock;
       --done[s.id];
-      join(host_clock_, done);
+      detail::sim::join(host_clock_, done);
     } catch (const std::exception& ex) {
       return alloc_failure("synchronize", ex);
     }
@@ -321,7 +227,7 @@ class SimRuntime {
     try {
       Op& op = push_op(s, SimOpKind::copy, std::move(label));
       op.copies.push_back(CopyDesc{dst, src, bytes});
-      op.duration_ns = copy_cost(bytes);
+      op.duration_ns = cost_.copy_cost(bytes);
       ++counters_.copies;
       counters_.copy_bytes += bytes;
       trace(SimCall::copy, s.id, 0, bytes, op.label);
@@ -363,7 +269,7 @@ class SimRuntime {
       Op& op = push_op(s, SimOpKind::launch, std::move(label));
       op.accesses.assign(accesses.begin(), accesses.end());
       op.body = std::move(body);
-      op.duration_ns = take_duration(cost_.launch_ns);
+      op.duration_ns = cost_.take_duration(cost_.model().launch_ns);
       ++counters_.launches;
       trace(SimCall::launch, s.id, 0, 0, op.label);
       return {};
@@ -395,7 +301,7 @@ class SimRuntime {
       for (const CopyDesc& c : copies) {
         if (c.bytes == 0) continue;
         op.copies.push_back(c);
-        cost += copy_cost(c.bytes);
+        cost += cost_.copy_cost(c.bytes);
       }
       op.duration_ns = cost;
       ++counters_.copy_batches;
@@ -457,7 +363,7 @@ class SimRuntime {
   // not a stream.
   bool step(Stream s) noexcept {
     if (s.id == 0 || s.id > streams_.size()) return false;
-    if (!head_ready(*streams_[s.id - 1])) return false;
+    if (!detail::sim::head_ready(*streams_[s.id - 1], gates_)) return false;
     execute_head(s.id);
     return true;
   }
@@ -519,7 +425,7 @@ class SimRuntime {
     if (it == allocations_.end())
       return Status(ErrorCode::invalid_argument,
                     "SimRuntime: deallocate of a pointer allocate() did not return");
-    forget_range(it->first, it->first + it->second.bytes);
+    shadow_.forget(it->first, it->first + it->second.bytes);
     allocated_bytes_ -= it->second.bytes;
     ::operator delete(p, std::align_val_t{alignment});
     allocations_.erase(it);
@@ -530,12 +436,9 @@ class SimRuntime {
 
   // ---- races, labels, faults, counters, trace -----------------------------------------------
 
-  [[nodiscard]] std::span<const RaceReport> races() const noexcept { return races_; }
-  [[nodiscard]] std::uint64_t race_count() const noexcept { return race_count_; }  // incl. dropped
-  void clear_races() noexcept {
-    races_.clear();
-    race_count_ = 0;
-  }
+  [[nodiscard]] std::span<const RaceReport> races() const noexcept { return shadow_.races(); }
+  [[nodiscard]] std::uint64_t race_count() const noexcept { return shadow_.race_count(); }  // incl. dropped
+  void clear_races() noexcept { shadow_.clear_races(); }
 
   // Label for the next enqueued op or host_access (consumed by it, even if the call fails).
   void set_next_label(std::string_view label) {
@@ -548,19 +451,16 @@ class SimRuntime {
   // The nth call of `kind` from now (1 = the next one) fails with runtime_failure and
   // enqueues nothing. Several injections may be pending at once.
   void inject_failure(FaultKind kind, std::uint64_t nth = 1) {
-    auto& k = faults_[static_cast<std::size_t>(kind)];
-    k.fail_at.push_back(k.calls + std::max<std::uint64_t>(nth, 1));
+    faults_.inject(kind, nth);
   }
-  void clear_failures() noexcept {
-    for (auto& k : faults_) k.fail_at.clear();
-  }
+  void clear_failures() noexcept { faults_.clear_pending(); }
 
   [[nodiscard]] const SimCounters& counters() const noexcept { return counters_; }
 
-  void set_cost_model(const SimCostModel& model) noexcept { cost_ = model; }
-  [[nodiscard]] const SimCostModel& cost_model() const noexcept { return cost_; }
+  void set_cost_model(const SimCostModel& model) noexcept { cost_.set_model(model); }
+  [[nodiscard]] const SimCostModel& cost_model() const noexcept { return cost_.model(); }
   // Duration of the next launch (overrides SimCostModel::launch_ns once).
-  void set_next_duration_ns(double ns) noexcept { next_duration_ns_ = ns; }
+  void set_next_duration_ns(double ns) noexcept { cost_.set_next_duration_ns(ns); }
   [[nodiscard]] double host_time_ns() const noexcept { return host_time_ns_; }
   [[nodiscard]] double stream_time_ns(Stream s) const noexcept {
     return (s.id == 0 || s.id > streams_.size()) ? 0.0 : streams_[s.id - 1]->time_ns;
@@ -578,13 +478,11 @@ class SimRuntime {
     events_.clear();
     gates_.clear();
     shadow_.clear();
-    races_.clear();
-    race_count_ = 0;
     counters_ = {};
-    for (auto& k : faults_) k = {};
+    faults_.reset();
     trace_.clear();
     next_label_.reset();
-    next_duration_ns_ = -1.0;
+    cost_.clear_override();
     next_seq_ = 1;
     allocation_ids_ = 0;
     host_time_ns_ = 0.0;
@@ -594,100 +492,21 @@ class SimRuntime {
   }
 
  private:
-  using Clock = std::vector<std::uint32_t>;  // index = actor: 0 host, k = stream k
-  using Label = std::shared_ptr<const std::string>;
+  using Clock = detail::sim::Clock;
+  using Label = detail::sim::Label;
+  using Rng = detail::sim::Rng;
+  using Op = detail::sim::Op;
+  using RecordState = detail::sim::RecordState;
+  using StreamState = detail::sim::StreamState;
+  using EventState = detail::sim::EventState;
+  using GateState = detail::sim::GateState;
+  using AccessRec = detail::sim::AccessRec;
   static constexpr std::size_t alignment = 256;
-
-  // splitmix64: tiny, fast, and the same sequence on every platform.
-  class Rng {
-   public:
-    explicit Rng(std::uint64_t seed) noexcept : state_(seed) {}
-    std::uint64_t next() noexcept {
-      std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-      z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-      z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-      return z ^ (z >> 31);
-    }
-    std::size_t below(std::size_t n) noexcept { return static_cast<std::size_t>(next() % n); }
-
-   private:
-    std::uint64_t state_;
-  };
-
-  struct RecordState {
-    bool completed = false;
-    std::uint32_t stream = 0;
-    std::uint64_t seq = 0;
-    double time_ns = 0.0;
-    Clock clock;  // the recording stream's clock at completion
-  };
-
-  struct Op {
-    SimOpKind kind = SimOpKind::launch;
-    std::uint32_t gate = 0;
-    std::uint64_t seq = 0;
-    double host_time_ns = 0.0;
-    double duration_ns = 0.0;
-    Clock host_clock;  // the host's clock at enqueue: host -> op edge
-    std::vector<CopyDesc> copies;
-    std::vector<Access> accesses;
-    std::function<void()> body;
-    std::shared_ptr<RecordState> record;  // record: completed by this op; wait: awaited
-    Label label;
-  };
-
-  // FIFO as a vector + head index, so steady-state enqueue/complete does not allocate.
-  struct StreamState {
-    std::vector<Op> ops;
-    std::size_t head = 0;
-    Clock clock;
-    double time_ns = 0.0;
-    bool alive = true;
-    bool capturing = false;
-    std::string name;
-
-    [[nodiscard]] bool empty() const noexcept { return head == ops.size(); }
-    [[nodiscard]] std::size_t size() const noexcept { return ops.size() - head; }
-  };
-
-  struct EventState {
-    std::shared_ptr<RecordState> latest;
-    bool alive = true;
-  };
-
-  struct GateState {
-    bool open = false;
-    double time_ns = 0.0;
-    Clock host_clock;
-  };
 
   struct Allocation {
     std::size_t bytes = 0;
     MemoryKind kind = MemoryKind::device;
     std::uint64_t id = 0;
-  };
-
-  // One access in the shadow history: (actor, epoch) decides happens-before.
-  struct AccessRec {
-    std::uint32_t actor = 0;
-    std::uint32_t epoch = 0;
-    std::uint64_t seq = 0;
-    SimOpKind kind = SimOpKind::host;
-    AccessMode mode = AccessMode::read;
-    Label label;
-  };
-
-  // Shadow state of a disjoint byte segment [key, end).
-  struct Segment {
-    std::uintptr_t end = 0;
-    bool has_write = false;
-    AccessRec write;
-    std::vector<AccessRec> reads;  // none happens-before another
-  };
-
-  struct FaultState {
-    std::uint64_t calls = 0;
-    std::vector<std::uint64_t> fail_at;
   };
 
   // ---- handles & errors ----
@@ -725,19 +544,12 @@ class SimRuntime {
     return {};
   }
 
-  bool consume_fault(FaultKind kind) noexcept {
-    auto& k = faults_[static_cast<std::size_t>(kind)];
-    ++k.calls;
-    const auto it = std::find(k.fail_at.begin(), k.fail_at.end(), k.calls);
-    if (it == k.fail_at.end()) return false;
-    k.fail_at.erase(it);
-    return true;
-  }
+  bool consume_fault(FaultKind kind) noexcept { return faults_.consume(kind); }
   Status injected(FaultKind kind) {
     ++counters_.injected_failures;
     return Status(ErrorCode::runtime_failure,
                   std::string("SimRuntime: injected failure of ") + to_string(kind) + " call #" +
-                      std::to_string(faults_[static_cast<std::size_t>(kind)].calls) +
+                      std::to_string(faults_.calls(kind)) +
                       " (nothing was enqueued)");
   }
 
@@ -767,16 +579,6 @@ class SimRuntime {
   }
 
   Label take_label() noexcept { return std::move(next_label_); }
-  double take_duration(double fallback) noexcept {
-    const double d = next_duration_ns_ >= 0.0 ? next_duration_ns_ : fallback;
-    next_duration_ns_ = -1.0;
-    return d;
-  }
-  double copy_cost(std::size_t bytes) const noexcept {
-    return cost_.copy_latency_ns +
-           (cost_.copy_bytes_per_ns > 0.0 ? static_cast<double>(bytes) / cost_.copy_bytes_per_ns : 0.0);
-  }
-
   void trace(SimCall call, std::uint32_t stream, std::uint32_t event, std::size_t bytes, const Label& label) {
     if (!tracing_) return;
     trace_.push_back(SimTraceEntry{call, stream, event, bytes, label ? *label : std::string()});
@@ -787,35 +589,19 @@ class SimRuntime {
   void reset_clocks() {
     host_clock_.assign(1, 1);
   }
-  static std::uint32_t at(const Clock& c, std::uint32_t actor) noexcept {
-    return actor < c.size() ? c[actor] : 0;
-  }
-  static void join(Clock& into, const Clock& from) {
-    if (into.size() < from.size()) into.resize(from.size(), 0);
-    for (std::size_t i = 0; i < from.size(); ++i) into[i] = std::max(into[i], from[i]);
-  }
-  static bool happens_before(const AccessRec& a, const Clock& c) noexcept {
-    return a.epoch <= at(c, a.actor);
-  }
-
   void acquire_on_host(const RecordState& rec) {
-    join(host_clock_, rec.clock);
+    detail::sim::join(host_clock_, rec.clock);
     host_time_ns_ = std::max(host_time_ns_, rec.time_ns);
   }
 
   // Enqueue: the op inherits the host's clock (host -> op edge), then the host ticks so its
   // later actions are not ordered before the op.
   Op& push_op(Stream s, SimOpKind kind, Label label) {
-    StreamState& st = *streams_[s.id - 1];
-    if (st.head > 64 && st.head * 2 > st.ops.size()) {  // compact a never-emptying FIFO
-      st.ops.erase(st.ops.begin(), st.ops.begin() + static_cast<std::ptrdiff_t>(st.head));
-      st.head = 0;
-    }
-    Op& op = st.ops.emplace_back();
+    Op& op = streams_[s.id - 1]->push();
     op.kind = kind;
     op.seq = next_seq_++;
     op.host_clock = host_clock_;
-    host_time_ns_ += cost_.host_call_ns;
+    host_time_ns_ += cost_.model().host_call_ns;
     op.host_time_ns = host_time_ns_;
     op.label = std::move(label);
     ++host_clock_[0];
@@ -824,24 +610,7 @@ class SimRuntime {
 
   // ---- scheduling ----
 
-  bool head_ready(const StreamState& st) const noexcept {
-    if (st.empty()) return false;
-    const Op& op = st.ops[st.head];
-    switch (op.kind) {
-      case SimOpKind::wait: return op.record->completed;
-      case SimOpKind::gate: return gates_[op.gate - 1].open;
-      default: return true;
-    }
-  }
-
-  // Picks a random stream with a ready head; 0 when none.
-  std::uint32_t pick_ready(Rng& rng) {
-    ready_.clear();
-    for (std::size_t i = 0; i < streams_.size(); ++i)
-      if (head_ready(*streams_[i])) ready_.push_back(static_cast<std::uint32_t>(i + 1));
-    if (ready_.empty()) return 0;
-    return ready_[ready_.size() == 1 ? 0 : rng.below(ready_.size())];
-  }
+  std::uint32_t pick_ready(Rng& rng) { return detail::sim::pick_ready(streams_, gates_, rng, ready_); }
 
   std::size_t run_some(Rng& rng, std::size_t max_ops) noexcept {
     std::size_t done = 0;
@@ -874,21 +643,16 @@ class SimRuntime {
 
   void execute_head(std::uint32_t sid) noexcept {
     StreamState& st = *streams_[sid - 1];
-    Op op = std::move(st.ops[st.head]);
-    ++st.head;
-    if (st.empty()) {  // keep capacity, drop the moved-from shells
-      st.ops.clear();
-      st.head = 0;
-    }
+    Op op = st.pop();
     try {
-      join(st.clock, op.host_clock);
+      detail::sim::join(st.clock, op.host_clock);
       double start = std::max(st.time_ns, op.host_time_ns);
       if (op.kind == SimOpKind::wait) {
-        join(st.clock, op.record->clock);
+        detail::sim::join(st.clock, op.record->clock);
         start = std::max(start, op.record->time_ns);
       } else if (op.kind == SimOpKind::gate) {
         const GateState& g = gates_[op.gate - 1];
-        join(st.clock, g.host_clock);
+        detail::sim::join(st.clock, g.host_clock);
         start = std::max(start, g.time_ns);
       }
       const std::uint32_t epoch = st.clock[sid];
@@ -937,126 +701,10 @@ class SimRuntime {
     }
   }
 
-  // ---- shadow memory ----
+  // ---- race reports ----
 
-  // Splits the segment containing x (strictly inside) so that a segment starts at x.
-  void split_at(std::uintptr_t x) {
-    auto it = shadow_.upper_bound(x);
-    if (it == shadow_.begin()) return;
-    --it;
-    if (it->first == x || it->second.end <= x) return;
-    Segment right = it->second;  // copies the history
-    it->second.end = x;
-    shadow_.emplace_hint(std::next(it), x, std::move(right));
-  }
-
-  static bool same_history(const Segment& a, const Segment& b) noexcept {
-    if (a.has_write != b.has_write || (a.has_write && a.write.seq != b.write.seq)) return false;
-    if (a.reads.size() != b.reads.size()) return false;
-    for (std::size_t i = 0; i < a.reads.size(); ++i)
-      if (a.reads[i].seq != b.reads[i].seq) return false;
-    return true;
-  }
-
-  // Merges neighbours with identical history in [lo, hi] so the map stays small.
-  void coalesce(std::uintptr_t lo, std::uintptr_t hi) {
-    auto it = shadow_.lower_bound(lo);
-    if (it != shadow_.begin()) --it;
-    while (it != shadow_.end() && it->first <= hi) {
-      auto nx = std::next(it);
-      if (nx == shadow_.end()) break;
-      if (it->second.end == nx->first && same_history(it->second, nx->second)) {
-        it->second.end = nx->second.end;
-        shadow_.erase(nx);
-      } else {
-        it = nx;
-      }
-    }
-  }
-
-  void forget_range(std::uintptr_t lo, std::uintptr_t hi) noexcept {
-    try {
-      split_at(lo);
-      split_at(hi);
-      shadow_.erase(shadow_.lower_bound(lo), shadow_.lower_bound(hi));
-    } catch (...) {
-      shadow_.clear();  // losing history only loses detection, never reports a false race
-    }
-  }
-
-  // Checks one access against the history of [p, p + bytes) and records it.
   void check_access(std::uintptr_t lo, std::size_t bytes, const AccessRec& acc, const Clock& clock) {
-    const std::uintptr_t hi = lo + bytes;
-    split_at(lo);
-    split_at(hi);
-    found_.clear();
-    for (auto it = shadow_.lower_bound(lo); it != shadow_.end() && it->first < hi; ++it) {
-      Segment& seg = it->second;
-      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, it->first, seg.end);
-      if (acc.mode == AccessMode::write)
-        for (const AccessRec& r : seg.reads)
-          if (!happens_before(r, clock)) report(r, acc, it->first, seg.end);
-    }
-    for (const std::size_t i : found_) describe(races_[i]);
-
-    if (acc.mode == AccessMode::write) {
-      // The new write supersedes everything in the range: one segment.
-      shadow_.erase(shadow_.lower_bound(lo), shadow_.lower_bound(hi));
-      Segment seg;
-      seg.end = hi;
-      seg.has_write = true;
-      seg.write = acc;
-      shadow_.emplace(lo, std::move(seg));
-    } else {
-      add_read(lo, hi, acc, clock);
-    }
-    coalesce(lo, hi);
-  }
-
-  // Records a read over [lo, hi): prunes reads ordered before it, fills gaps.
-  void add_read(std::uintptr_t lo, std::uintptr_t hi, const AccessRec& acc, const Clock& clock) {
-    std::uintptr_t cursor = lo;
-    auto it = shadow_.lower_bound(lo);
-    while (cursor < hi) {
-      if (it == shadow_.end() || it->first > cursor) {  // a gap without history
-        Segment seg;
-        seg.end = (it == shadow_.end()) ? hi : std::min<std::uintptr_t>(hi, it->first);
-        seg.reads.push_back(acc);
-        const std::uintptr_t start = cursor;
-        cursor = seg.end;
-        shadow_.emplace_hint(it, start, std::move(seg));
-        continue;
-      }
-      Segment& seg = it->second;
-      std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
-      seg.reads.push_back(acc);
-      cursor = seg.end;
-      ++it;
-    }
-  }
-
-  void report(const AccessRec& earlier, const AccessRec& later, std::uintptr_t lo, std::uintptr_t hi) {
-    for (const std::size_t i : found_) {  // one report per (earlier access, this access)
-      RaceReport& r = races_[i];
-      if (r.earlier.op == earlier.seq && r.earlier.mode == earlier.mode) {
-        r.begin = std::min(r.begin, lo);
-        r.end = std::max(r.end, hi);
-        return;
-      }
-    }
-    ++race_count_;
-    if (races_.size() >= options_.max_races) return;
-    RaceReport r;
-    r.earlier = side(earlier);
-    r.later = side(later);
-    r.begin = lo;
-    r.end = hi;
-    races_.push_back(std::move(r));
-    found_.push_back(races_.size() - 1);
-  }
-
-  static RaceReport::Side side(const AccessRec& a) {
-    return RaceReport::Side{a.kind, a.mode, a.actor, a.seq, a.label ? *a.label : std::string()};
+    shadow_.check(lo, bytes, acc, clock, options_.max_races, [this](RaceReport& r) { describe(r); });
   }
 
   std::string describe_side(const RaceReport::Side& s) const {
@@ -1102,7 +750,7 @@ class SimRuntime {
   Options options_;
   std::uint64_t seed_;
   Rng rng_;
-  SimCostModel cost_;
+  detail::sim::CostClock cost_;
   std::vector<std::unique_ptr<StreamState>> streams_;  // id k at index k - 1
   std::vector<EventState> events_;
   std::vector<GateState> gates_;
@@ -1110,16 +758,12 @@ class SimRuntime {
   double host_time_ns_ = 0.0;
   std::uint64_t next_seq_ = 1;
   Label next_label_;
-  double next_duration_ns_ = -1.0;  // < 0: use the cost model
-  std::map<std::uintptr_t, Segment> shadow_;
-  std::vector<RaceReport> races_;
-  std::uint64_t race_count_ = 0;
-  std::vector<std::size_t> found_;     // scratch: reports made by the current access
+  detail::sim::ShadowMemory shadow_;
   std::vector<std::uint32_t> ready_;   // scratch: streams with a ready head
   std::map<std::uintptr_t, Allocation> allocations_;
   std::size_t allocated_bytes_ = 0;
   std::uint64_t allocation_ids_ = 0;
-  FaultState faults_[4];
+  detail::sim::FaultInjector faults_;
   SimCounters counters_;
   Status async_error_;
   bool tracing_ = false;

@@ -9,7 +9,7 @@
 
 #include "expert_cache/status.hpp"
 #include "expert_cache/tools/tool_status.hpp"
-#include "expert_cache/tools/splitmix64.hpp"
+#include "expert_cache/detail/splitmix64.hpp"
 #include "expert_cache/tools/trace_io.hpp"
 
 namespace expert_cache::inline v0 {

@@ -1,6 +1,7 @@
 #pragma once
-// SplitMix64: a tiny PRNG with the same sequence on every platform (trace generator, tests,
-// benchmarks). Host and device.
+// SplitMix64: a tiny PRNG with the same sequence on every platform (SimRuntime's scheduler, the
+// trace generator, tests, benchmarks). Host and device. In detail/ because the runtime uses it
+// and the runtime does not depend on tools/.
 #include <cstdint>
 
 #include "expert_cache/config.hpp"
