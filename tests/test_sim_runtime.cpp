@@ -76,6 +76,31 @@ std::string all_descriptions(const SimRuntime& rt) {
   return s;
 }
 
+// The set-ups most cases start from: a fresh runtime with one, two or three streams.
+struct OneStream {
+  SimRuntime rt;
+  const Stream s = rt.create_stream().value();
+};
+struct TwoStreamRuntime {
+  SimRuntime rt;
+  const Stream s1 = rt.create_stream().value();
+  const Stream s2 = rt.create_stream().value();
+};
+struct ThreeStreams : TwoStreamRuntime {
+  const Stream s3 = rt.create_stream().value();
+};
+
+// One stream copies device bytes d into pinned host bytes h, then records e.
+struct DeviceToHost : OneStream {
+  const Event e = rt.create_event().value();
+  std::uint8_t* h = alloc<std::uint8_t>(rt, 32, MemoryKind::pinned_host);
+  std::uint8_t* d = alloc<std::uint8_t>(rt, 32, MemoryKind::device);
+  DeviceToHost() {
+    REQUIRE(rt.copy_async(h, d, 32, s).ok());  // D2H into h
+    REQUIRE(rt.record(e, s).ok());
+  }
+};
+
 // Producer/consumer on two streams: s1 copies src -> buf, s2 reads buf (launch).
 struct TwoStreams {
   SimRuntime rt;
@@ -105,9 +130,7 @@ struct TwoStreams {
 
 }  // namespace
 
-TEST_CASE("nothing runs at enqueue; copy bytes land only when the op completes") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "nothing runs at enqueue; copy bytes land only when the op completes") {
   auto* src = alloc<std::uint32_t>(rt, 4, MemoryKind::pinned_host);
   auto* dst = alloc<std::uint32_t>(rt, 4, MemoryKind::device);
   for (std::uint32_t i = 0; i < 4; ++i) src[i] = 100 + i;
@@ -189,11 +212,7 @@ TEST_CASE("an event edge orders two streams; removing the wait makes the detecto
   CHECK(saw_stale_read);  // and some schedule really read the slot before it was filled
 }
 
-TEST_CASE("happens-before is transitive across a chain of streams and through the host") {
-  SimRuntime rt;
-  const Stream s1 = rt.create_stream().value();
-  const Stream s2 = rt.create_stream().value();
-  const Stream s3 = rt.create_stream().value();
+TEST_CASE_FIXTURE(ThreeStreams, "happens-before is transitive across a chain of streams and through the host") {
   const Event e1 = rt.create_event().value();
   const Event e2 = rt.create_event().value();
   auto* x = alloc<std::uint8_t>(rt, 16, MemoryKind::device);
@@ -221,10 +240,7 @@ TEST_CASE("happens-before is transitive across a chain of streams and through th
   CHECK(rt2.races().empty());
 }
 
-TEST_CASE("re-recording replaces the record; a wait keeps the record current at wait time") {
-  SimRuntime rt;
-  const Stream s1 = rt.create_stream().value();
-  const Stream s2 = rt.create_stream().value();
+TEST_CASE_FIXTURE(TwoStreamRuntime, "re-recording replaces the record; a wait keeps the record current at wait time") {
   const Event e = rt.create_event().value();
   auto* x = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
   auto* y = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
@@ -257,9 +273,7 @@ TEST_CASE("re-recording replaces the record; a wait keeps the record current at 
   CHECK(rt.races().empty());
 }
 
-TEST_CASE("waiting on a never-recorded event is a no-op; query is true and synchronize returns") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "waiting on a never-recorded event is a no-op; query is true and synchronize returns") {
   const Event e = rt.create_event().value();
   CHECK(rt.query(e).value());
   CHECK(rt.synchronize(e).ok());
@@ -272,18 +286,8 @@ TEST_CASE("waiting on a never-recorded event is a no-op; query is true and synch
   CHECK(rt.step(s));  // nothing blocks the stream
 }
 
-TEST_CASE("synchronize and query()==true order the host after device work") {
-  auto setup = [](SimRuntime& rt, Stream s, Event e, std::uint8_t* host_buf, std::uint8_t* dev) {
-    REQUIRE(rt.copy_async(host_buf, dev, 32, s).ok());  // D2H into host_buf
-    REQUIRE(rt.record(e, s).ok());
-  };
+TEST_CASE_FIXTURE(DeviceToHost, "synchronize and query()==true order the host after device work") {
   SUBCASE("host_access after synchronize(event) is race-free") {
-    SimRuntime rt;
-    const Stream s = rt.create_stream().value();
-    const Event e = rt.create_event().value();
-    auto* h = alloc<std::uint8_t>(rt, 32, MemoryKind::pinned_host);
-    auto* d = alloc<std::uint8_t>(rt, 32, MemoryKind::device);
-    setup(rt, s, e, h, d);
     REQUIRE(rt.synchronize(e).ok());
     rt.host_access(h, 32, AccessMode::read);
     rt.host_access(h, 32, AccessMode::write);
@@ -291,12 +295,6 @@ TEST_CASE("synchronize and query()==true order the host after device work") {
     CHECK(rt.counters().host_syncs == 1);
   }
   SUBCASE("host_access after synchronize(stream) is race-free") {
-    SimRuntime rt;
-    const Stream s = rt.create_stream().value();
-    const Event e = rt.create_event().value();
-    auto* h = alloc<std::uint8_t>(rt, 32, MemoryKind::pinned_host);
-    auto* d = alloc<std::uint8_t>(rt, 32, MemoryKind::device);
-    setup(rt, s, e, h, d);
     REQUIRE(rt.synchronize(s).ok());
     rt.host_access(h, 32, AccessMode::write);
     CHECK(rt.races().empty());
@@ -307,12 +305,6 @@ TEST_CASE("synchronize and query()==true order the host after device work") {
     CHECK(rt.races().size() == 1);
   }
   SUBCASE("query()==true creates the edge; query()==false does not") {
-    SimRuntime rt;
-    const Stream s = rt.create_stream().value();
-    const Event e = rt.create_event().value();
-    auto* h = alloc<std::uint8_t>(rt, 32, MemoryKind::pinned_host);
-    auto* d = alloc<std::uint8_t>(rt, 32, MemoryKind::device);
-    setup(rt, s, e, h, d);
     CHECK_FALSE(rt.query(e).value());
     rt.drain();  // the work completes, but the host has not observed it yet
     rt.host_access(h, 8, AccessMode::read);
@@ -324,18 +316,13 @@ TEST_CASE("synchronize and query()==true order the host after device work") {
   }
   SUBCASE("host_access before synchronize races, whichever side the sim runs first") {
     for (bool complete_first : {false, true}) {
-      SimRuntime rt;
-      const Stream s = rt.create_stream().value();
-      const Event e = rt.create_event().value();
-      auto* h = alloc<std::uint8_t>(rt, 32, MemoryKind::pinned_host);
-      auto* d = alloc<std::uint8_t>(rt, 32, MemoryKind::device);
-      setup(rt, s, e, h, d);
-      if (complete_first) rt.drain();
-      rt.set_next_label("host reads result early");
-      rt.host_access(h + 8, 4, AccessMode::read);
-      REQUIRE(rt.synchronize(e).ok());
-      REQUIRE(rt.races().size() == 1);
-      const RaceReport& r = rt.races()[0];
+      DeviceToHost f;  // a fresh runtime per order
+      if (complete_first) f.rt.drain();
+      f.rt.set_next_label("host reads result early");
+      f.rt.host_access(f.h + 8, 4, AccessMode::read);
+      REQUIRE(f.rt.synchronize(f.e).ok());
+      REQUIRE(f.rt.races().size() == 1);
+      const RaceReport& r = f.rt.races()[0];
       CHECK(r.end - r.begin == 4);
       CHECK(r.description.find("the host") != std::string::npos);
       CHECK(r.description.find("host reads result early") != std::string::npos);
@@ -344,9 +331,7 @@ TEST_CASE("synchronize and query()==true order the host after device work") {
   }
 }
 
-TEST_CASE("host enqueue orders earlier host writes before the op; later host writes race") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "host enqueue orders earlier host writes before the op; later host writes race") {
   const Event e = rt.create_event().value();
   auto* staging = alloc<std::uint8_t>(rt, 16, MemoryKind::pinned_host);
   auto* dev = alloc<std::uint8_t>(rt, 16, MemoryKind::device);
@@ -369,10 +354,7 @@ TEST_CASE("host enqueue orders earlier host writes before the op; later host wri
   CHECK(rt.races().empty());
 }
 
-TEST_CASE("detector basics: read/read, disjoint and adjacent ranges, partial overlap, write/write") {
-  SimRuntime rt;
-  const Stream s1 = rt.create_stream().value();
-  const Stream s2 = rt.create_stream().value();
+TEST_CASE_FIXTURE(TwoStreamRuntime, "detector basics: read/read, disjoint and adjacent ranges, partial overlap, write/write") {
   auto* m = alloc<std::uint8_t>(rt, 256, MemoryKind::device);
   auto launch = [&](Stream s, std::size_t off, std::size_t n, AccessMode mode) {
     REQUIRE(rt.launch(s, std::array{Access{m + off, n, mode}}).ok());
@@ -448,10 +430,7 @@ TEST_CASE("different seeds give different interleavings, race-free programs the 
   CHECK(interleavings.size() > 10);
 }
 
-TEST_CASE("deadlock: synchronizing on work behind a closed gate reports an error") {
-  SimRuntime rt;
-  const Stream s1 = rt.create_stream().value();
-  const Stream s2 = rt.create_stream().value();
+TEST_CASE_FIXTURE(TwoStreamRuntime, "deadlock: synchronizing on work behind a closed gate reports an error") {
   const Event e = rt.create_event().value();
   auto* x = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
   rt.set_next_label("host flag");
@@ -478,9 +457,7 @@ TEST_CASE("deadlock: synchronizing on work behind a closed gate reports an error
   CHECK(rt.races().empty());
 }
 
-TEST_CASE("opening a gate orders the host's earlier writes before the gated stream") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "opening a gate orders the host's earlier writes before the gated stream") {
   auto* staging = alloc<std::uint8_t>(rt, 8, MemoryKind::pinned_host);
   auto* dev = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
   const auto gate = rt.enqueue_gate(s).value();
@@ -493,9 +470,7 @@ TEST_CASE("opening a gate orders the host's earlier writes before the gated stre
   CHECK(rt.races().size() == 1);
 }
 
-TEST_CASE("fault injection: the nth call of a kind fails and enqueues nothing") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "fault injection: the nth call of a kind fails and enqueues nothing") {
   const Event e = rt.create_event().value();
   auto* a = alloc<std::uint8_t>(rt, 16, MemoryKind::pinned_host);
   auto* b = alloc<std::uint8_t>(rt, 16, MemoryKind::device);
@@ -558,9 +533,7 @@ TEST_CASE("allocation: absurd and zero sizes are rejected, the limit is enforced
   CHECK(rt.allocate(1 << 20, MemoryKind::pinned_host).ok());
 }
 
-TEST_CASE("capture flag: is_capturing, capture-illegal calls, batch copies rejected") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "capture flag: is_capturing, capture-illegal calls, batch copies rejected") {
   auto* a = alloc<std::uint8_t>(rt, 64, MemoryKind::pinned_host);
   auto* b = alloc<std::uint8_t>(rt, 64, MemoryKind::device);
   for (int i = 0; i < 64; ++i) a[i] = static_cast<std::uint8_t>(200 - i);
@@ -583,9 +556,7 @@ TEST_CASE("capture flag: is_capturing, capture-illegal calls, batch copies rejec
   CHECK(rt.is_capturing(Stream{}).status().code() == ErrorCode::invalid_argument);
 }
 
-TEST_CASE("invalid handles and arguments are rejected with invalid_argument") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "invalid handles and arguments are rejected with invalid_argument") {
   const Event e = rt.create_event().value();
   std::array<std::uint8_t, 16> x{}, y{};
   CHECK(rt.record(e, Stream{}).code() == ErrorCode::invalid_argument);
@@ -606,9 +577,7 @@ TEST_CASE("invalid handles and arguments are rejected with invalid_argument") {
   CHECK(rt.idle());
 }
 
-TEST_CASE("a throwing launch body surfaces as an async error from the next synchronize") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "a throwing launch body surfaces as an async error from the next synchronize") {
   REQUIRE(rt.launch(s, {}, [] { throw std::runtime_error("kernel fault"); }).ok());
   const Status st = rt.synchronize(s);
   CHECK(st.code() == ErrorCode::runtime_failure);
@@ -671,9 +640,7 @@ TEST_CASE("virtual time follows stream order, event edges and host synchronizati
   CHECK(rt.host_time_ns() == doctest::Approx(230));
 }
 
-TEST_CASE("reset returns to the constructed state") {
-  SimRuntime rt;
-  const Stream s = rt.create_stream().value();
+TEST_CASE_FIXTURE(OneStream, "reset returns to the constructed state") {
   auto* x = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
   REQUIRE(rt.launch(s, std::array{Access{x, 8, AccessMode::write}}).ok());
   rt.drain();
