@@ -10,6 +10,7 @@
 #include <memory>
 #include <new>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,8 @@ struct Step {
   Ids victims;     // in eviction order
   Ids fill_slots;  // slot of each miss, in processing order
 };
+
+Ids ids_of(std::span<const std::int32_t> s) { return Ids(s.begin(), s.end()); }
 
 template <class P>
 Step run(ForwardPlanner<P>& planner, const Ids& unique_ids) {
@@ -208,7 +211,7 @@ TEST_CASE("lfru: hand-computed sequence with in-forward protection and LIFO slot
   CHECK(s.victims == Ids{2, 0});
   CHECK(s.fill_slots == Ids{0, 2});
   CHECK(p.policy().clock() == 11);
-  CHECK(p.policy().insertion_order() == Ids{1, 3, 4});
+  CHECK(ids_of(p.policy().insertion_order()) == Ids{1, 3, 4});
   // Invalidate 3: slot 0 goes back on the free list and is reused first, no eviction.
   auto freed = p.invalidate(3);
   REQUIRE(freed.ok());
@@ -216,7 +219,7 @@ TEST_CASE("lfru: hand-computed sequence with in-forward protection and LIFO slot
   s = run(p, {5});
   CHECK(s.victims.empty());
   CHECK(s.fill_slots == Ids{0});
-  CHECK(p.policy().insertion_order() == Ids{1, 4, 5});
+  CHECK(ids_of(p.policy().insertion_order()) == Ids{1, 4, 5});
   // Re-inserting 0 restarts its frequency at 1. Miss 0 at clock 12: 1: 4/4 = 1,
   // 4: 1/2 = 0.5, 5: 1/1 = 1 -> victim 4 (slot 2).
   s = run(p, {0});
@@ -231,7 +234,7 @@ TEST_CASE("lfru: ties go to the earliest-inserted resident; hits do not reorder"
   // [2] c1 (slot 2), [4] c2 (slot 1), [4] c3, [4] c4, [2] c5, [1] c6 (slot 0).
   // State: 2 (f2, l5), 4 (f3, l4), 1 (f1, l6); insertion order 2, 4, 1.
   for (const Ids& f : {Ids{2}, Ids{4}, Ids{4}, Ids{4}, Ids{2}, Ids{1}}) (void)run(p, f);
-  CHECK(p.policy().insertion_order() == Ids{2, 4, 1});
+  CHECK(ids_of(p.policy().insertion_order()) == Ids{2, 4, 1});
   // Miss 0 at clock 6: 2: 2/2 = 1, 4: 3/3 = 1, 1: 1/1 = 1 -> three-way tie. Earliest
   // inserted is 2 (a hit-reordered dict would say 4, lowest id would say 1).
   const Step s = run(p, {0});
@@ -701,4 +704,35 @@ TEST_CASE_TEMPLATE("planning allocates nothing after warm-up", P, Lru, Lfru, Sie
   CHECK(all_ok);
   CHECK(after == before);
   CHECK(planner.counters().misses > misses_before);  // evictions did happen in the window
+}
+
+// A copy does not keep std::vector::reserve(): a policy that relied on it would allocate on
+// the hot path once copied (a planner takes its policy by value). Copy a fresh policy, build
+// the planner from the copy, and plan a whole stream from cold: no allocation anywhere.
+TEST_CASE_TEMPLATE("a copied policy plans without allocating", P, Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu,
+                   LayerShare, Belady) {
+  const CacheShape shape{512, 208};
+  const Forwards f = random_forwards(3, shape.num_experts, 10, 3000);
+  const P original = make_policy<P>(shape, f, PoolLayout{64});
+  P copy = original;  // the copy constructor under test
+  ForwardPlanner<P> planner(shape, 10, std::move(copy));
+  ForwardPlan plan;
+  plan.unique.reserve(208);
+  plan.fills.reserve(208);
+  plan.evictions.reserve(208);
+  const std::uint64_t before = g_allocations.load();
+  bool all_ok = true;
+  for (const Ids& ids : f) all_ok = planner.plan_unique(ids, plan).ok() && all_ok;
+  const std::uint64_t after = g_allocations.load();
+  CHECK(all_ok);
+  CHECK(after - before == 0);
+  CHECK(planner.counters().evictions > 0);  // the pool filled and evicted inside the window
+  // Copy assignment over a policy of another shape must not leave a too-small buffer either.
+  P assigned = make_policy<P>(CacheShape{512, 4}, f, PoolLayout{64});
+  assigned = original;
+  ForwardPlanner<P> planner2(shape, 10, std::move(assigned));
+  const std::uint64_t before2 = g_allocations.load();
+  for (const Ids& ids : f) all_ok = planner2.plan_unique(ids, plan).ok() && all_ok;
+  CHECK(all_ok);
+  CHECK(g_allocations.load() - before2 == 0);
 }

@@ -12,9 +12,9 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
-#include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/fixed_vector.hpp"
 #include "expert_cache/eviction/intrusive_queues.hpp"
 
 namespace expert_cache::inline v0 {
@@ -23,15 +23,13 @@ class Arc {
  public:
   static constexpr std::string_view name = "arc";
 
-  explicit Arc(CacheShape shape) : lists_(shape.num_experts), capacity_(shape.capacity) {
-    forward_.reserve(static_cast<std::size_t>(shape.capacity));
-  }
+  explicit Arc(CacheShape shape)
+      : lists_(shape.num_experts), capacity_(shape.capacity), forward_(static_cast<std::size_t>(shape.capacity)) {}
 
-  // The planner never passes more ids than the capacity; the clamp keeps this allocation-free
-  // even if a caller does.
+  // The planner never passes more ids than the capacity; assign() keeps at most that many, so
+  // this stays allocation-free even if a caller does.
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    forward_.assign(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(std::min(
-                                                   ids.size(), static_cast<std::size_t>(capacity_))));
+    forward_.assign(ids.begin(), ids.end());
     cursor_ = 0;
   }
 
@@ -128,7 +126,7 @@ class Arc {
   detail::IntrusiveQueues<4> lists_;  // oldest = LRU end
   std::int32_t capacity_;
   double p_ = 0.0;                     // target size of T1
-  std::vector<ExpertId> forward_;      // this forward's ids in processing order
+  detail::FixedVector<ExpertId> forward_;  // this forward's ids in processing order (copies keep room)
   std::size_t cursor_ = 0;             // on_hit + on_insert calls since begin_forward
   std::int32_t victim_ = none;         // last choose_victim result, consumed by on_remove
   bool ghost_victim_ = true;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/fixed_vector.hpp"
 #include "expert_cache/status.hpp"
 
 namespace expert_cache::inline v0 {
@@ -89,11 +90,11 @@ class Belady {
       : future_(std::move(future)),
         cursor_(static_cast<std::size_t>(shape.num_experts), 0),
         next_(static_cast<std::size_t>(shape.num_experts), BeladyFuture::never),
+        residents_(static_cast<std::size_t>(shape.capacity)),
         slot_of_(static_cast<std::size_t>(shape.num_experts), -1) {
     if (!future_ || future_->num_experts() != shape.num_experts) {
       throw Error(ErrorCode::invalid_argument, "Belady: the future must cover exactly num_experts ids");
     }
-    residents_.reserve(static_cast<std::size_t>(shape.capacity));
   }
 
   // Advances to the next forward, checks that it is the one the future predicted, and
@@ -117,7 +118,7 @@ class Belady {
   void on_hit(ExpertId) noexcept {}
   void on_insert(ExpertId e) noexcept {
     slot_of_[e.index()] = static_cast<std::int32_t>(residents_.size());
-    residents_.push_back(e.value);  // residents <= capacity: never reallocates
+    residents_.push_back(e.value);  // residents <= capacity: fits the fixed storage
   }
   void on_remove(ExpertId e) noexcept {
     const std::int32_t at = slot_of_[e.index()];
@@ -158,7 +159,7 @@ class Belady {
   std::uint32_t position_ = static_cast<std::uint32_t>(-1);  // forward being planned
   std::vector<std::uint32_t> cursor_;     // per id: index into future_->uses(id)
   std::vector<std::uint32_t> next_;       // per id: next forward requesting it after its last one
-  std::vector<std::int32_t> residents_;   // dense, unordered
+  detail::FixedVector<std::int32_t> residents_;  // dense, unordered (copies keep room)
   std::vector<std::int32_t> slot_of_;     // id -> index in residents_, -1 absent
   std::uint64_t divergent_forwards_ = 0;
 };

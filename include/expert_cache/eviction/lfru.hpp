@@ -5,10 +5,12 @@
 // order on ties. One clock per cache, no decay, freq restarts at 1 after re-insertion.
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string_view>
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/fixed_vector.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -18,9 +20,8 @@ class Lfru {
   // vLLM's free list is [0..cap-1] popped from the end: the first miss gets slot cap-1.
   static constexpr FreeSlotOrder free_slot_order = FreeSlotOrder::highest_first;
 
-  explicit Lfru(CacheShape shape) : state_(static_cast<std::size_t>(shape.num_experts)) {
-    order_.reserve(static_cast<std::size_t>(shape.capacity));
-  }
+  explicit Lfru(CacheShape shape)
+      : state_(static_cast<std::size_t>(shape.num_experts)), order_(static_cast<std::size_t>(shape.capacity)) {}
 
   void on_hit(ExpertId e) noexcept {
     Entry& s = state_[e.index()];
@@ -33,7 +34,7 @@ class Lfru {
   void on_insert(ExpertId e) noexcept {
     ++clock_;
     state_[e.index()] = Entry{1, clock_};
-    order_.push_back(e.value);  // never reallocates: residents <= capacity
+    order_.push_back(e.value);  // residents <= capacity: fits the fixed storage
   }
 
   void on_remove(ExpertId e) noexcept {
@@ -54,7 +55,7 @@ class Lfru {
   [[nodiscard]] std::uint64_t freq(ExpertId e) const noexcept { return state_[e.index()].freq; }
   [[nodiscard]] std::uint64_t last(ExpertId e) const noexcept { return state_[e.index()].last; }
   // Current residents in insertion order (the reference dict's iteration order).
-  [[nodiscard]] const std::vector<std::int32_t>& insertion_order() const noexcept { return order_; }
+  [[nodiscard]] std::span<const std::int32_t> insertion_order() const noexcept { return order_.view(); }
 
   friend bool operator==(const Lfru&, const Lfru&) = default;
 
@@ -104,7 +105,7 @@ class Lfru {
   }
 
   std::vector<Entry> state_;          // per expert; zero when not resident
-  std::vector<std::int32_t> order_;   // residents in insertion order
+  detail::FixedVector<std::int32_t> order_;  // residents in insertion order (copies keep room)
   std::uint64_t clock_ = 0;
 };
 
