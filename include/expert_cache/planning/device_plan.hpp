@@ -223,17 +223,21 @@ EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_ex
   return static_cast<std::size_t>(end);
 }
 
-// Shape and pointers consistent, and the scalars within range. Checked at every entry so a
-// broken view cannot make the planner index out of bounds; the scalars are written only by
-// this code, the check guards against a state corrupted from outside.
-EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noexcept {
+// Shape and pointers consistent (reads only the view: callable by the host on a device view).
+EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noexcept {
   const std::int32_t e = s.num_experts, c = s.capacity;
   if (e <= 0 || c <= 0 || c > e || s.scalars == nullptr || s.stats == nullptr || s.error_word == nullptr) return false;
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
-  if (s.slot_owner.size != c || s.slot_tick.size != c || s.free_stack.size != c || s.prev_forward.size != c ||
-      s.fills.size != c || s.evictions.size != c) {
-    return false;
-  }
+  return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
+         s.fills.size == c && s.evictions.size == c;
+}
+
+// The view, and the scalars within range (dereferences them: where the state lives). Checked at
+// every entry so a broken view cannot make the planner index out of bounds; the scalars are
+// written only by this code, the check guards against a state corrupted from outside.
+EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noexcept {
+  if (!plan_view_ok(s)) return false;
+  const std::int32_t e = s.num_experts, c = s.capacity;
   const DevicePlanScalars& k = *s.scalars;
   return k.free_count >= 0 && k.free_count <= c && k.prev_count >= 0 && k.prev_count <= c && k.unique_count >= 0 &&
          k.unique_count <= e && k.group_count >= 0 && k.group_count <= e;

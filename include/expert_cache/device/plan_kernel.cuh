@@ -1,0 +1,407 @@
+#pragma once
+// Device planning on the GPU (needs nvcc): the planning step of planning/device_plan.hpp run by
+// ONE thread block (CubBlock: CUB block scan / reduce, cuda::atomic_ref counters), and a fill
+// kernel that reads the planned fill list from device memory and copies each filled expert's
+// bytes from mapped pinned host memory (zero-copy) into its slot.
+//
+// Graph safety: every kernel parameter is fixed for the cache's lifetime (the state view, the
+// id buffer's address and length, the group index of a graph node, the copy regions); what
+// changes per step (the ids, the plan, the fill list and its length) lives in device memory.
+// So plan -> fill can be captured once and replayed with new ids every time. All kernels are
+// templates (vague linkage): any number of translation units can include this header.
+//
+// One block because planning is a short chain of dependent block-wide steps (mark, scan,
+// classify, victim arg-min, apply) over a few hundred entries: a grid would need grid-wide
+// barriers between them, costing more than the work. 256 threads cover E = 512 in two scan
+// rounds and C = 208 slots in one victim pass.
+#if !defined(__CUDACC__)
+#error "expert_cache/device/plan_kernel.cuh needs nvcc"
+#endif
+
+#include <cuda/atomic>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/storage/copy_region.hpp"
+
+namespace expert_cache::inline v0::device {
+
+inline constexpr int plan_block_threads = 256;
+inline constexpr int plan_fill_threads = 512;
+inline constexpr int plan_fill_max_blocks = 32;  // zero-copy saturates PCIe with ~16 blocks (limits/h200.md)
+
+// The plan_block of the GPU: threadIdx.x of a 1-D block of exactly Threads threads.
+template <int Threads>
+class CubBlock {
+  using Scan = cub::BlockScan<std::int32_t, Threads>;
+  using ReduceSum = cub::BlockReduce<std::int32_t, Threads>;
+  using ReduceKey = cub::BlockReduce<PlanKey, Threads>;
+
+ public:
+  struct TempStorage {
+    union {
+      typename Scan::TempStorage scan;
+      typename ReduceSum::TempStorage sum;
+      typename ReduceKey::TempStorage key;
+    } cub;
+    std::uint64_t key_tick;  // broadcast slots (BlockReduce's result is valid in thread 0 only)
+    std::int32_t key_slot;
+    std::int32_t value;
+  };
+
+  __device__ explicit CubBlock(TempStorage& t) noexcept : t_(t) {}
+
+  __device__ std::int32_t thread_rank() const noexcept { return static_cast<std::int32_t>(threadIdx.x); }
+  __device__ std::int32_t size() const noexcept { return Threads; }
+  __device__ void sync() noexcept { __syncthreads(); }
+
+  // Every collective ends with a barrier, so the shared temp storage may be reused at once.
+  __device__ std::int32_t exclusive_sum(std::int32_t v, std::int32_t& total) noexcept {
+    std::int32_t out = 0;
+    Scan(t_.cub.scan).ExclusiveSum(v, out, total);
+    __syncthreads();
+    return out;
+  }
+  __device__ std::int32_t sum(std::int32_t v) noexcept {
+    const std::int32_t r = ReduceSum(t_.cub.sum).Sum(v);
+    if (threadIdx.x == 0) t_.value = r;
+    __syncthreads();
+    const std::int32_t all = t_.value;
+    __syncthreads();  // nobody overwrites the broadcast slot before everyone read it
+    return all;
+  }
+  __device__ PlanKey min_key(PlanKey k) noexcept {
+    const PlanKey r = ReduceKey(t_.cub.key).Reduce(k, KeyMin{});
+    if (threadIdx.x == 0) {
+      t_.key_tick = r.tick;
+      t_.key_slot = r.slot;
+    }
+    __syncthreads();
+    PlanKey all;
+    all.tick = t_.key_tick;
+    all.slot = t_.key_slot;
+    __syncthreads();
+    return all;
+  }
+  // Stats live in mapped host memory that the host reads while graphs run: system scope.
+  // Relaxed: a counter orders nothing; the host reads it as a monotone statistic.
+  __device__ void counter_add(std::uint64_t& c, std::uint64_t v) noexcept {
+    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(c).fetch_add(v, cuda::memory_order_relaxed);
+  }
+  __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>(w).fetch_or(v, cuda::memory_order_relaxed);
+  }
+  // Many threads mark the same expert: atomic stores make the race well defined; the barrier
+  // that follows publishes them.
+  __device__ void mark(std::uint32_t& w) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_block>(w).store(1u, cuda::memory_order_relaxed);
+  }
+
+ private:
+  struct KeyMin {
+    __device__ PlanKey operator()(const PlanKey& a, const PlanKey& b) const noexcept { return b < a ? b : a; }
+  };
+  TempStorage& t_;
+};
+
+// ---- planning kernels (one block of Threads threads each) -------------------------------------
+
+template <int Threads = plan_block_threads>
+__global__ void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s) {
+  __shared__ typename CubBlock<Threads>::TempStorage temp;
+  CubBlock<Threads> b(temp);
+  reset_plan_state(b, s);
+}
+
+// `ids` is a device buffer of n_ids int32 ([tokens, top_k], -1 padding) whose contents may
+// change between graph replays; `sanitized` (optional, may equal ids) receives the ids with
+// every dropped one as -1.
+template <int Threads = plan_block_threads>
+__global__ void __launch_bounds__(Threads)
+    plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
+  __shared__ typename CubBlock<Threads>::TempStorage temp;
+  CubBlock<Threads> b(temp);
+  plan_forward(b, s, ids, n_ids, sanitized);
+}
+
+// Group g >= 1 of an overflowing forward; empty (clears the forward map) when g >= group_count.
+template <int Threads = plan_block_threads>
+__global__ void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
+  __shared__ typename CubBlock<Threads>::TempStorage temp;
+  CubBlock<Threads> b(temp);
+  plan_group(b, s, group);
+}
+
+// The expert id is read from device memory when `expert_ptr` is set (graph-friendly), else `expert`.
+template <int Threads = 32>
+__global__ void __launch_bounds__(Threads)
+    plan_invalidate_kernel(const DevicePlanState s, std::int32_t expert, const std::int32_t* expert_ptr) {
+  __shared__ typename CubBlock<Threads>::TempStorage temp;
+  CubBlock<Threads> b(temp);
+  plan_invalidate(b, s, expert_ptr != nullptr ? *expert_ptr : expert);
+}
+
+// ---- fill from the device fill list -----------------------------------------------------------
+
+// Fixed for the cache's lifetime (a graph keeps its own copy). Region bases must be device
+// addresses: host_base of mapped pinned memory (see resolve_mapped_regions), slot_base of the
+// slot buffers. Work item = one `width`-byte piece of one region of one fill.
+struct PlanFillParams {
+  CopyRegions regions{};
+  std::uint32_t width[max_copy_regions] = {};           // 16 when bases and strides are 16-aligned, else 4 or 1
+  std::uint32_t item_begin[max_copy_regions + 1] = {};  // first item of each region inside a fill
+  std::uint32_t items_per_fill = 0;
+  std::int32_t num_experts = 0;
+  std::int32_t capacity = 0;
+  const PlanEntry* fills = nullptr;                // the state's fill list
+  const DevicePlanScalars* scalars = nullptr;      // its fill_count
+};
+
+namespace detail {
+
+__device__ __forceinline__ bool locate_plan_item(const PlanFillParams& p, std::uint64_t idx, int4& v, int4*& dst16) {
+  const auto fill = static_cast<std::uint32_t>(idx / p.items_per_fill);
+  const auto r = static_cast<std::uint32_t>(idx - static_cast<std::uint64_t>(fill) * p.items_per_fill);
+  const PlanEntry f = p.fills[fill];
+  // The list is written by the planner; checked anyway so nothing outside the pools is touched.
+  if (f.expert < 0 || f.expert >= p.num_experts || f.slot < 0 || f.slot >= p.capacity) return false;
+  std::size_t t = 0;
+  while (t + 1 < p.regions.count && r >= p.item_begin[t + 1]) ++t;
+  const CopyRegion& g = p.regions.regions[t];
+  const std::uint32_t width = p.width[t];
+  const std::uint64_t offset = static_cast<std::uint64_t>(r - p.item_begin[t]) * width;
+  const std::byte* src = g.host_base + static_cast<std::uint64_t>(f.expert) * g.host_stride + offset;
+  std::byte* dst = g.slot_base + static_cast<std::uint64_t>(f.slot) * g.slot_stride + offset;
+  const std::uint64_t left = g.bytes - offset;
+  if (width == 16 && left >= 16) {
+    v = __ldcs(reinterpret_cast<const int4*>(src));  // streamed: host bytes are read once
+    dst16 = reinterpret_cast<int4*>(dst);
+    return true;
+  }
+  if (width == 4 && left >= 4) {
+    *reinterpret_cast<unsigned int*>(dst) = __ldcs(reinterpret_cast<const unsigned int*>(src));
+    return false;
+  }
+  const std::uint64_t n = left < width ? left : width;  // a region's tail, or width 1
+  for (std::uint64_t i = 0; i < n; ++i) dst[i] = src[i];
+  return false;
+}
+
+}  // namespace detail
+
+// Grid sized for the worst case (capacity fills); blocks beyond the actual list exit at once.
+// Grid-stride, Ilp 16-byte loads in flight per thread before the stores.
+template <int Ilp = 4>
+__global__ void __launch_bounds__(plan_fill_threads) plan_fill_kernel(const __grid_constant__ PlanFillParams p) {
+  std::int32_t n = p.scalars->fill_count;
+  n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
+  const std::uint64_t total = static_cast<std::uint64_t>(n) * p.items_per_fill;
+  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp;
+  if (first >= total) return;  // the common short list: most blocks leave here
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * Ilp;
+  for (std::uint64_t base = first + threadIdx.x; base < total; base += stride) {
+    int4 v[Ilp];
+    int4* dst[Ilp];
+#pragma unroll
+    for (int j = 0; j < Ilp; ++j) {
+      dst[j] = nullptr;
+      const std::uint64_t idx = base + static_cast<std::uint64_t>(j) * blockDim.x;
+      if (idx < total) (void)detail::locate_plan_item(p, idx, v[j], dst[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < Ilp; ++j) {
+      if (dst[j] != nullptr) *dst[j] = v[j];
+    }
+  }
+}
+
+// ---- host side --------------------------------------------------------------------------------
+
+// Replaces each region's host_base (mapped pinned memory: cudaHostAlloc(Mapped) or
+// cudaHostRegister(Mapped)) by its device address. Once per storage, not under capture.
+inline cudaError_t resolve_mapped_regions(CopyRegions& regions) noexcept {
+  if (regions.count > max_copy_regions) return cudaErrorInvalidValue;
+  for (std::size_t i = 0; i < regions.count; ++i) {
+    CopyRegion& r = regions.regions[i];
+    if (r.bytes == 0) continue;
+    void* dev = nullptr;
+    const cudaError_t err = cudaHostGetDevicePointer(&dev, const_cast<std::byte*>(r.host_base), 0);
+    if (err != cudaSuccess) return err;
+    r.host_base = static_cast<const std::byte*>(dev);
+  }
+  return cudaSuccess;
+}
+
+// Builds the fill kernel's parameters for a state and its storage's copy regions.
+// cudaErrorInvalidValue: more than max_copy_regions, a null base, a region wider than its
+// stride, or more than 2^31 work items per fill.
+inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const DevicePlanState& s,
+                                         PlanFillParams& out) noexcept {
+  if (regions.count > max_copy_regions || !plan_view_ok(s)) return cudaErrorInvalidValue;
+  PlanFillParams p;
+  p.regions = regions;
+  p.num_experts = s.num_experts;
+  p.capacity = s.capacity;
+  p.fills = s.fills.data;
+  p.scalars = s.scalars;
+  std::uint64_t items = 0;
+  for (std::size_t i = 0; i < regions.count; ++i) {
+    const CopyRegion& r = regions.regions[i];
+    if (r.bytes > 0 && (r.host_base == nullptr || r.slot_base == nullptr || r.bytes > r.host_stride ||
+                        r.bytes > r.slot_stride)) {
+      return cudaErrorInvalidValue;
+    }
+    auto aligned = [&](std::uintptr_t a) {
+      return (reinterpret_cast<std::uintptr_t>(r.host_base) % a) == 0 &&
+             (reinterpret_cast<std::uintptr_t>(r.slot_base) % a) == 0 && r.host_stride % a == 0 &&
+             r.slot_stride % a == 0;
+    };
+    p.width[i] = aligned(16) ? 16u : (aligned(4) ? 4u : 1u);
+    p.item_begin[i] = static_cast<std::uint32_t>(items);
+    items += (r.bytes + p.width[i] - 1) / p.width[i];
+    if (items >= (std::uint64_t{1} << 31)) return cudaErrorInvalidValue;
+  }
+  p.item_begin[regions.count] = static_cast<std::uint32_t>(items);
+  p.items_per_fill = static_cast<std::uint32_t>(items);
+  out = p;
+  return cudaSuccess;
+}
+
+template <int Threads = plan_block_threads>
+inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stream) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s)};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_reset_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+                          stream);
+}
+
+template <int Threads = plan_block_threads>
+inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
+                                       std::int32_t* sanitized, cudaStream_t stream) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &sanitized};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+                          stream);
+}
+
+template <int Threads = plan_block_threads>
+inline cudaError_t launch_plan_group(const DevicePlanState& s, std::int32_t group, cudaStream_t stream) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &group};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_group_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+                          stream);
+}
+
+inline cudaError_t launch_plan_invalidate(const DevicePlanState& s, std::int32_t expert, const std::int32_t* expert_ptr,
+                                          cudaStream_t stream) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &expert, &expert_ptr};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_invalidate_kernel<32>), dim3(1), dim3(32), args, 0,
+                          stream);
+}
+
+// Grid for the worst case: `capacity` fills (at most plan_fill_max_blocks blocks).
+template <int Ilp = 4>
+inline cudaError_t launch_plan_fill(const PlanFillParams& p, cudaStream_t stream,
+                                    int max_blocks = plan_fill_max_blocks) noexcept {
+  const std::uint64_t worst = static_cast<std::uint64_t>(p.capacity) * p.items_per_fill;
+  const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
+  std::uint64_t blocks = (worst + per_block - 1) / per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > static_cast<std::uint64_t>(max_blocks > 0 ? max_blocks : 1)) blocks = max_blocks > 0 ? max_blocks : 1;
+  void* args[] = {const_cast<PlanFillParams*>(&p)};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_fill_kernel<Ilp>), dim3(static_cast<unsigned>(blocks)),
+                          dim3(plan_fill_threads), args, 0, stream);
+}
+
+// Owns one state on the device: the array block (cudaMalloc) and the stats + error word in
+// mapped pinned host memory, readable by the host while kernels run. Move-only.
+class DevicePlanStorage {
+ public:
+  DevicePlanStorage() = default;
+  DevicePlanStorage(const DevicePlanStorage&) = delete;
+  DevicePlanStorage& operator=(const DevicePlanStorage&) = delete;
+  DevicePlanStorage(DevicePlanStorage&& o) noexcept { swap(o); }
+  DevicePlanStorage& operator=(DevicePlanStorage&& o) noexcept {
+    if (this != &o) {
+      release();
+      swap(o);
+    }
+    return *this;
+  }
+  ~DevicePlanStorage() { release(); }
+
+  // Allocates and enqueues the reset on `stream` (the state is empty once it ran).
+  [[nodiscard]] cudaError_t create(std::int32_t num_experts, std::int32_t capacity, cudaStream_t stream) noexcept {
+    release();
+    const std::size_t bytes = plan_state_bytes(num_experts, capacity);
+    if (bytes == 0 || capacity > num_experts) return cudaErrorInvalidValue;
+    cudaError_t err = cudaMalloc(&block_, bytes);
+    if (err != cudaSuccess) return fail(err);
+    bytes_ = bytes;
+    err = cudaHostAlloc(reinterpret_cast<void**>(&words_), sizeof(MappedWords), cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err != cudaSuccess) return fail(err);
+    *words_ = MappedWords{};
+    MappedWords* dev_words = nullptr;
+    err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words), words_, 0);
+    if (err != cudaSuccess) return fail(err);
+    state_ = bind_plan_state(block_, num_experts, capacity, &dev_words->stats, &dev_words->error_word);
+    err = launch_plan_reset(state_, stream);
+    return err == cudaSuccess ? err : fail(err);
+  }
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
+  [[nodiscard]] void* device_block() const noexcept { return block_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+
+  // Host reads of the mapped words, word by word (the device updates them atomically).
+  [[nodiscard]] DevicePlanStats stats() const noexcept {
+    DevicePlanStats out;
+    if (words_ == nullptr) return out;
+    const volatile std::uint64_t* w = &words_->stats.hits;
+    std::uint64_t* o = &out.hits;
+    for (std::size_t i = 0; i < sizeof(DevicePlanStats) / sizeof(std::uint64_t); ++i) o[i] = w[i];
+    return out;
+  }
+  [[nodiscard]] std::uint32_t error_word() const noexcept {
+    return words_ == nullptr ? 0u : *static_cast<const volatile std::uint32_t*>(&words_->error_word);
+  }
+  // Host-side copy of the mapped stats / error word (for binding a host view of the block).
+  [[nodiscard]] DevicePlanStats* host_stats() const noexcept { return words_ ? &words_->stats : nullptr; }
+  [[nodiscard]] std::uint32_t* host_error_word() const noexcept { return words_ ? &words_->error_word : nullptr; }
+
+ private:
+  struct MappedWords {
+    DevicePlanStats stats;
+    std::uint32_t error_word = 0;
+  };
+  cudaError_t fail(cudaError_t err) noexcept {
+    release();
+    return err;
+  }
+  void release() noexcept {
+    if (block_ != nullptr) (void)cudaFree(block_);
+    if (words_ != nullptr) (void)cudaFreeHost(words_);
+    block_ = nullptr;
+    words_ = nullptr;
+    bytes_ = 0;
+    state_ = DevicePlanState{};
+  }
+  void swap(DevicePlanStorage& o) noexcept {
+    std::swap(block_, o.block_);
+    std::swap(words_, o.words_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(state_, o.state_);
+  }
+  void* block_ = nullptr;
+  MappedWords* words_ = nullptr;
+  std::size_t bytes_ = 0;
+  DevicePlanState state_{};
+};
+
+static_assert(plan_block<CubBlock<plan_block_threads>>);
+
+}  // namespace expert_cache::inline v0::device

@@ -1,0 +1,477 @@
+// The device planner on the GPU (device/plan_kernel.cuh) against the host ForwardPlanner<Lru>:
+//  (a) random traces planned by the kernel, maps and lists read back and compared with the host
+//      planner after every group of every step (eager launches, invalidate kernels included);
+//  (b) one CUDA graph (router stand-in writing ids on the device -> invalidate -> plan -> fill,
+//      then every overflow group: plan_group -> fill) captured once and replayed >= 1000 times
+//      with different ids each replay: per group hits, misses, fill and eviction lists and
+//      forward map, then resident map, slot owners, free stack, stats, the sanitized ids and the
+//      bytes of every resident slot, all equal to the host reference; bad ids and overflow
+//      forwards come from the router inside the graph.
+// EXPERT_CACHE_DPLAN_REPLAYS / _STEPS set the replay count (default 1000) and the eager steps per
+// trace (default 200); smaller under compute-sanitizer.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "expert_cache/device/plan_kernel.cuh"
+#include "expert_cache/eviction/lru.hpp"
+#include "expert_cache/planner.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+
+using namespace expert_cache;
+using Ids = std::vector<std::int32_t>;
+
+#define CUDA_OK(expr)                                                                         \
+  do {                                                                                        \
+    const cudaError_t err_ = (expr);                                                          \
+    REQUIRE_MESSAGE(err_ == cudaSuccess, #expr, ": ", cudaGetErrorName(err_), ": ", cudaGetErrorString(err_)); \
+  } while (0)
+
+namespace {
+
+template <class T>
+std::vector<T> to_vector(PlanSpan<T> s, std::int32_t n) {
+  return std::vector<T>(s.data, s.data + n);
+}
+std::vector<PlanEntry> entries(const std::vector<SlotFill>& v) {
+  std::vector<PlanEntry> out;
+  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
+  return out;
+}
+std::vector<PlanEntry> entries(const std::vector<SlotEviction>& v) {
+  std::vector<PlanEntry> out;
+  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
+  return out;
+}
+
+std::vector<Ids> host_groups(const Ids& ids, std::int32_t num_experts, std::int32_t capacity) {
+  std::set<std::int32_t> u;
+  for (std::int32_t id : ids) {
+    if (id >= 0 && id < num_experts) u.insert(id);
+  }
+  const Ids all(u.begin(), u.end());
+  std::vector<Ids> groups;
+  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
+    const std::size_t e = std::min(all.size(), b + static_cast<std::size_t>(capacity));
+    groups.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b), all.begin() + static_cast<std::ptrdiff_t>(e));
+  }
+  return groups;
+}
+
+std::uint64_t count_bad(const Ids& ids, std::int32_t num_experts) {
+  return static_cast<std::uint64_t>(std::count_if(
+      ids.begin(), ids.end(), [&](std::int32_t id) { return id != -1 && (id < 0 || id >= num_experts); }));
+}
+
+// The host planner's plan of one group (plan_topk for a single group, plan_unique otherwise).
+void host_plan(ForwardPlanner<Lru>& host, const Ids& ids, const std::vector<Ids>& groups, std::size_t g,
+               ForwardPlan& plan) {
+  if (groups.size() <= 1) {
+    Ids valid;
+    for (std::int32_t id : ids) {
+      if (id == -1 || (id >= 0 && id < host.shape().num_experts)) valid.push_back(id);
+    }
+    REQUIRE(host.plan_topk(valid, plan));
+  } else {
+    REQUIRE(host.plan_unique(groups[g], plan));
+  }
+}
+
+// A host copy of the device block, bound as a state view (the layout is position independent).
+struct Mirror {
+  struct alignas(16) Chunk {
+    std::byte b[16];
+  };
+  std::vector<Chunk> block;
+  DevicePlanState view;
+  void read(const device::DevicePlanStorage& st, cudaStream_t stream) {
+    block.resize((st.bytes() + sizeof(Chunk) - 1) / sizeof(Chunk));
+    CUDA_OK(cudaMemcpyAsync(block.data(), st.device_block(), st.bytes(), cudaMemcpyDeviceToHost, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    view = bind_plan_state(block.data(), st.state().num_experts, st.state().capacity, st.host_stats(),
+                           st.host_error_word());
+  }
+};
+
+void check_group(const ForwardPlanner<Lru>& host, const ForwardPlan& plan, const DevicePlanScalars& k,
+                 const PlanEntry* fills, const PlanEntry* evictions, const std::int32_t* forward_map) {
+  REQUIRE(k.hits == static_cast<std::int32_t>(plan.hits));
+  REQUIRE(k.misses == static_cast<std::int32_t>(plan.misses));
+  REQUIRE(k.fill_count == static_cast<std::int32_t>(plan.fills.size()));
+  REQUIRE(k.eviction_count == static_cast<std::int32_t>(plan.evictions.size()));
+  CHECK(std::vector<PlanEntry>(fills, fills + k.fill_count) == entries(plan.fills));
+  CHECK(std::vector<PlanEntry>(evictions, evictions + k.eviction_count) == entries(plan.evictions));
+  const auto fm = host.forward_map();
+  CHECK(std::memcmp(forward_map, fm.data(), fm.size_bytes()) == 0);  // byte-identical map
+}
+
+void check_residency(const ForwardPlanner<Lru>& host, const DevicePlanState& s) {
+  const auto rm = host.resident_map();
+  const auto so = host.slot_owner();
+  CHECK(std::memcmp(s.resident_map.data, rm.data(), rm.size_bytes()) == 0);
+  CHECK(std::memcmp(s.slot_owner.data, so.data(), so.size_bytes()) == 0);
+  CHECK(to_vector(s.free_stack, s.scalars->free_count) == host.snapshot().free_slots);
+  CHECK(to_vector(s.marks, s.num_experts) == std::vector<std::uint32_t>(static_cast<std::size_t>(s.num_experts), 0u));
+}
+
+Ids random_ids(std::mt19937_64& rng, std::int32_t E, std::int32_t top_k, std::int32_t tokens, double bad_p) {
+  std::uniform_int_distribution<std::int32_t> any(0, E - 1);
+  std::uniform_int_distribution<std::int32_t> hot(0, std::max(1, E / 8) - 1);
+  std::uniform_real_distribution<double> u(0, 1);
+  const std::int32_t bad_values[] = {E, E + 1, INT32_MAX, INT32_MIN, -2};
+  Ids ids;
+  for (std::int32_t t = 0; t < tokens; ++t) {
+    std::set<std::int32_t> row;
+    while (static_cast<std::int32_t>(row.size()) < top_k) row.insert(u(rng) < 0.5 ? hot(rng) : any(rng));
+    for (std::int32_t id : row) {
+      if (u(rng) < 0.05) id = -1;
+      else if (u(rng) < bad_p) id = bad_values[rng() % 5];
+      ids.push_back(id);
+    }
+  }
+  std::shuffle(ids.begin(), ids.end(), rng);
+  return ids;
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~Stream() { (void)cudaStreamDestroy(s); }
+};
+template <class T>
+struct DeviceBuffer {
+  T* p = nullptr;
+  explicit DeviceBuffer(std::size_t n) { CUDA_OK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<std::size_t>(n, 1) * sizeof(T))); }
+  ~DeviceBuffer() { (void)cudaFree(p); }
+};
+struct PinnedBuffer {
+  std::byte* p = nullptr;
+  explicit PinnedBuffer(std::size_t n) {
+    CUDA_OK(cudaHostAlloc(reinterpret_cast<void**>(&p), n, cudaHostAllocMapped | cudaHostAllocPortable));
+  }
+  ~PinnedBuffer() { (void)cudaFreeHost(p); }
+};
+
+// ---- (b) the router stand-in: the same ids on the host and the device -------------------------
+
+__host__ __device__ inline std::uint64_t mix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Mostly a hot set (hits), some cold ids (misses, evictions), -1 padding, corrupted values;
+// every 9th step spreads over 2 * n distinct ids: more unique experts than slots (overflow).
+__host__ __device__ inline std::int32_t router_id(std::uint64_t step, std::int32_t i, std::int32_t E) {
+  const std::uint64_t h = mix64(step * 0x100000001B3ull + static_cast<std::uint64_t>(i));
+  if (step % 9 == 4) return static_cast<std::int32_t>((static_cast<std::uint64_t>(i) * 2 + step) % static_cast<std::uint64_t>(E));
+  const std::uint32_t r = static_cast<std::uint32_t>(h & 0xff);
+  if (r < 10) return -1;
+  if (r < 14) {
+    const std::int32_t bad[] = {E, E + 5, INT32_MAX, INT32_MIN, -2};
+    return bad[(h >> 8) % 5];
+  }
+  if ((h >> 16) & 1) return static_cast<std::int32_t>((h >> 20) % 8);
+  return static_cast<std::int32_t>((h >> 20) % static_cast<std::uint64_t>(E));
+}
+__host__ __device__ inline std::int32_t router_invalidate(std::uint64_t step, std::int32_t E) {
+  return static_cast<std::int32_t>((step * 13 + 5) % static_cast<std::uint64_t>(E));
+}
+
+// One block: reads the step, writes the ids and the expert to invalidate, advances the step.
+__global__ void router_kernel(std::int32_t* ids, std::int32_t n, std::int32_t* invalidate, std::uint64_t* step_counter,
+                              std::int32_t E) {
+  const std::uint64_t step = *step_counter;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n; i += static_cast<std::int32_t>(blockDim.x)) {
+    ids[i] = router_id(step, i, E);
+  }
+  __syncthreads();  // every thread read the step before it moves
+  if (threadIdx.x == 0) {
+    *invalidate = (step % 3 == 0) ? router_invalidate(step, E) : E + 1;  // E + 1: a bad id, counted
+    *step_counter = step + 1;
+  }
+}
+
+std::uint8_t pool_byte(std::int32_t e, std::size_t region, std::size_t offset) {
+  return static_cast<std::uint8_t>(mix64((static_cast<std::uint64_t>(e) << 40) ^ (region << 32) ^ offset));
+}
+
+std::int32_t count_from_env(const char* name, std::int32_t fallback) {
+  if (const char* v = std::getenv(name)) return std::max(1, std::atoi(v));
+  return fallback;
+}
+
+}  // namespace
+
+TEST_CASE("device plan kernel: random traces equal ForwardPlanner<Lru> after every group") {
+  struct Config {
+    std::int32_t E, C, top_k, max_tokens;
+  };
+  const Config configs[] = {{64, 16, 4, 8}, {512, 208, 10, 4}, {512, 208, 10, 40}, {300, 37, 6, 12},
+                            {128, 10, 10, 2}, {16, 16, 4, 6}, {1000, 300, 8, 64}};
+  Stream stream;
+  const std::int32_t steps = count_from_env("EXPERT_CACHE_DPLAN_STEPS", 200);
+  std::uint64_t seed = 100;
+  std::uint64_t total_evictions = 0, total_overflows = 0;
+  for (const Config& c : configs) {
+    CAPTURE(c.E);
+    CAPTURE(c.C);
+    CAPTURE(c.max_tokens);
+    std::mt19937_64 rng(seed++);
+    device::DevicePlanStorage st;
+    CUDA_OK(st.create(c.E, c.C, stream.s));
+    const DevicePlanState& s = st.state();
+    const std::int32_t max_n = c.max_tokens * c.top_k;
+    const std::int32_t max_groups = plan_max_groups(max_n, c.E, c.C);
+    DeviceBuffer<std::int32_t> d_ids(static_cast<std::size_t>(max_n)), d_clean(static_cast<std::size_t>(max_n));
+    ForwardPlanner<Lru> host(CacheShape{c.E, c.C}, c.top_k);
+    ForwardPlan plan;
+    Mirror m;
+    std::uint64_t bad = 0, overflows = 0, invalidate_bad = 0;
+    for (int step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      if (rng() % 10 == 0) {
+        const auto e = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E + 2));  // E, E+1: bad
+        CUDA_OK(device::launch_plan_invalidate(s, e, nullptr, stream.s));
+        if (e < c.E) {
+          REQUIRE(host.invalidate(e));
+        } else {
+          ++invalidate_bad;
+        }
+        m.read(st, stream.s);
+        check_residency(host, m.view);
+      }
+      const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
+      const Ids ids = random_ids(rng, c.E, c.top_k, tokens, step % 4 == 0 ? 0.1 : 0.0);
+      const auto n = static_cast<std::int32_t>(ids.size());
+      bad += count_bad(ids, c.E);
+      const auto groups = host_groups(ids, c.E, c.C);
+      if (groups.size() > 1) ++overflows;
+      CUDA_OK(cudaMemcpyAsync(d_ids.p, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.s));
+      CUDA_OK(device::launch_plan_forward(s, d_ids.p, n, d_clean.p, stream.s));
+      for (std::int32_t g = 0; g < max_groups; ++g) {
+        CAPTURE(g);
+        if (g > 0) CUDA_OK(device::launch_plan_group(s, g, stream.s));
+        m.read(st, stream.s);
+        const DevicePlanState& v = m.view;
+        if (static_cast<std::size_t>(g) < groups.size() || (g == 0 && groups.empty())) {
+          host_plan(host, ids, groups, static_cast<std::size_t>(g), plan);
+          check_group(host, plan, *v.scalars, v.fills.data, v.evictions.data, v.forward_map.data);
+        } else {
+          CHECK(v.scalars->fill_count == 0);
+          CHECK(to_vector(v.forward_map, c.E) == Ids(static_cast<std::size_t>(c.E), -1));
+        }
+        check_residency(host, v);
+      }
+      Ids clean(ids.size());
+      CUDA_OK(cudaMemcpyAsync(clean.data(), d_clean.p, ids.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream.s));
+      CUDA_OK(cudaStreamSynchronize(stream.s));
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        REQUIRE(clean[i] == ((ids[i] >= 0 && ids[i] < c.E) ? ids[i] : -1));
+      }
+    }
+    const DevicePlanStats ds = st.stats();
+    CHECK(ds.hits == host.counters().hits);
+    CHECK(ds.misses == host.counters().misses);
+    CHECK(ds.evictions == host.counters().evictions);
+    CHECK(ds.invalidations == host.counters().invalidations);
+    CHECK(ds.bad_ids == bad + invalidate_bad);
+    CHECK(ds.overflows == overflows);
+    CHECK(ds.forwards == static_cast<std::uint64_t>(steps));
+    total_evictions += ds.evictions;
+    total_overflows += ds.overflows;
+    CHECK(st.error_word() == ((bad + invalidate_bad > 0 ? plan_error_bad_id : 0u) |
+                              (overflows > 0 ? plan_error_overflow : 0u)));
+  }
+  MESSAGE("eager traces: evictions ", total_evictions, ", overflowing forwards ", total_overflows);
+  if (steps >= 200) {
+    CHECK(total_evictions > 1000);
+    CHECK(total_overflows > 50);
+  }
+}
+
+TEST_CASE("device plan kernel: one graph (router -> invalidate -> plan -> fill, overflow groups) replayed with new ids") {
+  constexpr std::int32_t E = 64, C = 12, top_k = 4, tokens = 8, n = tokens * top_k;
+  const std::int32_t max_groups = plan_max_groups(n, E, C);  // 3
+  REQUIRE(max_groups == 3);
+  Stream stream;
+  device::DevicePlanStorage st;
+  CUDA_OK(st.create(E, C, stream.s));
+  const DevicePlanState& s = st.state();
+
+  // Three regions, one per work-item width: 16-byte aligned, 4-byte aligned with a 3-byte tail,
+  // and byte-wise (odd size and stride).
+  struct RegionSpec {
+    std::size_t bytes, stride;
+  };
+  const RegionSpec spec[] = {{2064, 2064}, {999, 1000}, {37, 37}};
+  std::vector<std::unique_ptr<PinnedBuffer>> pools;
+  std::vector<std::unique_ptr<DeviceBuffer<std::byte>>> slots;
+  CopyRegions regions;
+  for (std::size_t r = 0; r < 3; ++r) {
+    pools.push_back(std::make_unique<PinnedBuffer>(spec[r].stride * E));
+    slots.push_back(std::make_unique<DeviceBuffer<std::byte>>(spec[r].stride * C));
+    for (std::int32_t e = 0; e < E; ++e) {
+      for (std::size_t o = 0; o < spec[r].stride; ++o) {
+        pools[r]->p[static_cast<std::size_t>(e) * spec[r].stride + o] = static_cast<std::byte>(pool_byte(e, r, o));
+      }
+    }
+    CUDA_OK(cudaMemset(slots[r]->p, 0xEE, spec[r].stride * C));
+    regions.regions[r] = CopyRegion{pools[r]->p, slots[r]->p, spec[r].stride, spec[r].stride, spec[r].bytes};
+  }
+  regions.count = 3;
+  CUDA_OK(device::resolve_mapped_regions(regions));
+  device::PlanFillParams fill{};
+  CUDA_OK(device::make_plan_fill_params(regions, s, fill));
+  CHECK(fill.width[0] == 16);
+  CHECK(fill.width[1] == 4);
+  CHECK(fill.width[2] == 1);
+
+  DeviceBuffer<std::int32_t> d_ids(n), d_invalidate(1);
+  DeviceBuffer<std::uint64_t> d_step(1);
+  CUDA_OK(cudaMemset(d_step.p, 0, sizeof(std::uint64_t)));
+  // Per group: scalars, fills, evictions and forward map, copied out inside the graph.
+  struct Snapshot {
+    DevicePlanScalars scalars;
+    PlanEntry fills[C];
+    PlanEntry evictions[C];
+    std::int32_t forward_map[E];
+  };
+  DeviceBuffer<Snapshot> d_snap(static_cast<std::size_t>(max_groups));
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+  router_kernel<<<1, 128, 0, stream.s>>>(d_ids.p, n, d_invalidate.p, d_step.p, E);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(device::launch_plan_invalidate(s, 0, d_invalidate.p, stream.s));
+  for (std::int32_t g = 0; g < max_groups; ++g) {
+    if (g == 0) {
+      CUDA_OK(device::launch_plan_forward(s, d_ids.p, n, d_ids.p, stream.s));  // sanitized in place
+    } else {
+      CUDA_OK(device::launch_plan_group(s, g, stream.s));
+    }
+    CUDA_OK(device::launch_plan_fill(fill, stream.s));
+    Snapshot* snap = d_snap.p + g;
+    CUDA_OK(cudaMemcpyAsync(&snap->scalars, s.scalars, sizeof(DevicePlanScalars), cudaMemcpyDeviceToDevice, stream.s));
+    CUDA_OK(cudaMemcpyAsync(snap->fills, s.fills.data, sizeof(snap->fills), cudaMemcpyDeviceToDevice, stream.s));
+    CUDA_OK(cudaMemcpyAsync(snap->evictions, s.evictions.data, sizeof(snap->evictions), cudaMemcpyDeviceToDevice, stream.s));
+    CUDA_OK(cudaMemcpyAsync(snap->forward_map, s.forward_map.data, sizeof(snap->forward_map), cudaMemcpyDeviceToDevice, stream.s));
+  }
+  CUDA_OK(cudaStreamEndCapture(stream.s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  std::uint64_t step_now = 1;
+  CUDA_OK(cudaMemcpy(&step_now, d_step.p, sizeof(step_now), cudaMemcpyDeviceToHost));
+  CHECK(step_now == 0);  // capture ran nothing
+
+  ForwardPlanner<Lru> host(CacheShape{E, C}, top_k);
+  ForwardPlan plan;
+  Mirror m;
+  std::vector<Snapshot> snaps(static_cast<std::size_t>(max_groups));
+  std::vector<std::vector<std::byte>> slot_bytes(3);
+  Ids dev_ids(n);
+  std::uint64_t bad = 0, overflows = 0, fills_total = 0;
+  const std::int32_t replays = count_from_env("EXPERT_CACHE_DPLAN_REPLAYS", 1000);
+  for (std::int32_t step = 0; step < replays; ++step) {
+    CAPTURE(step);
+    CUDA_OK(cudaGraphLaunch(exec, stream.s));
+    CUDA_OK(cudaMemcpyAsync(snaps.data(), d_snap.p, snaps.size() * sizeof(Snapshot), cudaMemcpyDeviceToHost, stream.s));
+    CUDA_OK(cudaMemcpyAsync(dev_ids.data(), d_ids.p, dev_ids.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost, stream.s));
+    for (std::size_t r = 0; r < 3; ++r) {
+      slot_bytes[r].resize(spec[r].stride * C);
+      CUDA_OK(cudaMemcpyAsync(slot_bytes[r].data(), slots[r]->p, slot_bytes[r].size(), cudaMemcpyDeviceToHost, stream.s));
+    }
+    m.read(st, stream.s);  // synchronises the stream
+
+    // Host reference of the same step.
+    const auto ustep = static_cast<std::uint64_t>(step);
+    const std::int32_t inv = (ustep % 3 == 0) ? router_invalidate(ustep, E) : E + 1;
+    if (inv < E) {
+      REQUIRE(host.invalidate(inv));
+    } else {
+      ++bad;
+    }
+    Ids ids(n);
+    for (std::int32_t i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = router_id(ustep, i, E);
+    bad += count_bad(ids, E);
+    for (std::int32_t i = 0; i < n; ++i) {
+      const std::int32_t id = ids[static_cast<std::size_t>(i)];
+      REQUIRE(dev_ids[static_cast<std::size_t>(i)] == ((id >= 0 && id < E) ? id : -1));
+    }
+    const auto groups = host_groups(ids, E, C);
+    if (groups.size() > 1) ++overflows;
+    for (std::int32_t g = 0; g < max_groups; ++g) {
+      CAPTURE(g);
+      const Snapshot& sn = snaps[static_cast<std::size_t>(g)];
+      if (static_cast<std::size_t>(g) < groups.size() || (g == 0 && groups.empty())) {
+        host_plan(host, ids, groups, static_cast<std::size_t>(g), plan);
+        check_group(host, plan, sn.scalars, sn.fills, sn.evictions, sn.forward_map);
+        fills_total += plan.fills.size();
+      } else {
+        CHECK(sn.scalars.fill_count == 0);
+        CHECK(Ids(sn.forward_map, sn.forward_map + E) == Ids(E, -1));
+      }
+    }
+    check_residency(host, m.view);
+    // Every resident slot holds its expert's bytes, in every region (tails included).
+    const auto owner = host.slot_owner();
+    for (std::int32_t slot = 0; slot < C; ++slot) {
+      const std::int32_t e = owner[static_cast<std::size_t>(slot)];
+      if (e < 0) continue;
+      for (std::size_t r = 0; r < 3; ++r) {
+        const std::byte* got = slot_bytes[r].data() + static_cast<std::size_t>(slot) * spec[r].stride;
+        const std::byte* want = pools[r]->p + static_cast<std::size_t>(e) * spec[r].stride;
+        REQUIRE_MESSAGE(std::memcmp(got, want, spec[r].bytes) == 0, "slot ", slot, " expert ", e, " region ", r);
+      }
+    }
+    const DevicePlanStats ds = st.stats();
+    REQUIRE(ds.hits == host.counters().hits);
+    REQUIRE(ds.misses == host.counters().misses);
+    REQUIRE(ds.evictions == host.counters().evictions);
+    REQUIRE(ds.invalidations == host.counters().invalidations);
+    REQUIRE(ds.bad_ids == bad);
+    REQUIRE(ds.overflows == overflows);
+    REQUIRE(ds.forwards == ustep + 1);
+  }
+  const DevicePlanStats ds = st.stats();
+  MESSAGE("graph replays ", replays, ": hits ", ds.hits, ", misses ", ds.misses, ", evictions ", ds.evictions,
+          ", overflowing forwards ", ds.overflows, ", bad ids ", ds.bad_ids, ", fills ", fills_total);
+  CHECK(st.error_word() == (plan_error_bad_id | (overflows > 0 ? plan_error_overflow : 0u)));
+  CHECK(ds.evictions > 0);
+  if (replays >= 9) CHECK(ds.overflows > 0);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+}
+
+TEST_CASE("device plan kernel: fill parameters reject what the kernel could not copy safely") {
+  device::DevicePlanStorage st;
+  Stream stream;
+  CUDA_OK(st.create(8, 4, stream.s));
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  device::PlanFillParams p{};
+  CopyRegions r;
+  r.count = 1;
+  r.regions[0] = CopyRegion{nullptr, nullptr, 64, 64, 32};
+  CHECK(device::make_plan_fill_params(r, st.state(), p) == cudaErrorInvalidValue);  // null bases
+  std::byte dummy[64];
+  r.regions[0] = CopyRegion{dummy, dummy, 16, 16, 32};
+  CHECK(device::make_plan_fill_params(r, st.state(), p) == cudaErrorInvalidValue);  // wider than its stride
+  r.count = max_copy_regions + 1;
+  CHECK(device::make_plan_fill_params(r, st.state(), p) == cudaErrorInvalidValue);
+  device::DevicePlanStorage bad;
+  CHECK(bad.create(4, 8, stream.s) == cudaErrorInvalidValue);  // capacity > E
+}
