@@ -173,11 +173,14 @@ __host__ __device__ inline std::uint64_t mix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// Mostly a hot set (hits), some cold ids (misses, evictions), -1 padding, corrupted values;
-// every 9th step spreads over 2 * n distinct ids: more unique experts than slots (overflow).
+// Mostly a hot set (hits), some cold ids (misses, evictions), -1 padding, corrupted values. A
+// normal step routes 1..3 tokens (<= 12 ids = capacity: one group; the rest is padding); every
+// 9th step routes all 8 tokens over 2 * n distinct ids: more unique experts than slots (overflow).
 __host__ __device__ inline std::int32_t router_id(std::uint64_t step, std::int32_t i, std::int32_t E) {
   const std::uint64_t h = mix64(step * 0x100000001B3ull + static_cast<std::uint64_t>(i));
   if (step % 9 == 4) return static_cast<std::int32_t>((static_cast<std::uint64_t>(i) * 2 + step) % static_cast<std::uint64_t>(E));
+  const auto active = static_cast<std::int32_t>(4 * (1 + mix64(step) % 3));  // 4, 8 or 12 ids
+  if (i >= active) return -1;
   const std::uint32_t r = static_cast<std::uint32_t>(h & 0xff);
   if (r < 10) return -1;
   if (r < 14) {
@@ -453,8 +456,84 @@ TEST_CASE("device plan kernel: one graph (router -> invalidate -> plan -> fill, 
   CHECK(st.error_word() == (plan_error_bad_id | (overflows > 0 ? plan_error_overflow : 0u)));
   CHECK(ds.evictions > 0);
   if (replays >= 9) CHECK(ds.overflows > 0);
+  if (replays >= 100) CHECK(ds.hits > 0);
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));
+}
+
+namespace {
+// Layer l's ids of one decode step: top_k - k hot experts (always resident once warm) and k cold
+// ones cycling through 300 experts (mostly misses; the measured misses per layer are reported).
+__global__ void timing_router_kernel(std::int32_t* ids, std::int32_t layers, std::int32_t top_k, std::int32_t k,
+                                     std::uint64_t* step_counter) {
+  const std::uint64_t step = *step_counter;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < layers * top_k;
+       i += static_cast<std::int32_t>(blockDim.x)) {
+    const std::int32_t j = i % top_k;
+    ids[i] = j < top_k - k ? j * 3 : static_cast<std::int32_t>(200 + (step * static_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(j)) % 300);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *step_counter = step + 1;
+}
+}  // namespace
+
+TEST_CASE("device plan kernel: GPU time per layer in a replayed graph (reported, not asserted)") {
+  // The defaults of the decode benchmark: 48 layers x 512 experts, 208 slots, top-10, batch 1.
+  // Each layer: plan_forward + plan_fill (experts of 4 KiB here: the fill's fixed cost, not PCIe).
+  constexpr std::int32_t E = 512, C = 208, top_k = 10, layers = 48, expert_bytes = 4096;
+  Stream stream;
+  std::vector<device::DevicePlanStorage> states(layers);
+  PinnedBuffer pool(static_cast<std::size_t>(E) * expert_bytes);
+  std::memset(pool.p, 1, static_cast<std::size_t>(E) * expert_bytes);
+  DeviceBuffer<std::byte> slots(static_cast<std::size_t>(layers) * C * expert_bytes);
+  std::vector<device::PlanFillParams> fills(layers);
+  for (std::int32_t l = 0; l < layers; ++l) {
+    CUDA_OK(states[static_cast<std::size_t>(l)].create(E, C, stream.s));
+    CopyRegions r;
+    r.count = 1;
+    r.regions[0] = CopyRegion{pool.p, slots.p + static_cast<std::size_t>(l) * C * expert_bytes, expert_bytes, expert_bytes,
+                              expert_bytes};
+    CUDA_OK(device::resolve_mapped_regions(r));
+    CUDA_OK(device::make_plan_fill_params(r, states[static_cast<std::size_t>(l)].state(), fills[static_cast<std::size_t>(l)]));
+  }
+  DeviceBuffer<std::int32_t> ids(static_cast<std::size_t>(layers) * top_k);
+  DeviceBuffer<std::uint64_t> step(1);
+  CUDA_OK(cudaMemset(step.p, 0, sizeof(std::uint64_t)));
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  for (const bool with_fill : {false, true}) {
+    for (const std::int32_t k : {0, 1, 2, 4, 8}) {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+      timing_router_kernel<<<1, 256, 0, stream.s>>>(ids.p, layers, top_k, k, step.p);
+      for (std::int32_t l = 0; l < layers; ++l) {
+        CUDA_OK(device::launch_plan_forward(states[static_cast<std::size_t>(l)].state(), ids.p + l * top_k, top_k,
+                                            nullptr, stream.s));
+        if (with_fill) CUDA_OK(device::launch_plan_fill(fills[static_cast<std::size_t>(l)], stream.s));
+      }
+      CUDA_OK(cudaStreamEndCapture(stream.s, &graph));
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int w = 0; w < 5; ++w) CUDA_OK(cudaGraphLaunch(exec, stream.s));  // warm: the hot set is resident
+      const std::uint64_t misses_before = states[0].stats().misses;
+      constexpr int reps = 50;
+      CUDA_OK(cudaEventRecord(start, stream.s));
+      for (int i = 0; i < reps; ++i) CUDA_OK(cudaGraphLaunch(exec, stream.s));
+      CUDA_OK(cudaEventRecord(stop, stream.s));
+      CUDA_OK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+      const std::uint64_t misses = states[0].stats().misses - misses_before;
+      MESSAGE((with_fill ? "plan+fill" : "plan only"), " k=", k, " misses/layer: ",
+              static_cast<double>(misses) / reps, "  GPU us per layer: ", 1000.0 * ms / (reps * layers));
+      CHECK(misses <= static_cast<std::uint64_t>(k) * reps);  // the cold ids are at most k per layer
+      CUDA_OK(cudaGraphExecDestroy(exec));
+      CUDA_OK(cudaGraphDestroy(graph));
+    }
+  }
+  CUDA_OK(cudaEventDestroy(start));
+  CUDA_OK(cudaEventDestroy(stop));
 }
 
 TEST_CASE("device plan kernel: fill parameters reject what the kernel could not copy safely") {

@@ -90,13 +90,21 @@ class CubBlock {
     __syncthreads();
     return all;
   }
-  // Stats live in mapped host memory that the host reads while graphs run: system scope.
-  // Relaxed: a counter orders nothing; the host reads it as a monotone statistic.
+  // Stats and the error word live in mapped host memory that the host reads while graphs run:
+  // system scope. A relaxed load + store, not a read-modify-write: over PCIe the GPU has no
+  // native atomics on host memory (cudaDevAttrHostNativeAtomicSupported is 0 on the H200 here,
+  // and compute-sanitizer rejects system-scoped RMWs on it). There is a single writer: thread 0
+  // of the one block, and the plan kernels of one state are stream ordered; so each aligned word
+  // still changes in one single-copy-atomic store, and the host reads old or new, never torn.
+  // Relaxed: a counter orders nothing. (The host clears the error word only while the stream
+  // is idle.)
   __device__ void counter_add(std::uint64_t& c, std::uint64_t v) noexcept {
-    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(c).fetch_add(v, cuda::memory_order_relaxed);
+    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system> a(c);
+    a.store(a.load(cuda::memory_order_relaxed) + v, cuda::memory_order_relaxed);
   }
   __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>(w).fetch_or(v, cuda::memory_order_relaxed);
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
+    a.store(a.load(cuda::memory_order_relaxed) | v, cuda::memory_order_relaxed);
   }
   // Many threads mark the same expert: atomic stores make the race well defined; the barrier
   // that follows publishes them.

@@ -133,7 +133,8 @@ struct PlanKey {
 
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
-// flow (block-collective); counter_add / flags_or are called by one thread.
+// flow (block-collective); counter_add / flags_or are called by thread 0 only, the single
+// writer of the stats and the error word (so they need no atomic read-modify-write).
 template <class B>
 concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey k, std::uint64_t& c64,
                               std::uint32_t& c32) {
