@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "expert_cache/eviction/all.hpp"
+#include "expert_cache/eviction/make_policy.hpp"
 #include "expert_cache/planner.hpp"
 
 #include "../tests/support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
@@ -124,16 +125,6 @@ const Forwards& bench_sequence(bool warm) {
   static const Forwards cold = cold_forwards(bench_warmup + bench_forwards);
   static const Forwards hot = warm_forwards(bench_warmup + bench_forwards);
   return warm ? hot : cold;
-}
-
-template <class P>
-P make_policy(CacheShape shape, const Forwards& forwards) {
-  if constexpr (std::is_same_v<P, Belady>) {
-    return Belady(std::make_shared<const BeladyFuture>(shape.num_experts, forwards), shape);
-  } else {
-    (void)forwards;
-    return P(shape);
-  }
 }
 
 template <class P>

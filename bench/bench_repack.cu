@@ -51,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "expert_cache/detail/splitmix64.hpp"
 #include "expert_cache/device/marlin_repack.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/nvfp4_reference.hpp"
@@ -203,31 +204,27 @@ LayerBytes layer_bytes(const Shape& s) {
   return b;
 }
 
-std::uint64_t splitmix64(std::uint64_t& x) {
-  std::uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
 void fill_weights(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
+  expert_cache::detail::SplitMix64 rng{seed};
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const std::uint64_t r = splitmix64(seed);
+    const std::uint64_t r = rng.next();
     std::memcpy(p + i, &r, 8);
   }
-  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(splitmix64(seed));
+  for (; i < n; ++i) p[i] = static_cast<std::uint8_t>(rng.next());
 }
 
 // Positive finite e4m3fn bytes only: 0x01..0x7E (never 0x7F = NaN, never a sign bit).
 void fill_scales(std::uint8_t* p, std::size_t n, std::uint64_t seed) {
-  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint8_t>(0x01 + splitmix64(seed) % 0x7E);
+  expert_cache::detail::SplitMix64 rng{seed};
+  for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::uint8_t>(0x01 + rng.next() % 0x7E);
 }
 
 // Positive globals in [1e-3, 2e-3); `pairs`: [E, 2] with equal columns (no w1/w3 mismatch warning).
 void fill_globals(float* p, std::size_t experts, bool pairs, std::uint64_t seed) {
+  expert_cache::detail::SplitMix64 rng{seed};
   for (std::size_t e = 0; e < experts; ++e) {
-    const float g = 1e-3f * (1.0f + static_cast<float>(splitmix64(seed) % 1000) / 1000.0f);
+    const float g = 1e-3f * (1.0f + static_cast<float>(rng.next() % 1000) / 1000.0f);
     if (pairs) {
       p[2 * e] = g;
       p[2 * e + 1] = g;

@@ -1,0 +1,235 @@
+#pragma once
+// expert-cache-bench: command-line arguments (BenchArgs, parse_args, --help) and the run
+// configurations they select. Host-only; every problem is a UsageError (exit 2).
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <vector>
+
+#include "../cli_args.hpp"
+
+namespace expert_cache::bench {
+
+inline constexpr int exit_ok = 0;
+inline constexpr int exit_failure = 1;
+inline constexpr int exit_usage = 2;
+
+enum class RuntimeChoice : std::uint8_t { automatic, sim, cuda };
+
+struct BenchArgs {
+  // Synthetic model (defaults: the seed's 48-layer, 512-expert NVFP4 model, 208 slots per layer).
+  std::int32_t layers = 48;
+  std::int32_t experts = 512;
+  std::int32_t top_k = 10;
+  std::int64_t hidden = 2048;
+  std::int64_t intermediate = 512;
+  std::int32_t capacity = 208;
+  std::int32_t batch = 1;    // tokens per decode step
+  std::int32_t steps = 32;   // measured steps
+  std::int32_t warmup = 64;  // steps before measuring (the first one is the cold start)
+  // Generator (trace.hpp's GeneratorSpec): per-layer Zipf popularity + reuse of the last picks.
+  double zipf = 1.0;
+  double sticky = 0.4;
+  std::uint64_t seed = 1;
+  std::optional<std::string> trace_path;
+  bool layers_given = false;
+  bool experts_given = false;
+  bool topk_given = false;
+  std::vector<std::string> providers;  // row, cached, resident
+  std::vector<std::string> staging;    // inline, copy_stream, batched, gather
+  bool staging_given = false;
+  RuntimeChoice runtime = RuntimeChoice::automatic;
+  std::optional<std::string> json_path;
+  std::int64_t sim_scale = 1024;  // SimRuntime holds weights scaled down by this factor
+  bool progress = false;
+  bool help = false;
+};
+
+inline const std::vector<std::string>& provider_names() {
+  static const std::vector<std::string> names{"row", "cached", "resident"};
+  return names;
+}
+inline const std::vector<std::string>& staging_names() {
+  static const std::vector<std::string> names{"inline", "copy_stream", "batched", "gather"};
+  return names;
+}
+
+inline void print_help(std::FILE* out, bool cuda_built) {
+  std::fprintf(out,
+               "usage: expert-cache-bench [options]\n"
+               "\n"
+               "Decode-loop benchmark of the expert cache on a synthetic NVFP4 MoE model: per step and layer\n"
+               "prepare() then the MoE consumer. Compares the row provider (tensor-major, LRU), the cached provider\n"
+               "(whole-expert, LFRU) under every staging policy, and an all-resident run (upper bound).\n"
+               "Without a GPU the run is MODELLED on SimRuntime's virtual-time cost model (docs/benchmarks.md).\n"
+               "\n"
+               "model\n"
+               "  --layers N          MoE layers (default 48)\n"
+               "  --experts E         experts per layer (default 512)\n"
+               "  --topk K            experts per token (default 10)\n"
+               "  --hidden K          hidden size (default 2048)\n"
+               "  --intermediate N    intermediate size (default 512): expert = 1.688 MiB in NVFP4-Marlin\n"
+               "  --capacity C        GPU slots per layer (default 208)\n"
+               "routing\n"
+               "  --trace FILE        routing trace, format v1 (docs/trace_format.md); one trace step = one token;\n"
+               "                      layers, experts and top-k come from the trace (--layers limits the layers)\n"
+               "  --zipf S --sticky P --seed N   generator (default 1.0, 0.4, 1) when no --trace is given\n"
+               "run\n"
+               "  --batch B           tokens per decode step, 1..16 (default 1)\n"
+               "  --steps N           measured decode steps (default 32)\n"
+               "  --warmup N          steps before measuring; the first is the cold start (default 64)\n"
+               "  --provider P,...    row, cached, resident, or all (default all)\n"
+               "  --staging S,...     inline, copy_stream, batched, gather (CUDA only), or all (default: all that\n"
+               "                      the runtime has)\n"
+               "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
+               "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
+               "output\n"
+               "  --json FILE         Google-Benchmark-compatible JSON (also --benchmark_out=FILE)\n"
+               "  --progress          progress on stderr (default: only when stderr is a terminal)\n"
+               "  --help              this text\n"
+               "\n"
+               "This build: %s.\n"
+               "Exit status: 0 ok, 2 bad arguments or bad trace, 1 runtime failure.\n",
+               cuda_built ? "CUDA path built (measured on a GPU, modelled otherwise)" : "host only (modelled)");
+}
+
+namespace detail {
+
+inline std::int64_t parse_int(std::string_view flag, std::string_view text, std::int64_t lo, std::int64_t hi) {
+  std::int64_t v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size()) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' is not an integer"};
+  }
+  if (v < lo || v > hi) {
+    throw UsageError{std::string(flag) + ": " + std::to_string(v) + " is outside [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "]"};
+  }
+  return v;
+}
+
+inline double parse_real(std::string_view flag, std::string_view text, double lo, double hi) {
+  double v = 0;
+  const auto r = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (r.ec != std::errc() || r.ptr != text.data() + text.size() || !(v >= lo && v <= hi)) {
+    throw UsageError{std::string(flag) + ": '" + std::string(text) + "' must be a number in [" + std::to_string(lo) +
+                     ", " + std::to_string(hi) + "]"};
+  }
+  return v;
+}
+
+inline std::vector<std::string> parse_list(std::string_view flag, std::string_view text,
+                                           const std::vector<std::string>& known) {
+  std::vector<std::string> out;
+  for (const std::string_view item : split_commas(text)) {
+    if (item == "all") {
+      for (const std::string& k : known)
+        if (std::find(out.begin(), out.end(), k) == out.end()) out.push_back(k);
+      continue;
+    }
+    if (std::find(known.begin(), known.end(), item) == known.end()) {
+      std::string list;
+      for (const std::string& k : known) list += " " + k;
+      throw UsageError{std::string(flag) + ": unknown " + std::string(flag.substr(2)) + " '" + std::string(item) +
+                       "' (available:" + list + ", all)"};
+    }
+    if (std::find(out.begin(), out.end(), item) == out.end()) out.emplace_back(item);
+  }
+  return out;
+}
+
+}  // namespace detail
+
+inline BenchArgs parse_args(int argc, char** argv) {
+  BenchArgs a;
+  ArgCursor cursor(argc, argv);
+  while (cursor.next()) {
+    const std::string_view arg = cursor.name();
+    auto value = [&] { return cursor.value(); };
+    auto no_value = [&] { cursor.no_value(); };
+    using detail::parse_int;
+    if (arg == "--help" || arg == "-h") {
+      no_value();
+      a.help = true;
+    } else if (arg == "--layers") {
+      a.layers = static_cast<std::int32_t>(parse_int(arg, value(), 1, 4096));
+      a.layers_given = true;
+    } else if (arg == "--experts") {
+      a.experts = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 16));
+      a.experts_given = true;
+    } else if (arg == "--topk") {
+      a.top_k = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1024));
+      a.topk_given = true;
+    } else if (arg == "--hidden") {
+      a.hidden = parse_int(arg, value(), 64, 1 << 16);
+    } else if (arg == "--intermediate") {
+      a.intermediate = parse_int(arg, value(), 16, 1 << 16);
+    } else if (arg == "--capacity") {
+      a.capacity = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 16));
+    } else if (arg == "--batch") {
+      a.batch = static_cast<std::int32_t>(parse_int(arg, value(), 1, 16));
+    } else if (arg == "--steps") {
+      a.steps = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 20));
+    } else if (arg == "--warmup") {
+      a.warmup = static_cast<std::int32_t>(parse_int(arg, value(), 0, 1 << 20));
+    } else if (arg == "--zipf") {
+      a.zipf = detail::parse_real(arg, value(), 0.0, 10.0);
+    } else if (arg == "--sticky") {
+      a.sticky = detail::parse_real(arg, value(), 0.0, 1.0);
+    } else if (arg == "--seed") {
+      a.seed = static_cast<std::uint64_t>(parse_int(arg, value(), 0, INT64_MAX));
+    } else if (arg == "--trace") {
+      a.trace_path = std::string(value());
+    } else if (arg == "--provider") {
+      a.providers = detail::parse_list(arg, value(), provider_names());
+    } else if (arg == "--staging") {
+      a.staging = detail::parse_list(arg, value(), staging_names());
+      a.staging_given = true;
+    } else if (arg == "--runtime") {
+      const std::string_view v = value();
+      if (v == "auto") a.runtime = RuntimeChoice::automatic;
+      else if (v == "sim") a.runtime = RuntimeChoice::sim;
+      else if (v == "cuda") a.runtime = RuntimeChoice::cuda;
+      else throw UsageError{"--runtime: '" + std::string(v) + "' is not auto, sim or cuda"};
+    } else if (arg == "--sim-scale") {
+      a.sim_scale = parse_int(arg, value(), 1, 1 << 20);
+    } else if (arg == "--json" || arg == "--benchmark_out") {
+      a.json_path = std::string(value());
+      if (a.json_path->empty()) throw UsageError{std::string(arg) + " needs a file name"};
+    } else if (arg == "--benchmark_out_format") {
+      if (value() != "json") throw UsageError{"--benchmark_out_format: only json is written"};
+    } else if (arg == "--progress") {
+      no_value();
+      a.progress = true;
+    } else {
+      throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
+    }
+  }
+  if (a.providers.empty()) a.providers = provider_names();
+  return a;
+}
+
+// One configuration of the run: a provider and (for caches) a staging policy.
+struct RunConfig {
+  std::string provider;
+  std::string staging;
+};
+
+inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<std::string>& staging) {
+  std::vector<RunConfig> out;
+  for (const std::string& p : a.providers) {
+    if (p == "resident") continue;
+    for (const std::string& s : staging) out.push_back({p, s});
+  }
+  // The all-resident run goes first: the ratios need it, and it is the cheapest.
+  if (std::find(a.providers.begin(), a.providers.end(), "resident") != a.providers.end())
+    out.insert(out.begin(), RunConfig{"resident", "-"});
+  return out;
+}
+
+}  // namespace expert_cache::bench

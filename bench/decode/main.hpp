@@ -1,0 +1,97 @@
+#pragma once
+// expert-cache-bench: the driver both builds call (bench_main): arguments and routing are
+// validated first, then the measured GPU path (GpuHooks, CUDA build) or the modelled one runs,
+// and the table (and --json) is written. Host-only.
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <tuple>
+
+#include "args.hpp"
+#include "json_report.hpp"
+#include "model.hpp"
+#include "modelled_run.hpp"
+#include "progress.hpp"
+#include "report.hpp"
+
+namespace expert_cache::bench {
+
+// The CUDA build passes a measured path: nullopt = no usable device (falls back to modelled).
+struct GpuHooks {
+  bool built = false;
+  std::function<bool(std::string& why)> device_available;
+  std::function<Report(const Model&, const Routing&, const BenchArgs&, Progress&)> run;
+};
+
+inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
+  BenchArgs args;
+  Model model;
+  Routing routing;
+  bool use_gpu = false;
+  try {
+    args = parse_args(argc, argv);
+    if (args.help) {
+      print_help(stdout, gpu.built);
+      return exit_ok;
+    }
+    if (args.runtime == RuntimeChoice::cuda && !gpu.built) {
+      throw UsageError{"--runtime cuda: this build has no CUDA path (configure with -Dcuda=enabled)"};
+    }
+    // Arguments and the routing are validated completely before any device work.
+    std::tie(model, routing) = build_model_and_routing(args);
+    if (args.runtime != RuntimeChoice::sim && gpu.built) {
+      std::string why;
+      use_gpu = gpu.device_available(why);
+      if (!use_gpu && args.runtime == RuntimeChoice::cuda) throw UsageError{"--runtime cuda: no usable CUDA device (" + why + ")"};
+    }
+    for (const std::string& s : args.staging) {
+      if (s == "gather" && !use_gpu) {
+        throw UsageError{"--staging gather needs the CUDA runtime (a GPU); the modelled run has inline, copy_stream, batched"};
+      }
+    }
+    if (args.json_path) {  // fail before the run, not after it
+      std::ofstream probe(*args.json_path, std::ios::app);
+      if (!probe) throw UsageError{"--json: cannot write '" + *args.json_path + "'"};
+    }
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "expert-cache-bench: %s\n(run with --help for usage)\n", e.message.c_str());
+    return exit_usage;
+  }
+
+  const bool tty = stderr_is_tty();
+  Progress progress(args.progress || tty, tty);
+  Report rep;
+  try {
+    rep = use_gpu ? gpu.run(model, routing, args, progress) : run_modelled(model, routing, args, progress);
+  } catch (const UsageError& e) {
+    progress.finish();
+    std::fprintf(stderr, "expert-cache-bench: %s\n", e.message.c_str());
+    return exit_usage;
+  } catch (const std::exception& e) {
+    progress.finish();
+    std::fprintf(stderr, "expert-cache-bench: run failed: %s\n", e.what());
+    return exit_failure;
+  }
+  rep.model = model;
+  rep.routing = routing.source;
+  rep.steps = args.steps;
+  rep.warmup = args.warmup;
+  print_table(stdout, rep);
+  std::fflush(stdout);
+  if (args.json_path) {
+    std::ofstream out(*args.json_path, std::ios::binary | std::ios::trunc);
+    write_json(out, rep, argc > 0 ? argv[0] : "expert-cache-bench");
+    out.close();
+    if (!out) {
+      std::fprintf(stderr, "expert-cache-bench: error writing '%s'\n", args.json_path->c_str());
+      return exit_failure;
+    }
+  }
+  for (const RunResult& r : rep.runs)
+    if (r.check_failures != 0) return exit_failure;
+  return exit_ok;
+}
+
+}  // namespace expert_cache::bench
