@@ -1,5 +1,6 @@
 // Builds the row and whole-expert caches on SimRuntime (the host model of a GPU), replays a
 // generated decode trace through both and prints their stats. Runs anywhere, no GPU needed.
+// Registered as a test: exits non-zero when a prepare fails or the race detector reports.
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -42,8 +43,9 @@ std::vector<std::vector<std::int32_t>> generate_trace(std::uint64_t seed) {
   return trace;
 }
 
+// True when every prepare succeeded and the run was race-free.
 template <class Cache>
-void replay(const char* title, const std::vector<std::vector<std::int32_t>>& trace) {
+bool replay(const char* title, const std::vector<std::vector<std::int32_t>>& trace) {
   SimRuntime rt;
   const auto stream = rt.create_stream().value();
   // A small layout so the example runs instantly; real use passes Nvfp4Marlin or DenseBf16.
@@ -59,7 +61,7 @@ void replay(const char* title, const std::vector<std::vector<std::int32_t>>& tra
     auto view = cache.prepare(ids, stream);
     if (!view.ok()) {
       std::fprintf(stderr, "%s: prepare failed: %s\n", title, view.status().to_string().c_str());
-      return;
+      return false;
     }
     rt.run_random(view.value().generation, 64);  // the simulated GPU makes some progress
   }
@@ -70,6 +72,13 @@ void replay(const char* title, const std::vector<std::vector<std::int32_t>>& tra
               static_cast<unsigned long long>(s.misses), static_cast<unsigned long long>(s.evictions),
               static_cast<unsigned long long>(s.total_copies), static_cast<unsigned long long>(s.map_uploads),
               rt.races().size());
+  if (rt.race_count() != 0) {
+    std::fprintf(stderr, "%s: %llu race(s) reported, first: %s\n", title,
+                 static_cast<unsigned long long>(rt.race_count()),
+                 rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -77,7 +86,8 @@ void replay(const char* title, const std::vector<std::vector<std::int32_t>>& tra
 int main() {
   const auto trace = generate_trace(2026);
   std::printf("decode trace: %d steps, %d experts, top-%d, %d slots\n", steps, num_experts, top_k, capacity);
-  replay<RowCache<SimRuntime, ExplicitLayout>>("row", trace);
-  replay<WholeExpertCache<SimRuntime, ExplicitLayout>>("whole-expert", trace);
-  return 0;
+  // Both run even when the first fails, so one failing run does not hide the other's result.
+  const bool row_ok = replay<RowCache<SimRuntime, ExplicitLayout>>("row", trace);
+  const bool whole_ok = replay<WholeExpertCache<SimRuntime, ExplicitLayout>>("whole-expert", trace);
+  return row_ok && whole_ok ? 0 : 1;
 }

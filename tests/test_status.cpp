@@ -39,6 +39,10 @@ TEST_CASE("Result holds a value or an error; value() on error throws Error with 
 TEST_CASE("strong ids compare and report validity") {
   CHECK(ExpertId(3) < ExpertId(4));
   CHECK(ExpertId(3) == ExpertId(3));
+  // The line above passes even if == always answers true; these fail then.
+  CHECK_FALSE(ExpertId(3) == ExpertId(4));
+  CHECK(ExpertId(3) != ExpertId(4));
+  CHECK_FALSE(ExpertId(4) < ExpertId(3));
   CHECK_FALSE(SlotId().valid());
   CHECK(SlotId(0).valid());
   CHECK(ExpertId(5).index() == 5u);

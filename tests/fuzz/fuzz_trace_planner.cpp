@@ -2,8 +2,12 @@
 //   clang++ -std=c++20 -fsanitize=fuzzer,address,undefined -Iinclude tests/fuzz/fuzz_trace_planner.cpp
 // Part 1 parses the input as trace text and checks the parsed structure, a write/parse
 // round trip and (for small traces) a replay. Part 2 reads the same bytes as a sequence of
-// plan_topk / plan_unique / invalidate calls on a small planner, for every policy, and
-// checks the planner's invariants after each call. Failures abort (a crash for libFuzzer).
+// plan_topk / plan_unique / invalidate calls on a small planner (top-k drawn from the input),
+// for every policy, and checks the planner's invariants after each call. Part 3 drives the same
+// calls through ExpertCache on SimRuntime (prepare / prepare_unique / invalidate, with the
+// simulated GPU advancing by a seeded schedule between calls): rejected calls leave stats, maps
+// and the planner snapshot unchanged, and the race detector reports nothing. Failures abort (a
+// crash for libFuzzer).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -13,10 +17,13 @@
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "expert_cache/eviction/all.hpp"
+#include "expert_cache/expert_cache.hpp"
 #include "expert_cache/planner.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "expert_cache/tools/trace_io.hpp"
@@ -199,13 +206,17 @@ void check_maps(const Planner& p) {
 }
 
 template <class Policy>
-void run_ops(const std::vector<Op>& ops, ec::CacheShape shape, Policy policy) {
-  ec::ForwardPlanner<Policy> p(shape, 1, std::move(policy));
+void run_ops(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, Policy policy) {
+  ec::ForwardPlanner<Policy> p(shape, top_k, std::move(policy));
+  FUZZ_CHECK(p.top_k() == top_k);
   ec::ForwardPlan plan;
   std::uint64_t hits = 0;
   std::uint64_t misses = 0;
   for (const Op& op : ops) {
     const auto before = p.snapshot();
+    // The snapshot leaves out the forward map (it is per-forward, not cache state), but a
+    // rejected call must not touch it either.
+    const std::vector<std::int32_t> forward_before(p.forward_map().begin(), p.forward_map().end());
     bool ok;
     if (op.kind == OpKind::invalidate) {
       const bool was_resident = p.is_resident(op.ids[0]);
@@ -262,31 +273,138 @@ void run_ops(const std::vector<Op>& ops, ec::CacheShape shape, Policy policy) {
       }
     }
     FUZZ_CHECK(ok == op.accepted);
-    if (!ok) FUZZ_CHECK(p.snapshot() == before);  // rejected calls change nothing
+    if (!ok) {  // rejected calls change nothing
+      FUZZ_CHECK(p.snapshot() == before);
+      FUZZ_CHECK(std::equal(forward_before.begin(), forward_before.end(), p.forward_map().begin(),
+                            p.forward_map().end()));
+    }
     check_maps(p);
   }
   FUZZ_CHECK(p.counters().hits == hits && p.counters().misses == misses);
   if constexpr (requires { p.policy().divergent_forwards(); }) FUZZ_CHECK(p.policy().divergent_forwards() == 0);
 }
 
+// ---- part 3: ExpertCache on SimRuntime ----------------------------------------------------
+
+auto stats_fields(const ec::CacheStats& s) {
+  return std::tuple(s.hits, s.misses, s.promotions, s.evictions, s.invalidations, s.resident, s.capacity,
+                    s.prepare_calls, s.generation, s.last_copies, s.total_copies, s.owner_changes, s.map_uploads,
+                    s.staging_stalls, s.faults, s.slot_bytes, s.host_bytes);
+}
+
+template <class Cache>
+void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, std::uint64_t seed) {
+  ec::SimRuntime rt;
+  rt.set_seed(seed);
+  const ec::SimRuntime::Stream stream = rt.create_stream().value();
+  // Tiny tensors: the cache's copies, maps and ordering are what is under test, not bandwidth.
+  const ec::ExplicitLayout layout{{{{"w13", 64}, {"w2", 32}, {"w13_scale", 16}, {"w2_scale", 8},
+                                    {"w13_scale_2", 4}, {"w2_scale_2", 4}}}};
+  ec::CacheOptions options;
+  options.num_experts = shape.num_experts;
+  options.capacity = shape.capacity;
+  options.top_k = top_k;
+  Cache cache(rt, options, layout);
+  FUZZ_CHECK(cache.planner().top_k() == top_k);
+  std::uint64_t step = 0;
+  for (const Op& op : ops) {
+    const auto stats_before = stats_fields(cache.stats());
+    const auto snapshot_before = cache.planner().snapshot();
+    const std::vector<std::int32_t> resident_before(cache.resident_map_host().begin(), cache.resident_map_host().end());
+    const std::vector<std::int32_t> forward_before(cache.forward_map_host().begin(), cache.forward_map_host().end());
+    bool ok;
+    if (op.kind == OpKind::invalidate) {
+      const ec::Status st = cache.invalidate(op.ids[0], stream);
+      ok = st.ok();
+      if (ok) {
+        FUZZ_CHECK(cache.resident_map_host()[static_cast<std::size_t>(op.ids[0])] == ec::absent_slot);
+      } else {
+        FUZZ_CHECK(st.code() == ec::ErrorCode::expert_out_of_range);
+      }
+    } else {
+      const ec::Result<ec::ForwardView> view =
+          op.kind == OpKind::topk ? cache.prepare(op.ids, stream) : cache.prepare_unique(op.ids, stream);
+      ok = view.ok();
+      if (ok) {
+        // Every expert of the forward is in the forward map, at its resident slot.
+        const ec::ForwardView& v = view.value();
+        FUZZ_CHECK(v.hits + v.misses == op.set.size());
+        for (const std::int32_t e : op.set) {
+          const std::int32_t slot = cache.forward_map_host()[static_cast<std::size_t>(e)];
+          FUZZ_CHECK(slot >= 0 && slot < shape.capacity);
+          FUZZ_CHECK(slot == cache.resident_map_host()[static_cast<std::size_t>(e)]);
+        }
+      } else {
+        const ec::ErrorCode c = view.status().code();
+        FUZZ_CHECK(c == ec::ErrorCode::expert_out_of_range || c == ec::ErrorCode::too_many_experts ||
+                   c == ec::ErrorCode::duplicate_expert);
+      }
+    }
+    FUZZ_CHECK(ok == op.accepted);
+    if (!ok) {  // a rejected call changes nothing the caller can see
+      FUZZ_CHECK(stats_fields(cache.stats()) == stats_before);
+      FUZZ_CHECK(cache.planner().snapshot() == snapshot_before);
+      FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), cache.resident_map_host().begin(),
+                            cache.resident_map_host().end()));
+      FUZZ_CHECK(std::equal(forward_before.begin(), forward_before.end(), cache.forward_map_host().begin(),
+                            cache.forward_map_host().end()));
+    }
+    check_maps(cache.planner());
+    // The simulated GPU makes a seeded amount of progress, so calls land on in-flight work.
+    ++step;
+    rt.run_random(seed + step, static_cast<std::size_t>((seed >> (step % 32)) & 7u));
+  }
+  rt.drain();
+  FUZZ_CHECK(rt.idle());
+  if (rt.race_count() != 0) {
+    std::fprintf(stderr, "race: %s\n", rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
+  }
+  FUZZ_CHECK(rt.race_count() == 0);
+  FUZZ_CHECK(cache.stats().faults == 0);
+}
+
 void fuzz_planner(const std::uint8_t* data, std::size_t size) {
   Bytes in(data, size);
   const std::int32_t num_experts = 1 + in.next() % 16;
   const std::int32_t capacity = 1 + in.next() % static_cast<unsigned>(num_experts);
+  const std::int32_t top_k = 1 + in.next() % static_cast<unsigned>(capacity);  // any valid top-k
+  const std::uint8_t staging = in.next();
+  const std::uint64_t seed = static_cast<std::uint64_t>(in.next()) | static_cast<std::uint64_t>(in.next()) << 8;
   const ec::CacheShape shape{num_experts, capacity};
   const std::vector<Op> ops = decode_ops(in, num_experts, capacity);
 
-  run_ops(ops, shape, ec::Lru(shape));
-  run_ops(ops, shape, ec::Lfru(shape));
-  run_ops(ops, shape, ec::Sieve(shape));
-  run_ops(ops, shape, ec::S3Fifo(shape));
-  run_ops(ops, shape, ec::Arc(shape));
+  run_ops(ops, shape, top_k, ec::Lru(shape));
+  run_ops(ops, shape, top_k, ec::Lfru(shape));
+  run_ops(ops, shape, top_k, ec::Sieve(shape));
+  run_ops(ops, shape, top_k, ec::S3Fifo(shape));
+  run_ops(ops, shape, top_k, ec::Arc(shape));
   // Belady's future is the sequence of accepted forwards.
   std::vector<std::vector<std::int32_t>> future;
   for (const Op& op : ops) {
     if (op.kind != OpKind::invalidate && op.accepted) future.push_back(op.set);
   }
-  run_ops(ops, shape, ec::Belady(std::make_shared<const ec::BeladyFuture>(num_experts, future), shape));
+  run_ops(ops, shape, top_k, ec::Belady(std::make_shared<const ec::BeladyFuture>(num_experts, future), shape));
+
+  // Both storages (whole-expert with LFRU, tensor-major with LRU); the staging policy from the input.
+  using ec::ExpertCache;
+  using ec::ExpertMajorStorage;
+  using ec::ExplicitLayout;
+  using ec::SimRuntime;
+  using ec::TensorMajorStorage;
+  switch (staging % 3) {
+    case 0:
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      break;
+    case 1:
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      break;
+    default:
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      break;
+  }
 }
 
 }  // namespace
