@@ -1,7 +1,9 @@
 // NVFP4 -> Marlin layout: index maps, encodes, padding, sizes, validation and round trips.
 // The "literal" helpers below rebuild every step the way the spec (§4.2-§4.4) states it
 // (GPTQ int32 view, per-lane tile loops, scale_perm list, float path through fp16 bits), so
-// they share no code with the closed forms under test.
+// they share no code with the closed forms under test. The random layers and the flush oracle
+// (which scales Marlin reads as 0, decided from the values) are shared with the GPU repack test
+// (tests/support/nvfp4_layers.hpp).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -10,23 +12,24 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/nvfp4_reference.hpp"
+#include "support/nvfp4_layers.hpp"
 
 using namespace expert_cache;
+using test_support::literal_e4m3;
+using test_support::literal_log2_sf;
+using HostLayer = test_support::Nvfp4HostLayer;
+using MarlinBuffers = test_support::MarlinHostLayer;
 
 namespace {
 
 // ---- independent scalar helpers --------------------------------------------------------------
-
-double literal_e4m3(std::uint8_t b) {
-  const int e = (b >> 3) & 0xF, m = b & 7;
-  const double mag = e == 0 ? std::ldexp(m / 8.0, -6) : std::ldexp(1.0 + m / 8.0, e - 7);
-  return (b & 0x80) ? -mag : mag;
-}
 
 // fp16 bits of a double that fp16 represents exactly or that overflows (round to nearest is not
 // needed: every value the encode sees has at most 4 significant bits).
@@ -46,21 +49,6 @@ std::uint8_t literal_s0e5m3(std::uint8_t b, int log2_sf) {
   const double v = literal_e4m3(b) * std::ldexp(1.0, log2_sf) * 128.0;
   if (!(v >= 2.0)) return 0;
   return static_cast<std::uint8_t>((literal_fp16_bits(v) >> 7) & 0xFF);
-}
-
-int literal_log2_sf(const std::vector<std::uint8_t>& scales, ActDtype dtype) {
-  if (dtype == ActDtype::fp16) return 0;
-  double m = 0;
-  bool any = false;
-  for (auto b : scales) {
-    const double v = literal_e4m3(b);
-    if (v > 0 && !std::isnan(v)) {
-      m = any ? std::max(m, v) : v;
-      any = true;
-    }
-  }
-  if (!any || !(m < 448.0)) return 0;
-  return static_cast<int>(std::floor(std::log2(448.0 / m)));
 }
 
 // ---- literal per-expert repack -----------------------------------------------------------------
@@ -132,67 +120,6 @@ std::vector<std::uint8_t> literal_scales(const std::vector<std::uint8_t>& s, std
 
 // ---- random layers ---------------------------------------------------------------------------
 
-struct HostLayer {
-  std::int64_t e = 0;
-  std::vector<std::uint8_t> w13, s13, w2, s2;
-  std::vector<float> g13, g2;
-  Nvfp4CheckpointLayer view() const { return {e, w13, s13, g13, w2, s2, g2}; }
-};
-
-std::uint8_t random_scale(std::mt19937& rng) {
-  // Mix of zeros, subnormals, tiny normals (flushed), typical values and the max 448.
-  const int kind = static_cast<int>(rng() % 16);
-  if (kind == 0) return 0;
-  if (kind == 1) return static_cast<std::uint8_t>(1 + rng() % 7);
-  if (kind == 2) return 0x7E;
-  if (kind == 3) return 0x80;  // -0
-  return static_cast<std::uint8_t>(0x08 + rng() % (0x76 - 0x08));
-}
-
-HostLayer random_layer(const Nvfp4Marlin& l, std::int64_t e, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  HostLayer h;
-  h.e = e;
-  auto bytes = [&](std::int64_t n) {
-    std::vector<std::uint8_t> v(static_cast<std::size_t>(n));
-    for (auto& b : v) b = static_cast<std::uint8_t>(rng());
-    return v;
-  };
-  h.w13 = bytes(e * l.ckpt_w13_bytes());
-  h.w2 = bytes(e * l.ckpt_w2_bytes());
-  h.s13.resize(static_cast<std::size_t>(e * l.ckpt_w13_scale_bytes()));
-  h.s2.resize(static_cast<std::size_t>(e * l.ckpt_w2_scale_bytes()));
-  for (auto& b : h.s13) b = random_scale(rng);
-  for (auto& b : h.s2) b = static_cast<std::uint8_t>(random_scale(rng) & 0x3F);  // smaller: sf > 1 for bf16
-  std::uniform_real_distribution<float> gd(1e-4f, 1e-2f);
-  for (std::int64_t i = 0; i < e; ++i) {
-    const float g = gd(rng);
-    h.g13.push_back(g);
-    h.g13.push_back(g);  // w1 == w3 global (the common case)
-    h.g2.push_back(gd(rng));
-  }
-  return h;
-}
-
-struct MarlinBuffers {
-  std::vector<std::uint32_t> w13, w2;
-  std::vector<std::uint8_t> s13, s2;
-  std::vector<float> g13, g2;
-  MarlinBuffers(const Nvfp4Marlin& l, std::int64_t e)
-      : w13(static_cast<std::size_t>(e * l.w13_words()), 0xDEADBEEFu),
-        w2(static_cast<std::size_t>(e * l.w2_words()), 0xDEADBEEFu),
-        s13(static_cast<std::size_t>(e * l.w13_scale_bytes()), 0xAB),
-        s2(static_cast<std::size_t>(e * l.w2_scale_bytes()), 0xAB),
-        g13(static_cast<std::size_t>(e), -1.0f),
-        g2(static_cast<std::size_t>(e), -1.0f) {}
-  Nvfp4MarlinLayer view() { return {w13, w2, s13, s2, g13, g2}; }
-  bool untouched() const {
-    auto all = [](const auto& v, auto x) { return std::all_of(v.begin(), v.end(), [&](auto y) { return y == x; }); };
-    return all(w13, 0xDEADBEEFu) && all(w2, 0xDEADBEEFu) && all(s13, std::uint8_t{0xAB}) &&
-           all(s2, std::uint8_t{0xAB}) && all(g13, -1.0f) && all(g2, -1.0f);
-  }
-};
-
 // Literal whole-layer reference: pad as §4.1 says, then run the literal per-expert steps.
 MarlinBuffers literal_layer(const Nvfp4Marlin& l, const HostLayer& h) {
   MarlinBuffers out(l, h.e);
@@ -228,9 +155,11 @@ MarlinBuffers literal_layer(const Nvfp4Marlin& l, const HostLayer& h) {
   return out;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+HostLayer random_layer(const Nvfp4Marlin& l, std::int64_t e, std::uint32_t seed) {
+  return test_support::random_nvfp4_layer(l, e, seed);  // w1 == w3 globals (the common case)
 }
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) { return test_support::bytes_equal(a, b); }
 
 }  // namespace
 
@@ -477,6 +406,16 @@ TEST_CASE("round trip: dequant(Marlin) == e2m1 * e4m3 * g, exact except the docu
     REQUIRE(dequant_marlin_reference(l, c.e, m.view().as_const(), got13, got2).ok());
     REQUIRE(dequant_checkpoint_reference(l, h.view(), want13, want2, &rep->params).ok());
     REQUIRE(dequant_checkpoint_reference(l, h.view(), raw13, raw2).ok());
+    // Which scales flush is decided by the oracle (values and the max-based factor), not by the
+    // encode under test; the library's own flush option must agree with it.
+    CHECK(rep->params.w13_log2_sf == literal_log2_sf(h.s13, c.d));
+    CHECK(rep->params.w2_log2_sf == literal_log2_sf(h.s2, c.d));
+    std::vector<double> oracle13, oracle2;
+    test_support::expected_marlin_dequant(l, h, oracle13, oracle2);
+    CHECK(got13 == oracle13);
+    CHECK(got2 == oracle2);
+    CHECK(want13 == oracle13);
+    CHECK(want2 == oracle2);
     CHECK(got13 == want13);
     CHECK(got2 == want2);
     // The flush is the only difference, and it only ever zeroes values.
@@ -497,10 +436,16 @@ TEST_CASE("w13_scale_2 halves that differ: column 0 is used and the mismatch is 
   h.g13[2 * 1 + 1] = h.g13[2 * 1] * 2.0f;
   h.g13[2 * 3 + 1] = 0.5f;
   MarlinBuffers m(l, 4);
-  auto rep = repack_layer_reference(l, h.view(), m.view());
+  std::vector<std::string> warnings;
+  auto rep = repack_layer_reference(l, h.view(), m.view(), [&](std::string_view w) { warnings.emplace_back(w); });
   REQUIRE(rep.ok());
   CHECK(rep->w13_global_mismatches == 2);
   CHECK(rep->first_mismatch == 1);
+  // The warning goes to the caller's sink (the library prints nothing itself).
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].find("for 2 expert(s) (first: 1)") != std::string::npos);
+  MarlinBuffers quiet(l, 4);
+  CHECK(repack_layer_reference(l, h.view(), quiet.view()).ok());  // no sink: silent
   for (std::size_t e = 0; e < 4; ++e)
     CHECK(m.g13[e] == marlin::global_scale(h.g13[2 * e], rep->params.w13_log2_sf, l.dtype));
 }

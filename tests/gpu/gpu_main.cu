@@ -1,23 +1,47 @@
-// doctest main of the GPU suite: exits 77 (Meson's SKIP) when no CUDA device is usable, so the
-// suite builds and "passes as skipped" on machines without a GPU.
+// doctest main of every GPU test program. Exits 77 (Meson's SKIP) only when the machine has no
+// CUDA device: cudaErrorNoDevice, a device count of 0, or cudaErrorInsufficientDriver where no
+// NVIDIA kernel driver is loaded at all (no /proc/driver/nvidia: the runtime then finds no
+// driver, which on a machine without a GPU is the normal state). Any other CUDA error (a driver
+// too old for this runtime on a GPU machine, a device that cannot be initialised) FAILS with
+// the library's message: a broken installation must not pass as skipped.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <filesystem>
+
+#include "expert_cache/runtime/cuda_error.hpp"
+
+namespace {
+
+int skip(const char* why) {
+  std::printf("SKIP: no CUDA device (%s)\n", why);
+  return 77;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess || count == 0) {
-    std::printf("SKIP: no CUDA device (%s)\n", err == cudaSuccess ? "0 devices" : cudaGetErrorString(err));
-    return 77;
+  if (err == cudaErrorNoDevice) return skip(cudaGetErrorName(err));
+  if (err == cudaErrorInsufficientDriver && !std::filesystem::exists("/proc/driver/nvidia"))
+    return skip("cudaErrorInsufficientDriver and no NVIDIA kernel driver loaded");
+  if (err == cudaSuccess && count == 0) return skip("0 devices");
+  if (const expert_cache::Status s = expert_cache::cuda_status(err, "cudaGetDeviceCount"); !s) {
+    std::fprintf(stderr, "FAIL: CUDA is installed but unusable: %.*s\n", static_cast<int>(s.message().size()),
+                 s.message().data());
+    return 1;
   }
   cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess) {
-    std::printf("GPU 0: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
+  if (const expert_cache::Status s = expert_cache::cuda_status(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+      !s) {
+    std::fprintf(stderr, "FAIL: %.*s\n", static_cast<int>(s.message().size()), s.message().data());
+    return 1;
   }
+  std::printf("GPU 0: %s (sm_%d%d, %d SMs)\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
   doctest::Context context(argc, argv);
   return context.run();
 }

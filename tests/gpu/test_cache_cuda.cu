@@ -21,16 +21,10 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "support/cuda_support.hpp"
 
 using namespace expert_cache;
 using Ids = std::vector<std::int32_t>;
-
-#define CUDA_REQUIRE(call)                                                                              \
-  do {                                                                                                  \
-    const cudaError_t err_ = (call);                                                                    \
-    INFO(#call << ": " << cudaGetErrorName(err_) << ": " << cudaGetErrorString(err_));                  \
-    REQUIRE(err_ == cudaSuccess);                                                                       \
-  } while (0)
 
 namespace {
 
@@ -240,44 +234,32 @@ struct Fixture {
   }
 };
 
-// A device buffer owned by the test.
-struct DeviceBuffer {
-  void* p = nullptr;
-  explicit DeviceBuffer(std::size_t bytes) {
-    if (cudaMalloc(&p, bytes) != cudaSuccess) FAIL("cudaMalloc of " << bytes << " bytes failed");
-  }
-  ~DeviceBuffer() { (void)cudaFree(p); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <class T>
-  T* as() const {
-    return static_cast<T*>(p);
-  }
-};
+// A device buffer owned by the test (bytes).
+using DeviceBuffer = test_support::DeviceBuffer<>;
 
 // The reader: captured beforehand as a graph on a scratch stream. GPU delay, then a copy of every
 // slot's six tensors into `out` (slot-major, six tensors back to back).
 template <class Cache>
 cudaGraphExec_t capture_reader(const Fixture<Cache>& f, unsigned char* out, unsigned long long delay_ns) {
   cudaStream_t cap = nullptr;
-  CUDA_REQUIRE(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
-  CUDA_REQUIRE(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
   spin_kernel<<<1, 1, 0, cap>>>(delay_ns);
   std::size_t off = 0;
   for (std::int32_t s = 0; s < f.capacity; ++s) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) {
       const SlotTensor st = f.cache->storage().slot_tensor(t);
       if (st.bytes == 0) continue;
-      CUDA_REQUIRE(cudaMemcpyAsync(out + off, st.slot(s), st.bytes, cudaMemcpyDeviceToDevice, cap));
+      REQUIRE_CUDA_OK(cudaMemcpyAsync(out + off, st.slot(s), st.bytes, cudaMemcpyDeviceToDevice, cap));
       off += st.bytes;
     }
   }
   cudaGraph_t graph = nullptr;
-  CUDA_REQUIRE(cudaStreamEndCapture(cap, &graph));
+  REQUIRE_CUDA_OK(cudaStreamEndCapture(cap, &graph));
   cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
-  CUDA_REQUIRE(cudaGraphDestroy(graph));
-  CUDA_REQUIRE(cudaStreamDestroy(cap));
+  REQUIRE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(cap));
   return exec;
 }
 
@@ -308,18 +290,18 @@ void eviction_reuse(Reuse mode) {
   DeviceBuffer out(per_slot * capacity);
   cudaGraphExec_t reader = capture_reader(f, out.as<unsigned char>(), reader_delay_ns);
   cudaEvent_t reader_done = nullptr;
-  CUDA_REQUIRE(cudaEventCreateWithFlags(&reader_done, cudaEventDisableTiming));
+  REQUIRE_CUDA_OK(cudaEventCreateWithFlags(&reader_done, cudaEventDisableTiming));
 
   // 1. experts 0..3 resident, the device idle.
   auto first = f.cache->prepare(ids_range(0, capacity), f.x);
   REQUIRE_MESSAGE(first.ok(), first.status().to_string());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   std::vector<std::int32_t> old_expert_of_slot(capacity, -1);
   for (std::int32_t e = 0; e < capacity; ++e) old_expert_of_slot[f.cache->forward_map_host()[e]] = e;
 
   // 2. the reader of those slots starts on the owner stream and keeps running.
-  CUDA_REQUIRE(cudaGraphLaunch(reader, f.x));
-  CUDA_REQUIRE(cudaEventRecord(reader_done, f.x));
+  REQUIRE_CUDA_OK(cudaGraphLaunch(reader, f.x));
+  REQUIRE_CUDA_OK(cudaEventRecord(reader_done, f.x));
 
   // 3. the next call evicts the slots while the reader runs.
   Ids second;
@@ -338,9 +320,9 @@ void eviction_reuse(Reuse mode) {
                 "prepare() returned, so this run did not overlap slot reuse with a running reader");
 
   // 4. drain; the reader saw the old experts, the slots hold the new ones.
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   std::vector<unsigned char> seen(per_slot * capacity);
-  CUDA_REQUIRE(cudaMemcpy(seen.data(), out.p, seen.size(), cudaMemcpyDeviceToHost));
+  REQUIRE_CUDA_OK(cudaMemcpy(seen.data(), out.get(), seen.size(), cudaMemcpyDeviceToHost));
   for (std::int32_t s = 0; s < capacity; ++s) {
     INFO("slot " << s << " held expert " << old_expert_of_slot[s] << " when the reader started");
     CHECK(std::memcmp(seen.data() + per_slot * s, f.expert_bytes(old_expert_of_slot[s]).data(), per_slot) == 0);
@@ -358,8 +340,8 @@ void eviction_reuse(Reuse mode) {
   CHECK(st.faults == 0);
   CHECK(st.misses == (mode == Reuse::invalidate_other_stream ? capacity + 1u : 2u * capacity));
   CHECK(st.generation >= 2);
-  CUDA_REQUIRE(cudaEventDestroy(reader_done));
-  CUDA_REQUIRE(cudaGraphExecDestroy(reader));
+  REQUIRE_CUDA_OK(cudaEventDestroy(reader_done));
+  REQUIRE_CUDA_OK(cudaGraphExecDestroy(reader));
 }
 
 }  // namespace
@@ -386,14 +368,14 @@ TEST_CASE_TEMPLATE("resident map ends at the final generation after cross-stream
     Ids ids = {static_cast<std::int32_t>(rng() % experts), static_cast<std::int32_t>(rng() % experts)};
     auto v = f.cache->prepare(ids, s);
     REQUIRE_MESSAGE(v.ok(), v.status().to_string());
-    CUDA_REQUIRE(cudaGraphLaunch(reader, s));  // a reader still running during the next calls
+    REQUIRE_CUDA_OK(cudaGraphLaunch(reader, s));  // a reader still running during the next calls
     // invalidate from the other stream while that reader runs, then a prepare from it.
     REQUIRE(f.cache->invalidate(ids[0], other).ok());
     auto w = f.cache->prepare(Ids{ids[1], static_cast<std::int32_t>(rng() % experts)}, other);
     REQUIRE_MESSAGE(w.ok(), w.status().to_string());
   }
   REQUIRE(f.cache->invalidate(static_cast<std::int32_t>(rng() % experts), f.y).ok());  // last call: an invalidate
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   f.check_maps_final(false);
   for (std::int32_t e = 0; e < experts; ++e) {
     const std::int32_t slot = f.cache->resident_map_host()[e];
@@ -402,7 +384,7 @@ TEST_CASE_TEMPLATE("resident map ends at the final generation after cross-stream
     CHECK_MESSAGE(bad.empty(), bad);
   }
   CHECK(f.cache->stats().faults == 0);
-  CUDA_REQUIRE(cudaGraphExecDestroy(reader));
+  REQUIRE_CUDA_OK(cudaGraphExecDestroy(reader));
 }
 
 TEST_CASE_TEMPLATE("a consumer reading through the forward map matches all-resident results", Cache, InlineRow,
@@ -415,8 +397,8 @@ TEST_CASE_TEMPLATE("a consumer reading through the forward map matches all-resid
   for (auto& id : all_ids) id = rng() % 10 == 0 ? -1 : static_cast<std::int32_t>(rng() % experts);  // some padding
   DeviceBuffer d_ids(all_ids.size() * sizeof(std::int32_t));
   DeviceBuffer d_out(all_ids.size() * sizeof(unsigned long long));
-  CUDA_REQUIRE(cudaMemcpy(d_ids.p, all_ids.data(), all_ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
-  CUDA_REQUIRE(cudaMemset(d_out.p, 0, all_ids.size() * sizeof(unsigned long long)));
+  REQUIRE_CUDA_OK(cudaMemcpy(d_ids.get(), all_ids.data(), all_ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  REQUIRE_CUDA_OK(cudaMemset(d_out.get(), 0, all_ids.size() * sizeof(unsigned long long)));
   std::uint64_t misses = 0;
   for (int fw = 0; fw < forwards; ++fw) {
     const cudaStream_t s = fw % 3 == 2 ? f.y : f.x;
@@ -427,11 +409,11 @@ TEST_CASE_TEMPLATE("a consumer reading through the forward map matches all-resid
     checksum_kernel<<<dim3(8, pairs), 256, 0, s>>>(f.refs(view.value()), d_ids.as<std::int32_t>() + fw * pairs,
                                                     view.value().expert_map, experts, 200'000,
                                                     d_out.as<unsigned long long>() + fw * pairs);
-    CUDA_REQUIRE(cudaGetLastError());
+    REQUIRE_CUDA_OK(cudaGetLastError());
   }
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   std::vector<unsigned long long> got(all_ids.size());
-  CUDA_REQUIRE(cudaMemcpy(got.data(), d_out.p, got.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  REQUIRE_CUDA_OK(cudaMemcpy(got.data(), d_out.get(), got.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
   std::vector<unsigned long long> ref(static_cast<std::size_t>(experts));
   for (std::int32_t e = 0; e < experts; ++e) ref[e] = f.reference_checksum(e);
   int wrong = 0;
@@ -455,17 +437,17 @@ TEST_CASE_TEMPLATE("prepare() captured into a CUDA graph replays correctly", Cac
   DeviceBuffer d_ids(capacity * sizeof(std::int32_t));
   DeviceBuffer d_out(capacity * sizeof(unsigned long long));
   const Ids first = ids_range(0, capacity), second = ids_range(capacity, 2 * capacity);
-  CUDA_REQUIRE(cudaMemcpy(d_ids.p, second.data(), second.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  REQUIRE_CUDA_OK(cudaMemcpy(d_ids.get(), second.data(), second.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
 
   auto v0 = f.cache->prepare(first, f.x);
   REQUIRE_MESSAGE(v0.ok(), v0.status().to_string());
-  CUDA_REQUIRE(cudaStreamSynchronize(f.x));
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
 
   // Capture prepare() (fills of 4 misses + both map uploads) and a consumer of its view.
-  CUDA_REQUIRE(cudaStreamBeginCapture(f.x, cudaStreamCaptureModeGlobal));
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(f.x, cudaStreamCaptureModeGlobal));
   auto view = f.cache->prepare(second, f.x);
   if (view.ok()) {
-    (void)cudaMemsetAsync(d_out.p, 0, capacity * sizeof(unsigned long long), f.x);
+    (void)cudaMemsetAsync(d_out.get(), 0, capacity * sizeof(unsigned long long), f.x);
     checksum_kernel<<<dim3(8, capacity), 256, 0, f.x>>>(f.refs(view.value()), d_ids.as<std::int32_t>(),
                                                        view.value().expert_map, experts, 0,
                                                        d_out.as<unsigned long long>());
@@ -474,12 +456,12 @@ TEST_CASE_TEMPLATE("prepare() captured into a CUDA graph replays correctly", Cac
   const cudaError_t end = cudaStreamEndCapture(f.x, &graph);
   (void)cudaGetLastError();
   REQUIRE_MESSAGE(view.ok(), view.status().to_string());
-  CUDA_REQUIRE(end);
+  REQUIRE_CUDA_OK(end);
   cudaGraphExec_t exec = nullptr;
-  CUDA_REQUIRE(cudaGraphInstantiate(&exec, graph, 0));
+  REQUIRE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
 
   // Nothing ran eagerly: the slots of the new experts still hold the old ones.
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   for (std::int32_t e : second) {
     const std::int32_t slot = f.cache->forward_map_host()[e];
     CHECK_MESSAGE(!f.slot_mismatch(slot, e).empty(), "slot " << slot << " was filled outside the graph");
@@ -492,23 +474,23 @@ TEST_CASE_TEMPLATE("prepare() captured into a CUDA graph replays correctly", Cac
     if (replay > 0) {  // wipe the slots and maps: the replay must restore them
       for (std::size_t t = 0; t < num_expert_tensors; ++t) {
         const SlotTensor st = f.cache->storage().slot_tensor(t);
-        if (st.bytes != 0) CUDA_REQUIRE(cudaMemset(st.base, 0xA5, st.slot_stride * (capacity - 1) + st.bytes));
+        if (st.bytes != 0) REQUIRE_CUDA_OK(cudaMemset(st.base, 0xA5, st.slot_stride * (capacity - 1) + st.bytes));
       }
-      CUDA_REQUIRE(cudaMemset(const_cast<std::int32_t*>(f.cache->forward_map_device()), 0xFF, experts * sizeof(std::int32_t)));
+      REQUIRE_CUDA_OK(cudaMemset(const_cast<std::int32_t*>(f.cache->forward_map_device()), 0xFF, experts * sizeof(std::int32_t)));
     }
-    CUDA_REQUIRE(cudaGraphLaunch(exec, f.x));
-    CUDA_REQUIRE(cudaStreamSynchronize(f.x));
+    REQUIRE_CUDA_OK(cudaGraphLaunch(exec, f.x));
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
     for (std::int32_t e : second) {
       const std::string bad = f.slot_mismatch(f.cache->forward_map_host()[e], e);
       CHECK_MESSAGE(bad.empty(), bad);
     }
     std::vector<unsigned long long> got(capacity);
-    CUDA_REQUIRE(cudaMemcpy(got.data(), d_out.p, got.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+    REQUIRE_CUDA_OK(cudaMemcpy(got.data(), d_out.get(), got.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
     CHECK(got == ref);
     f.check_maps_final();
   }
-  CUDA_REQUIRE(cudaGraphExecDestroy(exec));
-  CUDA_REQUIRE(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
 
   // Eager use continues past the captured staging buffers and events (more prepares than the
   // staging ring holds, ownership moving between streams, an all-hit prepare on a new stream).
@@ -520,7 +502,7 @@ TEST_CASE_TEMPLATE("prepare() captured into a CUDA graph replays correctly", Cac
     auto v = f.cache->prepare(ids, i % 2 == 0 ? f.x : f.y);
     REQUIRE_MESSAGE(v.ok(), v.status().to_string());
   }
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   for (std::int32_t e = 0; e < experts; ++e) {
     const std::int32_t slot = f.cache->resident_map_host()[e];
     if (slot < 0) continue;
@@ -535,11 +517,11 @@ TEST_CASE_TEMPLATE("Batched refuses a capturing stream and leaves the cache unch
   constexpr std::int32_t experts = 8, capacity = 4;
   Fixture<Cache> f(experts, capacity, capacity);
   REQUIRE(f.cache->prepare(ids_range(0, capacity), f.x).ok());
-  CUDA_REQUIRE(cudaStreamSynchronize(f.x));
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
   const CacheStats before = f.cache->stats();
   const auto resident_before = std::vector<std::int32_t>(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end());
 
-  CUDA_REQUIRE(cudaStreamBeginCapture(f.x, cudaStreamCaptureModeGlobal));
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(f.x, cudaStreamCaptureModeGlobal));
   auto r = f.cache->prepare(ids_range(capacity, 2 * capacity), f.x);
   cudaGraph_t graph = nullptr;
   const cudaError_t end = cudaStreamEndCapture(f.x, &graph);
@@ -548,7 +530,7 @@ TEST_CASE_TEMPLATE("Batched refuses a capturing stream and leaves the cache unch
   CHECK(r.status().code() == ErrorCode::capture_unsupported);
   MESSAGE("Batched under capture: " << r.status().to_string());
   CHECK(end == cudaSuccess);  // nothing was enqueued: the capture ends cleanly
-  if (graph != nullptr) CUDA_REQUIRE(cudaGraphDestroy(graph));
+  if (graph != nullptr) REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
 
   const CacheStats after = f.cache->stats();
   CHECK(after.prepare_calls == before.prepare_calls);
@@ -559,7 +541,7 @@ TEST_CASE_TEMPLATE("Batched refuses a capturing stream and leaves the cache unch
   for (std::int32_t e = 0; e < capacity; ++e) CHECK(f.slot_mismatch(f.cache->resident_map_host()[e], e).empty());
   // And the cache still works eagerly.
   REQUIRE(f.cache->prepare(ids_range(capacity, 2 * capacity), f.x).ok());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   f.check_maps_final();
 }
 

@@ -23,36 +23,14 @@
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device/moe_consumer.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
+#include "support/cuda_support.hpp"
 
 using namespace expert_cache;
-
-#define CUDA_REQUIRE(call)                                                             \
-  do {                                                                                 \
-    const cudaError_t err_ = (call);                                                   \
-    INFO(#call << ": " << cudaGetErrorName(err_) << ": " << cudaGetErrorString(err_)); \
-    REQUIRE(err_ == cudaSuccess);                                                      \
-  } while (0)
 
 namespace {
 
 template <class T>
-struct DevArray {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit DevArray(std::size_t count) : n(count) { REQUIRE(cudaMalloc(&p, std::max<std::size_t>(count, 1) * sizeof(T)) == cudaSuccess); }
-  explicit DevArray(const std::vector<T>& v) : DevArray(v.size()) {
-    REQUIRE(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  }
-  DevArray(const DevArray&) = delete;
-  DevArray& operator=(const DevArray&) = delete;
-  ~DevArray() { cudaFree(p); }
-  std::vector<T> get() const {
-    std::vector<T> v(n);
-    REQUIRE(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-    return v;
-  }
-  void put(const std::vector<T>& v) { REQUIRE(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess); }
-};
+using DevArray = test_support::DeviceBuffer<T>;
 
 // A repacked random layer in the Marlin layout (host) plus its double dequantisation.
 struct Layer {
@@ -165,11 +143,11 @@ struct ResidentLayer {
       for (std::size_t e = 0; e < map.size(); ++e)
         if (map[e] >= 0) std::memcpy(host.data() + row * static_cast<std::size_t>(map[e]), L.tensor(t, static_cast<std::int64_t>(e)), row);
       tensors.push_back(std::make_unique<DevArray<unsigned char>>(host));
-      weights.base[t] = tensors.back()->p;
+      weights.base[t] = tensors.back()->get();
       weights.stride[t] = row;
     }
     map_dev = std::make_unique<DevArray<std::int32_t>>(map);
-    weights.expert_map = map_dev->p;
+    weights.expert_map = map_dev->get();
     weights.num_experts = static_cast<std::int32_t>(L.experts);
   }
 };
@@ -276,9 +254,9 @@ void check_against_host(const Layer& L, const ResidentLayer& res, const std::vec
   DevArray<std::int32_t> d_ids(ids);
   DevArray<float> d_w(w), d_x(x), d_out(static_cast<std::size_t>(tokens * hidden));
   device::MoeConsumer moe(L.layout, max_tokens, top_k);
-  REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, d_out.p, tokens, nullptr).ok());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  const std::vector<float> got = d_out.get();
+  REQUIRE(moe.run(res.weights, d_ids.get(), d_w.get(), d_x.get(), d_out.get(), tokens, nullptr).ok());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = d_out.download();
   const double scale = max_abs(want);
   REQUIRE(scale > 0);
   double worst = 0;
@@ -299,9 +277,9 @@ void check_against_host(const Layer& L, const ResidentLayer& res, const std::vec
       for (std::int64_t n = 0; n < hidden; ++n) CHECK(got[static_cast<std::size_t>(m * hidden + n)] == 0.0f);
   }
   // Deterministic: the same run again (the counters reset themselves) gives the same bits.
-  REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, d_out.p, tokens, nullptr).ok());
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-  const std::vector<float> again = d_out.get();
+  REQUIRE(moe.run(res.weights, d_ids.get(), d_w.get(), d_x.get(), d_out.get(), tokens, nullptr).ok());
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> again = d_out.download();
   CHECK(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)) == 0);
 }
 
@@ -372,7 +350,7 @@ void cached_equals_resident(const char* what) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t)
       std::memcpy(cache.storage().host_tensor(t, e), L.tensor(t, e), b[t].bytes_per_expert);
   cudaStream_t stream;
-  CUDA_REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int tokens = 2, top_k = 4;
   device::MoeConsumer moe(L.layout, tokens, top_k);
   const std::vector<float> x = random_x(tokens, 256, 9);
@@ -386,19 +364,19 @@ void cached_equals_resident(const char* what) {
     for (auto& id : ids) id = static_cast<std::int32_t>(rng() % 16);
     if (step % 5 == 4) ids[3] = -1;
     // The union of a step fits the 8 slots; duplicates are fine.
-    d_ids.put(ids);
+    d_ids.upload(ids);
     auto view = cache.prepare(ids, stream);
     REQUIRE(view.ok());
     misses += view.value().misses;
-    REQUIRE(moe.run(device::moe_weights_from_view(view.value(), 16), d_ids.p, d_w.p, d_x.p, out_c.p, tokens, stream).ok());
-    REQUIRE(moe.run(res.weights, d_ids.p, d_w.p, d_x.p, out_r.p, tokens, stream).ok());
-    CUDA_REQUIRE(cudaStreamSynchronize(stream));
-    const std::vector<float> a = out_c.get(), r = out_r.get();
+    REQUIRE(moe.run(device::moe_weights_from_view(view.value(), 16), d_ids.get(), d_w.get(), d_x.get(), out_c.get(), tokens, stream).ok());
+    REQUIRE(moe.run(res.weights, d_ids.get(), d_w.get(), d_x.get(), out_r.get(), tokens, stream).ok());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> a = out_c.download(), r = out_r.download();
     CAPTURE(step);
     CHECK(std::memcmp(a.data(), r.data(), a.size() * sizeof(float)) == 0);
   }
   CHECK(misses > 8);  // evictions happened
-  CUDA_REQUIRE(cudaStreamDestroy(stream));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
 }
 
 }  // namespace
@@ -431,14 +409,14 @@ TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (rep
         std::memcpy(host.data() + e * sizeof(float), &g, sizeof g);
       }
     arrays.push_back(std::make_unique<DevArray<unsigned char>>(host.size()));
-    CUDA_REQUIRE(cudaMemcpy(arrays.back()->p, host.data(), host.size(), cudaMemcpyHostToDevice));
-    w.base[t] = arrays.back()->p;
+    REQUIRE_CUDA_OK(cudaMemcpy(arrays.back()->get(), host.data(), host.size(), cudaMemcpyHostToDevice));
+    w.base[t] = arrays.back()->get();
     w.stride[t] = b[t].bytes_per_expert;
   }
   std::vector<std::int32_t> ident(static_cast<std::size_t>(experts));
   for (std::size_t e = 0; e < ident.size(); ++e) ident[e] = static_cast<std::int32_t>(e);
   DevArray<std::int32_t> map(ident);
-  w.expert_map = map.p;
+  w.expert_map = map.get();
   w.num_experts = static_cast<std::int32_t>(experts);
   // Six disjoint sets of 10 experts (106 MB in all, twice the 50 MB L2), cycled, so each run's
   // weights come from HBM rather than from the L2 one repeated set (~18 MB) would stay in.
@@ -450,34 +428,34 @@ TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (rep
   device::MoeConsumer moe(layout, 1, 10);
 
   cudaEvent_t e0, e1;
-  CUDA_REQUIRE(cudaEventCreate(&e0));
-  CUDA_REQUIRE(cudaEventCreate(&e1));
+  REQUIRE_CUDA_OK(cudaEventCreate(&e0));
+  REQUIRE_CUDA_OK(cudaEventCreate(&e1));
   auto time_ms = [&](auto&& fn, int reps) {
     fn();
-    CUDA_REQUIRE(cudaDeviceSynchronize());
-    CUDA_REQUIRE(cudaEventRecord(e0));
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE_CUDA_OK(cudaEventRecord(e0));
     for (int i = 0; i < reps; ++i) fn();
-    CUDA_REQUIRE(cudaEventRecord(e1));
-    CUDA_REQUIRE(cudaEventSynchronize(e1));
+    REQUIRE_CUDA_OK(cudaEventRecord(e1));
+    REQUIRE_CUDA_OK(cudaEventSynchronize(e1));
     float ms = 0;
-    CUDA_REQUIRE(cudaEventElapsedTime(&ms, e0, e1));
+    REQUIRE_CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
     return static_cast<double>(ms) / reps;
   };
   int run_index = 0;
   const double consumer_ms = time_ms(
-      [&] { REQUIRE(moe.run(w, d_ids.p + 10 * (run_index++ % sets), d_w.p, d_x.p, d_out.p, 1, nullptr).ok()); }, 60);
+      [&] { REQUIRE(moe.run(w, d_ids.get() + 10 * (run_index++ % sets), d_w.get(), d_x.get(), d_out.get(), 1, nullptr).ok()); }, 60);
   const double weight_bytes = 10.0 * static_cast<double>(layout.bytes_per_expert());
   const double consumer_gbs = weight_bytes / (consumer_ms * 1e-3) * 1e-9;
   // The HBM reference: a large device-to-device copy, read + write bytes.
   const std::size_t copy_bytes = std::size_t{1} << 30;
   DevArray<unsigned char> a(copy_bytes), c(copy_bytes);
-  const double copy_ms = time_ms([&] { CUDA_REQUIRE(cudaMemcpyAsync(c.p, a.p, copy_bytes, cudaMemcpyDeviceToDevice)); }, 5);
+  const double copy_ms = time_ms([&] { REQUIRE_CUDA_OK(cudaMemcpyAsync(c.get(), a.get(), copy_bytes, cudaMemcpyDeviceToDevice)); }, 5);
   const double hbm_gbs = 2.0 * static_cast<double>(copy_bytes) / (copy_ms * 1e-3) * 1e-9;
   MESSAGE("consumer batch 1, 10 experts: " << consumer_ms * 1e3 << " us, weight reads " << consumer_gbs
                                             << " GB/s; HBM copy (read+write) " << hbm_gbs << " GB/s; ratio "
                                             << consumer_gbs / hbm_gbs);
   // Informational: the speed target (>= 50% of HBM at batch 1) is a benchmark number, reported
   // by bench/expert_cache_bench and docs/benchmarks.md, not a unit-test assertion.
-  CUDA_REQUIRE(cudaEventDestroy(e0));
-  CUDA_REQUIRE(cudaEventDestroy(e1));
+  REQUIRE_CUDA_OK(cudaEventDestroy(e0));
+  REQUIRE_CUDA_OK(cudaEventDestroy(e1));
 }

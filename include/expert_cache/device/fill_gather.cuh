@@ -16,7 +16,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace expert_cache::inline v0::device {
+#include "expert_cache/config.hpp"
+
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 // One tensor (tensor-major storage) or the whole blob (expert-major storage).
 struct GatherTensor {
@@ -75,7 +77,7 @@ __device__ __forceinline__ bool locate_item(const FillGatherParams<MaxFills>& p,
 
 // Grid-stride over all items of all fills, `Ilp` 16-byte loads in flight per thread.
 template <int MaxFills, int Ilp = 4>
-__global__ void __launch_bounds__(512) fill_gather_kernel(const __grid_constant__ FillGatherParams<MaxFills> p) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(512) fill_gather_kernel(const __grid_constant__ FillGatherParams<MaxFills> p) {
   const std::uint64_t total = static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill;
   const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * Ilp;
   for (std::uint64_t base = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp + threadIdx.x; base < total;
@@ -104,4 +106,4 @@ cudaError_t launch_fill_gather(const FillGatherParams<MaxFills>& params, int blo
                           dim3(static_cast<unsigned>(threads)), args, 0, stream);
 }
 
-}  // namespace expert_cache::inline v0::device
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS

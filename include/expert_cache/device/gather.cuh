@@ -16,11 +16,11 @@
 #include <type_traits>
 
 #include "expert_cache/config.hpp"
-#include "expert_cache/device/marlin_repack.cuh"  // EXPERT_CACHE_DETAIL_TRY_CUDA, cuda_error_status
+#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
-namespace expert_cache::inline v0::device {
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 // Slot of global expert `id`, or absent_slot. The comparison happens in the id's own type, so
 // int64 ids beyond the int32 range never wrap into a valid index.
@@ -47,7 +47,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr T* slot_row(T* base, std::int32_t slot, std::
 namespace detail {
 
 template <class IdT>
-__global__ void apply_expert_map_kernel(const IdT* ids, std::int64_t count, const std::int32_t* expert_map,
+EXPERT_CACHE_KERNEL void apply_expert_map_kernel(const IdT* ids, std::int64_t count, const std::int32_t* expert_map,
                                         std::int32_t num_experts, std::int32_t capacity, std::int32_t* slots) {
   for (std::int64_t i = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < count;
        i += std::int64_t{gridDim.x} * blockDim.x)
@@ -56,7 +56,7 @@ __global__ void apply_expert_map_kernel(const IdT* ids, std::int64_t count, cons
 
 // Block y handles pair y; blocks x stride over the row in VecT units.
 template <class VecT>
-__global__ void gather_rows_kernel(const VecT* src, std::int32_t num_experts, VecT* dst, std::int32_t capacity,
+EXPERT_CACHE_KERNEL void gather_rows_kernel(const VecT* src, std::int32_t num_experts, VecT* dst, std::int32_t capacity,
                                    std::size_t row_vecs, const std::int32_t* experts, const std::int32_t* slots) {
   const std::int32_t e = experts[blockIdx.y], s = slots[blockIdx.y];
   if (e < 0 || e >= num_experts || s < 0 || s >= capacity) return;  // dropped pair
@@ -82,7 +82,7 @@ template <class IdT>
     return Status(ErrorCode::invalid_argument, "apply_expert_map: null pointer");
   const int blocks = static_cast<int>((count + 255) / 256 < 4096 ? (count + 255) / 256 : 4096);
   detail::apply_expert_map_kernel<IdT><<<blocks, 256, 0, stream>>>(ids, count, expert_map, num_experts, capacity, slots);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   return {};
 }
 
@@ -115,8 +115,8 @@ template <class IdT>
         static_cast<const unsigned char*>(src), num_experts, static_cast<unsigned char*>(dst), capacity, row_units,
         experts, slots);
   }
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   return {};
 }
 
-}  // namespace expert_cache::inline v0::device
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS

@@ -21,13 +21,14 @@
 #include <cfloat>
 #include <cstdint>
 #include <iterator>
-#include <string>
 
+#include "expert_cache/config.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache::inline v0::device {
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 // Pointers to a contiguous run of experts in the checkpoint layout (see nvfp4_reference.hpp).
 struct Nvfp4CheckpointPtrs {
@@ -50,21 +51,6 @@ struct Nvfp4MarlinPtrs {
 };
 
 namespace detail {
-
-inline Status cuda_error_status(cudaError_t err, const char* what) {
-  return Status(ErrorCode::runtime_failure,
-                std::string(what) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
-}
-
-// Returns a runtime_failure Status from the enclosing function when a CUDA call fails.
-#define EXPERT_CACHE_DETAIL_TRY_CUDA(expr)                                         \
-  do {                                                                             \
-    const cudaError_t expert_cache_err_ = (expr);                                  \
-    if (expert_cache_err_ != cudaSuccess) {                                        \
-      (void)cudaGetLastError(); /* clear a non-sticky error for the next caller */ \
-      return ::expert_cache::device::detail::cuda_error_status(expert_cache_err_, #expr); \
-    }                                                                              \
-  } while (0)
 
 // Everything a repack kernel needs, trivially copyable.
 struct RepackArgs {
@@ -291,7 +277,7 @@ __device__ __forceinline__ void land_pending(const PendingScales<RunTiles>& pend
 // two-stage cp.async pipeline over their tasks: while a block writes task k, the copies of its
 // next task are in flight.
 template <int RunTiles>
-__global__ void __launch_bounds__(block_threads, tiled_min_blocks)
+EXPERT_CACHE_KERNEL void __launch_bounds__(block_threads, tiled_min_blocks)
     marlin_repack_tiled_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a, TiledConsts c) {
   using Stage = TiledStage<RunTiles>;
   static_assert(block_threads == 256 && 64 * RunTiles % block_threads == 0 && RunTiles % 4 == 0,
@@ -382,7 +368,7 @@ inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std
 
 // One thread per output int32 word (grid-stride); each gathers its eight codes (spec §4.2).
 template <int Tensor>
-__global__ void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
+EXPERT_CACHE_KERNEL void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
   const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
   const std::int64_t per_row = 2 * size_n;
@@ -403,7 +389,7 @@ __global__ void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs d
 
 // One thread per output scale byte (spec §4.3): permuted source, then the S0E5M3 encode.
 template <int Tensor>
-__global__ void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
+EXPERT_CACHE_KERNEL void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
   const std::int64_t size_n = Tensor == w13_tensor ? 2 * a.padded : a.hidden;
   const std::int64_t per_expert = size_k / marlin::group_size * size_n;
@@ -426,7 +412,7 @@ __global__ void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs ds
 
 // Global scales (spec §4.4); w13 uses column 0 of [E, 2].
 template <class = void>
-__global__ void marlin_globals_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
+EXPERT_CACHE_KERNEL void marlin_globals_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < a.num_experts;
        e += std::int64_t{gridDim.x} * blockDim.x) {
     dst.w13_scale_2[e] = marlin::global_scale(src.w13_scale_2[2 * e], a.w13_log2_sf, a.dtype);
@@ -454,7 +440,7 @@ __device__ inline bool bad_global(float g) { return !(g >= 0.0f && g <= FLT_MAX)
 
 // `src` points at expert `expert_base` of the layer; indices are reported layer-wide.
 template <class = void>
-__global__ void nvfp4_stats_kernel(Nvfp4CheckpointPtrs src, std::int64_t n13, std::int64_t n2,
+EXPERT_CACHE_KERNEL void nvfp4_stats_kernel(Nvfp4CheckpointPtrs src, std::int64_t n13, std::int64_t n2,
                                    std::int64_t num_experts, std::int64_t expert_base, std::int64_t scale13_per_expert,
                                    std::int64_t scale2_per_expert, unsigned long long* stats) {
   unsigned long long max13 = 0, max2 = 0, mismatches = 0;
@@ -513,8 +499,8 @@ __global__ void nvfp4_stats_kernel(Nvfp4CheckpointPtrs src, std::int64_t n13, st
 }
 
 inline Status reset_stats(unsigned long long* d_stats, cudaStream_t stream) {
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemsetAsync(d_stats, 0, stat_first_slot * sizeof(unsigned long long), stream));
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemsetAsync(d_stats + stat_first_slot, 0xFF,
+  EXPERT_CACHE_TRY_CUDA(cudaMemsetAsync(d_stats, 0, stat_first_slot * sizeof(unsigned long long), stream));
+  EXPERT_CACHE_TRY_CUDA(cudaMemsetAsync(d_stats + stat_first_slot, 0xFF,
                                                (stat_count - stat_first_slot) * sizeof(unsigned long long), stream));
   return {};
 }
@@ -528,15 +514,14 @@ inline Status launch_stats(const Nvfp4Marlin& layout, const Nvfp4CheckpointPtrs&
   const int grid = static_cast<int>(std::min<std::int64_t>((std::max(n13, n2) / 16 + block_threads - 1) / block_threads + 1, 4096));
   nvfp4_stats_kernel<><<<grid, block_threads, 0, stream>>>(
       src, n13, n2, num_experts, expert_base, layout.ckpt_w13_scale_bytes(), layout.ckpt_w2_scale_bytes(), d_stats);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   return {};
 }
 
 // Turns the statistics into the layer report, or the error for the first invalid value.
 inline Result<Nvfp4LayerReport> report_from_stats(const Nvfp4Marlin& layout, const unsigned long long (&stats)[stat_count]) {
   const auto invalid = [](const char* what, unsigned long long index, const char* why) {
-    return Status(ErrorCode::invalid_argument,
-                  std::string("nvfp4: ") + what + "[" + std::to_string(index) + "] " + why);
+    return Status::format(ErrorCode::invalid_argument, "nvfp4: %s[%llu] %s", what, index, why);
   };
   if (stats[stat_first_bad13] != stat_none) return invalid("w13_scale", stats[stat_first_bad13], "is a negative or NaN e4m3 scale");
   if (stats[stat_first_bad2] != stat_none) return invalid("w2_scale", stats[stat_first_bad2], "is a negative or NaN e4m3 scale");
@@ -555,8 +540,8 @@ inline Result<Nvfp4LayerReport> report_from_stats(const Nvfp4Marlin& layout, con
 // Copies the statistics back (one host sync) and turns them into the report or the error.
 inline Result<Nvfp4LayerReport> read_report(const Nvfp4Marlin& layout, const unsigned long long* d_stats, cudaStream_t stream) {
   unsigned long long stats[stat_count] = {};
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
+  EXPERT_CACHE_TRY_CUDA(cudaMemcpyAsync(stats, d_stats, sizeof(stats), cudaMemcpyDeviceToHost, stream));
+  EXPERT_CACHE_TRY_CUDA(cudaStreamSynchronize(stream));
   return report_from_stats(layout, stats);
 }
 
@@ -575,7 +560,7 @@ class DeviceScratch {
     if (ptr_ != nullptr) (void)cudaFreeAsync(ptr_, stream_);
   }
   [[nodiscard]] Status allocate(std::size_t bytes) {
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMallocAsync(&ptr_, bytes, stream_));
+    EXPERT_CACHE_TRY_CUDA(cudaMallocAsync(&ptr_, bytes, stream_));
     return {};
   }
   [[nodiscard]] std::byte* get() const noexcept { return static_cast<std::byte*>(ptr_); }
@@ -612,10 +597,10 @@ class ChunkPipeline {
     if (copy_out) (void)cudaStreamDestroy(copy_out);
   }
   [[nodiscard]] Status create() {
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamCreateWithFlags(&copy_out, cudaStreamNonBlocking));
+    EXPERT_CACHE_TRY_CUDA(cudaStreamCreateWithFlags(&copy_out, cudaStreamNonBlocking));
     for (int b = 0; b < 2; ++b) {
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventCreateWithFlags(&computed[b], cudaEventDisableTiming));
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventCreateWithFlags(&drained[b], cudaEventDisableTiming));
+      EXPERT_CACHE_TRY_CUDA(cudaEventCreateWithFlags(&computed[b], cudaEventDisableTiming));
+      EXPERT_CACHE_TRY_CUDA(cudaEventCreateWithFlags(&drained[b], cudaEventDisableTiming));
     }
     return {};
   }
@@ -640,38 +625,39 @@ class ChunkPipeline {
   detail::TiledConsts consts = detail::tiled_consts(layout, num_experts, run);
   if (detail::tileable(src, dst) && consts.tasks > 0) {
     int device = 0, sm_count = 0;
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetDevice(&device));
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+    EXPERT_CACHE_TRY_CUDA(cudaGetDevice(&device));
+    EXPERT_CACHE_TRY_CUDA(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
     consts.scale_words[0] = consts.tensor[0].scale_row_bytes % 4 == 0 && detail::aligned(src.w13_scale, 4);
     consts.scale_words[1] = consts.tensor[1].scale_row_bytes % 4 == 0 && detail::aligned(src.w2_scale, 4);
     detail::marlin_repack_tiled_kernel<run>
         <<<detail::tiled_grid(consts.tasks, sm_count), threads, 0, stream>>>(src, dst, a, consts);
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+    EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
     return {};
   }
   detail::marlin_weights_kernel<detail::w13_tensor>
       <<<detail::grid_for(layout.w13_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   detail::marlin_weights_kernel<detail::w2_tensor>
       <<<detail::grid_for(layout.w2_words() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   detail::marlin_scales_kernel<detail::w13_tensor>
       <<<detail::grid_for(layout.w13_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   detail::marlin_scales_kernel<detail::w2_tensor>
       <<<detail::grid_for(layout.w2_scale_bytes() * num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   detail::marlin_globals_kernel<><<<detail::grid_for(num_experts), threads, 0, stream>>>(src, dst, a);
-  EXPERT_CACHE_DETAIL_TRY_CUDA(cudaGetLastError());
+  EXPERT_CACHE_TRY_CUDA(cudaGetLastError());
   return {};
 }
 
 // Single pass over a device-resident layer. Validates shapes and values with a read-only stats
 // kernel (one host sync) before any output is written, then enqueues the repack on `stream`;
-// the outputs are ready in stream order.
+// the outputs are ready in stream order. Warnings go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_device(const Nvfp4Marlin& layout, std::int64_t num_experts,
                                                                   const Nvfp4CheckpointPtrs& src,
-                                                                  const Nvfp4MarlinPtrs& dst, cudaStream_t stream) {
+                                                                  const Nvfp4MarlinPtrs& dst, cudaStream_t stream,
+                                                                  const Nvfp4WarningSink& warn = {}) {
   if (auto s = expert_cache::detail::check_nvfp4_shape(layout, num_experts); !s.ok()) return s;
   if (detail::any_null(src) || detail::any_null(dst))
     return Status(ErrorCode::invalid_argument, "nvfp4: null tensor pointer");
@@ -686,7 +672,7 @@ class ChunkPipeline {
   };
   auto report = validate();
   if (!report.ok()) return report;
-  expert_cache::detail::warn_global_mismatch(*report);
+  expert_cache::detail::warn_global_mismatch(*report, warn);
   if (auto s = launch_repack_experts(layout, num_experts, src, dst, report->params, stream); !s.ok()) return s;
   return report;
 }
@@ -698,14 +684,16 @@ class ChunkPipeline {
 // converts ceil(expert_chunk / 2) experts at a time through two device buffer sets (GPU peak ~ one
 // chunk): uploads and kernels run on `stream`, copies out on an internal stream, so the D2H of one
 // set overlaps the H2D of the other. Returns after both streams drained. Byte-identical to
-// repack_layer_device.
+// repack_layer_device. Warnings go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_host_chunked(const Nvfp4Marlin& layout,
                                                                         const Nvfp4CheckpointLayer& src,
                                                                         const Nvfp4MarlinLayer& dst,
                                                                         cudaStream_t stream,
-                                                                        std::int64_t expert_chunk = 64) {
+                                                                        std::int64_t expert_chunk = 64,
+                                                                        const Nvfp4WarningSink& warn = {}) {
   if (expert_chunk <= 0)
-    return Status(ErrorCode::invalid_argument, "nvfp4: expert_chunk must be positive, got " + std::to_string(expert_chunk));
+    return Status::format(ErrorCode::invalid_argument, "nvfp4: expert_chunk must be positive, got %lld",
+                          static_cast<long long>(expert_chunk));
   if (auto s = check_checkpoint_sizes(layout, src); !s.ok()) return s;
   const std::int64_t num_experts = src.num_experts;
   if (auto s = check_marlin_sizes(layout, num_experts, dst.as_const()); !s.ok()) return s;
@@ -759,7 +747,7 @@ class ChunkPipeline {
   constexpr int scale_inputs[4] = {1, 2, 4, 5};  // the tensors the stats pass reads
   const std::int64_t rounds = (num_experts + sub - 1) / sub;
   const auto upload = [&](int b, int i, std::size_t first, std::size_t n) -> Status {
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(base + offsets[b][i], static_cast<const std::byte*>(h_src[i]) + first * in_bytes[i],
+    EXPERT_CACHE_TRY_CUDA(cudaMemcpyAsync(base + offsets[b][i], static_cast<const std::byte*>(h_src[i]) + first * in_bytes[i],
                                                  n * in_bytes[i], cudaMemcpyHostToDevice, stream));
     return {};
   };
@@ -783,7 +771,7 @@ class ChunkPipeline {
     (void)cudaStreamSynchronize(stream);  // after a CUDA error an upload may still be in flight
     return report;
   }
-  expert_cache::detail::warn_global_mismatch(*report);
+  expert_cache::detail::warn_global_mismatch(*report, warn);
 
   // Pass 2: round r uses buffer set r % 2. With one round, pass 1 left its scales in set 0.
   auto convert_pass = [&]() -> Status {
@@ -792,7 +780,7 @@ class ChunkPipeline {
       const auto first = static_cast<std::size_t>(r * sub);
       const auto n = static_cast<std::size_t>(std::min(sub, num_experts - r * sub));
       // Set b's outputs from round r - 2 must be copied out before this round overwrites them.
-      if (r >= 2) EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
+      if (r >= 2) EXPERT_CACHE_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
       for (int i = 0; i < 6; ++i) {
         const bool resident = rounds == 1 && std::find(std::begin(scale_inputs), std::end(scale_inputs), i) != std::end(scale_inputs);
         if (!resident)
@@ -801,18 +789,18 @@ class ChunkPipeline {
       if (auto s = launch_repack_experts(layout, static_cast<std::int64_t>(n), set_src(b), set_dst(b), report->params, stream);
           !s.ok())
         return s;
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventRecord(pipe.computed[b], stream));
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(pipe.copy_out, pipe.computed[b], 0));
+      EXPERT_CACHE_TRY_CUDA(cudaEventRecord(pipe.computed[b], stream));
+      EXPERT_CACHE_TRY_CUDA(cudaStreamWaitEvent(pipe.copy_out, pipe.computed[b], 0));
       for (int i = 0; i < 6; ++i)
-        EXPERT_CACHE_DETAIL_TRY_CUDA(cudaMemcpyAsync(static_cast<std::byte*>(h_dst[i]) + first * out_bytes[i],
+        EXPERT_CACHE_TRY_CUDA(cudaMemcpyAsync(static_cast<std::byte*>(h_dst[i]) + first * out_bytes[i],
                                                      base + offsets[b][6 + i], n * out_bytes[i], cudaMemcpyDeviceToHost,
                                                      pipe.copy_out));
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaEventRecord(pipe.drained[b], pipe.copy_out));
+      EXPERT_CACHE_TRY_CUDA(cudaEventRecord(pipe.drained[b], pipe.copy_out));
     }
     // The caller's stream (and the scratch free queued on it) waits for the last copies out.
     for (int b = 0; b < std::min<std::int64_t>(rounds, 2); ++b)
-      EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
-    EXPERT_CACHE_DETAIL_TRY_CUDA(cudaStreamSynchronize(stream));
+      EXPERT_CACHE_TRY_CUDA(cudaStreamWaitEvent(stream, pipe.drained[b], 0));
+    EXPERT_CACHE_TRY_CUDA(cudaStreamSynchronize(stream));
     return {};
   };
   if (auto s = convert_pass(); !s.ok()) {
@@ -824,4 +812,4 @@ class ChunkPipeline {
   return report;
 }
 
-}  // namespace expert_cache::inline v0::device
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS

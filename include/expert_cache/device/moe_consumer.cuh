@@ -47,13 +47,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <string>
 
+#include "expert_cache/config.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/status.hpp"
 
-namespace expert_cache::inline v0::device {
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 // Where the six tensors of a slot live and which slot holds an expert. Built from a cache's
 // ForwardView (moe_weights_from_view) or from all-resident arrays (slot = expert, identity map).
@@ -287,7 +288,9 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
 // C1 partials of the gate tile j and the up tile j over K-rows [16 split, 16 split + 16), then, in
 // the last block of (pair, j), A = silu(gate) * up for k in [64 j, 64 j + 64) as bf16 terms in
 // fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
-__global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
+// A template only so that every translation unit may define it (moe_w13<> is the one kernel).
+template <class = void>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
                                                    int top_k, int rows, int padded, float gscale, float* partial,
                                                    unsigned* counters, unsigned short* act) {
   griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
@@ -380,8 +383,9 @@ __global__ void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights
 
 // C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
 // (0 for absent pairs), then, in the last block of (token, nt), out = the sum over the token's
-// pairs and splits in order. Grid (K / 64, splits, pairs).
-__global__ void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
+// pairs and splits in order. Grid (K / 64, splits, pairs). A template for the same reason.
+template <class = void>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
                                                   int hidden, int top_k, int rows, float gscale,
                                                   const unsigned short* act, float* partial, unsigned* counters,
                                                   float* out) {
@@ -495,26 +499,22 @@ class MoeConsumer {
   [[nodiscard]] Status run(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
                            float* out, int tokens, cudaStream_t stream) const noexcept {
     if (tokens < 1 || tokens > max_tokens_) {
-      return Status(ErrorCode::invalid_argument, "MoeConsumer::run: tokens " + std::to_string(tokens) +
-                                                     " outside [1, " + std::to_string(max_tokens_) + "]");
+      return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run: tokens %d outside [1, %d]", tokens,
+                            max_tokens_);
     }
     const unsigned pairs = static_cast<unsigned>(tokens * top_k_);
     const int padded = static_cast<int>(layout_.padded_intermediate());
     const int hidden = static_cast<int>(layout_.hidden);
     const float gscale = unbias_ * moe_detail::out_scale;
-    cudaError_t err = launch(moe_detail::moe_w13, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
+    cudaError_t err = launch(moe_detail::moe_w13<>, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
                              stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_);
     if (err == cudaSuccess) {
-      err = launch(moe_detail::moe_w2, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
+      err = launch(moe_detail::moe_w2<>, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
                    ids, topk_weights, hidden, top_k_, rows2_, gscale, static_cast<const unsigned short*>(act_), part2_,
                    counters_ + counters1_, out);
     }
     if (err == cudaSuccess) err = cudaGetLastError();
-    if (err != cudaSuccess) {
-      return Status(ErrorCode::runtime_failure, std::string("MoeConsumer::run: launch failed: ") + cudaGetErrorName(err) +
-                                                    ": " + cudaGetErrorString(err));
-    }
-    return {};
+    return cuda_status(err, "MoeConsumer::run: launch");
   }
 
   [[nodiscard]] int top_k() const noexcept { return top_k_; }
@@ -527,8 +527,8 @@ class MoeConsumer {
     int dev = 0, major = 0;
     cudaFuncAttributes a13{}, a2{};
     if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-        cudaFuncGetAttributes(&a13, moe_detail::moe_w13) != cudaSuccess ||
-        cudaFuncGetAttributes(&a2, moe_detail::moe_w2) != cudaSuccess) {
+        cudaFuncGetAttributes(&a13, moe_detail::moe_w13<>) != cudaSuccess ||
+        cudaFuncGetAttributes(&a2, moe_detail::moe_w2<>) != cudaSuccess) {
       (void)cudaGetLastError();
       return false;
     }
@@ -559,19 +559,12 @@ class MoeConsumer {
   }
 
   static void check(cudaError_t err, const char* what) {
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw Error(ErrorCode::runtime_failure, std::string("MoeConsumer: ") + what + " failed: " + cudaGetErrorString(err));
-    }
+    if (Status s = cuda_status(err, what); !s) throw Error(s.with_context("MoeConsumer"));
   }
   template <class T>
   static void alloc(T*& p, std::size_t bytes) {
-    const cudaError_t err = cudaMalloc(&p, bytes);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      throw Error(ErrorCode::runtime_failure, std::string("MoeConsumer: cudaMalloc(") + std::to_string(bytes) +
-                                                  ") failed: " + cudaGetErrorString(err));
-    }
+    if (Status s = cuda_status(cudaMalloc(&p, bytes), "cudaMalloc"); !s)
+      throw Error(s.with_context("MoeConsumer: %zu bytes", bytes));
   }
 
   Nvfp4Marlin layout_;
@@ -590,4 +583,4 @@ class MoeConsumer {
   unsigned* counters_ = nullptr;
 };
 
-}  // namespace expert_cache::inline v0::device
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS

@@ -13,8 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <span>
-#include <string>
+#include <string_view>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/status.hpp"
@@ -59,6 +60,10 @@ struct Nvfp4MarlinParams {
   friend constexpr bool operator==(const Nvfp4MarlinParams&, const Nvfp4MarlinParams&) = default;
 };
 
+// Where the repack's warnings go (the w1/w3 global-scale mismatch below). Empty by default: the
+// library prints nothing unless the caller gives a sink (e.g. one that writes to stderr).
+using Nvfp4WarningSink = std::function<void(std::string_view)>;
+
 struct Nvfp4LayerReport {
   Nvfp4MarlinParams params;
   std::int64_t w13_global_mismatches = 0;  // experts whose w1 and w3 global scales differ
@@ -68,27 +73,30 @@ struct Nvfp4LayerReport {
 namespace detail {
 
 inline Status nvfp4_size_error(const char* what, std::size_t got, std::int64_t want) {
-  return Status(ErrorCode::invalid_argument, std::string("nvfp4: ") + what + " has " + std::to_string(got) +
-                                                 " elements, expected " + std::to_string(want));
+  return Status::format(ErrorCode::invalid_argument, "nvfp4: %s has %zu elements, expected %lld", what, got,
+                        static_cast<long long>(want));
 }
 
 inline Status check_nvfp4_shape(const Nvfp4Marlin& layout, std::int64_t num_experts) {
   if (auto s = layout.validate(); !s.ok()) return s;
   if (num_experts <= 0 || num_experts > (std::int64_t{1} << 20)) {
-    return Status(ErrorCode::invalid_argument,
-                  "nvfp4: num_experts must be in [1, 2^20], got " + std::to_string(num_experts));
+    return Status::format(ErrorCode::invalid_argument, "nvfp4: num_experts must be in [1, 2^20], got %lld",
+                          static_cast<long long>(num_experts));
   }
   return {};
 }
 
-// Mirrors vLLM's warning when w13_weight_scale_2's two columns differ (w3 then uses w1's).
-inline void warn_global_mismatch(const Nvfp4LayerReport& report) {
-  if (report.w13_global_mismatches == 0) return;
-  std::fprintf(stderr,
-               "expert_cache: warning: w13_scale_2 differs between w1 and w3 for %lld expert(s) (first: %lld); "
-               "using w1's global scale for both halves\n",
-               static_cast<long long>(report.w13_global_mismatches),
-               static_cast<long long>(report.first_mismatch));
+// Mirrors vLLM's warning when w13_weight_scale_2's two columns differ (w3 then uses w1's); sent
+// to `warn` when the caller gave one, else dropped (the report carries the same facts).
+inline void warn_global_mismatch(const Nvfp4LayerReport& report, const Nvfp4WarningSink& warn) {
+  if (report.w13_global_mismatches == 0 || !warn) return;
+  char text[192];
+  const int n = std::snprintf(text, sizeof text,
+                              "expert_cache: warning: w13_scale_2 differs between w1 and w3 for %lld expert(s) "
+                              "(first: %lld); using w1's global scale for both halves",
+                              static_cast<long long>(report.w13_global_mismatches),
+                              static_cast<long long>(report.first_mismatch));
+  if (n > 0) warn(std::string_view(text, static_cast<std::size_t>(n) < sizeof text ? static_cast<std::size_t>(n) : sizeof text - 1));
 }
 
 }  // namespace detail
@@ -142,8 +150,8 @@ inline void warn_global_mismatch(const Nvfp4LayerReport& report) {
     for (std::size_t i = 0; i < scales.size(); ++i) {
       const std::uint8_t b = scales[i];
       if (marlin::is_bad_e4m3_scale(b)) {
-        return Status(ErrorCode::invalid_argument, std::string("nvfp4: ") + what + "[" + std::to_string(i) +
-                                                       "] is negative or NaN (e4m3 byte " + std::to_string(b) + ")");
+        return Status::format(ErrorCode::invalid_argument, "nvfp4: %s[%zu] is negative or NaN (e4m3 byte %u)", what, i,
+                              static_cast<unsigned>(b));
       }
       if (marlin::is_positive_e4m3(b)) max_byte = std::max(max_byte, b);
     }
@@ -155,8 +163,8 @@ inline void warn_global_mismatch(const Nvfp4LayerReport& report) {
   auto check_globals = [](std::span<const float> g, const char* what) -> Status {
     for (std::size_t i = 0; i < g.size(); ++i) {
       if (!std::isfinite(g[i]) || g[i] < 0.0f) {
-        return Status(ErrorCode::invalid_argument, std::string("nvfp4: ") + what + "[" + std::to_string(i) +
-                                                       "] = " + std::to_string(g[i]) + " is negative or not finite");
+        return Status::format(ErrorCode::invalid_argument, "nvfp4: %s[%zu] = %f is negative or not finite", what, i,
+                              static_cast<double>(g[i]));
       }
     }
     return {};
@@ -210,14 +218,16 @@ inline void repack_experts_unchecked(const Nvfp4Marlin& layout, const Nvfp4Check
   }
 }
 
-// Repacks a whole layer (spec §4.6). Every check runs before the first write to `dst`.
+// Repacks a whole layer (spec §4.6). Every check runs before the first write to `dst`. Warnings
+// (a w1/w3 global-scale mismatch) go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_reference(const Nvfp4Marlin& layout,
                                                                      const Nvfp4CheckpointLayer& src,
-                                                                     const Nvfp4MarlinLayer& dst) {
+                                                                     const Nvfp4MarlinLayer& dst,
+                                                                     const Nvfp4WarningSink& warn = {}) {
   auto report = analyze_checkpoint(layout, src);
   if (!report.ok()) return report.status();
   if (auto s = check_marlin_sizes(layout, src.num_experts, dst.as_const()); !s.ok()) return s;
-  detail::warn_global_mismatch(*report);
+  detail::warn_global_mismatch(*report, warn);
   repack_experts_unchecked(layout, src, dst, report->params);
   return report;
 }

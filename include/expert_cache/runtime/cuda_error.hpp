@@ -1,5 +1,6 @@
 #pragma once
-// CUDA error -> Status conversion shared by the CUDA tier. Host compiler + <cuda_runtime_api.h>.
+// CUDA error -> Status conversion shared by the CUDA tier: the one place a cudaError_t becomes a
+// message. Host compiler + <cuda_runtime_api.h>.
 #include <cuda_runtime_api.h>
 
 #include "expert_cache/status.hpp"
@@ -17,3 +18,12 @@ namespace expert_cache::inline v0 {
 }
 
 }  // namespace expert_cache::inline v0
+
+// Evaluates `expr` (a cudaError_t) and, when it failed, returns cuda_status(err, "<expr>") from
+// the enclosing function (which returns Status or a Result<T>).
+#define EXPERT_CACHE_TRY_CUDA(expr)                                                                  \
+  do {                                                                                               \
+    if (::expert_cache::Status expert_cache_cuda_status_ = ::expert_cache::cuda_status((expr), #expr); \
+        !expert_cache_cuda_status_)                                                                  \
+      return expert_cache_cuda_status_;                                                              \
+  } while (0)
