@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "expert_cache/eviction/all.hpp"
+#include "expert_cache/eviction/make_policy.hpp"  // make_policy<P>(shape, forwards[, layout])
 #include "expert_cache/planner.hpp"
 
 #include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
@@ -73,19 +74,6 @@ Forwards random_forwards(std::uint64_t seed, std::int32_t num_experts, std::int3
     out.push_back(std::move(f));
   }
   return out;
-}
-
-template <class P>
-P make_policy(CacheShape shape, const Forwards& forwards, PoolLayout layout = {}) {
-  if constexpr (std::is_same_v<P, Belady>) {
-    return Belady(std::make_shared<const BeladyFuture>(shape.num_experts, forwards), shape);
-  } else if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
-    (void)forwards;
-    return P(shape, layout);
-  } else {
-    (void)forwards, (void)layout;
-    return P(shape);
-  }
 }
 
 // A global pool over `layers` layers of `experts` each: steps visit the layers in order and
