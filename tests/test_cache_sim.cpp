@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <random>
+#include <type_traits>
 
 #include "support/sim_cache_harness.hpp"
 
@@ -81,7 +82,7 @@ Ids random_topk(std::mt19937_64& rng, std::int32_t rows, std::int32_t k, std::in
 // prepares from random streams, expert-split groups and token-split chunks of overflowing
 // forwards, with the simulated GPU advanced by random amounts in between.
 template <class Cache>
-void run_schedule(std::uint64_t seed) {
+std::uint64_t run_schedule(std::uint64_t seed) {
   constexpr std::int32_t experts = 12, capacity = 4, k = 2;
   Fixture<Cache> f(experts, capacity, k, seed, 3);
   std::mt19937_64 rng(seed);
@@ -107,12 +108,16 @@ void run_schedule(std::uint64_t seed) {
     f.rt.run_random(rng(), rng() % 12);
   }
   f.check_clean_after_drain();
+  return 1;  // one schedule ran to the end (a failed REQUIRE leaves the test case before this)
 }
 
-std::uint64_t schedules_per_config(std::uint64_t configs) {
-  std::uint64_t total = 100000;
-  if (const char* env = std::getenv("EXPERT_CACHE_SCHEDULES")) total = std::strtoull(env, nullptr, 10);
-  return (total + configs - 1) / configs;
+// 10^5 by default; EXPERT_CACHE_SCHEDULES lowers it for slow builds (the sanitizer run uses
+// 10^4) but never below the floor: fewer schedules stop exercising the rare interleavings.
+constexpr std::uint64_t default_schedules = 100000;
+constexpr std::uint64_t min_schedules = 1000;
+std::uint64_t schedules_requested() {
+  if (const char* env = std::getenv("EXPERT_CACHE_SCHEDULES")) return std::strtoull(env, nullptr, 10);
+  return default_schedules;
 }
 
 }  // namespace
@@ -153,41 +158,63 @@ TEST_CASE_TEMPLATE("forward map exposes exactly the request; resident map everyt
 }
 
 TEST_CASE("ordering: the race detector stays silent over >= 1e5 randomized schedules") {
-  const std::uint64_t per = schedules_per_config(5);
+  const std::uint64_t total = schedules_requested();
+  INFO("EXPERT_CACHE_SCHEDULES asks for " << total << " schedules");
+  REQUIRE_MESSAGE(total >= min_schedules, "refusing fewer than " << min_schedules << " randomized schedules");
+  constexpr std::uint64_t configs = 5;
+  const std::uint64_t per = (total + configs - 1) / configs;
   std::uint64_t count = 0;
   for (std::uint64_t i = 0; i < per; ++i) {
-    run_schedule<RowSim>(i * 5 + 1);
-    run_schedule<WholeSim>(i * 5 + 2);
-    run_schedule<InlineSim>(i * 5 + 3);
-    run_schedule<BatchedSim>(i * 5 + 4);
-    run_schedule<ArcInlineExpertSim>(i * 5 + 5);
-    count += 5;
+    count += run_schedule<RowSim>(i * configs + 1);
+    count += run_schedule<WholeSim>(i * configs + 2);
+    count += run_schedule<InlineSim>(i * configs + 3);
+    count += run_schedule<BatchedSim>(i * configs + 4);
+    count += run_schedule<ArcInlineExpertSim>(i * configs + 5);
   }
   MESSAGE("randomized schedules checked: " << count);
-  CHECK(count >= per * 5);
+  CHECK(count >= total);
+  CHECK(count >= min_schedules);
 }
 
 // ---- negative tests: each edge removed makes the detector fire -----------------------------
 
 namespace {
-struct NoReleaseWait : OrderingEdges {
+// One struct per row of docs/design.md's happens-before table, with that edge removed.
+struct NoReleaseWait : OrderingEdges {  // 1
   static constexpr bool release_wait = false;
 };
-struct NoReadyWait : OrderingEdges {
+struct NoLastFillRelease : OrderingEdges {  // 2
+  static constexpr bool last_fill_release = false;
+};
+struct NoReadyWait : OrderingEdges {  // 3
   static constexpr bool ready_wait = false;
 };
-struct NoInvalidateOrder : OrderingEdges {
+struct NoAllHitReadyWait : OrderingEdges {  // 4
+  static constexpr bool all_hit_ready_wait = false;
+};
+struct NoOwnerChangeRelease : OrderingEdges {  // 5
+  static constexpr bool owner_change_release = false;
+};
+struct NoInvalidateOrder : OrderingEdges {  // 6
   static constexpr bool invalidate_order = false;
 };
-struct NoResidentSerialisation : OrderingEdges {
+struct NoResidentSerialisation : OrderingEdges {  // 7
   static constexpr bool resident_map_serialised = false;
 };
-struct NoStagingGuard : OrderingEdges {
+struct NoStagingGuard : OrderingEdges {  // 8
   static constexpr bool staging_guard = false;
 };
 
+// The public ExpertCache always has every edge; the negative tests reach the sixth parameter
+// through the detail class it aliases.
 template <class Edges, class Staging = CopyStream>
-using EdgeCache = ExpertCache<TensorMajorStorage, Lru, Staging, ExplicitLayout, SimRuntime, Edges>;
+using EdgeCache = detail::ExpertCacheWithEdges<TensorMajorStorage, Lru, Staging, ExplicitLayout, SimRuntime, Edges>;
+static_assert(std::is_same_v<EdgeCache<OrderingEdges>, ExpertCache<TensorMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>>);
+
+struct Detected {
+  std::size_t races = 0;
+  std::uint64_t mismatches = 0;  // bytes a reader found wrong
+};
 
 // Slot reuse while the previous forward's reader may still run (WAR).
 template <class Edges>
@@ -199,13 +226,51 @@ std::size_t races_eviction_reuse() {
   return f.rt.races().size();
 }
 
+// Inline mode: an invalidate from another stream wrote the resident map; the owner's next fill
+// writes it again from the owner's stream (WAW between two writer streams, neither the owner's
+// release nor any `ready` orders them).
+template <class Edges>
+std::size_t races_inline_writer_change() {
+  Fixture<EdgeCache<Edges, Inline>> f(8, 2, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->invalidate(0, f.streams[1]).ok());  // map write on stream 1
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());    // refills 0 on stream 0, the owner
+  f.rt.drain();
+  return f.rt.races().size();
+}
+
 // A reader right after a miss (RAW).
 template <class Edges>
-std::size_t races_read_after_fill() {
+Detected read_after_fill() {
   Fixture<EdgeCache<Edges>> f(8, 2, 2);
   REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
   f.rt.drain();
-  return f.rt.races().size() + f.log->mismatches;
+  return {f.rt.races().size(), f.log->mismatches};
+}
+
+// An all-hit prepare on the owner's stream after an invalidate from another stream: the
+// resident map it reads was last written on the copy stream, which only `ready` orders it after.
+template <class Edges>
+std::size_t races_all_hit_after_invalidate() {
+  Fixture<EdgeCache<Edges>> f(8, 2, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->invalidate(1, f.streams[1]).ok());
+  REQUIRE(f.forward(Ids{0, -1}, f.streams[0]).ok());  // all hits, nothing to write
+  REQUIRE(f.cache->stats().last_copies == 0);
+  f.rt.drain();
+  return f.rt.races().size();
+}
+
+// An all-hit prepare from a new stream uploads a different forward map into the one device
+// buffer the previous owner's queued reader still reads (WAR on the forward map).
+template <class Edges>
+std::size_t races_owner_change_without_writes() {
+  Fixture<EdgeCache<Edges>> f(8, 2, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.forward(Ids{0, -1}, f.streams[1]).ok());  // all hits; the forward map changes
+  REQUIRE(f.cache->stats().last_copies == 0);
+  f.rt.drain();
+  return f.rt.races().size();
 }
 
 // invalidate from another stream in inline mode while the owner's reader is queued.
@@ -243,9 +308,28 @@ TEST_CASE("negative: removing the release wait lets a fill overwrite a slot its 
   CHECK(races_eviction_reuse<NoReleaseWait>() > 0);
 }
 
+TEST_CASE("negative: removing the last-writer release lets two inline writer streams race on the resident map") {
+  CHECK(races_inline_writer_change<OrderingEdges>() == 0);
+  CHECK(races_inline_writer_change<NoLastFillRelease>() > 0);
+}
+
 TEST_CASE("negative: removing the ready wait lets the consumer read a slot before its fill lands") {
-  CHECK(races_read_after_fill<OrderingEdges>() == 0);
-  CHECK(races_read_after_fill<NoReadyWait>() > 0);
+  const Detected with = read_after_fill<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const Detected without = read_after_fill<NoReadyWait>();
+  CHECK(without.races > 0);  // the detector itself fires, whatever the reader happened to see
+  CHECK(without.races + without.mismatches > 0);
+}
+
+TEST_CASE("negative: removing the all-hit ready wait lets a reader without writes miss an invalidate's map write") {
+  CHECK(races_all_hit_after_invalidate<OrderingEdges>() == 0);
+  CHECK(races_all_hit_after_invalidate<NoAllHitReadyWait>() > 0);
+}
+
+TEST_CASE("negative: removing the owner-change release lets a new owner overwrite the forward map being read") {
+  CHECK(races_owner_change_without_writes<OrderingEdges>() == 0);
+  CHECK(races_owner_change_without_writes<NoOwnerChangeRelease>() > 0);
 }
 
 TEST_CASE("negative: removing invalidate ordering races its map write with the owner's work") {

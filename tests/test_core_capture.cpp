@@ -1,6 +1,7 @@
 // OrderingCore under (simulated) graph capture: the capture join that forks the copy stream into
 // the caller's capture, and the staging ring's handling of buffers recorded inside a capture.
 // SimRuntime models capture as a flag only, so these pin the protocol; tests/gpu checks CUDA.
+// Also the core's one write entry, driven directly.
 #include <doctest/doctest.h>
 
 #include "support/sim_cache_harness.hpp"
@@ -77,4 +78,52 @@ TEST_CASE("staging ring: a buffer is not reused inside the capture that recorded
   CHECK(rt.races().empty());
   const auto host = cache.resident_map_host();
   CHECK(std::equal(host.begin(), host.end(), cache.resident_map_device()));
+}
+
+TEST_CASE("core write entry: each purpose runs its steps; only a prepare changes the reader") {
+  SimRuntime rt;
+  const auto s0 = rt.create_stream().value();
+  const auto s1 = rt.create_stream().value();
+  OrderingCore<SimRuntime> core(rt, /*fill_on_copy_stream=*/true, 4, 2);
+  const auto copy = core.copy_stream().value();
+  int calls = 0;
+  SimRuntime::Stream written_on{};
+  auto writes = [&](SimRuntime::Stream f) noexcept {
+    ++calls;
+    written_on = f;
+    return Status();
+  };
+  // Nothing to write: the writes are not run, the caller becomes the reader.
+  REQUIRE(core.write(s0, WritePurpose::read_only, MapUpload{}, writes).ok());
+  CHECK(calls == 0);
+  CHECK(core.owner() == s0);
+  CHECK(core.counters().map_uploads == 0);
+  // invalidate: writes on the fill stream, the resident map uploaded there, the owner stays.
+  RuntimeBuffer<SimRuntime> device(rt, 4 * sizeof(std::int32_t), MemoryKind::device);
+  const std::int32_t host[4] = {0, -1, 1, -1};
+  const MapUpload resident{host, reinterpret_cast<std::int32_t*>(device.data())};
+  REQUIRE(core.write(s1, WritePurpose::invalidate, resident, writes).ok());
+  CHECK(calls == 1);
+  CHECK(written_on == copy);
+  CHECK(core.owner() == s0);
+  CHECK(core.counters().map_uploads == 1);
+  CHECK(core.counters().owner_changes == 0);
+  // fill from another stream: writes on the fill stream, then the caller is the owner.
+  REQUIRE(core.write(s1, WritePurpose::fill, resident, writes).ok());
+  CHECK(calls == 2);
+  CHECK(written_on == copy);
+  CHECK(core.owner() == s1);
+  CHECK(core.counters().owner_changes == 1);
+  CHECK(core.counters().map_uploads == 2);
+  // A failing write stops the protocol: no upload, no publish, no owner change.
+  const auto ready_before = core.counters().ready_edges;
+  auto failing = [](SimRuntime::Stream) noexcept { return Status(ErrorCode::runtime_failure, "write failed"); };
+  const Status failed = core.write(s0, WritePurpose::fill, resident, failing);
+  CHECK(failed.code() == ErrorCode::runtime_failure);
+  CHECK(core.owner() == s1);
+  CHECK(core.counters().map_uploads == 2);
+  CHECK(core.counters().ready_edges == ready_before);
+  rt.drain();
+  CHECK(rt.races().empty());
+  CHECK(std::equal(host, host + 4, reinterpret_cast<const std::int32_t*>(device.data())));
 }

@@ -1,16 +1,22 @@
 #pragma once
 // ExpertCache: the forward-oriented public API, composed from compile-time policies.
 //
-//   ExpertCache<Storage, EvictionPolicy, StagingPolicy, ScaleLayout, Runtime>
+//   ExpertCache<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime>
 //
 //   Storage         TensorMajorStorage | ExpertMajorStorage (template over the runtime)
 //   EvictionPolicy  any eviction_policy (Lru, Lfru, ...)
 //   StagingPolicy   Inline | CopyStream | Batched | (CUDA tier: Gather, ...)
-//   ScaleLayout     Nvfp4Marlin | DenseBf16 | ExplicitLayout: the per-expert tensors and sizes
+//   Layout          any expert_layout (Nvfp4Marlin | DenseBf16 | ExplicitLayout): the
+//                   per-expert tensors and their sizes (formerly named ScaleLayout)
 //   Runtime         SimRuntime (host model) | CudaRuntime
 //
-// prepare(ids, stream) makes the forward's experts resident and returns the slot buffers and
-// the expert maps; every stream/event edge comes from the one OrderingCore.
+// prepare(ids, stream) plans the forward, hands its fills to the ordering core's one write
+// entry (which orders, issues, uploads the resident map, publishes and adopts the reader) and
+// uploads the forward map; every stream/event edge comes from the core.
+//
+// ExpertCache is an alias of detail::ExpertCacheWithEdges with every ordering edge on. The
+// sixth parameter exists only for the negative tests (tests/test_cache_sim.cpp), which remove
+// one edge and show the race detector fires; it is not part of the public type.
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -24,6 +30,7 @@
 #include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/planner.hpp"
+#include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
@@ -37,21 +44,7 @@ struct ExplicitLayout {
   [[nodiscard]] Status validate() const { return {}; }
   [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept { return bytes; }
 };
-
-template <class L>
-concept scale_layout = requires(const L& l) {
-  { L::name } -> std::convertible_to<std::string_view>;
-  { l.tensors() } -> std::same_as<ExpertTensorBytes>;
-  { l.validate() } -> std::same_as<Status>;
-};
-
-template <class S, class R, template <class> class Storage>
-concept staging_policy_for = allocating_runtime<R> && requires(S& s, R& rt, typename R::Stream st,
-                                                                const Storage<R>& storage, std::span<const SlotFill> f) {
-  { S::name } -> std::convertible_to<std::string_view>;
-  { S::uses_copy_stream } -> std::convertible_to<bool>;
-  { s.issue(rt, st, storage, f) } noexcept -> std::same_as<Status>;
-};
+static_assert(expert_layout<ExplicitLayout>);
 
 struct CacheStats {
   std::uint64_t hits = 0;
@@ -104,18 +97,22 @@ struct CacheOptions {
   std::function<void(std::string_view)> log;
 };
 
-template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, scale_layout ScaleLayout,
-          allocating_runtime Runtime, class Edges = OrderingEdges>
+namespace detail {
+
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
+          allocating_runtime Runtime, class Edges>
   requires staging_policy_for<StagingPolicy, Runtime, Storage>
-class ExpertCache {
+class ExpertCacheWithEdges {
  public:
   using Stream = typename Runtime::Stream;
   using StorageType = Storage<Runtime>;
   using Policy = EvictionPolicy;
+  using LayoutType = Layout;
+  using ScaleLayout = Layout;  // the earlier name
 
   // Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
   // layout that does not validate, sizes that cannot be allocated).
-  ExpertCache(Runtime& rt, CacheOptions options, ScaleLayout layout, EvictionPolicy policy)
+  ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy)
       : rt_(&rt),
         options_(std::move(options)),
         layout_(validated(layout)),
@@ -128,25 +125,25 @@ class ExpertCache {
     view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
     forward_shadow_.assign(static_cast<std::size_t>(options_.num_experts), absent_slot);
     view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
-    copies_per_fill_ = detail::copies_per_fill(storage_);
+    copies_per_fill_ = storage_.copy_regions().count;
     if (options_.log) {
       const CacheStats s = stats();
       options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
-                   "/" + std::string(StorageType::name) + "/" + std::string(ScaleLayout::name) + ", " +
+                   "/" + std::string(StorageType::name) + "/" + std::string(Layout::name) + ", " +
                    std::to_string(options_.capacity) + " of " + std::to_string(options_.num_experts) +
                    " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
                    std::to_string(s.host_bytes));
     }
   }
 
-  ExpertCache(Runtime& rt, CacheOptions options, ScaleLayout layout)
+  ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout)
     requires std::constructible_from<EvictionPolicy, CacheShape>
-      : ExpertCache(rt, options, layout,
+      : ExpertCacheWithEdges(rt, options, layout,
                     EvictionPolicy(ForwardPlanner<EvictionPolicy>::validated(
                         CacheShape{options.num_experts, options.capacity}, options.top_k))) {}
 
-  ExpertCache(const ExpertCache&) = delete;
-  ExpertCache& operator=(const ExpertCache&) = delete;
+  ExpertCacheWithEdges(const ExpertCacheWithEdges&) = delete;
+  ExpertCacheWithEdges& operator=(const ExpertCacheWithEdges&) = delete;
 
   // Top-k routing ids (duplicates fine, negative = padding), processed in ascending order.
   Result<ForwardView> prepare(std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
@@ -164,10 +161,8 @@ class ExpertCache {
     if (!freed.ok()) return freed.status();
     if (!freed.value().valid()) return {};
     resident_dirty_ = true;
-    const Stream fill = core_.fill_stream(stream);
-    Status s = core_.template order_writes_after_previous_use<Edges::invalidate_order>(fill, stream);
-    if (s) s = upload_resident(fill, stream);
-    if (s) s = core_.publish_writes(fill, stream);
+    // Only the resident map changes: no slot writes, the owner keeps reading.
+    Status s = core_.write(stream, WritePurpose::invalidate, resident_upload(), [](Stream) noexcept { return Status(); });
     if (!s) {
       ++faults_;
       return s.with_context("invalidate(%d) (the expert is dropped; the next prepare re-uploads the resident map)",
@@ -212,7 +207,7 @@ class ExpertCache {
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
   [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
   [[nodiscard]] const ForwardPlan& last_plan() const noexcept { return plan_; }
-  [[nodiscard]] const ScaleLayout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
   [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
@@ -227,7 +222,7 @@ class ExpertCache {
   }
 
  private:
-  static ScaleLayout validated(const ScaleLayout& layout) {
+  static Layout validated(const Layout& layout) {
     throw_if_error(layout.validate());
     return layout;
   }
@@ -243,15 +238,10 @@ class ExpertCache {
     Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
     if (!planned) return planned;  // validation failed: nothing changed
     const bool writes = !plan_.fills.empty() || resident_dirty_;
-    Status s;
-    if (writes) {
-      const Stream fill = core_.fill_stream(stream);
-      s = core_.template order_writes_after_previous_use<Edges::release_wait>(fill, stream);
-      if (s) s = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
-      if (s) s = upload_resident(fill, stream);
-      if (s) s = core_.publish_writes(fill, stream);
-    }
-    if (s) s = core_.adopt_reader(stream, writes);
+    Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
+                           [&](Stream fill) noexcept {
+                             return staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
+                           });
     if (s && !forward_map_uploaded()) s = upload_forward_map(stream);
     if (!s) return roll_back(s);
     if (writes) resident_dirty_ = false;
@@ -287,10 +277,8 @@ class ExpertCache {
     return s;
   }
 
-  Status upload_resident(Stream fill, Stream caller) noexcept {
-    const Stream target = Edges::resident_map_serialised ? fill : caller;
-    return core_.upload_map(planner_.resident_map().data(), reinterpret_cast<std::int32_t*>(resident_device_.data()),
-                            target);
+  [[nodiscard]] MapUpload resident_upload() const noexcept {
+    return MapUpload{planner_.resident_map().data(), reinterpret_cast<std::int32_t*>(resident_device_.data())};
   }
 
   // A runtime failure after planning: the filled slots' contents are unknown, so those
@@ -307,7 +295,7 @@ class ExpertCache {
 
   Runtime* rt_;
   CacheOptions options_;
-  ScaleLayout layout_;
+  Layout layout_;
   ForwardPlanner<EvictionPolicy> planner_;
   StorageType storage_;
   OrderingCore<Runtime, Edges> core_;
@@ -324,5 +312,13 @@ class ExpertCache {
   std::uint64_t total_copies_ = 0;
   std::uint64_t faults_ = 0;
 };
+
+}  // namespace detail
+
+// The public cache type: every ordering edge on.
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
+          allocating_runtime Runtime>
+  requires staging_policy_for<StagingPolicy, Runtime, Storage>
+using ExpertCache = detail::ExpertCacheWithEdges<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime, OrderingEdges>;
 
 }  // namespace expert_cache::inline v0

@@ -22,12 +22,12 @@
 
 namespace expert_cache::inline v0 {
 
-template <scale_layout Layout>
+template <expert_layout Layout>
 using CudaRowCache = RowCache<CudaRuntime, Layout>;
-template <scale_layout Layout>
+template <expert_layout Layout>
 using CudaWholeExpertCache = WholeExpertCache<CudaRuntime, Layout>;
 #if defined(__CUDACC__)
-template <scale_layout Layout>
+template <expert_layout Layout>
 using CudaGatherRowCache = ExpertCache<TensorMajorStorage, Lru, Gather, Layout, CudaRuntime>;
 #endif
 

@@ -20,10 +20,10 @@
 
 namespace expert_cache::inline v0 {
 
-template <allocating_runtime Runtime, scale_layout Layout>
+template <allocating_runtime Runtime, expert_layout Layout>
 using RowCache = ExpertCache<TensorMajorStorage, Lru, CopyStream, Layout, Runtime>;
 
-template <allocating_runtime Runtime, scale_layout Layout>
+template <allocating_runtime Runtime, expert_layout Layout>
 using WholeExpertCache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Layout, Runtime>;
 
 }  // namespace expert_cache::inline v0

@@ -15,17 +15,7 @@
 
 namespace expert_cache::inline v0 {
 
-struct SlotFill {
-  ExpertId expert;
-  SlotId slot;
-  friend bool operator==(const SlotFill&, const SlotFill&) = default;
-};
-
-struct SlotEviction {
-  ExpertId expert;
-  SlotId slot;
-  friend bool operator==(const SlotEviction&, const SlotEviction&) = default;
-};
+// SlotFill and SlotEviction: concepts.hpp (the staging concept is stated in them).
 
 // The outcome of planning one forward. Reused across forwards so the hot path never allocates.
 struct ForwardPlan {

@@ -1,6 +1,7 @@
 #pragma once
 // The ordering core: the ONLY code in the library that records events and makes streams wait.
-// Every ExpertCache instantiation (row, whole-expert, any staging policy) goes through it.
+// Every ExpertCache instantiation (row, whole-expert, any staging policy) goes through it, and
+// through ONE entry, write(): the cache plans, hands the core the call's writes, and reads.
 //
 // Streams involved:
 //   X      the caller's (consumer) stream of the current prepare()/invalidate()
@@ -9,133 +10,61 @@
 //   last_fill  the stream that last wrote slots / the resident map (differs from F only in
 //              inline mode, when calls move between streams)
 //
-// Edges (docs/design.md has the full happens-before table):
-//   release_wait    record `release` on owner and last_fill, F waits: slot and map overwrites
-//                   come after every earlier reader (WAR) and writer (WAW).
-//   ready_wait      record `ready` on F after the writes, X waits: readers see the fills (RAW).
-//   invalidate_order  invalidate()'s resident-map write waits like a fill does.
-//   resident_map_serialised  resident-map uploads go on F, in order with slot copies, so an
-//                   older generation can never land after a newer one.
-//   staging_guard   a host staging buffer is rewritten only after the copy reading it finished.
-// Tests build the core with one edge removed (a compile-time switch) and show the race
-// detector fires: an edge nobody can remove without failing a test is an edge that is tested.
+// write(X, purpose, resident_map, writes) runs the protocol of one call:
+//   1. order F after previous use: F waits for the owner's readers and the last writer
+//      (and joins X's graph capture when X is capturing);
+//   2. writes(F): the caller's device writes (slot fills), enqueued on F only;
+//   3. the resident-map upload, on F so generations land in order;
+//   4. publish: record `ready` on F; X waits for it;
+//   5. for a prepare(), X becomes the owner (the reader).
+// A prepare() with nothing to write (WritePurpose::read_only) skips 1-4 and only adopts X as
+// the reader: X waits for the previous owner's readers (it overwrites the forward map) and for
+// the latest `ready` it has not seen. invalidate() runs 1-4 and leaves the owner as it is.
+//
+// Each happens-before edge (docs/design.md's table, numbered there) is a compile-time switch
+// in OrderingEdges. Only tests turn one off (through detail::ExpertCacheWithEdges; the public
+// ExpertCache always uses OrderingEdges) and show the race detector then fires: an edge nobody
+// can remove without failing a test is an edge that is tested.
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <string>
+#include <type_traits>
 #include <vector>
 
-#include "expert_cache/runtime/runtime.hpp"
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/runtime/runtime_types.hpp"
 #include "expert_cache/status.hpp"
 
 namespace expert_cache::inline v0 {
 
+// The edges of docs/design.md's happens-before table, each on by default. A test derives from
+// this struct and hides one member with `false` to remove that edge.
 struct OrderingEdges {
-  static constexpr bool release_wait = true;
-  static constexpr bool ready_wait = true;
-  static constexpr bool invalidate_order = true;
-  static constexpr bool resident_map_serialised = true;
-  static constexpr bool staging_guard = true;
+  static constexpr bool release_wait = true;             // 1: F waits for the owner's readers (WAR)
+  static constexpr bool last_fill_release = true;        // 2: F waits for the last writer stream (WAW)
+  static constexpr bool ready_wait = true;               // 3: X waits for its call's writes (RAW)
+  static constexpr bool all_hit_ready_wait = true;       // 4: a reader without writes waits for the latest ones
+  static constexpr bool owner_change_release = true;     // 5: a new owner waits for the previous owner's readers
+  static constexpr bool invalidate_order = true;         // 6: invalidate's map write is ordered like a fill
+  static constexpr bool resident_map_serialised = true;  // 7: resident-map uploads go on F
+  static constexpr bool staging_guard = true;            // 8: a staging buffer waits for its last copy
 };
 
-// Runtimes that can allocate the memory a cache needs (device, pinned host).
-// deallocate may take the kind (CUDA frees pinned and device memory differently) or not.
-template <class R>
-concept allocating_runtime =
-    runtime<R> && requires(R& rt, std::size_t n, MemoryKind kind) {
-      { rt.allocate(n, kind) } -> std::same_as<Result<void*>>;
-    } && (requires(R& rt, void* p, MemoryKind kind) { rt.deallocate(p, kind); } ||
-          requires(R& rt, void* p) { rt.deallocate(p); });
-
-namespace detail {
-template <allocating_runtime R>
-void deallocate(R& rt, void* p, MemoryKind kind) noexcept {
-  if constexpr (requires { rt.deallocate(p, kind); }) {
-    (void)rt.deallocate(p, kind);
-  } else {
-    (void)rt.deallocate(p);
-  }
-}
-}  // namespace detail
-
-// An owned runtime allocation, freed on destruction.
-template <allocating_runtime R>
-class RuntimeBuffer {
- public:
-  RuntimeBuffer() = default;
-  RuntimeBuffer(R& rt, std::size_t bytes, MemoryKind kind) : rt_(&rt), kind_(kind), bytes_(bytes) {
-    if (bytes == 0) return;
-    auto r = rt.allocate(bytes, kind);
-    if (!r.ok()) throw Error(r.status());
-    ptr_ = static_cast<std::byte*>(r.value());
-  }
-  RuntimeBuffer(RuntimeBuffer&& o) noexcept { swap(o); }
-  RuntimeBuffer& operator=(RuntimeBuffer&& o) noexcept {
-    RuntimeBuffer(std::move(o)).swap(*this);
-    return *this;
-  }
-  RuntimeBuffer(const RuntimeBuffer&) = delete;
-  RuntimeBuffer& operator=(const RuntimeBuffer&) = delete;
-  ~RuntimeBuffer() {
-    if (ptr_ != nullptr) detail::deallocate(*rt_, ptr_, kind_);
-  }
-  [[nodiscard]] std::byte* data() const noexcept { return ptr_; }
-  [[nodiscard]] std::size_t size() const noexcept { return bytes_; }
-
- private:
-  void swap(RuntimeBuffer& o) noexcept {
-    std::swap(rt_, o.rt_);
-    std::swap(kind_, o.kind_);
-    std::swap(ptr_, o.ptr_);
-    std::swap(bytes_, o.bytes_);
-  }
-  R* rt_ = nullptr;
-  MemoryKind kind_ = MemoryKind::host;
-  std::byte* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
+// What a call through OrderingCore::write() does.
+enum class WritePurpose : std::uint8_t {
+  fill,        // prepare() with writes (slot fills and/or a stale resident map); X then reads
+  read_only,   // prepare() with nothing to write (all hits, resident map current); X only reads
+  invalidate,  // invalidate(): the resident map changes; the owner keeps reading
 };
 
-// Owns one stream or event of a runtime.
-template <runtime R, bool IsStream>
-class RuntimeHandle {
- public:
-  using Handle = std::conditional_t<IsStream, typename R::Stream, typename R::Event>;
-  RuntimeHandle() = default;
-  explicit RuntimeHandle(R& rt) : rt_(&rt) {
-    auto h = IsStream ? wrap(rt.create_stream()) : wrap(rt.create_event());
-    if (!h.ok()) throw Error(h.status());
-    handle_ = h.value();
-  }
-  RuntimeHandle(RuntimeHandle&& o) noexcept : rt_(std::exchange(o.rt_, nullptr)), handle_(o.handle_) {}
-  RuntimeHandle& operator=(RuntimeHandle&& o) noexcept {
-    reset();
-    rt_ = std::exchange(o.rt_, nullptr);
-    handle_ = o.handle_;
-    return *this;
-  }
-  RuntimeHandle(const RuntimeHandle&) = delete;
-  RuntimeHandle& operator=(const RuntimeHandle&) = delete;
-  ~RuntimeHandle() { reset(); }
-  [[nodiscard]] Handle get() const noexcept { return handle_; }
-
- private:
-  template <class T>
-  static Result<Handle> wrap(Result<T> r) {
-    if constexpr (std::is_same_v<T, Handle>) {
-      return r;
-    } else {
-      return Status(ErrorCode::internal, "runtime handle type mismatch");
-    }
-  }
-  void reset() noexcept {
-    if (rt_ == nullptr) return;
-    if constexpr (IsStream) rt_->destroy_stream(handle_); else rt_->destroy_event(handle_);
-    rt_ = nullptr;
-  }
-  R* rt_ = nullptr;
-  Handle handle_{};
+// A host map (int32 entries, as many as the core's map_entries) and the device buffer it is
+// uploaded to. An empty upload (host == nullptr) uploads nothing.
+struct MapUpload {
+  const std::int32_t* host = nullptr;
+  std::int32_t* device = nullptr;
 };
 
 struct OrderingCounters {
@@ -166,7 +95,7 @@ class OrderingCore {
     ring_.reserve(staging_ring);
     for (std::size_t i = 0; i < staging_ring; ++i) {
       ring_.push_back(StagingBuffer{RuntimeBuffer<R>(rt, map_bytes_, MemoryKind::pinned_host),
-                                    RuntimeHandle<R, false>(rt), false, 0});
+                                    RuntimeEvent<R>(rt), false, 0});
     }
   }
 
@@ -183,78 +112,26 @@ class OrderingCore {
     return inline_mode_ ? caller : copy_stream_->get();
   }
 
-  // Before any write on F: F waits for every earlier reader (owner) and writer (last_fill).
-  // `enabled` is the edge switch of the calling operation (fills or invalidate).
-  // capture_join: when the caller's stream is being captured into a graph and F is another
-  // stream, F first waits for a record made on the caller inside the capture, which forks F
-  // into the same capture (otherwise F's writes would run eagerly, outside the graph).
-  template <bool Enabled>
-  Status order_writes_after_previous_use(Stream fill, Stream caller) noexcept {
-    if (fill != caller) {
-      Result<bool> capturing = rt_->is_capturing(caller);
-      if (!capturing.ok()) return capturing.status();
-      if (capturing.value()) {
-        if (Status s = rt_->record(release_owner_.get(), caller); !s) return s;
-        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
-      }
+  // One cache call's device work in protocol order (the header comment lists the steps).
+  // `writes(F)` enqueues the call's writes on F and returns their Status; it is not called for
+  // WritePurpose::read_only. `resident` is uploaded after the writes (skipped when empty).
+  // On failure the call's work may be partly enqueued; the caller decides what it no longer
+  // trusts (ExpertCache drops the experts it was filling).
+  template <class Writes>
+    requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
+  Status write(Stream caller, WritePurpose purpose, MapUpload resident, Writes&& writes) noexcept {
+    if (purpose == WritePurpose::read_only) return adopt_reader(caller, false);
+    const Stream fill = fill_stream(caller);
+    Status s = purpose == WritePurpose::fill
+                   ? order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller)
+                   : order_writes_after_previous_use<Edges::invalidate_order, Edges::invalidate_order>(fill, caller);
+    if (s) s = writes(fill);
+    if (s && resident.host != nullptr) {
+      s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller);
     }
-    if constexpr (Enabled) {
-      if (owner_ && *owner_ != fill) {
-        if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
-        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
-        ++counters_.release_edges;
-      }
-      if (last_fill_ && *last_fill_ != fill && (!owner_ || *last_fill_ != *owner_)) {
-        if (Status s = rt_->record(release_fill_.get(), *last_fill_); !s) return s;
-        if (Status s = rt_->wait(fill, release_fill_.get()); !s) return s;
-        ++counters_.release_edges;
-      }
-    }
-    last_fill_ = fill;  // set before the writes: a partly enqueued fill still counts as a writer
-    return {};
-  }
-
-  // After the writes on F: record `ready` there; `caller` waits for it. Other streams that
-  // later read without writing of their own wait in adopt_reader().
-  Status publish_writes(Stream fill, Stream caller) noexcept {
-    if (Status s = rt_->record(ready_.get(), fill); !s) return s;
-    ready_recorded_ = true;
-    ready_seen_count_ = 0;
-    if (fill != caller) {
-      if constexpr (Edges::ready_wait) {
-        if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
-        ++counters_.ready_edges;
-      }
-    }
-    note_ready_seen(caller);
-    return {};
-  }
-
-  // prepare() from `caller` that wrote nothing itself (all hits, maps clean). Readers on
-  // caller must come after the latest writes (fills or an invalidate's map upload, possibly
-  // issued from another stream) and, on an owner change, after the previous owner's readers of
-  // the forward map this call overwrites. With writes, publish/order_writes already did both.
-  Status adopt_reader(Stream caller, bool writes_done) noexcept {
-    const bool owner_changed = owner_ && *owner_ != caller;
-    if (owner_changed) ++counters_.owner_changes;
-    if (!writes_done) {
-      if constexpr (Edges::release_wait) {
-        if (owner_changed) {
-          if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
-          if (Status s = rt_->wait(caller, release_owner_.get()); !s) return s;
-          ++counters_.release_edges;
-        }
-      }
-      if constexpr (Edges::ready_wait) {
-        if (ready_recorded_ && !ready_seen_by(caller)) {
-          if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
-          ++counters_.ready_edges;
-          note_ready_seen(caller);
-        }
-      }
-    }
-    owner_ = caller;
-    return {};
+    if (s) s = publish_writes(fill, caller);
+    if (s && purpose == WritePurpose::fill) s = adopt_reader(caller, true);
+    return s;
   }
 
   // One async copy of a host map (int32 entries) into a device buffer on `stream`, through
@@ -309,6 +186,82 @@ class OrderingCore {
   [[nodiscard]] bool last_upload_captured() const noexcept { return last_upload_captured_; }
 
  private:
+  // Before any write on F: F waits for every earlier reader (owner) and writer (last_fill).
+  // capture_join: when the caller's stream is being captured into a graph and F is another
+  // stream, F first waits for a record made on the caller inside the capture, which forks F
+  // into the same capture (otherwise F's writes would run eagerly, outside the graph).
+  template <bool OwnerRelease, bool LastFillRelease>
+  Status order_writes_after_previous_use(Stream fill, Stream caller) noexcept {
+    if (fill != caller) {
+      Result<bool> capturing = rt_->is_capturing(caller);
+      if (!capturing.ok()) return capturing.status();
+      if (capturing.value()) {
+        if (Status s = rt_->record(release_owner_.get(), caller); !s) return s;
+        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
+      }
+    }
+    if constexpr (OwnerRelease) {
+      if (owner_ && *owner_ != fill) {
+        if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
+        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
+        ++counters_.release_edges;
+      }
+    }
+    if constexpr (LastFillRelease) {
+      // A last writer that is the owner is covered by the owner's release above.
+      if (last_fill_ && *last_fill_ != fill && (!owner_ || *last_fill_ != *owner_)) {
+        if (Status s = rt_->record(release_fill_.get(), *last_fill_); !s) return s;
+        if (Status s = rt_->wait(fill, release_fill_.get()); !s) return s;
+        ++counters_.release_edges;
+      }
+    }
+    last_fill_ = fill;  // set before the writes: a partly enqueued fill still counts as a writer
+    return {};
+  }
+
+  // After the writes on F: record `ready` there; `caller` waits for it. Other streams that
+  // later read without writing of their own wait in adopt_reader().
+  Status publish_writes(Stream fill, Stream caller) noexcept {
+    if (Status s = rt_->record(ready_.get(), fill); !s) return s;
+    ready_recorded_ = true;
+    ready_seen_count_ = 0;
+    if (fill != caller) {
+      if constexpr (Edges::ready_wait) {
+        if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
+        ++counters_.ready_edges;
+      }
+    }
+    note_ready_seen(caller);
+    return {};
+  }
+
+  // `caller` becomes the reader (owner). Without writes of its own, its readers must come after
+  // the latest writes (fills or an invalidate's map upload, possibly issued from another stream)
+  // and, on an owner change, after the previous owner's readers of the forward map this call
+  // overwrites. With writes, order_writes/publish_writes already did both.
+  Status adopt_reader(Stream caller, bool writes_done) noexcept {
+    const bool owner_changed = owner_ && *owner_ != caller;
+    if (owner_changed) ++counters_.owner_changes;
+    if (!writes_done) {
+      if constexpr (Edges::owner_change_release) {
+        if (owner_changed) {
+          if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
+          if (Status s = rt_->wait(caller, release_owner_.get()); !s) return s;
+          ++counters_.release_edges;
+        }
+      }
+      if constexpr (Edges::all_hit_ready_wait) {
+        if (ready_recorded_ && !ready_seen_by(caller)) {
+          if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
+          ++counters_.ready_edges;
+          note_ready_seen(caller);
+        }
+      }
+    }
+    owner_ = caller;
+    return {};
+  }
+
   // 0 when `s` is not capturing, else an id of the capture sequence: distinct per capture
   // where the runtime has capture_id() (CudaRuntime), otherwise 1 for every capture.
   Result<std::uint64_t> capture_sequence(Stream s) noexcept {
@@ -334,7 +287,7 @@ class OrderingCore {
 
   struct StagingBuffer {
     RuntimeBuffer<R> memory;
-    RuntimeHandle<R, false> consumed;  // recorded after the copy that reads `memory`
+    RuntimeEvent<R> consumed;  // recorded after the copy that reads `memory`
     bool recorded = false;
     std::uint64_t capture = 0;  // capture sequence of the last record (0: recorded eagerly)
   };
@@ -342,10 +295,10 @@ class OrderingCore {
   R* rt_;
   bool inline_mode_;
   std::size_t map_bytes_;
-  std::optional<RuntimeHandle<R, true>> copy_stream_;
-  RuntimeHandle<R, false> release_owner_;
-  RuntimeHandle<R, false> release_fill_;
-  RuntimeHandle<R, false> ready_;
+  std::optional<RuntimeStream<R>> copy_stream_;
+  RuntimeEvent<R> release_owner_;
+  RuntimeEvent<R> release_fill_;
+  RuntimeEvent<R> ready_;
   bool ready_recorded_ = false;
   std::array<Stream, 4> ready_seen_{};  // streams that already waited for the latest `ready`
   std::size_t ready_seen_count_ = 0;

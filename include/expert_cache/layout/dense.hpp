@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "expert_cache/concepts.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/status.hpp"
 
@@ -45,5 +46,6 @@ struct DenseBf16 {
     return total_bytes_per_expert(tensors());
   }
 };
+static_assert(expert_layout<DenseBf16>);
 
 }  // namespace expert_cache::inline v0

@@ -14,6 +14,7 @@
 #include <string>
 #include <string_view>
 
+#include "expert_cache/concepts.hpp"
 #include "expert_cache/config.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/status.hpp"
@@ -375,5 +376,6 @@ struct Nvfp4Marlin {
     return total_bytes_per_expert(tensors());
   }
 };
+static_assert(expert_layout<Nvfp4Marlin>);
 
 }  // namespace expert_cache::inline v0

@@ -32,7 +32,7 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/concepts.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/status.hpp"
@@ -335,5 +335,6 @@ class CudaRuntime {
 
 static_assert(runtime<CudaRuntime>);
 static_assert(allocating_runtime<CudaRuntime>);
+static_assert(batching_runtime<CudaRuntime>);
 
 }  // namespace expert_cache::inline v0

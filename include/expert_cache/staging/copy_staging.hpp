@@ -1,50 +1,34 @@
 #pragma once
 // Staging policies built from plain runtime copies. A staging policy decides WHERE fills run
 // (the cache-owned copy stream or the caller's stream) and HOW they are issued; the ordering
-// core decides WHEN (its events). Both storage arrangements are handled: an expert-major
-// storage fills a miss with ONE transfer, a tensor-major one with one copy per tensor.
+// core decides WHEN (its events). What to copy comes only from the storage's copy regions
+// (storage/copy_region.hpp): an expert-major storage has one region (a miss is ONE transfer),
+// a tensor-major one a region per present tensor.
 #include <cstddef>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "expert_cache/concepts.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/runtime.hpp"
+#include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 
 namespace expert_cache::inline v0 {
 
 namespace detail {
-// Calls fn(dst, src, bytes) for every copy the fills need.
-template <class Storage, class Fn>
-Status for_each_fill_copy(const Storage& storage, std::span<const SlotFill> fills, Fn&& fn) noexcept {
+// Calls fn(dst, src, bytes) for every copy the fills need: per fill, one per copy region.
+template <class Fn>
+Status for_each_fill_copy(const CopyRegions& regions, std::span<const SlotFill> fills, Fn&& fn) noexcept {
   for (const SlotFill& f : fills) {
-    if constexpr (Storage::expert_contiguous) {
-      if (Status s = fn(storage.slot_blob(f.slot.value), storage.host_expert(f.expert.value), storage.blob_bytes()); !s) {
-        return s;
-      }
-    } else {
-      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-        const std::size_t bytes = storage.tensors()[t].bytes_per_expert;
-        if (bytes == 0) continue;
-        if (Status s = fn(storage.slot_tensor(t).slot(f.slot.value), storage.host_tensor(t, f.expert.value), bytes); !s) {
-          return s;
-        }
-      }
+    const auto e = static_cast<std::size_t>(f.expert.value);
+    const auto slot = static_cast<std::size_t>(f.slot.value);
+    for (const CopyRegion& r : regions) {
+      if (Status s = fn(r.slot_base + slot * r.slot_stride, r.host_base + e * r.host_stride, r.bytes); !s) return s;
     }
   }
   return {};
-}
-
-template <class Storage>
-std::size_t copies_per_fill(const Storage& storage) noexcept {
-  if constexpr (Storage::expert_contiguous) {
-    return 1;
-  } else {
-    std::size_t n = 0;
-    for (const auto& t : storage.tensors()) n += t.bytes_per_expert != 0 ? 1 : 0;
-    return n;
-  }
 }
 }  // namespace detail
 
@@ -56,7 +40,7 @@ struct CopyStream {
 
   template <class R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
-    return detail::for_each_fill_copy(storage, fills, [&](void* dst, const void* src, std::size_t n) noexcept {
+    return detail::for_each_fill_copy(storage.copy_regions(), fills, [&](void* dst, const void* src, std::size_t n) noexcept {
       return rt.copy_async(dst, src, n, stream);
     });
   }
@@ -71,11 +55,6 @@ struct Inline {
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     return CopyStream{}.issue(rt, stream, storage, fills);
   }
-};
-
-template <class R>
-concept batching_runtime = runtime<R> && requires(R& rt, std::span<const CopyDesc> copies, typename R::Stream s) {
-  { rt.copy_batch_async(copies, s) } noexcept -> std::same_as<Status>;
 };
 
 // All of a prepare's copies in ONE batched call on the copy stream (cudaMemcpyBatchAsync).
@@ -96,7 +75,7 @@ class Batched {
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     if (Status s = refuse_capture(rt, stream); !s) return s;
     copies_.clear();
-    Status s = detail::for_each_fill_copy(storage, fills, [&](void* dst, const void* src, std::size_t n) noexcept {
+    Status s = detail::for_each_fill_copy(storage.copy_regions(), fills, [&](void* dst, const void* src, std::size_t n) noexcept {
       copies_.push_back(CopyDesc{dst, src, n});  // capacity reserved on first use; no steady-state allocation
       return Status();
     });
@@ -119,5 +98,12 @@ class Batched {
 
   std::vector<CopyDesc> copies_;
 };
+
+static_assert(staging_policy_for<CopyStream, detail::RuntimeArchetype, TensorMajorStorage>);
+static_assert(staging_policy_for<CopyStream, detail::RuntimeArchetype, ExpertMajorStorage>);
+static_assert(staging_policy_for<Inline, detail::RuntimeArchetype, TensorMajorStorage>);
+static_assert(staging_policy_for<Inline, detail::RuntimeArchetype, ExpertMajorStorage>);
+static_assert(staging_policy_for<Batched, detail::RuntimeArchetype, TensorMajorStorage>);
+static_assert(staging_policy_for<Batched, detail::RuntimeArchetype, ExpertMajorStorage>);
 
 }  // namespace expert_cache::inline v0

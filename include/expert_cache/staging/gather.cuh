@@ -5,7 +5,8 @@
 // memory at replay time, unlike cudaMemcpyBatchAsync which cannot be captured at all).
 //
 // The fill list is a kernel parameter (device/fill_gather.cuh): per fill an (expert, slot)
-// pair, plus per tensor its source/destination bases. Launch sizes are tiers of 16, 128 and
+// pair, plus per copy region of the storage (storage/copy_region.hpp) its source/destination
+// bases, stride and bytes. Launch sizes are tiers of 16, 128 and
 // 1024 fills (0.2, 1.2 and 8.3 KiB of parameters; > 4 KiB parameters need CUDA 12.1+, which
 // the tier requires anyway); a prepare with more than 1024 misses is split into several
 // launches on the same stream (ordering unchanged).
@@ -20,10 +21,11 @@
 #include <span>
 #include <string_view>
 
+#include "expert_cache/concepts.hpp"
 #include "expert_cache/device/fill_gather.cuh"
-#include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
+#include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 
 namespace expert_cache::inline v0 {
@@ -51,53 +53,47 @@ class Gather {
   }
 
  private:
-  // Source/destination bases and item shapes of the storage; computed once per storage (the
-  // pools never move), device addresses of the host pools through cudaHostGetDevicePointer.
+  // Source/destination bases and item shapes of the storage's copy regions; computed once per
+  // storage (the pools never move), device addresses of the host pools through
+  // cudaHostGetDevicePointer.
   template <class Storage>
   Status resolve(CudaRuntime& rt, const Storage& storage) noexcept {
-    const void* key = host_base(storage, 0);
+    const CopyRegions& regions = storage.copy_regions();
+    const void* key = regions.count != 0 ? regions.regions[0].host_base : nullptr;
     if (key == resolved_for_) return {};
+    if (regions.count > static_cast<std::size_t>(device::gather_max_tensors)) {
+      return Status::format(ErrorCode::invalid_argument, "Gather staging: %zu copy regions, the kernel takes at most %d",
+                            regions.count, device::gather_max_tensors);
+    }
     header_ = Header{};
-    if constexpr (Storage::expert_contiguous) {
-      Status s = add_tensor(rt, storage.host_expert(0), storage.slot_blob(0), storage.blob_bytes(), storage.blob_bytes());
-      if (!s) return s;
-    } else {
-      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-        const std::size_t bytes = storage.tensors()[t].bytes_per_expert;
-        if (bytes == 0) continue;
-        if (Status s = add_tensor(rt, storage.host_tensor(t, 0), storage.slot_tensor(t).base, bytes, bytes); !s) return s;
-      }
+    for (const CopyRegion& r : regions) {
+      if (Status s = add_region(rt, r); !s) return s;
     }
     resolved_for_ = key;
     return {};
   }
 
-  template <class Storage>
-  static const void* host_base(const Storage& storage, std::size_t t) noexcept {
-    if constexpr (Storage::expert_contiguous) {
-      (void)t;
-      return storage.host_expert(0);
-    } else {
-      for (; t < num_expert_tensors; ++t) {
-        if (storage.tensors()[t].bytes_per_expert != 0) return storage.host_tensor(t, 0);
-      }
-      return nullptr;
+  Status add_region(CudaRuntime& rt, const CopyRegion& region) noexcept {
+    // The kernel steps expert rows and slot rows by one stride (every storage so far has equal
+    // strides); a region with two strides needs a second stride in device::GatherTensor.
+    if (region.host_stride != region.slot_stride) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "Gather staging: a copy region's host stride (%zu) and slot stride (%zu) differ",
+                            region.host_stride, region.slot_stride);
     }
-  }
-
-  Status add_tensor(CudaRuntime& rt, const void* host, void* slots, std::size_t row_bytes, std::size_t copy_bytes) noexcept {
-    Result<const void*> src = rt.device_pointer(host);
+    Result<const void*> src = rt.device_pointer(region.host_base);
     if (!src.ok()) {
-      return Status(src.status().code(),
-                    "Gather staging needs mapped pinned host pools (cudaHostAllocMapped / cudaHostRegisterMapped): " +
-                        src.status().message());
+      return src.status().with_context(
+          "Gather staging needs mapped pinned host pools (cudaHostAllocMapped / cudaHostRegisterMapped)");
     }
+    const std::size_t row_bytes = region.host_stride;
+    const std::size_t copy_bytes = region.bytes;
     const auto s = reinterpret_cast<std::uintptr_t>(src.value());
-    const auto d = reinterpret_cast<std::uintptr_t>(slots);
+    const auto d = reinterpret_cast<std::uintptr_t>(region.slot_base);
     const std::uint32_t width = ((s | d | row_bytes) % 16 == 0) ? 16 : ((s | d | row_bytes) % 4 == 0) ? 4 : 1;
     device::GatherTensor& g = header_.tensors[header_.num_tensors];
     g.src = static_cast<const unsigned char*>(src.value());
-    g.dst = static_cast<unsigned char*>(slots);
+    g.dst = reinterpret_cast<unsigned char*>(region.slot_base);
     g.row_bytes = row_bytes;
     g.copy_bytes = copy_bytes;
     g.width = width;
@@ -158,5 +154,8 @@ class Gather {
   device::FillGatherParams<128> medium_{};
   device::FillGatherParams<1024> large_{};
 };
+
+static_assert(staging_policy_for<Gather, CudaRuntime, TensorMajorStorage>);
+static_assert(staging_policy_for<Gather, CudaRuntime, ExpertMajorStorage>);
 
 }  // namespace expert_cache::inline v0

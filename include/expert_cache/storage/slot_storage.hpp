@@ -7,6 +7,12 @@
 //                       device (a fill is ONE transfer); the consumer indexes each tensor with
 //                       the blob stride.
 // Memory comes from the runtime (pinned host + device for CUDA, plain memory for SimRuntime).
+//
+// Each storage describes its fill copies as CopyRegions (storage/copy_region.hpp): per fill of
+// expert e into slot s, one copy per region of `bytes` from host_base + e * host_stride to
+// slot_base + s * slot_stride. Staging policies read only that, so the region count is the one
+// source of copies per fill. `expert_contiguous` stays as a description for tools (bench); no
+// staging policy reads it.
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -14,8 +20,9 @@
 #include <string>
 
 #include "expert_cache/concepts.hpp"
-#include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/storage/copy_region.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -72,8 +79,12 @@ class TensorMajorStorage {
       slots_[t] = RuntimeBuffer<R>(rt, slots, MemoryKind::device);
       host_bytes_ += host;
       slot_bytes_ += slots;
+      regions_.regions[regions_.count++] = CopyRegion{host_[t].data(), slots_[t].data(), row, row, row};
     }
   }
+
+  // One region per present tensor, in tensor order.
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
 
   [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return tensors_; }
   [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
@@ -91,6 +102,7 @@ class TensorMajorStorage {
   std::array<RuntimeBuffer<R>, num_expert_tensors> slots_{};
   std::size_t host_bytes_ = 0;
   std::size_t slot_bytes_ = 0;
+  CopyRegions regions_{};
 };
 
 template <allocating_runtime R>
@@ -113,7 +125,12 @@ class ExpertMajorStorage {
     slot_bytes_ = detail::checked_pool_bytes(static_cast<std::size_t>(shape.capacity), blob_bytes_, "slot buffer");
     host_ = RuntimeBuffer<R>(rt, host_bytes_, MemoryKind::pinned_host);
     slots_ = RuntimeBuffer<R>(rt, slot_bytes_, MemoryKind::device);
+    regions_.regions[0] = CopyRegion{host_.data(), slots_.data(), blob_bytes_, blob_bytes_, blob_bytes_};
+    regions_.count = 1;
   }
+
+  // One region: the whole (padded) blob, so a fill is ONE transfer.
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
 
   [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return tensors_; }
   [[nodiscard]] std::size_t blob_bytes() const noexcept { return blob_bytes_; }
@@ -140,6 +157,7 @@ class ExpertMajorStorage {
   std::size_t slot_bytes_ = 0;
   RuntimeBuffer<R> host_;
   RuntimeBuffer<R> slots_;
+  CopyRegions regions_{};
 };
 
 }  // namespace expert_cache::inline v0
