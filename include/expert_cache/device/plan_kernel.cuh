@@ -28,10 +28,11 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "expert_cache/config.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 
-namespace expert_cache::inline v0::device {
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 inline constexpr int plan_block_threads = 256;
 inline constexpr int plan_fill_threads = 512;
@@ -122,7 +123,7 @@ class CubBlock {
 // ---- planning kernels (one block of Threads threads each) -------------------------------------
 
 template <int Threads = plan_block_threads>
-__global__ void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   reset_plan_state(b, s);
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanSta
 // change between graph replays; `sanitized` (optional, may equal ids) receives the ids with
 // every dropped one as -1.
 template <int Threads = plan_block_threads>
-__global__ void __launch_bounds__(Threads)
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(Threads)
 
 // Group g >= 1 of an overflowing forward; empty (clears the forward map) when g >= group_count.
 template <int Threads = plan_block_threads>
-__global__ void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   plan_group(b, s, group);
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanSta
 
 // The expert id is read from device memory when `expert_ptr` is set (graph-friendly), else `expert`.
 template <int Threads = 32>
-__global__ void __launch_bounds__(Threads)
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_invalidate_kernel(const DevicePlanState s, std::int32_t expert, const std::int32_t* expert_ptr) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
@@ -207,7 +208,7 @@ __device__ __forceinline__ bool locate_plan_item(const PlanFillParams& p, std::u
 // Grid sized for the worst case (capacity fills); blocks beyond the actual list exit at once.
 // Grid-stride, Ilp 16-byte loads in flight per thread before the stores.
 template <int Ilp = 4>
-__global__ void __launch_bounds__(plan_fill_threads) plan_fill_kernel(const __grid_constant__ PlanFillParams p) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(const __grid_constant__ PlanFillParams p) {
   std::int32_t n = p.scalars->fill_count;
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
   const std::uint64_t total = static_cast<std::uint64_t>(n) * p.items_per_fill;
@@ -412,4 +413,4 @@ class DevicePlanStorage {
 
 static_assert(plan_block<CubBlock<plan_block_threads>>);
 
-}  // namespace expert_cache::inline v0::device
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS
