@@ -34,9 +34,8 @@ namespace {
 
 #define BENCH_CUDA(call)                                                                                  \
   do {                                                                                                    \
-    const cudaError_t err_ = (call);                                                                      \
-    if (err_ != cudaSuccess) {                                                                            \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(err_));                           \
+    if (const ::expert_cache::Status st_ = ::expert_cache::cuda_status((call), #call); !st_) {            \
+      std::fprintf(stderr, "%.*s\n", static_cast<int>(st_.message().size()), st_.message().data());     \
       std::exit(1);                                                                                       \
     }                                                                                                     \
   } while (0)
