@@ -64,10 +64,8 @@ namespace {
 // Error handling: helpers return std::string (empty = success); benchmark bodies turn a failure
 // into state.SkipWithError and return (every resource below is RAII, so early returns free it).
 
-std::string cuda_error(cudaError_t err, const char* what) {
-  (void)cudaGetLastError();  // clear a non-sticky error so later benchmarks can still run
-  return std::string(what) + " failed: " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
-}
+// The library's message (cuda_status also clears a non-sticky error so later benchmarks can run).
+std::string cuda_error(cudaError_t err, const char* what) { return std::string(expert_cache::cuda_status(err, what).message()); }
 
 #define TRY_CUDA(call)                                                         \
   do {                                                                         \
