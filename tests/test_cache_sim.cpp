@@ -537,3 +537,53 @@ TEST_CASE("row cache copies one row per present tensor per miss; stats and callb
   CHECK(s.host_bytes >= 16 * (96 + 48 + 24 + 12 + 4 + 4));
   f.check_clean_after_drain();
 }
+
+TEST_CASE("storage copy regions: one per present tensor (tensor-major) or one blob (expert-major), as copied") {
+  SimRuntime rt;
+  ExplicitLayout layout = six_tensor_layout();
+  layout.bytes[3].bytes_per_expert = 0;  // an absent tensor has no region
+  using TensorSim = ExpertCache<TensorMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>;
+  using ExpertSim = ExpertCache<ExpertMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>;
+  TensorSim rows(rt, quiet_options(8, 3, 2), layout);
+  ExpertSim blobs(rt, quiet_options(8, 3, 2), layout);
+
+  const CopyRegions& tr = rows.storage().copy_regions();
+  REQUIRE(tr.count == 5);
+  std::size_t r = 0;
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const std::size_t bytes = layout.bytes[t].bytes_per_expert;
+    if (bytes == 0) continue;
+    CAPTURE(t);
+    CHECK(tr.regions[r].host_base == rows.storage().host_tensor(t, 0));
+    CHECK(tr.regions[r].host_base + 5 * tr.regions[r].host_stride == rows.storage().host_tensor(t, 5));
+    CHECK(tr.regions[r].slot_base == rows.storage().slot_tensor(t).base);
+    CHECK(tr.regions[r].slot_stride == rows.storage().slot_tensor(t).slot_stride);
+    CHECK(tr.regions[r].bytes == bytes);
+    ++r;
+  }
+  CHECK(tr.bytes_per_expert() == total_bytes_per_expert(layout.bytes));
+
+  const CopyRegions& br = blobs.storage().copy_regions();
+  REQUIRE(br.count == 1);
+  CHECK(br.regions[0].host_base == blobs.storage().host_expert(0));
+  CHECK(br.regions[0].host_stride == blobs.storage().blob_bytes());
+  CHECK(br.regions[0].slot_base == blobs.storage().slot_blob(0));
+  CHECK(br.regions[0].slot_stride == blobs.storage().blob_bytes());
+  CHECK(br.regions[0].bytes == blobs.storage().blob_bytes());
+
+  // The copies a prepare enqueues are the regions, per fill (plus its map uploads).
+  const auto s = rt.create_stream().value();
+  const auto check_copies = [&](auto& cache, const CopyRegions& regions) {
+    const SimCounters before = rt.counters();
+    const std::uint64_t uploads_before = cache.stats().map_uploads;
+    REQUIRE(cache.prepare(Ids{1, 2}, s).ok());
+    const std::uint64_t uploads = cache.stats().map_uploads - uploads_before;
+    CHECK(cache.stats().last_copies == 2 * regions.count);
+    CHECK(rt.counters().copies - before.copies == 2 * regions.count + uploads);
+    CHECK(rt.counters().copy_bytes - before.copy_bytes == 2 * regions.bytes_per_expert() + uploads * 8 * sizeof(std::int32_t));
+  };
+  check_copies(rows, tr);
+  check_copies(blobs, br);
+  rt.drain();
+  CHECK(rt.races().empty());
+}
