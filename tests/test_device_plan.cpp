@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <set>
@@ -455,4 +456,58 @@ TEST_CASE("device plan: broken views and arguments are reported, not followed") 
   CHECK(plan_max_groups(0, 16, 4) == 1);
   CHECK(plan_max_groups(40, 16, 4) == 4);
   CHECK(plan_max_groups(9, 16, 4) == 3);
+}
+
+TEST_CASE("device plan: the small path (<= plan_small_ids ids) and the general path leave identical states") {
+  struct Config {
+    std::int32_t E, C;
+  };
+  const Config configs[] = {{64, 16}, {512, 208}, {32, 5}, {16, 16}, {300, 3}};
+  std::mt19937_64 rng(4242);
+  std::int64_t small_overflows = 0;
+  for (const Config& c : configs) {
+    CAPTURE(c.E);
+    CAPTURE(c.C);
+    HostPlanStorage a(c.E, c.C), g(c.E, c.C);
+    SequentialBlock b;
+    for (int step = 0; step < 3000; ++step) {
+      CAPTURE(step);
+      const auto n = static_cast<std::int32_t>(rng() % (plan_small_ids + 1));
+      Ids ids(static_cast<std::size_t>(n));
+      for (auto& id : ids) {
+        const std::uint64_t r = rng() % 100;
+        if (r < 5) id = -1;
+        else if (r < 8) id = (r == 5) ? c.E : (r == 6 ? INT32_MIN : -7);
+        else if (r < 60) id = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(std::max(1, c.E / 8)));
+        else id = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E));
+      }
+      if (n > 1 && rng() % 4 == 0) ids[1] = ids[0];  // duplicates
+      Ids sa(ids.size(), 7), sg(ids.size(), 9);
+      if (step % 3 == 0) {  // in place
+        sa = ids;
+        plan_forward_small(b, a.state(), sa.data(), n, sa.data());
+      } else {
+        plan_forward_small(b, a.state(), ids.data(), n, sa.data());
+      }
+      plan_forward_general(b, g.state(), ids.data(), n, sg.data());
+      CHECK(sa == sg);
+      const std::int32_t groups = g.state().scalars->group_count;
+      if (groups > 1) ++small_overflows;
+      for (std::int32_t k = 1; k < groups; ++k) {
+        plan_group(b, a.state(), k);
+        plan_group(b, g.state(), k);
+      }
+      REQUIRE(a.bytes() == g.bytes());
+      REQUIRE(std::memcmp(a.block(), g.block(), a.bytes()) == 0);  // every array, scalar and counter
+      REQUIRE(*a.state().stats == *g.state().stats);
+      REQUIRE(*a.state().error_word == *g.state().error_word);
+      if (rng() % 20 == 0) {
+        const auto e = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E));
+        plan_invalidate(b, a.state(), e);
+        plan_invalidate(b, g.state(), e);
+      }
+    }
+    if (c.C < c.E) CHECK(a.state().stats->evictions > 0);
+  }
+  CHECK(small_overflows > 100);
 }

@@ -13,7 +13,19 @@
 // One block because planning is a short chain of dependent block-wide steps (mark, scan,
 // classify, victim arg-min, apply) over a few hundred entries: a grid would need grid-wide
 // barriers between them, costing more than the work. 256 threads cover E = 512 in two scan
-// rounds and C = 208 slots in one victim pass.
+// rounds and C = 208 slots in one victim pass. A forward of at most plan_small_ids ids (the
+// register small path, planning/device_plan.hpp) runs on ONE WARP instead (WarpBlock: shuffles,
+// __syncwarp, no shared memory): nothing in it is E-wide, and warp barriers are cheaper.
+//
+// Plan and fill in one kernel node (plan_forward_fill_kernel): warp 0 of block 0 plans, then
+// publishes the fill list to the other blocks through a device-scope flag in the state's
+// scalars (fill_ready: release store after the plan, acquire spin in each other block before it
+// reads the list); the last block to finish (fill_done, acq_rel counter) clears both for the next
+// launch, which stream order puts after this one. This flag is an ordering edge of the cache
+// (docs/design.md's table); tests/gpu/test_device_plan.cu delays the plan so that a fill that
+// did not wait would copy the previous step's experts, and checks every slot's bytes. The
+// waiting blocks need block 0 to run: the grid is capped at what is co-resident (blocks are
+// dispatched in index order, the forward-progress assumption CUB's decoupled look-back makes).
 #if !defined(__CUDACC__)
 #error "expert_cache/device/plan_kernel.cuh needs nvcc"
 #endif
@@ -99,9 +111,10 @@ class CubBlock {
   // still changes in one single-copy-atomic store, and the host reads old or new, never torn.
   // Relaxed: a counter orders nothing. (The host clears the error word only while the stream
   // is idle.)
-  __device__ void counter_add(std::uint64_t& c, std::uint64_t v) noexcept {
-    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system> a(c);
-    a.store(a.load(cuda::memory_order_relaxed) + v, cuda::memory_order_relaxed);
+  // The stats mirror is only ever stored (the authoritative counters are in device memory):
+  // no PCIe read on the planning path.
+  __device__ void publish(std::uint64_t& w, std::uint64_t v) noexcept {
+    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(w).store(v, cuda::memory_order_relaxed);
   }
   __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
     cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
@@ -118,6 +131,52 @@ class CubBlock {
     __device__ PlanKey operator()(const PlanKey& a, const PlanKey& b) const noexcept { return b < a ? b : a; }
   };
   TempStorage& t_;
+};
+
+// The plan_block of one warp (lanes of threadIdx.x / 32 == the calling warp; the whole warp
+// calls every collective). Barriers are __syncwarp (which orders memory among the warp's
+// threads); scans and reductions are shuffles, results in every lane.
+class WarpBlock {
+  static constexpr unsigned full = 0xffffffffu;
+
+ public:
+  __device__ std::int32_t thread_rank() const noexcept { return static_cast<std::int32_t>(threadIdx.x & 31u); }
+  __device__ std::int32_t size() const noexcept { return 32; }
+  __device__ void sync() noexcept { __syncwarp(); }
+  __device__ std::int32_t exclusive_sum(std::int32_t v, std::int32_t& total) noexcept {
+    const std::int32_t lane = thread_rank();
+    std::int32_t x = v;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const std::int32_t y = __shfl_up_sync(full, x, d);
+      if (lane >= d) x += y;
+    }
+    total = __shfl_sync(full, x, 31);
+    return x - v;
+  }
+  __device__ std::int32_t sum(std::int32_t v) noexcept {
+    return static_cast<std::int32_t>(__reduce_add_sync(full, static_cast<unsigned>(v)));
+  }
+  __device__ PlanKey min_key(PlanKey k) noexcept {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      PlanKey o;
+      o.tick = __shfl_xor_sync(full, k.tick, d);
+      o.slot = __shfl_xor_sync(full, k.slot, d);
+      if (o < k) k = o;
+    }
+    return k;
+  }
+  __device__ void publish(std::uint64_t& w, std::uint64_t v) noexcept {
+    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(w).store(v, cuda::memory_order_relaxed);
+  }
+  __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
+    a.store(a.load(cuda::memory_order_relaxed) | v, cuda::memory_order_relaxed);
+  }
+  __device__ void mark(std::uint32_t& w) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_block>(w).store(1u, cuda::memory_order_relaxed);
+  }
 };
 
 // ---- planning kernels (one block of Threads threads each) -------------------------------------
@@ -137,6 +196,15 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
+  plan_forward(b, s, ids, n_ids, sanitized);
+}
+
+// The same on one warp (small forwards: n_ids <= plan_small_ids; correct for any n_ids).
+template <int Unused = 0>
+EXPERT_CACHE_KERNEL void __launch_bounds__(32)
+    plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
+                             std::int32_t* sanitized) {
+  WarpBlock b;
   plan_forward(b, s, ids, n_ids, sanitized);
 }
 
@@ -178,7 +246,9 @@ namespace detail {
 __device__ __forceinline__ bool locate_plan_item(const PlanFillParams& p, std::uint64_t idx, int4& v, int4*& dst16) {
   const auto fill = static_cast<std::uint32_t>(idx / p.items_per_fill);
   const auto r = static_cast<std::uint32_t>(idx - static_cast<std::uint64_t>(fill) * p.items_per_fill);
-  const PlanEntry f = p.fills[fill];
+  // Past L1: in the fused kernel another SM wrote the list during this kernel.
+  const int2 raw = __ldcg(reinterpret_cast<const int2*>(p.fills) + fill);
+  const PlanEntry f{raw.x, raw.y};
   // The list is written by the planner; checked anyway so nothing outside the pools is touched.
   if (f.expert < 0 || f.expert >= p.num_experts || f.slot < 0 || f.slot >= p.capacity) return false;
   std::size_t t = 0;
@@ -205,11 +275,11 @@ __device__ __forceinline__ bool locate_plan_item(const PlanFillParams& p, std::u
 
 }  // namespace detail
 
-// Grid sized for the worst case (capacity fills); blocks beyond the actual list exit at once.
-// Grid-stride, Ilp 16-byte loads in flight per thread before the stores.
-template <int Ilp = 4>
-EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(const __grid_constant__ PlanFillParams p) {
-  std::int32_t n = p.scalars->fill_count;
+namespace detail {
+// This block's share of the fill of n experts (grid-stride, Ilp 16-byte loads in flight per
+// thread before the stores).
+template <int Ilp>
+__device__ __forceinline__ void plan_fill_items(const PlanFillParams& p, std::int32_t n) {
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
   const std::uint64_t total = static_cast<std::uint64_t>(n) * p.items_per_fill;
   const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp;
@@ -228,6 +298,59 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(c
     for (int j = 0; j < Ilp; ++j) {
       if (dst[j] != nullptr) *dst[j] = v[j];
     }
+  }
+}
+}  // namespace detail
+
+// Grid sized for the worst case (capacity fills); blocks beyond the actual list exit at once.
+template <int Ilp = 4>
+EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(const __grid_constant__ PlanFillParams p) {
+  detail::plan_fill_items<Ilp>(p, p.scalars->fill_count);
+}
+
+// Plan (warp 0 of block 0) and fill (every block) in one kernel node; see the top of this file
+// for the flag protocol. `debug_plan_delay_ns` delays the plan (tests: a fill that does not
+// wait for the flag then copies stale experts).
+struct PlanFusedParams {
+  DevicePlanState state{};
+  const std::int32_t* ids = nullptr;
+  std::int32_t n_ids = 0;
+  std::int32_t* sanitized = nullptr;
+  PlanFillParams fill{};
+  std::uint32_t debug_plan_delay_ns = 0;
+};
+
+template <int Ilp = 4>
+EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
+    plan_forward_fill_kernel(const __grid_constant__ PlanFusedParams p) {
+  DevicePlanScalars* sc = p.state.scalars;
+  cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(sc->fill_ready);
+  cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> done(sc->fill_done);
+  if (blockIdx.x == 0) {
+    if (threadIdx.x < 32) {
+      if (p.debug_plan_delay_ns != 0) {
+        const std::uint64_t until = clock64() + 2ull * p.debug_plan_delay_ns;  // >= 1 ns per 2 cycles below 2 GHz
+        while (clock64() < until) __nanosleep(1000);
+      }
+      WarpBlock w;
+      plan_forward(w, p.state, p.ids, p.n_ids, p.sanitized);
+      __syncwarp();  // every lane's plan writes happen before lane 0's release
+      if (threadIdx.x == 0) ready.store(1u, cuda::memory_order_release);
+    }
+    __syncthreads();  // block 0's other warps: ordered after the plan by the barrier
+  } else {
+    if (threadIdx.x == 0) {
+      while (ready.load(cuda::memory_order_acquire) == 0u) {
+      }
+    }
+    __syncthreads();  // the acquire, then the barrier: the block's reads below see the plan
+  }
+  // Read past L1 (written by another SM in this kernel).
+  detail::plan_fill_items<Ilp>(p.fill, __ldcg(&sc->fill_count));
+  __syncthreads();
+  if (threadIdx.x == 0 && done.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1) {
+    done.store(0u, cuda::memory_order_relaxed);  // the last block: every other block has read the flag
+    ready.store(0u, cuda::memory_order_relaxed);
   }
 }
 
@@ -290,10 +413,15 @@ inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stre
                           stream);
 }
 
+// Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads.
 template <int Threads = plan_block_threads>
 inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                        std::int32_t* sanitized, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &sanitized};
+  if (n_ids >= 0 && n_ids <= plan_small_ids) {
+    return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_warp_kernel<0>), dim3(1), dim3(32), args, 0,
+                            stream);
+  }
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
                           stream);
 }
@@ -324,6 +452,44 @@ inline cudaError_t launch_plan_fill(const PlanFillParams& p, cudaStream_t stream
   void* args[] = {const_cast<PlanFillParams*>(&p)};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_fill_kernel<Ilp>), dim3(static_cast<unsigned>(blocks)),
                           dim3(plan_fill_threads), args, 0, stream);
+}
+
+// One node: plan_forward of `ids` then the fill of its group 0 (overflow groups still take
+// launch_plan_group + launch_plan_fill). `fill` from make_plan_fill_params for the same state.
+// The grid is capped at plan_fill_max_blocks and at what the device holds at once (the waiting
+// blocks need block 0 to be resident).
+template <int Ilp = 4>
+inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
+                                            std::int32_t* sanitized, const PlanFillParams& fill, cudaStream_t stream,
+                                            int max_blocks = plan_fill_max_blocks,
+                                            std::uint32_t debug_plan_delay_ns = 0) noexcept {
+  if (!plan_view_ok(s) || fill.scalars != s.scalars || fill.fills != s.fills.data) return cudaErrorInvalidValue;
+  PlanFusedParams p;
+  p.state = s;
+  p.ids = ids;
+  p.n_ids = n_ids;
+  p.sanitized = sanitized;
+  p.fill = fill;
+  p.debug_plan_delay_ns = debug_plan_delay_ns;
+  const std::uint64_t worst = static_cast<std::uint64_t>(fill.capacity) * fill.items_per_fill;
+  const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
+  std::uint64_t blocks = (worst + per_block - 1) / per_block;
+  int device = 0, sms = 1, per_sm = 1;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &per_sm, reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp>), plan_fill_threads, 0);
+  }
+  if (err != cudaSuccess) return err;
+  const std::uint64_t resident = static_cast<std::uint64_t>(sms) * static_cast<std::uint64_t>(per_sm > 0 ? per_sm : 1);
+  const std::uint64_t cap = static_cast<std::uint64_t>(max_blocks > 0 ? max_blocks : 1);
+  if (blocks > cap) blocks = cap;
+  if (blocks > resident) blocks = resident;
+  if (blocks < 1) blocks = 1;
+  void* args[] = {&p};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp>),
+                          dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
 }
 
 // Owns one state on the device: the array block (cudaMalloc) and the stats + error word in

@@ -35,14 +35,33 @@
 // with every dropped one replaced by -1, so a consumer indexing the forward map with them stays
 // in bounds; it may alias the input.
 //
+// Speed (issue 12, phase 2): the stats the host reads live in mapped host memory, but the
+// planner never READS mapped memory (a PCIe round trip each): the authoritative counters sit in
+// the state block (device memory) and every change is published to the mapped mirror with a
+// plain store. A forward of at most plan_small_ids ids (batch-1 decode: top-k <= 16) takes a
+// small path: every thread loads all ids into registers and sorts them with a sorting network
+// (no marks, no E-wide scan), and the loads the group step needs that nothing before it writes
+// (scalars, counters, this thread's previous-forward entry and resident-map entry) are issued
+// up front, so an all-hit step costs about two dependent memory round trips. Both paths run
+// the same group step (plan_group_from) and leave byte-identical states
+// (tests/test_device_plan.cpp compares them).
+//
 // Host-compilable with g++ alone (no CUDA headers); under nvcc every function here is
 // __host__ __device__.
+#include <climits>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "expert_cache/config.hpp"
+
+// Full unrolling of the fixed-size register loops (g++ would warn about an unknown pragma).
+#if defined(__CUDA_ARCH__)
+#define EXPERT_CACHE_PLAN_UNROLL _Pragma("unroll")
+#else
+#define EXPERT_CACHE_PLAN_UNROLL
+#endif
 
 namespace expert_cache::inline v0 {
 
@@ -62,8 +81,10 @@ struct PlanEntry {
   friend constexpr bool operator==(const PlanEntry&, const PlanEntry&) = default;
 };
 
-// Cumulative counters; in mapped host memory on the GPU so the host reads them while a graph
-// runs (64-bit aligned words, updated atomically by the device).
+// Cumulative counters. Two copies: the authoritative one in the state block (device memory,
+// DevicePlanState::counters) and a mirror in mapped host memory on the GPU (DevicePlanState::stats)
+// that the host reads while a graph runs; each changed word is stored to the mirror whole
+// (64-bit aligned, single-copy atomic), never read back by the device.
 struct DevicePlanStats {
   std::uint64_t hits = 0;
   std::uint64_t misses = 0;
@@ -99,6 +120,11 @@ struct DevicePlanScalars {
   std::int32_t misses = 0;         // of the last group
   std::int32_t bad_ids = 0;        // of the last forward
   std::int32_t last_invalidated_slot = -1;
+  // Used only by the fused plan + fill kernel (device/plan_kernel.cuh): block 0 sets fill_ready
+  // (release) once the fill list is written; the other blocks wait for it (acquire); the last
+  // block to finish (fill_done counts them) sets both back to 0 for the next launch.
+  std::uint32_t fill_ready = 0;
+  std::uint32_t fill_done = 0;
 };
 
 // The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
@@ -117,7 +143,8 @@ struct DevicePlanState {
   PlanSpan<PlanEntry> fills;            // [C] fill list of the last group, in processing order
   PlanSpan<PlanEntry> evictions;        // [C] evictions of the last group, in order
   DevicePlanScalars* scalars = nullptr;
-  DevicePlanStats* stats = nullptr;
+  DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
+  DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
   std::uint32_t* error_word = nullptr;
 };
 
@@ -133,8 +160,8 @@ struct PlanKey {
 
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
-// flow (block-collective); counter_add / flags_or are called by thread 0 only, the single
-// writer of the stats and the error word (so they need no atomic read-modify-write).
+// flow (block-collective); publish / flags_or are called by thread 0 only, the single writer of
+// the stats mirror and the error word (so they need no atomic read-modify-write).
 template <class B>
 concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey k, std::uint64_t& c64,
                               std::uint32_t& c32) {
@@ -144,7 +171,7 @@ concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey
   { b.exclusive_sum(v, total) } -> std::same_as<std::int32_t>;     // prefix sum, total to all
   { b.sum(v) } -> std::same_as<std::int32_t>;                      // result to all threads
   { b.min_key(k) } -> std::same_as<PlanKey>;                       // arg-min, result to all
-  b.counter_add(c64, std::uint64_t{});                              // shared 64-bit counter
+  b.publish(c64, std::uint64_t{});                                  // store to the stats mirror
   b.flags_or(c32, std::uint32_t{});                                 // sticky error word
   b.mark(c32);                                                      // racing stores of 1
 };
@@ -160,13 +187,15 @@ struct SequentialBlock {
   }
   EXPERT_CACHE_HOST_DEVICE std::int32_t sum(std::int32_t v) noexcept { return v; }
   EXPERT_CACHE_HOST_DEVICE PlanKey min_key(PlanKey k) noexcept { return k; }
-  EXPERT_CACHE_HOST_DEVICE void counter_add(std::uint64_t& c, std::uint64_t v) noexcept { c += v; }
+  EXPERT_CACHE_HOST_DEVICE void publish(std::uint64_t& w, std::uint64_t v) noexcept { w = v; }
   EXPERT_CACHE_HOST_DEVICE void flags_or(std::uint32_t& w, std::uint32_t v) noexcept { w |= v; }
   EXPERT_CACHE_HOST_DEVICE void mark(std::uint32_t& w) noexcept { w = 1; }
 };
 static_assert(plan_block<SequentialBlock>);
 
 inline constexpr std::int32_t plan_padding_id = -1;
+// Forwards of at most this many ids take the register-sort small path (a power of two).
+inline constexpr std::int32_t plan_small_ids = 16;
 
 // Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
@@ -202,6 +231,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.capacity = capacity;
   detail::PlanCursor c{reinterpret_cast<std::uintptr_t>(base)};
   s.scalars = c.take<DevicePlanScalars>(1).data;
+  s.counters = c.take<DevicePlanStats>(1).data;
   s.slot_tick = c.take<std::uint64_t>(capacity);
   s.resident_map = c.take<std::int32_t>(num_experts);
   s.forward_map = c.take<std::int32_t>(num_experts);
@@ -227,7 +257,10 @@ EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_ex
 // Shape and pointers consistent (reads only the view: callable by the host on a device view).
 EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noexcept {
   const std::int32_t e = s.num_experts, c = s.capacity;
-  if (e <= 0 || c <= 0 || c > e || s.scalars == nullptr || s.stats == nullptr || s.error_word == nullptr) return false;
+  if (e <= 0 || c <= 0 || c > e || s.scalars == nullptr || s.counters == nullptr || s.stats == nullptr ||
+      s.error_word == nullptr) {
+    return false;
+  }
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
          s.fills.size == c && s.evictions.size == c;
@@ -276,28 +309,65 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
   if (r == 0) {
     *s.scalars = DevicePlanScalars{};
     s.scalars->free_count = c;
+    *s.counters = DevicePlanStats{};
     if (s.stats != nullptr) *s.stats = DevicePlanStats{};
     if (s.error_word != nullptr) *s.error_word = 0;
   }
   b.sync();
 }
 
-// Plans group g of the current forward (set up by plan_forward): ids unique[g*C, g*C + n) in
-// ascending order, with ForwardPlanner<Lru>::plan_unique's decisions. g >= group_count is an
-// empty group (see the overflow note at the top). All threads of the block call it.
+namespace detail {
+
+// Stores the changed counters: the authoritative copy (device memory) and the mirror (mapped).
+// Rank 0 only; `now` = `before` plus this step's increments.
 template <plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g) noexcept {
-  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
-  if (g < 0) return detail::plan_fail(b, s, plan_error_bad_argument);
+EXPERT_CACHE_HOST_DEVICE void publish_stats(Block& b, const DevicePlanState& s, const DevicePlanStats& before,
+                                            const DevicePlanStats& now) noexcept {
+  if (now == before) return;
+  *s.counters = now;
+  if (now.hits != before.hits) b.publish(s.stats->hits, now.hits);
+  if (now.misses != before.misses) b.publish(s.stats->misses, now.misses);
+  if (now.evictions != before.evictions) b.publish(s.stats->evictions, now.evictions);
+  if (now.overflows != before.overflows) b.publish(s.stats->overflows, now.overflows);
+  if (now.overflow_groups != before.overflow_groups) b.publish(s.stats->overflow_groups, now.overflow_groups);
+  if (now.bad_ids != before.bad_ids) b.publish(s.stats->bad_ids, now.bad_ids);
+  if (now.forwards != before.forwards) b.publish(s.stats->forwards, now.forwards);
+  if (now.invalidations != before.invalidations) b.publish(s.stats->invalidations, now.invalidations);
+}
+
+// What a group step starts from: the scalars (read once by the caller), the counters as they
+// were and with the caller's increments (meaningful in rank 0 only).
+struct GroupInput {
+  std::int32_t unique = 0, groups = 0, prev = 0, free = 0;
+  std::uint64_t tick0 = 0;
+  DevicePlanStats before{}, now{};
+};
+
+// The general path's reads: straight from the state.
+struct StateSource {
+  const DevicePlanState* s;
+  EXPERT_CACHE_HOST_DEVICE std::int32_t prev(std::int32_t i) const noexcept { return s->prev_forward[i]; }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t id(std::int32_t k) const noexcept { return s->unique[k]; }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t, std::int32_t e) const noexcept {
+    return s->resident_map[e];
+  }
+};
+
+// Plans group g: ids src.id(g*C + i), i < n, in ascending order, with
+// ForwardPlanner<Lru>::plan_unique's decisions. g >= groups is an empty group (see the overflow
+// note at the top). All threads of the block call it; the state was checked by the caller.
+template <plan_block Block, class Source>
+EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s, std::int32_t g, GroupInput in,
+                                              const Source& src) noexcept {
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
   DevicePlanScalars& sc = *s.scalars;
-  const std::int32_t prev = sc.prev_count, unique = sc.unique_count, groups = sc.group_count, free = sc.free_count;
-  const std::uint64_t tick0 = sc.tick;
+  const std::int32_t prev = in.prev, unique = in.unique, groups = in.groups, free = in.free;
+  const std::uint64_t tick0 = in.tick0;
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
-    const std::int32_t e = s.prev_forward[i];
+    const std::int32_t e = src.prev(i);
     if (e >= 0 && e < E) s.forward_map[e] = -1;
   }
   b.sync();  // a cleared entry may belong to this group too: clear before set
@@ -305,12 +375,13 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
     if (rank == 0) {
       sc.prev_count = sc.fill_count = sc.eviction_count = sc.hits = sc.misses = sc.group_size = 0;
       sc.group = g;
+      publish_stats(b, s, in.before, in.now);
     }
     b.sync();
     return;
   }
   const std::int32_t begin = g * C;  // g < groups <= ceil(E / C): no overflow
-  const std::int32_t n = detail::min_i32(C, unique - begin);
+  const std::int32_t n = min_i32(C, unique - begin);
 
   // Classify. Hits take their new tick now, so that every resident of this group is younger
   // than every other resident before the victim search (in-forward protection by ordering).
@@ -321,8 +392,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
     const std::int32_t i = base + rank;
     std::int32_t miss = 0, e = -1;
     if (i < n) {
-      e = s.unique[begin + i];
-      const std::int32_t slot = (e >= 0 && e < E) ? s.resident_map[e] : -2;
+      e = src.id(begin + i);
+      const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
@@ -336,9 +407,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
     if (miss) s.fills[misses + offset] = PlanEntry{e, i};
     misses += total;
   }
-  const std::int32_t from_free = detail::min_i32(misses, free);
+  const std::int32_t from_free = min_i32(misses, free);
   const std::int32_t victims = misses - from_free;
-  b.sync();  // hit ticks and the fill list visible to every thread
+  if (victims > 0) b.sync();  // hit ticks visible to every thread (uniform: `victims` is)
 
   // Victims: the `victims` smallest (tick, slot) keys among residents, one block arg-min each,
   // each strictly above the previous one. Only evicting forwards pay this (the all-hit decode
@@ -354,11 +425,14 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
     best = b.min_key(best);
     // Not found, or a resident of this group: only a corrupted state gets here (the host
     // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
-    if (best.slot < 0 || best.slot >= C || best.tick >= tick0) return detail::plan_fail(b, s, plan_error_bad_state);
+    if (best.slot < 0 || best.slot >= C || best.tick >= tick0) {
+      if (rank == 0) publish_stats(b, s, in.before, in.now);
+      return plan_fail(b, s, plan_error_bad_state);
+    }
     if (rank == 0) s.evictions[j] = PlanEntry{s.slot_owner[best.slot], best.slot};
     last = best;
   }
-  b.sync();  // the eviction list visible to every thread
+  if (misses > 0) b.sync();  // the fill list (and the eviction list) visible to every thread
 
   // Apply: the r-th miss pops the free stack while it lasts (top first, like the host's
   // pop_back), then takes the r - from_free-th victim's slot.
@@ -389,24 +463,135 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
     sc.group = g;
     sc.group_size = n;
     sc.tick = tick0 + static_cast<std::uint64_t>(n);
-    b.counter_add(s.stats->hits, static_cast<std::uint64_t>(n - misses));
-    b.counter_add(s.stats->misses, static_cast<std::uint64_t>(misses));
-    if (victims > 0) b.counter_add(s.stats->evictions, static_cast<std::uint64_t>(victims));
+    DevicePlanStats now = in.now;
+    now.hits += static_cast<std::uint64_t>(n - misses);
+    now.misses += static_cast<std::uint64_t>(misses);
+    now.evictions += static_cast<std::uint64_t>(victims);
+    publish_stats(b, s, in.before, now);
   }
   b.sync();
 }
 
-// Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
-// out-of-range ids counted and dropped): deduplicates into the ascending unique list, records
-// the group count, and plans group 0. All threads of the block call it.
-//
-// Dedup by marking instead of sorting: each valid id sets marks[id], then one block scan over
-// the E marks emits the unique ids already in ascending order (and clears the marks). That is
-// O(n_ids / threads + E / threads) for any n_ids, where a block radix sort needs the input size
-// fixed at compile time and log2(E)-bit passes each with their own scans.
+// The forward's bookkeeping (rank 0): scalars, counter increments, error flags.
 template <plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, const std::int32_t* ids,
-                                           std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
+EXPERT_CACHE_HOST_DEVICE void note_forward(Block& b, const DevicePlanState& s, std::int32_t unique,
+                                           std::int32_t groups, std::int32_t bad, std::uint32_t flags,
+                                           DevicePlanStats& now) noexcept {
+  DevicePlanScalars& sc = *s.scalars;
+  sc.unique_count = unique;
+  sc.group_count = groups;
+  sc.bad_ids = bad;
+  now.forwards += 1;
+  if (bad > 0) {
+    now.bad_ids += static_cast<std::uint64_t>(bad);
+    flags |= plan_error_bad_id;
+  }
+  if (groups > 1) {
+    now.overflows += 1;
+    now.overflow_groups += static_cast<std::uint64_t>(groups - 1);
+    flags |= plan_error_overflow;
+  }
+  if (flags != 0) b.flags_or(*s.error_word, flags);
+}
+
+EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_groups_of(std::int32_t unique, std::int32_t capacity) noexcept {
+  return static_cast<std::int32_t>((static_cast<std::int64_t>(unique) + capacity - 1) / capacity);
+}
+
+// Ascending bitonic sorting network over N registers (N a power of two; every index is a
+// compile-time constant once unrolled, so the array stays in registers).
+template <std::int32_t N>
+EXPERT_CACHE_HOST_DEVICE inline void sort_network(std::int32_t (&v)[N]) noexcept {
+  static_assert(N > 0 && (N & (N - 1)) == 0);
+  EXPERT_CACHE_PLAN_UNROLL
+  for (std::int32_t k = 2; k <= N; k <<= 1) {
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t j = k >> 1; j > 0; j >>= 1) {
+      EXPERT_CACHE_PLAN_UNROLL
+      for (std::int32_t i = 0; i < N; ++i) {
+        const std::int32_t l = i ^ j;
+        if (l > i) {
+          const std::int32_t a = v[i], c = v[l];
+          const bool swap = ((i & k) == 0) ? (a > c) : (a < c);
+          v[i] = swap ? c : a;
+          v[l] = swap ? a : c;
+        }
+      }
+    }
+  }
+}
+
+// The small path's ids: sorted in registers (invalid ids as INT32_MAX, at the end).
+struct SmallIds {
+  std::int32_t v[plan_small_ids];
+  // The k-th distinct valid id (INT32_MAX when k >= the distinct count).
+  EXPERT_CACHE_HOST_DEVICE std::int32_t unique_at(std::int32_t k) const noexcept {
+    std::int32_t e = INT32_MAX, pos = 0;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t j = 0; j < plan_small_ids; ++j) {
+      const bool keep = v[j] != INT32_MAX && (j == 0 || v[j] != v[j > 0 ? j - 1 : 0]);
+      if (keep && pos == k) e = v[j];
+      pos += keep ? 1 : 0;
+    }
+    return e;
+  }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t unique_count() const noexcept {
+    std::int32_t u = 0;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t j = 0; j < plan_small_ids; ++j) {
+      u += (v[j] != INT32_MAX && (j == 0 || v[j] != v[j > 0 ? j - 1 : 0])) ? 1 : 0;
+    }
+    return u;
+  }
+};
+
+// The small path's reads: this thread's own index (k == rank) comes from values it loaded up
+// front (nothing in this step writes them before they are used: prev_forward is rewritten only
+// after the clear, resident_map only in the apply phase), other indices as in the state.
+struct SmallSource {
+  const DevicePlanState* s;
+  const SmallIds* ids;
+  std::int32_t rank;
+  std::int32_t prev_mine, id_mine, slot_mine;
+  EXPERT_CACHE_HOST_DEVICE std::int32_t prev(std::int32_t i) const noexcept {
+    return i == rank ? prev_mine : s->prev_forward[i];
+  }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t id(std::int32_t k) const noexcept {
+    return k == rank ? id_mine : ids->unique_at(k);
+  }
+  EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t k, std::int32_t e) const noexcept {
+    return k == rank ? slot_mine : s->resident_map[e];
+  }
+};
+
+}  // namespace detail
+
+// Plans group g of the current forward (set up by plan_forward): ids unique[g*C, g*C + n) in
+// ascending order, with ForwardPlanner<Lru>::plan_unique's decisions. g >= group_count is an
+// empty group (see the overflow note at the top). All threads of the block call it.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g) noexcept {
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  if (g < 0) return detail::plan_fail(b, s, plan_error_bad_argument);
+  const DevicePlanScalars& sc = *s.scalars;
+  detail::GroupInput in;
+  in.prev = sc.prev_count;
+  in.unique = sc.unique_count;
+  in.groups = sc.group_count;
+  in.free = sc.free_count;
+  in.tick0 = sc.tick;
+  if (b.thread_rank() == 0) in.before = in.now = *s.counters;
+  detail::plan_group_from(b, s, g, in, detail::StateSource{&s});
+}
+
+// The general path of plan_forward (any n_ids): dedup by marking instead of sorting: each valid
+// id sets marks[id], then one block scan over the E marks emits the unique ids already in
+// ascending order (and clears the marks). O(n_ids / threads + E / threads) for any n_ids, where
+// a block radix sort needs the input size fixed at compile time and log2(E)-bit passes each with
+// their own scans.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanState& s, const std::int32_t* ids,
+                                                   std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
@@ -442,27 +627,83 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, c
     }
     unique += total;
   }
-  const std::int32_t groups = static_cast<std::int32_t>((static_cast<std::int64_t>(unique) + C - 1) / C);
+  const std::int32_t groups = detail::plan_groups_of(unique, C);
   if (rank == 0) {
-    DevicePlanScalars& sc = *s.scalars;
-    sc.unique_count = unique;
-    sc.group_count = groups;
-    sc.bad_ids = bad_total;
-    b.counter_add(s.stats->forwards, 1);
-    std::uint32_t flags = arg_error;
-    if (bad_total > 0) {
-      b.counter_add(s.stats->bad_ids, static_cast<std::uint64_t>(bad_total));
-      flags |= plan_error_bad_id;
-    }
-    if (groups > 1) {
-      b.counter_add(s.stats->overflows, 1);
-      b.counter_add(s.stats->overflow_groups, static_cast<std::uint64_t>(groups - 1));
-      flags |= plan_error_overflow;
-    }
-    if (flags != 0) b.flags_or(*s.error_word, flags);
+    DevicePlanStats now = *s.counters;
+    const DevicePlanStats before = now;
+    detail::note_forward(b, s, unique, groups, bad_total, arg_error, now);
+    detail::publish_stats(b, s, before, now);
   }
   b.sync();  // unique list and group count visible
   plan_group(b, s, 0);
+}
+
+// The small path of plan_forward (0 <= n_ids <= plan_small_ids; otherwise the general path):
+// the same result, from registers. Every thread loads all ids (one round trip, broadcast
+// loads) and sorts them; the bad-id count and the distinct count are then known to every
+// thread without a reduction, and thread r holds the group's r-th id and its resident-map entry
+// before the group step starts.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState& s, const std::int32_t* ids,
+                                                 std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
+  if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0)) {
+    return plan_forward_general(b, s, ids, n_ids, sanitized);
+  }
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  const std::int32_t rank = b.thread_rank(), nt = b.size();
+  const std::int32_t E = s.num_experts, C = s.capacity;
+  const DevicePlanScalars& sc = *s.scalars;
+
+  // Up front, independent of each other: scalars, counters, ids, this thread's old entry.
+  detail::GroupInput in;
+  in.prev = sc.prev_count;
+  in.free = sc.free_count;
+  in.tick0 = sc.tick;
+  if (rank == 0) in.before = in.now = *s.counters;
+  const std::int32_t prev_mine = rank < C ? s.prev_forward[rank] : -1;
+  detail::SmallIds sorted;
+  std::int32_t clean[plan_small_ids];
+  std::int32_t bad = 0;
+  EXPERT_CACHE_PLAN_UNROLL
+  for (std::int32_t j = 0; j < plan_small_ids; ++j) {
+    const std::int32_t id = j < n_ids ? ids[j] : plan_padding_id;
+    const bool valid = id >= 0 && id < E;
+    bad += (!valid && id != plan_padding_id) ? 1 : 0;
+    clean[j] = valid ? id : plan_padding_id;
+    sorted.v[j] = valid ? id : INT32_MAX;
+  }
+  detail::sort_network(sorted.v);
+  const std::int32_t unique = sorted.unique_count();
+  const std::int32_t groups = detail::plan_groups_of(unique, C);
+  in.unique = unique;
+  in.groups = groups;
+  const std::int32_t n0 = detail::min_i32(C, unique);
+  const std::int32_t id_mine = rank < n0 ? sorted.unique_at(rank) : -1;
+  const std::int32_t slot_mine = rank < n0 ? s.resident_map[id_mine] : -2;
+
+  if (sanitized != nullptr) {
+    b.sync();  // sanitized may alias ids: every thread has read them
+    for (std::int32_t i = rank; i < n_ids; i += nt) {
+      std::int32_t x = plan_padding_id;
+      EXPERT_CACHE_PLAN_UNROLL
+      for (std::int32_t j = 0; j < plan_small_ids; ++j) x = j == i ? clean[j] : x;
+      sanitized[i] = x;
+    }
+  }
+  for (std::int32_t t = rank; t < unique; t += nt) s.unique[t] = t == rank && t < n0 ? id_mine : sorted.unique_at(t);
+  if (rank == 0) detail::note_forward(b, s, unique, groups, bad, 0u, in.now);
+  detail::plan_group_from(b, s, 0, in, detail::SmallSource{&s, &sorted, rank, prev_mine, id_mine, slot_mine});
+}
+
+// Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
+// out-of-range ids counted and dropped): deduplicates into the ascending unique list, records
+// the group count, and plans group 0. All threads of the block call it. Up to plan_small_ids
+// ids take the register path, more the marking path: the same state either way.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, const std::int32_t* ids,
+                                           std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
+  if (n_ids >= 0 && n_ids <= plan_small_ids) return plan_forward_small(b, s, ids, n_ids, sanitized);
+  plan_forward_general(b, s, ids, n_ids, sanitized);
 }
 
 // Drops `expert` from residency (ForwardPlanner::invalidate): resident -> -1, its forward-map
@@ -473,9 +714,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   if (b.thread_rank() == 0) {
     DevicePlanScalars& sc = *s.scalars;
+    DevicePlanStats now = *s.counters;
+    const DevicePlanStats before = now;
     sc.last_invalidated_slot = -1;
     if (expert < 0 || expert >= s.num_experts) {
-      b.counter_add(s.stats->bad_ids, 1);
+      now.bad_ids += 1;
       b.flags_or(*s.error_word, plan_error_bad_id);
     } else {
       const std::int32_t slot = s.resident_map[expert];
@@ -486,9 +729,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
         s.free_stack[sc.free_count] = slot;
         sc.free_count += 1;
         sc.last_invalidated_slot = slot;
-        b.counter_add(s.stats->invalidations, 1);
+        now.invalidations += 1;
       }
     }
+    detail::publish_stats(b, s, before, now);
   }
   b.sync();
 }
