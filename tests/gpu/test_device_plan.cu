@@ -554,3 +554,89 @@ TEST_CASE("device plan kernel: fill parameters reject what the kernel could not 
   device::DevicePlanStorage bad;
   CHECK(bad.create(4, 8, stream.s) == cudaErrorInvalidValue);  // capacity > E
 }
+
+namespace {
+// k cold misses per step on top of a hot set (router stand-in of the fused-kernel test).
+__global__ void fused_router_kernel(std::int32_t* ids, std::int32_t top_k, std::int32_t k, std::uint64_t* step_counter) {
+  const std::uint64_t step = *step_counter;
+  for (std::int32_t j = static_cast<std::int32_t>(threadIdx.x); j < top_k; j += static_cast<std::int32_t>(blockDim.x)) {
+    ids[j] = j < top_k - k ? j : static_cast<std::int32_t>(top_k + (step * static_cast<std::uint64_t>(k) + static_cast<std::uint64_t>(j)) % 50);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *step_counter = step + 1;
+}
+}  // namespace
+
+// The fused plan + fill kernel's flag is an ordering edge: the plan is delayed by 20 us, so a
+// fill block that did not wait for fill_ready would read the previous step's fill list and copy
+// the wrong experts. Every resident slot's bytes are checked after every replay, and the
+// planning decisions against the host planner.
+TEST_CASE("device plan kernel: fused plan + fill in one node waits for the plan (flag ordering edge)") {
+  constexpr std::int32_t E = 64, C = 16, top_k = 6, k = 3;
+  constexpr std::size_t bytes = 256 * 1024;  // many blocks' worth per expert
+  Stream stream;
+  device::DevicePlanStorage st;
+  CUDA_OK(st.create(E, C, stream.s));
+  const DevicePlanState& s = st.state();
+  PinnedBuffer pool(bytes * E);
+  for (std::int32_t e = 0; e < E; ++e) {
+    for (std::size_t i = 0; i < bytes; ++i) pool.p[static_cast<std::size_t>(e) * bytes + i] = std::byte{pool_byte(e, 0, i)};
+  }
+  DeviceBuffer<std::byte> slots(bytes * C);
+  CopyRegions regions;
+  regions.count = 1;
+  regions.regions[0] = CopyRegion{pool.p, slots.p, bytes, bytes, bytes};
+  CUDA_OK(device::resolve_mapped_regions(regions));
+  device::PlanFillParams fill{};
+  CUDA_OK(device::make_plan_fill_params(regions, s, fill));
+  DeviceBuffer<std::int32_t> d_ids(top_k);
+  DeviceBuffer<std::uint64_t> d_step(1);
+  CUDA_OK(cudaMemset(d_step.p, 0, sizeof(std::uint64_t)));
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+  fused_router_kernel<<<1, 32, 0, stream.s>>>(d_ids.p, top_k, k, d_step.p);
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(device::launch_plan_forward_fill(s, d_ids.p, top_k, nullptr, fill, stream.s, device::plan_fill_max_blocks,
+                                           20000));
+  CUDA_OK(cudaStreamEndCapture(stream.s, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+
+  ForwardPlanner<Lru> host(CacheShape{E, C}, top_k);
+  ForwardPlan plan;
+  Mirror m;
+  std::vector<std::byte> got(bytes * C);
+  const std::int32_t replays = std::min(200, count_from_env("EXPERT_CACHE_DPLAN_REPLAYS", 200));
+  std::uint64_t misses = 0;
+  for (std::int32_t step = 0; step < replays; ++step) {
+    CAPTURE(step);
+    CUDA_OK(cudaGraphLaunch(exec, stream.s));
+    CUDA_OK(cudaMemcpyAsync(got.data(), slots.p, got.size(), cudaMemcpyDeviceToHost, stream.s));
+    m.read(st, stream.s);
+    Ids ids(top_k);
+    for (std::int32_t j = 0; j < top_k; ++j) {
+      ids[static_cast<std::size_t>(j)] =
+          j < top_k - k ? j : static_cast<std::int32_t>(top_k + (static_cast<std::uint64_t>(step) * k + static_cast<std::uint64_t>(j)) % 50);
+    }
+    REQUIRE(host.plan_topk(ids, plan));
+    misses += plan.misses;
+    check_group(host, plan, *m.view.scalars, m.view.fills.data, m.view.evictions.data, m.view.forward_map.data);
+    check_residency(host, m.view);
+    CHECK(m.view.scalars->fill_ready == 0u);  // reset by the last block for the next launch
+    CHECK(m.view.scalars->fill_done == 0u);
+    const auto owner = host.slot_owner();
+    for (std::int32_t slot = 0; slot < C; ++slot) {
+      const std::int32_t e = owner[static_cast<std::size_t>(slot)];
+      if (e < 0) continue;
+      REQUIRE_MESSAGE(std::memcmp(got.data() + static_cast<std::size_t>(slot) * bytes, pool.p + static_cast<std::size_t>(e) * bytes,
+                                  bytes) == 0,
+                      "slot ", slot, " expert ", e);
+    }
+  }
+  CHECK(misses >= static_cast<std::uint64_t>(replays) * k - 2 * top_k);
+  CHECK(st.stats().misses == host.counters().misses);
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+}

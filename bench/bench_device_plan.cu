@@ -1,0 +1,235 @@
+// Device planner micro-benchmark (issue 12; Google Benchmark, CUDA events, manual time). The
+// decode defaults: 48 layers x 512 experts, 208 slots per layer, top-10, batch 1. A router
+// stand-in kernel (the graph's first node) writes every layer's ids on the device: 10 - k hot
+// experts (resident after the first step) and k cold ones cycling through the other 502 experts
+// (always misses under LRU with 208 slots), so every layer has exactly k misses per step once
+// warm (reported as misses_per_layer, measured from the device stats).
+//
+//   ceiling                       one 256 MiB pinned H2D cudaMemcpyAsync (the same-run PCIe
+//                                 ceiling every fill ratio is taken against)
+//   plan/misses:k                 router + 48 x plan_forward captured once; GPU time per replay
+//                                 (events over 20 replays); us_per_layer = replay / 48
+//   router_only                   the router node alone (subtract from plan/* if wanted)
+//   fill/<nodes>/misses:k         router + 48 x (plan -> fill) [two_nodes] or 48 x plan_forward_fill
+//                                 [fused]: k misses per layer of the NVFP4 Marlin expert (hidden
+//                                 2048, intermediate 512: 1 MiB, 512 KiB, 128 KiB, 64 KiB, 4 B, 4 B
+//                                 = 1.688 MiB) copied zero-copy from mapped pinned tensor-major
+//                                 pools (one CopyRegion per tensor); ratio_of_pinned = the fill's
+//                                 bytes per second / the ceiling, planning included
+//
+// Run: --benchmark_repetitions=5 --benchmark_report_aggregates_only=true (read the medians).
+#include <benchmark/benchmark.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+
+#include "expert_cache/device/plan_kernel.cuh"
+#include "expert_cache/planning/device_plan.hpp"
+
+using namespace expert_cache;
+
+namespace {
+
+#define BENCH_CUDA(call)                                                                \
+  do {                                                                                  \
+    const cudaError_t err_ = (call);                                                    \
+    if (err_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(err_));         \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+constexpr std::int32_t kExperts = 512, kSlots = 208, kTopK = 10, kLayers = 48;
+constexpr std::size_t kTensors[] = {1u << 20, 512u << 10, 128u << 10, 64u << 10, 4, 4};
+constexpr std::size_t kTensorCount = sizeof(kTensors) / sizeof(kTensors[0]);
+constexpr std::size_t expert_bytes() {
+  std::size_t b = 0;
+  for (std::size_t t : kTensors) b += t;
+  return b;
+}
+
+// Layer-independent ids (each layer has its own state): k cold misses per step.
+__global__ void router_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* step_counter) {
+  const std::uint64_t step = *step_counter;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < kLayers * kTopK;
+       i += static_cast<std::int32_t>(blockDim.x)) {
+    const std::int32_t j = i % kTopK;
+    const std::int32_t hot = kTopK - k;
+    ids[i] = j < hot ? j
+                     : kTopK + static_cast<std::int32_t>((step * static_cast<std::uint64_t>(k) +
+                                                          static_cast<std::uint64_t>(j - hot)) %
+                                                         static_cast<std::uint64_t>(kExperts - kTopK));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *step_counter = step + 1;
+}
+
+struct World {
+  cudaStream_t stream = nullptr;
+  std::vector<device::DevicePlanStorage> states;
+  std::int32_t* ids = nullptr;
+  std::uint64_t* step = nullptr;
+  std::byte* pools[kTensorCount] = {};
+  std::byte* slots[kTensorCount] = {};
+  std::vector<device::PlanFillParams> fills;
+  double ceiling_gbps = 0;
+  cudaEvent_t start = nullptr, stop = nullptr;
+
+  World() {
+    BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    BENCH_CUDA(cudaEventCreate(&start));
+    BENCH_CUDA(cudaEventCreate(&stop));
+    BENCH_CUDA(cudaMalloc(&ids, sizeof(std::int32_t) * kLayers * kTopK));
+    BENCH_CUDA(cudaMalloc(&step, sizeof(std::uint64_t)));
+    CopyRegions regions;
+    regions.count = kTensorCount;
+    for (std::size_t t = 0; t < kTensorCount; ++t) {  // tensor-major pools, shared by every layer
+      BENCH_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&pools[t]), kTensors[t] * kExperts,
+                               cudaHostAllocMapped | cudaHostAllocPortable));
+      std::fill(pools[t], pools[t] + kTensors[t] * kExperts, std::byte{1});
+      BENCH_CUDA(cudaMalloc(&slots[t], kTensors[t] * kSlots));
+      regions.regions[t] = CopyRegion{pools[t], slots[t], kTensors[t], kTensors[t], kTensors[t]};
+    }
+    BENCH_CUDA(device::resolve_mapped_regions(regions));
+    states.resize(kLayers);
+    fills.resize(kLayers);
+    for (std::int32_t l = 0; l < kLayers; ++l) {
+      BENCH_CUDA(states[l].create(kExperts, kSlots, stream));
+      BENCH_CUDA(device::make_plan_fill_params(regions, states[l].state(), fills[l]));
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    ceiling_gbps = measure_ceiling();
+  }
+
+  // Median of 5 copies of 256 MiB pinned -> device.
+  double measure_ceiling() {
+    constexpr std::size_t bytes = std::size_t{256} << 20;
+    std::byte *host = nullptr, *dev = nullptr;
+    BENCH_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocDefault));
+    BENCH_CUDA(cudaMalloc(&dev, bytes));
+    std::fill(host, host + bytes, std::byte{2});
+    std::vector<double> gbps;
+    for (int i = 0; i < 6; ++i) {
+      BENCH_CUDA(cudaEventRecord(start, stream));
+      BENCH_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream));
+      BENCH_CUDA(cudaEventRecord(stop, stream));
+      BENCH_CUDA(cudaEventSynchronize(stop));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+      if (i > 0) gbps.push_back(static_cast<double>(bytes) / (ms * 1e6));
+    }
+    BENCH_CUDA(cudaFreeHost(host));
+    BENCH_CUDA(cudaFree(dev));
+    std::sort(gbps.begin(), gbps.end());
+    return gbps[gbps.size() / 2];
+  }
+
+  std::uint64_t misses_layer0() {
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    return states[0].stats().misses;
+  }
+};
+
+World& world() {
+  static World w;
+  return w;
+}
+
+enum class Graph { router_only, plan, fill_two_nodes, fill_fused };
+
+cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  BENCH_CUDA(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeGlobal));
+  router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
+  BENCH_CUDA(cudaGetLastError());
+  for (std::int32_t l = 0; kind != Graph::router_only && l < kLayers; ++l) {
+    const DevicePlanState& s = w.states[static_cast<std::size_t>(l)].state();
+    std::int32_t* layer_ids = w.ids + l * kTopK;
+    if (kind == Graph::fill_fused) {
+      BENCH_CUDA(device::launch_plan_forward_fill(s, layer_ids, kTopK, nullptr, w.fills[static_cast<std::size_t>(l)],
+                                                  w.stream));
+    } else {
+      BENCH_CUDA(device::launch_plan_forward(s, layer_ids, kTopK, nullptr, w.stream));
+      if (kind == Graph::fill_two_nodes) BENCH_CUDA(device::launch_plan_fill(w.fills[static_cast<std::size_t>(l)], w.stream));
+    }
+  }
+  BENCH_CUDA(cudaStreamEndCapture(w.stream, &graph));
+  BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  BENCH_CUDA(cudaGraphDestroy(graph));
+  return exec;
+}
+
+void run_graph(benchmark::State& state, Graph kind, std::int32_t k, int replays_per_iteration, int warm) {
+  World& w = world();
+  cudaGraphExec_t exec = capture(w, kind, k);
+  for (int i = 0; i < warm; ++i) BENCH_CUDA(cudaGraphLaunch(exec, w.stream));  // slots full, cycle wrapped
+  const std::uint64_t misses_before = w.misses_layer0();
+  double total_s = 0;
+  std::int64_t replays = 0;
+  for (auto _ : state) {
+    BENCH_CUDA(cudaEventRecord(w.start, w.stream));
+    for (int i = 0; i < replays_per_iteration; ++i) BENCH_CUDA(cudaGraphLaunch(exec, w.stream));
+    BENCH_CUDA(cudaEventRecord(w.stop, w.stream));
+    BENCH_CUDA(cudaEventSynchronize(w.stop));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, w.start, w.stop));
+    const double s = ms * 1e-3 / replays_per_iteration;
+    state.SetIterationTime(s);
+    total_s += s * replays_per_iteration;
+    replays += replays_per_iteration;
+  }
+  const double misses = static_cast<double>(w.misses_layer0() - misses_before);
+  const double per_replay_s = total_s / static_cast<double>(std::max<std::int64_t>(replays, 1));
+  state.counters["us_per_layer"] = per_replay_s * 1e6 / kLayers;
+  if (kind != Graph::router_only) state.counters["misses_per_layer"] = misses / static_cast<double>(std::max<std::int64_t>(replays, 1));
+  if (kind == Graph::fill_two_nodes || kind == Graph::fill_fused) {
+    const double bytes = static_cast<double>(kLayers) * k * static_cast<double>(expert_bytes());
+    state.counters["GBps"] = bytes / per_replay_s * 1e-9;
+    state.counters["ratio_of_pinned"] = bytes / per_replay_s * 1e-9 / w.ceiling_gbps;
+    state.counters["ceiling_GBps"] = w.ceiling_gbps;
+  }
+  BENCH_CUDA(cudaGraphExecDestroy(exec));
+}
+
+void BM_ceiling(benchmark::State& state) {
+  World& w = world();
+  for (auto _ : state) {
+    const double gbps = w.measure_ceiling();
+    state.SetIterationTime(static_cast<double>(std::size_t{256} << 20) / (gbps * 1e9));
+    state.counters["GBps"] = gbps;
+  }
+  state.counters["setup_ceiling_GBps"] = w.ceiling_gbps;
+}
+void BM_router_only(benchmark::State& state) { run_graph(state, Graph::router_only, 0, 20, 5); }
+void BM_plan(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph(state, Graph::plan, k, 20, k > 0 ? 260 / k + 5 : 5);
+}
+void BM_fill_two_nodes(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph(state, Graph::fill_two_nodes, k, 3, 220 / k + 3);
+}
+void BM_fill_fused(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph(state, Graph::fill_fused, k, 3, 220 / k + 3);
+}
+
+}  // namespace
+
+BENCHMARK(BM_ceiling)->Name("ceiling")->UseManualTime()->Iterations(3)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_router_only)->Name("router_only")->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan)->Name("plan")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
+    ->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_fill_two_nodes)->Name("fill/two_nodes")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_fill_fused)->Name("fill/fused")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
+    ->Iterations(5)->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();
