@@ -414,13 +414,15 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // Victims: the `victims` smallest (tick, slot) keys among residents, one block arg-min each,
   // each strictly above the previous one. Only evicting forwards pay this (the all-hit decode
   // step and misses served from free slots skip it); O(victims * C / threads).
+  // Both words of a key are loaded unconditionally (independent loads, issued together); the
+  // victims' experts are looked up once after the search, not one dependent load per victim.
   PlanKey last{0, -1};
   for (std::int32_t j = 0; j < victims; ++j) {
     PlanKey best;
     for (std::int32_t slot = rank; slot < C; slot += nt) {
-      if (s.slot_owner[slot] < 0) continue;
+      const std::int32_t owner = s.slot_owner[slot];
       const PlanKey key{s.slot_tick[slot], slot};
-      if (last < key && key < best) best = key;
+      if (owner >= 0 && last < key && key < best) best = key;
     }
     best = b.min_key(best);
     // Not found, or a resident of this group: only a corrupted state gets here (the host
@@ -429,8 +431,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       if (rank == 0) publish_stats(b, s, in.before, in.now);
       return plan_fail(b, s, plan_error_bad_state);
     }
-    if (rank == 0) s.evictions[j] = PlanEntry{s.slot_owner[best.slot], best.slot};
+    if (rank == 0) s.evictions[j].slot = best.slot;
     last = best;
+  }
+  if (rank == 0) {
+    for (std::int32_t j = 0; j < victims; ++j) s.evictions[j].expert = s.slot_owner[s.evictions[j].slot];
   }
   if (misses > 0) b.sync();  // the fill list (and the eviction list) visible to every thread
 
