@@ -1,0 +1,501 @@
+#pragma once
+// DeviceExpertCache: the expert cache planned ON THE DEVICE (issue 12), through the same library
+// as ExpertCache: the same Storage (TensorMajorStorage / ExpertMajorStorage and their
+// copy_regions()), the same Layout (expert_layout), the same slot buffers and ForwardView, and
+// OrderingCore for every stream edge. What changes is who plans: the router's top-k ids stay in
+// device memory and the LRU planning step of planning/device_plan.hpp (decisions equal to
+// ForwardPlanner<Lru>) runs as a device op, writing the forward map, the resident map and the
+// fill list into the device plan state; a fill op then copies the listed experts from the host
+// pools into their slots. The host never sees the ids, so nothing synchronises and the whole
+// call can sit inside a captured CUDA graph that is replayed with new ids.
+//
+//   DeviceExpertCache<Storage, Layout, Runtime>
+//     prepare(device_ids, n_ids, X)  plan + fill on X (inline mode), returns the ForwardView
+//     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
+//                                    forward had fewer groups: a graph provisions max_groups)
+//     invalidate(e, X)               a device invalidate, ordered like any write
+//     stats(), device_stats()        from the device stats (mapped memory) + host counters
+//     take_errors()                  read and clear the device error word (bad ids, overflow)
+//
+// Inline mode: the fill stream is the caller's stream. The ids are written by a router kernel
+// on that stream, so plan -> fill -> consumer are ordered by stream order alone and a capture
+// of the caller's stream holds the whole call (no fork/join of a copy stream into the graph,
+// no event nodes). The core still orders calls that move between streams (edges 1, 2, 6 of
+// docs/design.md's table; the device path adds no edge of its own, see "Device-planned cache").
+//
+// Every pointer of the returned view (slot tensors, forward map, resident map) is fixed for the
+// cache's lifetime, so a graph captured once stays correct on replay. view.hits / view.misses
+// are 0: the counts exist only on the device (stats() reads them from the mapped mirror).
+//
+// The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>):
+// SimPlanExecutor here (simulated launches that run the shared planning code with
+// SequentialBlock and declare what they touch), CudaPlanExecutor in
+// device/device_cache_cuda.cuh (the kernels of device/plan_kernel.cuh).
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "expert_cache/cache.hpp"
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/storage/copy_region.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+
+namespace expert_cache::inline v0 {
+
+struct DeviceCacheOptions {
+  std::int32_t num_experts = 0;
+  std::int32_t capacity = 0;
+  std::int32_t max_ids = 0;  // the largest n_ids prepare() accepts (tokens * top_k); > 0
+  // CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
+  // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
+  bool fused_plan_fill = true;
+  std::string label = "device_expert_cache";
+  std::function<void(std::string_view)> log;  // one line at construction; silent when empty
+};
+
+// What an executor does for the cache, on the stream the core hands it. `plan_enqueued` tells
+// the cache whether the state may have changed (a failure after it leaves slots unfilled).
+template <class X>
+concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s, const std::int32_t* ids,
+                                        std::int32_t n, bool& planned) {
+  { cx.state() } -> std::same_as<const DevicePlanState&>;
+  { cx.sanitized_ids() } -> std::same_as<std::int32_t*>;
+  { x.plan_forward_fill(s, ids, n, planned) } -> std::same_as<Status>;
+  { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
+  { x.invalidate(s, n) } -> std::same_as<Status>;
+  { x.drop_fills(s) } -> std::same_as<Status>;
+  { cx.stats() } -> std::same_as<DevicePlanStats>;
+  { x.take_error_word() } -> std::same_as<std::uint32_t>;
+  { cx.device_bytes() } -> std::same_as<std::size_t>;
+};
+
+// Specialised per runtime: `type` is the executor (SimPlanExecutor below; CudaPlanExecutor in
+// device/device_cache_cuda.cuh).
+template <class Runtime>
+struct DevicePlanExecutorFor;
+
+namespace detail {
+// Drops every expert of the state's fill list (the recovery after a plan whose fill could not
+// be enqueued: those slots never received their bytes). Runs on the device like any plan step.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s) noexcept {
+  if (!plan_state_ok(s)) return;
+  const std::int32_t n = s.scalars->fill_count;
+  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) plan_invalidate(b, s, s.fills[i].expert);
+}
+}  // namespace detail
+
+// ---- the SimRuntime executor --------------------------------------------------------------
+
+// The plan state in SimRuntime memory (device kind; the stats mirror and error word in
+// pinned_host, as on the GPU). Each device step is one `launch` op whose body runs the shared
+// planning code with SequentialBlock at completion, declaring what it touches:
+//   plan:  reads the ids [ids, ids + n) and every state array; writes every state array (maps,
+//          fill list, eviction list, scalars, counters), the stats mirror, the error word and
+//          the sanitized ids. Declared per array, from the state view.
+//   fill:  reads the fill list and the scalars (fill_count), reads the WHOLE host pool of every
+//          copy region and writes the WHOLE slot buffer of every region. Whole, not per fill:
+//          the rows are chosen by the plan op, which completes after this op is enqueued, and a
+//          simulated launch declares its ranges at enqueue. It is also the real contract: the
+//          host cannot know which slots a device-planned fill writes, so the ordering must
+//          cover every slot (edge 1 orders all of the previous owner's readers before it).
+class SimPlanExecutor {
+ public:
+  using Stream = SimRuntime::Stream;
+
+  SimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                  const CopyRegions& regions, bool /*fused: always two ops here*/)
+      : rt_(&rt),
+        block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
+        words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
+        sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
+        regions_(regions) {
+    auto* w = reinterpret_cast<MappedWords*>(words_.data());
+    state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
+    // Fresh memory, nothing enqueued yet: the reset runs on the host (declared as a host write).
+    rt.host_access(block_.data(), block_.size(), AccessMode::write);
+    rt.host_access(words_.data(), words_.size(), AccessMode::write);
+    SequentialBlock b;
+    reset_plan_state(b, state_);
+    for (const CopyRegion& r : regions_) {
+      if (r.bytes == 0) continue;
+      pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
+      slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
+    }
+  }
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
+  [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
+  [[nodiscard]] std::size_t device_bytes() const noexcept { return block_.size() + sanitized_.size(); }
+
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
+    if (n > 0) acc.push_back({sanitized_ids(), static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::write});
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    std::int32_t* out = sanitized_ids();
+    rt_->set_next_label("device plan_forward");
+    if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
+          SequentialBlock b;
+          plan_forward(b, st, ids, n, out);
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    return fill(s);
+  }
+
+  Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_group");
+    if (Status r = rt_->launch(s, acc, [st, g] {
+          SequentialBlock b;
+          plan_group(b, st, g);
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    return fill(s);
+  }
+
+  Status invalidate(Stream s, std::int32_t expert) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_invalidate");
+    return rt_->launch(s, acc, [st, expert] {
+      SequentialBlock b;
+      plan_invalidate(b, st, expert);
+    });
+  }
+
+  Status drop_fills(Stream s) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device drop_fills");
+    return rt_->launch(s, acc, [st] {
+      SequentialBlock b;
+      detail::plan_drop_fills(b, st);
+    });
+  }
+
+  // The mapped mirror, read without ordering (like the GPU's: readable while work runs; each
+  // word is written whole). Not declared to the race detector for that reason.
+  [[nodiscard]] DevicePlanStats stats() const noexcept { return reinterpret_cast<const MappedWords*>(words_.data())->stats; }
+
+  // Read and clear: declared as a host access, so calling it while a plan op is pending and
+  // unordered with the host is reported (the contract: only when the cache's streams are idle).
+  std::uint32_t take_error_word() noexcept {
+    auto* w = reinterpret_cast<MappedWords*>(words_.data());
+    rt_->host_access(&w->error_word, sizeof(w->error_word), AccessMode::write);
+    return std::exchange(w->error_word, 0u);
+  }
+
+ private:
+  struct MappedWords {
+    DevicePlanStats stats;
+    std::uint32_t error_word = 0;
+  };
+
+  static std::size_t extent(std::size_t stride, std::int32_t rows, std::size_t bytes) noexcept {
+    return rows <= 0 ? 0 : stride * static_cast<std::size_t>(rows - 1) + bytes;
+  }
+
+  template <class T>
+  static void add(std::vector<Access>& acc, PlanSpan<T> span) {
+    const std::size_t bytes = static_cast<std::size_t>(span.size) * sizeof(T);
+    acc.push_back({span.data, bytes, AccessMode::read});
+    acc.push_back({span.data, bytes, AccessMode::write});
+  }
+  void add_state_accesses(std::vector<Access>& acc) const {
+    add(acc, PlanSpan<DevicePlanScalars>{state_.scalars, 1});
+    add(acc, PlanSpan<DevicePlanStats>{state_.counters, 1});
+    add(acc, state_.slot_tick);
+    add(acc, state_.resident_map);
+    add(acc, state_.forward_map);
+    add(acc, state_.unique);
+    add(acc, state_.marks);
+    add(acc, state_.slot_owner);
+    add(acc, state_.free_stack);
+    add(acc, state_.prev_forward);
+    add(acc, state_.fills);
+    add(acc, state_.evictions);
+    acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
+    acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
+  }
+
+  Status fill(Stream s) noexcept {
+    std::vector<Access> acc;
+    acc.push_back({state_.scalars, sizeof(DevicePlanScalars), AccessMode::read});
+    acc.push_back({state_.fills.data, static_cast<std::size_t>(state_.capacity) * sizeof(PlanEntry), AccessMode::read});
+    acc.insert(acc.end(), pools_.begin(), pools_.end());
+    acc.insert(acc.end(), slots_.begin(), slots_.end());
+    const DevicePlanState st = state_;
+    const CopyRegions regions = regions_;
+    rt_->set_next_label("device plan_fill");
+    return rt_->launch(s, acc, [st, regions] {
+      const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+      for (std::int32_t i = 0; i < n; ++i) {
+        const PlanEntry f = st.fills[i];
+        // Checked like the kernel: nothing outside the pools is touched, whatever the list says.
+        if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
+        for (const CopyRegion& r : regions) {
+          std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
+                      r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
+        }
+      }
+    });
+  }
+
+  SimRuntime* rt_;
+  RuntimeBuffer<SimRuntime> block_;
+  RuntimeBuffer<SimRuntime> words_;
+  RuntimeBuffer<SimRuntime> sanitized_;
+  CopyRegions regions_;
+  std::vector<Access> pools_;
+  std::vector<Access> slots_;
+  DevicePlanState state_{};
+};
+static_assert(device_plan_executor<SimPlanExecutor>);
+
+template <>
+struct DevicePlanExecutorFor<SimRuntime> {
+  using type = SimPlanExecutor;
+};
+
+// ---- the cache ----------------------------------------------------------------------------
+
+namespace detail {
+
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime, class Edges>
+class DeviceExpertCacheWithEdges {
+ public:
+  using Stream = typename Runtime::Stream;
+  using StorageType = Storage<Runtime>;
+  using LayoutType = Layout;
+  using Executor = typename DevicePlanExecutorFor<Runtime>::type;
+  static_assert(device_plan_executor<Executor>);
+
+  // Throws Error on an impossible configuration (capacity 0 or > num_experts, max_ids <= 0, a
+  // layout that does not validate, sizes that cannot be allocated).
+  DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
+      : rt_(&rt),
+        options_(validated(std::move(options))),
+        layout_(validated(layout)),
+        storage_(rt, CacheShape{options_.num_experts, options_.capacity}, layout_.tensors()),
+        // Inline mode (fills on the caller's stream); no host map is ever uploaded, so the
+        // staging ring stays at its minimum.
+        core_(rt, false, static_cast<std::size_t>(options_.num_experts), 2),
+        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(),
+              options_.fused_plan_fill) {
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
+    view_.expert_map = exec_.state().forward_map.data;
+    view_.resident_map = exec_.state().resident_map.data;
+    copies_per_fill_ = storage_.copy_regions().count;
+    if (options_.log) {
+      const CacheStats s = stats();
+      options_.log(options_.label + ": device-planned lru/inline/" + std::string(StorageType::name) + "/" +
+                   std::string(Layout::name) + ", " + std::to_string(options_.capacity) + " of " +
+                   std::to_string(options_.num_experts) + " experts, up to " + std::to_string(options_.max_ids) +
+                   " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes));
+    }
+  }
+  DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
+  DeviceExpertCacheWithEdges& operator=(const DeviceExpertCacheWithEdges&) = delete;
+
+  // Plans the forward of `n_ids` top-k ids in device memory (negative = padding; other ids
+  // outside [0, E) are dropped and counted) and fills its group 0, on `stream`. On error
+  // nothing was enqueued when the input or the stream was rejected; a runtime failure after
+  // the plan was enqueued makes the next call drop the planned experts first (their slots may
+  // not hold their bytes).
+  Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream) noexcept {
+    if (n_ids < 0 || n_ids > options_.max_ids) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids (accepted: 0..%d, max_ids)",
+                            options_.label.c_str(), n_ids, options_.max_ids);
+    }
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    if (Status s = check_stream(stream, "prepare"); !s) return s;
+    Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
+      return exec_.plan_forward_fill(f, device_ids, n_ids, planned);
+    });
+    if (!s) return s.with_context("%s: prepare(%d ids)", options_.label.c_str(), n_ids);
+    ++prepare_calls_;
+    view_.generation = ++generation_;
+    return view_;
+  }
+
+  // Overflow group g (1 <= g < max_groups(max_ids)) of the last prepare(): plans ids
+  // [g*C, (g+1)*C) of its sorted unique list and fills them. A group the forward does not have
+  // is empty: the forward map is cleared, nothing is filled, the consumer computes nothing.
+  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
+    const std::int32_t most = max_groups(options_.max_ids);
+    if (group < 1 || group >= most) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare_group(%d) outside 1..%d (max_groups(max_ids) = %d)",
+                            options_.label.c_str(), group, most - 1, most);
+    }
+    if (Status s = check_stream(stream, "prepare_group"); !s) return s;
+    Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
+      return exec_.plan_group_fill(f, group, planned);
+    });
+    if (!s) return s.with_context("%s: prepare_group(%d)", options_.label.c_str(), group);
+    view_.generation = ++generation_;
+    return view_;
+  }
+
+  // Drops `expert` on the device (no-op there when it is not resident). Ordered like a write:
+  // after the owner's readers and the last writer (edge 6); the owner keeps reading.
+  Status invalidate(std::int32_t expert, Stream stream) noexcept {
+    if (expert < 0 || expert >= options_.num_experts) {
+      return Status::format(ErrorCode::expert_out_of_range, "%s: invalidate(%d): expert outside [0, %d)",
+                            options_.label.c_str(), expert, options_.num_experts);
+    }
+    if (Status s = check_stream(stream, "invalidate"); !s) return s;
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept { return exec_.invalidate(f, expert); });
+    if (!s) return s.with_context("%s: invalidate(%d)", options_.label.c_str(), expert);
+    ++generation_;
+    return {};
+  }
+
+  // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids.
+  [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids) const noexcept {
+    return plan_max_groups(n_ids, options_.num_experts, options_.capacity);
+  }
+
+  // Device counters from the mapped mirror (current while work runs; exact once the cache's
+  // streams are idle) plus the host's counters. promotions = misses (every miss inserts one
+  // expert); resident = inserted - evicted - invalidated. last_copies is 0: how many fills a
+  // step made is known only on the device; total_copies = misses * copies per fill.
+  [[nodiscard]] CacheStats stats() const noexcept {
+    const DevicePlanStats d = exec_.stats();
+    const auto& o = core_.counters();
+    CacheStats s;
+    s.hits = d.hits;
+    s.misses = d.misses;
+    s.promotions = d.misses;
+    s.evictions = d.evictions;
+    s.invalidations = d.invalidations;
+    s.resident = static_cast<std::int64_t>(d.misses) - static_cast<std::int64_t>(d.evictions) -
+                 static_cast<std::int64_t>(d.invalidations);
+    s.capacity = options_.capacity;
+    s.prepare_calls = prepare_calls_;
+    s.generation = generation_;
+    s.last_copies = 0;
+    s.total_copies = d.misses * copies_per_fill_;
+    s.owner_changes = o.owner_changes;
+    s.map_uploads = o.map_uploads;
+    s.staging_stalls = o.staging_stalls;
+    s.faults = faults_;
+    s.slot_bytes = storage_.slot_bytes() + exec_.device_bytes();
+    s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
+    return s;
+  }
+  [[nodiscard]] DevicePlanStats device_stats() const noexcept { return exec_.stats(); }
+
+  // Reads and clears the device error word (PlanErrorBit: bad ids, overflow, ...). Call it
+  // while the cache's streams are idle (the device ORs bits with a plain load + store).
+  [[nodiscard]] std::uint32_t take_errors() noexcept { return exec_.take_error_word(); }
+
+  [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const DeviceCacheOptions& options() const noexcept { return options_; }
+  [[nodiscard]] const ForwardView& view() const noexcept { return view_; }
+  // The device state (device pointers): maps, fill list, scalars; for tests and tools.
+  [[nodiscard]] const DevicePlanState& plan_state() const noexcept { return exec_.state(); }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
+  // The last prepare's ids with every dropped one as -1 (n_ids entries, device memory): a
+  // consumer indexing the maps with these stays in bounds whatever the router wrote.
+  [[nodiscard]] const std::int32_t* sanitized_ids_device() const noexcept { return exec_.sanitized_ids(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  [[nodiscard]] const OrderingCounters& ordering_counters() const noexcept { return core_.counters(); }
+
+ private:
+  static DeviceCacheOptions validated(DeviceCacheOptions o) {
+    if (o.capacity <= 0 || o.capacity > o.num_experts) {
+      throw Error(Status::format(ErrorCode::invalid_capacity, "%s: capacity %d for %d experts (need 1..num_experts)",
+                                 o.label.c_str(), o.capacity, o.num_experts));
+    }
+    if (o.max_ids <= 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_ids %d (need > 0: tokens * top_k)",
+                                 o.label.c_str(), o.max_ids));
+    }
+    return o;
+  }
+  static Layout validated(const Layout& layout) {
+    throw_if_error(layout.validate());
+    return layout;
+  }
+
+  // A stream the runtime does not know is refused before anything is enqueued.
+  Status check_stream(Stream stream, const char* what) noexcept {
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) {
+      return capturing.status().with_context("%s: %s refused the stream (nothing enqueued)", options_.label.c_str(), what);
+    }
+    return {};
+  }
+
+  // One call through the core's write entry. Before its own step, a pending recovery drops the
+  // experts of a plan whose fill never got enqueued.
+  template <class Step>
+  Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
+    bool planned = false;
+    Status s = core_.write(stream, purpose, MapUpload{}, [&](Stream f) noexcept -> Status {
+      if (drop_pending_) {
+        if (Status d = exec_.drop_fills(f); !d) return d;
+        drop_pending_ = false;
+      }
+      Status r = step(f, planned);
+      if (!r && planned) drop_pending_ = true;
+      return r;
+    });
+    if (!s) ++faults_;
+    return s;
+  }
+
+  Runtime* rt_;
+  DeviceCacheOptions options_;
+  Layout layout_;
+  StorageType storage_;
+  OrderingCore<Runtime, Edges> core_;
+  Executor exec_;
+  ForwardView view_;
+  bool drop_pending_ = false;
+  std::size_t copies_per_fill_ = 0;
+  std::uint64_t prepare_calls_ = 0;
+  std::uint64_t generation_ = 0;
+  std::uint64_t faults_ = 0;
+};
+
+}  // namespace detail
+
+// The public type: every ordering edge on.
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime>
+using DeviceExpertCache = detail::DeviceExpertCacheWithEdges<Storage, Layout, Runtime, OrderingEdges>;
+
+}  // namespace expert_cache::inline v0

@@ -1,0 +1,546 @@
+// DeviceExpertCache on SimRuntime against the host-planned ExpertCache<..., Lru, ...>: the ids
+// are written into simulated device memory by a "router" launch, planned and filled by the
+// device path's simulated ops, read by a consumer launch that declares every byte it reads.
+// Checked: hits/misses per step (device stats deltas), the maps, the slot bytes, bad ids and
+// overflow groups, invalidate, owner changes between streams; the race detector stays silent
+// over many seeded random schedules, and fires when an edge the device path relies on
+// (docs/design.md's table: 1, 2, 6) is removed.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "expert_cache/device_cache.hpp"
+#include "support/sim_cache_harness.hpp"
+
+using namespace expert_cache;
+using namespace expert_cache::test;
+using Ids = std::vector<std::int32_t>;
+using Stream = SimRuntime::Stream;
+
+namespace {
+
+template <class Edges, template <class> class Storage = TensorMajorStorage>
+using DevCacheE = detail::DeviceExpertCacheWithEdges<Storage, ExplicitLayout, SimRuntime, Edges>;
+using HostRef = ExpertCache<TensorMajorStorage, Lru, Inline, ExplicitLayout, SimRuntime>;
+using HostRefExpertMajor = ExpertCache<ExpertMajorStorage, Lru, Inline, ExplicitLayout, SimRuntime>;
+
+struct ReadLog {
+  std::uint64_t runs = 0;
+  std::uint64_t mismatches = 0;
+  std::string first;
+};
+
+Ids sorted_unique_valid(const Ids& ids, std::int32_t experts) {
+  std::set<std::int32_t> u;
+  for (std::int32_t id : ids) {
+    if (id >= 0 && id < experts) u.insert(id);
+  }
+  return Ids(u.begin(), u.end());
+}
+
+std::vector<Ids> groups_of(const Ids& ids, std::int32_t experts, std::int32_t capacity) {
+  const Ids all = sorted_unique_valid(ids, experts);
+  std::vector<Ids> out;
+  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
+    const std::size_t e = std::min(all.size(), b + static_cast<std::size_t>(capacity));
+    out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b), all.begin() + static_cast<std::ptrdiff_t>(e));
+  }
+  return out;
+}
+
+std::uint64_t count_bad(const Ids& ids, std::int32_t experts) {
+  return static_cast<std::uint64_t>(
+      std::count_if(ids.begin(), ids.end(), [&](std::int32_t id) { return id != -1 && (id < 0 || id >= experts); }));
+}
+
+// Router output: padding, duplicates, and (with `bad`) values a broken router writes.
+Ids random_ids(std::mt19937_64& rng, std::int32_t n, std::int32_t experts, bool bad) {
+  Ids ids;
+  for (std::int32_t i = 0; i < n; ++i) {
+    const auto r = rng() % 100;
+    if (r < 8) {
+      ids.push_back(-1);
+    } else if (bad && r < 12) {
+      const std::int32_t junk[] = {INT32_MIN, -7, experts, experts + 3, INT32_MAX};
+      ids.push_back(junk[rng() % 5]);
+    } else {
+      ids.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(experts)));
+    }
+  }
+  return ids;
+}
+
+template <class Edges = OrderingEdges, template <class> class Storage = TensorMajorStorage,
+          class Host = HostRef>
+struct Fixture {
+  using Dev = DevCacheE<Edges, Storage>;
+  static constexpr std::int32_t max_ids = 24;
+  SimRuntime rt;
+  SimRuntime host_rt;  // the reference runs on its own runtime, drained at once
+  std::vector<Stream> streams;
+  std::vector<RuntimeBuffer<SimRuntime>> id_buffers;  // one per stream: the router's output
+  std::unique_ptr<Dev> dev;
+  std::unique_ptr<Host> host;
+  Stream host_stream;
+  std::int32_t experts, capacity;
+  std::shared_ptr<ReadLog> log = std::make_shared<ReadLog>();
+  std::uint64_t readers = 0;
+
+  Fixture(std::int32_t e, std::int32_t c, std::uint64_t seed = 1)
+      : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}),
+        experts(e),
+        capacity(c) {
+    for (int i = 0; i < 3; ++i) {
+      streams.push_back(rt.create_stream().value());
+      id_buffers.emplace_back(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
+    }
+    DeviceCacheOptions o;
+    o.num_experts = e;
+    o.capacity = c;
+    o.max_ids = max_ids;
+    dev = std::make_unique<Dev>(rt, o, six_tensor_layout());
+    host = std::make_unique<Host>(host_rt, quiet_options(e, c, 1), six_tensor_layout());
+    host_stream = host_rt.create_stream().value();
+    fill_host_pools(*dev);
+    fill_host_pools(*host);
+  }
+
+  std::int32_t* ids_of(std::size_t s) const { return reinterpret_cast<std::int32_t*>(id_buffers[s].data()); }
+
+  // The router: a launch on stream s that writes `ids` into s's id buffer.
+  Status route(std::size_t s, const Ids& ids) {
+    std::int32_t* dst = ids_of(s);
+    const Access w{dst, ids.size() * sizeof(std::int32_t), AccessMode::write};
+    rt.set_next_label("router");
+    return rt.launch(streams[s], std::span<const Access>(&w, ids.empty() ? 0 : 1),
+                     [dst, ids] { std::copy(ids.begin(), ids.end(), dst); });
+  }
+
+  // The consumer of one group: reads the maps and (whole: it finds its slots through the map)
+  // every slot buffer; checks the forward map holds exactly `expect`, each with its bytes.
+  Status read(std::size_t s, Ids expect) {
+    std::vector<Access> acc;
+    const std::size_t map = static_cast<std::size_t>(experts) * sizeof(std::int32_t);
+    const ForwardView v = dev->view();
+    acc.push_back({v.expert_map, map, AccessMode::read});
+    acc.push_back({v.resident_map, map, AccessMode::read});
+    for (const SlotTensor& t : v.tensors) {
+      if (t.bytes != 0) acc.push_back({t.base, t.slot_stride * static_cast<std::size_t>(capacity - 1) + t.bytes, AccessMode::read});
+    }
+    ++readers;
+    rt.set_next_label("consumer");
+    const std::int32_t e_count = experts;
+    return rt.launch(streams[s], acc, [v, expect = std::move(expect), e_count, log = log] {
+      ++log->runs;
+      std::vector<bool> want(static_cast<std::size_t>(e_count), false);
+      for (std::int32_t e : expect) want[static_cast<std::size_t>(e)] = true;
+      for (std::int32_t e = 0; e < e_count; ++e) {
+        const std::int32_t slot = v.expert_map[e];
+        bool ok = (slot >= 0) == want[static_cast<std::size_t>(e)];
+        if (ok && slot >= 0) {
+          ok = v.resident_map[e] == slot;
+          for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
+            const SlotTensor& st = v.tensors[t];
+            for (std::size_t i = 0; i < st.bytes; ++i) {
+              if (st.slot(slot)[i] != pattern_byte(t, e, i)) {
+                ok = false;
+                break;
+              }
+            }
+          }
+        }
+        if (!ok && log->mismatches++ == 0) {
+          log->first = "expert " + std::to_string(e) + " forward map " + std::to_string(slot) + " resident " +
+                       std::to_string(v.resident_map[e]) + (want[static_cast<std::size_t>(e)] ? " (wanted)" : " (not wanted)");
+        }
+      }
+    });
+  }
+
+  struct StepCounts {
+    std::uint64_t hits = 0, misses = 0;
+  };
+
+  // One forward on stream s: router -> prepare -> consumer, then `rounds` - 1 overflow rounds
+  // (prepare_group -> consumer). rounds = 0: the groups the forward needs. The host reference
+  // plans the same forward (bad ids dropped, one prepare_unique per group).
+  StepCounts step(std::size_t s, const Ids& ids, std::int32_t rounds = 0) {
+    const std::vector<Ids> groups = groups_of(ids, experts, capacity);
+    if (rounds == 0) rounds = std::max<std::int32_t>(1, static_cast<std::int32_t>(groups.size()));
+    REQUIRE(rounds >= static_cast<std::int32_t>(groups.size()));
+    REQUIRE(route(s, ids).ok());
+    auto view = dev->prepare(ids_of(s), static_cast<std::int32_t>(ids.size()), streams[s]);
+    REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+    REQUIRE(read(s, groups.empty() ? Ids{} : groups[0]).ok());
+    for (std::int32_t g = 1; g < rounds; ++g) {
+      auto gv = dev->prepare_group(g, streams[s]);
+      REQUIRE_MESSAGE(gv.ok(), std::string(gv.status().message()));
+      REQUIRE(read(s, g < static_cast<std::int32_t>(groups.size()) ? groups[static_cast<std::size_t>(g)] : Ids{}).ok());
+    }
+    StepCounts c;
+    if (groups.empty()) {
+      REQUIRE(host->prepare_unique(Ids{}, host_stream).ok());
+    }
+    for (const Ids& g : groups) {
+      REQUIRE(host->prepare_unique(g, host_stream).ok());
+      c.hits += host->last_plan().hits;
+      c.misses += host->last_plan().misses;
+    }
+    host_rt.drain();
+    return c;
+  }
+
+  void invalidate(std::size_t s, std::int32_t e) {
+    REQUIRE(dev->invalidate(e, streams[s]).ok());
+    REQUIRE(host->invalidate(e, host_stream).ok());
+    host_rt.drain();
+  }
+
+  // Everything done, the host ordered after every stream.
+  void settle() {
+    rt.drain();
+    for (Stream s : streams) REQUIRE(rt.synchronize(s).ok());
+  }
+
+  // Device state equals the host reference: resident map, slot owners' bytes (every slot
+  // buffer byte), and the forward map when the last round was a real group.
+  void check_equal(bool forward_is_last_group) {
+    const auto hr = host->resident_map_host();
+    const std::int32_t* dr = dev->resident_map_device();
+    CHECK(std::equal(hr.begin(), hr.end(), dr));
+    const std::int32_t* df = dev->forward_map_device();
+    if (forward_is_last_group) {
+      const auto hf = host->forward_map_host();
+      CHECK(std::equal(hf.begin(), hf.end(), df));
+    } else {
+      CHECK(std::all_of(df, df + experts, [](std::int32_t x) { return x == -1; }));
+    }
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      const SlotTensor a = dev->storage().slot_tensor(t), b = host->storage().slot_tensor(t);
+      if (a.bytes == 0) continue;
+      for (std::int32_t s = 0; s < capacity; ++s) {
+        if (hr.end() == std::find(hr.begin(), hr.end(), s)) continue;  // never-filled or freed: not compared
+        CHECK(std::memcmp(a.slot(s), b.slot(s), a.bytes) == 0);
+      }
+    }
+  }
+
+  void check_clean() {
+    CHECK(rt.race_count() == 0);
+    if (rt.race_count() != 0) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    if (log->mismatches != 0) MESSAGE(log->first);
+    CHECK(log->runs == readers);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("device cache: step by step equal to the host-planned Lru cache (hits, misses, maps, slot bytes)") {
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    Fixture<> f(20, 6, seed);
+    std::mt19937_64 rng(seed * 7919);
+    bool last_full = true;  // the last forward ran exactly its groups (no empty rounds after)
+    for (int step = 0; step < 60; ++step) {
+      const std::size_t s = rng() % 4 == 0 ? rng() % 3 : 0;  // owner changes now and then
+      const auto kind = rng() % 10;
+      if (kind == 0) {
+        f.invalidate(rng() % 3, static_cast<std::int32_t>(rng() % 20));
+        f.settle();
+        f.check_equal(last_full);
+        continue;
+      }
+      // Mostly small forwards (the register path), some wide ones (overflow, general path).
+      const std::int32_t n = kind < 7 ? 1 + static_cast<std::int32_t>(rng() % 8) : 9 + static_cast<std::int32_t>(rng() % 16);
+      const Ids ids = random_ids(rng, n, 20, kind == 9);
+      const std::int32_t needed = std::max<std::int32_t>(1, static_cast<std::int32_t>(groups_of(ids, 20, 6).size()));
+      const std::int32_t rounds = rng() % 3 == 0 ? f.dev->max_groups(n) : needed;  // a graph provisions max_groups
+      const DevicePlanStats before = f.dev->device_stats();
+      const auto expect = f.step(s, ids, rounds);
+      f.settle();
+      const DevicePlanStats after = f.dev->device_stats();
+      INFO("seed " << seed << " step " << step << " n " << n << " groups " << needed << " rounds " << rounds);
+      CHECK(after.hits - before.hits == expect.hits);
+      CHECK(after.misses - before.misses == expect.misses);
+      CHECK(after.bad_ids - before.bad_ids == count_bad(ids, 20));
+      CHECK(after.overflows - before.overflows == (needed > 1 ? 1u : 0u));
+      CHECK(after.overflow_groups - before.overflow_groups == static_cast<std::uint64_t>(needed - 1));
+      last_full = rounds == needed;
+      f.check_equal(last_full);
+      // The sanitized ids: every dropped one as -1, the rest unchanged.
+      const std::int32_t* san = f.dev->sanitized_ids_device();
+      for (std::size_t i = 0; i < ids.size(); ++i) {
+        const bool valid = ids[i] >= 0 && ids[i] < 20;
+        CHECK(san[i] == (valid ? ids[i] : -1));
+      }
+    }
+    f.check_clean();
+    const CacheStats cs = f.dev->stats();
+    const CacheStats hs = f.host->stats();
+    CHECK(cs.hits == hs.hits);
+    CHECK(cs.misses == hs.misses);
+    CHECK(cs.evictions == hs.evictions);
+    CHECK(cs.invalidations == hs.invalidations);
+    CHECK(cs.resident == hs.resident);
+    CHECK(cs.promotions == hs.promotions);
+  }
+}
+
+TEST_CASE("device cache: expert-major storage (one region per fill) gives the same bytes") {
+  Fixture<OrderingEdges, ExpertMajorStorage, HostRefExpertMajor> f(16, 5, 3);
+  std::mt19937_64 rng(3);
+  for (int step = 0; step < 80; ++step) {
+    const Ids ids = random_ids(rng, 1 + static_cast<std::int32_t>(rng() % 12), 16, step % 5 == 0);
+    const DevicePlanStats before = f.dev->device_stats();
+    const auto expect = f.step(step % 2, ids);
+    f.settle();
+    CHECK(f.dev->device_stats().hits - before.hits == expect.hits);
+    CHECK(f.dev->device_stats().misses - before.misses == expect.misses);
+    f.check_equal(true);
+  }
+  f.check_clean();
+}
+
+namespace {
+// One free-running schedule: steps from random streams (owner changes), invalidates from random
+// streams, overflow rounds, the simulated GPU advanced by random amounts in between; then the
+// final state against the host reference.
+template <class Edges>
+std::uint64_t run_schedule(std::uint64_t seed, bool check_races) {
+  Fixture<Edges> f(12, 4, seed);
+  std::mt19937_64 rng(seed);
+  const int actions = 6 + static_cast<int>(rng() % 8);
+  bool last_full = true;
+  for (int a = 0; a < actions; ++a) {
+    const std::size_t s = rng() % 3;
+    if (rng() % 5 == 0) {
+      f.invalidate(s, static_cast<std::int32_t>(rng() % 12));
+    } else {
+      const std::int32_t n = 1 + static_cast<std::int32_t>(rng() % 12);
+      const Ids ids = random_ids(rng, n, 12, rng() % 4 == 0);
+      const auto needed = std::max<std::int32_t>(1, static_cast<std::int32_t>(groups_of(ids, 12, 4).size()));
+      const std::int32_t rounds = rng() % 2 == 0 ? f.dev->max_groups(n) : needed;
+      (void)f.step(s, ids, rounds);
+      last_full = rounds == needed;
+    }
+    f.rt.run_random(rng(), rng() % 10);
+  }
+  f.settle();
+  if (check_races) {
+    f.check_clean();
+    f.check_equal(last_full);
+  }
+  return f.rt.race_count();
+}
+}  // namespace
+
+TEST_CASE("device cache ordering: no race over many seeded random schedules") {
+  std::uint64_t races = 0, runs = 0;
+  for (std::uint64_t seed = 1; seed <= 3000; ++seed) {
+    races += run_schedule<OrderingEdges>(seed, true);
+    ++runs;
+  }
+  MESSAGE("device-cache schedules checked: " << runs);
+  CHECK(races == 0);
+}
+
+namespace {
+// The edges the device path does NOT use (inline mode: no cross-stream ready wait; every call
+// writes, so no read-only adoption; no host map uploads): all off, still silent.
+struct UnusedEdgesOff : OrderingEdges {
+  static constexpr bool ready_wait = false;               // 3
+  static constexpr bool all_hit_ready_wait = false;       // 4
+  static constexpr bool owner_change_release = false;     // 5
+  static constexpr bool resident_map_serialised = false;  // 7
+  static constexpr bool staging_guard = false;            // 8
+};
+struct NoReleaseWait : OrderingEdges {  // 1
+  static constexpr bool release_wait = false;
+};
+struct NoLastFillRelease : OrderingEdges {  // 2
+  static constexpr bool last_fill_release = false;
+};
+struct NoInvalidateOrder : OrderingEdges {  // 6
+  static constexpr bool invalidate_order = false;
+};
+}  // namespace
+
+TEST_CASE("device cache ordering: edges 3, 4, 5, 7, 8 are not relied upon (all off, still silent)") {
+  std::uint64_t races = 0;
+  for (std::uint64_t seed = 1; seed <= 500; ++seed) races += run_schedule<UnusedEdgesOff>(seed, true);
+  CHECK(races == 0);
+  // The same schedules do exercise the edges the path needs: without edge 1 they race.
+  std::uint64_t racy = 0;
+  for (std::uint64_t seed = 1; seed <= 200; ++seed) racy += run_schedule<NoReleaseWait>(seed, false) > 0 ? 1 : 0;
+  MESSAGE("schedules that race without edge 1: " << racy << " of 200");
+  CHECK(racy > 20);
+}
+
+TEST_CASE("negative (edge 1): without the owner release, an owner change races the previous owner's consumer") {
+  Fixture<NoReleaseWait> f(12, 4);
+  (void)f.step(0, {0, 1, 2, 3});
+  (void)f.step(1, {4, 5, 6, 7});  // owner A -> B: B's plan + fill overwrite what A's consumer reads
+  f.settle();
+  REQUIRE(f.rt.race_count() > 0);
+  MESSAGE(f.rt.races()[0].description);
+  // With the edge: silent.
+  Fixture<> g(12, 4);
+  (void)g.step(0, {0, 1, 2, 3});
+  (void)g.step(1, {4, 5, 6, 7});
+  g.settle();
+  g.check_clean();
+  g.check_equal(true);
+  CHECK(g.dev->ordering_counters().owner_changes == 1);
+}
+
+TEST_CASE("negative (edge 2): without the last-writer release, an invalidate from a third stream races the next plan") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2});
+    f.rt.drain();
+    f.invalidate(2, 1);             // last_fill = stream 2, owner stays stream 0
+    (void)f.step(1, {1, 2, 3, 4});  // B waits for the owner (edge 1) and for stream 2 (edge 2)
+    f.settle();
+  };
+  Fixture<NoLastFillRelease> f(12, 4);
+  run(f);
+  REQUIRE(f.rt.race_count() > 0);
+  MESSAGE(f.rt.races()[0].description);
+  Fixture<> g(12, 4);
+  run(g);
+  g.check_clean();
+  g.check_equal(true);
+}
+
+TEST_CASE("negative (edge 6): without invalidate ordering, a device invalidate races the owner's consumer") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2});
+    f.invalidate(1, 1);  // stream 1 rewrites the maps the consumer on stream 0 may still read
+    f.settle();
+  };
+  Fixture<NoInvalidateOrder> f(12, 4);
+  run(f);
+  REQUIRE(f.rt.race_count() > 0);
+  MESSAGE(f.rt.races()[0].description);
+  Fixture<> g(12, 4);
+  run(g);
+  g.check_clean();
+  g.check_equal(true);
+}
+
+TEST_CASE("device cache: bad ids and overflow are counted and flagged in the error word") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {INT32_MIN, 3, -7, 12, -1, 3, INT32_MAX});
+  f.settle();
+  const DevicePlanStats d = f.dev->device_stats();
+  CHECK(d.bad_ids == 4);
+  CHECK(d.misses == 1);
+  CHECK(f.dev->take_errors() == plan_error_bad_id);
+  CHECK(f.dev->take_errors() == 0u);  // read and cleared
+  f.check_equal(true);
+  const std::int32_t* san = f.dev->sanitized_ids_device();
+  CHECK(Ids(san, san + 7) == Ids{-1, 3, -1, -1, -1, 3, -1});
+
+  (void)f.step(1, {0, 1, 2, 4, 5, 6, 7, 8, 9, 10}, f.dev->max_groups(10));  // 10 unique, C = 4: 3 groups
+  f.settle();
+  CHECK(f.dev->device_stats().overflows == 1);
+  CHECK(f.dev->device_stats().overflow_groups == 2);
+  CHECK(f.dev->take_errors() == plan_error_overflow);
+  CHECK(f.dev->max_groups(10) == 3);
+  f.check_equal(true);
+  f.check_clean();
+  CHECK(f.dev->stats().resident == 4);
+}
+
+TEST_CASE("device cache: take_errors while a plan is pending and unordered with the host is reported") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {1, 2});
+  (void)f.dev->take_errors();  // nothing ran yet: the host read races the pending plan's write
+  f.rt.drain();
+  REQUIRE(f.rt.race_count() > 0);
+  CHECK(f.rt.races()[0].description.find("host") != std::string::npos);
+}
+
+TEST_CASE("device cache: rejected calls leave the cache unchanged and enqueue nothing") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {1, 2, 3});
+  f.settle();
+  const DevicePlanStats before = f.dev->device_stats();
+  const CacheStats cs = f.dev->stats();
+  const std::size_t pending = f.rt.pending_ops();
+  const Ids resident(f.dev->resident_map_device(), f.dev->resident_map_device() + 12);
+  const Stream s = f.streams[1];
+  CHECK(f.dev->prepare(f.ids_of(1), -1, s).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare(f.ids_of(1), Fixture<>::max_ids + 1, s).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare(nullptr, 3, s).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare(f.ids_of(1), 3, Stream{999}).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare_group(0, s).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare_group(f.dev->max_groups(Fixture<>::max_ids), s).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->prepare_group(1, Stream{999}).status().code() == ErrorCode::invalid_argument);
+  CHECK(f.dev->invalidate(-1, s).code() == ErrorCode::expert_out_of_range);
+  CHECK(f.dev->invalidate(12, s).code() == ErrorCode::expert_out_of_range);
+  CHECK(!f.dev->invalidate(1, Stream{999}).ok());
+  CHECK(f.rt.pending_ops() == pending);
+  CHECK(f.dev->device_stats() == before);
+  const CacheStats after = f.dev->stats();
+  CHECK(after.prepare_calls == cs.prepare_calls);
+  CHECK(after.generation == cs.generation);
+  CHECK(after.faults == 0);
+  CHECK(Ids(f.dev->resident_map_device(), f.dev->resident_map_device() + 12) == resident);
+  CHECK(f.dev->owner() == f.streams[0]);
+  // A zero-id prepare is accepted (an empty forward: the forward map is cleared).
+  REQUIRE(f.dev->prepare(nullptr, 0, s).ok());
+  f.settle();
+  const std::int32_t* fm = f.dev->forward_map_device();
+  CHECK(std::all_of(fm, fm + 12, [](std::int32_t x) { return x == -1; }));
+  // Construction checks.
+  DeviceCacheOptions bad;
+  bad.num_experts = 8;
+  bad.capacity = 9;
+  bad.max_ids = 4;
+  CHECK_THROWS_AS(Fixture<>::Dev(f.rt, bad, six_tensor_layout()), Error);
+  bad.capacity = 4;
+  bad.max_ids = 0;
+  CHECK_THROWS_AS(Fixture<>::Dev(f.rt, bad, six_tensor_layout()), Error);
+}
+
+TEST_CASE("device cache: a fill that could not be enqueued is recovered (its experts dropped, refetched later)") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {1, 2});
+  f.settle();
+  REQUIRE(f.route(0, {1, 5, 6}).ok());
+  f.rt.inject_failure(FaultKind::launch, 2);  // 1: the plan, 2: the fill
+  CHECK(!f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());
+  CHECK(f.dev->stats().faults == 1);
+  // The next forward first drops 5 and 6 (planned, never filled) and then refetches them.
+  REQUIRE(f.route(0, {1, 5, 6}).ok());
+  REQUIRE(f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());
+  REQUIRE(f.read(0, {1, 5, 6}).ok());
+  f.settle();
+  f.check_clean();
+  const DevicePlanStats d = f.dev->device_stats();
+  CHECK(d.invalidations == 2);  // 5 and 6
+  CHECK(d.misses == 2 + 2 + 2);  // first step, the failed plan, the refetch
+  CHECK(f.dev->stats().resident == 4);
+}
+
+TEST_CASE("device cache: the view's pointers are fixed for the cache's lifetime") {
+  Fixture<> f(12, 4);
+  const ForwardView v0 = f.dev->view();
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(f.route(0, {i, i + 1}).ok());
+    auto v = f.dev->prepare(f.ids_of(0), 2, f.streams[0]);
+    REQUIRE(v.ok());
+    CHECK(v.value().expert_map == v0.expert_map);
+    CHECK(v.value().resident_map == v0.resident_map);
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) CHECK(v.value().tensors[t].base == v0.tensors[t].base);
+    CHECK(v.value().generation == static_cast<std::uint64_t>(i + 1));
+  }
+  f.settle();
+  CHECK(f.rt.race_count() == 0);
+}
