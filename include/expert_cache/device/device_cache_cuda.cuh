@@ -1,0 +1,140 @@
+#pragma once
+// The CUDA executor of DeviceExpertCache (needs nvcc): the plan state in device memory with its
+// stats mirror and error word in mapped pinned memory (DevicePlanStorage), and the kernels of
+// device/plan_kernel.cuh. Include this header, then use
+//   DeviceExpertCache<TensorMajorStorage | ExpertMajorStorage, Layout, CudaRuntime>.
+//
+// Every launch takes only parameters fixed for the cache's lifetime (the state view, the id
+// buffer's address and n_ids, the group index, the fill parameters built once from the
+// storage's copy regions with the pools' mapped device addresses), so a captured prepare()
+// replays correctly with new ids: what changes per step lives in device memory.
+//
+//   prepare         fused: plan_forward_fill_kernel (plan + fill of group 0, one node);
+//                   otherwise plan_forward (one warp for <= 16 ids) -> plan_fill
+//   prepare_group   plan_group -> plan_fill
+//   invalidate      plan_invalidate
+//   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued
+#if !defined(__CUDACC__)
+#error "expert_cache/device/device_cache_cuda.cuh needs nvcc"
+#endif
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "expert_cache/device/plan_kernel.cuh"
+#include "expert_cache/device_cache.hpp"
+#include "expert_cache/runtime/cuda_error.hpp"
+#include "expert_cache/runtime/cuda_runtime.hpp"
+#include "expert_cache/runtime/resources.hpp"
+
+namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
+
+// One thread: a recovery path, not a hot one (SequentialBlock is a valid one-thread block).
+template <int Unused = 0>
+EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_fills_kernel(const DevicePlanState s) {
+  SequentialBlock b;
+  expert_cache::detail::plan_drop_fills(b, s);
+}
+
+class CudaPlanExecutor {
+ public:
+  using Stream = cudaStream_t;
+
+  // Allocates the state, resets it (on a temporary stream, waited for: construction is not on
+  // any hot path) and builds the fill parameters. Throws Error on a CUDA failure or regions
+  // the fill kernel cannot take (pools that are not mapped pinned memory, more than
+  // max_copy_regions, a region wider than its stride).
+  CudaPlanExecutor(CudaRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                   const CopyRegions& regions, bool fused)
+      : rt_(&rt),
+        sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
+        fused_(fused) {
+    RuntimeStream<CudaRuntime> init(rt);
+    throw_on(storage_.create(num_experts, capacity, init.get()), "DevicePlanStorage::create");
+    CopyRegions mapped = regions;
+    throw_on(resolve_mapped_regions(mapped), "resolve_mapped_regions (pools must be mapped pinned memory)");
+    throw_on(make_plan_fill_params(mapped, storage_.state(), fill_), "make_plan_fill_params");
+    throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
+  }
+  CudaPlanExecutor(const CudaPlanExecutor&) = delete;
+  CudaPlanExecutor& operator=(const CudaPlanExecutor&) = delete;
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept { return storage_.state(); }
+  [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
+  [[nodiscard]] std::size_t device_bytes() const noexcept { return storage_.bytes() + sanitized_.size(); }
+  [[nodiscard]] const PlanFillParams& fill_params() const noexcept { return fill_; }
+
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
+    planned = false;
+    if (fused_) {
+      // One node: nothing is enqueued unless the whole step is.
+      EXPERT_CACHE_TRY_CUDA(launch_plan_forward_fill(state(), ids, n, sanitized_ids(), fill_, s));
+      planned = true;
+      return rt_->after_enqueue(s, "plan_forward_fill_kernel");
+    }
+    EXPERT_CACHE_TRY_CUDA(launch_plan_forward(state(), ids, n, sanitized_ids(), s));
+    planned = true;
+    if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
+    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
+    return rt_->after_enqueue(s, "plan_fill_kernel");
+  }
+
+  Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
+    planned = false;
+    EXPERT_CACHE_TRY_CUDA(launch_plan_group(state(), g, s));
+    planned = true;
+    if (Status st = rt_->after_enqueue(s, "plan_group_kernel"); !st) return st;
+    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
+    return rt_->after_enqueue(s, "plan_fill_kernel");
+  }
+
+  Status invalidate(Stream s, std::int32_t expert) noexcept {
+    EXPERT_CACHE_TRY_CUDA(launch_plan_invalidate(state(), expert, nullptr, s));
+    return rt_->after_enqueue(s, "plan_invalidate_kernel");
+  }
+
+  Status drop_fills(Stream s) noexcept {
+    const DevicePlanState st = state();
+    void* args[] = {const_cast<DevicePlanState*>(&st)};
+    EXPERT_CACHE_TRY_CUDA(
+        cudaLaunchKernel(reinterpret_cast<const void*>(&drop_fills_kernel<0>), dim3(1), dim3(1), args, 0, s));
+    return rt_->after_enqueue(s, "drop_fills_kernel");
+  }
+
+  // The mapped mirror, word by word (current while kernels run).
+  [[nodiscard]] DevicePlanStats stats() const noexcept { return storage_.stats(); }
+
+  // Read and clear; only while the cache's streams are idle (the device ORs with load + store).
+  std::uint32_t take_error_word() noexcept {
+    std::uint32_t* w = storage_.host_error_word();
+    if (w == nullptr) return 0;
+    volatile std::uint32_t* v = w;
+    const std::uint32_t bits = *v;
+    *v = 0u;
+    return bits;
+  }
+
+ private:
+  static void throw_on(cudaError_t err, const char* what) {
+    if (err != cudaSuccess) throw Error(cuda_status(err, what));
+  }
+
+  CudaRuntime* rt_;
+  DevicePlanStorage storage_;
+  RuntimeBuffer<CudaRuntime> sanitized_;
+  PlanFillParams fill_{};
+  bool fused_;
+};
+static_assert(device_plan_executor<CudaPlanExecutor>);
+
+}  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS
+
+namespace expert_cache::inline v0 {
+template <>
+struct DevicePlanExecutorFor<CudaRuntime> {
+  using type = device::CudaPlanExecutor;
+};
+}  // namespace expert_cache::inline v0
