@@ -1,0 +1,551 @@
+#pragma once
+// AnyExpertCache<Runtime>: an expert cache whose provider, eviction policy, staging policy and
+// storage are chosen at run time by name (an engine's config knob), made by
+//
+//   Result<AnyExpertCache<Runtime>> make_expert_cache(runtime, AnyCacheConfig)
+//
+// and used like ExpertCache: prepare / prepare_unique / invalidate / stats, the same ForwardView.
+// The static templates (ExpertCache, RowCache, WholeExpertCache, DeviceExpertCache) stay the
+// primary API; this is a thin wrapper that owns one of them behind one virtual call.
+//
+// What is erased and what is not: the RUNTIME stays a template parameter. An engine is built
+// for one runtime (CudaRuntime in a CUDA engine, SimRuntime in tests), its streams are that
+// runtime's streams (cudaStream_t) and it never switches at run time; erasing the stream too
+// would cost a cast per call and let a SimRuntime stream reach a CUDA cache. What a config
+// file picks (provider, policy, staging, storage, the layout's sizes) is erased: one vtable per
+// combination, instantiated by the factory.
+//
+// Cost: prepare() is one virtual call into the static cache's prepare() (no allocation; the
+// returned ForwardView is the static one's). bench/bench_planner.cpp measures it (docs/benchmarks.md).
+//
+// Names (docs/any_cache.md):
+//   provider  row (default: tensor_major + lru + copy_stream, the row provider)
+//             cached (expert_major + lfru + copy_stream: vLLM's cached provider's hit/miss
+//                     semantics, one transfer per miss; staging "inline" for its inline copies)
+//             device (DeviceExpertCache: planned on the device, lru + inline only; ids passed
+//                     to prepare() are DEVICE memory; needs the runtime's plan executor)
+//   policy    lru lfru sieve s3fifo arc wtinylfu lrfu layershare   (belady: offline only, refused)
+//   staging   inline copy_stream batched   (+ gather with CudaRuntime: include any_cache_cuda.cuh)
+//   storage   tensor_major expert_major
+// An empty policy/staging/storage takes the provider's default. Unknown names, impossible
+// combinations and bad sizes are refused by the factory with a Status naming the valid choices;
+// nothing is allocated for a refused name.
+//
+// Host tier: compiles with g++ alone. CUDA translation units include
+// expert_cache/any_cache_cuda.cuh instead (adds gather and the CUDA device planner) BEFORE any
+// use of make_expert_cache<CudaRuntime>.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "expert_cache/cache.hpp"
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/device_cache.hpp"
+#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/eviction/pool_layout.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/split.hpp"
+#include "expert_cache/staging/copy_staging.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+
+namespace expert_cache::inline v0 {
+
+// A layout's name and sizes, taken from any expert_layout (its validate() result is kept and
+// reported by the factory, which never throws for it).
+struct AnyLayout {
+  std::string name = "explicit";
+  ExpertTensorBytes tensors{};
+  Status validation{};
+
+  template <expert_layout L>
+  [[nodiscard]] static AnyLayout of(const L& layout) {
+    return AnyLayout{std::string(L::name), layout.tensors(), layout.validate()};
+  }
+  [[nodiscard]] static AnyLayout explicit_bytes(const ExpertTensorBytes& tensors) {
+    return AnyLayout{"explicit", tensors, Status()};
+  }
+};
+
+struct AnyCacheConfig {
+  std::string provider = "row";  // row | cached | device
+  std::string policy;            // "" = the provider's default
+  std::string staging;           // "" = the provider's default
+  std::string storage;           // "" = the provider's default
+  AnyLayout layout;
+  // num_experts, capacity, top_k, staging_ring, label, log (one line at construction, naming
+  // the provider and every choice), stats_callback/stats_every (host providers).
+  CacheOptions options;
+  PoolLayout pool{};           // lrfu, layershare: experts_per_layer of a pool shared by layers
+  std::int32_t max_ids = 0;    // device: the largest prepare() (tokens * top_k); required > 0
+  bool fused_plan_fill = true; // device on CUDA: plan + first fill in one kernel
+};
+
+inline constexpr std::array<std::string_view, 3> any_cache_providers = {"row", "cached", "device"};
+
+namespace detail {
+
+template <class... Ts>
+struct TypeList {
+  static constexpr std::size_t size = sizeof...(Ts);
+};
+
+template <template <class> class S>
+struct StorageTag {
+  template <class R>
+  using type = S<R>;
+  static constexpr std::string_view name = S<RuntimeArchetype>::name;
+};
+
+using AnyPolicies = TypeList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
+using AnyStorages = TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>>;
+
+}  // namespace detail
+
+// The staging policies make_expert_cache<Runtime> offers. any_cache_cuda.cuh specialises it
+// for CudaRuntime (adds Gather); a policy a runtime cannot run is refused with not_supported.
+template <class Runtime>
+struct AnyCacheStagings {
+  using type = detail::TypeList<Inline, CopyStream, Batched>;
+};
+
+// The runtime has a device-plan executor (SimRuntime here; CudaRuntime once
+// device/device_cache_cuda.cuh is included, which any_cache_cuda.cuh does).
+template <class Runtime>
+concept has_device_plan_executor = requires { typename DevicePlanExecutorFor<Runtime>::type; };
+
+namespace detail {
+
+template <class... Ts>
+constexpr auto names_of(TypeList<Ts...>) noexcept {
+  return std::array<std::string_view, sizeof...(Ts)>{Ts::name...};
+}
+
+// "a, b, c" into a fixed buffer (cold path; messages stay allocation-free Status).
+template <std::size_t N>
+struct NameListText {
+  char text[160] = {};
+  explicit NameListText(const std::array<std::string_view, N>& names) noexcept {
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < N; ++i) {
+      const std::string_view sep = i == 0 ? std::string_view() : std::string_view(", ");
+      for (std::string_view part : {sep, names[i]}) {
+        for (char c : part) {
+          if (at + 1 < sizeof text) text[at++] = c;
+        }
+      }
+    }
+    text[at] = '\0';
+  }
+};
+
+template <std::size_t N>
+constexpr std::optional<std::size_t> index_of(const std::array<std::string_view, N>& names, std::string_view name) noexcept {
+  for (std::size_t i = 0; i < N; ++i) {
+    if (names[i] == name) return i;
+  }
+  return std::nullopt;
+}
+
+// Calls f.template operator()<T>() for the i-th type of the list (i < size).
+template <class R, class... Ts, class F>
+R visit_type(TypeList<Ts...>, std::size_t i, F&& f) {
+  std::optional<R> out;
+  std::size_t k = 0;
+  ((k++ == i ? (void)out.emplace(f.template operator()<Ts>()) : void()), ...);
+  return std::move(*out);
+}
+
+// The erased interface: one vtable per (provider, policy, staging, storage) combination.
+template <class Runtime>
+class AnyCacheBase {
+ public:
+  using Stream = typename Runtime::Stream;
+  virtual ~AnyCacheBase() = default;
+  virtual Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
+  virtual Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
+  virtual Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept = 0;
+  virtual Status invalidate(std::int32_t expert, Stream stream) noexcept = 0;
+  [[nodiscard]] virtual CacheStats stats() const noexcept = 0;
+  [[nodiscard]] virtual const ExpertTensorBytes& tensors() const noexcept = 0;
+  [[nodiscard]] virtual std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept = 0;
+  [[nodiscard]] virtual SlotTensor slot_tensor(std::size_t t) const noexcept = 0;
+  [[nodiscard]] virtual const CopyRegions& copy_regions() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t host_bytes() const noexcept = 0;
+  [[nodiscard]] virtual std::size_t storage_slot_bytes() const noexcept = 0;
+  [[nodiscard]] virtual std::span<const std::int32_t> resident_map_host() const noexcept = 0;
+  [[nodiscard]] virtual std::span<const std::int32_t> forward_map_host() const noexcept = 0;
+  [[nodiscard]] virtual const std::int32_t* resident_map_device() const noexcept = 0;
+  [[nodiscard]] virtual const std::int32_t* forward_map_device() const noexcept = 0;
+  [[nodiscard]] virtual const ForwardPlan* last_plan() const noexcept = 0;
+  [[nodiscard]] virtual std::optional<Stream> copy_stream() const noexcept = 0;
+  [[nodiscard]] virtual std::optional<Stream> owner() const noexcept = 0;
+  virtual Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) = 0;
+  [[nodiscard]] virtual std::uint32_t take_errors() noexcept = 0;
+};
+
+// Shared by both models: the storage accessors.
+template <class Runtime, class Cache>
+class AnyCacheModelBase : public AnyCacheBase<Runtime> {
+ public:
+  using Stream = typename Runtime::Stream;
+  template <class... Args>
+  explicit AnyCacheModelBase(Args&&... args) : cache_(std::forward<Args>(args)...) {}
+  [[nodiscard]] CacheStats stats() const noexcept final { return cache_.stats(); }
+  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept final { return cache_.storage().tensors(); }
+  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept final {
+    return cache_.storage().host_tensor(t, expert);
+  }
+  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept final { return cache_.storage().slot_tensor(t); }
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept final { return cache_.storage().copy_regions(); }
+  [[nodiscard]] std::size_t host_bytes() const noexcept final { return cache_.storage().host_bytes(); }
+  [[nodiscard]] std::size_t storage_slot_bytes() const noexcept final { return cache_.storage().slot_bytes(); }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept final { return cache_.resident_map_device(); }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept final { return cache_.forward_map_device(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept final { return cache_.owner(); }
+
+ protected:
+  Cache cache_;
+};
+
+// A host-planned ExpertCache (providers row and cached).
+template <class Runtime, class Cache>
+class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
+  using Base = AnyCacheModelBase<Runtime, Cache>;
+
+ public:
+  using Stream = typename Runtime::Stream;
+  using Base::Base;
+  Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept final {
+    return this->cache_.prepare(ids, stream);
+  }
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept final {
+    return this->cache_.prepare_unique(ids, stream);
+  }
+  Result<ForwardView> prepare_group(std::int32_t, Stream) noexcept final {
+    return Status(ErrorCode::not_supported,
+                  "prepare_group is the device provider's overflow round; host providers split with "
+                  "plan_expert_groups / plan_token_chunks and prepare_unique");
+  }
+  Status invalidate(std::int32_t expert, Stream stream) noexcept final { return this->cache_.invalidate(expert, stream); }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final {
+    return this->cache_.resident_map_host();
+  }
+  [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept final {
+    return this->cache_.forward_map_host();
+  }
+  [[nodiscard]] const ForwardPlan* last_plan() const noexcept final { return &this->cache_.last_plan(); }
+  [[nodiscard]] std::optional<Stream> copy_stream() const noexcept final { return this->cache_.copy_stream(); }
+  Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) final {
+    this->cache_.set_stats_callback(std::move(callback), every);
+    return {};
+  }
+  [[nodiscard]] std::uint32_t take_errors() noexcept final { return 0; }
+};
+
+// A DeviceExpertCache (provider device): ids are device memory, no host maps or plans.
+template <class Runtime, class Cache>
+class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
+  using Base = AnyCacheModelBase<Runtime, Cache>;
+
+ public:
+  using Stream = typename Runtime::Stream;
+  using Base::Base;
+  Result<ForwardView> prepare(std::span<const std::int32_t> device_ids, Stream stream) noexcept final {
+    if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {
+      return Status::format(ErrorCode::invalid_argument, "prepare of %zu ids (device provider: at most max_ids)",
+                            device_ids.size());
+    }
+    return this->cache_.prepare(device_ids.data(), static_cast<std::int32_t>(device_ids.size()), stream);
+  }
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t>, Stream) noexcept final {
+    return Status(ErrorCode::not_supported,
+                  "prepare_unique: the device provider plans the router's ids on the device; use prepare and "
+                  "prepare_group");
+  }
+  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
+    return this->cache_.prepare_group(group, stream);
+  }
+  Status invalidate(std::int32_t expert, Stream stream) noexcept final { return this->cache_.invalidate(expert, stream); }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final { return {}; }
+  [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept final { return {}; }
+  [[nodiscard]] const ForwardPlan* last_plan() const noexcept final { return nullptr; }
+  [[nodiscard]] std::optional<Stream> copy_stream() const noexcept final { return std::nullopt; }
+  Status set_stats_callback(std::function<void(const CacheStats&)>, std::uint64_t) final {
+    return Status(ErrorCode::not_supported, "the device provider has no stats callback (read stats())");
+  }
+  [[nodiscard]] std::uint32_t take_errors() noexcept final { return this->cache_.take_errors(); }
+};
+
+}  // namespace detail
+
+template <allocating_runtime Runtime>
+class AnyExpertCache;
+
+template <allocating_runtime Runtime>
+Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config);
+
+// The type-erased cache. Move-only; a moved-from object may only be destroyed or assigned.
+template <allocating_runtime Runtime>
+class AnyExpertCache {
+ public:
+  using Stream = typename Runtime::Stream;
+
+  AnyExpertCache(AnyExpertCache&&) noexcept = default;
+  AnyExpertCache& operator=(AnyExpertCache&&) noexcept = default;
+
+  // Host providers: top-k ids in host memory, as ExpertCache::prepare. Device provider: the
+  // span is [device pointer, n_ids) of ids in device memory, as DeviceExpertCache::prepare.
+  Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept {
+    return impl_->prepare(ids, stream);
+  }
+  // Host providers only (the device provider returns not_supported).
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
+    return impl_->prepare_unique(unique_ids, stream);
+  }
+  // Device provider only: overflow group g >= 1 of the last prepare (DeviceExpertCache).
+  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
+    return impl_->prepare_group(group, stream);
+  }
+  Status invalidate(std::int32_t expert, Stream stream) noexcept { return impl_->invalidate(expert, stream); }
+  [[nodiscard]] CacheStats stats() const noexcept { return impl_->stats(); }
+
+  // Split plans for forwards wider than the cache (host providers; any provider can compute them).
+  [[nodiscard]] Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_token_chunks(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+  [[nodiscard]] Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_expert_groups(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+  // Rounds (prepare + prepare_group 1..) a device-provider graph needs for n_ids ids.
+  [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids) const noexcept {
+    return plan_max_groups(n_ids, options_.num_experts, options_.capacity);
+  }
+
+  // Storage (host pools to fill, slot tensors, copy regions), as Storage's accessors.
+  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return impl_->tensors(); }
+  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
+    return impl_->host_tensor(t, expert);
+  }
+  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept { return impl_->slot_tensor(t); }
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return impl_->copy_regions(); }
+  [[nodiscard]] std::size_t host_pool_bytes() const noexcept { return impl_->host_bytes(); }
+  [[nodiscard]] std::size_t slot_buffer_bytes() const noexcept { return impl_->storage_slot_bytes(); }
+
+  // Host copies of the maps (host providers; empty for the device provider) and the device maps.
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return impl_->resident_map_host(); }
+  [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept { return impl_->forward_map_host(); }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return impl_->resident_map_device(); }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return impl_->forward_map_device(); }
+  // The last prepare's plan (host providers; nullptr for the device provider).
+  [[nodiscard]] const ForwardPlan* last_plan() const noexcept { return impl_->last_plan(); }
+  [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return impl_->copy_stream(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept { return impl_->owner(); }
+  // Device provider: read and clear the device error word (0 for host providers).
+  [[nodiscard]] std::uint32_t take_errors() noexcept { return impl_->take_errors(); }
+  // Host providers (the device provider returns not_supported).
+  Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
+    return impl_->set_stats_callback(std::move(callback), every);
+  }
+
+  [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
+  [[nodiscard]] std::string_view provider() const noexcept { return provider_; }
+  [[nodiscard]] std::string_view policy() const noexcept { return policy_; }
+  [[nodiscard]] std::string_view staging() const noexcept { return staging_; }
+  [[nodiscard]] std::string_view storage() const noexcept { return storage_; }
+  [[nodiscard]] std::string_view layout() const noexcept { return layout_; }
+
+ private:
+  friend Result<AnyExpertCache> make_expert_cache<Runtime>(Runtime& rt, const AnyCacheConfig& config);
+  AnyExpertCache() = default;
+
+  std::unique_ptr<detail::AnyCacheBase<Runtime>> impl_;
+  CacheOptions options_;
+  std::string_view provider_, policy_, staging_, storage_;  // static names
+  std::string layout_;
+};
+
+namespace detail {
+
+// An exception from a static cache's constructor as the factory's Status (same code; the
+// message without the "code: " prefix Error adds).
+inline Status status_of(const Error& e) noexcept {
+  std::string_view m = e.what();
+  const std::string_view code = to_string(e.code());
+  if (m.size() > code.size() + 2 && m.substr(0, code.size()) == code && m.substr(code.size(), 2) == ": ") {
+    m.remove_prefix(code.size() + 2);
+  }
+  return Status(e.code(), m);
+}
+
+template <class P>
+P make_any_policy(CacheShape shape, const PoolLayout& pool) {
+  if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
+    return P(shape, pool);
+  } else {
+    return P(shape);
+  }
+}
+
+}  // namespace detail
+
+// Builds the cache the config names. Every name is checked before anything is constructed;
+// construction failures (sizes, capacity, allocation) come back as the static type's error.
+template <allocating_runtime Runtime>
+Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
+  using Base = detail::AnyCacheBase<Runtime>;
+  using Stagings = typename AnyCacheStagings<Runtime>::type;
+  constexpr auto policy_names = detail::names_of(detail::AnyPolicies{});
+  constexpr auto staging_names = detail::names_of(Stagings{});
+  constexpr auto storage_names = detail::names_of(detail::AnyStorages{});
+  const auto clip = [](const std::string& s) { return static_cast<int>(std::min<std::size_t>(s.size(), 40)); };
+
+  // ---- names ----
+  const std::optional<std::size_t> provider = detail::index_of(any_cache_providers, config.provider);
+  if (!provider) {
+    return Status::format(ErrorCode::invalid_argument, "unknown provider '%.*s' (valid: %s)", clip(config.provider),
+                          config.provider.c_str(), detail::NameListText(any_cache_providers).text);
+  }
+  const bool device = *provider == 2;
+  static constexpr std::array<std::string_view, 3> default_policy = {"lru", "lfru", "lru"};
+  static constexpr std::array<std::string_view, 3> default_staging = {"copy_stream", "copy_stream", "inline"};
+  static constexpr std::array<std::string_view, 3> default_storage = {"tensor_major", "expert_major", "tensor_major"};
+  const std::string_view policy_name = config.policy.empty() ? default_policy[*provider] : std::string_view(config.policy);
+  const std::string_view staging_name = config.staging.empty() ? default_staging[*provider] : std::string_view(config.staging);
+  const std::string_view storage_name = config.storage.empty() ? default_storage[*provider] : std::string_view(config.storage);
+
+  const std::optional<std::size_t> policy = detail::index_of(policy_names, policy_name);
+  if (!policy) {
+    if (policy_name == "belady" || policy_name == "opt") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "policy '%.*s' is offline-only (it needs the future trace: use ExpertCache with "
+                            "make_policy<Belady>, or the replay tool); online policies: %s",
+                            static_cast<int>(policy_name.size()), policy_name.data(),
+                            detail::NameListText(policy_names).text);
+    }
+    return Status::format(ErrorCode::invalid_argument, "unknown eviction policy '%.*s' (valid: %s)",
+                          static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
+                          detail::NameListText(policy_names).text);
+  }
+  const std::optional<std::size_t> staging = detail::index_of(staging_names, staging_name);
+  if (!staging) {
+    if (staging_name == "gather") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "staging 'gather' needs the CUDA tier (CudaRuntime, include expert_cache/any_cache_cuda.cuh "
+                            "in a .cu); valid with this runtime: %s",
+                            detail::NameListText(staging_names).text);
+    }
+    return Status::format(ErrorCode::invalid_argument, "unknown staging policy '%.*s' (valid: %s)",
+                          static_cast<int>(std::min<std::size_t>(staging_name.size(), 40)), staging_name.data(),
+                          detail::NameListText(staging_names).text);
+  }
+  const std::optional<std::size_t> storage = detail::index_of(storage_names, storage_name);
+  if (!storage) {
+    return Status::format(ErrorCode::invalid_argument, "unknown storage '%.*s' (valid: %s)",
+                          static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
+                          detail::NameListText(storage_names).text);
+  }
+  if (device) {
+    if (policy_name != "lru" || staging_name != "inline") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "provider 'device' plans with lru and fills inline (got policy '%.*s', staging '%.*s'; "
+                            "valid: policy lru, staging inline, storage %s)",
+                            static_cast<int>(policy_name.size()), policy_name.data(), static_cast<int>(staging_name.size()),
+                            staging_name.data(), detail::NameListText(storage_names).text);
+    }
+    if (!has_device_plan_executor<Runtime>) {
+      return Status(ErrorCode::not_supported,
+                    "provider 'device' has no plan executor for this runtime (CudaRuntime: include "
+                    "expert_cache/any_cache_cuda.cuh, which brings device/device_cache_cuda.cuh)");
+    }
+    if (config.max_ids <= 0) {
+      return Status::format(ErrorCode::invalid_argument, "provider 'device' needs max_ids > 0 (tokens * top_k), got %d",
+                            config.max_ids);
+    }
+    if (config.options.stats_callback) {
+      return Status(ErrorCode::invalid_argument, "provider 'device' has no stats callback (read stats())");
+    }
+  }
+  if (!config.layout.validation) {
+    return config.layout.validation.with_context("layout %.*s", clip(config.layout.name), config.layout.name.c_str());
+  }
+
+  // ---- construction ----
+  CacheOptions inner = config.options;
+  inner.log = {};  // the line below names the provider and the layout
+  const ExplicitLayout layout{config.layout.tensors};
+  using Made = Result<std::unique_ptr<Base>>;
+  Made made = Status(ErrorCode::internal, "make_expert_cache: no combination matched");
+  try {
+    made = detail::visit_type<Made>(detail::AnyStorages{}, *storage, [&]<class S>() -> Made {
+      if (device) {
+        if constexpr (has_device_plan_executor<Runtime>) {
+          using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime>;
+          DeviceCacheOptions o;
+          o.num_experts = inner.num_experts;
+          o.capacity = inner.capacity;
+          o.max_ids = config.max_ids;
+          o.fused_plan_fill = config.fused_plan_fill;
+          o.label = inner.label;
+          return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
+        } else {
+          return Status(ErrorCode::internal, "device provider without executor");
+        }
+      }
+      return detail::visit_type<Made>(detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
+        return detail::visit_type<Made>(Stagings{}, *staging, [&]<class G>() -> Made {
+          if constexpr (staging_policy_for<G, Runtime, S::template type>) {
+            using Cache = ExpertCache<S::template type, P, G, ExplicitLayout, Runtime>;
+            const CacheShape shape =
+                ForwardPlanner<P>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
+            return std::unique_ptr<Base>(std::make_unique<detail::HostCacheModel<Runtime, Cache>>(
+                rt, inner, layout, detail::make_any_policy<P>(shape, config.pool)));
+          } else {
+            return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
+                                  static_cast<int>(G::name.size()), G::name.data());
+          }
+        });
+      });
+    });
+  } catch (const Error& e) {
+    return detail::status_of(e);
+  } catch (const std::bad_alloc&) {
+    return Status(ErrorCode::runtime_failure, "make_expert_cache: out of host memory");
+  } catch (const std::exception& e) {
+    return Status(ErrorCode::runtime_failure, e.what());
+  }
+  if (!made.ok()) return made.status();
+
+  AnyExpertCache<Runtime> cache;
+  cache.impl_ = std::move(made.value());
+  cache.options_ = config.options;
+  cache.provider_ = any_cache_providers[*provider];
+  cache.policy_ = policy_names[*policy];
+  cache.staging_ = staging_names[*staging];
+  cache.storage_ = storage_names[*storage];
+  cache.layout_ = config.layout.name;
+  if (config.options.log) {
+    const CacheStats s = cache.stats();
+    config.options.log(config.options.label + ": " + std::string(cache.provider_) + " provider, " +
+                       std::string(cache.policy_) + "/" + std::string(cache.staging_) + "/" +
+                       std::string(cache.storage_) + "/" + cache.layout_ + ", " +
+                       std::to_string(config.options.capacity) + " of " + std::to_string(config.options.num_experts) +
+                       " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
+                       std::to_string(s.host_bytes));
+  }
+  return Result<AnyExpertCache<Runtime>>(std::move(cache));
+}
+
+}  // namespace expert_cache::inline v0
