@@ -31,6 +31,11 @@
 #include <utility>
 #include <vector>
 
+#include <ctime>
+
+#include "expert_cache/any_cache.hpp"  // type-erased cache overhead cases
+#include "expert_cache/expert_cache.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/eviction/make_policy.hpp"
 #include "expert_cache/planner.hpp"
@@ -185,6 +190,142 @@ EC_BENCH_POLICY(Sieve);
 EC_BENCH_POLICY(S3Fifo);
 EC_BENCH_POLICY(Arc);
 EC_BENCH_POLICY(Belady);
+
+// ------------------------------------------------------------------------------------------
+// Type-erased cache overhead (issue 13): prepare() through AnyExpertCache (provider "row":
+// tensor_major + lru + copy_stream) against the static RowCache on SimRuntime, the same
+// forwards on twin runtimes (E = 512, C = 208, 10 ids, 6 small tensors). "hit": the same
+// resident ids every forward (no fill, no map upload); "miss": one miss per forward (a fill of
+// 6 copies and two map uploads). SimRuntime is drained every 16 prepares in both, so both pay the same
+// simulated-runtime cost and the difference is the erased call. BM_any_cache_overhead times
+// batches of 64 prepares of each cache alternately in thread CPU time (the build machine is
+// shared: wall time includes preemption) and reports the per-prepare difference (overhead_ns)
+// from the same run, which drifts less than two separate cases.
+
+namespace any_bench {
+
+using RowSim = RowCache<SimRuntime, ExplicitLayout>;
+constexpr std::size_t drain_every = 16;
+
+ExplicitLayout layout() {
+  return ExplicitLayout{{{{"w13", 256}, {"w2", 128}, {"w13_scale", 32}, {"w2_scale", 16}, {"w13_scale_2", 16}, {"w2_scale_2", 16}}}};
+}
+CacheOptions options() {
+  CacheOptions o;
+  o.num_experts = bench_experts;
+  o.capacity = bench_capacity;
+  o.top_k = bench_ids;
+  return o;
+}
+SimRuntime::Options sim() { return SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = 1}; }
+
+std::unique_ptr<RowSim> make_static(SimRuntime& rt) { return std::make_unique<RowSim>(rt, options(), layout()); }
+std::unique_ptr<AnyExpertCache<SimRuntime>> make_any(SimRuntime& rt) {
+  AnyCacheConfig c;
+  c.provider = "row";
+  c.layout = AnyLayout::of(layout());
+  c.options = options();
+  return std::make_unique<AnyExpertCache<SimRuntime>>(std::move(make_expert_cache(rt, c).value()));
+}
+
+// The forwards, flattened: "hit" the same 10 ids every time; "miss" 9 of them plus one id
+// cycling through the other 503 (longer than the 208 slots, so it misses every time under
+// LRU: one fill, 6 copies, per prepare, as a warm decode step with one new expert).
+std::vector<std::int32_t> forwards(bool hit) {
+  std::vector<std::int32_t> flat;
+  const Forwards& seq = bench_sequence(false);
+  const std::vector<std::int32_t>& hot = seq[0];
+  std::vector<std::int32_t> cold;
+  for (std::int32_t e = 0; e < bench_experts; ++e) {
+    if (std::find(hot.begin(), hot.end() - 1, e) == hot.end() - 1) cold.push_back(e);
+  }
+  for (std::size_t t = 0; t < bench_warmup + bench_forwards; ++t) {
+    flat.insert(flat.end(), hot.begin(), hot.end() - 1);
+    flat.push_back(hit ? hot.back() : cold[t % cold.size()]);
+  }
+  return flat;
+}
+
+// One cache, one runtime, one stream: prepare the next forward (drain every drain_every).
+template <class Cache>
+struct Runner {
+  SimRuntime rt{sim()};
+  SimRuntime::Stream stream = rt.create_stream().value();
+  std::unique_ptr<Cache> cache;
+  const std::vector<std::int32_t>* flat = nullptr;
+  std::size_t t = 0;
+  std::uint64_t hits = 0, misses = 0;
+  template <class Make>
+  Runner(Make make, const std::vector<std::int32_t>& ids) : cache(make(rt)), flat(&ids) {
+    for (std::size_t i = 0; i < bench_warmup; ++i) step();
+    rt.drain();
+  }
+  void step() {
+    if ((t + 1) * bench_ids > flat->size()) t = bench_warmup;
+    auto v = cache->prepare(std::span<const std::int32_t>(flat->data() + t * bench_ids, bench_ids), stream);
+    if (!v.ok()) throw std::runtime_error(std::string(v.status().message()));
+    hits += v.value().hits;
+    misses += v.value().misses;
+    benchmark::DoNotOptimize(v.value().expert_map);
+    if (++t % drain_every == 0) rt.drain();
+  }
+};
+
+}  // namespace any_bench
+
+template <bool Erased>
+void BM_cache_prepare(benchmark::State& state) {
+  using namespace any_bench;
+  const bool hit = state.range(0) != 0;
+  const auto flat = forwards(hit);
+  std::unique_ptr<Runner<RowSim>> s;
+  std::unique_ptr<Runner<AnyExpertCache<SimRuntime>>> a;
+  if constexpr (Erased) a = std::make_unique<Runner<AnyExpertCache<SimRuntime>>>(make_any, flat);
+  else s = std::make_unique<Runner<RowSim>>(make_static, flat);
+  const std::uint64_t allocs_before = g_allocations.load(std::memory_order_relaxed);
+  for (auto _ : state) {
+    if constexpr (Erased) a->step(); else s->step();
+  }
+  const std::uint64_t allocs = g_allocations.load(std::memory_order_relaxed) - allocs_before;
+  const std::uint64_t h = Erased ? a->hits : s->hits, m = Erased ? a->misses : s->misses;
+  state.counters["hit_rate"] = static_cast<double>(h) / static_cast<double>(std::max<std::uint64_t>(1, h + m));
+  state.counters["allocs_per_prepare"] =
+      static_cast<double>(allocs) / static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
+}
+BENCHMARK_TEMPLATE(BM_cache_prepare, false)->Name("BM_cache_prepare/static")->ArgName("hit")->Arg(1)->Arg(0);
+BENCHMARK_TEMPLATE(BM_cache_prepare, true)->Name("BM_cache_prepare/any")->ArgName("hit")->Arg(1)->Arg(0);
+
+// Both caches in one run, alternating batches of 64 prepares; counters are ns per prepare.
+void BM_any_cache_overhead(benchmark::State& state) {
+  using namespace any_bench;
+  const auto cpu_ns = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+  };
+  const bool hit = state.range(0) != 0;
+  const auto flat = forwards(hit);
+  Runner<RowSim> s(make_static, flat);
+  Runner<AnyExpertCache<SimRuntime>> a(make_any, flat);
+  constexpr int batch = 64;
+  double static_ns = 0, any_ns = 0;
+  std::uint64_t batches = 0;
+  for (auto _ : state) {
+    const double t0 = cpu_ns();
+    for (int i = 0; i < batch; ++i) s.step();
+    const double t1 = cpu_ns();
+    for (int i = 0; i < batch; ++i) a.step();
+    const double t2 = cpu_ns();
+    static_ns += t1 - t0;
+    any_ns += t2 - t1;
+    ++batches;
+  }
+  const double n = static_cast<double>(std::max<std::uint64_t>(1, batches) * batch);
+  state.counters["static_ns"] = static_ns / n;
+  state.counters["any_ns"] = any_ns / n;
+  state.counters["overhead_ns"] = (any_ns - static_ns) / n;
+}
+BENCHMARK(BM_any_cache_overhead)->ArgName("hit")->Arg(1)->Arg(0);
 
 // ------------------------------------------------------------------------------------------
 // Hit-rate mode
