@@ -97,7 +97,7 @@ Forwards pool_forwards(std::uint64_t seed, std::int32_t layers, std::int32_t exp
 }
 
 // ---------------------------------------------------------------------------------------
-// Independent LFRU model: a literal transcription of the brief's Python pseudo-code.
+// Independent LFRU model: a literal transcription of the rules in docs/reference_providers.md ("LFRU, exactly").
 // Residency is an insertion-ordered list (a Python dict), scores are doubles.
 class NaiveLfru {
  public:

@@ -1,5 +1,5 @@
 // NVFP4 -> Marlin layout: index maps, encodes, padding, sizes, validation and round trips.
-// The "literal" helpers below rebuild every step the way the spec (§4.2-§4.4) states it
+// The "literal" helpers below rebuild every step the way docs/nvfp4_marlin.md (Maps, Encodes) states it
 // (GPTQ int32 view, per-lane tile loops, scale_perm list, float path through fp16 bits), so
 // they share no code with the closed forms under test. The random layers and the flush oracle
 // (which scales Marlin reads as 0, decided from the values) are shared with the GPU repack test
@@ -120,7 +120,7 @@ std::vector<std::uint8_t> literal_scales(const std::vector<std::uint8_t>& s, std
 
 // ---- random layers ---------------------------------------------------------------------------
 
-// Literal whole-layer reference: pad as §4.1 says, then run the literal per-expert steps.
+// Literal whole-layer reference: pad as docs/nvfp4_marlin.md (Padding) says, then run the literal per-expert steps.
 MarlinBuffers literal_layer(const Nvfp4Marlin& l, const HostLayer& h) {
   MarlinBuffers out(l, h.e);
   const std::int64_t K = l.hidden, N = l.intermediate, Np = l.padded_intermediate();
@@ -305,7 +305,7 @@ TEST_CASE("S0E5M3 encode of all 256 e4m3 bytes for several sf, and its decode") 
         CHECK((got & 0x80) != 0);  // MSB set: the bf16 decode reads it as exponent bit
         if (got != 0xF8) CHECK(static_cast<double>(marlin::s0e5m3_value(got)) == literal_e4m3(byte) * std::ldexp(1.0, log2_sf + 7));
       }
-      // Integer shortcut (§4.3) for normal positive e4m3 when the result stays in fp16 range.
+      // Integer shortcut (docs/nvfp4_marlin.md, Encodes) for normal positive e4m3 when the result stays in fp16 range.
       const int e = (b >> 3) & 0xF;
       if (b >= 0x08 && b <= 0x7E && e + log2_sf <= 15 && e + log2_sf >= 1)
         shortcut_mismatches += got != static_cast<std::uint8_t>(b + ((log2_sf + 15) << 3));

@@ -344,7 +344,7 @@ TEST_CASE_FIXTURE(OneStream, "host enqueue orders earlier host writes before the
   CHECK(dev[15] == 5);
   // Reusing the staging buffer before observing the copy is a WAR race ...
   rt.host_access(staging, 16, AccessMode::write);
-  CHECK(rt.races().size() == 1);
+  REQUIRE(rt.races().size() == 1);
   CHECK(rt.races()[0].earlier.mode == AccessMode::read);
   CHECK(rt.races()[0].later.mode == AccessMode::write);
   rt.clear_races();
@@ -378,7 +378,7 @@ TEST_CASE_FIXTURE(TwoStreamRuntime, "detector basics: read/read, disjoint and ad
 
   launch(s2, 0, 8, AccessMode::write);  // WAR against both earlier readers of [0, 64)
   rt.drain();
-  CHECK(rt.races().size() == 1);  // s1's read; s2's own read is in stream order
+  REQUIRE(rt.races().size() == 1);  // s1's read; s2's own read is in stream order
   CHECK(rt.races()[0].earlier.stream == s1.id);
 }
 
@@ -658,7 +658,7 @@ TEST_CASE_FIXTURE(OneStream, "reset returns to the constructed state") {
 
 namespace {
 
-// The §1.7 protocol on top of the runtime: per forward, release event on the consumer, copy
+// The row provider's protocol (docs/reference_providers.md) on top of the runtime: per forward, release event on the consumer, copy
 // stream waits, slot copies, ready event, consumer waits, consumer kernels read the slots.
 // `skip` drops one edge to prove the detector sees it.
 enum class Skip { none, release_wait, ready_wait };

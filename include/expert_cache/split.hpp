@@ -1,5 +1,5 @@
 #pragma once
-// Plans for forwards wider than the cache (spec §1.4 of the reference providers).
+// Plans for forwards wider than the cache (the reference providers' split modes: docs/reference_providers.md).
 //  - token split (exact): greedy chunks of consecutive rows whose union of experts fits.
 //  - expert split (rounding-level differences): ascending groups of <= capacity expert ids,
 //    shared work (e.g. shared experts) flagged for group 0 only.

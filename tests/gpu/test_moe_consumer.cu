@@ -6,7 +6,7 @@
 //    double-precision host MoE built from dequant_marlin_reference;
 //  * through CudaRuntime caches (row and whole-expert, every staging policy run here) its output
 //    is bit-identical to the all-resident run, step after step with evictions;
-//  * at batch 1 on the seed's expert shape it reports its weight-read bandwidth against the HBM
+//  * at batch 1 on the default benchmark expert shape it reports its weight-read bandwidth against the HBM
 //    copy (a message, no assertion: the speed target is a benchmark number, docs/benchmarks.md).
 #include <doctest/doctest.h>
 
@@ -391,7 +391,7 @@ TEST_CASE("moe consumer: cached runs are bit-identical to the all-resident run")
 }
 
 TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (reported)") {
-  // The seed's expert (hidden 2048, intermediate 512: 1.688 MiB), 64 experts resident, top-10.
+  // The default benchmark expert (hidden 2048, intermediate 512: 1.688 MiB), 64 experts resident, top-10.
   const Nvfp4Marlin layout{2048, 512, ActDtype::bf16};
   const std::int64_t experts = 64;
   const ExpertTensorBytes b = layout.tensors();

@@ -13,9 +13,6 @@
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 
-// SimRuntime's concepts (sim_runtime.hpp asserts `runtime` itself; these need concepts.hpp).
-static_assert(expert_cache::allocating_runtime<expert_cache::SimRuntime>);
-static_assert(expert_cache::batching_runtime<expert_cache::SimRuntime>);
 
 namespace expert_cache::test {
 

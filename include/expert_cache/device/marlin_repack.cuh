@@ -5,7 +5,7 @@
 //  * repack_layer_host_chunked: sources and outputs in (pinned) host memory; a scales-only pass
 //    on the GPU validates and computes the layer-wide scale factors over all experts first, then
 //    rounds of experts are copied to the GPU, repacked and copied back, copy-out overlapping the
-//    next upload (GPU peak ~ one chunk, spec §4.7).
+//    next upload (GPU peak ~ one chunk, docs/nvfp4_marlin.md, Whole layer and chunked conversion).
 // Both run the same kernels with the same factors, so their outputs are byte-identical, and the
 // kernels evaluate the same index maps and encodes as the host reference (nvfp4_reference.hpp).
 // Launchers validate everything before the first write to an output and return Status; every
@@ -347,7 +347,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(block_threads, tiled_min_blocks)
                                  std::uint32_t{table[col[scale_src[2]]]} << 16 | std::uint32_t{table[col[scale_src[3]]]} << 24;
       __stcs(reinterpret_cast<unsigned int*>(out_s + std::int64_t{g} * x.size_n), word);
     }
-    // Global scales (spec §4.4), once per expert: with its first w13 task.
+    // Global scales (docs/nvfp4_marlin.md, Encodes), once per expert: with its first w13 task.
     if (w13 && cur.strip == 0 && cur.first == 0 && tid == 0) {
       dst.w13_scale_2[cur.expert] = marlin::global_scale(src.w13_scale_2[2 * cur.expert], a.w13_log2_sf, a.dtype);
       dst.w2_scale_2[cur.expert] = marlin::global_scale(src.w2_scale_2[cur.expert], a.w2_log2_sf, a.dtype);
@@ -366,7 +366,7 @@ inline bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std
 // Generic kernels: any alignment, one thread per output element. Used when a pointer does not
 // meet the tiled kernels' alignment (e.g. a tensor view at an odd byte offset).
 
-// One thread per output int32 word (grid-stride); each gathers its eight codes (spec §4.2).
+// One thread per output int32 word (grid-stride); each gathers its eight codes (docs/nvfp4_marlin.md, Maps).
 template <int Tensor>
 EXPERT_CACHE_KERNEL void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
@@ -387,7 +387,7 @@ EXPERT_CACHE_KERNEL void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4Mar
   }
 }
 
-// One thread per output scale byte (spec §4.3): permuted source, then the S0E5M3 encode.
+// One thread per output scale byte (docs/nvfp4_marlin.md, Maps and Encodes): permuted source, then the S0E5M3 encode.
 template <int Tensor>
 EXPERT_CACHE_KERNEL void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   const std::int64_t size_k = Tensor == w13_tensor ? a.hidden : a.padded;
@@ -410,7 +410,7 @@ EXPERT_CACHE_KERNEL void marlin_scales_kernel(Nvfp4CheckpointPtrs src, Nvfp4Marl
   }
 }
 
-// Global scales (spec §4.4); w13 uses column 0 of [E, 2].
+// Global scales (docs/nvfp4_marlin.md, Encodes); w13 uses column 0 of [E, 2].
 template <class = void>
 EXPERT_CACHE_KERNEL void marlin_globals_kernel(Nvfp4CheckpointPtrs src, Nvfp4MarlinPtrs dst, RepackArgs a) {
   for (std::int64_t e = std::int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < a.num_experts;
@@ -677,7 +677,7 @@ class ChunkPipeline {
   return report;
 }
 
-// Chunked conversion of a host-resident layer (spec §4.7): `src` and `dst` in host memory
+// Chunked conversion of a host-resident layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion): `src` and `dst` in host memory
 // (pinned for asynchronous copies; pageable works but serialises). Sizes are checked on the host;
 // then a first pass streams only the scale tensors through the stats kernel (validation and the
 // two layer-wide factors over all experts) before anything is written to `dst`. The second pass

@@ -48,7 +48,7 @@ namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 inline constexpr int plan_block_threads = 256;
 inline constexpr int plan_fill_threads = 512;
-inline constexpr int plan_fill_max_blocks = 32;  // zero-copy saturates PCIe with ~16 blocks (limits/h200.md)
+inline constexpr int plan_fill_max_blocks = 32;  // zero-copy saturates PCIe with ~16 blocks (docs/hardware_limits.md)
 
 // The plan_block of the GPU: threadIdx.x of a 1-D block of exactly Threads threads.
 template <int Threads>

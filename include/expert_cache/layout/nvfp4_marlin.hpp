@@ -36,7 +36,7 @@ inline constexpr std::int64_t tile_n = 64;
 inline constexpr std::int64_t words_per_tile = 128;  // 16*64 nibbles / 8 per int32
 
 // ---------------------------------------------------------------------------------------------
-// Padding (spec §4.1, fork version). K is never padded. Np = round_up(N, 64) when K % 128 == 0,
+// Padding (docs/nvfp4_marlin.md, Padding). K is never padded. Np = round_up(N, 64) when K % 128 == 0,
 // else round_up(N, 128) (K % 64 == 0 is then required). This picks Marlin's thread-tile family
 // (n%64 & k%128) or (n%128 & k%64) valid for both GEMMs.
 
@@ -59,7 +59,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::int64_t w13_checkpoint_row(std::int64_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Weight permutation (spec §4.2). Output per expert: int32 [size_k/16][2*size_n]; row kt holds
+// Weight permutation (docs/nvfp4_marlin.md, Maps). Output per expert: int32 [size_k/16][2*size_n]; row kt holds
 // size_n/64 tiles of 128 words. Word 128*nt + 4*t + w (warp w, lane t) holds, at nibble i:
 //   i:  0      1        2        3          4        5        6          7
 //   k:  r      r+8      r        r+8        r+1      r+9      r+1        r+9     (+16*kt)
@@ -161,7 +161,7 @@ struct W2Codes {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Scale permutation (spec §4.3). Per expert the scales form S[g][n], g < size_k/16, n < size_n.
+// Scale permutation (docs/nvfp4_marlin.md, Maps). Per expert the scales form S[g][n], g < size_k/16, n < size_n.
 // Output column col takes S[g][scale_source_col(col)]: within each aligned group of 4 the middle
 // two swap, then within each 64-block an 8x8 transpose (sigma(i) = 8*(i%8) + i/8).
 
@@ -207,7 +207,7 @@ struct W2Scales {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Value encodes (spec §4.3 step 3, §4.4).
+// Value encodes (docs/nvfp4_marlin.md, Encodes).
 
 // Exact power of two as float for |e| <= 149 (loop keeps it constexpr and device-safe).
 EXPERT_CACHE_HOST_DEVICE constexpr float exp2i(int e) noexcept {
@@ -242,7 +242,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr float e2m1_value(std::uint32_t code) noexcept
   return (code & 8u) ? -mag[code & 7u] : mag[code & 7u];
 }
 
-// Layer-wide scale factor sf = 2^log2_sf (spec §4.4, #37502): fp16 -> 1; bf16 -> the largest
+// Layer-wide scale factor sf = 2^log2_sf (docs/nvfp4_marlin.md, Encodes; vLLM PR #37502): fp16 -> 1; bf16 -> the largest
 // power of two with max_positive * sf <= 448 (1 when there is no positive scale or max >= 448).
 // `max_positive_byte` is the largest byte in [0x01, 0x7E] over the family, or 0 if none.
 EXPERT_CACHE_HOST_DEVICE constexpr int scale_factor_log2(std::uint8_t max_positive_byte, ActDtype dtype) noexcept {
@@ -253,7 +253,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr int scale_factor_log2(std::uint8_t max_positi
   return p;
 }
 
-// S0E5M3 byte of an e4m3 scale (spec §4.3 step 3): v = s * sf * 128; v < 2 (incl. zero, negative)
+// S0E5M3 byte of an e4m3 scale (docs/nvfp4_marlin.md, Encodes): v = s * sf * 128; v < 2 (incl. zero, negative)
 // or NaN -> 0; else bits [14:7] of fp16(v) = (fp16 biased exponent << 3) | top 3 mantissa bits.
 // v is exact in fp16 (3-bit mantissa); v >= 2^16 (only with an sf the layer rule never picks)
 // saturates to fp16 inf -> 0xF8.
@@ -292,7 +292,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr int dtype_bias(ActDtype dtype) noexcept {
   return dtype == ActDtype::fp16 ? 14 : 126;
 }
 
-// Global-scale transform (spec §4.4): g' = g * 2^(B-7) / sf, in fp32, evaluated in that order.
+// Global-scale transform (docs/nvfp4_marlin.md, Encodes): g' = g * 2^(B-7) / sf, in fp32, evaluated in that order.
 EXPERT_CACHE_HOST_DEVICE constexpr float global_scale(float g, int log2_sf, ActDtype dtype) noexcept {
   return g * exp2i(dtype_bias(dtype) - 7) / exp2i(log2_sf);
 }
@@ -361,7 +361,7 @@ struct Nvfp4Marlin {
   [[nodiscard]] constexpr std::int64_t ckpt_w2_scale_bytes() const noexcept {
     return hidden * (intermediate / marlin::group_size);
   }
-  static constexpr std::int64_t ckpt_w13_scale_2_floats = 2;  // [E, 2]: w1, w3 (w3 ignored, §3)
+  static constexpr std::int64_t ckpt_w13_scale_2_floats = 2;  // [E, 2]: w1, w3 (w3 ignored: w1's is used for both halves)
   static constexpr std::int64_t ckpt_w2_scale_2_floats = 1;
 
   [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept {

@@ -3,10 +3,10 @@
 // layouts. Used by the tests (ground truth for the CUDA kernels); device/marlin_repack.cuh uses its
 // layer types and size checks (it validates values on the GPU). Pure host code.
 //
-// Tensors are expert-major and contiguous. Checkpoint (ModelOpt, spec §3):
+// Tensors are expert-major and contiguous. Checkpoint (ModelOpt; docs/nvfp4_marlin.md, Tensors per expert):
 //   w13 u8 [E, 2N, K/2]   w13_scale e4m3 [E, 2N, K/16]   w13_scale_2 f32 [E, 2]
 //   w2  u8 [E, K, N/2]    w2_scale  e4m3 [E, K, N/16]    w2_scale_2  f32 [E]
-// Marlin (spec §4.1):
+// Marlin (docs/nvfp4_marlin.md, Padding):
 //   w13 i32 [E, K/16, 4Np]  w13_scale u8 [E, K/16, 2Np]  w13_scale_2 f32 [E]
 //   w2  i32 [E, Np/16, 2K]  w2_scale  u8 [E, Np/16, K]   w2_scale_2  f32 [E]
 #include <algorithm>
@@ -218,7 +218,7 @@ inline void repack_experts_unchecked(const Nvfp4Marlin& layout, const Nvfp4Check
   }
 }
 
-// Repacks a whole layer (spec §4.6). Every check runs before the first write to `dst`. Warnings
+// Repacks a whole layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion). Every check runs before the first write to `dst`. Warnings
 // (a w1/w3 global-scale mismatch) go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_reference(const Nvfp4Marlin& layout,
                                                                      const Nvfp4CheckpointLayer& src,

@@ -771,5 +771,7 @@ class SimRuntime {
 };
 
 static_assert(runtime<SimRuntime>);
+static_assert(allocating_runtime<SimRuntime>);
+static_assert(batching_runtime<SimRuntime>);
 
 }  // namespace expert_cache::inline v0
