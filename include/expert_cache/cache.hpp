@@ -29,6 +29,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/nvtx.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/split.hpp"
@@ -46,59 +47,71 @@ struct ExplicitLayout {
 };
 static_assert(expert_layout<ExplicitLayout>);
 
+/// Counters of one cache since construction (ExpertCache::stats()); cheap to take.
 struct CacheStats {
-  std::uint64_t hits = 0;
-  std::uint64_t misses = 0;
-  std::uint64_t promotions = 0;
-  std::uint64_t evictions = 0;
-  std::uint64_t invalidations = 0;
-  std::int64_t resident = 0;
-  std::int64_t capacity = 0;
-  std::uint64_t prepare_calls = 0;
-  std::uint64_t generation = 0;
-  std::uint64_t last_copies = 0;    // copies the last prepare() enqueued
-  std::uint64_t total_copies = 0;
-  std::uint64_t owner_changes = 0;
-  std::uint64_t map_uploads = 0;
-  std::uint64_t staging_stalls = 0;
-  std::uint64_t faults = 0;         // runtime failures reported by prepare()/invalidate()
-  std::size_t slot_bytes = 0;       // device: slot buffers + maps
-  std::size_t host_bytes = 0;       // host: expert pools + map staging
+  std::uint64_t hits = 0;           ///< forward experts already resident
+  std::uint64_t misses = 0;         ///< forward experts that had to be copied in
+  std::uint64_t promotions = 0;     ///< policy promotions (e.g. Lfru's probation -> protected)
+  std::uint64_t evictions = 0;      ///< experts evicted to make room
+  std::uint64_t invalidations = 0;  ///< experts dropped by invalidate()
+  std::int64_t resident = 0;        ///< experts resident now
+  std::int64_t capacity = 0;        ///< GPU slots
+  std::uint64_t prepare_calls = 0;  ///< accepted prepare() / prepare_unique() calls
+  std::uint64_t generation = 0;     ///< generation of the last accepted forward
+  std::uint64_t last_copies = 0;    ///< copies the last prepare() enqueued
+  std::uint64_t total_copies = 0;   ///< copies enqueued since construction
+  std::uint64_t owner_changes = 0;  ///< prepares on a stream other than the previous reader's
+  std::uint64_t map_uploads = 0;    ///< expert/resident map uploads
+  std::uint64_t staging_stalls = 0; ///< waits for a free host staging buffer
+  std::uint64_t faults = 0;         ///< runtime failures reported by prepare()/invalidate()
+  std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
+  std::size_t host_bytes = 0;       ///< host: expert pools + map staging
+  /// hits / (hits + misses); 0 before the first forward.
   [[nodiscard]] double hit_rate() const noexcept {
     const auto n = hits + misses;
     return n == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(n);
   }
 };
 
-// What a consumer kernel needs for one forward. All pointers are device pointers.
+/// What a consumer kernel needs for one forward. All pointers are device pointers, valid for
+/// work enqueued on the prepare() stream after the call (the copies are ordered before it) until
+/// the next prepare() of this cache.
 struct ForwardView {
-  std::array<SlotTensor, num_expert_tensors> tensors{};  // bytes == 0: tensor absent
-  const std::int32_t* expert_map = nullptr;    // forward-scoped: this forward's experts, else -1
-  const std::int32_t* resident_map = nullptr;  // every resident expert
-  std::uint32_t hits = 0;
-  std::uint32_t misses = 0;
-  std::uint64_t generation = 0;
+  /// Slot buffers per tensor: expert in slot s at tensors[t].slot(s); bytes == 0: tensor absent.
+  std::array<SlotTensor, num_expert_tensors> tensors{};
+  const std::int32_t* expert_map = nullptr;    ///< [num_experts] forward-scoped: this forward's experts -> slot, else -1
+  const std::int32_t* resident_map = nullptr;  ///< [num_experts] every resident expert -> slot, else -1
+  std::uint32_t hits = 0;                      ///< this forward's unique experts already resident
+  std::uint32_t misses = 0;                    ///< this forward's unique experts copied in
+  std::uint64_t generation = 0;                ///< increases by one per accepted forward
+  /// The slot buffers of tensor `t` (e.g. ExpertTensor::w13).
   [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
     return tensors[static_cast<std::size_t>(t)];
   }
 };
 
+/// Construction parameters of an ExpertCache. The constructor throws Error when they are
+/// impossible (capacity 0, > num_experts or < top_k).
 struct CacheOptions {
-  std::int32_t num_experts = 0;
-  std::int32_t capacity = 0;
-  std::int32_t top_k = 1;
-  std::size_t staging_ring = 8;  // host staging buffers for map uploads
-  std::string label = "expert_cache";
-  // Called every `stats_every` accepted prepare() calls (0 = never).
+  std::int32_t num_experts = 0;  ///< experts of the layer (valid ids are [0, num_experts))
+  std::int32_t capacity = 0;     ///< GPU slots (experts resident at once)
+  std::int32_t top_k = 1;        ///< routed experts per token
+  std::size_t staging_ring = 8;  ///< host staging buffers for map uploads
+  std::string label = "expert_cache";  ///< name in log lines and error messages
+  /// Called every `stats_every` accepted prepare() calls (0 = never).
   std::function<void(const CacheStats&)> stats_callback;
-  std::uint64_t stats_every = 1000;
-  // Receives one line at construction (policies, sizes, byte accounting). The library is
-  // silent unless a sink is given here.
+  std::uint64_t stats_every = 1000;  ///< see stats_callback
+  /// Receives one line at construction (policies, sizes, byte accounting). The library is
+  /// silent unless a sink is given here.
   std::function<void(std::string_view)> log;
 };
 
 namespace detail {
 
+/// The cache (public name: ExpertCache, or RowCache / WholeExpertCache / CudaRowCache ...): a
+/// fixed pool of GPU slots over every expert in pinned host memory. prepare() makes a forward's
+/// experts resident and returns their slot buffers plus the expert map. Not thread-safe: one
+/// host thread drives a cache; any number of streams may read what prepare() returns.
 template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
           allocating_runtime Runtime, class Edges>
   requires staging_policy_for<StagingPolicy, Runtime, Storage>
@@ -110,8 +123,8 @@ class ExpertCacheWithEdges {
   using LayoutType = Layout;
   using ScaleLayout = Layout;  // the earlier name
 
-  // Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
-  // layout that does not validate, sizes that cannot be allocated).
+  /// Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
+  /// layout that does not validate, sizes that cannot be allocated).
   ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy)
       : rt_(&rt),
         options_(std::move(options)),
@@ -136,6 +149,7 @@ class ExpertCacheWithEdges {
     }
   }
 
+  /// As above, with the eviction policy constructed from the cache shape.
   ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout)
     requires std::constructible_from<EvictionPolicy, CacheShape>
       : ExpertCacheWithEdges(rt, options, layout,
@@ -145,18 +159,26 @@ class ExpertCacheWithEdges {
   ExpertCacheWithEdges(const ExpertCacheWithEdges&) = delete;
   ExpertCacheWithEdges& operator=(const ExpertCacheWithEdges&) = delete;
 
-  // Top-k routing ids (duplicates fine, negative = padding), processed in ascending order.
+  /// Makes a forward's experts resident for work enqueued on `stream` after this call.
+  /// `topk_ids`: top-k routing ids (duplicates fine, negative = padding), processed in ascending
+  /// order. Errors (an id out of range, more unique experts than slots: see plan_token_chunks /
+  /// plan_expert_groups) leave the cache unchanged; a runtime failure after planning drops the
+  /// forward's fills (refetched by the next prepare).
   Result<ForwardView> prepare(std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare");
     return prepare_impl<false>(topk_ids, stream);
   }
-  // An explicit unique list (e.g. one expert-split group), processed in the given order.
+  /// As prepare(), for an explicit unique list (e.g. one expert-split group), processed in the
+  /// given order; a duplicate id is an error.
   Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_unique");
     return prepare_impl<true>(unique_ids, stream);
   }
 
-  // Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
-  // rewritten only by a later prepare(), after the readers of the previous forward.
+  /// Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
+  /// rewritten only by a later prepare(), after the readers of the previous forward.
   Status invalidate(std::int32_t expert, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::invalidate");
     Result<SlotId> freed = planner_.invalidate(expert);
     if (!freed.ok()) return freed.status();
     if (!freed.value().valid()) return {};
@@ -172,13 +194,16 @@ class ExpertCacheWithEdges {
     return {};
   }
 
+  /// Token split of a forward wider than the cache: chunks whose unique experts each fit.
   [[nodiscard]] Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids) const {
     return expert_cache::plan_token_chunks(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
   }
+  /// Expert split of a forward wider than the cache: groups for prepare_unique().
   [[nodiscard]] Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids) const {
     return expert_cache::plan_expert_groups(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
   }
 
+  /// Counters since construction.
   [[nodiscard]] CacheStats stats() const noexcept {
     const auto& c = planner_.counters();
     const auto& o = core_.counters();
@@ -203,6 +228,7 @@ class ExpertCacheWithEdges {
     return s;
   }
 
+  /// The host pools (write the experts' weights here: host_tensor(t, expert)) and slot buffers.
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
   [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
@@ -316,6 +342,8 @@ class ExpertCacheWithEdges {
 }  // namespace detail
 
 // The public cache type: every ordering edge on.
+/// The cache, composed from compile-time policies (see detail::ExpertCacheWithEdges for its
+/// members; RowCache and WholeExpertCache in expert_cache.hpp are the standard instantiations).
 template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
           allocating_runtime Runtime>
   requires staging_policy_for<StagingPolicy, Runtime, Storage>

@@ -1,5 +1,7 @@
 #pragma once
-// Compiler configuration shared by host and device code. Self-contained: no includes.
+// Compiler configuration shared by host and device code. Self-contained: includes only
+// version.hpp (the C++20 check and the version macros).
+#include "expert_cache/version.hpp"
 
 // Functions that both the host reference and the CUDA kernels call (index maps, encodes).
 // Under nvcc they are compiled for both sides; under a plain host compiler the macro is empty,

@@ -3,6 +3,7 @@
 // Every failure carries a specific ErrorCode and a human-readable message. A Status never
 // allocates: the message lives in a fixed buffer inside it (formatted with snprintf, truncated
 // with "..." if longer), so rejecting a forward inside a noexcept planning path costs no heap.
+#include "expert_cache/version.hpp"
 #include <algorithm>
 #include <cstdarg>
 #include <cstddef>
@@ -54,17 +55,20 @@ enum class ErrorCode : std::uint8_t {
 #define EXPERT_CACHE_PRINTF_FORMAT(fmt, args)
 #endif
 
-// A status is ok or an error code with a message. Trivially copyable; never allocates.
+/// A status is ok or an error code with a message. Trivially copyable; never allocates.
+/// `if (!s) return s.with_context("what failed");` is the usual way to pass one up.
 class [[nodiscard]] Status {
  public:
-  // Longest message kept; longer ones end in "...".
+  /// Longest message kept; longer ones end in "...".
   static constexpr std::size_t message_capacity = 246;
 
+  /// The ok status.
   Status() noexcept = default;
+  /// An error (code != ok) with its message (copied, truncated to message_capacity).
   Status(ErrorCode code, std::string_view message) noexcept : code_(code) { assign(message); }
 
-  // printf-style construction into the inline buffer: the allocation-free way to build a
-  // message with numbers in it.
+  /// printf-style construction into the inline buffer: the allocation-free way to build a
+  /// message with numbers in it.
   [[nodiscard]] static Status format(ErrorCode code, const char* fmt, ...) noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
     Status s;
     s.code_ = code;
@@ -75,7 +79,8 @@ class [[nodiscard]] Status {
     return s;
   }
 
-  // The same error with "<context>: " in front of its message (e.g. which call failed).
+  /// The same error with "<context>: " in front of its message (e.g. which call failed); an ok
+  /// status stays ok.
   [[nodiscard]] Status with_context(const char* fmt, ...) const noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
     if (ok()) return *this;
     Status s;
@@ -89,14 +94,20 @@ class [[nodiscard]] Status {
     return s;
   }
 
+  /// The error that replaces an ok Status given to Result without a value.
   [[nodiscard]] static Status unexpected_ok() noexcept {
     return Status(ErrorCode::internal, "Result constructed from an ok Status without a value");
   }
 
+  /// True for the ok status.
   [[nodiscard]] bool ok() const noexcept { return code_ == ErrorCode::ok; }
+  /// Same as ok().
   explicit operator bool() const noexcept { return ok(); }
+  /// ErrorCode::ok or the specific error.
   [[nodiscard]] ErrorCode code() const noexcept { return code_; }
+  /// The message (empty when ok); a view into this Status, valid while it lives.
   [[nodiscard]] std::string_view message() const noexcept { return std::string_view(text_, length_); }
+  /// "ok" or "<code>: <message>" (allocates: for logs, not hot paths).
   [[nodiscard]] std::string to_string() const {
     return ok() ? std::string("ok")
                 : std::string(expert_cache::to_string(code_)) + ": " + std::string(message());
@@ -134,7 +145,7 @@ class [[nodiscard]] Status {
 };
 static_assert(Status::message_capacity <= 255, "length_ is one byte");
 
-// Exception thrown by constructors (and by Result::value() on error).
+/// Exception thrown by constructors (and by Result::value() on error).
 class Error : public std::runtime_error {
  public:
   explicit Error(const Status& status)
@@ -156,21 +167,27 @@ inline void throw_if_error(const Status& status) {
 
 [[noreturn]] inline void throw_error(const Status& status) { throw Error(status); }
 
-// A value or a failed error status (a small stand-in for C++23 std::expected). `E` is Status
-// for the library; the tools use their own status type (tools/tool_status.hpp). E provides
-// ok(), a static `unexpected_ok()` (the error that replaces an ok E given without a value),
-// and a `throw_error(const E&)` found by argument-dependent lookup.
+/// A value or a failed error status (a small stand-in for C++23 std::expected). `E` is Status
+/// for the library; the tools use their own status type (tools/tool_status.hpp). E provides
+/// ok(), a static `unexpected_ok()` (the error that replaces an ok E given without a value),
+/// and a `throw_error(const E&)` found by argument-dependent lookup.
 template <class T, class E = Status>
 class [[nodiscard]] Result {
  public:
+  /// A value (implicit, so `return value;` works).
   Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit by design
+  /// An error (implicit, so `return status;` works); an ok status becomes unexpected_ok().
   Result(E error) : storage_(std::move(error)) {  // NOLINT
     if (std::get<E>(storage_).ok()) storage_ = E::unexpected_ok();
   }
 
+  /// True when a value is held.
   [[nodiscard]] bool ok() const noexcept { return std::holds_alternative<T>(storage_); }
+  /// Same as ok().
   explicit operator bool() const noexcept { return ok(); }
+  /// The error, or an ok E when a value is held.
   [[nodiscard]] E status() const { return ok() ? E() : std::get<E>(storage_); }
+  /// The value; throws (Error for Status) when there is none.
   [[nodiscard]] T& value() & {
     if (!ok()) throw_error(std::get<E>(storage_));
     return std::get<T>(storage_);

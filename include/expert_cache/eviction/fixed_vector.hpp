@@ -4,6 +4,7 @@
 // elements of room, so a copied policy (a planner takes its policy by value) would allocate on
 // the hot path as it grows again. Here the storage itself has `capacity` elements, and copies
 // (construction or assignment) keep them.
+#include "expert_cache/version.hpp"
 #include <algorithm>
 #include <cstddef>
 #include <span>

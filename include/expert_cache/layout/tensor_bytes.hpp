@@ -2,6 +2,7 @@
 // Vocabulary shared by every expert weight layout: the six per-expert tensors the cache moves
 // (vLLM's w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2) and their sizes per expert.
 // A layout without a tensor reports it with 0 bytes, so the cache core can treat all layouts alike.
+#include "expert_cache/version.hpp"
 #include <array>
 #include <cstddef>
 #include <cstdint>

@@ -2,6 +2,7 @@
 // The vocabulary a runtime speaks: access modes, declared accesses, batched copies, memory
 // kinds. The `runtime` concept that uses them is in expert_cache/concepts.hpp with the other
 // concepts. Host-only, no CUDA includes.
+#include "expert_cache/version.hpp"
 #include <cstddef>
 #include <cstdint>
 
