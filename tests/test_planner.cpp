@@ -286,3 +286,29 @@ TEST_CASE("a rejected forward allocates nothing: the error is built in the Statu
   CHECK(c.message() == "expert 5 appears more than once in the unique id list");
   CHECK(p.snapshot() == snapshot);  // and nothing changed
 }
+
+TEST_CASE("a copied planner plans without allocating (its bounded lists keep their room)") {
+  ForwardPlanner<Lru> original(CacheShape{64, 8}, 2);
+  ForwardPlan plan;
+  REQUIRE(original.plan_topk(Ids{1, 2}, plan).ok());  // sizes the plan's vectors once
+  ForwardPlanner<Lru> copy = original;
+  ForwardPlanner<Lru> assigned(CacheShape{64, 8}, 2);
+  assigned = original;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::int32_t> id(0, 63);
+  // Forwards of 1..8 ids: wider than any the original planned before it was copied.
+  Ids stream(500 * 8);
+  for (auto& x : stream) x = id(rng);
+  const std::uint64_t evictions_before = copy.counters().evictions;
+  bool all_ok = true;
+  const std::uint64_t before = expert_cache::test::g_allocations.load();
+  for (std::size_t step = 0; step < 500; ++step) {
+    const std::span<const std::int32_t> ids(stream.data() + 8 * step, 1 + step % 8);
+    all_ok = copy.plan_topk(ids, plan).ok() && assigned.plan_topk(ids, plan).ok() && all_ok;
+    if (step % 50 == 0) (void)copy.invalidate(ids[0]);
+  }
+  const std::uint64_t after = expert_cache::test::g_allocations.load();
+  CHECK(all_ok);
+  CHECK(after == before);
+  CHECK(copy.counters().evictions > evictions_before);  // the stream really evicted
+}

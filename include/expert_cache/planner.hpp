@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/fixed_vector.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
@@ -65,16 +66,16 @@ class ForwardPlanner {
         resident_map_(static_cast<std::size_t>(shape.num_experts), absent_slot),
         forward_map_(static_cast<std::size_t>(shape.num_experts), absent_slot),
         slot_owner_(static_cast<std::size_t>(shape.capacity), -1),
-        stamps_(static_cast<std::size_t>(shape.num_experts), 0u) {
-    free_slots_.reserve(static_cast<std::size_t>(shape.capacity));
+        free_slots_(static_cast<std::size_t>(shape.capacity)),
+        stamps_(static_cast<std::size_t>(shape.num_experts), 0u),
+        scratch_(static_cast<std::size_t>(shape.capacity)),
+        previous_forward_(static_cast<std::size_t>(shape.capacity)) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
       free_slots_.push_back(free_slot_order_of<Policy>() == FreeSlotOrder::lowest_first
                                 ? shape.capacity - 1 - i
                                 : i);
     }
-    scratch_.reserve(static_cast<std::size_t>(shape.capacity));
-    previous_forward_.reserve(static_cast<std::size_t>(shape.capacity));
   }
 
   explicit ForwardPlanner(CacheShape shape, std::int32_t top_k = 1)
@@ -152,7 +153,8 @@ class ForwardPlanner {
   }
 
   [[nodiscard]] Snapshot snapshot() const {
-    return Snapshot{resident_map_, slot_owner_, free_slots_, policy_, counters_};
+    return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
+                    policy_, counters_};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -269,11 +271,13 @@ class ForwardPlanner {
   std::vector<std::int32_t> resident_map_;  // expert -> slot, -1 absent (everything resident)
   std::vector<std::int32_t> forward_map_;   // expert -> slot for this forward only
   std::vector<std::int32_t> slot_owner_;    // slot -> expert, -1 free
-  std::vector<std::int32_t> free_slots_;    // LIFO stack, popped from the back
+  // Bounded lists sized at construction (FixedVector, not reserve(): a copied planner keeps
+  // its room, so a copy plans without allocating).
+  detail::FixedVector<std::int32_t> free_slots_;  // LIFO stack, popped from the back
   std::vector<std::uint32_t> stamps_;       // forward-membership stamps (scratch, not state)
   std::uint32_t epoch_ = 0;
-  std::vector<ExpertId> scratch_;           // validated unique ids of the forward being planned
-  std::vector<ExpertId> previous_forward_;  // entries to clear in forward_map_
+  detail::FixedVector<ExpertId> scratch_;           // validated unique ids of the forward being planned
+  detail::FixedVector<ExpertId> previous_forward_;  // entries to clear in forward_map_
   PlannerCounters counters_;
 };
 
