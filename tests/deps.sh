@@ -10,6 +10,7 @@ command -v ninja >/dev/null 2>&1 || missing+=(ninja-build)
 dpkg -s doctest-dev >/dev/null 2>&1 || has_pc doctest || missing+=(doctest-dev)
 dpkg -s libbenchmark-dev >/dev/null 2>&1 || has_pc benchmark || missing+=(libbenchmark-dev)
 dpkg -s pkg-config >/dev/null 2>&1 || command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+command -v cmake >/dev/null 2>&1 || missing+=(cmake)  # the install_consumers test (CMake package consumer)
 if [ "${EXPERT_CACHE_WANT_CLANG:-0}" = 1 ]; then
   command -v clang++ >/dev/null 2>&1 || missing+=(clang)
   dpkg -s libclang-rt-14-dev >/dev/null 2>&1 || missing+=(libclang-rt-14-dev)

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/nvtx.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/storage/copy_region.hpp"
@@ -40,6 +41,7 @@ struct CopyStream {
 
   template <class R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
     return detail::for_each_fill_copy(storage.copy_regions(), fills, [&](void* dst, const void* src, std::size_t n) noexcept {
       return rt.copy_async(dst, src, n, stream);
     });
@@ -73,6 +75,7 @@ class Batched {
 
   template <batching_runtime R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
     if (Status s = refuse_capture(rt, stream); !s) return s;
     copies_.clear();
     Status s = detail::for_each_fill_copy(storage.copy_regions(), fills, [&](void* dst, const void* src, std::size_t n) noexcept {

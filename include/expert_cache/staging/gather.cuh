@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/nvtx.hpp"
 #include "expert_cache/device/fill_gather.cuh"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
@@ -41,6 +42,7 @@ class Gather {
 
   template <class Storage>
   Status issue(CudaRuntime& rt, cudaStream_t stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
     if (fills.empty()) return {};
     if (Status s = resolve(rt, storage); !s) return s;
     while (!fills.empty()) {
