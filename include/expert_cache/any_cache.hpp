@@ -487,45 +487,48 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   inner.log = {};  // the line below names the provider and the layout
   const ExplicitLayout layout{config.layout.tensors};
   using Made = Result<std::unique_ptr<Base>>;
-  Made made = Status(ErrorCode::internal, "make_expert_cache: no combination matched");
-  try {
-    made = detail::visit_type<Made>(detail::AnyStorages{}, *storage, [&]<class S>() -> Made {
-      if (device) {
-        if constexpr (has_device_plan_executor<Runtime>) {
-          using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime>;
-          DeviceCacheOptions o;
-          o.num_experts = inner.num_experts;
-          o.capacity = inner.capacity;
-          o.max_ids = config.max_ids;
-          o.fused_plan_fill = config.fused_plan_fill;
-          o.label = inner.label;
-          return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
-        } else {
-          return Status(ErrorCode::internal, "device provider without executor");
-        }
-      }
-      return detail::visit_type<Made>(detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
-        return detail::visit_type<Made>(Stagings{}, *staging, [&]<class G>() -> Made {
-          if constexpr (staging_policy_for<G, Runtime, S::template type>) {
-            using Cache = ExpertCache<S::template type, P, G, ExplicitLayout, Runtime>;
-            const CacheShape shape =
-                ForwardPlanner<P>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
-            return std::unique_ptr<Base>(std::make_unique<detail::HostCacheModel<Runtime, Cache>>(
-                rt, inner, layout, detail::make_any_policy<P>(shape, config.pool)));
+  // Constructed, never assigned: nvcc flags an assignment of a [[nodiscard]] class (#2810).
+  const auto build = [&]() -> Made {
+    try {
+      return detail::visit_type<Made>(detail::AnyStorages{}, *storage, [&]<class S>() -> Made {
+        if (device) {
+          if constexpr (has_device_plan_executor<Runtime>) {
+            using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime>;
+            DeviceCacheOptions o;
+            o.num_experts = inner.num_experts;
+            o.capacity = inner.capacity;
+            o.max_ids = config.max_ids;
+            o.fused_plan_fill = config.fused_plan_fill;
+            o.label = inner.label;
+            return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
           } else {
-            return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
-                                  static_cast<int>(G::name.size()), G::name.data());
+            return Status(ErrorCode::internal, "device provider without executor");
           }
+        }
+        return detail::visit_type<Made>(detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
+          return detail::visit_type<Made>(Stagings{}, *staging, [&]<class G>() -> Made {
+            if constexpr (staging_policy_for<G, Runtime, S::template type>) {
+              using Cache = ExpertCache<S::template type, P, G, ExplicitLayout, Runtime>;
+              const CacheShape shape =
+                  ForwardPlanner<P>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
+              return std::unique_ptr<Base>(std::make_unique<detail::HostCacheModel<Runtime, Cache>>(
+                  rt, inner, layout, detail::make_any_policy<P>(shape, config.pool)));
+            } else {
+              return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
+                                    static_cast<int>(G::name.size()), G::name.data());
+            }
+          });
         });
       });
-    });
-  } catch (const Error& e) {
-    return detail::status_of(e);
-  } catch (const std::bad_alloc&) {
-    return Status(ErrorCode::runtime_failure, "make_expert_cache: out of host memory");
-  } catch (const std::exception& e) {
-    return Status(ErrorCode::runtime_failure, e.what());
-  }
+    } catch (const Error& e) {
+      return detail::status_of(e);
+    } catch (const std::bad_alloc&) {
+      return Status(ErrorCode::runtime_failure, "make_expert_cache: out of host memory");
+    } catch (const std::exception& e) {
+      return Status(ErrorCode::runtime_failure, e.what());
+    }
+  };
+  Made made = build();
   if (!made.ok()) return made.status();
 
   AnyExpertCache<Runtime> cache;
