@@ -8,6 +8,7 @@
 //   json_report.hpp   Google-Benchmark-compatible JSON
 //   progress.hpp      progress lines on stderr
 //   modelled_run.hpp  the MODELLED run on SimRuntime with a cost model
+//   modelled_device.hpp  the device provider's MODELLED run (DeviceExpertCache on SimRuntime)
 //   main.hpp          bench_main: validate, run (measured or modelled), report
 //
 // The decode loop is the same on both runtimes. Per step (B tokens) and MoE layer:
@@ -16,10 +17,13 @@
 //   2. cache.prepare(ids, consumer) makes the experts resident (copies on the fill stream),
 //   3. the consumer reads the experts through the slot buffers and the forward map.
 // The "resident" provider is the same loop without a cache: every expert in HBM (upper bound).
+// The "device" provider plans on the device: the ids never reach the host, each step is one
+// replay of a graph captured once (router stand-in -> prepare -> consumer per layer).
 #include "decode/args.hpp"
 #include "decode/json_report.hpp"
 #include "decode/main.hpp"
 #include "decode/model.hpp"
+#include "decode/modelled_device.hpp"
 #include "decode/modelled_run.hpp"
 #include "decode/progress.hpp"
 #include "decode/report.hpp"

@@ -7,6 +7,16 @@
 // offset; scales are valid S0E5M3 bytes, globals are finite), so every configuration and the
 // all-resident run consume the same weights: the last step's outputs must be bit-identical to
 // the all-resident run's (the consumer is deterministic).
+//
+// The device provider (issue 12): DeviceExpertCache (TensorMajorStorage, device LRU = the row
+// provider's Lru decisions) with the whole decode step -- per layer a router stand-in kernel
+// (ids and top-k weights of step *counter from a routing buffer uploaded once before timing),
+// prepare (plan + fill on the device), the same MoeConsumer, [prepare_group + consumer for
+// max_groups rounds], then a one-thread kernel that bumps the step counter -- captured ONCE into
+// a CUDA graph; each step is one cudaGraphLaunch and nothing else. Its outputs of a few steps
+// (warm-up steps after their sync, and the last step) must be bit-identical to the host-planned
+// row provider's outputs of the same steps (same consumer kernels, same weight bytes), else the
+// run fails. Host synchronisations of every provider are counted (host_syncs_per_token).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +26,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -23,6 +34,7 @@
 
 #include "decode_bench.hpp"
 #include "expert_cache/cuda.hpp"
+#include "expert_cache/device/device_cache_cuda.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
 
 namespace expert_cache::bench {
@@ -146,7 +158,26 @@ struct GpuContext {
   DeviceBuffer out;       // [layers, batch, hidden]
   std::unique_ptr<PinnedBuffer> staging;  // ids + weights upload
   std::vector<float> resident_out;        // the all-resident run's last-step outputs
+  std::uint64_t host_syncs = 0;           // the bench's own host waits (counted_sync)
+  // Outputs of the check steps per run ("provider/staging" -> step -> [layers, batch, hidden]).
+  std::map<std::string, std::map<std::int32_t, std::vector<float>>> snapshots;
+  std::string row_reference;  // the first host-planned row run: the device provider's reference
 };
+
+// Every host wait of a decode loop goes through here, so it is counted.
+void counted_sync(GpuContext& ctx, cudaStream_t s) {
+  ++ctx.host_syncs;
+  check_cuda(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+}
+
+// Warm-up steps whose outputs are kept (after their step's sync: not timed), plus the last step.
+std::vector<std::int32_t> check_steps(const BenchArgs& a, std::int32_t total) {
+  std::vector<std::int32_t> out;
+  for (const std::int32_t s : {1, a.warmup / 2, a.warmup - 1})
+    if (s >= 1 && s < a.warmup && std::find(out.begin(), out.end(), s) == out.end()) out.push_back(s);
+  out.push_back(total - 1);
+  return out;
+}
 
 using Clock = std::chrono::steady_clock;
 double ns_since(Clock::time_point t0) {
@@ -155,19 +186,28 @@ double ns_since(Clock::time_point t0) {
 
 // One measured decode run. `prepare(l, ids)` returns the MoeWeights for layer l (the cache's
 // view, or the resident arrays) and accounts hits/misses itself.
+std::vector<float> last_outputs(const Model& m, GpuContext& ctx);
+
 template <class PrepareFn>
 void decode_loop(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, RunResult& r,
-                 Progress& progress, PrepareFn&& prepare) {
+                 Progress& progress, const std::string& key, PrepareFn&& prepare) {
   const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
+  const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
+  auto& snaps = ctx.snapshots[key];
+  snaps.clear();
+  std::uint64_t syncs0 = 0;
   auto* stage_ids = ctx.staging->as<std::int32_t>();
   auto* stage_w = reinterpret_cast<float*>(stage_ids + n_ids);
   Clock::time_point measure_start{};
   for (std::int32_t s = 0; s < routing.steps; ++s) {
-    if (s == a.warmup) measure_start = Clock::now();
+    if (s == a.warmup) {
+      measure_start = Clock::now();
+      syncs0 = ctx.host_syncs;
+    }
     const auto step_start = Clock::now();
     for (std::int32_t l = 0; l < m.layers; ++l) {
       // The routing read-back point of an engine: the host waits for the consumer stream.
-      check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");
+      counted_sync(ctx, ctx.consumer);
       const auto ids = routing.forward(s, l);
       const auto w = routing.forward_weights(s, l);
       std::memcpy(stage_ids, ids.data(), n_ids * sizeof(std::int32_t));
@@ -183,12 +223,15 @@ void decode_loop(const Model& m, const Routing& routing, const BenchArgs& a, Gpu
           !st)
         throw Error(st);
     }
-    check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");
+    counted_sync(ctx, ctx.consumer);
     if (s == 0) r.cold_start_ns = ns_since(step_start);
+    if (s < a.warmup && std::find(checks.begin(), checks.end(), s) != checks.end()) snaps[s] = last_outputs(m, ctx);
     progress.step(s + 1, routing.steps);
   }
   r.time_ns = ns_since(measure_start);
   r.tokens = static_cast<std::int64_t>(a.steps) * m.batch;
+  r.host_syncs = ctx.host_syncs - syncs0;
+  snaps[routing.steps - 1] = last_outputs(m, ctx);
 }
 
 std::vector<float> last_outputs(const Model& m, GpuContext& ctx) {
@@ -320,7 +363,7 @@ RunResult run_resident(const Model& m, const Routing& routing, const BenchArgs& 
   r.provider = "resident";
   r.staging = "-";
   r.modelled = false;
-  decode_loop(m, routing, a, ctx, r, progress,
+  decode_loop(m, routing, a, ctx, r, progress, "resident",
               [&](std::int32_t l, std::span<const std::int32_t>, bool) { return weights_of(l); });
   ctx.resident_out = last_outputs(m, ctx);
 
@@ -397,9 +440,10 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
   r.provider = cfg.provider;
   r.staging = cfg.staging;
   r.modelled = false;
-  std::uint64_t hits0 = 0, misses0 = 0, copies0 = 0;
+  std::uint64_t hits0 = 0, misses0 = 0, copies0 = 0, stalls0 = 0;
   bool snap = false;
-  decode_loop(m, routing, a, ctx, r, progress, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
+  const std::string key = cfg.provider + "/" + cfg.staging;
+  decode_loop(m, routing, a, ctx, r, progress, key, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
     if (measured && !snap) {
       snap = true;
       for (auto& c : caches) {
@@ -407,6 +451,7 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
         hits0 += s.hits;
         misses0 += s.misses;
         copies0 += s.total_copies;
+        stalls0 += s.staging_stalls;
       }
     }
     Cache& cache = *caches[static_cast<std::size_t>(l)];
@@ -420,17 +465,21 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     }
     return device::moe_weights_from_view(view.value(), m.experts);
   });
+  std::uint64_t stalls = 0;
   for (auto& c : caches) {
     const CacheStats s = c->stats();
     r.hits += s.hits;
     r.misses += s.misses;
     r.copies += s.total_copies;
+    stalls += s.staging_stalls;
   }
   r.hits -= hits0;
   r.misses -= misses0;
   r.copies -= copies0;
+  r.host_syncs += stalls - stalls0;  // the library's own host waits (staging buffer reuse)
   r.pcie_bytes = static_cast<double>(r.misses) * static_cast<double>(bytes_per_fill);
   compare_outputs(m, ctx, r);
+  if (cfg.provider == "row" && ctx.row_reference.empty()) ctx.row_reference = key;
   return r;
 }
 
@@ -444,6 +493,211 @@ RunResult run_cached_staging(const Model& m, const Routing& routing, const Bench
   if (cfg.staging == "batched")
     return run_cached<ExpertCache<Storage, Policy, Batched, Nvfp4Marlin, CudaRuntime>>(m, routing, a, ctx, rt, cfg, progress);
   return run_cached<ExpertCache<Storage, Policy, Gather, Nvfp4Marlin, CudaRuntime>>(m, routing, a, ctx, rt, cfg, progress);
+}
+
+// ---- the device provider: one captured graph per decode step --------------------------------
+
+// Router stand-in: the ids and top-k weights of step *counter, layer `layer`, from the routing
+// buffer (the whole run's, uploaded once). The step is read on the device, so the same graph
+// replays every step with new ids.
+__global__ void router_kernel(const std::int32_t* ids_table, const float* w_table, const std::uint32_t* counter,
+                              std::int32_t steps, std::int32_t layers, std::int32_t layer, std::int32_t n,
+                              std::int32_t* ids, float* weights) {
+  const std::uint32_t step = *counter % static_cast<std::uint32_t>(steps);
+  const std::size_t at = (static_cast<std::size_t>(step) * static_cast<std::size_t>(layers) + static_cast<std::size_t>(layer)) *
+                         static_cast<std::size_t>(n);
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n; i += static_cast<std::int32_t>(blockDim.x)) {
+    ids[i] = ids_table[at + static_cast<std::size_t>(i)];
+    weights[i] = w_table[at + static_cast<std::size_t>(i)];
+  }
+}
+__global__ void step_counter_kernel(std::uint32_t* counter) { *counter += 1; }
+// Overflow rounds g >= 1 write their own output; an empty round (every routing this benchmark
+// accepts fits one group) leaves zeros, which are not added, so the result stays bit-identical.
+__global__ void add_round_kernel(float* out, const float* part, std::int32_t n) {
+  const std::int32_t i = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n && part[i] != 0.0f) out[i] += part[i];
+}
+
+RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
+                     Progress& progress, std::vector<std::string>& notes) {
+  using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
+  const std::int32_t n = m.ids_per_forward();
+  const auto un = static_cast<std::size_t>(n);
+  const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
+  progress.note("device/graph: allocating and filling pinned host pools");
+  std::vector<std::unique_ptr<Cache>> caches;
+  for (std::int32_t l = 0; l < m.layers; ++l) {
+    DeviceCacheOptions o;
+    o.num_experts = m.experts;
+    o.capacity = m.capacity;
+    o.max_ids = n;
+    caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
+  }
+  const ExpertTensorBytes tensors = m.layout.tensors();
+  parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
+    auto& st = caches[static_cast<std::size_t>(l)]->storage();
+    for (std::size_t t = 0; t < num_expert_tensors; ++t)
+      synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
+  });
+  const std::int32_t rounds = caches[0]->max_groups(n);
+
+  // The routing buffer (every step's ids and weights, uploaded once, before timing), the step
+  // counter, per-layer ids / weights, the outputs of overflow rounds.
+  DeviceBuffer table_ids(routing.ids.size() * sizeof(std::int32_t));
+  DeviceBuffer table_w(routing.weights.size() * sizeof(float));
+  check_cuda(cudaMemcpy(table_ids.p, routing.ids.data(), routing.ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+             "cudaMemcpy(routing ids)");
+  check_cuda(cudaMemcpy(table_w.p, routing.weights.data(), routing.weights.size() * sizeof(float), cudaMemcpyHostToDevice),
+             "cudaMemcpy(routing weights)");
+  DeviceBuffer counter(sizeof(std::uint32_t));
+  check_cuda(cudaMemset(counter.p, 0, sizeof(std::uint32_t)), "cudaMemset(counter)");
+  DeviceBuffer ids(static_cast<std::size_t>(m.layers) * un * sizeof(std::int32_t));
+  DeviceBuffer weights(static_cast<std::size_t>(m.layers) * un * sizeof(float));
+  DeviceBuffer part(rounds > 1 ? act * sizeof(float) : sizeof(float));
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+
+  // Capture the whole step once.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  const auto t_capture = Clock::now();
+  check_cuda(cudaStreamBeginCapture(ctx.consumer, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  try {
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      auto* l_ids = ids.as<std::int32_t>() + static_cast<std::size_t>(l) * un;
+      auto* l_w = weights.as<float>() + static_cast<std::size_t>(l) * un;
+      float* out = ctx.out.as<float>() + static_cast<std::size_t>(l) * act;
+      router_kernel<<<1, 128, 0, ctx.consumer>>>(table_ids.as<std::int32_t>(), table_w.as<float>(), counter.as<std::uint32_t>(),
+                                                 routing.steps, m.layers, l, n, l_ids, l_w);
+      check_cuda(cudaGetLastError(), "router_kernel");
+      Cache& cache = *caches[static_cast<std::size_t>(l)];
+      for (std::int32_t g = 0; g < rounds; ++g) {
+        Result<ForwardView> view = g == 0 ? cache.prepare(l_ids, n, ctx.consumer) : cache.prepare_group(g, ctx.consumer);
+        if (!view.ok()) throw Error(view.status());
+        float* dst = g == 0 ? out : part.as<float>();
+        if (g > 0) check_cuda(cudaMemsetAsync(dst, 0, act * sizeof(float), ctx.consumer), "cudaMemsetAsync(round)");
+        if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(), l_w,
+                                     ctx.x.as<float>(), dst, m.batch, ctx.consumer);
+            !st)
+          throw Error(st);
+        if (g > 0) {
+          add_round_kernel<<<static_cast<unsigned>((act + 255) / 256), 256, 0, ctx.consumer>>>(out, part.as<float>(),
+                                                                                              static_cast<std::int32_t>(act));
+          check_cuda(cudaGetLastError(), "add_round_kernel");
+        }
+      }
+    }
+    step_counter_kernel<<<1, 1, 0, ctx.consumer>>>(counter.as<std::uint32_t>());
+    check_cuda(cudaGetLastError(), "step_counter_kernel");
+  } catch (...) {
+    (void)cudaStreamEndCapture(ctx.consumer, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  check_cuda(cudaStreamEndCapture(ctx.consumer, &graph), "cudaStreamEndCapture");
+  std::size_t nodes = 0;
+  check_cuda(cudaGraphGetNodes(graph, nullptr, &nodes), "cudaGraphGetNodes");
+  const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check_cuda(inst, "cudaGraphInstantiate");
+  struct ExecGuard {
+    cudaGraphExec_t e;
+    ~ExecGuard() { cudaGraphExecDestroy(e); }
+  } exec_guard{exec};
+  const double capture_ms = ns_since(t_capture) * 1e-6;
+
+  RunResult r;
+  r.provider = "device";
+  r.staging = device_staging;
+  r.modelled = false;
+  const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
+  const std::string key = std::string("device/") + device_staging;
+  auto& snaps = ctx.snapshots[key];
+  snaps.clear();
+  std::uint64_t hits0 = 0, misses0 = 0, stalls0 = 0, syncs0 = 0;
+  double launch_ns = 0;
+  Clock::time_point measure_start{};
+  for (std::int32_t s = 0; s < routing.steps; ++s) {
+    if (s == a.warmup) {
+      // Exact device stats need an idle stream; this wait is before the measured steps.
+      check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");
+      for (auto& c : caches) {
+        const CacheStats cs = c->stats();
+        hits0 += cs.hits;
+        misses0 += cs.misses;
+        stalls0 += cs.staging_stalls;
+      }
+      syncs0 = ctx.host_syncs;
+      measure_start = Clock::now();
+    }
+    const auto step_start = Clock::now();
+    check_cuda(cudaGraphLaunch(exec, ctx.consumer), "cudaGraphLaunch");  // the whole step
+    if (s >= a.warmup) launch_ns += ns_since(step_start);
+    if (s == 0) {  // the cold start (a warm-up step)
+      counted_sync(ctx, ctx.consumer);
+      r.cold_start_ns = ns_since(step_start);
+    }
+    if (s < a.warmup && std::find(checks.begin(), checks.end(), s) != checks.end()) {
+      counted_sync(ctx, ctx.consumer);
+      snaps[s] = last_outputs(m, ctx);
+    }
+    progress.step(s + 1, routing.steps);
+  }
+  r.host_syncs = ctx.host_syncs - syncs0;  // waits inside the measured steps: none are issued
+  check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");  // stops the clock, after the last step
+  r.time_ns = ns_since(measure_start);
+  r.tokens = static_cast<std::int64_t>(a.steps) * m.batch;
+  snaps[routing.steps - 1] = last_outputs(m, ctx);
+  std::uint64_t stalls = 0, errors = 0;
+  for (auto& c : caches) {
+    const CacheStats cs = c->stats();
+    r.hits += cs.hits;
+    r.misses += cs.misses;
+    stalls += cs.staging_stalls;
+    if (c->take_errors() != 0) ++errors;  // bad ids / overflow: impossible for a validated routing
+  }
+  r.hits -= hits0;
+  r.misses -= misses0;  // copies stay 0: the fills are kernels, no copy calls
+  r.host_syncs += stalls - stalls0;
+  r.pcie_bytes = static_cast<double>(r.misses) * static_cast<double>(m.expert_bytes());
+  compare_outputs(m, ctx, r);
+  r.output_checked = true;
+  r.check_failures += errors;
+
+  // Bit-identical to the host-planned row provider at the same steps (same consumer kernels on
+  // the same weight bytes; slots differ in no byte the consumer reads).
+  std::string steps_text;
+  const auto ref_it = ctx.snapshots.find(ctx.row_reference);
+  std::uint64_t compared = 0, differ = 0;
+  if (!ctx.row_reference.empty() && ref_it != ctx.snapshots.end()) {
+    for (const auto& [step, out] : snaps) {
+      const auto it = ref_it->second.find(step);
+      if (it == ref_it->second.end()) continue;
+      ++compared;
+      steps_text += (steps_text.empty() ? "" : ", ") + std::to_string(step);
+      if (it->second.size() != out.size() || std::memcmp(it->second.data(), out.data(), out.size() * sizeof(float)) != 0)
+        ++differ;
+    }
+  }
+  char buf[640];
+  if (compared == 0) {
+    std::snprintf(buf, sizeof buf,
+                  "device/%s: no host-planned row run before it in this invocation; last-step outputs compared "
+                  "with the all-resident run only",
+                  device_staging);
+  } else {
+    std::snprintf(buf, sizeof buf, "device/%s: outputs of steps %s %s %s (host-planned, same steps)", device_staging,
+                  steps_text.c_str(), differ == 0 ? "bit-identical to" : "DIFFER from", ctx.row_reference.c_str());
+  }
+  notes.emplace_back(buf);
+  r.check_failures += differ;
+  std::snprintf(buf, sizeof buf,
+                "device/%s: one CUDA graph per step (%zu nodes, %d round(s) per layer; captured and instantiated "
+                "once in %.1f ms); cudaGraphLaunch %.1f us of host time per step; %s",
+                device_staging, nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
+                errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids or overflow)");
+  notes.emplace_back(buf);
+  return r;
 }
 
 Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, Progress& progress) {
@@ -481,6 +735,8 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     progress.run_started(i, configs.size(), cfg.provider == "resident" ? std::string("resident") : cfg.provider + "/" + cfg.staging);
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
+    } else if (cfg.provider == "device") {
+      rep.runs.push_back(run_device(m, routing, a, ctx, rt, progress, rep.notes));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
     } else {

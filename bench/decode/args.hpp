@@ -40,7 +40,7 @@ struct BenchArgs {
   bool layers_given = false;
   bool experts_given = false;
   bool topk_given = false;
-  std::vector<std::string> providers;  // row, cached, resident
+  std::vector<std::string> providers;  // row, cached, device, resident
   std::vector<std::string> staging;    // inline, copy_stream, batched, gather
   bool staging_given = false;
   RuntimeChoice runtime = RuntimeChoice::automatic;
@@ -51,7 +51,7 @@ struct BenchArgs {
 };
 
 inline const std::vector<std::string>& provider_names() {
-  static const std::vector<std::string> names{"row", "cached", "resident"};
+  static const std::vector<std::string> names{"row", "cached", "device", "resident"};
   return names;
 }
 inline const std::vector<std::string>& staging_names() {
@@ -83,7 +83,7 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --batch B           tokens per decode step, 1..16 (default 1)\n"
                "  --steps N           measured decode steps (default 32)\n"
                "  --warmup N          steps before measuring; the first is the cold start (default 64)\n"
-               "  --provider P,...    row, cached, resident, or all (default all)\n"
+               "  --provider P,...    row, cached, device, resident, or all (default all)\n"
                "  --staging S,...     inline, copy_stream, batched, gather (CUDA only), or all (default: all that\n"
                "                      the runtime has)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
@@ -214,7 +214,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
   return a;
 }
 
-// One configuration of the run: a provider and (for caches) a staging policy.
+// One configuration of the run: a provider and (for host-planned caches) a staging policy. The
+// device provider (planned on the GPU, one CUDA graph per step) has no staging policy: it runs
+// once, labelled "graph", whatever --staging lists.
+inline constexpr const char* device_staging = "graph";
 struct RunConfig {
   std::string provider;
   std::string staging;
@@ -224,6 +227,10 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
   std::vector<RunConfig> out;
   for (const std::string& p : a.providers) {
     if (p == "resident") continue;
+    if (p == "device") {
+      out.push_back({p, device_staging});
+      continue;
+    }
     for (const std::string& s : staging) out.push_back({p, s});
   }
   // The all-resident run goes first: the ratios need it, and it is the cheapest.

@@ -99,7 +99,8 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
         << ", \"pcie_bound_tokens_per_second\": "
         << json_number(rep.pcie_bound_seconds_per_token(r) > 0 ? 1.0 / rep.pcie_bound_seconds_per_token(r) : 0)
         << ", \"cold_start_ms\": " << json_number(r.cold_start_ns * 1e-6) << ", \"capacity\": " << m.capacity
-        << ", \"batch\": " << m.batch << ", \"check_failures\": " << r.check_failures << "}";
+        << ", \"batch\": " << m.batch << ", \"host_syncs_per_token\": " << json_number(r.host_syncs_per_token())
+        << ", \"check_failures\": " << r.check_failures << "}";
   }
   out << "\n  ]\n}\n";
 }

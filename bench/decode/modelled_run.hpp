@@ -1,7 +1,8 @@
 #pragma once
 // expert-cache-bench: the MODELLED run. The decode loop on SimRuntime with a virtual-time cost
 // model (ModelledSim forwards each call with its own cost); weights are stored scaled down and
-// charged for the bytes they stand for. Host-only.
+// charged for the bytes they stand for. The device provider's run is in modelled_device.hpp.
+// Host-only.
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +40,16 @@ struct SimCosts {
   double consumer_fixed_ns = 5000.0;      // assumption: launch latency + tail of the MoE consumer
   double hbm_bytes_per_ns = 1570.0;       // fit to the measured consumer (docs/benchmarks.md, H200 at a8e2c2f):
                                           // 10 experts (17.7 MB) in 16.3 us = 5 us + 17.7 MB / 1.57 TB/s
+  // The device provider (one replayed graph per step; modelled_device.hpp). [plan] = docs/benchmarks.md,
+  // "Device planner (issue 12)", H200 at ea81317, plan + maps per layer inside a replayed 48-layer graph.
+  double graph_launch_host_ns = 5000.0;   // assumption: host cost of one cudaGraphLaunch of a decode step
+  double graph_node_ns = 2000.0;          // assumption: a one-block kernel node (router stand-in, step counter)
+  double plan_ns = 2960.0;                // [plan] all hit: 2.96 us per layer
+  double plan_first_victim_ns = 3500.0;   // [plan] one evicting miss: 6.49 us
+  double plan_victim_ns = 1400.0;         // [plan] each further victim: ~1.4 us
+  double plan_free_miss_ns = 300.0;       // [plan] a miss into a free slot: ~0.3 us
+  double fill_fixed_ns = 1100.0;          // fit to [plan]'s in-graph fill (two nodes): 37.6 us at 1 miss,
+  double fill_bytes_per_ns = 48.5;        // 292.8 us at 8 (plan subtracted) = 1.1 us + bytes / 48.5 GB/s
   [[nodiscard]] std::string json() const {
     using detail::json_number;
     return "{\"pcie_bytes_per_ns\": " + json_number(pcie_bytes_per_ns) + ", \"copy_device_ns\": " + json_number(copy_device_ns) +
@@ -46,7 +57,12 @@ struct SimCosts {
            json_number(copy_host_ns) + ", \"batch_host_ns_per_copy\": " + json_number(batch_host_ns_per_copy) +
            ", \"event_host_ns\": " + json_number(event_host_ns) + ", \"launch_host_ns\": " + json_number(launch_host_ns) +
            ", \"consumer_fixed_ns\": " + json_number(consumer_fixed_ns) + ", \"hbm_bytes_per_ns\": " +
-           json_number(hbm_bytes_per_ns) + "}";
+           json_number(hbm_bytes_per_ns) + ", \"graph_launch_host_ns\": " + json_number(graph_launch_host_ns) +
+           ", \"graph_node_ns\": " + json_number(graph_node_ns) + ", \"plan_ns\": " + json_number(plan_ns) +
+           ", \"plan_first_victim_ns\": " + json_number(plan_first_victim_ns) + ", \"plan_victim_ns\": " +
+           json_number(plan_victim_ns) + ", \"plan_free_miss_ns\": " + json_number(plan_free_miss_ns) +
+           ", \"fill_fixed_ns\": " + json_number(fill_fixed_ns) + ", \"fill_bytes_per_ns\": " +
+           json_number(fill_bytes_per_ns) + "}";
   }
 };
 
@@ -135,6 +151,29 @@ class ModelledSim {
     return sim_.deallocate(p);
   }
 
+  // Graph replay (the device provider): the ops of a captured step cost the host nothing; the
+  // step's one cudaGraphLaunch is charged by graph_launch().
+  void set_graph_replay(bool on) noexcept { graph_replay_ = on; }
+  Status graph_launch(Stream s) noexcept {
+    graph_replay_ = false;
+    set(costs_.graph_launch_host_ns, 0.0);
+    sim_.set_next_label("cudaGraphLaunch (modelled)");
+    sim_.set_next_duration_ns(0.0);
+    Status st = sim_.launch(s, {}, {});
+    graph_replay_ = true;
+    return st;
+  }
+  // Host and device costs of the next calls outside the typed entries (the device provider's
+  // executor enqueues through SimRuntime directly).
+  void set_call_costs(double host_ns, double latency_ns) noexcept { set(host_ns, latency_ns); }
+  // The real bytes `n` bytes at `src` stand for, and accounting of weight bytes a device-side
+  // fill moved (its size is decided on the device, after the enqueue).
+  [[nodiscard]] double real_bytes_of(const void* src, std::size_t n) const noexcept {
+    bool weights = false;
+    return real_bytes(src, n, weights);
+  }
+  void count_device_fill(double real_bytes) noexcept { weight_bytes_ += real_bytes; }
+
   [[nodiscard]] double weight_bytes() const noexcept { return weight_bytes_; }
   [[nodiscard]] double other_bytes() const noexcept { return other_bytes_; }
   [[nodiscard]] std::uint64_t copies() const noexcept { return copies_; }
@@ -153,7 +192,7 @@ class ModelledSim {
   }
   void set(double host_ns, double latency_ns) noexcept {
     SimCostModel c;
-    c.host_call_ns = host_ns;
+    c.host_call_ns = graph_replay_ ? 0.0 : host_ns;
     c.copy_latency_ns = latency_ns;
     c.copy_bytes_per_ns = 0.0;  // the latency carries the whole duration
     sim_.set_cost_model(c);
@@ -182,6 +221,7 @@ class ModelledSim {
   double weight_bytes_ = 0;
   double other_bytes_ = 0;
   std::uint64_t copies_ = 0;
+  bool graph_replay_ = false;
 };
 
 static_assert(allocating_runtime<ModelledSim>);
@@ -274,6 +314,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
   double measure_start = 0;
   const std::int32_t total = routing.steps;
   std::vector<Access> accesses;
+  std::uint64_t syncs = 0, stalls0 = 0;  // the loop's own host waits in measured steps; library waits
   for (std::int32_t s = 0; s < total; ++s) {
     if (s == a.warmup) {  // start of the measured steps: snapshot the counters
       measure_start = rt.now_ns();
@@ -281,6 +322,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
         for (auto& c : caches) {
           hits0 += c->stats().hits;
           misses0 += c->stats().misses;
+          stalls0 += c->stats().staging_stalls;
         }
       }
       bytes0 = rt.weight_bytes();
@@ -292,6 +334,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
     for (std::int32_t l = 0; l < m.layers; ++l) {
       // (1) routing read-back point: the host waits for the consumer stream.
       if (Status st = rt.synchronize(consumer); !st) throw Error(st);
+      if (measured) ++syncs;
       rt.sim().drain();
       const auto ids = routing.forward(s, l);
       rt.host_access(ids_host.data(), id_bytes, AccessMode::write);
@@ -351,6 +394,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
       }
     }
     if (Status st = rt.synchronize(consumer); !st) throw Error(st);
+    if (measured) ++syncs;
     rt.sim().drain();
     if (s == 0) r.cold_start_ns = rt.now_ns() - step_start;
     progress.step(s + 1, total);
@@ -361,10 +405,13 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
     for (auto& c : caches) {
       r.hits += c->stats().hits;
       r.misses += c->stats().misses;
+      syncs += c->stats().staging_stalls;
     }
     r.hits -= hits0;
     r.misses -= misses0;
+    syncs -= stalls0;
   }
+  r.host_syncs = syncs;
   r.pcie_bytes = rt.weight_bytes() - bytes0;
   r.map_bytes = rt.other_bytes() - other0;
   r.copies = rt.copies() - copies0;
@@ -393,6 +440,10 @@ RunResult run_sim_staging(const Model& m, const Routing& routing, const BenchArg
   throw UsageError{"staging '" + cfg.staging + "' is not available on SimRuntime"};
 }
 
+// The device provider's modelled run (modelled_device.hpp, included at the end of this file).
+inline RunResult run_sim_device(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
+                                Progress& progress);
+
 inline Report run_modelled(const Model& m, const Routing& routing, const BenchArgs& a, Progress& progress) {
   const SimCosts costs;
   Report rep;
@@ -408,6 +459,8 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
     progress.run_started(i, configs.size(), cfg.provider == "resident" ? std::string("resident") : cfg.provider + "/" + cfg.staging);
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_sim<void>(m, routing, a, costs, "resident", "-", progress));
+    } else if (cfg.provider == "device") {
+      rep.runs.push_back(run_sim_device(m, routing, a, costs, progress));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_sim_staging<TensorMajorStorage, Lru>(m, routing, a, costs, cfg, progress));
     } else {
@@ -419,3 +472,5 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
 }
 
 }  // namespace expert_cache::bench
+
+#include "modelled_device.hpp"  // NOLINT: after the definitions it needs

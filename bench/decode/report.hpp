@@ -25,6 +25,8 @@ struct RunResult {
   double map_bytes = 0;
   double prepare_wall_ns = 0;       // real wall clock inside prepare()
   double prepare_model_ns = 0;      // modelled host time inside prepare() (SimRuntime only)
+  std::uint64_t host_syncs = 0;     // host waits in the measured steps: the loop's own stream/event
+                                    // synchronisations and device reads, plus the caches' staging stalls
   std::uint64_t check_failures = 0; // consumer saw a wrong expert (sim) / outputs differ (GPU)
   bool output_checked = false;
   [[nodiscard]] double seconds_per_token() const noexcept { return tokens ? time_ns * 1e-9 / static_cast<double>(tokens) : 0; }
@@ -34,6 +36,9 @@ struct RunResult {
   }
   [[nodiscard]] double misses_per_token() const noexcept { return tokens ? static_cast<double>(misses) / static_cast<double>(tokens) : 0; }
   [[nodiscard]] double pcie_bytes_per_token() const noexcept { return tokens ? pcie_bytes / static_cast<double>(tokens) : 0; }
+  [[nodiscard]] double host_syncs_per_token() const noexcept {
+    return tokens ? static_cast<double>(host_syncs) / static_cast<double>(tokens) : 0;
+  }
 };
 
 struct Report {
@@ -86,10 +91,11 @@ inline void print_table(std::FILE* out, const Report& rep) {
                rep.warmup, rep.steps);
   std::fprintf(out, "pinned-copy ceiling (same run): %.1f GB/s%s\n\n", rep.pcie_ceiling_bytes_per_s * 1e-9,
                rep.modelled ? " (modelled)" : "");
-  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s\n", "provider", "staging", "tok/s", "vs_res",
-               "vs_pcie", "hit%", "miss/tok", "MB/tok", rep.modelled ? "prep_us*" : "prep_us", "prep_us", "cold_ms");
-  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s\n", "", "", "", "", "", "", "", "(PCIe)",
-               rep.modelled ? "(model)" : "(real)", rep.modelled ? "(realCPU)" : "", "");
+  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "provider", "staging", "tok/s", "vs_res",
+               "vs_pcie", "hit%", "miss/tok", "MB/tok", rep.modelled ? "prep_us*" : "prep_us", "prep_us", "cold_ms",
+               "syncs");
+  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "", "", "", "", "", "", "", "(PCIe)",
+               rep.modelled ? "(model)" : "(real)", rep.modelled ? "(realCPU)" : "", "", "/tok");
   for (const RunResult& r : rep.runs) {
     const auto vr = rep.vs_resident(r);
     char vs_res[32];
@@ -108,12 +114,16 @@ inline void print_table(std::FILE* out, const Report& rep) {
       std::snprintf(prep1, sizeof prep1, "%.1f", prep_real);
       std::snprintf(prep2, sizeof prep2, " ");
     }
-    std::fprintf(out, "%-9s %-12s %9.2f %8s %8.3f %6.1f%% %8.2f %9.2f %9s %9s %9.2f\n", r.provider.c_str(),
+    std::fprintf(out, "%-9s %-12s %9.2f %8s %8.3f %6.1f%% %8.2f %9.2f %9s %9s %9.2f %9.2f\n", r.provider.c_str(),
                  r.staging.c_str(), r.tokens_per_second(), vs_res, rep.vs_pcie(r), 100.0 * r.hit_rate(),
-                 r.misses_per_token(), r.pcie_bytes_per_token() / 1e6, prep1, prep2, r.cold_start_ns * 1e-6);
+                 r.misses_per_token(), r.pcie_bytes_per_token() / 1e6, prep1, prep2, r.cold_start_ns * 1e-6,
+                 r.host_syncs_per_token());
   }
   std::fprintf(out,
-               "\nvs_res = tok/s / all-resident tok/s; vs_pcie = (PCIe bytes per token / ceiling) / time per token.\n");
+               "\nvs_res = tok/s / all-resident tok/s; vs_pcie = (PCIe bytes per token / ceiling) / time per token.\n"
+               "syncs/tok = host synchronisations per measured token (stream/event waits and device reads of the\n"
+               "decode loop, plus the caches' staging stalls); the one wait after the last step that stops the\n"
+               "clock is not part of a step.\n");
   if (rep.modelled) {
     std::fprintf(out,
                  "Times, tok/s and prep_us(model) are MODELLED on SimRuntime; hit rates, misses and bytes are exact for\n"
