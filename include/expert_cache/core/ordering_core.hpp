@@ -21,6 +21,12 @@
 // the reader: X waits for the previous owner's readers (it overwrites the forward map) and for
 // the latest `ready` it has not seen. invalidate() runs 1-4 and leaves the owner as it is.
 //
+// Readers: one core may serve several caches that share its fill stream and events (the
+// model-level cache, model_cache.hpp: one reader per layer). Each reader index has its own
+// owner, so a write for reader r waits for r's owner exactly as a core of its own would; the
+// writer (last_fill) and `ready` are shared, and each covers every earlier write of every
+// reader (docs/design.md, "Model-level cache"). One reader (the default) is the single cache.
+//
 // Each happens-before edge (docs/design.md's table, numbered there) is a compile-time switch
 // in OrderingEdges. Only tests turn one off (through detail::ExpertCacheWithEdges; the public
 // ExpertCache always uses OrderingEdges) and show the race detector then fires: an edge nobody
@@ -65,6 +71,7 @@ enum class WritePurpose : std::uint8_t {
 struct MapUpload {
   const std::int32_t* host = nullptr;
   std::int32_t* device = nullptr;
+  std::size_t entries = 0;  // entries to copy from host/device on; 0 = the core's map_entries
 };
 
 struct OrderingCounters {
@@ -83,7 +90,9 @@ class OrderingCore {
 
   // `fill_on_copy_stream`: false = inline mode (fills on the caller's stream, the cached
   // provider's semantics). `map_entries`: int32 entries of each device map upload.
-  OrderingCore(R& rt, bool fill_on_copy_stream, std::size_t map_entries, std::size_t staging_ring)
+  // `readers`: owners tracked separately (see the header comment; 1 for one cache).
+  OrderingCore(R& rt, bool fill_on_copy_stream, std::size_t map_entries, std::size_t staging_ring,
+               std::size_t readers = 1)
       : rt_(&rt),
         inline_mode_(!fill_on_copy_stream),
         map_bytes_(map_entries * sizeof(std::int32_t)),
@@ -91,6 +100,8 @@ class OrderingCore {
         release_fill_(rt),
         ready_(rt) {
     if (staging_ring < 2) throw Error(ErrorCode::invalid_argument, "staging ring needs at least 2 buffers");
+    if (readers < 1) throw Error(ErrorCode::invalid_argument, "an ordering core needs at least 1 reader");
+    owners_.resize(readers);
     if (fill_on_copy_stream) copy_stream_.emplace(rt);
     ring_.reserve(staging_ring);
     for (std::size_t i = 0; i < staging_ring; ++i) {
@@ -100,7 +111,12 @@ class OrderingCore {
   }
 
   [[nodiscard]] bool inline_mode() const noexcept { return inline_mode_; }
+  // The stream of the last accepted prepare (any reader); owner(r): reader r's.
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return owner_; }
+  [[nodiscard]] std::optional<Stream> owner(std::size_t reader) const noexcept {
+    return reader < owners_.size() ? owners_[reader] : std::nullopt;
+  }
+  [[nodiscard]] std::size_t readers() const noexcept { return owners_.size(); }
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept {
     return copy_stream_ ? std::optional<Stream>(copy_stream_->get()) : std::nullopt;
   }
@@ -119,18 +135,24 @@ class OrderingCore {
   // trusts (ExpertCache drops the experts it was filling).
   template <class Writes>
     requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
-  Status write(Stream caller, WritePurpose purpose, MapUpload resident, Writes&& writes) noexcept {
-    if (purpose == WritePurpose::read_only) return adopt_reader(caller, false);
+  // `reader`: whose owner this call orders against and becomes (in [0, readers())).
+  Status write(Stream caller, WritePurpose purpose, MapUpload resident, Writes&& writes,
+               std::size_t reader = 0) noexcept {
+    if (reader >= owners_.size()) {
+      return Status::format(ErrorCode::invalid_argument, "ordering core reader %zu is outside [0, %zu)", reader,
+                            owners_.size());
+    }
+    if (purpose == WritePurpose::read_only) return adopt_reader(caller, false, reader);
     const Stream fill = fill_stream(caller);
     Status s = purpose == WritePurpose::fill
-                   ? order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller)
-                   : order_writes_after_previous_use<Edges::invalidate_order, Edges::invalidate_order>(fill, caller);
+                   ? order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader)
+                   : order_writes_after_previous_use<Edges::invalidate_order, Edges::invalidate_order>(fill, caller, reader);
     if (s) s = writes(fill);
     if (s && resident.host != nullptr) {
-      s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller);
+      s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller, resident.entries);
     }
     if (s) s = publish_writes(fill, caller);
-    if (s && purpose == WritePurpose::fill) s = adopt_reader(caller, true);
+    if (s && purpose == WritePurpose::fill) s = adopt_reader(caller, true, reader);
     return s;
   }
 
@@ -143,7 +165,14 @@ class OrderingCore {
   // cache call is launched and completed before the cache's next call), except inside the
   // capture that used it: rewriting it there would change what the graph uploads, so that
   // is refused.
-  Status upload_map(const std::int32_t* host_map, std::int32_t* device_map, Stream stream) noexcept {
+  // `entries` (0 = map_entries): a shorter map, e.g. one layer's range of a model-level map.
+  Status upload_map(const std::int32_t* host_map, std::int32_t* device_map, Stream stream,
+                    std::size_t entries = 0) noexcept {
+    const std::size_t bytes = entries == 0 ? map_bytes_ : entries * sizeof(std::int32_t);
+    if (bytes > map_bytes_) {
+      return Status::format(ErrorCode::invalid_argument, "map upload of %zu entries exceeds the core's %zu",
+                            entries, map_bytes_ / sizeof(std::int32_t));
+    }
     Result<std::uint64_t> capture = capture_sequence(stream);
     if (!capture.ok()) return capture.status();
     StagingBuffer& buf = ring_[next_staging_];
@@ -168,9 +197,9 @@ class OrderingCore {
         }
       }
     }
-    rt_->host_access(buf.memory.data(), map_bytes_, AccessMode::write);
-    std::memcpy(buf.memory.data(), host_map, map_bytes_);
-    if (Status s = rt_->copy_async(device_map, buf.memory.data(), map_bytes_, stream); !s) return s;
+    rt_->host_access(buf.memory.data(), bytes, AccessMode::write);
+    std::memcpy(buf.memory.data(), host_map, bytes);
+    if (Status s = rt_->copy_async(device_map, buf.memory.data(), bytes, stream); !s) return s;
     if (Status s = rt_->record(buf.consumed.get(), stream); !s) {
       buf.recorded = false;
       return s;
@@ -191,7 +220,9 @@ class OrderingCore {
   // stream, F first waits for a record made on the caller inside the capture, which forks F
   // into the same capture (otherwise F's writes would run eagerly, outside the graph).
   template <bool OwnerRelease, bool LastFillRelease>
-  Status order_writes_after_previous_use(Stream fill, Stream caller) noexcept {
+  Status order_writes_after_previous_use(Stream fill, Stream caller, std::size_t reader) noexcept {
+    const std::optional<Stream>& owner = owners_[reader];  // this reader's owner
+    (void)owner;  // unused only when a test removes both edges below
     if (fill != caller) {
       Result<bool> capturing = rt_->is_capturing(caller);
       if (!capturing.ok()) return capturing.status();
@@ -201,15 +232,15 @@ class OrderingCore {
       }
     }
     if constexpr (OwnerRelease) {
-      if (owner_ && *owner_ != fill) {
-        if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
+      if (owner && *owner != fill) {
+        if (Status s = rt_->record(release_owner_.get(), *owner); !s) return s;
         if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
         ++counters_.release_edges;
       }
     }
     if constexpr (LastFillRelease) {
       // A last writer that is the owner is covered by the owner's release above.
-      if (last_fill_ && *last_fill_ != fill && (!owner_ || *last_fill_ != *owner_)) {
+      if (last_fill_ && *last_fill_ != fill && (!owner || *last_fill_ != *owner)) {
         if (Status s = rt_->record(release_fill_.get(), *last_fill_); !s) return s;
         if (Status s = rt_->wait(fill, release_fill_.get()); !s) return s;
         ++counters_.release_edges;
@@ -239,13 +270,14 @@ class OrderingCore {
   // the latest writes (fills or an invalidate's map upload, possibly issued from another stream)
   // and, on an owner change, after the previous owner's readers of the forward map this call
   // overwrites. With writes, order_writes/publish_writes already did both.
-  Status adopt_reader(Stream caller, bool writes_done) noexcept {
-    const bool owner_changed = owner_ && *owner_ != caller;
+  Status adopt_reader(Stream caller, bool writes_done, std::size_t reader) noexcept {
+    std::optional<Stream>& reader_owner = owners_[reader];
+    const bool owner_changed = reader_owner && *reader_owner != caller;
     if (owner_changed) ++counters_.owner_changes;
     if (!writes_done) {
       if constexpr (Edges::owner_change_release) {
         if (owner_changed) {
-          if (Status s = rt_->record(release_owner_.get(), *owner_); !s) return s;
+          if (Status s = rt_->record(release_owner_.get(), *reader_owner); !s) return s;
           if (Status s = rt_->wait(caller, release_owner_.get()); !s) return s;
           ++counters_.release_edges;
         }
@@ -258,6 +290,7 @@ class OrderingCore {
         }
       }
     }
+    reader_owner = caller;
     owner_ = caller;
     return {};
   }
@@ -302,7 +335,8 @@ class OrderingCore {
   bool ready_recorded_ = false;
   std::array<Stream, 4> ready_seen_{};  // streams that already waited for the latest `ready`
   std::size_t ready_seen_count_ = 0;
-  std::optional<Stream> owner_;
+  std::optional<Stream> owner_;                // the last accepted prepare's stream (any reader)
+  std::vector<std::optional<Stream>> owners_;  // per reader: the stream its readers are on
   std::optional<Stream> last_fill_;
   std::vector<StagingBuffer> ring_;
   std::size_t next_staging_ = 0;
