@@ -104,6 +104,9 @@ struct CacheOptions {
   /// Receives one line at construction (policies, sizes, byte accounting). The library is
   /// silent unless a sink is given here.
   std::function<void(std::string_view)> log;
+  /// Caller-owned host pools and/or slot workspace (storage/storage_memory.hpp); empty: the
+  /// storage allocates them. The caller keeps the memory alive for the cache's lifetime.
+  StorageMemory memory{};
 };
 
 namespace detail {
@@ -130,7 +133,7 @@ class ExpertCacheWithEdges {
         options_(std::move(options)),
         layout_(validated(layout)),
         planner_(CacheShape{options_.num_experts, options_.capacity}, options_.top_k, std::move(policy)),
-        storage_(rt, planner_.shape(), layout_.tensors()),
+        storage_(rt, planner_.shape(), layout_.tensors(), options_.memory),
         core_(rt, StagingPolicy::uses_copy_stream, static_cast<std::size_t>(options_.num_experts), options_.staging_ring),
         resident_device_(rt, map_bytes(), MemoryKind::device),
         forward_device_(rt, map_bytes(), MemoryKind::device) {

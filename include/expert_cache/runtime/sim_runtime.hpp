@@ -434,6 +434,34 @@ class SimRuntime {
 
   [[nodiscard]] std::size_t allocated_bytes() const noexcept { return allocated_bytes_; }
 
+  // Caller-owned host memory (CudaRuntime: cudaHostRegister). Nothing changes in the memory;
+  // the runtime only records the range, refusing what CUDA refuses: null, 0 bytes, a range
+  // overlapping a registered one, unregistering an address that was not registered.
+  Status register_host(void* p, std::size_t bytes) noexcept {
+    if (p == nullptr || bytes == 0) return Status(ErrorCode::invalid_argument, "SimRuntime: register_host: null pointer or 0 bytes");
+    const auto b = reinterpret_cast<std::uintptr_t>(p);
+    auto next = registered_.lower_bound(b);
+    if ((next != registered_.end() && next->first < b + bytes) ||
+        (next != registered_.begin() && std::prev(next)->first + std::prev(next)->second > b))
+      return Status(ErrorCode::invalid_argument, "SimRuntime: register_host: the range overlaps a registered one");
+    try {
+      registered_.emplace(b, bytes);
+    } catch (const std::exception& ex) {
+      return alloc_failure("register_host", ex);
+    }
+    return {};
+  }
+  Status unregister_host(void* p) noexcept {
+    if (registered_.erase(reinterpret_cast<std::uintptr_t>(p)) == 0)
+      return Status(ErrorCode::invalid_argument, "SimRuntime: unregister_host of an address that is not registered");
+    return {};
+  }
+  [[nodiscard]] std::size_t registered_ranges() const noexcept { return registered_.size(); }
+  [[nodiscard]] bool is_registered(const void* p, std::size_t bytes) const noexcept {
+    const auto it = registered_.find(reinterpret_cast<std::uintptr_t>(p));
+    return it != registered_.end() && it->second == bytes;
+  }
+
   // ---- races, labels, faults, counters, trace -----------------------------------------------
 
   [[nodiscard]] std::span<const RaceReport> races() const noexcept { return shadow_.races(); }
@@ -763,6 +791,7 @@ class SimRuntime {
   std::map<std::uintptr_t, Allocation> allocations_;
   std::size_t allocated_bytes_ = 0;
   std::uint64_t allocation_ids_ = 0;
+  std::map<std::uintptr_t, std::size_t> registered_;  // register_host ranges: begin -> bytes
   detail::sim::FaultInjector faults_;
   SimCounters counters_;
   Status async_error_;

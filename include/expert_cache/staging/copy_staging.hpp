@@ -3,7 +3,9 @@
 // (the cache-owned copy stream or the caller's stream) and HOW they are issued; the ordering
 // core decides WHEN (its events). What to copy comes only from the storage's copy regions
 // (storage/copy_region.hpp): an expert-major storage has one region (a miss is ONE transfer),
-// a tensor-major one a region per present tensor.
+// a tensor-major one a region per present tensor. Every policy here scatters: each region is
+// its own copy with its own host and slot strides (ExpertMajorHostStorage: per fill one copy
+// per tensor from the host blob into that tensor's contiguous slot array).
 #include <cstddef>
 #include <span>
 #include <string>
@@ -108,5 +110,8 @@ static_assert(staging_policy_for<Inline, detail::RuntimeArchetype, TensorMajorSt
 static_assert(staging_policy_for<Inline, detail::RuntimeArchetype, ExpertMajorStorage>);
 static_assert(staging_policy_for<Batched, detail::RuntimeArchetype, TensorMajorStorage>);
 static_assert(staging_policy_for<Batched, detail::RuntimeArchetype, ExpertMajorStorage>);
+static_assert(staging_policy_for<CopyStream, detail::RuntimeArchetype, ExpertMajorHostStorage>);
+static_assert(staging_policy_for<Inline, detail::RuntimeArchetype, ExpertMajorHostStorage>);
+static_assert(staging_policy_for<Batched, detail::RuntimeArchetype, ExpertMajorHostStorage>);
 
 }  // namespace expert_cache::inline v0

@@ -6,9 +6,9 @@
 //
 // The fill list is a kernel parameter (device/fill_gather.cuh): per fill an (expert, slot)
 // pair, plus per copy region of the storage (storage/copy_region.hpp) its source/destination
-// bases, stride and bytes. Launch sizes are tiers of 16, 128 and
-// 1024 fills (0.2, 1.2 and 8.3 KiB of parameters; > 4 KiB parameters need CUDA 12.1+, which
-// the tier requires anyway); a prepare with more than 1024 misses is split into several
+// bases, their two strides and bytes (so it scatters, e.g. ExpertMajorHostStorage). Launch sizes are tiers of 16, 128 and
+// 1024 fills (0.8, 1.7 and 8.8 KiB of parameters with max_copy_regions = 12 regions; > 4 KiB
+// parameters need CUDA 12.1+, which the tier requires anyway); a prepare with more than 1024 misses is split into several
 // launches on the same stream (ordering unchanged).
 #if !defined(__CUDACC__)
 #error "expert_cache/staging/gather.cuh needs nvcc"
@@ -76,27 +76,29 @@ class Gather {
   }
 
   Status add_region(CudaRuntime& rt, const CopyRegion& region) noexcept {
-    // The kernel steps expert rows and slot rows by one stride (every storage so far has equal
-    // strides); a region with two strides needs a second stride in device::GatherTensor.
-    if (region.host_stride != region.slot_stride) {
+    // Host and slot rows have their own strides (a scatter from an expert-major host pool into
+    // per-tensor slot arrays has host_stride = blob, slot_stride = tensor bytes); a row wider
+    // than either stride would overlap the next one.
+    if (region.bytes > region.host_stride || region.bytes > region.slot_stride) {
       return Status::format(ErrorCode::invalid_argument,
-                            "Gather staging: a copy region's host stride (%zu) and slot stride (%zu) differ",
-                            region.host_stride, region.slot_stride);
+                            "Gather staging: a copy region of %zu bytes is wider than its host stride (%zu) or slot stride (%zu)",
+                            region.bytes, region.host_stride, region.slot_stride);
     }
     Result<const void*> src = rt.device_pointer(region.host_base);
     if (!src.ok()) {
       return src.status().with_context(
           "Gather staging needs mapped pinned host pools (cudaHostAllocMapped / cudaHostRegisterMapped)");
     }
-    const std::size_t row_bytes = region.host_stride;
     const std::size_t copy_bytes = region.bytes;
     const auto s = reinterpret_cast<std::uintptr_t>(src.value());
     const auto d = reinterpret_cast<std::uintptr_t>(region.slot_base);
-    const std::uint32_t width = ((s | d | row_bytes) % 16 == 0) ? 16 : ((s | d | row_bytes) % 4 == 0) ? 4 : 1;
+    const std::uintptr_t bits = s | d | region.host_stride | region.slot_stride;
+    const std::uint32_t width = (bits % 16 == 0) ? 16 : (bits % 4 == 0) ? 4 : 1;
     device::GatherTensor& g = header_.tensors[header_.num_tensors];
     g.src = static_cast<const unsigned char*>(src.value());
     g.dst = reinterpret_cast<unsigned char*>(region.slot_base);
-    g.row_bytes = row_bytes;
+    g.src_stride = region.host_stride;
+    g.dst_stride = region.slot_stride;
     g.copy_bytes = copy_bytes;
     g.width = width;
     g.items = static_cast<std::uint32_t>((copy_bytes + width - 1) / width);
@@ -159,5 +161,6 @@ class Gather {
 
 static_assert(staging_policy_for<Gather, CudaRuntime, TensorMajorStorage>);
 static_assert(staging_policy_for<Gather, CudaRuntime, ExpertMajorStorage>);
+static_assert(staging_policy_for<Gather, CudaRuntime, ExpertMajorHostStorage>);
 
 }  // namespace expert_cache::inline v0

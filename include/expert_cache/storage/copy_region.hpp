@@ -13,7 +13,9 @@ namespace expert_cache::inline v0 {
 
 // Expert e's bytes of this region are host_base + e * host_stride .. + bytes; slot s's are
 // slot_base + s * slot_stride .. + bytes. Tensor-major storage has one region per present
-// tensor; expert-major storage one region covering the whole (padded) blob.
+// tensor (both strides = the tensor's bytes); expert-major storage one region covering the
+// whole (padded) blob; expert-major host with per-tensor slots one region per present tensor
+// with host_stride = blob bytes and slot_stride = tensor bytes (a fill scatters).
 struct CopyRegion {
   const std::byte* host_base = nullptr;
   std::byte* slot_base = nullptr;
@@ -23,7 +25,7 @@ struct CopyRegion {
 };
 
 // At most one region per expert tensor.
-inline constexpr std::size_t max_copy_regions = num_expert_tensors;
+inline constexpr std::size_t max_copy_regions = max_expert_tensors;
 
 struct CopyRegions {
   std::array<CopyRegion, max_copy_regions> regions{};

@@ -1,33 +1,44 @@
 #pragma once
 // Where experts live: host pools holding every expert (the source of fills) and device slot
-// buffers holding `capacity` of them. Two arrangements:
-//   TensorMajorStorage  one host pool and one slot buffer per tensor, one row per expert/slot
-//                       (the row provider's layout; a fill is one copy per tensor);
-//   ExpertMajorStorage  each expert's tensors contiguous on the host and in a blob slot on the
-//                       device (a fill is ONE transfer); the consumer indexes each tensor with
-//                       the blob stride.
-// Memory comes from the runtime (pinned host + device for CUDA, plain memory for SimRuntime).
+// buffers holding `capacity` of them. Three arrangements (host pool / slots):
+//   TensorMajorStorage        one [E, bytes_t] host array and one [capacity, bytes_t] slot
+//                             array per tensor (the row provider's layout; a fill is one copy
+//                             per tensor);
+//   ExpertMajorStorage        each expert's tensors contiguous on the host and in a blob slot
+//                             on the device (a fill is ONE transfer); the consumer indexes each
+//                             tensor with the blob stride;
+//   ExpertMajorHostStorage    the expert-major host pool (one contiguous read per miss) and
+//                             one contiguous [capacity, bytes_t] slot array per tensor, what a
+//                             Marlin MoE kernel reads: a fill scatters the blob into the
+//                             tensors, one copy region per tensor with host_stride = blob bytes
+//                             and slot_stride = tensor bytes.
+// Memory comes from the runtime (pinned host + device for CUDA, plain memory for SimRuntime)
+// unless the caller brings its own (storage/storage_memory.hpp: host spans registered at their
+// exact size and never copied, a device workspace the slots are carved from).
 //
 // Each storage describes its fill copies as CopyRegions (storage/copy_region.hpp): per fill of
 // expert e into slot s, one copy per region of `bytes` from host_base + e * host_stride to
 // slot_base + s * slot_stride. Staging policies read only that, so the region count is the one
-// source of copies per fill. `expert_contiguous` stays as a description for tools (bench); no
-// staging policy reads it.
+// source of copies per fill. `expert_contiguous` (the host pool is expert-major) stays as a
+// description for tools (bench); no staging policy reads it.
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/storage/copy_region.hpp"
+#include "expert_cache/storage/storage_memory.hpp"
 
 namespace expert_cache::inline v0 {
 
 // One tensor of the slot buffers as the consumer sees it: tensor of slot s starts at
 // base + s * slot_stride and is `bytes` long. bytes == 0: the layout has no such tensor.
+// slot_stride == bytes: the tensor's slots are one contiguous [capacity, bytes] array.
 struct SlotTensor {
   std::byte* base = nullptr;
   std::size_t slot_stride = 0;
@@ -35,11 +46,22 @@ struct SlotTensor {
   [[nodiscard]] std::byte* slot(std::int32_t s) const noexcept {
     return base + static_cast<std::size_t>(s) * slot_stride;
   }
+  [[nodiscard]] bool contiguous() const noexcept { return slot_stride == bytes; }
 };
 
 // Upper bound for any single pool: refuses sizes that cannot be real before they reach an
 // allocation (1 TiB).
 inline constexpr std::size_t max_pool_bytes = std::size_t{1} << 40;
+
+enum class HostArrangement : std::uint8_t { tensor_major, expert_major };
+enum class SlotArrangement : std::uint8_t { per_tensor, blob };
+
+// Where each tensor sits in an expert-major blob: offsets rounded up to 16 bytes so every
+// tensor stays 16-byte aligned for vector loads.
+struct BlobLayout {
+  std::array<std::size_t, max_expert_tensors> offsets{};
+  std::size_t blob_bytes = 0;
+};
 
 namespace detail {
 inline std::size_t checked_pool_bytes(std::size_t rows, std::size_t row_bytes, const char* what) {
@@ -59,105 +81,345 @@ inline void check_tensors(const ExpertTensorBytes& tensors) {
                                                    std::to_string(t.bytes_per_expert) + " bytes per expert is too large");
     }
   }
+  // Present tensors are found by name (find_tensor), so each needs a distinct one.
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].bytes_per_expert == 0) continue;
+    if (tensors[i].name.empty()) {
+      throw Error(ErrorCode::invalid_argument, "tensor #" + std::to_string(i) + " has bytes but no name");
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (tensors[j].bytes_per_expert != 0 && tensors[j].name == tensors[i].name) {
+        throw Error(ErrorCode::invalid_argument, "two tensors are named " + std::string(tensors[i].name));
+      }
+    }
+  }
 }
-}  // namespace detail
 
-template <allocating_runtime R>
-class TensorMajorStorage {
+constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors, std::size_t alignment) noexcept {
+  BlobLayout l;
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    l.offsets[t] = l.blob_bytes;
+    l.blob_bytes += (tensors[t].bytes_per_expert + alignment - 1) / alignment * alignment;
+  }
+  return l;
+}
+
+[[noreturn]] inline void bad_memory(const std::string& what) {
+  throw Error(ErrorCode::invalid_argument, "caller memory: " + what);
+}
+
+// A caller span must be exactly `bytes` (or at least, for a workspace), non-null, aligned.
+inline void check_span(const MemorySpan& s, std::size_t bytes, bool exact, const std::string& what) {
+  if (s.data == nullptr) bad_memory(what + ": null pointer (" + std::to_string(s.bytes) + " bytes)");
+  if (exact ? s.bytes != bytes : s.bytes < bytes) {
+    bad_memory(what + ": " + std::to_string(s.bytes) + " bytes, " + (exact ? "expected exactly " : "needs at least ") +
+               std::to_string(bytes));
+  }
+  if (reinterpret_cast<std::uintptr_t>(s.data) % caller_memory_alignment != 0) {
+    bad_memory(what + " is not " + std::to_string(caller_memory_alignment) + "-byte aligned");
+  }
+}
+
+// Registers caller host memory for the storage's lifetime (the caller keeps ownership). A
+// runtime without register_host (none so far) takes plain memory as it is.
+template <class R>
+class HostRegistration {
  public:
-  static constexpr bool expert_contiguous = false;
-  static constexpr std::string_view name = "tensor_major";
-
-  TensorMajorStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors) : tensors_(tensors) {
-    detail::check_tensors(tensors);
-    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-      const std::size_t row = tensors[t].bytes_per_expert;
-      if (row == 0) continue;
-      const std::size_t host = detail::checked_pool_bytes(static_cast<std::size_t>(shape.num_experts), row, "host pool");
-      const std::size_t slots = detail::checked_pool_bytes(static_cast<std::size_t>(shape.capacity), row, "slot buffer");
-      host_[t] = RuntimeBuffer<R>(rt, host, MemoryKind::pinned_host);
-      slots_[t] = RuntimeBuffer<R>(rt, slots, MemoryKind::device);
-      host_bytes_ += host;
-      slot_bytes_ += slots;
-      regions_.regions[regions_.count++] = CopyRegion{host_[t].data(), slots_[t].data(), row, row, row};
+  HostRegistration() = default;
+  HostRegistration(R& rt, void* p, std::size_t bytes, const std::string& what) {
+    if constexpr (requires { rt.register_host(p, bytes); rt.unregister_host(p); }) {
+      Status s = rt.register_host(p, bytes);
+      if (!s) throw Error(s.code(), "caller memory: registering " + what + ": " + std::string(s.message()));
+      rt_ = &rt;
+      p_ = p;
+    }
+  }
+  HostRegistration(HostRegistration&& o) noexcept
+      : rt_(std::exchange(o.rt_, nullptr)), p_(std::exchange(o.p_, nullptr)) {}
+  HostRegistration& operator=(HostRegistration&& o) noexcept {
+    HostRegistration(std::move(o)).swap(*this);
+    return *this;
+  }
+  HostRegistration(const HostRegistration&) = delete;
+  HostRegistration& operator=(const HostRegistration&) = delete;
+  ~HostRegistration() {
+    if constexpr (requires(R& r, void* q) { r.unregister_host(q); }) {
+      if (p_ != nullptr) (void)rt_->unregister_host(p_);
     }
   }
 
-  // One region per present tensor, in tensor order.
-  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
-
-  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return tensors_; }
-  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
-    return host_[t].data() + static_cast<std::size_t>(expert) * tensors_[t].bytes_per_expert;
-  }
-  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
-    return SlotTensor{slots_[t].data(), tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
-  }
-  [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
-  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
-
  private:
-  ExpertTensorBytes tensors_;
-  std::array<RuntimeBuffer<R>, num_expert_tensors> host_{};
-  std::array<RuntimeBuffer<R>, num_expert_tensors> slots_{};
-  std::size_t host_bytes_ = 0;
-  std::size_t slot_bytes_ = 0;
-  CopyRegions regions_{};
+  void swap(HostRegistration& o) noexcept {
+    std::swap(rt_, o.rt_);
+    std::swap(p_, o.p_);
+  }
+  R* rt_ = nullptr;
+  void* p_ = nullptr;
 };
 
-template <allocating_runtime R>
-class ExpertMajorStorage {
+// The one implementation of the three arrangements. Construction validates the layout and
+// the caller's memory before anything is allocated or registered.
+template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
+class BasicSlotStorage {
  public:
-  static constexpr bool expert_contiguous = true;
-  static constexpr std::string_view name = "expert_major";
-  // Tensor offsets inside a blob are rounded up to this so every tensor stays 16-byte
-  // aligned for vector loads.
+  static constexpr HostArrangement host_arrangement = Host;
+  static constexpr SlotArrangement slot_arrangement = Slots;
+  static constexpr bool expert_contiguous = Host == HostArrangement::expert_major;
+  // Tensor offsets inside a blob are rounded up to this (16-byte vector loads).
   static constexpr std::size_t tensor_alignment = 16;
+  // Per-tensor slot arrays carved from a caller workspace start at this offset granularity
+  // (cudaMalloc's alignment, so a carved array is placed like an allocated one).
+  static constexpr std::size_t slot_array_alignment = 256;
 
-  ExpertMajorStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors) : tensors_(tensors) {
-    detail::check_tensors(tensors);
-    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-      offsets_[t] = blob_bytes_;
-      const std::size_t b = tensors[t].bytes_per_expert;
-      blob_bytes_ += (b + tensor_alignment - 1) / tensor_alignment * tensor_alignment;
-    }
-    host_bytes_ = detail::checked_pool_bytes(static_cast<std::size_t>(shape.num_experts), blob_bytes_, "host pool");
-    slot_bytes_ = detail::checked_pool_bytes(static_cast<std::size_t>(shape.capacity), blob_bytes_, "slot buffer");
-    host_ = RuntimeBuffer<R>(rt, host_bytes_, MemoryKind::pinned_host);
-    slots_ = RuntimeBuffer<R>(rt, slot_bytes_, MemoryKind::device);
-    regions_.regions[0] = CopyRegion{host_.data(), slots_.data(), blob_bytes_, blob_bytes_, blob_bytes_};
-    regions_.count = 1;
+  [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
+    return detail::blob_layout(tensors, tensor_alignment);
+  }
+  // Bytes a caller slot workspace must have for this arrangement.
+  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
+    check_tensors(tensors);
+    return slot_layout(shape, tensors).total;
   }
 
-  // One region: the whole (padded) blob, so a fill is ONE transfer.
+  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
+      : tensors_(tensors) {
+    check_tensors(tensors);
+    const auto experts = static_cast<std::size_t>(shape.num_experts);
+    const BlobLayout blob = blob_layout(tensors);
+    offsets_ = blob.offsets;
+    blob_bytes_ = blob.blob_bytes;
+    const SlotPlan plan = slot_layout(shape, tensors);
+    if constexpr (Host == HostArrangement::expert_major) {
+      host_bytes_ = checked_pool_bytes(experts, blob_bytes_, "host pool");
+    } else {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t)
+        host_bytes_ += checked_pool_bytes(experts, tensors[t].bytes_per_expert, "host pool");
+    }
+    slot_bytes_ = plan.bytes;
+    validate_memory(memory, experts, plan);  // throws before anything is allocated or registered
+
+    // Host pools: the caller's (registered unless it says they are) or allocated.
+    if constexpr (Host == HostArrangement::expert_major) {
+      if (!memory.host_pool.empty()) {
+        host_pool_ = static_cast<std::byte*>(memory.host_pool.data);
+        if (!memory.host_registered) host_reg_[0] = HostRegistration<R>(rt, host_pool_, host_bytes_, "the host pool");
+      } else {
+        host_owned_[0] = RuntimeBuffer<R>(rt, host_bytes_, MemoryKind::pinned_host);
+        host_pool_ = host_owned_[0].data();
+      }
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) host_base_[t] = host_pool_ + offsets_[t];
+    } else {
+      const bool caller = memory.caller_host_tensors();
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        const std::size_t row = tensors[t].bytes_per_expert;
+        if (row == 0) continue;
+        if (caller) {
+          host_base_[t] = static_cast<std::byte*>(memory.host_tensors[t].data);
+          if (!memory.host_registered)
+            host_reg_[t] = HostRegistration<R>(rt, host_base_[t], experts * row, "the host pool of tensor " + std::string(tensors[t].name));
+        } else {
+          host_owned_[t] = RuntimeBuffer<R>(rt, experts * row, MemoryKind::pinned_host);
+          host_base_[t] = host_owned_[t].data();
+        }
+      }
+    }
+
+    // Slots: carved from the caller's workspace or allocated (one buffer per tensor, or one blob buffer).
+    std::byte* workspace = static_cast<std::byte*>(memory.slot_workspace.data);
+    if constexpr (Slots == SlotArrangement::blob) {
+      if (workspace != nullptr) {
+        slot_pool_ = workspace;
+      } else {
+        slot_owned_[0] = RuntimeBuffer<R>(rt, slot_bytes_, MemoryKind::device);
+        slot_pool_ = slot_owned_[0].data();
+      }
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) slot_base_[t] = slot_pool_ + offsets_[t];
+    } else {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        if (tensors[t].bytes_per_expert == 0) continue;
+        if (workspace != nullptr) {
+          slot_base_[t] = workspace + plan.offsets[t];
+        } else {
+          slot_owned_[t] = RuntimeBuffer<R>(rt, plan.sizes[t], MemoryKind::device);
+          slot_base_[t] = slot_owned_[t].data();
+        }
+      }
+    }
+
+    // Copy regions.
+    if constexpr (Host == HostArrangement::expert_major && Slots == SlotArrangement::blob) {
+      regions_.regions[0] = CopyRegion{host_pool_, slot_pool_, blob_bytes_, blob_bytes_, blob_bytes_};
+      regions_.count = 1;
+    } else {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        const std::size_t row = tensors[t].bytes_per_expert;
+        if (row == 0) continue;
+        regions_.regions[regions_.count++] = CopyRegion{host_base_[t], slot_base_[t], host_stride(t), row, row};
+      }
+    }
+  }
+
+  // One region per present tensor, in tensor order (expert-major host + blob slots: one region,
+  // the whole padded blob, so a fill is ONE transfer).
   [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
 
   [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return tensors_; }
-  [[nodiscard]] std::size_t blob_bytes() const noexcept { return blob_bytes_; }
-  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept {
-    return host_.data() + static_cast<std::size_t>(expert) * blob_bytes_;
-  }
   [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
-    return host_expert(expert) + offsets_[t];
-  }
-  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept {
-    return slots_.data() + static_cast<std::size_t>(slot) * blob_bytes_;
+    return host_base_[t] + static_cast<std::size_t>(expert) * host_stride(t);
   }
   [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
-    return SlotTensor{slots_.data() + offsets_[t], blob_bytes_, tensors_[t].bytes_per_expert};
+    if constexpr (Slots == SlotArrangement::blob) {
+      return SlotTensor{slot_base_[t], blob_bytes_, tensors_[t].bytes_per_expert};
+    } else {
+      return SlotTensor{slot_base_[t], tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
+    }
   }
+  // Pool bytes, whoever owns them (caller memory included; RuntimeBuffer accounting is the
+  // runtime's).
   [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
   [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+  // True when the host pools are the caller's memory (nothing allocated for them).
+  [[nodiscard]] bool caller_host() const noexcept { return caller_host_; }
+  [[nodiscard]] bool caller_slots() const noexcept { return caller_slots_; }
+
+  // Expert-major host pools.
+  [[nodiscard]] std::size_t blob_bytes() const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return blob_bytes_;
+  }
+  [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return offsets_[t];
+  }
+  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
+    requires(Host == HostArrangement::expert_major)
+  {
+    return host_pool_ + static_cast<std::size_t>(expert) * blob_bytes_;
+  }
+  // Blob slots.
+  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
+    requires(Slots == SlotArrangement::blob)
+  {
+    return slot_pool_ + static_cast<std::size_t>(slot) * blob_bytes_;
+  }
 
  private:
+  struct SlotPlan {
+    std::array<std::size_t, max_expert_tensors> offsets{};  // per-tensor arrays inside a workspace
+    std::array<std::size_t, max_expert_tensors> sizes{};
+    std::size_t bytes = 0;  // slot memory proper (what slot_bytes() reports)
+    std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
+  };
+
+  static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors) {
+    SlotPlan p;
+    const auto cap = static_cast<std::size_t>(shape.capacity);
+    if constexpr (Slots == SlotArrangement::blob) {
+      p.bytes = checked_pool_bytes(cap, detail::blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
+      p.total = p.bytes;
+    } else {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        const std::size_t b = tensors[t].bytes_per_expert;
+        if (b == 0) continue;
+        p.sizes[t] = checked_pool_bytes(cap, b, "slot buffer");
+        p.total = (p.total + slot_array_alignment - 1) / slot_array_alignment * slot_array_alignment;
+        p.offsets[t] = p.total;
+        p.total += p.sizes[t];
+        p.bytes += p.sizes[t];
+      }
+    }
+    return p;
+  }
+
+  [[nodiscard]] std::size_t host_stride(std::size_t t) const noexcept {
+    return Host == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
+  }
+
+  void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
+    if constexpr (Host == HostArrangement::expert_major) {
+      if (m.caller_host_tensors()) {
+        bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
+      }
+      if (!m.host_pool.empty()) {
+        check_span(m.host_pool, host_bytes_, true,
+                   "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes_) + " blob bytes)");
+        caller_host_ = true;
+      }
+    } else {
+      if (!m.host_pool.empty()) {
+        bad_memory("host_pool given to a tensor-major host layout (it takes one host_tensors span per tensor)");
+      }
+      if (m.caller_host_tensors()) {
+        for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+          const std::size_t row = tensors_[t].bytes_per_expert;
+          const MemorySpan& s = m.host_tensors[t];
+          const std::string name = row != 0 ? "tensor " + std::string(tensors_[t].name) : "tensor #" + std::to_string(t);
+          if (row == 0) {
+            if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
+            continue;
+          }
+          check_span(s, experts * row,
+                     true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
+          const auto b = reinterpret_cast<std::uintptr_t>(s.data);
+          for (std::size_t u = 0; u < t; ++u) {
+            const MemorySpan& o = m.host_tensors[u];
+            if (tensors_[u].bytes_per_expert == 0) continue;
+            const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
+            if (b < ob + o.bytes && ob < b + s.bytes) {
+              bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors_[u].name));
+            }
+          }
+        }
+        caller_host_ = true;
+      }
+    }
+    if (!m.slot_workspace.empty()) {
+      check_span(m.slot_workspace, plan.total, false, "slot workspace");
+      caller_slots_ = true;
+    }
+  }
+
   ExpertTensorBytes tensors_;
-  std::array<std::size_t, num_expert_tensors> offsets_{};
+  std::array<std::size_t, max_expert_tensors> offsets_{};  // blob offsets
   std::size_t blob_bytes_ = 0;
   std::size_t host_bytes_ = 0;
   std::size_t slot_bytes_ = 0;
-  RuntimeBuffer<R> host_;
-  RuntimeBuffer<R> slots_;
+  bool caller_host_ = false;
+  bool caller_slots_ = false;
+  std::byte* host_pool_ = nullptr;  // expert-major host
+  std::byte* slot_pool_ = nullptr;  // blob slots
+  std::array<std::byte*, max_expert_tensors> host_base_{};  // expert 0's bytes of tensor t
+  std::array<std::byte*, max_expert_tensors> slot_base_{};  // slot 0's bytes of tensor t
+  std::array<HostRegistration<R>, max_expert_tensors> host_reg_{};  // caller host pools only
+  std::array<RuntimeBuffer<R>, max_expert_tensors> host_owned_{};
+  std::array<RuntimeBuffer<R>, max_expert_tensors> slot_owned_{};
   CopyRegions regions_{};
+};
+}  // namespace detail
+
+template <allocating_runtime R>
+class TensorMajorStorage
+    : public detail::BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor> {
+ public:
+  static constexpr std::string_view name = "tensor_major";
+  using detail::BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor>::BasicSlotStorage;
+};
+
+template <allocating_runtime R>
+class ExpertMajorStorage : public detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::blob> {
+ public:
+  static constexpr std::string_view name = "expert_major";
+  using detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::blob>::BasicSlotStorage;
+};
+
+// Expert-major host pool, per-tensor contiguous slot arrays (a fill scatters; see the top).
+template <allocating_runtime R>
+class ExpertMajorHostStorage
+    : public detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::per_tensor> {
+ public:
+  static constexpr std::string_view name = "expert_major_host";
+  using detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::per_tensor>::BasicSlotStorage;
 };
 
 }  // namespace expert_cache::inline v0
