@@ -6,10 +6,11 @@
 //
 // The fill list is a kernel parameter (device/fill_gather.cuh): per fill an (expert, slot)
 // pair, plus per copy region of the storage (storage/copy_region.hpp) its source/destination
-// bases, their two strides and bytes (so it scatters, e.g. ExpertMajorHostStorage). Launch sizes are tiers of 16, 128 and
-// 1024 fills (0.8, 1.7 and 8.8 KiB of parameters with max_copy_regions = 12 regions; > 4 KiB
-// parameters need CUDA 12.1+, which the tier requires anyway); a prepare with more than 1024 misses is split into several
-// launches on the same stream (ordering unchanged).
+// bases, their two strides and bytes (so it scatters, e.g. ExpertMajorHostStorage). Launch
+// sizes are tiers of 16, 128 and 1024 fills (0.8, 1.7 and 8.8 KiB of parameters with
+// max_copy_regions = 12 regions; > 4 KiB parameters need CUDA 12.1+, which the tier requires
+// anyway); a prepare with more than 1024 misses is split into several launches on the same
+// stream (ordering unchanged).
 #if !defined(__CUDACC__)
 #error "expert_cache/staging/gather.cuh needs nvcc"
 #endif
