@@ -8,6 +8,9 @@
 // step). "cold" cycles through a fixed permutation of all 512 ids, so LRU-like policies
 // miss on every id after warm-up; "warm" draws ids from a Zipf-like law (mostly hits).
 // The counters report the measured hit rate and heap allocations per forward (must be 0).
+// BM_plan_forward_global: the same id space, capacity and forward width as one global pool
+// over 8 layers x 64 experts (ids layer*64 + e, forwards visiting the layers in order, as
+// the replay tool's --scope global), the layer-aware policies given PoolLayout{64}.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -132,10 +135,44 @@ const Forwards& bench_sequence(bool warm) {
   return warm ? hot : cold;
 }
 
-template <class P>
-void BM_plan_forward(benchmark::State& state) {
+// Global pool (issue 15): 8 layers x 64 experts = the same 512 ids, 208 slots, 10 ids per
+// forward; step-major, layers in order. "cold": each layer cycles through its own
+// permutation (512 ids in the cycle > 208 slots: LRU misses every id); "warm": each layer
+// draws from its own Zipf(1.0) over its 64 experts.
+constexpr std::int32_t global_layers = 8;
+constexpr std::int32_t global_width = bench_experts / global_layers;
+
+Forwards global_forwards(std::size_t count, bool warm) {
+  Rng rng(warm ? 13 : 17);
+  std::vector<std::vector<std::int32_t>> perm;
+  for (std::int32_t l = 0; l < global_layers; ++l) perm.push_back(permutation(global_width, rng));
+  const Zipf zipf(global_width, 1.0);
+  std::vector<std::size_t> pos(global_layers, 0);
+  Forwards out(count);
+  for (std::size_t t = 0; t < count; ++t) {
+    const auto l = static_cast<std::size_t>(t % global_layers);
+    auto& f = out[t];
+    while (static_cast<std::int32_t>(f.size()) < bench_ids) {
+      const std::int32_t e = warm ? perm[l][static_cast<std::size_t>(zipf(rng))] : perm[l][pos[l]++ % perm[l].size()];
+      const std::int32_t id = static_cast<std::int32_t>(l) * global_width + e;
+      if (std::find(f.begin(), f.end(), id) == f.end()) f.push_back(id);
+    }
+  }
+  return out;
+}
+
+const Forwards& global_sequence(bool warm) {
+  // bench_warmup and bench_forwards are multiples of global_layers: a wrap restarts at layer 0.
+  static_assert(bench_warmup % global_layers == 0 && bench_forwards % global_layers == 0);
+  static const Forwards cold = global_forwards(bench_warmup + bench_forwards, false);
+  static const Forwards hot = global_forwards(bench_warmup + bench_forwards, true);
+  return warm ? hot : cold;
+}
+
+template <class P, bool Global>
+void plan_forward(benchmark::State& state) {
   const bool warm = state.range(0) != 0;
-  const Forwards& seq = bench_sequence(warm);
+  const Forwards& seq = Global ? global_sequence(warm) : bench_sequence(warm);
   const CacheShape shape{bench_experts, bench_capacity};
   // Flatten so the timed loop only reads contiguous ids.
   std::vector<std::int32_t> flat;
@@ -151,7 +188,11 @@ void BM_plan_forward(benchmark::State& state) {
   plan.evictions.reserve(bench_capacity);
   std::size_t t = 0;
   const auto reset = [&] {
-    planner = std::make_unique<ForwardPlanner<P>>(shape, bench_ids, make_policy<P>(shape, seq));
+    if constexpr (Global) {
+      planner = std::make_unique<ForwardPlanner<P>>(shape, bench_ids, make_policy<P>(shape, seq, PoolLayout{global_width}));
+    } else {
+      planner = std::make_unique<ForwardPlanner<P>>(shape, bench_ids, make_policy<P>(shape, seq));
+    }
     for (t = 0; t < bench_warmup; ++t) (void)planner->plan_unique(span_of(t), plan);
   };
   reset();
@@ -181,15 +222,29 @@ void BM_plan_forward(benchmark::State& state) {
       static_cast<double>(allocs) / static_cast<double>(std::max<benchmark::IterationCount>(1, state.iterations()));
 }
 
+template <class P>
+void BM_plan_forward(benchmark::State& state) { plan_forward<P, false>(state); }
+template <class P>
+void BM_plan_forward_global(benchmark::State& state) { plan_forward<P, true>(state); }
+
 #define EC_BENCH_POLICY(P)                                                  \
   BENCHMARK_TEMPLATE(BM_plan_forward, P)->ArgName("warm")->Arg(0)->Arg(1)
+#define EC_BENCH_POLICY_GLOBAL(P)                                           \
+  BENCHMARK_TEMPLATE(BM_plan_forward_global, P)->ArgName("warm")->Arg(0)->Arg(1)
 
 EC_BENCH_POLICY(Lru);
 EC_BENCH_POLICY(Lfru);
 EC_BENCH_POLICY(Sieve);
 EC_BENCH_POLICY(S3Fifo);
 EC_BENCH_POLICY(Arc);
+EC_BENCH_POLICY(WTinyLfu);
+EC_BENCH_POLICY(Lrfu);
+EC_BENCH_POLICY(LayerShare);
 EC_BENCH_POLICY(Belady);
+// Global pool: Lru is the same-run reference; Lrfu and LayerShare get PoolLayout{64}.
+EC_BENCH_POLICY_GLOBAL(Lru);
+EC_BENCH_POLICY_GLOBAL(Lrfu);
+EC_BENCH_POLICY_GLOBAL(LayerShare);
 
 // ------------------------------------------------------------------------------------------
 // Type-erased cache overhead (issue 13): prepare() through AnyExpertCache (provider "row":

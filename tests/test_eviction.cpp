@@ -11,10 +11,14 @@
 #include <new>
 #include <random>
 #include <span>
+#include <type_traits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "expert_cache/eviction/all.hpp"
+#include "expert_cache/expert_cache.hpp"  // the recommended cache aliases (issue 15)
+#include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/eviction/make_policy.hpp"  // make_policy<P>(shape, forwards[, layout])
 #include "expert_cache/planner.hpp"
 
@@ -723,4 +727,142 @@ TEST_CASE_TEMPLATE("a copied policy plans without allocating", P, Lru, Lfru, Sie
   for (const Ids& ids : f) all_ok = planner2.plan_unique(ids, plan).ok() && all_ok;
   CHECK(all_ok);
   CHECK(g_allocations.load() - before2 == 0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Recommended instantiations (issue 15, docs/policies.md "Choosing a policy"): the aliases name
+// the intended policy, and a cache built from them plans a trace exactly as that policy's
+// planner does (same hits and misses per forward, same final residency and policy state).
+
+namespace {
+
+using SimLayout = ExplicitLayout;
+ExplicitLayout alias_layout() { return ExplicitLayout{{{{"w13", 64}, {"w2", 32}}}}; }
+
+// A cache's prepare() plans top-k ids (deduplicated, in ascending order): plan the same way.
+template <class P>
+Step run_topk(ForwardPlanner<P>& planner, const Ids& topk_ids) {
+  ForwardPlan plan;
+  const Status s = planner.plan_topk(topk_ids, plan);
+  REQUIRE_MESSAGE(s.ok(), s.to_string());
+  return Step{plan.hits, plan.misses, {}, {}};
+}
+
+template <class P>
+void same_planner_state(const ForwardPlanner<P>& got, const ForwardPlanner<P>& want) {
+  const auto g = got.snapshot();
+  const auto w = want.snapshot();
+  CHECK(g.resident_map == w.resident_map);
+  CHECK(g.slot_owner == w.slot_owner);
+  CHECK(g.free_slots == w.free_slots);
+  CHECK(g.policy == w.policy);
+  CHECK(g.counters.hits == w.counters.hits);
+  CHECK(g.counters.misses == w.counters.misses);
+  CHECK(g.counters.evictions == w.counters.evictions);
+}
+
+// One ExpertCache alias over `forwards`, against ForwardPlanner<P> with P built from the shape.
+template <class Cache, class P>
+void cache_plans_as_planner(std::uint64_t seed) {
+  constexpr std::int32_t E = 16, C = 6, K = 4;
+  const Forwards forwards = random_forwards(seed, E, K, 300);
+  SimRuntime rt;
+  const auto x = rt.create_stream().value();
+  CacheOptions o;
+  o.num_experts = E;
+  o.capacity = C;
+  o.top_k = K;
+  Cache cache(rt, o, alias_layout());
+  ForwardPlanner<P> want(CacheShape{E, C}, K, P(CacheShape{E, C}));
+  std::size_t mismatched = 0;
+  for (const Ids& f : forwards) {
+    const auto v = cache.prepare(f, x);
+    REQUIRE(v.ok());
+    const Step s = run_topk(want, f);
+    mismatched += v.value().hits != s.hits || v.value().misses != s.misses;
+    rt.drain();
+  }
+  CHECK(mismatched == 0);
+  same_planner_state(cache.planner(), want);
+}
+
+}  // namespace
+
+TEST_CASE("recommended cache aliases name their policies; the standard ones keep theirs") {
+  static_assert(std::is_same_v<RecommendedRowCache<SimRuntime, SimLayout>::Policy, Lrfu>);
+  static_assert(std::is_same_v<RecommendedWholeExpertCache<SimRuntime, SimLayout>::Policy, Lrfu>);
+  static_assert(std::is_same_v<RecommendedModelCache<SimRuntime, SimLayout>::Policy, LayerShare>);
+  static_assert(std::is_same_v<RowCache<SimRuntime, SimLayout>::Policy, Lru>);           // row provider parity
+  static_assert(std::is_same_v<WholeExpertCache<SimRuntime, SimLayout>::Policy, Lfru>);  // vLLM parity
+  static_assert(std::is_same_v<RecommendedRowCache<SimRuntime, SimLayout>::StorageType,
+                               RowCache<SimRuntime, SimLayout>::StorageType>);
+  static_assert(std::is_same_v<RecommendedWholeExpertCache<SimRuntime, SimLayout>::StorageType,
+                               WholeExpertCache<SimRuntime, SimLayout>::StorageType>);
+  CHECK(RecommendedRowCache<SimRuntime, SimLayout>::Policy::name == std::string_view("lrfu"));
+}
+
+TEST_CASE("recommended per-layer caches plan a trace as ForwardPlanner<Lrfu>") {
+  for (const std::uint64_t seed : {3u, 4u}) {
+    CAPTURE(seed);
+    cache_plans_as_planner<RecommendedRowCache<SimRuntime, SimLayout>, Lrfu>(seed);
+    cache_plans_as_planner<RecommendedWholeExpertCache<SimRuntime, SimLayout>, Lrfu>(seed);
+  }
+}
+
+TEST_CASE("RecommendedModelCache plans as ForwardPlanner<LayerShare> (global) and as Lrfu (per layer)") {
+  constexpr std::int32_t L = 3, E = 8, K = 3;
+  const Forwards forwards = pool_forwards(9, L, E, K, 120);  // ids l*E + e, layers in order
+  const auto options = [&](std::int32_t capacity, ModelPool pool) {
+    ModelCacheOptions o;
+    o.num_layers = L;
+    o.num_experts = E;
+    o.capacity = capacity;
+    o.top_k = K;
+    o.pool = pool;
+    return o;
+  };
+  SUBCASE("global pool: one LayerShare over L*E ids with PoolLayout{E}") {
+    constexpr std::int32_t C = 7;
+    SimRuntime rt;
+    const auto x = rt.create_stream().value();
+    RecommendedModelCache<SimRuntime, SimLayout> model(rt, options(C, ModelPool::global), alias_layout());
+    const CacheShape shape{L * E, C};
+    ForwardPlanner<LayerShare> want(shape, K, LayerShare(shape, PoolLayout{E}));
+    std::size_t mismatched = 0;
+    for (std::size_t t = 0; t < forwards.size(); ++t) {
+      const auto layer = static_cast<std::int32_t>(t % L);
+      Ids local = forwards[t];
+      for (std::int32_t& e : local) e -= layer * E;
+      const auto v = model.prepare(layer, local, x);
+      REQUIRE(v.ok());
+      const Step s = run_topk(want, forwards[t]);
+      mismatched += v.value().hits != s.hits || v.value().misses != s.misses;
+      rt.drain();
+    }
+    CHECK(mismatched == 0);
+    same_planner_state(model.planner(), want);
+  }
+  SUBCASE("per-layer pools: each layer's one-layer LayerShare plans exactly as Lrfu") {
+    constexpr std::int32_t C = 4;
+    SimRuntime rt;
+    const auto x = rt.create_stream().value();
+    RecommendedModelCache<SimRuntime, SimLayout> model(rt, options(C, ModelPool::per_layer), alias_layout());
+    std::vector<ForwardPlanner<Lrfu>> want;
+    for (std::int32_t l = 0; l < L; ++l) want.emplace_back(CacheShape{E, C}, K, Lrfu(CacheShape{E, C}));
+    std::size_t mismatched = 0, other_state = 0;
+    for (std::size_t t = 0; t < forwards.size(); ++t) {
+      const auto layer = static_cast<std::int32_t>(t % L);
+      Ids local = forwards[t];
+      for (std::int32_t& e : local) e -= layer * E;
+      const auto v = model.prepare(layer, local, x);
+      REQUIRE(v.ok());
+      const Step s = run_topk(want[static_cast<std::size_t>(layer)], local);
+      mismatched += v.value().hits != s.hits || v.value().misses != s.misses;
+      const auto& got = model.planner(layer);
+      other_state += !std::ranges::equal(got.resident_map(), want[static_cast<std::size_t>(layer)].resident_map());
+      rt.drain();
+    }
+    CHECK(mismatched == 0);
+    CHECK(other_state == 0);
+  }
 }

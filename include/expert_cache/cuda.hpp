@@ -4,6 +4,9 @@
 //   CudaRowCache          tensor-major pools, Lru, per-tensor copies on the copy stream
 //   CudaWholeExpertCache  expert-major pools, Lfru, one copy per miss on the copy stream
 //   CudaGatherRowCache    tensor-major pools, Lru, one gather kernel per prepare (capturable)
+// and the recommended ones (docs/policies.md "Choosing a policy"):
+//   CudaRecommendedRowCache, CudaRecommendedWholeExpertCache (Lrfu), CudaRecommendedModelCache
+//   (LayerShare), and under nvcc CudaRecommendedGatherRowCache (Lrfu)
 // Streams can come in as cuda::stream_ref (to_cuda_stream) where libcu++ is available.
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
@@ -26,9 +29,19 @@ template <expert_layout Layout>
 using CudaRowCache = RowCache<CudaRuntime, Layout>;
 template <expert_layout Layout>
 using CudaWholeExpertCache = WholeExpertCache<CudaRuntime, Layout>;
+// The same with the measured per-layer / global-pool winners (expert_cache.hpp says why).
+template <expert_layout Layout>
+using CudaRecommendedRowCache = RecommendedRowCache<CudaRuntime, Layout>;
+template <expert_layout Layout>
+using CudaRecommendedWholeExpertCache = RecommendedWholeExpertCache<CudaRuntime, Layout>;
+template <expert_layout Layout>
+using CudaRecommendedModelCache = RecommendedModelCache<CudaRuntime, Layout>;
 #if defined(__CUDACC__)
 template <expert_layout Layout>
 using CudaGatherRowCache = ExpertCache<TensorMajorStorage, Lru, Gather, Layout, CudaRuntime>;
+// One gather kernel per prepare, per-layer winner policy.
+template <expert_layout Layout>
+using CudaRecommendedGatherRowCache = ExpertCache<TensorMajorStorage, Lrfu, Gather, Layout, CudaRuntime>;
 #endif
 
 #if defined(EXPERT_CACHE_HAS_STREAM_REF)
