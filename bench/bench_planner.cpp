@@ -419,7 +419,7 @@ Layered read_trace(const std::string& path) {
   return out;
 }
 
-// vLLM's token split (brief §1.4): one chunk if the union fits, else greedy row chunks.
+// vLLM's token split (docs/reference_providers.md, split modes): one chunk if the union fits, else greedy row chunks.
 Forwards token_split(const std::vector<Rows>& forwards, std::int32_t capacity) {
   Forwards chunks;
   for (const Rows& rows : forwards) {

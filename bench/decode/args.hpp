@@ -22,7 +22,7 @@ inline constexpr int exit_usage = 2;
 enum class RuntimeChoice : std::uint8_t { automatic, sim, cuda };
 
 struct BenchArgs {
-  // Synthetic model (defaults: the seed's 48-layer, 512-expert NVFP4 model, 208 slots per layer).
+  // Synthetic model (defaults: the reference providers' 48-layer, 512-expert NVFP4 model, 208 slots per layer).
   std::int32_t layers = 48;
   std::int32_t experts = 512;
   std::int32_t top_k = 10;

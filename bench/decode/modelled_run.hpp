@@ -26,16 +26,16 @@
 namespace expert_cache::bench {
 
 // Constants of the model (nanoseconds, bytes/ns). Sources: docs/hardware_limits.md (H200,
-// PCIe Gen5 x16, CUDA 13, measured) where marked [h200.md]; the rest are stated assumptions.
+// PCIe Gen5 x16, CUDA 13, measured) where marked [hardware_limits.md]; the rest are stated assumptions.
 struct SimCosts {
-  double pcie_bytes_per_ns = 55.0;        // [h200.md] one big pinned H2D copy: 55.0-55.4 GB/s
-  double copy_device_ns = 3000.0;         // per cudaMemcpyAsync on the copy engine; fits [h200.md] 91.6% for one
+  double pcie_bytes_per_ns = 55.0;        // [hardware_limits.md] one big pinned H2D copy: 55.0-55.4 GB/s
+  double copy_device_ns = 3000.0;         // per cudaMemcpyAsync on the copy engine; fits [hardware_limits.md] 91.6% for one
                                           // 1.69 MiB copy and 56-63% for six per-tensor copies of an expert
-  double batch_copy_device_ns = 800.0;    // per descriptor of a cudaMemcpyBatchAsync; fits [h200.md] 97.2%
+  double batch_copy_device_ns = 800.0;    // per descriptor of a cudaMemcpyBatchAsync; fits [hardware_limits.md] 97.2%
                                           // (64 x 1.69 MiB) and 88-89% (tensor-major rows)
-  double copy_host_ns = 2100.0;           // [h200.md] host cost of one cudaMemcpyAsync
-  double batch_host_ns_per_copy = 4000.0; // [h200.md] host cost of cudaMemcpyBatchAsync, per copy
-  double event_host_ns = 175.0;           // [h200.md] record + wait = 0.35 us per pair
+  double copy_host_ns = 2100.0;           // [hardware_limits.md] host cost of one cudaMemcpyAsync
+  double batch_host_ns_per_copy = 4000.0; // [hardware_limits.md] host cost of cudaMemcpyBatchAsync, per copy
+  double event_host_ns = 175.0;           // [hardware_limits.md] record + wait = 0.35 us per pair
   double launch_host_ns = 2500.0;         // assumption: host cost of one kernel launch
   double consumer_fixed_ns = 5000.0;      // assumption: launch latency + tail of the MoE consumer
   double hbm_bytes_per_ns = 1570.0;       // fit to the measured consumer (docs/benchmarks.md, H200 at a8e2c2f):

@@ -36,7 +36,7 @@ class Gather {
  public:
   static constexpr std::string_view name = "gather";
   static constexpr bool uses_copy_stream = true;
-  // Thread blocks of the launch: a zero-copy read saturates PCIe with ~16 blocks (limits/h200.md),
+  // Thread blocks of the launch: a zero-copy read saturates PCIe with ~16 blocks (docs/hardware_limits.md),
   // and fewer blocks leave more SMs to compute that overlaps the fill.
   static constexpr int blocks = 32;
   static constexpr int threads = 512;
