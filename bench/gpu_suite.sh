@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The H200 verification run, in two phases so each fits one device call:
+#   bench/gpu_suite.sh test  OUT   build the GPU targets, the GPU test suite, compute-sanitizer
+#                                  memcheck / racecheck / synccheck on the device-planned paths
+#   bench/gpu_suite.sh bench OUT   the GPU benchmarks (device planner, decode loop, staging fills)
+# Logs and JSON go to OUT (default ./gpu-logs). Build folder: build-gpu (kept between phases).
+# Needs nvcc and a GPU; doctest and Google Benchmark from the system or a staged copy on
+# PKG_CONFIG_PATH. Exit status: non-zero when a test, a sanitizer or a benchmark failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:-test}
+out=${2:-gpu-logs}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+meson() { if command -v meson >/dev/null 2>&1; then command meson "$@"; else python3 -m mesonbuild.mesonmain "$@"; fi; }
+build=build-gpu
+status=0
+note() { echo "== $*" | tee -a "$out/summary.txt"; }
+git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
+
+gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_device_plan
+           tests/test_gpu_device_cache tests/test_gpu_storage_cuda examples/quickstart_cuda)
+gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging)
+
+if [ ! -f "$build/build.ninja" ]; then
+  meson setup "$build" -Dcuda=enabled -Dgpu_arch=sm_90 -Dtests=enabled -Dbenchmarks=enabled >"$out/setup.log" 2>&1 \
+    || { note "configure failed"; tail -30 "$out/setup.log"; exit 1; }
+fi
+
+case "$phase" in
+test)
+  if ! meson compile -C "$build" "${gpu_tests[@]}" "${gpu_benches[@]}" >"$out/compile.log" 2>&1; then
+    note "compile failed"; grep -E "error|FAILED" "$out/compile.log" | head -30; exit 1
+  fi
+  meson test -C "$build" --no-rebuild --suite gpu --print-errorlogs >"$out/gpu_tests.log" 2>&1 || status=1
+  grep -E "^ *[0-9]+/[0-9]+ |^Ok:|^Fail:|^Skipped:" "$out/gpu_tests.log" | tee -a "$out/summary.txt"
+  # The device-planned paths under compute-sanitizer, with shortened runs (the tools are slow).
+  export EXPERT_CACHE_DPLAN_STEPS=20 EXPERT_CACHE_DPLAN_REPLAYS=40 EXPERT_CACHE_DCACHE_STEPS=12
+  for tool in memcheck racecheck synccheck; do
+    for t in test_gpu_device_plan test_gpu_device_cache; do
+      if compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/$t" >"$out/sanitize_${tool}_$t.log" 2>&1; then
+        note "compute-sanitizer $tool $t: clean ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$t.log" | tail -1))"
+      else
+        note "compute-sanitizer $tool $t: FAILED"; tail -20 "$out/sanitize_${tool}_$t.log"; status=1
+      fi
+    done
+  done
+  ;;
+bench)
+  "$build/bench/bench_device_plan" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
+    --benchmark_counters_tabular=true --benchmark_out="$out/bench_device_plan.json" --benchmark_out_format=json \
+    >"$out/bench_device_plan.txt" 2>&1 || { note "bench_device_plan failed"; status=1; }
+  "$build/bench/expert-cache-bench" --provider all --staging all --json "$out/decode.json" \
+    >"$out/decode.txt" 2>&1 || { note "expert-cache-bench failed"; status=1; }
+  cat "$out/decode.txt"
+  "$build/bench/bench_staging" --benchmark_filter='fill/' --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_counters_tabular=true --benchmark_out="$out/bench_staging.json" --benchmark_out_format=json \
+    >"$out/bench_staging.txt" 2>&1 || { note "bench_staging failed"; status=1; }
+  grep -E "_median" "$out/bench_device_plan.txt" "$out/bench_staging.txt" | head -80
+  ;;
+*) echo "usage: bench/gpu_suite.sh test|bench [OUT]"; exit 2 ;;
+esac
+note "phase $phase: status $status"
+exit $status
