@@ -6,6 +6,8 @@
 //   fill/<policy>/<storage>/misses:N   GPU time (cudaEvents, manual time) of a prepare() whose N
 //                                experts all miss; counters GBps and ratio
 //   cold208/<policy>/<storage>   a 208-slot cache filled from empty in one prepare
+//                                <storage>: tensor_major, expert_major, expert_major_host (the
+//                                expert-major pool scattered into per-tensor slot arrays)
 //   host/<cache>/all_hit, host/<cache>/misses:10   wall-clock of the prepare() call alone (the
 //                                GPU is drained before each call and not waited after it)
 //
@@ -278,12 +280,16 @@ int main(int argc, char** argv) {
 
   register_fill<TensorMajorStorage, CopyStream>("copy_stream", "tensor_major");
   register_fill<ExpertMajorStorage, CopyStream>("copy_stream", "expert_major");
+  register_fill<ExpertMajorHostStorage, CopyStream>("copy_stream", "expert_major_host");
   register_fill<TensorMajorStorage, Inline>("inline", "tensor_major");
   register_fill<ExpertMajorStorage, Inline>("inline", "expert_major");
+  register_fill<ExpertMajorHostStorage, Inline>("inline", "expert_major_host");
   register_fill<TensorMajorStorage, Batched>("batched", "tensor_major");
   register_fill<ExpertMajorStorage, Batched>("batched", "expert_major");
+  register_fill<ExpertMajorHostStorage, Batched>("batched", "expert_major_host");
   register_fill<TensorMajorStorage, Gather>("gather", "tensor_major");
   register_fill<ExpertMajorStorage, Gather>("gather", "expert_major");
+  register_fill<ExpertMajorHostStorage, Gather>("gather", "expert_major_host");
 
   register_host<RowCache<CudaRuntime, ExplicitLayout>>("row_cache");
   register_host<WholeExpertCache<CudaRuntime, ExplicitLayout>>("whole_expert_cache");
