@@ -15,6 +15,7 @@
 #include "expert_cache/layout/dense.hpp"
 #include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
 #include "support/sim_cache_harness.hpp"
+#include "support/stats_checks.hpp"
 
 using namespace expert_cache;
 using namespace expert_cache::test;
@@ -47,26 +48,6 @@ void fill_any(AnySim& cache) {
       for (std::size_t i = 0; i < cache.tensors()[t].bytes_per_expert; ++i) p[i] = pattern_byte(t, e, i);
     }
   }
-}
-
-void check_stats_equal(const CacheStats& a, const CacheStats& b) {
-  CHECK(a.hits == b.hits);
-  CHECK(a.misses == b.misses);
-  CHECK(a.promotions == b.promotions);
-  CHECK(a.evictions == b.evictions);
-  CHECK(a.invalidations == b.invalidations);
-  CHECK(a.resident == b.resident);
-  CHECK(a.capacity == b.capacity);
-  CHECK(a.prepare_calls == b.prepare_calls);
-  CHECK(a.generation == b.generation);
-  CHECK(a.last_copies == b.last_copies);
-  CHECK(a.total_copies == b.total_copies);
-  CHECK(a.owner_changes == b.owner_changes);
-  CHECK(a.map_uploads == b.map_uploads);
-  CHECK(a.staging_stalls == b.staging_stalls);
-  CHECK(a.faults == b.faults);
-  CHECK(a.slot_bytes == b.slot_bytes);
-  CHECK(a.host_bytes == b.host_bytes);
 }
 
 // Device maps and every slot's bytes (read once both runtimes drained).

@@ -21,47 +21,13 @@
 #include "expert_cache/planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/split.hpp"
+#include "support/device_plan_support.hpp"
 
 using namespace expert_cache;
+using namespace expert_cache::test;
 using Ids = std::vector<std::int32_t>;
 
 namespace {
-
-template <class T>
-std::vector<T> to_vector(PlanSpan<T> s, std::int32_t n) {
-  return std::vector<T>(s.data, s.data + n);
-}
-
-std::vector<PlanEntry> entries(const std::vector<SlotFill>& v) {
-  std::vector<PlanEntry> out;
-  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
-  return out;
-}
-std::vector<PlanEntry> entries(const std::vector<SlotEviction>& v) {
-  std::vector<PlanEntry> out;
-  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
-  return out;
-}
-
-// Sorted unique valid ids, split into ascending groups of <= capacity (split.hpp's expert split).
-std::vector<Ids> host_groups(const Ids& ids, std::int32_t num_experts, std::int32_t capacity) {
-  std::set<std::int32_t> u;
-  for (std::int32_t id : ids) {
-    if (id >= 0 && id < num_experts) u.insert(id);
-  }
-  const Ids all(u.begin(), u.end());
-  std::vector<Ids> groups;
-  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
-    groups.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b),
-                        all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), b + static_cast<std::size_t>(capacity))));
-  }
-  return groups;
-}
-
-std::int64_t count_bad(const Ids& ids, std::int32_t num_experts) {
-  return std::count_if(ids.begin(), ids.end(),
-                       [&](std::int32_t id) { return id != -1 && (id < 0 || id >= num_experts); });
-}
 
 // Everything observable of the device state equals the host planner after `plan`.
 void check_same(const ForwardPlanner<Lru>& host, const ForwardPlan& plan, const DevicePlanState& s) {

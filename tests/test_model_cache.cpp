@@ -20,6 +20,7 @@
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "support/sim_cache_harness.hpp"
+#include "support/stats_checks.hpp"
 
 using namespace expert_cache;
 using namespace expert_cache::test;
@@ -93,22 +94,6 @@ std::size_t bad_slots(const Model& m, std::int32_t layer) {
     }
   }
   return bad;
-}
-
-void check_same_stats(const CacheStats& a, const CacheStats& b) {
-  CHECK(a.hits == b.hits);
-  CHECK(a.misses == b.misses);
-  CHECK(a.promotions == b.promotions);
-  CHECK(a.evictions == b.evictions);
-  CHECK(a.invalidations == b.invalidations);
-  CHECK(a.resident == b.resident);
-  CHECK(a.capacity == b.capacity);
-  CHECK(a.prepare_calls == b.prepare_calls);
-  CHECK(a.generation == b.generation);
-  CHECK(a.last_copies == b.last_copies);
-  CHECK(a.total_copies == b.total_copies);
-  CHECK(a.slot_bytes == b.slot_bytes);
-  CHECK(a.host_bytes == b.host_bytes);
 }
 
 // A forward of `tokens` x top_k ids with skew (low ids more likely) and padding.
@@ -194,7 +179,7 @@ TEST_CASE_TEMPLATE("model cache (per_layer): the same per-layer results as L sep
         }
       }
       bad += bad_slots(model, l);
-      check_same_stats(model.stats().per_layer[static_cast<std::size_t>(l)], cache.stats());
+      check_plan_stats_equal(model.stats().per_layer[static_cast<std::size_t>(l)], cache.stats());
     }
   }
   CHECK(mismatched_maps == 0);

@@ -29,8 +29,10 @@
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
+#include "support/device_plan_support.hpp"
 
 using namespace expert_cache;
+using namespace expert_cache::test;
 using Ids = std::vector<std::int32_t>;
 
 #define CUDA_OK(expr)                                                                         \
@@ -40,40 +42,6 @@ using Ids = std::vector<std::int32_t>;
   } while (0)
 
 namespace {
-
-template <class T>
-std::vector<T> to_vector(PlanSpan<T> s, std::int32_t n) {
-  return std::vector<T>(s.data, s.data + n);
-}
-std::vector<PlanEntry> entries(const std::vector<SlotFill>& v) {
-  std::vector<PlanEntry> out;
-  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
-  return out;
-}
-std::vector<PlanEntry> entries(const std::vector<SlotEviction>& v) {
-  std::vector<PlanEntry> out;
-  for (const auto& f : v) out.push_back({f.expert.value, f.slot.value});
-  return out;
-}
-
-std::vector<Ids> host_groups(const Ids& ids, std::int32_t num_experts, std::int32_t capacity) {
-  std::set<std::int32_t> u;
-  for (std::int32_t id : ids) {
-    if (id >= 0 && id < num_experts) u.insert(id);
-  }
-  const Ids all(u.begin(), u.end());
-  std::vector<Ids> groups;
-  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
-    const std::size_t e = std::min(all.size(), b + static_cast<std::size_t>(capacity));
-    groups.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b), all.begin() + static_cast<std::ptrdiff_t>(e));
-  }
-  return groups;
-}
-
-std::uint64_t count_bad(const Ids& ids, std::int32_t num_experts) {
-  return static_cast<std::uint64_t>(std::count_if(
-      ids.begin(), ids.end(), [&](std::int32_t id) { return id != -1 && (id < 0 || id >= num_experts); }));
-}
 
 // The host planner's plan of one group (plan_topk for a single group, plan_unique otherwise).
 void host_plan(ForwardPlanner<Lru>& host, const Ids& ids, const std::vector<Ids>& groups, std::size_t g,
@@ -260,7 +228,7 @@ TEST_CASE("device plan kernel: random traces equal ForwardPlanner<Lru> after eve
       const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
       const Ids ids = random_ids(rng, c.E, c.top_k, tokens, step % 4 == 0 ? 0.1 : 0.0);
       const auto n = static_cast<std::int32_t>(ids.size());
-      bad += count_bad(ids, c.E);
+      bad += static_cast<std::uint64_t>(count_bad(ids, c.E));
       const auto groups = host_groups(ids, c.E, c.C);
       if (groups.size() > 1) ++overflows;
       CUDA_OK(cudaMemcpyAsync(d_ids.p, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.s));
@@ -410,7 +378,7 @@ TEST_CASE("device plan kernel: one graph (router -> invalidate -> plan -> fill, 
     }
     Ids ids(n);
     for (std::int32_t i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = router_id(ustep, i, E);
-    bad += count_bad(ids, E);
+    bad += static_cast<std::uint64_t>(count_bad(ids, E));
     for (std::int32_t i = 0; i < n; ++i) {
       const std::int32_t id = ids[static_cast<std::size_t>(i)];
       REQUIRE(dev_ids[static_cast<std::size_t>(i)] == ((id >= 0 && id < E) ? id : -1));
