@@ -5,6 +5,10 @@
 // resident is its top. Layer l's heap lives in heap_[l * width, l * width + size_l): a layer
 // never holds more than `width` ids, so one array of num_experts entries serves all of them
 // and nothing allocates after construction. Ties break on the lower id (deterministic).
+// LayerCrf and ForwardPins are the rest of what both policies keep beside their heaps.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -108,6 +112,83 @@ class LayerHeaps {
   std::vector<std::int32_t> pos_;    // per id: index in its layer's heap, none if absent
   std::vector<std::int32_t> heap_;   // per layer, contiguous
   std::vector<std::int32_t> size_;   // per layer
+};
+
+// Per-id CRF (LRFU's combined recency-frequency) in per-layer time: the age of a request is
+// counted in forwards of the id's own layer. Kept for non-residents too, so a returning id
+// resumes its history.
+class LayerCrf {
+ public:
+  LayerCrf() = default;
+  LayerCrf(CacheShape shape, std::int32_t num_layers, double half_life)
+      : inv_half_life_(1.0 / std::max(half_life, 1e-3)),
+        crf_(static_cast<std::size_t>(shape.num_experts), 0.0),
+        last_(static_cast<std::size_t>(shape.num_experts), 0),
+        clock_(static_cast<std::size_t>(num_layers), 0) {}
+
+  [[nodiscard]] double inv_half_life() const noexcept { return inv_half_life_; }
+  [[nodiscard]] std::uint32_t clock(std::int32_t layer) const noexcept { return clock_[static_cast<std::size_t>(layer)]; }
+  void tick(std::int32_t layer) noexcept { ++clock_[static_cast<std::size_t>(layer)]; }
+
+  // Counts a request of `id` (of `layer`) now and returns its heap key. Forward decay:
+  // log2(CRF) + now/h orders a layer's ids the same at every later time.
+  double touch(std::int32_t id, std::int32_t layer) noexcept {
+    const auto i = static_cast<std::size_t>(id);
+    const std::uint32_t now = clock(layer);
+    crf_[i] = crf_[i] * std::exp2(-static_cast<double>(now - last_[i]) * inv_half_life_) + 1.0;
+    last_[i] = now;
+    return std::log2(crf_[i]) + static_cast<double>(now) * inv_half_life_;
+  }
+
+  // CRF of `id` (of `layer`) now.
+  [[nodiscard]] double crf(std::int32_t id, std::int32_t layer) const noexcept {
+    const auto i = static_cast<std::size_t>(id);
+    return crf_[i] * std::exp2(-static_cast<double>(clock(layer) - last_[i]) * inv_half_life_);
+  }
+
+  friend bool operator==(const LayerCrf&, const LayerCrf&) = default;
+
+ private:
+  double inv_half_life_ = 1.0;
+  std::vector<double> crf_;           // per id, as of last_
+  std::vector<std::uint32_t> last_;   // per id: its layer's clock at its last request
+  std::vector<std::uint32_t> clock_;  // per layer: forwards seen
+};
+
+// The residents of the current forward, taken out of their layer heap for the rest of the
+// forward so that every heap top is a legal victim. A forward never holds more than
+// `capacity` ids; beyond that an id simply stays evictable by the heap (choose_victim still
+// skips it through `needed`). A fixed array, not push_back: copies keep no reserve.
+class ForwardPins {
+ public:
+  ForwardPins() = default;
+  explicit ForwardPins(std::int32_t capacity) : pinned_(static_cast<std::size_t>(capacity), -1) {}
+
+  // The previous forward's pins become evictable again.
+  void release(LayerHeaps& heaps) noexcept {
+    for (std::size_t i = 0; i < count_; ++i) heaps.push(pinned_[i]);
+    count_ = 0;
+  }
+  void pin(LayerHeaps& heaps, std::int32_t id) noexcept {
+    if (count_ == pinned_.size()) return;
+    heaps.remove(id);
+    pinned_[count_++] = id;
+  }
+  // Drops `id` if pinned (only an invalidation finds it here).
+  void forget(std::int32_t id) noexcept {
+    for (std::size_t i = 0; i < count_; ++i) {
+      if (pinned_[i] == id) {
+        pinned_[i] = pinned_[--count_];
+        break;
+      }
+    }
+  }
+
+  friend bool operator==(const ForwardPins&, const ForwardPins&) = default;
+
+ private:
+  std::vector<std::int32_t> pinned_;
+  std::size_t count_ = 0;
 };
 
 }  // namespace expert_cache::inline v0::detail

@@ -42,26 +42,22 @@ class LayerShare {
         params_(params),
         capacity_(shape.capacity),
         ghost_depth_(static_cast<std::uint64_t>(std::max(1.0, params.ghost_depth * shape.capacity))),
-        inv_half_life_(1.0 / std::max(params.half_life, 1e-3)),
-        crf_(static_cast<std::size_t>(shape.num_experts), 0.0),
-        last_(static_cast<std::size_t>(shape.num_experts), 0),
+        crf_(shape, heaps_.num_layers(), params.half_life),
         evicted_at_(static_cast<std::size_t>(shape.num_experts), 0),
-        clock_(static_cast<std::size_t>(heaps_.num_layers()), 0),
         share_(static_cast<std::size_t>(heaps_.num_layers()),
                static_cast<double>(shape.capacity) / heaps_.num_layers()),
         residents_(static_cast<std::size_t>(heaps_.num_layers()), 0),
-        pinned_(static_cast<std::size_t>(shape.capacity), -1) {}
+        pins_(shape.capacity) {}
 
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    for (std::size_t i = 0; i < pinned_count_; ++i) heaps_.push(pinned_[i]);
-    pinned_count_ = 0;
+    pins_.release(heaps_);
     std::int32_t last_layer = -1;
     for (const ExpertId e : ids) {
       const std::int32_t l = heaps_.layer_of(e.value);
-      if (l != last_layer) ++clock_[static_cast<std::size_t>(l)];
+      if (l != last_layer) crf_.tick(l);
       last_layer = l;
       if (heaps_.contains(e.value)) {
-        pin(e.value);
+        pins_.pin(heaps_, e.value);
       } else if (is_ghost(e.value)) {
         // This forward will miss on an id its layer evicted lately. Adapt before the
         // forward's victims are chosen, as ARC adapts p before its replacement.
@@ -78,7 +74,7 @@ class LayerShare {
     ++residents_[static_cast<std::size_t>(heaps_.layer_of(e.value))];
     touch(e.value);
     heaps_.push(e.value);
-    pin(e.value);
+    pins_.pin(heaps_, e.value);
   }
 
   void on_remove(ExpertId e) noexcept {
@@ -87,12 +83,7 @@ class LayerShare {
     heaps_.remove(e.value);
     if (e.value == victim_) evicted_at_[i] = ++evictions_;  // invalidations leave no ghost
     victim_ = -1;
-    for (std::size_t k = 0; k < pinned_count_; ++k) {  // only an invalidation finds it here
-      if (pinned_[k] == e.value) {
-        pinned_[k] = pinned_[--pinned_count_];
-        break;
-      }
-    }
+    pins_.forget(e.value);
   }
 
   [[nodiscard]] ExpertId choose_victim(const ForwardSet& needed) noexcept {
@@ -124,19 +115,7 @@ class LayerShare {
     return at != 0 && evictions_ - at < ghost_depth_;
   }
 
-  void pin(std::int32_t e) noexcept {
-    if (pinned_count_ == pinned_.size()) return;  // a forward holds at most `capacity` ids
-    heaps_.remove(e);
-    pinned_[pinned_count_++] = e;
-  }
-
-  void touch(std::int32_t e) noexcept {
-    const auto i = static_cast<std::size_t>(e);
-    const std::uint32_t now = clock_[static_cast<std::size_t>(heaps_.layer_of(e))];
-    crf_[i] = crf_[i] * std::exp2(-static_cast<double>(now - last_[i]) * inv_half_life_) + 1.0;
-    last_[i] = now;
-    heaps_.set_key(e, std::log2(crf_[i]) + static_cast<double>(now) * inv_half_life_);
-  }
+  void touch(std::int32_t e) noexcept { heaps_.set_key(e, crf_.touch(e, heaps_.layer_of(e))); }
 
   // Layer l would have hit with one more slot: move ghost_gain slots to it from the others,
   // in proportion to their shares.
@@ -156,15 +135,11 @@ class LayerShare {
   LayerShareParams params_;
   std::int32_t capacity_;
   std::uint64_t ghost_depth_;
-  double inv_half_life_;
-  std::vector<double> crf_;                // per id, as of last_
-  std::vector<std::uint32_t> last_;        // per id: its layer's clock at its last request
+  detail::LayerCrf crf_;                   // within-layer order
   std::vector<std::uint64_t> evicted_at_;  // per id: eviction number, 0 = no ghost
-  std::vector<std::uint32_t> clock_;       // per layer: forwards seen
   std::vector<double> share_;              // per layer: target slots, sum = capacity
   std::vector<std::int32_t> residents_;    // per layer
-  std::vector<std::int32_t> pinned_;       // residents of the current forward (out of the heaps)
-  std::size_t pinned_count_ = 0;
+  detail::ForwardPins pins_;               // residents of the current forward (out of the heaps)
   std::uint64_t evictions_ = 0;
   std::int32_t victim_ = -1;  // last choose_victim result, ghosted in on_remove
 };

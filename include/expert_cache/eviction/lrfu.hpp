@@ -39,26 +39,22 @@ class Lrfu {
   explicit Lrfu(CacheShape shape, PoolLayout layout = {}, LrfuParams params = {})
       : heaps_(shape, layout),
         params_(params),
-        inv_half_life_(1.0 / std::max(params.half_life, 1e-3)),
-        one_minus_decay_(1.0 - std::exp2(-inv_half_life_)),
-        crf_(static_cast<std::size_t>(shape.num_experts), 0.0),
-        last_(static_cast<std::size_t>(shape.num_experts), 0),
+        crf_(shape, heaps_.num_layers(), params.half_life),
+        one_minus_decay_(1.0 - std::exp2(-crf_.inv_half_life())),
         resident_(static_cast<std::size_t>(shape.num_experts), 0),
-        clock_(static_cast<std::size_t>(heaps_.num_layers()), 0),
-        pinned_(static_cast<std::size_t>(shape.capacity), -1) {}
+        pins_(shape.capacity) {}
 
   // Residents of the previous forward become evictable again; this forward's are pinned
   // (taken out of their heap), so every heap top is a legal victim.
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    for (std::size_t i = 0; i < pinned_count_; ++i) heaps_.push(pinned_[i]);
-    pinned_count_ = 0;
+    pins_.release(heaps_);
     std::int32_t last_layer = -1;
     for (const ExpertId e : ids) {
       const std::int32_t l = heaps_.layer_of(e.value);
-      if (l != last_layer) ++clock_[static_cast<std::size_t>(l)];  // ids of one layer are contiguous
+      if (l != last_layer) crf_.tick(l);  // ids of one layer are contiguous
       last_layer = l;
       current_layer_ = l;
-      if (resident_[e.index()] && heaps_.contains(e.value)) pin(e.value);
+      if (resident_[e.index()] && heaps_.contains(e.value)) pins_.pin(heaps_, e.value);
     }
   }
 
@@ -68,18 +64,13 @@ class Lrfu {
     resident_[e.index()] = 1;
     touch(e.value);
     heaps_.push(e.value);
-    pin(e.value);
+    pins_.pin(heaps_, e.value);
   }
 
   void on_remove(ExpertId e) noexcept {
     resident_[e.index()] = 0;
     heaps_.remove(e.value);
-    for (std::size_t i = 0; i < pinned_count_; ++i) {  // only an invalidation finds it here
-      if (pinned_[i] == e.value) {
-        pinned_[i] = pinned_[--pinned_count_];
-        break;
-      }
-    }
+    pins_.forget(e.value);
   }
 
   [[nodiscard]] ExpertId choose_victim(const ForwardSet& needed) const noexcept {
@@ -99,37 +90,17 @@ class Lrfu {
   }
 
   // CRF of `e` now (in its layer's time).
-  [[nodiscard]] double crf(ExpertId e) const noexcept {
-    const auto i = e.index();
-    const std::int32_t l = heaps_.layer_of(e.value);
-    return crf_[i] * std::exp2(-static_cast<double>(clock_[static_cast<std::size_t>(l)] - last_[i]) * inv_half_life_);
-  }
+  [[nodiscard]] double crf(ExpertId e) const noexcept { return crf_.crf(e.value, heaps_.layer_of(e.value)); }
 
   friend bool operator==(const Lrfu&, const Lrfu&) = default;
 
  private:
-  // Takes a resident out of its heap for the rest of the forward. A forward never holds more
-  // than `capacity` ids; beyond that an id simply stays evictable by the heap (choose_victim
-  // still skips it through `needed`).
-  void pin(std::int32_t e) noexcept {
-    if (pinned_count_ == pinned_.size()) return;
-    heaps_.remove(e);
-    pinned_[pinned_count_++] = e;
-  }
-
-  void touch(std::int32_t e) noexcept {
-    const auto i = static_cast<std::size_t>(e);
-    const std::uint32_t now = clock_[static_cast<std::size_t>(heaps_.layer_of(e))];
-    crf_[i] = crf_[i] * std::exp2(-static_cast<double>(now - last_[i]) * inv_half_life_) + 1.0;
-    last_[i] = now;
-    // Forward decay: log2(CRF) + now/h orders a layer's ids the same at every later time.
-    heaps_.set_key(e, std::log2(crf_[i]) + static_cast<double>(now) * inv_half_life_);
-  }
+  void touch(std::int32_t e) noexcept { heaps_.set_key(e, crf_.touch(e, heaps_.layer_of(e))); }
 
   // Expected forwards until `e` (top of layer l) is requested again.
   [[nodiscard]] double expected_wait(std::int32_t e, std::int32_t l) const noexcept {
     const std::int32_t layers = heaps_.num_layers();
-    const double log_crf = heaps_.key(e) - static_cast<double>(clock_[static_cast<std::size_t>(l)]) * inv_half_life_;
+    const double log_crf = heaps_.key(e) - static_cast<double>(crf_.clock(l)) * crf_.inv_half_life();
     const double p = std::min(1.0, std::exp2(log_crf) * one_minus_decay_);
     const std::int32_t d = (l - current_layer_ + layers) % layers;  // forwards until layer l again
     return params_.phase_weight * d + layers * (1.0 / std::max(p, 1e-300) - 1.0);
@@ -137,14 +108,10 @@ class Lrfu {
 
   detail::LayerHeaps heaps_;
   LrfuParams params_;
-  double inv_half_life_;
+  detail::LayerCrf crf_;
   double one_minus_decay_;
-  std::vector<double> crf_;           // per id, as of last_
-  std::vector<std::uint32_t> last_;   // per id: its layer's clock at its last request
   std::vector<std::uint8_t> resident_;
-  std::vector<std::uint32_t> clock_;  // per layer: forwards seen
-  std::vector<std::int32_t> pinned_;  // residents of the current forward (out of the heaps);
-  std::size_t pinned_count_ = 0;      // a fixed array, not push_back: copies keep no reserve
+  detail::ForwardPins pins_;  // residents of the current forward (out of the heaps)
   std::int32_t current_layer_ = 0;
 };
 
