@@ -14,6 +14,7 @@
 #include "expert_cache/any_cache.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
+#include "support/caller_memory.hpp"
 #include "support/sim_cache_harness.hpp"
 #include "support/stats_checks.hpp"
 
@@ -93,14 +94,17 @@ Ids random_topk(std::mt19937_64& rng, std::int32_t n, std::int32_t experts) {
 // from two streams (owner changes), unique groups, invalidates, and rejected forwards (ids out
 // of range, too many experts, duplicates in a unique list). After each call both runtimes are
 // drained and everything observable compared.
+// `ref_memory`: the static cache's caller memory (config.options.memory is the erased one's).
 template <class Static>
-void run_same_trace(const AnyCacheConfig& config, std::uint64_t seed) {
+void run_same_trace(const AnyCacheConfig& config, std::uint64_t seed, const StorageMemory& ref_memory = {}) {
   const std::int32_t experts = config.options.num_experts, capacity = config.options.capacity,
                      top_k = config.options.top_k;
   SimRuntime rs(sim_options()), ra(sim_options());
   const Stream s_streams[2] = {rs.create_stream().value(), rs.create_stream().value()};
   const Stream a_streams[2] = {ra.create_stream().value(), ra.create_stream().value()};
-  Static ref(rs, quiet_options(experts, capacity, top_k), six_tensor_layout());
+  CacheOptions ref_options = quiet_options(experts, capacity, top_k);
+  ref_options.memory = ref_memory;
+  Static ref(rs, ref_options, six_tensor_layout());
   auto made = make_expert_cache(ra, config);
   REQUIRE(made.ok());
   AnySim any = std::move(made.value());
@@ -196,6 +200,117 @@ TEST_CASE("AnyExpertCache: same maps, stats and slot bytes as the static cache o
   SUBCASE("cached layershare/inline/tensor_major") {
     run_same_trace<ExpertCache<TensorMajorStorage, LayerShare, Inline, ExplicitLayout, SimRuntime>>(
         config_of("cached", "layershare", "inline", "tensor_major", E, C, K), 9);
+  }
+  SUBCASE("row lru/copy_stream/expert_major_host") {
+    run_same_trace<ExpertCache<ExpertMajorHostStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>>(
+        config_of("row", "lru", "copy_stream", "expert_major_host", E, C, K), 10);
+  }
+  SUBCASE("cached lfru/batched/expert_major_host") {
+    run_same_trace<ExpertCache<ExpertMajorHostStorage, Lfru, Batched, ExplicitLayout, SimRuntime>>(
+        config_of("cached", "lfru", "batched", "expert_major_host", E, C, K), 11);
+  }
+}
+
+namespace {
+// One cache's caller memory: host tensors (optional) and a slot workspace. SimRuntime copies
+// to any address, so host memory stands in for the device workspace.
+struct CallerMemory {
+  CallerHostTensors host;
+  std::vector<CallerHostTensors::Line> workspace;
+  StorageMemory memory;
+  CallerMemory(bool host_tensors, std::size_t workspace_bytes, std::int32_t experts)
+      : host(six_tensor_layout().tensors(), experts),
+        workspace((workspace_bytes + sizeof(CallerHostTensors::Line) - 1) / sizeof(CallerHostTensors::Line)) {
+    if (host_tensors) memory = host.memory();
+    memory.slot_workspace = MemorySpan{workspace.data()->b, workspace_bytes};
+  }
+  [[nodiscard]] bool in_workspace(const std::byte* p) const noexcept {
+    const std::byte* b = workspace.data()->b;
+    return p >= b && p < b + memory.slot_workspace.bytes;
+  }
+};
+}  // namespace
+
+TEST_CASE("AnyExpertCache: caller memory (options.memory) is used in place, with the static cache's results and errors") {
+  constexpr std::int32_t E = 24, C = 6, K = 2;
+  const ExpertTensorBytes tensors = six_tensor_layout().tensors();
+  const CacheShape shape{E, C};
+  SUBCASE("row tensor_major: caller host tensors + slot workspace") {
+    const std::size_t ws = TensorMajorStorage<SimRuntime>::slot_workspace_bytes(shape, tensors);
+    CallerMemory ref(true, ws, E), mine(true, ws, E);
+    AnyCacheConfig c = config_of("row", "", "", "tensor_major", E, C, K);
+    c.options.memory = mine.memory;
+    {
+      SimRuntime rt(sim_options());
+      auto made = make_expert_cache(rt, c);
+      REQUIRE(made.ok());
+      const AnySim& any = made.value();
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        if (tensors[t].bytes_per_expert == 0) continue;
+        CHECK(any.host_tensor(t, 5) == mine.host.data(t) + 5 * tensors[t].bytes_per_expert);  // no copy
+        CHECK(any.copy_regions().regions[t].host_base == mine.host.data(t));
+        CHECK(rt.is_registered(mine.host.data(t), mine.host.bytes[t]));
+        CHECK(mine.in_workspace(any.slot_tensor(t).base));
+      }
+    }
+    run_same_trace<RowCache<SimRuntime, ExplicitLayout>>(c, 12, ref.memory);
+  }
+  SUBCASE("cached expert_major_host: caller slot workspace") {
+    const std::size_t ws = ExpertMajorHostStorage<SimRuntime>::slot_workspace_bytes(shape, tensors);
+    CallerMemory ref(false, ws, E), mine(false, ws, E);
+    AnyCacheConfig c = config_of("cached", "lfru", "inline", "expert_major_host", E, C, K);
+    c.options.memory = mine.memory;
+    {
+      SimRuntime rt(sim_options());
+      auto made = make_expert_cache(rt, c);
+      REQUIRE(made.ok());
+      for (std::size_t t = 0; t < num_expert_tensors; ++t)
+        if (tensors[t].bytes_per_expert != 0) CHECK(mine.in_workspace(made.value().slot_tensor(t).base));
+    }
+    run_same_trace<ExpertCache<ExpertMajorHostStorage, Lfru, Inline, ExplicitLayout, SimRuntime>>(c, 13, ref.memory);
+  }
+  SUBCASE("device provider: caller host tensors reach DeviceExpertCache") {
+    CallerMemory mine(true, 0, E);
+    mine.memory.slot_workspace = MemorySpan{};
+    AnyCacheConfig c = config_of("device", "", "", "tensor_major", E, C, 1);
+    c.max_ids = 8;
+    c.options.memory = mine.memory;
+    SimRuntime rt(sim_options());
+    auto made = make_expert_cache(rt, c);
+    REQUIRE(made.ok());
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      if (tensors[t].bytes_per_expert == 0) continue;
+      CHECK(made.value().host_tensor(t, 3) == mine.host.data(t) + 3 * tensors[t].bytes_per_expert);
+    }
+  }
+  SUBCASE("a bad span is refused with the static cache's error, nothing allocated or registered") {
+    CallerMemory mine(true, 0, E);
+    mine.memory.slot_workspace = MemorySpan{};
+    mine.memory.host_tensors[1].bytes -= 1;  // not exactly E * bytes
+    for (const char* provider : {"row", "device"}) {
+      CAPTURE(provider);
+      std::string expected;
+      try {
+        SimRuntime rt(sim_options());
+        CacheOptions o = quiet_options(E, C, 1);
+        o.memory = mine.memory;
+        RowCache<SimRuntime, ExplicitLayout> ref(rt, o, six_tensor_layout());
+        FAIL("the static cache accepted a bad span");
+      } catch (const Error& e) {
+        REQUIRE(e.code() == ErrorCode::invalid_argument);
+        expected = e.what();
+      }
+      AnyCacheConfig c = config_of(provider, "", "", "tensor_major", E, C, 1);
+      c.max_ids = 8;
+      c.options.memory = mine.memory;
+      SimRuntime rt(sim_options());
+      auto made = make_expert_cache(rt, c);
+      REQUIRE(!made.ok());
+      CHECK(made.status().code() == ErrorCode::invalid_argument);
+      CHECK(std::string(to_string(made.status().code())) + ": " + std::string(made.status().message()) == expected);
+      CHECK(rt.allocated_bytes() == 0);
+      CHECK(rt.registered_ranges() == 0);
+    }
   }
 }
 

@@ -26,10 +26,14 @@
 //                     to prepare() are DEVICE memory; needs the runtime's plan executor)
 //   policy    lru lfru sieve s3fifo arc wtinylfu lrfu layershare   (belady: offline only, refused)
 //   staging   inline copy_stream batched   (+ gather with CudaRuntime: include any_cache_cuda.cuh)
-//   storage   tensor_major expert_major
+//   storage   tensor_major expert_major expert_major_host
 // An empty policy/staging/storage takes the provider's default. Unknown names, impossible
 // combinations and bad sizes are refused by the factory with a Status naming the valid choices;
 // nothing is allocated for a refused name.
+//
+// Caller memory: config.options.memory (StorageMemory: the engine's own host tensors / host pool
+// and slot workspace) reaches the storage of every provider unchanged, validated as the static
+// cache validates it (a bad span is refused with the static cache's error, nothing allocated).
 //
 // Host tier: compiles with g++ alone. CUDA translation units include
 // expert_cache/any_cache_cuda.cuh instead (adds gather and the CUDA device planner) BEFORE any
@@ -86,7 +90,8 @@ struct AnyCacheConfig {
   std::string storage;           // "" = the provider's default
   AnyLayout layout;
   // num_experts, capacity, top_k, staging_ring, label, log (one line at construction, naming
-  // the provider and every choice), stats_callback/stats_every (host providers).
+  // the provider and every choice), stats_callback/stats_every (host providers), memory (the
+  // caller's host spans / host pool and slot workspace, any provider; kept alive by the caller).
   CacheOptions options;
   PoolLayout pool{};           // lrfu, layershare: experts_per_layer of a pool shared by layers
   std::int32_t max_ids = 0;    // device: the largest prepare() (tokens * top_k); required > 0
@@ -110,7 +115,8 @@ struct StorageTag {
 };
 
 using AnyPolicies = TypeList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
-using AnyStorages = TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>>;
+using AnyStorages =
+    TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>, StorageTag<ExpertMajorHostStorage>>;
 
 }  // namespace detail
 
@@ -196,7 +202,7 @@ class AnyCacheBase {
   [[nodiscard]] virtual std::uint32_t take_errors() noexcept = 0;
 };
 
-// Shared by both models: the storage accessors.
+// Shared by both models: the storage accessors and what both caches spell alike (invalidate).
 template <class Runtime, class Cache>
 class AnyCacheModelBase : public AnyCacheBase<Runtime> {
  public:
@@ -215,6 +221,7 @@ class AnyCacheModelBase : public AnyCacheBase<Runtime> {
   [[nodiscard]] const std::int32_t* resident_map_device() const noexcept final { return cache_.resident_map_device(); }
   [[nodiscard]] const std::int32_t* forward_map_device() const noexcept final { return cache_.forward_map_device(); }
   [[nodiscard]] std::optional<Stream> owner() const noexcept final { return cache_.owner(); }
+  Status invalidate(std::int32_t expert, Stream stream) noexcept final { return cache_.invalidate(expert, stream); }
 
  protected:
   Cache cache_;
@@ -239,7 +246,6 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
                   "prepare_group is the device provider's overflow round; host providers split with "
                   "plan_expert_groups / plan_token_chunks and prepare_unique");
   }
-  Status invalidate(std::int32_t expert, Stream stream) noexcept final { return this->cache_.invalidate(expert, stream); }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final {
     return this->cache_.resident_map_host();
   }
@@ -278,7 +284,6 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
     return this->cache_.prepare_group(group, stream);
   }
-  Status invalidate(std::int32_t expert, Stream stream) noexcept final { return this->cache_.invalidate(expert, stream); }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final { return {}; }
   [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept final { return {}; }
   [[nodiscard]] const ForwardPlan* last_plan() const noexcept final { return nullptr; }
@@ -500,6 +505,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
             o.max_ids = config.max_ids;
             o.fused_plan_fill = config.fused_plan_fill;
             o.label = inner.label;
+            o.memory = inner.memory;
             return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
           } else {
             return Status(ErrorCode::internal, "device provider without executor");

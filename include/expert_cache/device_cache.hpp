@@ -52,6 +52,7 @@
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/storage/storage_memory.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -64,6 +65,9 @@ struct DeviceCacheOptions {
   bool fused_plan_fill = true;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
+  // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
+  // validates and registers them; never copied or freed; the caller keeps them alive).
+  StorageMemory memory{};
 };
 
 // What an executor does for the cache, on the stream the core hands it. `plan_enqueued` tells
@@ -303,7 +307,7 @@ class DeviceExpertCacheWithEdges {
       : rt_(&rt),
         options_(validated(std::move(options))),
         layout_(validated(layout)),
-        storage_(rt, CacheShape{options_.num_experts, options_.capacity}, layout_.tensors()),
+        storage_(rt, CacheShape{options_.num_experts, options_.capacity}, layout_.tensors(), options_.memory),
         // Inline mode (fills on the caller's stream); no host map is ever uploaded, so the
         // staging ring stays at its minimum.
         core_(rt, false, static_cast<std::size_t>(options_.num_experts), 2),
