@@ -70,11 +70,9 @@ class [[nodiscard]] Status {
   /// printf-style construction into the inline buffer: the allocation-free way to build a
   /// message with numbers in it.
   [[nodiscard]] static Status format(ErrorCode code, const char* fmt, ...) noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
-    Status s;
-    s.code_ = code;
     std::va_list args;
     va_start(args, fmt);
-    s.vformat_into(0, fmt, args);
+    Status s = vformatted(code, fmt, args);
     va_end(args);
     return s;
   }
@@ -83,11 +81,9 @@ class [[nodiscard]] Status {
   /// status stays ok.
   [[nodiscard]] Status with_context(const char* fmt, ...) const noexcept EXPERT_CACHE_PRINTF_FORMAT(2, 3) {
     if (ok()) return *this;
-    Status s;
-    s.code_ = code_;
     std::va_list args;
     va_start(args, fmt);
-    s.vformat_into(0, fmt, args);
+    Status s = vformatted(code_, fmt, args);
     va_end(args);
     s.append(": ");
     s.append(message());
@@ -114,6 +110,13 @@ class [[nodiscard]] Status {
   }
 
  private:
+  // The body of format() and with_context().
+  static Status vformatted(ErrorCode code, const char* fmt, std::va_list args) noexcept {
+    Status s;
+    s.code_ = code;
+    s.vformat_into(0, fmt, args);
+    return s;
+  }
   void assign(std::string_view m) noexcept {
     length_ = 0;
     append(m);

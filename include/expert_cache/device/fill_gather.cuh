@@ -50,8 +50,52 @@ struct FillGatherParams {
 
 namespace detail {
 
-// Copies one work item; 16-byte items are returned through `v`/`dst16` so the caller can keep
-// several loads in flight before the stores.
+// One work item of `width` bytes (16, 4 or 1) with `left` bytes to its row's end. A 16-byte item
+// is loaded into `v` and its destination returned through `dst16` (true), so the caller can keep
+// several loads in flight before the stores; a 4- or 1-byte item, or a row's tail, is copied here.
+// Also the item copy of the device planner's fill (device/plan_kernel.cuh).
+__device__ __forceinline__ bool copy_item(const void* src_v, void* dst_v, std::uint32_t width, std::uint64_t left,
+                                          int4& v, int4*& dst16) {
+  const auto* src = static_cast<const unsigned char*>(src_v);
+  auto* dst = static_cast<unsigned char*>(dst_v);
+  if (width == 16 && left >= 16) {
+    v = __ldcs(reinterpret_cast<const int4*>(src));  // streamed: host bytes are read once
+    dst16 = reinterpret_cast<int4*>(dst);
+    return true;
+  }
+  if (width == 4 && left >= 4) {
+    *reinterpret_cast<std::uint32_t*>(dst) = __ldcs(reinterpret_cast<const unsigned int*>(src));
+    return false;
+  }
+  const std::uint64_t n = left < width ? left : width;  // a row's tail, or width 1
+  for (std::uint64_t i = 0; i < n; ++i) dst[i] = src[i];
+  return false;
+}
+
+// This block's share of `total` work items (grid-stride), `Ilp` 16-byte loads in flight per
+// thread before the stores. locate(idx, v, dst16) is a copy_item of item idx.
+template <int Ilp, class Locate>
+__device__ __forceinline__ void copy_items(std::uint64_t total, Locate locate) {
+  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp;
+  if (first >= total) return;  // the common short list: most blocks leave here
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * Ilp;
+  for (std::uint64_t base = first + threadIdx.x; base < total; base += stride) {
+    int4 v[Ilp];
+    int4* dst[Ilp];
+#pragma unroll
+    for (int j = 0; j < Ilp; ++j) {
+      dst[j] = nullptr;
+      const std::uint64_t idx = base + static_cast<std::uint64_t>(j) * blockDim.x;
+      if (idx < total) (void)locate(idx, v[j], dst[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < Ilp; ++j) {
+      if (dst[j] != nullptr) *dst[j] = v[j];
+    }
+  }
+}
+
+// Locates and copies one work item of the fill list.
 template <int MaxFills>
 __device__ __forceinline__ bool locate_item(const FillGatherParams<MaxFills>& p, std::uint64_t idx, int4& v,
                                             int4*& dst16) {
@@ -63,19 +107,7 @@ __device__ __forceinline__ bool locate_item(const FillGatherParams<MaxFills>& p,
   const std::uint64_t offset = static_cast<std::uint64_t>(r - p.item_begin[t]) * g.width;
   const unsigned char* src = g.src + static_cast<std::uint64_t>(p.expert[fill]) * g.src_stride + offset;
   unsigned char* dst = g.dst + static_cast<std::uint64_t>(p.slot[fill]) * g.dst_stride + offset;
-  const std::uint64_t left = g.copy_bytes - offset;
-  if (g.width == 16 && left >= 16) {
-    v = __ldcs(reinterpret_cast<const int4*>(src));  // streamed: host bytes are read once
-    dst16 = reinterpret_cast<int4*>(dst);
-    return true;
-  }
-  if (g.width == 4 && left >= 4) {
-    *reinterpret_cast<std::uint32_t*>(dst) = __ldcs(reinterpret_cast<const unsigned int*>(src));
-    return false;
-  }
-  const std::uint64_t n = left < g.width ? left : g.width;  // a row's tail, or width 1
-  for (std::uint64_t i = 0; i < n; ++i) dst[i] = src[i];
-  return false;
+  return copy_item(src, dst, g.width, g.copy_bytes - offset, v, dst16);
 }
 
 }  // namespace detail
@@ -83,23 +115,8 @@ __device__ __forceinline__ bool locate_item(const FillGatherParams<MaxFills>& p,
 // Grid-stride over all items of all fills, `Ilp` 16-byte loads in flight per thread.
 template <int MaxFills, int Ilp = 4>
 EXPERT_CACHE_KERNEL void __launch_bounds__(512) fill_gather_kernel(const __grid_constant__ FillGatherParams<MaxFills> p) {
-  const std::uint64_t total = static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill;
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * Ilp;
-  for (std::uint64_t base = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp + threadIdx.x; base < total;
-       base += stride) {
-    int4 v[Ilp];
-    int4* dst[Ilp];
-#pragma unroll
-    for (int j = 0; j < Ilp; ++j) {
-      dst[j] = nullptr;
-      const std::uint64_t idx = base + static_cast<std::uint64_t>(j) * blockDim.x;
-      if (idx < total) (void)detail::locate_item(p, idx, v[j], dst[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < Ilp; ++j) {
-      if (dst[j] != nullptr) *dst[j] = v[j];
-    }
-  }
+  detail::copy_items<Ilp>(static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill,
+                          [&p](std::uint64_t idx, int4& v, int4*& dst16) { return detail::locate_item(p, idx, v, dst16); });
 }
 
 // Launches the kernel on `stream` (capturable). Returns the launch's error code.

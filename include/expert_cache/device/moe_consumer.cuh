@@ -77,11 +77,9 @@ MoeWeights moe_weights_from_view(const View& view, std::int32_t num_experts) noe
   return w;
 }
 
-// e2m1 code (sign bit 3) -> float, exact; integer ops and a select (no table).
-EXPERT_CACHE_HOST_DEVICE inline float e2m1_decode(std::uint32_t code) noexcept {
-  const std::uint32_t m = code & 7u;
-  // m >= 2: exponent 126 + (m >> 1), mantissa bit m & 1 -> 1, 1.5, 2, 3, 4, 6; m = 1: 0.5.
-  const std::uint32_t bits = (m >= 2u ? (m + 252u) << 22 : (m != 0u ? 0x3F000000u : 0u)) | ((code & 8u) << 28);
+namespace moe_detail {
+// The float whose bits are `bits` (the decoders below build the bits with integer ops).
+EXPERT_CACHE_HOST_DEVICE inline float float_from_bits(std::uint32_t bits) noexcept {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(bits);
 #else
@@ -90,19 +88,22 @@ EXPERT_CACHE_HOST_DEVICE inline float e2m1_decode(std::uint32_t code) noexcept {
   return f;
 #endif
 }
+}  // namespace moe_detail
+
+// e2m1 code (sign bit 3) -> float, exact; integer ops and a select (no table).
+EXPERT_CACHE_HOST_DEVICE inline float e2m1_decode(std::uint32_t code) noexcept {
+  const std::uint32_t m = code & 7u;
+  // m >= 2: exponent 126 + (m >> 1), mantissa bit m & 1 -> 1, 1.5, 2, 3, 4, 6; m = 1: 0.5.
+  const std::uint32_t bits = (m >= 2u ? (m + 252u) << 22 : (m != 0u ? 0x3F000000u : 0u)) | ((code & 8u) << 28);
+  return moe_detail::float_from_bits(bits);
+}
 
 // S0E5M3 scale byte -> float, exact (= marlin::s0e5m3_value): bytes >= 8 are fp16 bits << 7,
 // i.e. float exponent e16 + 112 and the top three mantissa bits.
 EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
   if (b < 8u) return static_cast<float>(b) * 7.62939453125e-06f;  // b * 2^-17 (fp16 subnormal)
   const std::uint32_t bits = (b + 896u) << 20;
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
+  return moe_detail::float_from_bits(bits);
 }
 
 namespace moe_detail {

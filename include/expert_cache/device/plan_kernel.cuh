@@ -41,6 +41,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "expert_cache/config.hpp"
+#include "expert_cache/device/fill_gather.cuh"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 
@@ -50,9 +51,35 @@ inline constexpr int plan_block_threads = 256;
 inline constexpr int plan_fill_threads = 512;
 inline constexpr int plan_fill_max_blocks = 32;  // zero-copy saturates PCIe with ~16 blocks (docs/hardware_limits.md)
 
+// The stores of a plan_block (CubBlock, WarpBlock) to words other threads or the host read.
+struct PlanBlockStores {
+  // Stats and the error word live in mapped host memory that the host reads while graphs run:
+  // system scope. A relaxed load + store, not a read-modify-write: over PCIe the GPU has no
+  // native atomics on host memory (cudaDevAttrHostNativeAtomicSupported is 0 on the H200 here,
+  // and compute-sanitizer rejects system-scoped RMWs on it). There is a single writer: thread 0
+  // of the one block, and the plan kernels of one state are stream ordered; so each aligned word
+  // still changes in one single-copy-atomic store, and the host reads old or new, never torn.
+  // Relaxed: a counter orders nothing. (The host clears the error word only while the stream
+  // is idle.)
+  // The stats mirror is only ever stored (the authoritative counters are in device memory):
+  // no PCIe read on the planning path.
+  __device__ void publish(std::uint64_t& w, std::uint64_t v) noexcept {
+    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(w).store(v, cuda::memory_order_relaxed);
+  }
+  __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
+    a.store(a.load(cuda::memory_order_relaxed) | v, cuda::memory_order_relaxed);
+  }
+  // Many threads mark the same expert: atomic stores make the race well defined; the barrier
+  // that follows publishes them.
+  __device__ void mark(std::uint32_t& w) noexcept {
+    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_block>(w).store(1u, cuda::memory_order_relaxed);
+  }
+};
+
 // The plan_block of the GPU: threadIdx.x of a 1-D block of exactly Threads threads.
 template <int Threads>
-class CubBlock {
+class CubBlock : public PlanBlockStores {
   using Scan = cub::BlockScan<std::int32_t, Threads>;
   using ReduceSum = cub::BlockReduce<std::int32_t, Threads>;
   using ReduceKey = cub::BlockReduce<PlanKey, Threads>;
@@ -103,29 +130,6 @@ class CubBlock {
     __syncthreads();
     return all;
   }
-  // Stats and the error word live in mapped host memory that the host reads while graphs run:
-  // system scope. A relaxed load + store, not a read-modify-write: over PCIe the GPU has no
-  // native atomics on host memory (cudaDevAttrHostNativeAtomicSupported is 0 on the H200 here,
-  // and compute-sanitizer rejects system-scoped RMWs on it). There is a single writer: thread 0
-  // of the one block, and the plan kernels of one state are stream ordered; so each aligned word
-  // still changes in one single-copy-atomic store, and the host reads old or new, never torn.
-  // Relaxed: a counter orders nothing. (The host clears the error word only while the stream
-  // is idle.)
-  // The stats mirror is only ever stored (the authoritative counters are in device memory):
-  // no PCIe read on the planning path.
-  __device__ void publish(std::uint64_t& w, std::uint64_t v) noexcept {
-    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(w).store(v, cuda::memory_order_relaxed);
-  }
-  __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
-    a.store(a.load(cuda::memory_order_relaxed) | v, cuda::memory_order_relaxed);
-  }
-  // Many threads mark the same expert: atomic stores make the race well defined; the barrier
-  // that follows publishes them.
-  __device__ void mark(std::uint32_t& w) noexcept {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_block>(w).store(1u, cuda::memory_order_relaxed);
-  }
-
  private:
   struct KeyMin {
     __device__ PlanKey operator()(const PlanKey& a, const PlanKey& b) const noexcept { return b < a ? b : a; }
@@ -136,7 +140,7 @@ class CubBlock {
 // The plan_block of one warp (lanes of threadIdx.x / 32 == the calling warp; the whole warp
 // calls every collective). Barriers are __syncwarp (which orders memory among the warp's
 // threads); scans and reductions are shuffles, results in every lane.
-class WarpBlock {
+class WarpBlock : public PlanBlockStores {
   static constexpr unsigned full = 0xffffffffu;
 
  public:
@@ -166,16 +170,6 @@ class WarpBlock {
       if (o < k) k = o;
     }
     return k;
-  }
-  __device__ void publish(std::uint64_t& w, std::uint64_t v) noexcept {
-    cuda::atomic_ref<std::uint64_t, cuda::thread_scope_system>(w).store(v, cuda::memory_order_relaxed);
-  }
-  __device__ void flags_or(std::uint32_t& w, std::uint32_t v) noexcept {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system> a(w);
-    a.store(a.load(cuda::memory_order_relaxed) | v, cuda::memory_order_relaxed);
-  }
-  __device__ void mark(std::uint32_t& w) noexcept {
-    cuda::atomic_ref<std::uint32_t, cuda::thread_scope_block>(w).store(1u, cuda::memory_order_relaxed);
   }
 };
 
@@ -258,19 +252,7 @@ __device__ __forceinline__ bool locate_plan_item(const PlanFillParams& p, std::u
   const std::uint64_t offset = static_cast<std::uint64_t>(r - p.item_begin[t]) * width;
   const std::byte* src = g.host_base + static_cast<std::uint64_t>(f.expert) * g.host_stride + offset;
   std::byte* dst = g.slot_base + static_cast<std::uint64_t>(f.slot) * g.slot_stride + offset;
-  const std::uint64_t left = g.bytes - offset;
-  if (width == 16 && left >= 16) {
-    v = __ldcs(reinterpret_cast<const int4*>(src));  // streamed: host bytes are read once
-    dst16 = reinterpret_cast<int4*>(dst);
-    return true;
-  }
-  if (width == 4 && left >= 4) {
-    *reinterpret_cast<unsigned int*>(dst) = __ldcs(reinterpret_cast<const unsigned int*>(src));
-    return false;
-  }
-  const std::uint64_t n = left < width ? left : width;  // a region's tail, or width 1
-  for (std::uint64_t i = 0; i < n; ++i) dst[i] = src[i];
-  return false;
+  return copy_item(src, dst, width, g.bytes - offset, v, dst16);
 }
 
 }  // namespace detail
@@ -281,24 +263,8 @@ namespace detail {
 template <int Ilp>
 __device__ __forceinline__ void plan_fill_items(const PlanFillParams& p, std::int32_t n) {
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
-  const std::uint64_t total = static_cast<std::uint64_t>(n) * p.items_per_fill;
-  const std::uint64_t first = static_cast<std::uint64_t>(blockIdx.x) * blockDim.x * Ilp;
-  if (first >= total) return;  // the common short list: most blocks leave here
-  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * blockDim.x * Ilp;
-  for (std::uint64_t base = first + threadIdx.x; base < total; base += stride) {
-    int4 v[Ilp];
-    int4* dst[Ilp];
-#pragma unroll
-    for (int j = 0; j < Ilp; ++j) {
-      dst[j] = nullptr;
-      const std::uint64_t idx = base + static_cast<std::uint64_t>(j) * blockDim.x;
-      if (idx < total) (void)detail::locate_plan_item(p, idx, v[j], dst[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < Ilp; ++j) {
-      if (dst[j] != nullptr) *dst[j] = v[j];
-    }
-  }
+  copy_items<Ilp>(static_cast<std::uint64_t>(n) * p.items_per_fill,
+                  [&p](std::uint64_t idx, int4& v, int4*& dst16) { return locate_plan_item(p, idx, v, dst16); });
 }
 }  // namespace detail
 
