@@ -9,36 +9,14 @@ so the tests behave the same with or without a GPU.
 """
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-BENCH = None
-TMP = None
-
-
-def run(*args):
-    p = subprocess.run([BENCH, *args], capture_output=True, text=True, timeout=300)
-    return p.returncode, p.stdout, p.stderr
-
-
-def expect(cond, what, *context):
-    if not cond:
-        print("FAILED:", what)
-        for c in context:
-            print("----\n" + str(c))
-        sys.exit(1)
-
-
-def write(name, text):
-    path = os.path.join(TMP, name)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    return path
+from support import cli_harness as h
+from support.cli_harness import expect, run, write
 
 
 def case_smoke():
-    out_json = os.path.join(TMP, "bench.json")
+    out_json = os.path.join(h.TMP, "bench.json")
     rc, out, err = run("--runtime", "sim", "--steps", "2", "--warmup", "2", "--layers", "4", "--json", out_json)
     expect(rc == 0, "smoke run exits 0", out, err)
     expect("MODELLED (SimRuntime cost model), not measured" in out, "modelled label on stdout", out)
@@ -91,11 +69,8 @@ def case_smoke():
 
 
 def expect_usage_error(args, needle):
-    rc, out, err = run("--runtime", "sim", *args)
-    expect(rc == 2, f"exit code 2 for {args}, got {rc}", out, err)
-    expect(needle in err, f"stderr of {args} mentions {needle!r}", err)
+    _, out, _ = h.expect_usage_error(["--runtime", "sim", *args], needle)
     expect("tok/s" not in out, f"no table for {args}", out)
-    expect("internal" not in err and "Traceback" not in err, f"no crash text for {args}", err)
 
 
 def case_bad_args():
@@ -105,7 +80,7 @@ def case_bad_args():
     expect_usage_error(["--staging", "fast"], "unknown staging 'fast'")
     expect_usage_error(["--staging", "gather"], "needs the CUDA runtime")
     expect_usage_error(["--runtime", "gpu"], "--runtime")
-    expect_usage_error(["--trace", os.path.join(TMP, "missing.trace")], "cannot open trace file")
+    expect_usage_error(["--trace", os.path.join(h.TMP, "missing.trace")], "cannot open trace file")
     expect_usage_error(["--trace", write("bad.trace", "0 0 1 2\n1 0 x\n")], "line 2")
     expect_usage_error(["--trace", write("neg.trace", "0 0 1\n1 0 -3\n")], "negative")
     expect_usage_error(["--trace", write("empty.trace", "# nothing\n")], "no records")
@@ -124,20 +99,5 @@ def case_bad_args():
 CASES = {"smoke": case_smoke, "bad_args": case_bad_args}
 
 
-def main():
-    global BENCH, TMP
-    if len(sys.argv) != 3 or (sys.argv[2] not in CASES and sys.argv[2] != "all"):
-        print(__doc__)
-        return 2
-    BENCH = os.path.abspath(sys.argv[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        TMP = tmp
-        for name, fn in CASES.items():
-            if sys.argv[2] in (name, "all"):
-                fn()
-                print("ok", name)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(h.main(CASES, __doc__, timeout=300))

@@ -6,6 +6,7 @@
 #include <random>
 #include <type_traits>
 
+#include "support/removed_edges.hpp"
 #include "support/sim_cache_harness.hpp"
 
 using namespace expert_cache;
@@ -179,31 +180,7 @@ TEST_CASE("ordering: the race detector stays silent over >= 1e5 randomized sched
 // ---- negative tests: each edge removed makes the detector fire -----------------------------
 
 namespace {
-// One struct per row of docs/design.md's happens-before table, with that edge removed.
-struct NoReleaseWait : OrderingEdges {  // 1
-  static constexpr bool release_wait = false;
-};
-struct NoLastFillRelease : OrderingEdges {  // 2
-  static constexpr bool last_fill_release = false;
-};
-struct NoReadyWait : OrderingEdges {  // 3
-  static constexpr bool ready_wait = false;
-};
-struct NoAllHitReadyWait : OrderingEdges {  // 4
-  static constexpr bool all_hit_ready_wait = false;
-};
-struct NoOwnerChangeRelease : OrderingEdges {  // 5
-  static constexpr bool owner_change_release = false;
-};
-struct NoInvalidateOrder : OrderingEdges {  // 6
-  static constexpr bool invalidate_order = false;
-};
-struct NoResidentSerialisation : OrderingEdges {  // 7
-  static constexpr bool resident_map_serialised = false;
-};
-struct NoStagingGuard : OrderingEdges {  // 8
-  static constexpr bool staging_guard = false;
-};
+// The edge-removed OrderingEdges: support/removed_edges.hpp.
 
 // The public ExpertCache always has every edge; the negative tests reach the sixth parameter
 // through the detail class it aliases.

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "expert_cache/device_cache.hpp"
+#include "support/caller_memory.hpp"
+#include "support/removed_edges.hpp"
 #include "support/sim_cache_harness.hpp"
 
 using namespace expert_cache;
@@ -360,15 +362,6 @@ struct UnusedEdgesOff : OrderingEdges {
   static constexpr bool resident_map_serialised = false;  // 7
   static constexpr bool staging_guard = false;            // 8
 };
-struct NoReleaseWait : OrderingEdges {  // 1
-  static constexpr bool release_wait = false;
-};
-struct NoLastFillRelease : OrderingEdges {  // 2
-  static constexpr bool last_fill_release = false;
-};
-struct NoInvalidateOrder : OrderingEdges {  // 6
-  static constexpr bool invalidate_order = false;
-};
 }  // namespace
 
 TEST_CASE("device cache ordering: edges 3, 4, 5, 7, 8 are not relied upon (all off, still silent)") {
@@ -543,4 +536,65 @@ TEST_CASE("device cache: the view's pointers are fixed for the cache's lifetime"
   }
   f.settle();
   CHECK(f.rt.race_count() == 0);
+}
+
+TEST_CASE("device cache: caller host tensors and slot workspace (options.memory) are used in place, never copied") {
+  constexpr std::int32_t E = 12, C = 4;
+  const ExpertTensorBytes tensors = six_tensor_layout().tensors();
+  SimRuntime rt, ref_rt;
+  CallerHostTensors host(tensors, E);
+  const auto before = host.lines;
+  const std::size_t ws_bytes = TensorMajorStorage<SimRuntime>::slot_workspace_bytes({E, C}, tensors);
+  auto* ws = static_cast<std::byte*>(rt.allocate(ws_bytes, MemoryKind::device).value());
+  const std::size_t ws_allocated = rt.allocated_bytes();
+  DeviceCacheOptions o;
+  o.num_experts = E;
+  o.capacity = C;
+  o.max_ids = 8;
+  using Dev = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, SimRuntime>;
+  const Dev ref(ref_rt, o, six_tensor_layout());  // allocates its own pools and slots
+  o.memory = host.memory();
+  o.memory.slot_workspace = MemorySpan{ws, ws_bytes};
+  {
+    Dev dev(rt, o, six_tensor_layout());
+    CHECK(dev.storage().caller_host());
+    CHECK(dev.storage().caller_slots());
+    std::size_t own_bytes = 0;  // what ref allocated for pools and slots
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      if (tensors[t].bytes_per_expert == 0) continue;
+      CHECK(dev.storage().copy_regions().regions[t].host_base == host.data(t));  // the caller's pointer
+      CHECK(dev.storage().host_tensor(t, 7) == host.data(t) + 7 * tensors[t].bytes_per_expert);
+      CHECK(rt.is_registered(host.data(t), host.bytes[t]));
+      const std::byte* slots = dev.view().tensors[t].base;
+      CHECK((slots >= ws && slots + C * tensors[t].bytes_per_expert <= ws + ws_bytes));
+      own_bytes += host.bytes[t] + C * tensors[t].bytes_per_expert;
+    }
+    CHECK(rt.allocated_bytes() - ws_allocated == ref_rt.allocated_bytes() - own_bytes);  // no pool, no slots
+
+    // Plan + fill from the caller's tensors: each resident expert's slot holds its bytes.
+    const Stream s = rt.create_stream().value();
+    RuntimeBuffer<SimRuntime> ids_buf(rt, 8 * sizeof(std::int32_t), MemoryKind::device);
+    auto* dst = reinterpret_cast<std::int32_t*>(ids_buf.data());
+    const Ids ids = {3, 9, 3, -1, 11, 0};
+    const Access w{dst, ids.size() * sizeof(std::int32_t), AccessMode::write};
+    REQUIRE(rt.launch(s, std::span<const Access>(&w, 1), [dst, ids] { std::copy(ids.begin(), ids.end(), dst); }).ok());
+    REQUIRE(dev.prepare(dst, static_cast<std::int32_t>(ids.size()), s).ok());
+    rt.drain();
+    REQUIRE(rt.synchronize(s).ok());
+    for (const std::int32_t e : {0, 3, 9, 11}) {
+      const std::int32_t slot = dev.view().resident_map[e];
+      REQUIRE(slot >= 0);
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        const SlotTensor st = dev.view().tensors[t];
+        for (std::size_t i = 0; i < st.bytes; ++i) REQUIRE(st.slot(slot)[i] == pattern_byte(t, e, i));
+      }
+    }
+    CHECK(rt.race_count() == 0);
+    rt.destroy_stream(s);
+  }
+  CHECK(rt.registered_ranges() == 0);             // unregistered with the cache
+  CHECK(rt.allocated_bytes() == ws_allocated);    // the workspace is the caller's: not freed
+  for (std::size_t t = 0; t < num_expert_tensors; ++t)
+    if (host.bytes[t] != 0) CHECK(std::memcmp(before[t].data(), host.lines[t].data(), host.bytes[t]) == 0);  // never written
+  REQUIRE(rt.deallocate(ws).ok());
 }

@@ -7,43 +7,14 @@ Traces are written into a fresh temporary directory; nothing outside it is neede
 """
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
-CLI = None
-TMP = None
-
-
-def run(*args, stdin=None):
-    p = subprocess.run([CLI, *args], input=stdin, capture_output=True, text=True, timeout=120)
-    return p.returncode, p.stdout, p.stderr
-
-
-def write(name, text):
-    path = os.path.join(TMP, name)
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    return path
-
-
-def expect(cond, what, *context):
-    if not cond:
-        print("FAILED:", what)
-        for c in context:
-            print("----\n" + str(c))
-        sys.exit(1)
-
-
-def expect_usage_error(args, needle, stdin=None):
-    rc, out, err = run(*args, stdin=stdin)
-    expect(rc == 2, f"exit code 2 for {args}, got {rc}", out, err)
-    expect(needle in err, f"stderr of {args} mentions {needle!r}", err)
-    expect("internal" not in err and "Traceback" not in err, f"no crash text for {args}", err)
+from support import cli_harness as h
+from support.cli_harness import expect, expect_usage_error, run, write
 
 
 def generated_file():
-    path = os.path.join(TMP, "gen.trace")
+    path = os.path.join(h.TMP, "gen.trace")
     rc, out, err = run("--generate", "layers=3,experts=16,topk=3,steps=300,seed=4", "--write-trace", path)
     expect(rc == 0, "--write-trace succeeds", out, err)
     return path
@@ -151,7 +122,7 @@ def case_bad_args():
     expect_usage_error(["--trace", path, "--scope", "world"], "--scope")
     expect_usage_error(["--trace", path, "--experts", "0"], "--experts")
     expect_usage_error(["--trace", path, "--experts", "8"], "is >= num_experts 8")
-    expect_usage_error(["--trace", os.path.join(TMP, "missing.trace")], "cannot open")
+    expect_usage_error(["--trace", os.path.join(h.TMP, "missing.trace")], "cannot open")
     expect_usage_error(["--trace"], "needs a value")
     expect_usage_error(["--frobnicate"], "unknown argument")
     expect_usage_error(["--json=1"], "takes no value")
@@ -194,20 +165,5 @@ CASES = {
 }
 
 
-def main():
-    global CLI, TMP
-    if len(sys.argv) != 3 or (sys.argv[2] not in CASES and sys.argv[2] != "all"):
-        print(__doc__ + "cases: " + " ".join(CASES))
-        return 2
-    CLI = os.path.abspath(sys.argv[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        TMP = tmp
-        for name, fn in CASES.items():
-            if sys.argv[2] in (name, "all"):
-                fn()
-                print("ok", name)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(h.main(CASES, __doc__ + "cases: " + " ".join(CASES), timeout=120))
