@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -190,5 +191,21 @@ class ForwardPins {
   std::vector<std::int32_t> pinned_;
   std::size_t count_ = 0;
 };
+
+// The start of a forward for Lrfu and LayerShare: the previous forward's pins become evictable
+// again and each layer's clock advances once per forward of that layer (a forward's ids of one
+// layer are contiguous); then per_id(e, layer) for every id, in order.
+template <class PerId>
+void begin_layer_forward(LayerHeaps& heaps, ForwardPins& pins, LayerCrf& crf, std::span<const ExpertId> ids,
+                         PerId per_id) noexcept {
+  pins.release(heaps);
+  std::int32_t last_layer = -1;
+  for (const ExpertId e : ids) {
+    const std::int32_t l = heaps.layer_of(e.value);
+    if (l != last_layer) crf.tick(l);
+    last_layer = l;
+    per_id(e, l);
+  }
+}
 
 }  // namespace expert_cache::inline v0::detail

@@ -50,12 +50,7 @@ class LayerShare {
         pins_(shape.capacity) {}
 
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    pins_.release(heaps_);
-    std::int32_t last_layer = -1;
-    for (const ExpertId e : ids) {
-      const std::int32_t l = heaps_.layer_of(e.value);
-      if (l != last_layer) crf_.tick(l);
-      last_layer = l;
+    detail::begin_layer_forward(heaps_, pins_, crf_, ids, [this](ExpertId e, std::int32_t l) {
       if (heaps_.contains(e.value)) {
         pins_.pin(heaps_, e.value);
       } else if (is_ghost(e.value)) {
@@ -63,7 +58,7 @@ class LayerShare {
         // forward's victims are chosen, as ARC adapts p before its replacement.
         grow(l);
       }
-    }
+    });
   }
 
   void on_hit(ExpertId e) noexcept { touch(e.value); }

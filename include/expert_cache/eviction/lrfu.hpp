@@ -47,15 +47,10 @@ class Lrfu {
   // Residents of the previous forward become evictable again; this forward's are pinned
   // (taken out of their heap), so every heap top is a legal victim.
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    pins_.release(heaps_);
-    std::int32_t last_layer = -1;
-    for (const ExpertId e : ids) {
-      const std::int32_t l = heaps_.layer_of(e.value);
-      if (l != last_layer) crf_.tick(l);  // ids of one layer are contiguous
-      last_layer = l;
+    detail::begin_layer_forward(heaps_, pins_, crf_, ids, [this](ExpertId e, std::int32_t l) {
       current_layer_ = l;
       if (resident_[e.index()] && heaps_.contains(e.value)) pins_.pin(heaps_, e.value);
-    }
+    });
   }
 
   void on_hit(ExpertId e) noexcept { touch(e.value); }
