@@ -17,6 +17,8 @@ passed=0; failed=0
 count() {  # adds one Meson summary (from its log) to the totals
   local log=$1 ok fail to up
   ok=$(grep -E '^Ok: ' "$log" | awk '{print $2}' | tail -1)
+  # No summary at all: meson test itself failed (e.g. a test program was not built).
+  if [ -z "$ok" ]; then echo "== no test summary in $log:"; tail -5 "$log"; failed=$((failed + 1)); return; fi
   fail=$(grep -E '^Fail: ' "$log" | awk '{print $2}' | tail -1)
   to=$(grep -E '^Timeout: ' "$log" | awk '{print $2}' | tail -1)
   up=$(grep -E '^Unexpected Pass: ' "$log" | awk '{print $3}' | tail -1)
@@ -43,9 +45,11 @@ echo "== host suite under ASan + UBSan"
 # and already run (unsanitized) as smoke tests in the main build.
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 sanitize_targets=$(cd tests && ls test_*.cpp | sed 's/\.cpp$//; s/^/tests\//')
+# The examples registered in the 'sanitize' suite (examples/meson.build).
+sanitize_examples="examples/sim_decode examples/quickstart_sim"
 if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan -Dcuda=disabled -Dtests=enabled \
      -Dbenchmarks=disabled -Dbuildtype=plain -Doptimization=1 -Db_sanitize=address,undefined \
-   && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan $sanitize_targets examples/sim_decode; then
+   && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan $sanitize_targets $sanitize_examples; then
   EXPERT_CACHE_SCHEDULES=${EXPERT_CACHE_ASAN_SCHEDULES:-10000} meson test -C build-asan --no-rebuild --suite sanitize \
     --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
   count build-logs/test-asan.log
