@@ -19,6 +19,7 @@
 #include "expert_cache/model_cache.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
+#include "support/caller_memory.hpp"
 #include "support/sim_cache_harness.hpp"
 #include "support/stats_checks.hpp"
 
@@ -636,4 +637,51 @@ TEST_CASE("ordering core readers: a shared core keeps one owner per reader (a si
     CHECK(core.write(s1, WritePurpose::read_only, MapUpload{}, fill(slot0), readers).code() ==
           ErrorCode::invalid_argument);
   }
+}
+
+TEST_CASE("model cache: caller host tensors ([L][E] per tensor) and slot workspace are used in place, never copied") {
+  constexpr std::int32_t L = 3, E = 8, cap = 3;
+  const ExpertTensorBytes tensors = six_tensor_layout().tensors();
+  SimRuntime rt, ref_rt;
+  CallerHostTensors host(tensors, L * E);  // expert l*E + e holds layer l's expert e (pattern_key)
+  const auto before = host.lines;
+  const std::size_t ws_bytes = TensorMajorStorage<SimRuntime>::slot_workspace_bytes({L * E, L * cap}, tensors);
+  auto* ws = static_cast<std::byte*>(rt.allocate(ws_bytes, MemoryKind::device).value());
+  const std::size_t ws_allocated = rt.allocated_bytes();
+  using Model = RowLru::Model;
+  const Model ref(ref_rt, model_options(L, E, cap, 2), six_tensor_layout());  // its own pools and slots
+  ModelCacheOptions o = model_options(L, E, cap, 2);
+  o.memory = host.memory();
+  o.memory.slot_workspace = MemorySpan{ws, ws_bytes};
+  {
+    Model model(rt, o, six_tensor_layout());
+    CHECK(model.storage().caller_host());
+    CHECK(model.storage().caller_slots());
+    std::size_t own_bytes = 0;  // what ref allocated for pools and slots
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      const std::size_t b = tensors[t].bytes_per_expert;
+      if (b == 0) continue;
+      for (std::int32_t l = 0; l < L; ++l) {
+        CHECK(model.host_tensor(l, t, 5) == host.data(t) + static_cast<std::size_t>(l * E + 5) * b);  // the caller's
+        const std::byte* slots = model.layer_view(l).value().tensors[t].base;
+        CHECK((slots >= ws && slots + cap * b <= ws + ws_bytes));
+      }
+      CHECK(rt.is_registered(host.data(t), host.bytes[t]));
+      own_bytes += host.bytes[t] + L * cap * b;
+    }
+    CHECK(rt.allocated_bytes() - ws_allocated == ref_rt.allocated_bytes() - own_bytes);  // no pool, no slots
+
+    // Fills from the caller's tensors: every layer's resident experts hold their own bytes.
+    const Stream x = rt.create_stream().value();
+    for (int step = 0; step < 6; ++step)
+      for (std::int32_t l = 0; l < L; ++l) REQUIRE(model.prepare(l, Ids{(l + step) % E, (3 * step + 1) % E}, x).ok());
+    rt.drain();
+    for (std::int32_t l = 0; l < L; ++l) CHECK(bad_slots(model, l) == 0);
+    CHECK(rt.races().empty());
+  }
+  CHECK(rt.registered_ranges() == 0);           // unregistered with the cache
+  CHECK(rt.allocated_bytes() == ws_allocated);  // the workspace is the caller's: not freed
+  for (std::size_t t = 0; t < num_expert_tensors; ++t)
+    if (host.bytes[t] != 0) CHECK(std::memcmp(before[t].data(), host.lines[t].data(), host.bytes[t]) == 0);  // never written
+  REQUIRE(rt.deallocate(ws).ok());
 }

@@ -52,6 +52,7 @@
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/storage/storage_memory.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -82,6 +83,10 @@ struct ModelCacheOptions {
   std::size_t staging_ring = 0;
   std::string label = "model_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
+  // Caller-owned host pools and/or slot workspace, as CacheOptions::memory, for the whole
+  // model: the storage holds L*E experts layer-major (host_tensor(l, t, e) is expert l*E + e),
+  // so a host span covers [L][E] experts and the workspace every layer's slots.
+  StorageMemory memory{};
 };
 
 // stats(): the model's totals and one entry per layer. Ordering counters (owner_changes,
@@ -126,7 +131,7 @@ class ModelExpertCache {
         layout_(validated(layout)),
         capacities_(layer_capacities(options_)),
         planners_(make_planners(make_policy)),
-        storage_(rt, CacheShape{model_experts(), total_slots()}, layout_.tensors()),
+        storage_(rt, CacheShape{model_experts(), total_slots()}, layout_.tensors(), options_.memory),
         core_(rt, StagingPolicy::uses_copy_stream,
               static_cast<std::size_t>(global() ? model_experts() : options_.num_experts), ring_size(options_),
               global() ? 1 : static_cast<std::size_t>(options_.num_layers)),
