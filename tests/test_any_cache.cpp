@@ -222,11 +222,15 @@ struct CallerMemory {
       : host(six_tensor_layout().tensors(), experts),
         workspace((workspace_bytes + sizeof(CallerHostTensors::Line) - 1) / sizeof(CallerHostTensors::Line)) {
     if (host_tensors) memory = host.memory();
-    memory.slot_workspace = MemorySpan{workspace.data()->b, workspace_bytes};
+    memory.slot_workspace = MemorySpan{workspace_base(), workspace_bytes};
   }
   [[nodiscard]] bool in_workspace(const std::byte* p) const noexcept {
-    const std::byte* b = workspace.data()->b;
-    return p >= b && p < b + memory.slot_workspace.bytes;
+    const std::byte* b = workspace_base();
+    return b != nullptr && p >= b && p < b + memory.slot_workspace.bytes;
+  }
+  // No workspace asked for: null (an empty vector has no element to take the address of).
+  [[nodiscard]] std::byte* workspace_base() const noexcept {
+    return workspace.empty() ? nullptr : const_cast<std::byte*>(workspace.front().b);
   }
 };
 }  // namespace
