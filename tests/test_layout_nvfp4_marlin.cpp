@@ -220,7 +220,7 @@ TEST_CASE("padding rules: N=128, N=96, the K%128!=0 branch, per-shard w13 paddin
   CHECK(marlin::w13_checkpoint_row(224, 96, 128) == -1);
 }
 
-TEST_CASE("weight index map equals the permutation built by the spec's per-lane loops") {
+TEST_CASE("weight index map equals the permutation built by the reference's per-lane loops") {
   for (const auto& [size_k, size_n] : {std::pair<std::int64_t, std::int64_t>{16, 64}, {64, 128}, {128, 192}, {32, 256}}) {
     CAPTURE(size_k);
     CAPTURE(size_n);
