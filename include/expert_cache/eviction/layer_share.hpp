@@ -47,12 +47,12 @@ class LayerShare {
         share_(static_cast<std::size_t>(heaps_.num_layers()),
                static_cast<double>(shape.capacity) / heaps_.num_layers()),
         residents_(static_cast<std::size_t>(heaps_.num_layers()), 0),
-        pins_(shape.capacity) {}
+        pins_(shape.num_experts, shape.capacity) {}
 
   void begin_forward(std::span<const ExpertId> ids) noexcept {
     detail::begin_layer_forward(heaps_, pins_, crf_, ids, [this](ExpertId e, std::int32_t l) {
-      if (heaps_.contains(e.value)) {
-        pins_.pin(heaps_, e.value);
+      if (pins_.available(heaps_, e.value)) {
+        pins_.claim(heaps_, e.value);
       } else if (is_ghost(e.value)) {
         // This forward will miss on an id its layer evicted lately. Adapt before the
         // forward's victims are chosen, as ARC adapts p before its replacement.
@@ -68,8 +68,7 @@ class LayerShare {
     evicted_at_[i] = 0;
     ++residents_[static_cast<std::size_t>(heaps_.layer_of(e.value))];
     touch(e.value);
-    heaps_.push(e.value);
-    pins_.pin(heaps_, e.value);
+    pins_.pin_new(heaps_, e.value);  // pinned at once: pushing it to take it out again moves no top
   }
 
   void on_remove(ExpertId e) noexcept {

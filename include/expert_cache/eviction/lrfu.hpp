@@ -42,14 +42,14 @@ class Lrfu {
         crf_(shape, heaps_.num_layers(), params.half_life),
         one_minus_decay_(1.0 - std::exp2(-crf_.inv_half_life())),
         resident_(static_cast<std::size_t>(shape.num_experts), 0),
-        pins_(shape.capacity) {}
+        pins_(shape.num_experts, shape.capacity) {}
 
   // Residents of the previous forward become evictable again; this forward's are pinned
   // (taken out of their heap), so every heap top is a legal victim.
   void begin_forward(std::span<const ExpertId> ids) noexcept {
     detail::begin_layer_forward(heaps_, pins_, crf_, ids, [this](ExpertId e, std::int32_t l) {
       current_layer_ = l;
-      if (resident_[e.index()] && heaps_.contains(e.value)) pins_.pin(heaps_, e.value);
+      if (resident_[e.index()] && pins_.available(heaps_, e.value)) pins_.claim(heaps_, e.value);
     });
   }
 
@@ -58,8 +58,7 @@ class Lrfu {
   void on_insert(ExpertId e) noexcept {
     resident_[e.index()] = 1;
     touch(e.value);
-    heaps_.push(e.value);
-    pins_.pin(heaps_, e.value);
+    pins_.pin_new(heaps_, e.value);  // pinned at once: pushing it to take it out again moves no top
   }
 
   void on_remove(ExpertId e) noexcept {
