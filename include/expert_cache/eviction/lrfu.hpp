@@ -41,6 +41,7 @@ class Lrfu {
         params_(params),
         crf_(shape, heaps_.num_layers(), params.half_life),
         one_minus_decay_(1.0 - std::exp2(-crf_.inv_half_life())),
+        wait_(static_cast<std::size_t>(heaps_.num_layers())),
         resident_(static_cast<std::size_t>(shape.num_experts), 0),
         pins_(shape.num_experts, shape.capacity) {}
 
@@ -94,16 +95,43 @@ class Lrfu {
   // Expected forwards until `e` (top of layer l) is requested again.
   [[nodiscard]] double expected_wait(std::int32_t e, std::int32_t l) const noexcept {
     const std::int32_t layers = heaps_.num_layers();
-    const double log_crf = heaps_.key(e) - static_cast<double>(crf_.clock(l)) * crf_.inv_half_life();
-    const double p = std::min(1.0, std::exp2(log_crf) * one_minus_decay_);
     const std::int32_t d = (l - current_layer_ + layers) % layers;  // forwards until layer l again
-    return params_.phase_weight * d + layers * (1.0 / std::max(p, 1e-300) - 1.0);
+    return params_.phase_weight * d + request_wait(e, l);
   }
+  // layers * (1/p - 1), the part of expected_wait that needs exp2. A layer's top and clock
+  // rarely change between two victims, so the last value per layer is reused (same bits).
+  [[nodiscard]] double request_wait(std::int32_t e, std::int32_t l) const noexcept {
+    const double key = heaps_.key(e);
+    const std::uint32_t clock = crf_.clock(l);
+    WaitCache::Entry& c = wait_.layer[static_cast<std::size_t>(l)];
+    if (c.id == e && c.key == key && c.clock == clock) return c.wait;
+    const std::int32_t layers = heaps_.num_layers();
+    const double log_crf = key - static_cast<double>(clock) * crf_.inv_half_life();
+    const double p = std::min(1.0, std::exp2(log_crf) * one_minus_decay_);
+    c = {e, clock, key, layers * (1.0 / std::max(p, 1e-300) - 1.0)};
+    return c.wait;
+  }
+
+  // Memo of request_wait, not state: two policies with the same history are equal whatever
+  // their memos hold.
+  struct WaitCache {
+    struct Entry {
+      std::int32_t id = -1;
+      std::uint32_t clock = 0;
+      double key = 0.0;
+      double wait = 0.0;
+    };
+    WaitCache() = default;
+    explicit WaitCache(std::size_t layers) : layer(layers) {}
+    std::vector<Entry> layer;
+    friend bool operator==(const WaitCache&, const WaitCache&) noexcept { return true; }
+  };
 
   detail::LayerHeaps heaps_;
   LrfuParams params_;
   detail::LayerCrf crf_;
   double one_minus_decay_;
+  mutable WaitCache wait_;
   std::vector<std::uint8_t> resident_;
   detail::ForwardPins pins_;  // residents of the current forward (out of the heaps)
   std::int32_t current_layer_ = 0;
