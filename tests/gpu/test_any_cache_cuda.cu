@@ -1,0 +1,212 @@
+// AnyExpertCache on the real CUDA runtime (suite 'gpu'; the main exits 77 without a device).
+// make_expert_cache<CudaRuntime> for every provider / staging / storage an engine's config can
+// name: after every prepare() every resident slot of every tensor holds its expert's host bytes,
+// the maps the kernel reads agree with the host mirrors, and the hits and misses equal those of the
+// same config on SimRuntime (the planning is the runtime-independent part). The device provider
+// takes its ids from device memory and is checked the same way through its resident map.
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "expert_cache/any_cache_cuda.cuh"
+#include "expert_cache/runtime/sim_runtime.hpp"
+#include "support/cuda_support.hpp"
+
+using namespace expert_cache;
+using test_support::DeviceBuffer;
+
+namespace {
+
+constexpr std::int32_t kExperts = 20;
+constexpr std::int32_t kCapacity = 8;
+constexpr std::int32_t kTopK = 3;
+constexpr int kSteps = 40;
+
+ExplicitLayout layout_under_test() {
+  // NVFP4-like tensor sizes (scaled down), one not a multiple of 16 (the gather tail path).
+  return ExplicitLayout{{{{"w13", 64u << 10}, {"w2", 32u << 10}, {"w13_scale", 8u << 10}, {"w2_scale", 4u << 10},
+                          {"w13_scale_2", 4}, {"w2_scale_2", 1000}}}};
+}
+
+unsigned char pattern(std::size_t t, std::int32_t e, std::size_t i) {
+  std::uint64_t x = (t + 3) * 0x9E3779B97F4A7C15ull ^ (static_cast<std::uint64_t>(e) + 11) * 0xBF58476D1CE4E5B9ull ^
+                    (i / 8) * 0x94D049BB133111EBull;
+  x ^= x >> 29;
+  return static_cast<unsigned char>(x >> (8 * (i % 8)));
+}
+
+template <class Any>
+void fill_host(Any& any) {
+  const ExpertTensorBytes& tensors = any.tensors();
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const std::size_t n = tensors[t].bytes_per_expert;
+    for (std::int32_t e = 0; e < kExperts && n != 0; ++e) {
+      auto* p = reinterpret_cast<unsigned char*>(any.host_tensor(t, e));
+      REQUIRE(p != nullptr);
+      for (std::size_t i = 0; i < n; ++i) p[i] = pattern(t, e, i);
+    }
+  }
+}
+
+std::vector<std::vector<std::int32_t>> make_trace(std::uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<std::vector<std::int32_t>> out;
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<std::int32_t> ids;
+    // Skewed so hits and evictions both happen.
+    for (int k = 0; k < kTopK; ++k) ids.push_back(static_cast<std::int32_t>((g() % 7 == 0 ? g() : g() % 9) % kExperts));
+    out.push_back(ids);
+  }
+  return out;
+}
+
+AnyCacheConfig config_of(std::string provider, std::string staging, std::string storage) {
+  AnyCacheConfig c;
+  c.provider = std::move(provider);
+  c.staging = std::move(staging);
+  c.storage = std::move(storage);
+  c.layout = AnyLayout::of(layout_under_test());
+  c.options.num_experts = kExperts;
+  c.options.capacity = kCapacity;
+  c.options.top_k = kTopK;
+  c.options.label = "any_cuda";
+  c.max_ids = kTopK;
+  return c;
+}
+
+// Every resident slot of every tensor holds its expert's host bytes; returns the slots checked.
+int check_resident_slots(const AnyExpertCache<CudaRuntime>& any, const std::vector<std::int32_t>& resident) {
+  const ExpertTensorBytes& tensors = any.tensors();
+  std::vector<unsigned char> got;
+  int checked = 0;
+  for (std::int32_t e = 0; e < kExperts; ++e) {
+    const std::int32_t slot = resident[static_cast<std::size_t>(e)];
+    if (slot < 0) continue;
+    REQUIRE(slot < kCapacity);
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      const std::size_t n = tensors[t].bytes_per_expert;
+      if (n == 0) continue;
+      got.resize(n);
+      REQUIRE_CUDA_OK(cudaMemcpy(got.data(), any.slot_tensor(t).slot(slot), n, cudaMemcpyDeviceToHost));
+      const auto* want = reinterpret_cast<const unsigned char*>(any.host_tensor(t, e));
+      INFO("expert " << e << " slot " << slot << " tensor " << t);
+      REQUIRE(std::memcmp(got.data(), want, n) == 0);
+    }
+    ++checked;
+  }
+  return checked;
+}
+
+std::vector<std::int32_t> download_map(const std::int32_t* device_map) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(kExperts));
+  REQUIRE_CUDA_OK(cudaMemcpy(out.data(), device_map, out.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+  return out;
+}
+
+void run_config(const AnyCacheConfig& config, std::uint64_t seed) {
+  CAPTURE(config.provider);
+  CAPTURE(config.staging);
+  CAPTURE(config.storage);
+  CudaRuntime rt;
+  auto made = make_expert_cache(rt, config);
+  REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+  AnyExpertCache<CudaRuntime> any = std::move(made.value());
+  fill_host(any);
+
+  SimRuntime sim;
+  auto made_sim = make_expert_cache(sim, config);
+  REQUIRE_MESSAGE(made_sim.ok(), std::string(made_sim.status().message()));
+  AnyExpertCache<SimRuntime> reference = std::move(made_sim.value());
+  const SimRuntime::Stream sim_stream = sim.create_stream().value();
+  RuntimeBuffer<SimRuntime> sim_ids(sim, sizeof(std::int32_t) * kTopK, MemoryKind::device);
+
+  auto stream_or = rt.create_stream();
+  REQUIRE(stream_or.ok());
+  const CudaRuntime::Stream stream = stream_or.value();
+  DeviceBuffer<std::int32_t> device_ids(kTopK);
+
+  const bool device_provider = config.provider == "device";
+  int slots_checked = 0;
+  for (const auto& ids : make_trace(seed)) {
+    if (device_provider) {
+      device_ids.upload(ids);
+      auto view = any.prepare(std::span<const std::int32_t>(device_ids.get(), ids.size()), stream);
+      REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+      // The router's output on the simulated device, declared to its race detector.
+      sim.drain();
+      sim.host_access(sim_ids.data(), ids.size() * sizeof(std::int32_t), AccessMode::write);
+      std::memcpy(sim_ids.data(), ids.data(), ids.size() * sizeof(std::int32_t));
+      auto ref_view = reference.prepare(
+          std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(sim_ids.data()), ids.size()), sim_stream);
+      REQUIRE(ref_view.ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      REQUIRE(any.take_errors() == 0u);
+      const auto resident = download_map(any.resident_map_device());
+      const auto forward = download_map(any.forward_map_device());
+      for (const std::int32_t id : ids) REQUIRE(forward[static_cast<std::size_t>(id)] >= 0);
+      slots_checked += check_resident_slots(any, resident);
+    } else {
+      auto view = any.prepare(ids, stream);
+      REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+      auto ref_view = reference.prepare(ids, sim_stream);
+      REQUIRE(ref_view.ok());
+      CHECK(view.value().hits == ref_view.value().hits);
+      CHECK(view.value().misses == ref_view.value().misses);
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      // The device maps the kernel reads equal the host mirrors.
+      const auto resident = download_map(view.value().resident_map);
+      const auto forward = download_map(view.value().expert_map);
+      const auto resident_host = any.resident_map_host();
+      const auto forward_host = any.forward_map_host();
+      REQUIRE(std::equal(resident.begin(), resident.end(), resident_host.begin(), resident_host.end()));
+      REQUIRE(std::equal(forward.begin(), forward.end(), forward_host.begin(), forward_host.end()));
+      slots_checked += check_resident_slots(any, resident);
+    }
+  }
+  sim.drain();
+  CHECK(sim.races().empty());
+  const CacheStats got = any.stats();
+  const CacheStats want = reference.stats();
+  CHECK(got.hits == want.hits);
+  CHECK(got.misses == want.misses);
+  CHECK(got.evictions == want.evictions);
+  CHECK(got.hits > 0);
+  CHECK(got.evictions > 0);
+  CHECK(slots_checked > kSteps);
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+  rt.destroy_stream(stream);
+}
+
+}  // namespace
+
+TEST_CASE("any cache on CUDA: row and cached providers, every staging and storage, bytes and maps checked") {
+  std::uint64_t seed = 1;
+  for (const char* provider : {"row", "cached"}) {
+    for (const char* staging : {"inline", "copy_stream", "batched", "gather"}) {
+      for (const char* storage : {"tensor_major", "expert_major", "expert_major_host"}) {
+        run_config(config_of(provider, staging, storage), seed++);
+      }
+    }
+  }
+}
+
+TEST_CASE("any cache on CUDA: device provider, ids in device memory, same hits as on SimRuntime") {
+  std::uint64_t seed = 100;
+  for (const char* storage : {"tensor_major", "expert_major", "expert_major_host"}) {
+    run_config(config_of("device", "", storage), seed++);
+  }
+}
+
+TEST_CASE("any cache on CUDA: a bad config is refused with a named error") {
+  CudaRuntime rt;
+  auto c = config_of("row", "gahter", "");
+  auto made = make_expert_cache(rt, c);
+  REQUIRE_FALSE(made.ok());
+  CHECK(std::string(made.status().message()).find("gahter") != std::string::npos);
+}
