@@ -1,0 +1,321 @@
+// Next-layer predictors (prefetch/predictors.hpp): rankings on hand-made traces, the emulated
+// hints' exact recall, determinism, errors, no allocation per call.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include "expert_cache/detail/splitmix64.hpp"
+#include "expert_cache/prefetch/predictors.hpp"
+#include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
+
+using namespace expert_cache;
+
+namespace {
+
+using Ids = std::vector<std::int32_t>;
+
+template <class P>
+Ids predict(P& p, std::int32_t layer, const Ids& current, std::int32_t max_ids = 64, const Ids& truth = {}) {
+  std::span<const std::int32_t> out;
+  const Status s = p.predict(PredictionQuery{0, layer, current, truth}, max_ids, out);
+  REQUIRE(s.ok());
+  return Ids(out.begin(), out.end());
+}
+
+template <class P>
+void observe(P& p, std::int32_t step, std::int32_t layer, const Ids& experts) {
+  REQUIRE(p.observe(step, layer, experts).ok());
+}
+
+// Three layers, four experts, three tokens (see the pair counts in the first test).
+template <class P>
+void feed_small_trace(P& p) {
+  observe(p, 0, 0, {0, 1});
+  observe(p, 0, 1, {2});
+  observe(p, 0, 2, {3});
+  observe(p, 1, 0, {1});
+  observe(p, 1, 1, {3});
+  observe(p, 1, 2, {0});
+  observe(p, 2, 0, {0});
+  observe(p, 2, 1, {2, 3});
+  observe(p, 2, 2, {1});
+}
+
+std::size_t count_in(const Ids& list, const Ids& set) {
+  return static_cast<std::size_t>(
+      std::count_if(list.begin(), list.end(), [&](std::int32_t id) { return std::find(set.begin(), set.end(), id) != set.end(); }));
+}
+
+bool unique_ids(Ids list) {
+  std::sort(list.begin(), list.end());
+  return std::adjacent_find(list.begin(), list.end()) == list.end();
+}
+
+}  // namespace
+
+TEST_CASE("coact: rankings on a hand-made trace (summed counts, ties to the lower id)") {
+  CoactivationPredictor p(3, 4);
+  CHECK(predict(p, 0, {0}).empty());  // nothing learned yet: no guesses
+  feed_small_trace(p);
+  // Pair (0,1): step 0 {0,1}x{2}, step 1 {1}x{3}, step 2 {0}x{2,3}.
+  CHECK(p.weight(0, 0, 2) == 2.0);
+  CHECK(p.weight(0, 0, 3) == 1.0);
+  CHECK(p.weight(0, 1, 2) == 1.0);
+  CHECK(p.weight(0, 1, 3) == 1.0);
+  CHECK(p.weight(0, 0, 0) == 0.0);
+  CHECK(p.updates() == 6);
+  CHECK(predict(p, 0, {0}) == Ids{2, 3});
+  CHECK(predict(p, 0, {1}) == Ids{2, 3});  // tie 1:1 -> lower id first
+  CHECK(predict(p, 0, {0, 1}) == Ids{2, 3});
+  CHECK(predict(p, 0, {0, 1}, 1) == Ids{2});
+  CHECK(predict(p, 0, {0, 1}, 0).empty());
+  // Pair (1,2): step 0 {2}x{3}, step 1 {3}x{0}, step 2 {2,3}x{1}.
+  CHECK(predict(p, 1, {3}) == Ids{0, 1});
+  CHECK(predict(p, 1, {2}) == Ids{1, 3});
+  CHECK(predict(p, 1, {2, 3}) == Ids{1, 0, 3});  // 1: 2, then 0 and 3 tied at 1
+  CHECK(predict(p, 2, {0, 1, 2, 3}).empty());    // the last layer predicts nothing
+}
+
+TEST_CASE("coact: only consecutive layers of one step are paired") {
+  CoactivationPredictor p(3, 4);
+  observe(p, 0, 0, {0});
+  observe(p, 0, 2, {1});  // layer 1 missing: no pair (0,1) or (1,2) update
+  observe(p, 1, 1, {2});  // new step: not paired with step 0's layer 2
+  CHECK(p.updates() == 0);
+  CHECK(predict(p, 1, {2}).empty());
+  observe(p, 1, 2, {3});
+  CHECK(p.updates() == 1);
+  CHECK(predict(p, 1, {2}) == Ids{3});
+  CHECK(predict(p, 0, {0}).empty());
+}
+
+TEST_CASE("coact: decay favours recent co-activations") {
+  CoactivationPredictor plain(2, 4);
+  CoactivationPredictor decayed(2, 4, 0.5);
+  for (CoactivationPredictor* p : {&plain, &decayed}) {
+    observe(*p, 0, 0, {0});
+    observe(*p, 0, 1, {1});
+    observe(*p, 1, 0, {0});
+    observe(*p, 1, 1, {2});
+  }
+  CHECK(predict(plain, 0, {0}) == Ids{1, 2});  // 1:1, lower id first
+  CHECK(predict(decayed, 0, {0}) == Ids{2, 1});
+  CHECK(decayed.weight(0, 0, 2) == 1.0);
+  CHECK(decayed.weight(0, 0, 1) == 0.5);
+  // Many updates: the rescale keeps the ratios (d^n) finite and exact enough.
+  CoactivationPredictor longrun(2, 4, 0.5);
+  for (std::int32_t s = 0; s < 2000; ++s) {
+    observe(longrun, s, 0, {0});
+    observe(longrun, s, 1, {s % 2 == 0 ? 1 : 2});
+  }
+  CHECK(predict(longrun, 0, {0}) == Ids{2, 1});  // step 1999 (odd) routed to 2
+  CHECK(longrun.weight(0, 0, 2) == doctest::Approx(1.0 / (1.0 - 0.25)));
+  CHECK(longrun.weight(0, 0, 1) == doctest::Approx(0.5 / (1.0 - 0.25)));
+}
+
+TEST_CASE("prev: the previous token's experts of the next layer") {
+  PreviousTokenPredictor p(3, 8);
+  CHECK(predict(p, 0, {1}).empty());
+  observe(p, 0, 0, {0, 1});
+  observe(p, 0, 1, {2, 5, 7});
+  observe(p, 1, 0, {4});
+  CHECK(predict(p, 0, {4}) == Ids{2, 5, 7});
+  CHECK(predict(p, 0, {4}, 2) == Ids{2, 5});
+  CHECK(predict(p, 1, {2}).empty());  // layer 2 never observed
+  observe(p, 1, 1, {3});
+  CHECK(predict(p, 0, {4}) == Ids{3});
+  CHECK(predict(p, 2, {0}).empty());  // last layer
+}
+
+TEST_CASE("hint: list of k ids with round(R*k) true ones at the first query") {
+  const Ids truth{1, 4, 6, 9};
+  for (const double r : {1.0, 0.75, 0.5, 0.25, 0.1}) {
+    EmulatedHintPredictor p(2, 16, r, 7);
+    const Ids out = predict(p, 0, {0}, 64, truth);
+    CAPTURE(r);
+    CHECK(out.size() == truth.size());
+    CHECK(unique_ids(out));
+    CHECK(count_in(out, truth) == static_cast<std::size_t>(std::llround(r * 4)));
+    CHECK(std::all_of(out.begin(), out.end(), [](std::int32_t id) { return id >= 0 && id < 16; }));
+  }
+  EmulatedHintPredictor full(2, 16, 1.0);
+  Ids out = predict(full, 0, {0}, 64, truth);
+  std::sort(out.begin(), out.end());
+  CHECK(out == truth);
+  CHECK(predict(full, 0, {0}, 2, truth).size() == 2);   // cut to max_ids
+  CHECK(predict(full, 0, {0}, 64, {}).empty());         // no truth: nothing to hint
+  CHECK(predict(full, 1, {0}, 64, truth).empty());      // last layer
+  // Fewer wrong ids than asked for: as many as exist.
+  EmulatedHintPredictor tight(2, 4, 0.34);
+  const Ids few = predict(tight, 0, {0}, 64, {0, 1, 2});  // 1 true, 2 wrong asked, 1 exists
+  CHECK(few.size() == 2);
+  CHECK(count_in(few, {0, 1, 2}) == 1);
+  CHECK(count_in(few, {3}) == 1);
+}
+
+TEST_CASE("hint: over many forwards the share of true ids is R (running round(R * total))") {
+  for (const double r : {0.8, 0.5, 0.33, 1.0, 0.05}) {
+    CAPTURE(r);
+    EmulatedHintPredictor p(2, 64, r, 3);
+    detail::SplitMix64 rng{11};
+    std::uint64_t total = 0, returned_true = 0, returned = 0;
+    for (int q = 0; q < 3000; ++q) {
+      const std::size_t k = 1 + rng.below(10);
+      Ids truth;
+      while (truth.size() < k) {
+        const auto id = static_cast<std::int32_t>(rng.below(64));
+        if (std::find(truth.begin(), truth.end(), id) == truth.end()) truth.push_back(id);
+      }
+      const Ids out = predict(p, 0, {0}, 64, truth);
+      REQUIRE(out.size() == k);  // k ids: the wrong ones fill what the true ones leave
+      REQUIRE(unique_ids(out));
+      total += k;
+      returned_true += count_in(out, truth);
+      returned += out.size();
+      // Exact at every step, not only on average.
+      REQUIRE(returned_true == static_cast<std::uint64_t>(std::llround(r * static_cast<double>(total))));
+    }
+    CHECK(p.truth_total() == total);
+    CHECK(p.true_returned() == returned_true);
+    CHECK(static_cast<double>(returned_true) / static_cast<double>(total) == doctest::Approx(r).epsilon(1e-3));
+    CHECK(returned == total);
+  }
+}
+
+TEST_CASE("hint: every true expert is equally likely to be hinted") {
+  EmulatedHintPredictor p(2, 32, 0.5, 5);
+  const Ids truth{3, 8, 13, 21, 30, 31};
+  std::vector<int> seen(32, 0);
+  const int queries = 6000;
+  for (int q = 0; q < queries; ++q) {
+    for (const std::int32_t id : predict(p, 0, {0}, 64, truth)) ++seen[static_cast<std::size_t>(id)];
+  }
+  for (const std::int32_t id : truth) {
+    CAPTURE(id);
+    CHECK(static_cast<double>(seen[static_cast<std::size_t>(id)]) / queries == doctest::Approx(0.5).epsilon(0.06));
+  }
+  // Wrong ids: 3 per query spread over the 26 others (about 3/26 each).
+  for (std::int32_t id = 0; id < 32; ++id) {
+    if (std::find(truth.begin(), truth.end(), id) != truth.end()) continue;
+    CAPTURE(id);
+    CHECK(static_cast<double>(seen[static_cast<std::size_t>(id)]) / queries == doctest::Approx(3.0 / 26).epsilon(0.2));
+  }
+}
+
+TEST_CASE("predictors are deterministic; the hint's seed changes its draws") {
+  auto run_hint = [](std::uint64_t seed) {
+    EmulatedHintPredictor p(3, 32, 0.6, seed);
+    std::vector<Ids> lists;
+    detail::SplitMix64 rng{2};
+    for (int q = 0; q < 200; ++q) {
+      Ids truth;
+      for (std::int32_t id = 0; id < 32; ++id) {
+        if (rng.below(5) == 0) truth.push_back(id);
+      }
+      lists.push_back(predict(p, q % 2, {0}, 64, truth));
+    }
+    return lists;
+  };
+  CHECK(run_hint(9) == run_hint(9));
+  CHECK(run_hint(9) != run_hint(10));
+  auto run_coact = [] {
+    CoactivationPredictor p(4, 16, 0.9);
+    detail::SplitMix64 rng{4};
+    std::vector<Ids> lists;
+    for (std::int32_t s = 0; s < 300; ++s) {
+      for (std::int32_t l = 0; l < 4; ++l) {
+        Ids e;
+        for (std::int32_t id = 0; id < 16; ++id) {
+          if (rng.below(4) == 0) e.push_back(id);
+        }
+        observe(p, s, l, e);
+        lists.push_back(predict(p, l, e, 5));
+      }
+    }
+    return lists;
+  };
+  CHECK(run_coact() == run_coact());
+}
+
+TEST_CASE("predictors: bad input is an error and changes nothing") {
+  CoactivationPredictor c(3, 4);
+  feed_small_trace(c);
+  std::span<const std::int32_t> out;
+  const Ids ok{0};
+  CHECK(c.observe(3, 0, Ids{4}).code() == ErrorCode::expert_out_of_range);
+  CHECK(c.observe(3, 0, Ids{-1}).code() == ErrorCode::expert_out_of_range);
+  CHECK(c.observe(3, 0, Ids{1, 1}).code() == ErrorCode::duplicate_expert);
+  CHECK(c.observe(3, 3, ok).code() == ErrorCode::invalid_argument);
+  CHECK(c.observe(3, -1, ok).code() == ErrorCode::invalid_argument);
+  CHECK(c.predict(PredictionQuery{3, 0, Ids{9}, {}}, 4, out).code() == ErrorCode::expert_out_of_range);
+  CHECK(c.predict(PredictionQuery{3, 0, ok, {}}, -1, out).code() == ErrorCode::invalid_argument);
+  CHECK(c.predict(PredictionQuery{3, 5, ok, {}}, 4, out).code() == ErrorCode::invalid_argument);
+  CHECK(out.empty());
+  CHECK(c.updates() == 6);
+  // A rejected observe of layer 1 must not pair with the accepted layer 0 either.
+  observe(c, 3, 0, {1});
+  CHECK(c.observe(3, 1, Ids{7}).code() == ErrorCode::expert_out_of_range);
+  CHECK(c.updates() == 6);
+  CHECK(predict(c, 0, {0}) == Ids{2, 3});
+
+  PreviousTokenPredictor p(2, 4);
+  observe(p, 0, 1, {2});
+  CHECK(p.observe(1, 1, Ids{5}).code() == ErrorCode::expert_out_of_range);
+  CHECK(p.observe(1, 1, Ids{3, 3}).code() == ErrorCode::duplicate_expert);
+  CHECK(predict(p, 0, {0}) == Ids{2});
+
+  EmulatedHintPredictor h(2, 4, 0.5);
+  CHECK(h.predict(PredictionQuery{0, 0, ok, Ids{4}}, 4, out).code() == ErrorCode::expert_out_of_range);
+  CHECK(h.predict(PredictionQuery{0, 0, ok, Ids{1, 1}}, 4, out).code() == ErrorCode::duplicate_expert);
+  CHECK(h.truth_total() == 0);
+
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 0.0), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 1.5), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, -0.5), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, std::numeric_limits<double>::quiet_NaN()), Error);
+  CHECK_THROWS_AS(CoactivationPredictor(2, 4, 0.0), Error);
+  CHECK_THROWS_AS(CoactivationPredictor(2, 4, 1.01), Error);
+  CHECK_THROWS_AS(CoactivationPredictor(0, 4), Error);
+  CHECK_THROWS_AS(CoactivationPredictor(2, 0), Error);
+  CHECK_THROWS_AS(CoactivationPredictor(100, 1 << 14), Error);  // table above the limit
+  CHECK_THROWS_AS(PreviousTokenPredictor(0, 4), Error);
+}
+
+TEST_CASE("predictors: observe and predict allocate nothing after construction") {
+  CoactivationPredictor c(4, 32, 0.95);
+  PreviousTokenPredictor p(4, 32);
+  EmulatedHintPredictor h(4, 32, 0.7, 3);
+  std::vector<Ids> layers(4);
+  detail::SplitMix64 rng{8};
+  for (Ids& e : layers) {
+    for (std::int32_t id = 0; id < 32; ++id) {
+      if (rng.below(4) == 0) e.push_back(id);
+    }
+  }
+  std::span<const std::int32_t> out;
+  std::size_t returned = 0;
+  const std::uint64_t before = expert_cache::test::g_allocations.load();
+  for (std::int32_t s = 0; s < 50; ++s) {
+    for (std::int32_t l = 0; l < 4; ++l) {
+      const std::span<const std::int32_t> cur(layers[static_cast<std::size_t>(l)]);
+      const std::span<const std::int32_t> next(layers[static_cast<std::size_t>((l + 1) % 4)]);
+      const PredictionQuery q{s, l, cur, next};
+      bool ok = c.observe(s, l, cur).ok() && p.observe(s, l, cur).ok() && h.observe(s, l, cur).ok();
+      ok = ok && c.predict(q, 8, out).ok();
+      returned += out.size();
+      ok = ok && p.predict(q, 8, out).ok();
+      returned += out.size();
+      ok = ok && h.predict(q, 8, out).ok();
+      returned += out.size();
+      if (!ok) break;
+    }
+  }
+  const std::uint64_t after = expert_cache::test::g_allocations.load();
+  CHECK(after == before);
+  CHECK(returned > 0);
+}
