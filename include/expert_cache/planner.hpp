@@ -34,6 +34,20 @@ struct ForwardPlan {
   }
 };
 
+// The outcome of one plan_prefetch(). Reused across calls so the hot path never allocates.
+struct PrefetchPlan {
+  std::vector<SlotFill> fills;           // speculative fills: slot `slot` receives expert `expert`
+  std::vector<SlotEviction> evictions;   // residents dropped for them
+  std::uint32_t skipped_resident = 0;    // predicted entries already resident (or already in flight)
+  std::uint32_t skipped_no_victim = 0;   // distinct predicted ids dropped: no slot may be evicted for them
+
+  void clear() noexcept {
+    fills.clear();
+    evictions.clear();
+    skipped_resident = skipped_no_victim = 0;
+  }
+};
+
 struct PlannerCounters {
   std::uint64_t hits = 0;
   std::uint64_t misses = 0;
@@ -41,7 +55,10 @@ struct PlannerCounters {
   std::uint64_t evictions = 0;
   std::uint64_t invalidations = 0;
   std::uint64_t prepare_calls = 0;  // accepted forwards
-  std::uint64_t generation = 0;     // bumps on every accepted state change (forward or invalidate)
+  std::uint64_t generation = 0;     // bumps on every accepted state change (forward, prefetch, invalidate)
+  std::uint64_t speculative_issued = 0;  // experts made resident by plan_prefetch (not in promotions)
+  std::uint64_t speculative_used = 0;    // ... later used by a forward (also counted as that forward's hit)
+  std::uint64_t speculative_wasted = 0;  // ... expired, evicted or invalidated unused
   friend bool operator==(const PlannerCounters&, const PlannerCounters&) = default;
 };
 
@@ -55,6 +72,7 @@ class ForwardPlanner {
     std::vector<std::int32_t> free_slots;
     Policy policy;
     PlannerCounters counters;
+    std::vector<std::uint32_t> speculative;  // per expert: forwards left before it expires, 0 = not speculative
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
@@ -69,7 +87,10 @@ class ForwardPlanner {
         free_slots_(static_cast<std::size_t>(shape.capacity)),
         stamps_(static_cast<std::size_t>(shape.num_experts), 0u),
         scratch_(static_cast<std::size_t>(shape.capacity)),
-        previous_forward_(static_cast<std::size_t>(shape.capacity)) {
+        previous_forward_(static_cast<std::size_t>(shape.capacity)),
+        spec_left_(static_cast<std::size_t>(shape.num_experts), 0u),
+        spec_pos_(static_cast<std::size_t>(shape.num_experts), -1),
+        spec_live_(static_cast<std::size_t>(shape.capacity)) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
       free_slots_.push_back(free_slot_order_of<Policy>() == FreeSlotOrder::lowest_first
@@ -120,6 +141,110 @@ class ForwardPlanner {
     return apply(plan);
   }
 
+  // Speculative fills for `predicted` (best first), at most `max_fills`. A victim is chosen by the
+  // policy among residents that are neither in the most recent accepted forward, nor an unused,
+  // unexpired speculative fill, nor predicted earlier in this list (evicting one prediction for
+  // another undoes the first). No such resident: the remaining ids are skipped, not an error.
+  // A fill is speculative until a forward uses it (a hit, counted used) or `expires_after`
+  // accepted forwards pass without one (counted wasted; then evictable like any resident).
+  // The forward map is not touched: the current forward's readers keep reading it.
+  // Errors, before any state change: an id outside [0, num_experts) (expert_out_of_range), more
+  // than num_experts entries (too_many_experts: a priority list never needs more), max_fills < 0
+  // or expires_after == 0 (invalid_argument).
+  Status plan_prefetch(std::span<const std::int32_t> predicted, std::int32_t max_fills, std::uint32_t expires_after,
+                       PrefetchPlan& out) noexcept {
+    if (max_fills < 0) {
+      return Status::format(ErrorCode::invalid_argument, "prefetch max_fills must be >= 0, got %d", max_fills);
+    }
+    if (expires_after == 0) {
+      return Status(ErrorCode::invalid_argument, "prefetch expires_after must be >= 1 forward");
+    }
+    if (static_cast<std::int64_t>(predicted.size()) > shape_.num_experts) {
+      return Status::format(ErrorCode::too_many_experts, "prefetch got %zu predicted ids, more than the %d experts",
+                            predicted.size(), shape_.num_experts);
+    }
+    for (const std::int32_t id : predicted) {
+      if (id < 0 || id >= shape_.num_experts) return out_of_range(id);
+    }
+    out.clear();
+    reserve(out);
+    // Protected residents: the most recent forward's, the live speculative fills, and (below)
+    // the ids of this list already examined. `needed` marks them for choose_victim.
+    next_epoch();
+    std::int32_t protected_residents = 0;
+    const auto protect = [&](ExpertId e) noexcept {
+      std::uint32_t& stamp = stamps_[e.index()];
+      if (stamp == epoch_) return;
+      stamp = epoch_;
+      if (resident_map_[e.index()] != absent_slot) ++protected_residents;
+    };
+    for (const ExpertId e : previous_forward_) protect(e);
+    for (const ExpertId e : spec_live_) protect(e);
+    const ForwardSet needed(stamps_.data(), epoch_);
+    std::size_t next = 0;
+    bool no_victim = false;
+    for (; next < predicted.size(); ++next) {
+      const ExpertId e(predicted[next]);
+      if (resident_map_[e.index()] != absent_slot) {
+        ++out.skipped_resident;
+        protect(e);
+        continue;
+      }
+      if (static_cast<std::int32_t>(out.fills.size()) >= max_fills) break;
+      std::int32_t target;
+      if (!free_slots_.empty()) {
+        target = free_slots_.back();
+        free_slots_.pop_back();
+      } else {
+        if (protected_residents >= shape_.capacity) {
+          no_victim = true;
+          break;
+        }
+        const ExpertId victim = policy_.choose_victim(needed);
+        if (!victim.valid()) {  // a policy may see no candidate (Lrfu/LayerShare look at heap tops only)
+          no_victim = true;
+          break;
+        }
+        if (victim.value >= shape_.num_experts || resident_map_[victim.index()] == absent_slot ||
+            needed.contains(victim)) {
+          return invalid_victim(victim);
+        }
+        target = resident_map_[victim.index()];
+        policy_.on_remove(victim);
+        resident_map_[victim.index()] = absent_slot;
+        out.evictions.push_back({victim, SlotId(target)});
+        ++counters_.evictions;
+      }
+      resident_map_[e.index()] = target;
+      slot_owner_[static_cast<std::size_t>(target)] = e.value;
+      policy_.on_insert(e);
+      out.fills.push_back({e, SlotId(target)});
+      spec_left_[e.index()] = expires_after;
+      spec_pos_[e.index()] = static_cast<std::int32_t>(spec_live_.size());
+      spec_live_.push_back(e);
+      ++counters_.speculative_issued;
+      protect(e);
+    }
+    if (no_victim) {
+      // Count the distinct non-resident ids left (fresh stamps: no victim is chosen any more).
+      next_epoch();
+      for (; next < predicted.size(); ++next) {
+        const auto i = static_cast<std::size_t>(predicted[next]);
+        if (resident_map_[i] != absent_slot || stamps_[i] == epoch_) continue;
+        stamps_[i] = epoch_;
+        ++out.skipped_no_victim;
+      }
+    }
+    if (!out.fills.empty()) ++counters_.generation;
+    return {};
+  }
+
+  // Issued by plan_prefetch and not yet used, expired, evicted or invalidated.
+  [[nodiscard]] bool is_speculative(std::int32_t expert) const noexcept {
+    return expert >= 0 && expert < shape_.num_experts && spec_left_[static_cast<std::size_t>(expert)] != 0;
+  }
+  [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(spec_live_.size()); }
+
   // Drop `expert` from residency. Returns the freed slot, or an invalid SlotId when the
   // expert was not resident (a no-op, like the reference providers).
   Result<SlotId> invalidate(std::int32_t expert) noexcept {
@@ -127,6 +252,10 @@ class ForwardPlanner {
     const auto e = static_cast<std::size_t>(expert);
     const std::int32_t slot = resident_map_[e];
     if (slot == absent_slot) return SlotId();
+    if (spec_left_[e] != 0) {
+      drop_speculative(ExpertId(expert));
+      ++counters_.speculative_wasted;
+    }
     policy_.on_remove(ExpertId(expert));
     resident_map_[e] = absent_slot;
     forward_map_[e] = absent_slot;
@@ -154,7 +283,7 @@ class ForwardPlanner {
 
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_};
+                    policy_, counters_, spec_left_};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -189,6 +318,10 @@ class ForwardPlanner {
       if (slot != absent_slot) {
         policy_.on_hit(e);
         ++plan.hits;
+        if (spec_left_[e.index()] != 0) {
+          drop_speculative(e);
+          ++counters_.speculative_used;
+        }
       } else {
         std::int32_t target;
         if (!free_slots_.empty()) {
@@ -198,11 +331,13 @@ class ForwardPlanner {
           const ExpertId victim = policy_.choose_victim(needed);
           if (!victim.valid() || victim.value >= shape_.num_experts ||
               resident_map_[victim.index()] == absent_slot || needed.contains(victim)) {
-            return Status::format(ErrorCode::internal, "eviction policy '%.*s' returned an invalid victim %d",
-                                  static_cast<int>(std::string_view(Policy::name).size()),
-                                  std::string_view(Policy::name).data(), victim.value);
+            return invalid_victim(victim);
           }
           target = resident_map_[victim.index()];
+          if (spec_left_[victim.index()] != 0) {  // a forward may evict an unused fill: wasted
+            drop_speculative(victim);
+            ++counters_.speculative_wasted;
+          }
           policy_.on_remove(victim);
           resident_map_[victim.index()] = absent_slot;
           plan.evictions.push_back({victim, SlotId(target)});
@@ -221,9 +356,44 @@ class ForwardPlanner {
     }
     counters_.hits += plan.hits;
     counters_.misses += plan.misses;
+    // Unused speculative fills age by one accepted forward; at zero they are wasted.
+    for (std::size_t i = spec_live_.size(); i-- > 0;) {
+      const ExpertId e = spec_live_[i];
+      if (--spec_left_[e.index()] == 0) {
+        drop_speculative(e);
+        ++counters_.speculative_wasted;
+      }
+    }
     ++counters_.prepare_calls;
     ++counters_.generation;
     return {};
+  }
+
+  void reserve(PrefetchPlan& plan) const noexcept {
+    const auto cap = static_cast<std::size_t>(shape_.capacity);
+    if (plan.fills.capacity() >= cap) return;
+    try {
+      plan.fills.reserve(cap);
+      plan.evictions.reserve(cap);
+    } catch (...) {  // as reserve(ForwardPlan&)
+    }
+  }
+
+  // Removes a live speculative entry (swap with the last of spec_live_).
+  void drop_speculative(ExpertId e) noexcept {
+    const std::int32_t at = spec_pos_[e.index()];
+    const ExpertId moved = spec_live_.back();
+    spec_live_[static_cast<std::size_t>(at)] = moved;
+    spec_pos_[moved.index()] = at;
+    spec_live_.pop_back();
+    spec_pos_[e.index()] = -1;
+    spec_left_[e.index()] = 0;
+  }
+
+  Status invalid_victim(ExpertId victim) const {
+    return Status::format(ErrorCode::internal, "eviction policy '%.*s' returned an invalid victim %d",
+                          static_cast<int>(std::string_view(Policy::name).size()),
+                          std::string_view(Policy::name).data(), victim.value);
   }
 
   // A plan never holds more than `capacity` entries per list: sized once, reused after.
@@ -279,6 +449,11 @@ class ForwardPlanner {
   detail::FixedVector<ExpertId> scratch_;           // validated unique ids of the forward being planned
   detail::FixedVector<ExpertId> previous_forward_;  // entries to clear in forward_map_
   PlannerCounters counters_;
+  // Speculative fills (plan_prefetch): forwards left per expert (0 = not speculative), and the
+  // live ones as a list (position per expert) so a forward ages them without a full scan.
+  std::vector<std::uint32_t> spec_left_;
+  std::vector<std::int32_t> spec_pos_;
+  detail::FixedVector<ExpertId> spec_live_;
 };
 
 }  // namespace expert_cache::inline v0
