@@ -1,0 +1,495 @@
+#pragma once
+// CacheBridge<Runtime>: what the PyTorch extension does with a cache, in plain data, so it can be
+// tested without torch and without a GPU (tests/test_python_bridge.cpp drives it on SimRuntime).
+//
+// The extension (python/src/extension.cpp) turns torch tensors into (name, pointer, bytes, dtype,
+// shape) records and integer id spans; this header validates every one of them BEFORE the cache
+// is touched, builds an AnyExpertCache over the caller's host tensors (CacheOptions::memory:
+// registered at their exact size, never copied) and describes the slot arrays and maps as raw
+// device pointers with dtype and per-slot shape, which the extension wraps with torch::from_blob.
+//
+// No torch, no CUDA headers: host tier only (g++ alone). python/src/bridge_cuda.cu instantiates
+// it for CudaRuntime and exposes the non-template CudaBridge below.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "expert_cache/any_cache.hpp"
+#include "expert_cache/layout/dense.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
+#include "expert_cache/storage/storage_memory.hpp"
+
+namespace expert_cache::inline v0::python {
+
+// Element types the bridge knows (the extension maps torch dtypes onto these; anything else is
+// `other`, accepted only by the explicit layout, which moves bytes).
+enum class DType : std::uint8_t { uint8 = 0, int32, bfloat16, float32, other };
+
+[[nodiscard]] constexpr std::size_t element_size(DType d) noexcept {
+  switch (d) {
+    case DType::uint8: return 1;
+    case DType::int32: return 4;
+    case DType::bfloat16: return 2;
+    case DType::float32: return 4;
+    case DType::other: return 1;
+  }
+  return 1;
+}
+[[nodiscard]] constexpr std::string_view to_string(DType d) noexcept {
+  switch (d) {
+    case DType::uint8: return "uint8";
+    case DType::int32: return "int32";
+    case DType::bfloat16: return "bfloat16";
+    case DType::float32: return "float32";
+    case DType::other: return "other";
+  }
+  return "other";
+}
+
+// The layout by name: "dense_bf16" (hidden, intermediate), "nvfp4_marlin" (hidden,
+// intermediate, group_size == 16) or "explicit" (tensors: name -> bytes per expert).
+struct LayoutConfig {
+  std::string name = "dense_bf16";
+  std::int64_t hidden = 0;
+  std::int64_t intermediate = 0;
+  std::int64_t group_size = 16;
+  std::vector<std::pair<std::string, std::size_t>> tensors;  // explicit only
+};
+
+struct BridgeConfig {
+  LayoutConfig layout;
+  std::string provider = "row";  // row | cached | device
+  std::string policy;            // "" = provider default
+  std::string staging;
+  std::string storage;           // "" = tensor_major (caller tensors are [E, ...] per tensor)
+  std::int32_t num_experts = 0;
+  std::int32_t capacity = 0;
+  std::int32_t top_k = 1;
+  std::int32_t max_ids = 0;      // device provider: largest prepare (tokens * top_k)
+  std::string label = "expert_cache";
+  bool host_registered = false;  // the host tensors are pinned already (torch pin_memory())
+};
+
+// One caller host tensor: [E, ...] contiguous, E * bytes-per-expert bytes. `shape` (optional)
+// is checked against [E, per-slot shape] unless the dtype is uint8 (a byte view).
+struct HostTensorArg {
+  std::string name;
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  DType dtype = DType::uint8;
+  std::vector<std::int64_t> shape;
+};
+
+// One slot array: slot s of tensor `name` starts at base + s * slot_stride; per-slot element
+// shape `shape` of `dtype` (product * element size == bytes_per_slot).
+struct SlotDescriptor {
+  std::string name;
+  std::size_t index = 0;  // ExpertTensorBytes entry
+  std::uintptr_t base = 0;
+  std::size_t slot_stride = 0;  // bytes
+  std::size_t bytes_per_slot = 0;
+  std::int32_t capacity = 0;
+  DType dtype = DType::uint8;
+  std::vector<std::int64_t> shape;  // one slot
+};
+
+struct PrepareResult {
+  bool has_counts = true;  // false for the device provider (counts live on the device)
+  std::int64_t hits = 0;
+  std::int64_t misses = 0;
+  std::uint64_t generation = 0;
+};
+
+// A stats() entry: integer unless is_float.
+struct StatEntry {
+  std::string name;
+  std::int64_t int_value = 0;
+  double float_value = 0.0;
+  bool is_float = false;
+};
+
+namespace detail {
+
+struct TypedTensor {
+  std::string name;
+  std::size_t bytes = 0;
+  DType dtype = DType::uint8;
+  std::vector<std::int64_t> shape;
+};
+
+inline std::int64_t product(const std::vector<std::int64_t>& v) noexcept {
+  std::int64_t p = 1;
+  for (std::int64_t x : v) p *= x;
+  return p;
+}
+
+inline std::string shape_text(const std::vector<std::int64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// The layout's tensors with dtype and per-slot shape (docs/nvfp4_marlin.md for the Marlin ones).
+inline Result<std::vector<TypedTensor>> typed_tensors(const LayoutConfig& l) {
+  std::vector<TypedTensor> out;
+  if (l.name == "dense_bf16") {
+    const DenseBf16 d{l.hidden, l.intermediate};
+    if (Status s = d.validate(); !s) return s;
+    out.push_back({"w13", d.w13_bytes(), DType::bfloat16, {2 * l.intermediate, l.hidden}});
+    out.push_back({"w2", d.w2_bytes(), DType::bfloat16, {l.hidden, l.intermediate}});
+  } else if (l.name == "nvfp4_marlin") {
+    if (l.group_size != marlin::group_size) {
+      return Status::format(ErrorCode::invalid_argument, "nvfp4_marlin: group_size must be %lld (NVFP4), got %lld",
+                            static_cast<long long>(marlin::group_size), static_cast<long long>(l.group_size));
+    }
+    const Nvfp4Marlin m{l.hidden, l.intermediate, ActDtype::bf16};
+    if (Status s = m.validate(); !s) return s;
+    const std::int64_t k = l.hidden, np = m.padded_intermediate();
+    const ExpertTensorBytes b = m.tensors();
+    out.push_back({"w13", b[0].bytes_per_expert, DType::int32, {k / 16, 4 * np}});
+    out.push_back({"w2", b[1].bytes_per_expert, DType::int32, {np / 16, 2 * k}});
+    out.push_back({"w13_scale", b[2].bytes_per_expert, DType::uint8, {k / 16, 2 * np}});
+    out.push_back({"w2_scale", b[3].bytes_per_expert, DType::uint8, {np / 16, k}});
+    out.push_back({"w13_scale_2", b[4].bytes_per_expert, DType::float32, {1}});
+    out.push_back({"w2_scale_2", b[5].bytes_per_expert, DType::float32, {1}});
+  } else if (l.name == "explicit") {
+    if (l.tensors.empty() || l.tensors.size() > max_expert_tensors) {
+      return Status::format(ErrorCode::invalid_argument, "explicit layout: %zu tensors (accepted: 1..%zu)",
+                            l.tensors.size(), max_expert_tensors);
+    }
+    for (const auto& [name, bytes] : l.tensors) {
+      if (name.empty() || name.size() > 64) {
+        return Status::format(ErrorCode::invalid_argument, "explicit layout: tensor names must be 1..64 characters (got %zu)",
+                              name.size());
+      }
+      if (bytes == 0 || bytes > max_pool_bytes) {
+        return Status::format(ErrorCode::invalid_argument, "explicit layout: tensor '%s' has %zu bytes per expert (accepted: 1..2^40)",
+                              name.c_str(), bytes);
+      }
+      for (const TypedTensor& o : out) {
+        if (o.name == name) return Status::format(ErrorCode::invalid_argument, "explicit layout: tensor '%s' named twice", name.c_str());
+      }
+      out.push_back({name, bytes, DType::uint8, {static_cast<std::int64_t>(bytes)}});
+    }
+  } else {
+    return Status::format(ErrorCode::invalid_argument, "unknown layout '%.*s' (valid: dense_bf16, nvfp4_marlin, explicit)",
+                          static_cast<int>(std::min<std::size_t>(l.name.size(), 40)), l.name.c_str());
+  }
+  return out;
+}
+
+}  // namespace detail
+
+template <allocating_runtime Runtime>
+class CacheBridge {
+ public:
+  using Stream = typename Runtime::Stream;
+
+  // Validates the config and every host tensor, then builds the cache. Nothing is allocated or
+  // registered when a check fails; the caller keeps `rt` and the host memory alive.
+  static Result<std::unique_ptr<CacheBridge>> create(Runtime& rt, const BridgeConfig& config,
+                                                     std::span<const HostTensorArg> host) {
+    auto typed = detail::typed_tensors(config.layout);
+    if (!typed.ok()) return typed.status();
+    std::unique_ptr<CacheBridge> b(new CacheBridge());
+    b->typed_ = std::move(typed.value());
+    b->config_ = config;
+    const std::string& label = config.label;
+    if (config.num_experts <= 0 || config.num_experts > (1 << 24)) {
+      return Status::format(ErrorCode::invalid_argument, "%s: num_experts %d (accepted: 1..2^24)", label.c_str(),
+                            config.num_experts);
+    }
+    // The caller's tensors are [E, ...] per tensor: tensor-major host pools only.
+    std::string storage = config.storage.empty() ? std::string("tensor_major") : config.storage;
+    if (storage == "expert_major" || storage == "expert_major_host") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: storage '%s' keeps one [E, blob] host pool; caller host tensors ([E, ...] per "
+                            "tensor) need storage 'tensor_major' (or \"\")",
+                            label.c_str(), storage.c_str());
+    }
+
+    // ---- host tensors: every layout tensor exactly once, exact size, aligned, dtype/shape ----
+    const auto E = static_cast<std::size_t>(config.num_experts);
+    std::vector<const HostTensorArg*> given(b->typed_.size(), nullptr);
+    for (const HostTensorArg& h : host) {
+      std::size_t t = 0;
+      while (t < b->typed_.size() && b->typed_[t].name != h.name) ++t;
+      if (t == b->typed_.size()) {
+        return Status::format(ErrorCode::invalid_argument, "%s: unknown host tensor '%.*s' (layout %s has: %s)",
+                              label.c_str(), static_cast<int>(std::min<std::size_t>(h.name.size(), 40)), h.name.c_str(),
+                              config.layout.name.c_str(), b->names_text().c_str());
+      }
+      if (given[t] != nullptr) {
+        return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' given twice", label.c_str(), h.name.c_str());
+      }
+      given[t] = &h;
+      const detail::TypedTensor& want = b->typed_[t];
+      const std::size_t bytes = E * want.bytes;
+      if (h.data == nullptr) {
+        return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' is a null pointer", label.c_str(), h.name.c_str());
+      }
+      if (h.bytes != bytes) {
+        return Status::format(ErrorCode::invalid_argument,
+                              "%s: host tensor '%s' has %zu bytes, expected exactly %zu (%zu experts * %zu bytes)",
+                              label.c_str(), h.name.c_str(), h.bytes, bytes, E, want.bytes);
+      }
+      if (reinterpret_cast<std::uintptr_t>(h.data) % caller_memory_alignment != 0) {
+        return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' is not %zu-byte aligned", label.c_str(),
+                              h.name.c_str(), caller_memory_alignment);
+      }
+      const bool explicit_layout = config.layout.name == "explicit";
+      if (!explicit_layout && h.dtype != DType::uint8 && h.dtype != want.dtype) {
+        return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' has dtype %s, expected %s (or uint8 bytes)",
+                              label.c_str(), h.name.c_str(), std::string(to_string(h.dtype)).c_str(),
+                              std::string(to_string(want.dtype)).c_str());
+      }
+      if (!explicit_layout && h.dtype == want.dtype && !h.shape.empty()) {
+        std::vector<std::int64_t> full{static_cast<std::int64_t>(E)};
+        full.insert(full.end(), want.shape.begin(), want.shape.end());
+        if (h.shape != full) {
+          return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' has shape %s, expected %s", label.c_str(),
+                                h.name.c_str(), detail::shape_text(h.shape).c_str(), detail::shape_text(full).c_str());
+        }
+      }
+    }
+    for (std::size_t t = 0; t < given.size(); ++t) {
+      if (given[t] == nullptr) {
+        return Status::format(ErrorCode::invalid_argument, "%s: host tensor '%s' missing (layout %s needs: %s)", label.c_str(),
+                              b->typed_[t].name.c_str(), config.layout.name.c_str(), b->names_text().c_str());
+      }
+    }
+
+    // ---- the cache ----
+    AnyCacheConfig c;
+    c.provider = config.provider;
+    c.policy = config.policy;
+    c.staging = config.staging;
+    c.storage = storage;
+    c.max_ids = config.max_ids;
+    c.options.num_experts = config.num_experts;
+    c.options.capacity = config.capacity;
+    c.options.top_k = config.top_k;
+    c.options.label = label;
+    ExpertTensorBytes tensors{};
+    // The cache keeps string_views of the names: they point into typed_, owned by the bridge
+    // and never resized after this point.
+    for (std::size_t t = 0; t < b->typed_.size(); ++t) {
+      tensors[t] = TensorBytes{b->typed_[t].name, b->typed_[t].bytes};
+      c.options.memory.host_tensors[t] = MemorySpan{given[t]->data, given[t]->bytes};
+    }
+    c.options.memory.host_registered = config.host_registered;
+    if (config.layout.name == "dense_bf16") {
+      c.layout = AnyLayout::of(DenseBf16{config.layout.hidden, config.layout.intermediate});
+    } else if (config.layout.name == "nvfp4_marlin") {
+      c.layout = AnyLayout::of(Nvfp4Marlin{config.layout.hidden, config.layout.intermediate, ActDtype::bf16});
+    } else {
+      c.layout = AnyLayout::explicit_bytes(tensors);
+    }
+    auto made = make_expert_cache(rt, c);
+    if (!made.ok()) return made.status();
+    b->cache_ = std::make_unique<AnyExpertCache<Runtime>>(std::move(made.value()));
+    b->device_ = b->cache_->provider() == "device";
+
+    for (std::size_t t = 0; t < b->typed_.size(); ++t) {
+      const std::size_t index = find_tensor(b->cache_->tensors(), b->typed_[t].name);
+      const SlotTensor st = b->cache_->slot_tensor(index);
+      SlotDescriptor d;
+      d.name = b->typed_[t].name;
+      d.index = index;
+      d.base = reinterpret_cast<std::uintptr_t>(st.base);
+      d.slot_stride = st.slot_stride;
+      d.bytes_per_slot = st.bytes;
+      d.capacity = config.capacity;
+      d.dtype = b->typed_[t].dtype;
+      d.shape = b->typed_[t].shape;
+      b->slots_.push_back(std::move(d));
+    }
+    return Result<std::unique_ptr<CacheBridge>>(std::move(b));
+  }
+
+  // Host ids (host providers). int32 or int64; negative ids are padding (as the planner treats
+  // them), ids >= num_experts are refused before the cache is touched.
+  Result<PrepareResult> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept {
+    if (device_) return not_host("prepare with host ids");
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
+    }
+    return counts(cache_->prepare(ids, stream));
+  }
+  Result<PrepareResult> prepare(std::span<const std::int64_t> ids, Stream stream) noexcept {
+    if (device_) return not_host("prepare with host ids");
+    try {
+      ids32_.resize(ids.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prepare: out of host memory");
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
+      ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
+    }
+    return counts(cache_->prepare(std::span<const std::int32_t>(ids32_), stream));
+  }
+
+  // Device provider: n int32 ids in device memory (the router's output), planned on the device;
+  // ids out of range are reported by the device error word (device_errors()).
+  Result<PrepareResult> prepare_device(const std::int32_t* device_ids, std::int64_t n, Stream stream) noexcept {
+    if (!device_) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare_device needs provider 'device' (provider '%s' plans on the host: pass host ids)",
+                            config_.label.c_str(), config_.provider.c_str());
+    }
+    if (n < 0 || n > config_.max_ids) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %lld ids (device provider: 0..max_ids = %d)",
+                            config_.label.c_str(), static_cast<long long>(n), config_.max_ids);
+    }
+    if (device_ids == nullptr && n > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %lld ids from a null pointer", config_.label.c_str(),
+                            static_cast<long long>(n));
+    }
+    auto r = cache_->prepare(std::span<const std::int32_t>(device_ids, static_cast<std::size_t>(n)), stream);
+    if (!r.ok()) return r.status();
+    PrepareResult p;
+    p.has_counts = false;
+    p.generation = r.value().generation;
+    return p;
+  }
+
+  Status invalidate(std::int64_t expert, Stream stream) noexcept {
+    if (expert < 0 || expert >= config_.num_experts) {
+      return Status::format(ErrorCode::invalid_argument, "%s: invalidate(%lld): expert out of range [0, %d)",
+                            config_.label.c_str(), static_cast<long long>(expert), config_.num_experts);
+    }
+    return cache_->invalidate(static_cast<std::int32_t>(expert), stream);
+  }
+
+  // Every CacheStats field by name, plus hit_rate (float) and, for the device provider, the
+  // device error word (read and cleared: only when the cache's streams are idle).
+  [[nodiscard]] std::vector<StatEntry> stats() const {
+    const CacheStats s = cache_->stats();
+    const auto i = [](const char* n, auto v) { return StatEntry{n, static_cast<std::int64_t>(v), 0.0, false}; };
+    return {i("hits", s.hits),
+            i("misses", s.misses),
+            i("promotions", s.promotions),
+            i("evictions", s.evictions),
+            i("invalidations", s.invalidations),
+            i("resident", s.resident),
+            i("capacity", s.capacity),
+            i("prepare_calls", s.prepare_calls),
+            i("generation", s.generation),
+            i("last_copies", s.last_copies),
+            i("total_copies", s.total_copies),
+            i("owner_changes", s.owner_changes),
+            i("map_uploads", s.map_uploads),
+            i("staging_stalls", s.staging_stalls),
+            i("faults", s.faults),
+            i("slot_bytes", s.slot_bytes),
+            i("host_bytes", s.host_bytes),
+            StatEntry{"hit_rate", 0, s.hit_rate(), true}};
+  }
+  [[nodiscard]] std::uint32_t device_errors() noexcept { return cache_->take_errors(); }
+
+  [[nodiscard]] const std::vector<SlotDescriptor>& slots() const noexcept { return slots_; }
+  [[nodiscard]] std::uintptr_t expert_map_device() const noexcept {
+    return reinterpret_cast<std::uintptr_t>(cache_->forward_map_device());
+  }
+  [[nodiscard]] std::uintptr_t resident_map_device() const noexcept {
+    return reinterpret_cast<std::uintptr_t>(cache_->resident_map_device());
+  }
+  // Host copy of the forward map (host providers; empty for the device provider).
+  [[nodiscard]] std::span<const std::int32_t> expert_map_host() const noexcept { return cache_->forward_map_host(); }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return cache_->resident_map_host(); }
+
+  // Debug accessor: the storage's host address of expert `e` of tensor `name` (the caller's
+  // memory when adopted without copy).
+  [[nodiscard]] Result<std::uintptr_t> host_pointer(std::string_view name, std::int64_t expert) const {
+    if (expert < 0 || expert >= config_.num_experts) {
+      return Status::format(ErrorCode::invalid_argument, "%s: host_pointer: expert %lld out of range [0, %d)",
+                            config_.label.c_str(), static_cast<long long>(expert), config_.num_experts);
+    }
+    const std::size_t t = find_tensor(cache_->tensors(), name);
+    if (t == max_expert_tensors) {
+      return Status::format(ErrorCode::invalid_argument, "%s: host_pointer: unknown tensor '%.*s' (layout has: %s)",
+                            config_.label.c_str(), static_cast<int>(std::min<std::size_t>(name.size(), 40)), name.data(),
+                            names_text().c_str());
+    }
+    return reinterpret_cast<std::uintptr_t>(cache_->host_tensor(t, static_cast<std::int32_t>(expert)));
+  }
+
+  [[nodiscard]] bool device_provider() const noexcept { return device_; }
+  [[nodiscard]] const BridgeConfig& config() const noexcept { return config_; }
+  [[nodiscard]] std::string_view provider() const noexcept { return cache_->provider(); }
+  [[nodiscard]] std::string_view policy() const noexcept { return cache_->policy(); }
+  [[nodiscard]] std::string_view staging() const noexcept { return cache_->staging(); }
+  [[nodiscard]] std::string_view storage() const noexcept { return cache_->storage(); }
+  [[nodiscard]] AnyExpertCache<Runtime>& cache() noexcept { return *cache_; }
+
+ private:
+  CacheBridge() = default;
+
+  [[nodiscard]] std::string names_text() const {
+    std::string s;
+    for (const auto& t : typed_) s += (s.empty() ? "" : ", ") + t.name;
+    return s;
+  }
+  Status not_host(const char* what) const noexcept {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s: %s: provider 'device' plans on the device and takes device ids (a CUDA tensor)",
+                          config_.label.c_str(), what);
+  }
+  Status out_of_range(std::size_t i, std::int64_t id) const noexcept {
+    return Status::format(ErrorCode::invalid_argument, "%s: topk_ids[%zu] = %lld out of range (num_experts %d)",
+                          config_.label.c_str(), i, static_cast<long long>(id), config_.num_experts);
+  }
+  static Result<PrepareResult> counts(const Result<ForwardView>& r) noexcept {
+    if (!r.ok()) return r.status();
+    PrepareResult p;
+    p.hits = r.value().hits;
+    p.misses = r.value().misses;
+    p.generation = r.value().generation;
+    return p;
+  }
+
+  BridgeConfig config_;
+  std::vector<detail::TypedTensor> typed_;  // names the cache's string_views point into
+  std::vector<SlotDescriptor> slots_;
+  std::vector<std::int32_t> ids32_;  // int64 ids narrowed (reused)
+  bool device_ = false;
+  std::unique_ptr<AnyExpertCache<Runtime>> cache_;  // last: destroyed before the names it views
+};
+
+// ---- the CUDA bridge, non-template (python/src/bridge_cuda.cu) -------------------------------
+// The extension never sees CudaRuntime or the .cuh headers: streams travel as void*
+// (cudaStream_t), pointers as uintptr_t.
+class CudaBridge {
+ public:
+  virtual ~CudaBridge() = default;
+  virtual Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept = 0;
+  virtual Status invalidate(std::int64_t expert, void* stream) noexcept = 0;
+  [[nodiscard]] virtual std::vector<StatEntry> stats() const = 0;
+  [[nodiscard]] virtual std::uint32_t device_errors() noexcept = 0;
+  [[nodiscard]] virtual const std::vector<SlotDescriptor>& slots() const noexcept = 0;
+  [[nodiscard]] virtual std::uintptr_t expert_map_device() const noexcept = 0;
+  [[nodiscard]] virtual std::uintptr_t resident_map_device() const noexcept = 0;
+  [[nodiscard]] virtual std::span<const std::int32_t> expert_map_host() const noexcept = 0;
+  [[nodiscard]] virtual Result<std::uintptr_t> host_pointer(std::string_view name, std::int64_t expert) const = 0;
+  [[nodiscard]] virtual bool device_provider() const noexcept = 0;
+  [[nodiscard]] virtual std::string provider() const = 0;
+  [[nodiscard]] virtual std::string policy() const = 0;
+  [[nodiscard]] virtual std::string staging() const = 0;
+  [[nodiscard]] virtual std::string storage() const = 0;
+};
+
+// Defined in bridge_cuda.cu (nvcc): the CUDA runtime on the current device plus the bridge.
+Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config, std::span<const HostTensorArg> host);
+
+}  // namespace expert_cache::inline v0::python

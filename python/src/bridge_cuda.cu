@@ -1,0 +1,70 @@
+// The CUDA instantiation of CacheBridge, compiled by nvcc WITHOUT torch headers: the library's
+// .cuh headers (gather staging, the device planner) and torch never meet in one translation
+// unit. The extension (extension.cpp, g++ + torch) only sees the non-template CudaBridge.
+#include "expert_cache/any_cache_cuda.cuh"  // first: the CUDA staging list before make_expert_cache
+
+#include "bridge.hpp"
+
+namespace expert_cache::inline v0::python {
+
+template class CacheBridge<CudaRuntime>;
+
+namespace {
+
+class CudaBridgeImpl final : public CudaBridge {
+ public:
+  static Result<std::unique_ptr<CudaBridge>> create(const BridgeConfig& config, std::span<const HostTensorArg> host) {
+    std::unique_ptr<CudaBridgeImpl> self(new CudaBridgeImpl());
+    auto made = CacheBridge<CudaRuntime>::create(self->rt_, config, host);
+    if (!made.ok()) return made.status();
+    self->bridge_ = std::move(made.value());
+    return Result<std::unique_ptr<CudaBridge>>(std::unique_ptr<CudaBridge>(std::move(self)));
+  }
+  ~CudaBridgeImpl() override { bridge_.reset(); }  // the cache before the runtime it uses
+
+  Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept override {
+    return bridge_->prepare_device(ids, n, static_cast<cudaStream_t>(stream));
+  }
+  Status invalidate(std::int64_t expert, void* stream) noexcept override {
+    return bridge_->invalidate(expert, static_cast<cudaStream_t>(stream));
+  }
+  [[nodiscard]] std::vector<StatEntry> stats() const override { return bridge_->stats(); }
+  [[nodiscard]] std::uint32_t device_errors() noexcept override { return bridge_->device_errors(); }
+  [[nodiscard]] const std::vector<SlotDescriptor>& slots() const noexcept override { return bridge_->slots(); }
+  [[nodiscard]] std::uintptr_t expert_map_device() const noexcept override { return bridge_->expert_map_device(); }
+  [[nodiscard]] std::uintptr_t resident_map_device() const noexcept override { return bridge_->resident_map_device(); }
+  [[nodiscard]] std::span<const std::int32_t> expert_map_host() const noexcept override {
+    return bridge_->expert_map_host();
+  }
+  [[nodiscard]] Result<std::uintptr_t> host_pointer(std::string_view name, std::int64_t expert) const override {
+    return bridge_->host_pointer(name, expert);
+  }
+  [[nodiscard]] bool device_provider() const noexcept override { return bridge_->device_provider(); }
+  [[nodiscard]] std::string provider() const override { return std::string(bridge_->provider()); }
+  [[nodiscard]] std::string policy() const override { return std::string(bridge_->policy()); }
+  [[nodiscard]] std::string staging() const override { return std::string(bridge_->staging()); }
+  [[nodiscard]] std::string storage() const override { return std::string(bridge_->storage()); }
+
+ private:
+  CudaBridgeImpl() = default;
+  CudaRuntime rt_;  // the current device, as torch set it when the cache was built
+  std::unique_ptr<CacheBridge<CudaRuntime>> bridge_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config, std::span<const HostTensorArg> host) {
+  try {
+    return CudaBridgeImpl::create(config, host);
+  } catch (const std::exception& e) {
+    return Status(ErrorCode::runtime_failure, e.what());
+  }
+}
+
+}  // namespace expert_cache::inline v0::python

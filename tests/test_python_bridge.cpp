@@ -1,0 +1,508 @@
+// CacheBridge (python/src/bridge.hpp, the torch-free core of the PyTorch extension) on
+// SimRuntime, driven as the extension drives it: caller host tensors adopted without a copy,
+// every bad input refused with a specific message before the cache is touched (nothing
+// allocated or registered, stats and maps unchanged), slot descriptors that describe the
+// layout's slot arrays exactly, results equal to the static caches on the same ids, and the
+// device provider on device ids.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bridge.hpp"
+#include "expert_cache/expert_cache.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
+
+using namespace expert_cache;
+using namespace expert_cache::python;
+using Stream = SimRuntime::Stream;
+using Bridge = CacheBridge<SimRuntime>;
+
+namespace {
+
+SimRuntime::Options sim_options() {
+  return SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = 5, .max_races = 64, .max_streams = 64};
+}
+
+std::byte weight_byte(std::size_t t, std::int64_t e, std::size_t i) noexcept {
+  std::uint64_t x = (t + 3) * 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(e + 11) * 0xBF58476D1CE4E5B9ull ^
+                    i * 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return static_cast<std::byte>(x & 0xFF);
+}
+
+// An engine's host weights: one 64-byte aligned [E, bytes] array per tensor (plus 64 spare
+// bytes, so a misaligned span of the right size can be taken from it).
+struct HostWeights {
+  struct alignas(64) Line {
+    std::byte b[64];
+  };
+  std::vector<std::vector<Line>> lines;
+  std::vector<HostTensorArg> args;
+
+  HostWeights(const std::vector<std::pair<std::string, std::size_t>>& tensors, std::int32_t experts, DType dtype = DType::uint8) {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const std::size_t bytes = static_cast<std::size_t>(experts) * tensors[t].second;
+      lines.emplace_back((bytes + 64) / 64 + 1);
+      for (std::size_t i = 0; i < bytes; ++i)
+        data(t)[i] = weight_byte(t, static_cast<std::int64_t>(i / tensors[t].second), i % tensors[t].second);
+      args.push_back(HostTensorArg{tensors[t].first, data(t), bytes, dtype, {}});
+    }
+  }
+  [[nodiscard]] std::byte* data(std::size_t t) noexcept { return lines[t].data()->b; }
+};
+
+BridgeConfig dense_config(std::string provider, std::int32_t experts, std::int32_t capacity, std::int32_t top_k) {
+  BridgeConfig c;
+  c.layout.name = "dense_bf16";
+  c.layout.hidden = 16;
+  c.layout.intermediate = 8;
+  c.provider = std::move(provider);
+  c.num_experts = experts;
+  c.capacity = capacity;
+  c.top_k = top_k;
+  c.label = "layer0";
+  return c;
+}
+
+// DenseBf16{16, 8}: w13 [16, 16] bf16 = 512 bytes, w2 [16, 8] bf16 = 256 bytes per expert.
+const std::vector<std::pair<std::string, std::size_t>> dense_tensors = {{"w13", 512}, {"w2", 256}};
+
+// Everything a caller can observe: stats, host maps and (after draining) the device maps.
+struct Snapshot {
+  std::vector<std::pair<std::string, std::int64_t>> stats;
+  std::vector<std::int32_t> forward_host, resident_host, forward_device, resident_device;
+  friend bool operator==(const Snapshot&, const Snapshot&) = default;
+};
+
+Snapshot snapshot(SimRuntime& rt, Bridge& b) {
+  rt.drain();
+  Snapshot s;
+  for (const StatEntry& e : b.stats()) s.stats.emplace_back(e.name, e.is_float ? static_cast<std::int64_t>(e.float_value * 1e9) : e.int_value);
+  const auto fh = b.expert_map_host();
+  const auto rh = b.resident_map_host();
+  s.forward_host.assign(fh.begin(), fh.end());
+  s.resident_host.assign(rh.begin(), rh.end());
+  const auto n = static_cast<std::size_t>(b.config().num_experts);
+  const auto* fd = reinterpret_cast<const std::int32_t*>(b.expert_map_device());
+  const auto* rd = reinterpret_cast<const std::int32_t*>(b.resident_map_device());
+  s.forward_device.assign(fd, fd + n);
+  s.resident_device.assign(rd, rd + n);
+  return s;
+}
+
+// Each resident expert's slot holds its host bytes, for every tensor.
+void check_slots_hold_host_bytes(SimRuntime& rt, Bridge& b, HostWeights& w) {
+  rt.drain();
+  const auto* rd = reinterpret_cast<const std::int32_t*>(b.resident_map_device());
+  std::int32_t checked = 0;
+  for (std::int32_t e = 0; e < b.config().num_experts; ++e) {
+    const std::int32_t slot = rd[e];
+    if (slot < 0) continue;
+    ++checked;
+    for (std::size_t t = 0; t < b.slots().size(); ++t) {
+      const SlotDescriptor& d = b.slots()[t];
+      const auto* dev = reinterpret_cast<const std::byte*>(d.base + static_cast<std::size_t>(slot) * d.slot_stride);
+      REQUIRE(std::equal(dev, dev + d.bytes_per_slot, w.data(t) + static_cast<std::size_t>(e) * d.bytes_per_slot));
+    }
+  }
+  CHECK(checked > 0);
+}
+
+}  // namespace
+
+TEST_CASE("CacheBridge: caller host tensors are adopted in place (registered at exact size, never copied)") {
+  constexpr std::int32_t E = 12, C = 4, K = 2;
+  for (const char* provider : {"row", "cached", "device"}) {
+    CAPTURE(provider);
+    SimRuntime rt(sim_options());
+    HostWeights w(dense_tensors, E, DType::bfloat16);
+    BridgeConfig c = dense_config(provider, E, C, K);
+    c.max_ids = 8;
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    Bridge& b = *made.value();
+    CHECK(b.storage() == "tensor_major");  // cached: tensor_major with caller tensors
+    CHECK(b.provider() == provider);
+    for (std::size_t t = 0; t < 2; ++t) {
+      CHECK(rt.is_registered(w.data(t), w.args[t].bytes));
+      for (std::int64_t e : {0, 5, E - 1}) {
+        const auto p = b.host_pointer(w.args[t].name, e);
+        REQUIRE(p.ok());
+        CHECK(p.value() == reinterpret_cast<std::uintptr_t>(w.data(t) + static_cast<std::size_t>(e) * dense_tensors[t].second));
+      }
+      CHECK(b.cache().copy_regions().regions[t].host_base == w.data(t));
+    }
+    CHECK(rt.registered_ranges() == 2);
+    CHECK(!b.host_pointer("w13", E).ok());
+    CHECK(b.host_pointer("w3", 0).status().message().find("unknown tensor 'w3'") != std::string_view::npos);
+  }
+  SUBCASE("host_registered: the caller's pinned memory is not registered again") {
+    SimRuntime rt(sim_options());
+    HostWeights w(dense_tensors, E);
+    BridgeConfig c = dense_config("row", E, C, K);
+    c.host_registered = true;
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    CHECK(rt.registered_ranges() == 0);
+  }
+}
+
+TEST_CASE("CacheBridge: bad configs and host tensors are refused with a specific message, nothing allocated") {
+  constexpr std::int32_t E = 6, C = 3, K = 2;
+  const auto refuse = [&](const BridgeConfig& c, const std::vector<HostTensorArg>& args, const std::string& expected) {
+    SimRuntime rt(sim_options());
+    auto made = Bridge::create(rt, c, args);
+    REQUIRE(!made.ok());
+    CHECK(made.status().code() == ErrorCode::invalid_argument);
+    const std::string m(made.status().message());
+    INFO("message: " << m);
+    CHECK(m.find(expected) != std::string::npos);
+    CHECK(rt.allocated_bytes() == 0);
+    CHECK(rt.registered_ranges() == 0);
+  };
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  const BridgeConfig good = dense_config("row", E, C, K);
+  {
+    SimRuntime rt(sim_options());
+    REQUIRE(Bridge::create(rt, good, w.args).ok());  // the base case is accepted
+  }
+  SUBCASE("wrong size") {
+    auto a = w.args;
+    a[1].bytes -= 2;
+    refuse(good, a, "host tensor 'w2' has 1534 bytes, expected exactly 1536 (6 experts * 256 bytes)");
+  }
+  SUBCASE("misaligned") {
+    auto a = w.args;
+    a[0].data = w.data(0) + 8;
+    refuse(good, a, "host tensor 'w13' is not 16-byte aligned");
+  }
+  SUBCASE("null pointer") {
+    auto a = w.args;
+    a[0].data = nullptr;
+    refuse(good, a, "host tensor 'w13' is a null pointer");
+  }
+  SUBCASE("unknown tensor name") {
+    auto a = w.args;
+    a.push_back(HostTensorArg{"w13_scale", w.data(0), 16, DType::uint8, {}});
+    refuse(good, a, "unknown host tensor 'w13_scale' (layout dense_bf16 has: w13, w2)");
+  }
+  SUBCASE("missing tensor") {
+    auto a = w.args;
+    a.pop_back();
+    refuse(good, a, "host tensor 'w2' missing (layout dense_bf16 needs: w13, w2)");
+  }
+  SUBCASE("tensor given twice") {
+    auto a = w.args;
+    a.push_back(a[0]);
+    refuse(good, a, "host tensor 'w13' given twice");
+  }
+  SUBCASE("dtype") {
+    auto a = w.args;
+    a[0].dtype = DType::float32;
+    refuse(good, a, "host tensor 'w13' has dtype float32, expected bfloat16 (or uint8 bytes)");
+  }
+  SUBCASE("shape") {
+    auto a = w.args;
+    a[1].shape = {E, 8, 16};  // [E, N, K] instead of [E, K, N]
+    refuse(good, a, "host tensor 'w2' has shape [6, 8, 16], expected [6, 16, 8]");
+  }
+  SUBCASE("unknown provider") {
+    BridgeConfig c = good;
+    c.provider = "rows";
+    refuse(c, w.args, "unknown provider 'rows' (valid: row, cached, device)");
+  }
+  SUBCASE("unknown policy") {
+    BridgeConfig c = good;
+    c.policy = "fifo";
+    refuse(c, w.args, "unknown eviction policy 'fifo'");
+  }
+  SUBCASE("expert-major storage with caller tensors") {
+    BridgeConfig c = good;
+    c.storage = "expert_major";
+    refuse(c, w.args, "need storage 'tensor_major'");
+  }
+  SUBCASE("unknown layout") {
+    BridgeConfig c = good;
+    c.layout.name = "dense_fp8";
+    refuse(c, w.args, "unknown layout 'dense_fp8' (valid: dense_bf16, nvfp4_marlin, explicit)");
+  }
+  SUBCASE("layout sizes") {
+    BridgeConfig c = good;
+    c.layout.hidden = 0;
+    refuse(c, w.args, "dense_bf16: hidden and intermediate must be in [1, 2^24]");
+  }
+  SUBCASE("nvfp4 group size") {
+    BridgeConfig c = good;
+    c.layout = LayoutConfig{"nvfp4_marlin", 128, 64, 32, {}};
+    refuse(c, w.args, "group_size must be 16");
+  }
+  SUBCASE("capacity") {
+    BridgeConfig c = good;
+    c.capacity = E + 1;
+    SimRuntime rt(sim_options());
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(!made.ok());
+    CHECK(rt.allocated_bytes() == 0);
+    CHECK(rt.registered_ranges() == 0);
+  }
+  SUBCASE("num_experts") {
+    BridgeConfig c = good;
+    c.num_experts = 0;
+    refuse(c, w.args, "num_experts 0");
+  }
+  SUBCASE("device provider without max_ids") {
+    BridgeConfig c = good;
+    c.provider = "device";
+    refuse(c, w.args, "needs max_ids > 0");
+  }
+}
+
+TEST_CASE("CacheBridge: rejected calls leave the cache unchanged (stats and maps)") {
+  constexpr std::int32_t E = 10, C = 4, K = 2;
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  HostWeights w(dense_tensors, E);
+  auto made = Bridge::create(rt, dense_config("row", E, C, K), w.args);
+  REQUIRE(made.ok());
+  Bridge& b = *made.value();
+  REQUIRE(b.prepare(std::vector<std::int32_t>{1, 2, 3, 1}, s).ok());
+  const Snapshot before = snapshot(rt, b);
+  const auto refused = [&](const Status& st, const std::string& expected) {
+    REQUIRE(!st.ok());
+    const std::string m(st.message());
+    INFO("message: " << m);
+    CHECK(m.find(expected) != std::string::npos);
+    CHECK(snapshot(rt, b) == before);
+  };
+  refused(b.prepare(std::vector<std::int32_t>{0, E}, s).status(), "topk_ids[1] = 10 out of range (num_experts 10)");
+  refused(b.prepare(std::vector<std::int64_t>{2, std::int64_t{1} << 40}, s).status(), "topk_ids[1] = 1099511627776 out of range");
+  refused(b.prepare(std::vector<std::int32_t>{0, 4, 5, 6, 7}, s).status(), "");  // 5 unique experts > 4 slots
+  refused(b.invalidate(-1, s), "invalidate(-1): expert out of range [0, 10)");
+  refused(b.invalidate(E, s), "invalidate(10)");
+  refused(b.prepare_device(nullptr, 0, s).status(), "prepare_device needs provider 'device'");
+  // Negative ids are padding (the planner's rule), for both id widths.
+  const auto r = b.prepare(std::vector<std::int64_t>{-1, 2, -7, 3}, s);
+  REQUIRE(r.ok());
+  CHECK(r.value().has_counts);
+  CHECK(r.value().hits == 2);
+  CHECK(r.value().misses == 0);
+  CHECK(r.value().generation == 2);
+}
+
+TEST_CASE("CacheBridge: slot descriptors describe the layout's slot arrays") {
+  constexpr std::int32_t E = 6, C = 3;
+  const auto check = [&](Bridge& b, const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& expected,
+                        const std::vector<DType>& dtypes) {
+    REQUIRE(b.slots().size() == expected.size());
+    for (std::size_t t = 0; t < expected.size(); ++t) {
+      const SlotDescriptor& d = b.slots()[t];
+      CAPTURE(d.name);
+      CHECK(d.name == expected[t].first);
+      CHECK(d.shape == expected[t].second);
+      CHECK(d.dtype == dtypes[t]);
+      CHECK(d.capacity == C);
+      CHECK(static_cast<std::size_t>(python::detail::product(d.shape)) * element_size(d.dtype) == d.bytes_per_slot);
+      const SlotTensor st = b.cache().slot_tensor(d.index);
+      CHECK(d.base == reinterpret_cast<std::uintptr_t>(st.base));
+      CHECK(d.slot_stride == st.slot_stride);
+      CHECK(d.bytes_per_slot == st.bytes);
+      CHECK(d.slot_stride == d.bytes_per_slot);  // tensor_major: contiguous [C, ...]
+      CHECK(d.slot_stride % element_size(d.dtype) == 0);
+      CHECK(d.base % 16 == 0);
+    }
+  };
+  SUBCASE("dense_bf16: w13 [2N, K], w2 [K, N] bf16") {
+    SimRuntime rt(sim_options());
+    HostWeights w(dense_tensors, E, DType::bfloat16);
+    auto made = Bridge::create(rt, dense_config("row", E, C, 1), w.args);
+    REQUIRE(made.ok());
+    check(*made.value(), {{"w13", {16, 16}}, {"w2", {16, 8}}}, {DType::bfloat16, DType::bfloat16});
+  }
+  SUBCASE("nvfp4_marlin: the Marlin shapes (K=128, N=96 -> Np=128)") {
+    const Nvfp4Marlin m{128, 96, ActDtype::bf16};
+    REQUIRE(m.padded_intermediate() == 128);
+    std::vector<std::pair<std::string, std::size_t>> t;
+    for (std::size_t i = 0; i < 6; ++i) t.emplace_back(std::string(m.tensors()[i].name), m.tensors()[i].bytes_per_expert);
+    SimRuntime rt(sim_options());
+    HostWeights w(t, E);  // uint8 byte views of the repacked tensors
+    BridgeConfig c = dense_config("cached", E, C, 1);
+    c.layout = LayoutConfig{"nvfp4_marlin", 128, 96, 16, {}};
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    check(*made.value(),
+          {{"w13", {8, 512}}, {"w2", {8, 256}}, {"w13_scale", {8, 256}}, {"w2_scale", {8, 128}}, {"w13_scale_2", {1}}, {"w2_scale_2", {1}}},
+          {DType::int32, DType::int32, DType::uint8, DType::uint8, DType::float32, DType::float32});
+  }
+  SUBCASE("explicit: uint8 [bytes]") {
+    const std::vector<std::pair<std::string, std::size_t>> t = {{"qweight", 96}, {"bias", 32}, {"g_idx", 48}};
+    SimRuntime rt(sim_options());
+    HostWeights w(t, E, DType::other);
+    BridgeConfig c = dense_config("row", E, C, 1);
+    c.layout = LayoutConfig{"explicit", 0, 0, 16, t};
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    check(*made.value(), {{"qweight", {96}}, {"bias", {32}}, {"g_idx", {48}}}, {DType::uint8, DType::uint8, DType::uint8});
+    // Explicit layouts refuse names twice and empty lists.
+    BridgeConfig twice = c;
+    twice.layout.tensors.push_back({"bias", 16});
+    SimRuntime rt2(sim_options());
+    auto bad = Bridge::create(rt2, twice, w.args);
+    REQUIRE(!bad.ok());
+    CHECK(std::string(bad.status().message()).find("tensor 'bias' named twice") != std::string::npos);
+  }
+}
+
+TEST_CASE("CacheBridge: results equal the static caches on the same ids; slots hold the mapped experts' bytes") {
+  constexpr std::int32_t E = 16, C = 5, K = 2;
+  const DenseBf16 layout{16, 8};
+  const auto run = [&]<class Static>(const char* provider, std::uint64_t seed) {
+    CAPTURE(provider);
+    SimRuntime rb(sim_options()), rs(sim_options());
+    const Stream sb = rb.create_stream().value(), ss = rs.create_stream().value();
+    HostWeights wb(dense_tensors, E, DType::bfloat16), ws(dense_tensors, E, DType::bfloat16);
+    auto made = Bridge::create(rb, dense_config(provider, E, C, K), wb.args);
+    REQUIRE(made.ok());
+    Bridge& b = *made.value();
+    CacheOptions o;
+    o.num_experts = E;
+    o.capacity = C;
+    o.top_k = K;
+    o.label = "layer0";
+    o.memory.host_tensors[0] = MemorySpan{ws.data(0), ws.args[0].bytes};
+    o.memory.host_tensors[1] = MemorySpan{ws.data(1), ws.args[1].bytes};
+    Static ref(rs, o, layout);
+    std::mt19937_64 rng(seed);
+    for (int step = 0; step < 200; ++step) {
+      std::vector<std::int64_t> ids;
+      const auto n = 1 + static_cast<std::int32_t>(rng() % 6);
+      for (std::int32_t i = 0; i < n; ++i) ids.push_back(static_cast<std::int64_t>(rng() % (E + 1)) - 1);  // -1: padding
+      std::vector<std::int32_t> ids32(ids.begin(), ids.end());
+      if (step % 9 == 4) {
+        const auto e = static_cast<std::int32_t>(rng() % E);
+        REQUIRE(b.invalidate(e, sb).ok() == ref.invalidate(e, ss).ok());
+      }
+      const auto x = ref.prepare(ids32, ss);
+      const auto y = step % 2 == 0 ? b.prepare(ids, sb) : b.prepare(std::span<const std::int32_t>(ids32), sb);
+      REQUIRE(x.ok() == y.ok());
+      if (x.ok()) {
+        CHECK(x.value().hits == y.value().hits);
+        CHECK(x.value().misses == y.value().misses);
+        CHECK(x.value().generation == y.value().generation);
+      } else {
+        CHECK(x.status().message() == y.status().message());
+      }
+      rb.drain();
+      rs.drain();
+      const auto* fd = reinterpret_cast<const std::int32_t*>(b.expert_map_device());
+      const auto* rd = reinterpret_cast<const std::int32_t*>(b.resident_map_device());
+      for (std::int32_t e = 0; e < E; ++e) {
+        REQUIRE(fd[e] == ref.forward_map_device()[e]);
+        REQUIRE(rd[e] == ref.resident_map_device()[e]);
+        REQUIRE(b.expert_map_host()[static_cast<std::size_t>(e)] == ref.forward_map_host()[static_cast<std::size_t>(e)]);
+      }
+      if (step % 20 == 0) check_slots_hold_host_bytes(rb, b, wb);
+    }
+    const CacheStats rstats = ref.stats();
+    const auto bstats = b.stats();
+    const auto get = [&](const char* name) {
+      for (const StatEntry& e : bstats)
+        if (e.name == name) return e.int_value;
+      FAIL("no stat " << name);
+      return std::int64_t{-1};
+    };
+    CHECK(get("hits") == static_cast<std::int64_t>(rstats.hits));
+    CHECK(get("misses") == static_cast<std::int64_t>(rstats.misses));
+    CHECK(get("evictions") == static_cast<std::int64_t>(rstats.evictions));
+    CHECK(get("invalidations") == static_cast<std::int64_t>(rstats.invalidations));
+    CHECK(get("resident") == rstats.resident);
+    CHECK(get("prepare_calls") == static_cast<std::int64_t>(rstats.prepare_calls));
+    CHECK(get("total_copies") == static_cast<std::int64_t>(rstats.total_copies));
+    CHECK(get("slot_bytes") == static_cast<std::int64_t>(rstats.slot_bytes));
+    CHECK(get("host_bytes") == static_cast<std::int64_t>(rstats.host_bytes));
+    CHECK(bstats.size() == 18);  // every CacheStats field + hit_rate
+    CHECK(bstats.back().name == "hit_rate");
+    CHECK(bstats.back().float_value == doctest::Approx(rstats.hit_rate()));
+    CHECK(rstats.hits > 0);
+    CHECK(rb.races().empty());
+  };
+  run.template operator()<ExpertCache<TensorMajorStorage, Lru, CopyStream, DenseBf16, SimRuntime>>("row", 21);
+  run.template operator()<ExpertCache<TensorMajorStorage, Lfru, CopyStream, DenseBf16, SimRuntime>>("cached", 22);
+}
+
+TEST_CASE("CacheBridge: the device provider plans device ids (SimRuntime), as DeviceExpertCache") {
+  constexpr std::int32_t E = 14, C = 4, max_ids = 6;
+  SimRuntime rb(sim_options()), rs(sim_options());
+  const Stream sb = rb.create_stream().value(), ss = rs.create_stream().value();
+  HostWeights wb(dense_tensors, E, DType::bfloat16), ws(dense_tensors, E, DType::bfloat16);
+  BridgeConfig c = dense_config("device", E, C, 1);
+  c.max_ids = max_ids;
+  auto made = Bridge::create(rb, c, wb.args);
+  REQUIRE(made.ok());
+  Bridge& b = *made.value();
+  CHECK(b.device_provider());
+  CHECK(b.expert_map_host().empty());
+  DeviceCacheOptions o;
+  o.num_experts = E;
+  o.capacity = C;
+  o.max_ids = max_ids;
+  o.label = "layer0";
+  o.memory.host_tensors[0] = MemorySpan{ws.data(0), ws.args[0].bytes};
+  o.memory.host_tensors[1] = MemorySpan{ws.data(1), ws.args[1].bytes};
+  DeviceExpertCache<TensorMajorStorage, DenseBf16, SimRuntime> ref(rs, o, DenseBf16{16, 8});
+  RuntimeBuffer<SimRuntime> ids_b(rb, max_ids * sizeof(std::int32_t), MemoryKind::device);
+  RuntimeBuffer<SimRuntime> ids_s(rs, max_ids * sizeof(std::int32_t), MemoryKind::device);
+  const auto* dev_b = reinterpret_cast<const std::int32_t*>(ids_b.data());
+  const auto* dev_s = reinterpret_cast<const std::int32_t*>(ids_s.data());
+
+  // Host ids are refused: the device provider reads the router's output where it is.
+  const auto host = b.prepare(std::vector<std::int32_t>{1}, sb);
+  REQUIRE(!host.ok());
+  CHECK(std::string(host.status().message()).find("takes device ids") != std::string::npos);
+
+  std::mt19937_64 rng(31);
+  for (int step = 0; step < 120; ++step) {
+    std::vector<std::int32_t> ids;
+    const auto n = 1 + static_cast<std::int32_t>(rng() % 3);  // <= C unique: one group
+    for (std::int32_t i = 0; i < n; ++i) ids.push_back(static_cast<std::int32_t>(rng() % E));
+    for (auto [rt, buf] : {std::pair{&rb, &ids_b}, std::pair{&rs, &ids_s}}) {
+      rt->host_access(buf->data(), ids.size() * sizeof(std::int32_t), AccessMode::write);
+      std::memcpy(buf->data(), ids.data(), ids.size() * sizeof(std::int32_t));
+    }
+    const auto x = ref.prepare(dev_s, n, ss);
+    const auto y = b.prepare_device(dev_b, n, sb);
+    REQUIRE(x.ok());
+    REQUIRE(y.ok());
+    CHECK(!y.value().has_counts);
+    CHECK(y.value().generation == x.value().generation);
+    rb.drain();
+    rs.drain();
+    REQUIRE(rb.synchronize(sb).ok());
+    REQUIRE(rs.synchronize(ss).ok());
+    const auto* fd = reinterpret_cast<const std::int32_t*>(b.expert_map_device());
+    const auto* rd = reinterpret_cast<const std::int32_t*>(b.resident_map_device());
+    for (std::int32_t e = 0; e < E; ++e) {
+      REQUIRE(fd[e] == ref.forward_map_device()[e]);
+      REQUIRE(rd[e] == ref.resident_map_device()[e]);
+    }
+    for (std::int32_t id : ids) REQUIRE(fd[id] >= 0);
+    if (step % 30 == 0) check_slots_hold_host_bytes(rb, b, wb);
+  }
+  CHECK(b.device_errors() == 0);
+  // Too many ids: refused, nothing changes.
+  const Snapshot before = snapshot(rb, b);
+  const auto big = b.prepare_device(dev_b, max_ids + 1, sb);
+  REQUIRE(!big.ok());
+  CHECK(std::string(big.status().message()).find("prepare of 7 ids (device provider: 0..max_ids = 6)") != std::string::npos);
+  CHECK(snapshot(rb, b) == before);
+  const CacheStats rstats = ref.stats();
+  for (const StatEntry& e : b.stats()) {
+    if (e.name == std::string("hits")) CHECK(e.int_value == static_cast<std::int64_t>(rstats.hits));
+    if (e.name == std::string("misses")) CHECK(e.int_value == static_cast<std::int64_t>(rstats.misses));
+  }
+  CHECK(rstats.hits > 0);
+  CHECK(rb.races().empty());
+}
