@@ -1,0 +1,608 @@
+#!/usr/bin/env python3
+"""A transformers Mixtral model whose expert weights live in host memory, served through expert_cache.
+
+Builds MixtralForCausalLM from a small MixtralConfig (random weights, no download), bf16 on CUDA, and
+replaces every layer's `mlp.experts` by one of two modules that run the SAME torch ops:
+
+  ResidentExperts  all expert weights on the GPU ([E, 2N, K] / [E, K, N]); gathers each (token, k)'s
+                   expert with index_select from the full tensors.
+  CachedExperts    expert weights in host memory, one ect.ExpertCache per layer with capacity < E;
+                   prepare(top_k_index) makes this forward's experts resident, slot = expert_map[ids]
+                   (a device gather) and the same index_select runs over the slot tensors.
+
+Both then do the same batched matmuls in the same order and dtype, so the generated tokens and logits
+must be bit-identical (torch.equal) to the all-resident run. ResidentExperts itself is checked against
+the model's stock MixtralExperts on the first forward with a stated bf16 tolerance (the stock module
+runs different kernels). Usage (docs/torch_example.md):
+
+  python examples/torch/mixtral_offload.py --tokens 64 --capacity 4 --provider row
+  python examples/torch/mixtral_offload.py --check          # small, fast run; exit 0 pass, 77 skip, 1 fail
+
+Exit codes: 0 every assertion passed; 1 an assertion or the run failed; 77 torch, CUDA, transformers or
+the expert_cache_torch extension is missing (the reason is printed).
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+EXIT_OK, EXIT_FAIL, EXIT_SKIP = 0, 1, 77
+
+# ResidentExperts vs the stock MixtralExperts (different kernels, both bf16): per layer,
+# max |ours - stock| <= STOCK_REL_TOL * max |stock| + STOCK_ABS_TOL. Both round the gate/up
+# projection, the activation product and the down projection to bf16 (relative step 2^-8); they
+# differ in the GEMM kernels' accumulation order and in where the routing weight is applied
+# (stock: per expert in fp32 then rounded and summed in bf16; ours: summed in fp32, rounded once).
+STOCK_REL_TOL = 2e-2
+STOCK_ABS_TOL = 1e-6
+
+# Providers this example runs through the cache ("all" = the two host-planned ones of issue 14).
+PROVIDERS = ("row", "cached", "device")
+
+# Defaults of a normal run and of --check (a smaller model, same assertions).
+FULL_DEFAULTS = dict(layers=8, hidden=1024, intermediate=2048, heads=16, kv_heads=4, tokens=64, repeats=3)
+CHECK_DEFAULTS = dict(layers=4, hidden=512, intermediate=1024, heads=8, kv_heads=2, tokens=64, repeats=3)
+
+
+class CheckFailed(Exception):
+    """An assertion of the example failed (exit 1)."""
+
+
+class Missing(Exception):
+    """A prerequisite is missing (exit 77)."""
+
+
+def log(*parts):
+    print(*parts, flush=True)
+
+
+def require(cond, what):
+    if not cond:
+        raise CheckFailed(what)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=None, help="new tokens per greedy generation (>= 1; default 64)")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (fixed, from the seed)")
+    p.add_argument("--capacity", type=int, default=4, help="GPU slots per layer (top_k <= capacity <= experts)")
+    p.add_argument("--provider", default="all",
+                   help="row | cached | device | all (= row,cached); a comma list is accepted")
+    p.add_argument("--policy", default="", help="eviction policy name ('' = the provider's default)")
+    p.add_argument("--staging", default="", help="staging policy name ('' = the provider's default)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --check 4)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size K (default 1024; --check 512)")
+    p.add_argument("--intermediate", type=int, default=None, help="expert intermediate size N (default 2048)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads")
+    p.add_argument("--experts", type=int, default=8, help="experts per layer E")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
+    p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and prompt")
+    p.add_argument("--repeats", type=int, default=None, help="timed generations per variant (median; default 3)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="test mode: small model, validates every expert map; exit 0/1/77")
+    p.add_argument("--validate-maps", action="store_true",
+                   help="check slot >= 0 for every (token, k) of every forward (one extra sync; on in --check)")
+    a = p.parse_args(argv)
+    defaults = CHECK_DEFAULTS if a.check else FULL_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if a.check:
+        a.validate_maps = True
+    names = [s.strip() for s in a.provider.split(",") if s.strip()]
+    if names == ["all"]:
+        names = ["row", "cached"]
+    bad = [n for n in names if n not in PROVIDERS]
+    if not names or bad:
+        p.error(f"--provider: unknown {bad or a.provider!r}; choose from {', '.join(PROVIDERS)} or all")
+    a.providers = list(dict.fromkeys(names))
+    if a.tokens < 1 or a.prompt_len < 1 or a.repeats < 1 or a.layers < 1:
+        p.error("--tokens, --prompt-len, --repeats and --layers must be >= 1")
+    if not (1 <= a.top_k <= a.experts):
+        p.error(f"--top-k {a.top_k} must be in [1, --experts {a.experts}]")
+    if not (a.top_k <= a.capacity <= a.experts):
+        p.error(f"--capacity {a.capacity} must be in [top_k {a.top_k}, experts {a.experts}] "
+                "(a forward of one token needs top_k experts resident at once)")
+    if a.hidden % a.heads != 0 or a.heads % a.kv_heads != 0:
+        p.error(f"--hidden {a.hidden} must divide by --heads {a.heads}, and heads by --kv-heads {a.kv_heads}")
+    return a
+
+
+# --------------------------------------------------------------------------------------------
+# Imports (exit 77 when a prerequisite is missing)
+# --------------------------------------------------------------------------------------------
+
+def import_stack():
+    # Deterministic cuBLAS workspaces; harmless where already deterministic. Before torch loads.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    try:
+        import torch
+    except ImportError as e:
+        raise Missing(f"torch is not importable ({e})")
+    if not torch.cuda.is_available():
+        raise Missing(f"torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda})")
+    try:
+        import transformers
+        from transformers import MixtralConfig, MixtralForCausalLM
+    except ImportError as e:
+        raise Missing(f"transformers with Mixtral is not importable ({e})")
+    try:
+        import expert_cache_torch as ect
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] == "expert_cache_torch":
+            raise Missing(f"the expert_cache_torch extension is not installed ({e}); build it from python/ "
+                          "(docs/python.md) and put it on PYTHONPATH")
+        raise
+    # Any other ImportError (an undefined symbol, a torch ABI mismatch) is a broken build: it fails
+    # (exit 1) instead of passing as skipped.
+    return torch, transformers, MixtralConfig, MixtralForCausalLM, ect
+
+
+# --------------------------------------------------------------------------------------------
+# The experts modules (same signature as MixtralExperts.forward)
+# --------------------------------------------------------------------------------------------
+
+def make_modules(torch):
+    nn = torch.nn
+
+    def expert_math(x, top_k_weights, w13, w2, act_fn):
+        """x [T, K]; w13 [T*k, 2N, K], w2 [T*k, K, N] (row t*k + j is token t's j-th expert);
+        top_k_weights [T, k]. Returns [T, K] in x's dtype. The one code path of both variants."""
+        t, hidden = x.shape
+        k = top_k_weights.shape[1]
+        xk = x.unsqueeze(1).expand(t, k, hidden).reshape(t * k, 1, hidden)      # [T*k, 1, K]
+        gate_up = torch.bmm(xk, w13.transpose(1, 2))                           # [T*k, 1, 2N]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = act_fn(gate) * up                                                    # [T*k, 1, N]
+        y = torch.bmm(h, w2.transpose(1, 2)).view(t, k, hidden)                  # [T*k, 1, K]
+        out = (y.float() * top_k_weights.float().unsqueeze(-1)).sum(dim=1)      # fp32 sum over k
+        return out.to(x.dtype)
+
+    class ResidentExperts(nn.Module):
+        """Every expert's weights on the GPU; optionally compares its first call with the stock module."""
+
+        def __init__(self, layer, gate_up, down, act_fn, stock=None):
+            super().__init__()
+            self.layer = layer
+            self.w13 = gate_up      # [E, 2N, K] (the model's parameter, not copied)
+            self.w2 = down          # [E, K, N]
+            self.act_fn = act_fn
+            self._stock = [stock]   # a list: not registered as a submodule
+            self.stock_check = None  # dict after the first checked call
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            flat = top_k_index.flatten()
+            w13 = self.w13.index_select(0, flat)
+            w2 = self.w2.index_select(0, flat)
+            out = expert_math(hidden_states, top_k_weights, w13, w2, self.act_fn)
+            stock = self._stock[0]
+            if stock is not None and self.stock_check is None:
+                ref = stock(hidden_states, top_k_index, top_k_weights)
+                diff = (out.float() - ref.float()).abs()
+                scale = ref.float().abs().max().item()
+                err = diff.max().item()
+                bound = STOCK_REL_TOL * scale + STOCK_ABS_TOL
+                self.stock_check = dict(layer=self.layer, tokens=int(hidden_states.shape[0]),
+                                        max_abs_diff=err, mean_abs_diff=diff.mean().item(),
+                                        max_abs_stock=scale, bound=bound, ok=bool(err <= bound),
+                                        out_dtype=str(ref.dtype))
+            return out
+
+    class CachedExperts(nn.Module):
+        """Expert weights in host memory behind an ect.ExpertCache; the GEMMs read the slot tensors."""
+
+        def __init__(self, layer, cache, act_fn, validate_maps):
+            super().__init__()
+            self.layer = layer
+            self.cache = cache
+            self.act_fn = act_fn
+            self.validate_maps = validate_maps
+            self.prepare_s = 0.0     # time inside prepare(), perf_counter
+            self.forwards = 0
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            t0 = time.perf_counter()
+            view = self.cache.prepare(top_k_index)
+            self.prepare_s += time.perf_counter() - t0
+            self.forwards += 1
+            slot = view.expert_map[top_k_index]          # device gather, no host sync: [T, k] int32
+            flat = slot.flatten()
+            if self.validate_maps:
+                lo = int(flat.min().item())
+                if lo < 0:
+                    raise CheckFailed(
+                        f"layer {self.layer}: expert_map has -1 for a routed expert (ids "
+                        f"{top_k_index.flatten().tolist()}, slots {flat.tolist()}, generation {view.generation})")
+            w13 = view.tensors["w13"].index_select(0, flat)
+            w2 = view.tensors["w2"].index_select(0, flat)
+            return expert_math(hidden_states, top_k_weights, w13, w2, self.act_fn)
+
+    return ResidentExperts, CachedExperts
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+def build_model(torch, MixtralConfig, MixtralForCausalLM, a):
+    config = MixtralConfig(
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+        num_local_experts=a.experts, num_experts_per_tok=a.top_k,
+        max_position_embeddings=max(256, 2 * (a.prompt_len + a.tokens)),
+        sliding_window=None, router_jitter_noise=0.0, tie_word_embeddings=False, use_cache=True)
+    torch.manual_seed(a.seed)
+    # Built on the CPU in fp32 with the model's own initialisation (post_init), then moved.
+    model = MixtralForCausalLM(config)
+
+    def insane(m):
+        # Uninitialised memory shows as non-finite values or an absurd spread (the model's init is
+        # normal(0, initializer_range) for the projections, ones for the norms).
+        out = []
+        for n, prm in m.named_parameters():
+            x = prm.detach().float()
+            if not torch.isfinite(x).all() or (x.numel() > 1 and x.std().item() > 10.0):
+                out.append(n)
+        return out
+
+    bad = insane(model)
+    if bad:
+        log(f"init: {len(bad)} parameters look uninitialised after construction (e.g. {bad[:3]}); "
+            "running model.init_weights()")
+        torch.manual_seed(a.seed)
+        model.init_weights()
+        bad = insane(model)
+        require(not bad, f"parameters still uninitialised after init_weights: {bad[:5]}")
+    ex0 = model.model.layers[0].mlp.experts if hasattr(model.model.layers[0], "mlp") else None
+    if ex0 is not None and hasattr(ex0, "gate_up_proj"):
+        std = ex0.gate_up_proj.detach().float().std().item()
+        log(f"init: layer 0 gate_up_proj std {std:.4g} (initializer_range {config.initializer_range})")
+        require(std > 0.0, "layer 0 gate_up_proj is all equal: the experts were not initialised")
+    model = model.to(device="cuda", dtype=torch.bfloat16).eval()
+    return config, model
+
+
+def check_structure(model, a):
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    require(layers is not None and len(layers) == a.layers,
+            f"model.model.layers missing or of the wrong length (transformers' Mixtral structure changed?)")
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
+        require(mlp is not None, f"layer {i}: no .mlp (MixtralSparseMoeBlock) found")
+        require(hasattr(mlp, "gate") and hasattr(mlp, "experts"), f"layer {i}: mlp has no .gate/.experts")
+        ex = mlp.experts
+        for name in ("gate_up_proj", "down_proj", "act_fn"):
+            require(hasattr(ex, name), f"layer {i}: mlp.experts ({type(ex).__name__}) has no .{name}: this example "
+                    "needs transformers' fused MixtralExperts (gate_up_proj [E,2N,K], down_proj [E,K,N]; "
+                    "transformers >= 5)")
+        e, two_n, k = ex.gate_up_proj.shape
+        require((e, two_n, k) == (a.experts, 2 * a.intermediate, a.hidden),
+                f"layer {i}: gate_up_proj shape {tuple(ex.gate_up_proj.shape)} != "
+                f"({a.experts}, {2 * a.intermediate}, {a.hidden})")
+        require(tuple(ex.down_proj.shape) == (a.experts, a.hidden, a.intermediate),
+                f"layer {i}: down_proj shape {tuple(ex.down_proj.shape)} != ({a.experts}, {a.hidden}, {a.intermediate})")
+    return [layer.mlp if hasattr(layer, "mlp") else layer.block_sparse_moe for layer in layers]
+
+
+def set_experts(mlps, modules):
+    for mlp, m in zip(mlps, modules):
+        mlp.experts = m
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy generation with the model's KV cache
+# --------------------------------------------------------------------------------------------
+
+def greedy(torch, model, prompt, n_new, timers):
+    """Feeds the prompt one token per forward (so every forward routes top_k experts per layer,
+    which a cache of capacity >= top_k can always hold), then generates n_new tokens greedily.
+    The timed window is the n_new forwards that produce the new tokens (the first one consumes the
+    last prompt token). Returns (tokens [n_new] cpu, logits [n_new, V] cuda, seconds, prepare_s)."""
+    past = None
+    with torch.no_grad():
+        for i in range(prompt.shape[1] - 1):
+            out = model(input_ids=prompt[:, i:i + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        for m in timers:
+            m.prepare_s = 0.0
+        cur = prompt[:, -1:]
+        tokens, logits = [], []
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_new):
+            out = model(input_ids=cur, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            last = out.logits[:, -1, :]
+            cur = last.argmax(dim=-1, keepdim=True)
+            logits.append(last)
+            tokens.append(cur)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    prepare_s = sum(m.prepare_s for m in timers)
+    return torch.cat(tokens, dim=1).flatten().cpu(), torch.cat(logits, dim=0), seconds, prepare_s
+
+
+def stats_sum(caches):
+    per_layer = [c.stats() for c in caches]
+    total = {}
+    for s in per_layer:
+        for key, value in s.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total, per_layer
+
+
+def hit_rate(hits, misses):
+    n = hits + misses
+    return None if n == 0 else hits / n
+
+
+def run_variant(torch, model, prompt, a, timers, caches, ref):
+    """Warm-up + a.repeats timed generations. Every generation is compared with `ref` (the first
+    all-resident generation) when given. Returns the variant's result dict."""
+    runs = []
+    for r in range(a.repeats + 1):
+        before = stats_sum(caches)[0] if caches else {}
+        toks, lgts, seconds, prep = greedy(torch, model, prompt, a.tokens, timers)
+        after = stats_sum(caches)[0] if caches else {}
+        hits = after.get("hits", 0) - before.get("hits", 0)
+        misses = after.get("misses", 0) - before.get("misses", 0)
+        entry = dict(run=r, warmup=(r == 0), seconds=seconds, tokens_per_s=a.tokens / seconds,
+                     prepare_s=prep, prepare_share=prep / seconds, hits=hits, misses=misses,
+                     hit_rate=hit_rate(hits, misses))
+        if ref is None:
+            ref = (toks, lgts)
+        entry["tokens_equal"] = bool(torch.equal(toks, ref[0]))
+        entry["logits_equal"] = bool(lgts.dtype == ref[1].dtype and torch.equal(lgts, ref[1]))
+        entry["max_abs_logit_diff"] = float((lgts.float() - ref[1].float()).abs().max().item())
+        if not entry["tokens_equal"]:
+            first = int((toks != ref[0]).nonzero()[0].item())
+            entry["first_token_mismatch"] = first
+        runs.append(entry)
+        log(f"    run {r}{' (warm-up)' if r == 0 else ''}: {entry['tokens_per_s']:.1f} tok/s, "
+            f"prepare {1e3 * prep / a.tokens:.3f} ms/token ({100 * entry['prepare_share']:.1f}%), "
+            f"hits {hits} misses {misses}, tokens equal {entry['tokens_equal']}, "
+            f"logits bit-identical {entry['logits_equal']} (max |diff| {entry['max_abs_logit_diff']:.3g})")
+    timed = runs[1:]
+    hits = sum(x["hits"] for x in timed)
+    misses = sum(x["misses"] for x in timed)
+    result = dict(
+        tokens_per_s=statistics.median(x["tokens_per_s"] for x in timed),
+        ms_per_token=1e3 * statistics.median(x["seconds"] for x in timed) / a.tokens,
+        prepare_ms_per_token=1e3 * statistics.median(x["prepare_s"] for x in timed) / a.tokens,
+        prepare_share=statistics.median(x["prepare_share"] for x in timed),
+        hits=hits, misses=misses, hit_rate=hit_rate(hits, misses),
+        cold_hits=runs[0]["hits"], cold_misses=runs[0]["misses"],
+        cold_hit_rate=hit_rate(runs[0]["hits"], runs[0]["misses"]),
+        tokens_equal=all(x["tokens_equal"] for x in runs),
+        logits_equal=all(x["logits_equal"] for x in runs),
+        max_abs_logit_diff=max(x["max_abs_logit_diff"] for x in runs),
+        runs=runs)
+    return result, ref
+
+
+# --------------------------------------------------------------------------------------------
+# Main flow
+# --------------------------------------------------------------------------------------------
+
+def fmt_rate(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def print_table(a, results):
+    log("")
+    log(f"Mixtral {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, {a.experts} experts, "
+        f"top-{a.top_k}, capacity {a.capacity}/layer, {a.tokens} new tokens, prompt {a.prompt_len}, "
+        f"median of {a.repeats} timed runs after a warm-up")
+    head = ("variant", "hit rate", "cold hit rate", "tokens/s", "ms/token", "prepare ms/token", "cache share",
+            "tokens", "logits")
+    rows = []
+    for name, r in results.items():
+        rows.append((name, fmt_rate(r.get("hit_rate")), fmt_rate(r.get("cold_hit_rate")),
+                     f"{r['tokens_per_s']:.1f}", f"{r['ms_per_token']:.3f}",
+                     f"{r['prepare_ms_per_token']:.3f}", f"{100 * r['prepare_share']:.1f}%",
+                     "same" if r["tokens_equal"] else "DIFFERENT",
+                     "bit-identical" if r["logits_equal"] else f"max|diff| {r['max_abs_logit_diff']:.3g}"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    log(line(head))
+    log("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        log(line(row))
+    log("hit rate: hits / (hits + misses) from cache.stats() summed over layers, timed runs (the cache stays warm "
+        "between runs); cold: the warm-up run from empty caches.")
+    log("cache share: time inside prepare() (perf_counter) / wall time of the generation. The host-planned "
+        "providers (row, cached) include their one id read-back synchronisation per prepare(), which also "
+        "waits for the GPU work queued before it.")
+
+
+def versions(torch, transformers, ect):
+    props = torch.cuda.get_device_properties(0)
+    return dict(python=platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
+                transformers=transformers.__version__,
+                expert_cache_torch=getattr(ect, "__version__", "?"), expert_cache_torch_file=getattr(ect, "__file__", "?"),
+                device=props.name, capability=f"{props.major}.{props.minor}",
+                device_memory_gib=round(props.total_memory / 2**30, 1))
+
+
+def main(argv=None):
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    report = dict(args={k: v for k, v in vars(a).items()}, passed=False, failures=[])
+    try:
+        code = run(a, report)
+    except Missing as e:
+        log(f"SKIP: {e}")
+        report["skipped"] = str(e)
+        code = EXIT_SKIP
+    except CheckFailed as e:
+        log(f"FAILED: {e}")
+        report["failures"].append(str(e))
+        code = EXIT_FAIL
+    except Exception as e:  # the log must show what broke
+        traceback.print_exc()
+        msg = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {msg}")
+        report["failures"].append(msg)
+        code = EXIT_FAIL
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, default=str)
+        log(f"wrote {a.json}")
+    return code
+
+
+def run(a, report):
+    torch, transformers, MixtralConfig, MixtralForCausalLM, ect = import_stack()
+    ResidentExperts, CachedExperts = make_modules(torch)
+    v = versions(torch, transformers, ect)
+    report["versions"] = v
+    log("versions: " + ", ".join(f"{k}={val}" for k, val in v.items()))
+
+    t0 = time.perf_counter()
+    config, model = build_model(torch, MixtralConfig, MixtralForCausalLM, a)
+    mlps = check_structure(model, a)
+    stock = [m.experts for m in mlps]
+    log(f"model: {type(model).__name__} built in {time.perf_counter() - t0:.1f} s, "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, attn "
+        f"{getattr(config, '_attn_implementation', '?')}, experts implementation "
+        f"{getattr(config, '_experts_implementation', '?')}, stock experts {type(stock[0]).__name__}, "
+        f"gate_up_proj {tuple(stock[0].gate_up_proj.shape)} {stock[0].gate_up_proj.dtype}, "
+        f"down_proj {tuple(stock[0].down_proj.shape)}")
+    g = torch.Generator().manual_seed(a.seed + 1)
+    prompt = torch.randint(0, a.vocab, (1, a.prompt_len), generator=g).to("cuda")
+    log(f"prompt ({a.prompt_len} tokens): {prompt.flatten().tolist()}")
+    failures = report["failures"]
+
+    # 1. ResidentExperts against the stock MixtralExperts: one forward over the whole prompt.
+    with torch.no_grad():
+        ref_logits = model(input_ids=prompt, use_cache=False).logits
+        checkers = [ResidentExperts(i, s.gate_up_proj, s.down_proj, s.act_fn, stock=s) for i, s in enumerate(stock)]
+        set_experts(mlps, checkers)
+        our_logits = model(input_ids=prompt, use_cache=False).logits
+    checks = [c.stock_check for c in checkers]
+    report["stock_check"] = dict(rel_tol=STOCK_REL_TOL, abs_tol=STOCK_ABS_TOL, layers=checks,
+                                 logits_max_abs_diff=float((our_logits.float() - ref_logits.float()).abs().max()),
+                                 logits_max_abs=float(ref_logits.float().abs().max()),
+                                 argmax_agree=float((our_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()))
+    log(f"stock check (tolerance max|diff| <= {STOCK_REL_TOL} * max|stock| + {STOCK_ABS_TOL}):")
+    for c in checks:
+        if c is None:
+            failures.append("stock check: a layer's experts were never called")
+            continue
+        log(f"  layer {c['layer']}: {c['tokens']} tokens, max|diff| {c['max_abs_diff']:.4g} "
+            f"(mean {c['mean_abs_diff']:.3g}) vs max|stock| {c['max_abs_stock']:.4g}, bound {c['bound']:.4g}: "
+            f"{'ok' if c['ok'] else 'FAIL'}")
+        if not c["ok"]:
+            failures.append(f"stock check layer {c['layer']}: max|diff| {c['max_abs_diff']:.4g} > {c['bound']:.4g}")
+    sc = report["stock_check"]
+    log(f"  model logits over the prompt (informational): max|diff| {sc['logits_max_abs_diff']:.4g} of "
+        f"max|logit| {sc['logits_max_abs']:.4g}, argmax agreement {100 * sc['argmax_agree']:.1f}%")
+    del checkers, ref_logits, our_logits
+
+    # 2. All resident: the reference generation.
+    results = {}
+    resident = [ResidentExperts(i, s.gate_up_proj, s.down_proj, s.act_fn) for i, s in enumerate(stock)]
+    set_experts(mlps, resident)
+    log("variant resident (every expert on the GPU):")
+    results["resident"], ref = run_variant(torch, model, prompt, a, [], [], None)
+    results["resident"].update(hit_rate=None, cold_hit_rate=None)
+    require(results["resident"]["tokens_equal"] and results["resident"]["logits_equal"],
+            "the all-resident model is not deterministic across runs: bit-identity cannot be tested")
+    log(f"  tokens: {ref[0].tolist()}")
+
+    # 3. Expert weights to host memory; drop the GPU copies.
+    host = [(s.gate_up_proj.detach().to("cpu").contiguous(), s.down_proj.detach().to("cpu").contiguous())
+            for s in stock]
+    act_fn = stock[0].act_fn
+    expert_bytes = sum(t.numel() * t.element_size() for pair in host for t in pair)
+    for gu, dn in host:
+        require(gu.data_ptr() % 16 == 0 and dn.data_ptr() % 16 == 0, "host tensors are not 16-byte aligned")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    set_experts(mlps, [torch.nn.Identity() for _ in mlps])   # placeholders until a cache is built
+    del resident, stock
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory_allocated()
+    log(f"experts moved to host: {expert_bytes / 2**20:.1f} MiB of bf16 weights ({len(host)} layers, "
+        f"w13 {tuple(host[0][0].shape)}, w2 {tuple(host[0][1].shape)}); GPU allocated {before / 2**20:.1f} -> "
+        f"{after / 2**20:.1f} MiB")
+    require(before - after >= 0.95 * expert_bytes,
+            f"the GPU expert copies were not freed ({(before - after) / 2**20:.1f} MiB released, "
+            f"{expert_bytes / 2**20:.1f} MiB expected): some reference keeps them alive")
+    report["expert_host_mib"] = expert_bytes / 2**20
+    report["gpu_mib_released"] = (before - after) / 2**20
+
+    # 4. Through the cache, per provider.
+    layout = ect.DenseBf16(hidden=a.hidden, intermediate=a.intermediate)
+    for provider in a.providers:
+        caches = []
+        for i, (gu, dn) in enumerate(host):
+            caches.append(ect.ExpertCache(
+                layout, host_tensors={"w13": gu, "w2": dn}, num_experts=a.experts, capacity=a.capacity,
+                top_k=a.top_k, provider=provider, policy=a.policy, staging=a.staging,
+                storage="tensor_major" if provider == "cached" else "",
+                max_ids=a.top_k if provider == "device" else 0, label=f"layer{i}"))
+        st = caches[0].slot_tensors
+        log(f"variant {provider}: {len(caches)} caches, capacity {caches[0].capacity}/{caches[0].num_experts}, "
+            f"provider {caches[0].provider}, slot tensors "
+            + ", ".join(f"{k} {tuple(t.shape)} {t.dtype} {t.device}" for k, t in st.items()))
+        require(tuple(st["w13"].shape) == (a.capacity, 2 * a.intermediate, a.hidden)
+                and tuple(st["w2"].shape) == (a.capacity, a.hidden, a.intermediate)
+                and st["w13"].dtype == torch.bfloat16,
+                f"{provider}: slot tensors have unexpected shapes/dtype")
+        modules = [CachedExperts(i, c, act_fn, a.validate_maps) for i, c in enumerate(caches)]
+        set_experts(mlps, modules)
+        res, _ = run_variant(torch, model, prompt, a, modules, caches, ref)
+        total, per_layer = stats_sum(caches)
+        res["stats_total"] = total
+        res["per_layer_hit_rate"] = [hit_rate(s.get("hits", 0), s.get("misses", 0)) for s in per_layer]
+        log("  per-layer hit rate (all runs): " + ", ".join(fmt_rate(x) for x in res["per_layer_hit_rate"]))
+        log("  stats (sum over layers): " + ", ".join(f"{k}={val}" for k, val in total.items()))
+        results[provider] = res
+        if not res["tokens_equal"]:
+            bad = [x for x in res["runs"] if not x["tokens_equal"]]
+            failures.append(f"{provider}: tokens differ from the all-resident run (run {bad[0]['run']}, first "
+                            f"mismatch at new token {bad[0].get('first_token_mismatch')})")
+        if not res["logits_equal"]:
+            failures.append(f"{provider}: logits not bit-identical to the all-resident run "
+                            f"(max |diff| {res['max_abs_logit_diff']:.4g})")
+        # Capacity < experts and empty caches at the start: a host-planned cache must miss. (The
+        # device provider's stats may not count hits/misses; its bit-identity is the check.)
+        if provider != "device" and total.get("misses", 0) == 0:
+            failures.append(f"{provider}: no misses recorded: the cache was not exercised")
+        if total.get("faults", 0):
+            failures.append(f"{provider}: cache reported {total['faults']} faults")
+        # Unregister the host tensors before the next provider registers them again.
+        set_experts(mlps, [torch.nn.Identity() for _ in mlps])
+        del modules, caches, st
+        gc.collect()
+        torch.cuda.synchronize()
+
+    report["results"] = results
+    print_table(a, results)
+    if failures:
+        log("FAILURES:")
+        for f in failures:
+            log("  - " + f)
+        return EXIT_FAIL
+    report["passed"] = True
+    log("PASS: every provider generated the all-resident tokens with bit-identical logits")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

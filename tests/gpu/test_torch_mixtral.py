@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""GPU test: examples/torch/mixtral_offload.py in --check mode, once per provider (row, cached).
+
+Each run builds a small random-weight transformers Mixtral, generates greedily with every expert
+resident, then with the expert weights in host memory behind expert_cache_torch (capacity below
+the number of experts), and must reproduce the resident tokens and bit-identical logits. This test
+also reads the run's JSON and checks it independently of the example's own verdict.
+
+Exit codes: 0 all runs passed; 77 (skip) when the example skipped for every provider (no torch,
+CUDA device, transformers or extension: the reason is printed); 1 otherwise.
+Usage: python3 tests/gpu/test_torch_mixtral.py [path/to/mixtral_offload.py]
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_EXAMPLE = os.path.join(HERE, "..", "..", "examples", "torch", "mixtral_offload.py")
+PROVIDERS = ("row", "cached")
+TIMEOUT_S = 900
+REPEATS = 3  # the example's --check default; the JSON must list REPEATS + 1 runs per variant
+
+
+def check_report(provider, report):
+    """Returns a list of problems with the run's JSON (empty when it is what a pass must look like)."""
+    problems = []
+
+    def need(cond, what):
+        if not cond:
+            problems.append(what)
+
+    need(report.get("passed") is True, f"report says passed={report.get('passed')}, failures {report.get('failures')}")
+    need(not report.get("failures"), f"failures listed: {report.get('failures')}")
+    results = report.get("results", {})
+    need("resident" in results and provider in results, f"results lack resident/{provider}: {sorted(results)}")
+    sc = report.get("stock_check", {})
+    layers = sc.get("layers") or []
+    need(len(layers) == report.get("args", {}).get("layers"), f"stock check covers {len(layers)} layers")
+    need(all(c and c.get("ok") and c["max_abs_diff"] <= c["bound"] for c in layers),
+         f"stock check failed: {layers}")
+    need(report.get("gpu_mib_released", 0) >= 0.95 * report.get("expert_host_mib", float("inf")),
+         f"GPU expert copies not released: {report.get('gpu_mib_released')} of {report.get('expert_host_mib')} MiB")
+    r = results.get(provider)
+    if r:
+        runs = r.get("runs", [])
+        need(len(runs) == REPEATS + 1, f"{provider}: {len(runs)} runs, expected {REPEATS + 1}")
+        need(all(x.get("tokens_equal") and x.get("logits_equal") for x in runs),
+             f"{provider}: a run differs from the all-resident one: "
+             f"{[(x.get('run'), x.get('tokens_equal'), x.get('max_abs_logit_diff')) for x in runs]}")
+        need(all(x.get("max_abs_logit_diff") == 0.0 for x in runs), f"{provider}: nonzero logit difference")
+        need(r.get("misses", 0) > 0 or r.get("cold_misses", 0) > 0, f"{provider}: the cache never missed")
+        hr = r.get("hit_rate")
+        need(hr is not None and 0.0 <= hr <= 1.0, f"{provider}: hit rate {hr} not in [0, 1]")
+        need(r.get("cold_misses", 0) >= report["args"]["capacity"],
+             f"{provider}: {r.get('cold_misses')} cold misses, at least capacity ({report['args']['capacity']}) "
+             "expected from empty caches")
+        need(r.get("tokens_per_s", 0) > 0, f"{provider}: tokens/s {r.get('tokens_per_s')}")
+        need(0.0 < r.get("prepare_share", 0) < 1.0, f"{provider}: cache share {r.get('prepare_share')} not in (0, 1)")
+    return problems
+
+
+def main():
+    example = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_EXAMPLE)
+    if not os.path.isfile(example):
+        print(f"FAILED: example not found: {example}")
+        return 1
+    codes = {}
+    problems = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for provider in PROVIDERS:
+            path = os.path.join(tmp, f"{provider}.json")
+            cmd = [sys.executable, example, "--check", "--provider", provider, "--json", path]
+            print("$ " + " ".join(cmd), flush=True)
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
+                rc, out, err = p.returncode, p.stdout, p.stderr
+            except subprocess.TimeoutExpired as e:
+                rc, out, err = 1, e.stdout or "", f"timed out after {TIMEOUT_S} s"
+                out = out.decode() if isinstance(out, bytes) else out
+            print(out, end="" if out.endswith("\n") else "\n")
+            if err:
+                print("---- stderr\n" + err, end="" if err.endswith("\n") else "\n")
+            codes[provider] = rc
+            if rc == 0:
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        problems[provider] = check_report(provider, json.load(f))
+                except (OSError, ValueError) as e:
+                    problems[provider] = [f"cannot read {path}: {e}"]
+            elif rc != 77:
+                problems[provider] = [f"example exited {rc}"]
+            print(f"-- {provider}: exit {rc}, " + ("; ".join(problems.get(provider, [])) or "ok"), flush=True)
+    if all(rc == 77 for rc in codes.values()):
+        print(f"SKIP: the example skipped for every provider ({', '.join(PROVIDERS)})")
+        print(f"0 passed, 0 failed, {len(PROVIDERS)} skipped")
+        return 77
+    failed = [p for p in PROVIDERS if codes[p] != 0 or problems.get(p)]
+    for p in failed:
+        if codes[p] == 77:
+            print(f"FAILED: {p} skipped while another provider ran (inconsistent environment)")
+        for what in problems.get(p, []):
+            print(f"FAILED: {p}: {what}")
+    print(f"{len(PROVIDERS) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
