@@ -266,11 +266,6 @@ def build_model(torch, MixtralConfig, MixtralForCausalLM, a):
         model.init_weights()
         bad = insane(model)
         require(not bad, f"parameters still uninitialised after init_weights: {bad[:5]}")
-    ex0 = model.model.layers[0].mlp.experts if hasattr(model.model.layers[0], "mlp") else None
-    if ex0 is not None and hasattr(ex0, "gate_up_proj"):
-        std = ex0.gate_up_proj.detach().float().std().item()
-        log(f"init: layer 0 gate_up_proj std {std:.4g} (initializer_range {config.initializer_range})")
-        require(std > 0.0, "layer 0 gate_up_proj is all equal: the experts were not initialised")
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     return config, model
 
@@ -475,6 +470,10 @@ def run(a, report):
     config, model = build_model(torch, MixtralConfig, MixtralForCausalLM, a)
     mlps = check_structure(model, a)
     stock = [m.experts for m in mlps]
+    stds = [s.gate_up_proj.detach().float().std().item() for s in stock]
+    log(f"init: gate_up_proj std per layer {', '.join(f'{x:.4g}' for x in stds)} "
+        f"(initializer_range {getattr(config, 'initializer_range', '?')})")
+    require(all(x > 0.0 for x in stds), "a layer's gate_up_proj is constant: the experts were not initialised")
     log(f"model: {type(model).__name__} built in {time.perf_counter() - t0:.1f} s, "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, attn "
         f"{getattr(config, '_attn_implementation', '?')}, experts implementation "
