@@ -550,11 +550,18 @@ def run(a, report):
     for provider in a.providers:
         caches = []
         for i, (gu, dn) in enumerate(host):
-            caches.append(ect.ExpertCache(
-                layout, host_tensors={"w13": gu, "w2": dn}, num_experts=a.experts, capacity=a.capacity,
-                top_k=a.top_k, provider=provider, policy=a.policy, staging=a.staging,
-                storage="tensor_major" if provider == "cached" else "",
-                max_ids=a.top_k if provider == "device" else 0, label=f"layer{i}"))
+            try:
+                caches.append(ect.ExpertCache(
+                    layout, host_tensors={"w13": gu, "w2": dn}, num_experts=a.experts, capacity=a.capacity,
+                    top_k=a.top_k, provider=provider, policy=a.policy, staging=a.staging,
+                    storage="tensor_major" if provider == "cached" else "",
+                    max_ids=a.top_k if provider == "device" else 0, label=f"layer{i}"))
+            except Exception as e:
+                # Every provider registers the same host tensors in turn: the previous provider's
+                # caches must be gone (unregistered) by now.
+                raise CheckFailed(f"{provider}: building the cache of layer {i} failed: {type(e).__name__}: {e} "
+                                  f"(host tensors w13 {tuple(gu.shape)} @0x{gu.data_ptr():x}, w2 {tuple(dn.shape)} "
+                                  f"@0x{dn.data_ptr():x}; providers before it: {a.providers[:a.providers.index(provider)]})")
         st = caches[0].slot_tensors
         log(f"variant {provider}: {len(caches)} caches, capacity {caches[0].capacity}/{caches[0].num_experts}, "
             f"provider {caches[0].provider}, slot tensors "
