@@ -1,5 +1,7 @@
 // expert-cache-replay: replay a routing trace (format v1, docs/trace_format.md) through the
-// eviction policies and print hits, misses, hit rate and the ratio to OPT (Belady).
+// eviction policies and print hits, misses, hit rate and the ratio to OPT (Belady); with
+// --prefetch, also the same runs with speculative fills of the next layer's predicted experts
+// (tools/prefetch_replay.hpp, docs/prefetch.md).
 // Exit codes: 0 ok, 2 bad arguments or bad trace, 1 internal error.
 #include <algorithm>
 #include <charconv>
@@ -19,7 +21,10 @@
 #endif
 
 #include "cli_args.hpp"
+#include "decode/args.hpp"
 #include "json_text.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
+#include "expert_cache/tools/prefetch_replay.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "expert_cache/tools/trace_io.hpp"
@@ -29,6 +34,13 @@ namespace ec = expert_cache;
 namespace {
 
 constexpr int exit_usage = 2;
+
+// The decode benchmark's default expert (expert-cache-bench: hidden x intermediate in NVFP4-Marlin),
+// the size the byte metrics use unless --expert-bytes is given.
+std::uint64_t default_expert_bytes() {
+  const expert_cache::bench::BenchArgs defaults;
+  return ec::Nvfp4Marlin{defaults.hidden, defaults.intermediate, ec::ActDtype::bf16}.bytes_per_expert();
+}
 
 void print_help(std::ostream& out) {
   out << "usage: expert-cache-replay [--trace FILE | --generate SPEC] [options]\n"
@@ -51,6 +63,17 @@ void print_help(std::ostream& out) {
          "  --json                print JSON instead of a table\n"
          "  --per-layer           per-layer breakdown against OPT (most useful with --scope global:\n"
          "                        which layers lose the most hits); JSON gains per_layer arrays\n"
+         "  --prefetch P          after each forward, prefetch the next layer's predicted experts:\n"
+         "                        none (default), coact (co-activation table learned online), prev\n"
+         "                        (the previous token's experts), or hint:R (EMULATED engine hints\n"
+         "                        drawn from the trace's future with recall R in (0, 1]); adds the\n"
+         "                        columns with prefetch: hit rate, OPT's, coverage, precision,\n"
+         "                        fills issued / used / wasted, extra MB per token (docs/prefetch.md)\n"
+         "  --prefetch-budget N   speculative fills per forward (default: the widest forward, top_k)\n"
+         "  --expert-bytes N      bytes per expert for the byte columns (default "
+      << default_expert_bytes()
+      << ",\n"
+         "                        the decode benchmark's default NVFP4 expert)\n"
          "  --progress            progress on stderr (default: only when stderr is a terminal)\n"
          "  --help                this text\n"
          "\n"
@@ -79,6 +102,9 @@ struct Args {
   std::vector<std::string> policies;  // empty = all
   ec::ReplayScope scope = ec::ReplayScope::layer;
   std::optional<std::int32_t> experts;
+  ec::PrefetchSpec prefetch;
+  std::optional<std::int32_t> prefetch_budget;
+  std::uint64_t expert_bytes = 0;
   bool json = false;
   bool per_layer = false;
   bool progress = false;
@@ -134,6 +160,18 @@ Args parse_args(int argc, char** argv) {
         throw UsageError{"--experts: must be in [1, " + std::to_string(ec::trace_max_experts) + "]"};
       }
       a.experts = e;
+    } else if (arg == "--prefetch") {
+      ec::Result<ec::PrefetchSpec> spec = ec::parse_prefetch_spec(value());
+      if (!spec.ok()) throw UsageError{"--prefetch: " + std::string(spec.status().message())};
+      a.prefetch = spec.value();
+    } else if (arg == "--prefetch-budget") {
+      const std::int32_t n = parse_int_arg("--prefetch-budget", value());
+      if (n < 0) throw UsageError{"--prefetch-budget: " + std::to_string(n) + " is negative"};
+      a.prefetch_budget = n;
+    } else if (arg == "--expert-bytes") {
+      const std::int32_t n = parse_int_arg("--expert-bytes", value());
+      if (n < 1) throw UsageError{"--expert-bytes: " + std::to_string(n) + " is below 1"};
+      a.expert_bytes = static_cast<std::uint64_t>(n);
     } else if (arg == "--per-layer") {
       no_value();
       a.per_layer = true;
@@ -149,6 +187,7 @@ Args parse_args(int argc, char** argv) {
   }
   if (a.trace_path && a.generate_spec) throw UsageError{"--trace and --generate are mutually exclusive"};
   if (a.policies.empty()) a.policies = ec::replay_policy_names();
+  if (a.expert_bytes == 0) a.expert_bytes = default_expert_bytes();
   return a;
 }
 
@@ -283,6 +322,131 @@ void print_per_layer(std::ostream& out, const ec::ReplayReport& r) {
   }
 }
 
+std::string percent_text(std::optional<double> v) {
+  if (!v || !std::isfinite(*v)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f%%", 100.0 * *v);
+  return buf;
+}
+
+std::string ops_number(std::optional<std::uint64_t> v) { return v ? std::to_string(*v) : "null"; }
+
+std::optional<double> hit_rate_of(const std::optional<ec::ReplayCounts>& c) {
+  if (!c) return std::nullopt;
+  return c->hit_rate();
+}
+
+// The prefetch header of the table and of the JSON.
+std::string prefetch_scope_text(const ec::PrefetchReplayReport& p) {
+  return p.plain.scope == ec::ReplayScope::layer ? "into layer L+1's own cache" : "into the shared cache";
+}
+
+// JSON with prefetch: the plain document's fields plus, per result, the prefetch ones (null on
+// OPT rows, the reference), and a top-level "prefetch" object.
+void print_prefetch_json(std::ostream& out, const std::string& source, const ec::PrefetchReplayReport& p) {
+  const ec::ReplayReport& r = p.plain;
+  out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
+      << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
+      << ",\n  \"cache_experts\": " << r.cache_experts << ",\n  \"caches\": " << r.caches
+      << ",\n  \"records\": " << r.records << ",\n  \"forwards\": " << r.forwards
+      << ",\n  \"accesses\": " << r.accesses << ",\n  \"has_opt\": " << (r.has_opt ? "true" : "false")
+      << ",\n  \"prefetch\": {\"predictor\": " << json_string(ec::to_string(p.prefetch))
+      << ", \"emulated\": " << (ec::is_emulated(p.prefetch) ? "true" : "false") << ", \"budget\": " << p.budget
+      << ", \"list_length\": " << p.list_length << ", \"expires_after\": " << p.expires_after
+      << ", \"expert_bytes\": " << p.expert_bytes << ", \"tokens\": " << json_number(p.tokens) << "}"
+      << ",\n  \"results\": [";
+  for (std::size_t i = 0; i < p.rows.size(); ++i) {
+    const ec::PrefetchRow& row = p.rows[i];
+    const ec::ReplayRow& plain = r.rows[i];
+    const std::optional<ec::PrefetchCounts>& sp = row.speculative;
+    auto field = [&](std::uint64_t ec::PrefetchCounts::*m) {
+      return sp ? std::optional<std::uint64_t>((*sp).*m) : std::nullopt;
+    };
+    out << (i ? ",\n" : "\n") << "    {\"policy\": " << json_string(row.policy) << ", \"capacity\": " << row.capacity
+        << ", \"hits\": " << row.without.hits << ", \"misses\": " << row.without.misses
+        << ", \"evictions\": " << row.without.evictions << ", \"hit_rate\": " << json_number(row.without.hit_rate());
+    if (r.has_opt) {
+      out << ", \"hits_vs_opt\": " << json_number(plain.hits_vs_opt)
+          << ", \"misses_vs_opt\": " << json_number(plain.misses_vs_opt)
+          << ", \"opt_hit_rate\": " << json_number(hit_rate_of(row.opt));
+    }
+    out << ", \"prefetch_hits\": " << ops_number(row.with ? std::optional<std::uint64_t>(row.with->hits) : std::nullopt)
+        << ", \"prefetch_misses\": "
+        << ops_number(row.with ? std::optional<std::uint64_t>(row.with->misses) : std::nullopt)
+        << ", \"prefetch_hit_rate\": " << json_number(hit_rate_of(row.with))
+        << ", \"coverage\": " << json_number(row.coverage) << ", \"precision\": " << json_number(row.precision)
+        << ", \"predicted\": " << ops_number(field(&ec::PrefetchCounts::predicted))
+        << ", \"issued\": " << ops_number(field(&ec::PrefetchCounts::issued))
+        << ", \"used\": " << ops_number(field(&ec::PrefetchCounts::used))
+        << ", \"wasted\": " << ops_number(field(&ec::PrefetchCounts::wasted))
+        << ", \"pending\": " << ops_number(field(&ec::PrefetchCounts::pending))
+        << ", \"skipped_resident\": " << ops_number(field(&ec::PrefetchCounts::skipped_resident))
+        << ", \"skipped_no_victim\": " << ops_number(field(&ec::PrefetchCounts::skipped_no_victim))
+        << ", \"extra_bytes_per_token\": " << json_number(row.extra_bytes_per_token)
+        << ", \"bytes_per_token\": " << json_number(row.bytes_per_token_without)
+        << ", \"prefetch_bytes_per_token\": " << json_number(row.bytes_per_token_with) << "}";
+  }
+  out << "\n  ]\n}\n";
+}
+
+void print_prefetch_table(std::ostream& out, const std::string& source, const ec::PrefetchReplayReport& p) {
+  const ec::ReplayReport& r = p.plain;
+  out << "trace: " << source << "\n"
+      << "  " << r.records << " records, " << r.forwards << " forwards, " << r.num_layers << " layers, "
+      << r.num_experts << " experts, " << r.accesses << " expert requests\n"
+      << "scope: " << ec::to_string(r.scope) << " (" << r.caches << (r.caches == 1 ? " cache" : " caches")
+      << " of " << r.cache_experts << " keys; capacity = slots per cache)\n"
+      << "prefetch: " << ec::to_label(p.prefetch) << ": after each forward of layer L, up to " << p.budget
+      << " speculative fills of layer L+1's predicted experts " << prefetch_scope_text(p) << " (unused after "
+      << p.expires_after << (p.expires_after == 1 ? " forward" : " forwards") << " = wasted)\n";
+  char buf[320];
+  std::snprintf(buf, sizeof buf, "  bytes: %llu per expert, %.6g tokens (records / layers)\n\n",
+                static_cast<unsigned long long>(p.expert_bytes), p.tokens);
+  out << buf;
+  std::snprintf(buf, sizeof buf, "%-10s %8s %12s %9s", "policy", "capacity", "misses", "hit_rate");
+  out << buf;
+  if (r.has_opt) {
+    std::snprintf(buf, sizeof buf, " %9s %9s", "hits/OPT", "OPT_rate");
+    out << buf;
+  }
+  std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s\n", "+prefetch", "coverage", "precision",
+                "issued", "used", "wasted", "extraMB/tok", "MB/tok(pf)");
+  out << buf;
+  std::int32_t last_capacity = -1;
+  for (std::size_t i = 0; i < p.rows.size(); ++i) {
+    const ec::PrefetchRow& row = p.rows[i];
+    if (last_capacity != -1 && row.capacity != last_capacity) out << '\n';
+    last_capacity = row.capacity;
+    std::snprintf(buf, sizeof buf, "%-10s %8d %12llu %8.2f%%", row.policy.c_str(), row.capacity,
+                  static_cast<unsigned long long>(row.without.misses), 100.0 * row.without.hit_rate());
+    out << buf;
+    if (r.has_opt) {
+      std::snprintf(buf, sizeof buf, " %9s %9s", ratio_text(r.rows[i].hits_vs_opt).c_str(),
+                    percent_text(hit_rate_of(row.opt)).c_str());
+      out << buf;
+    }
+    auto count = [&](std::uint64_t ec::PrefetchCounts::*m) {
+      return row.speculative ? std::to_string((*row.speculative).*m) : std::string("-");
+    };
+    auto mb = [](std::optional<double> v) {
+      if (!v) return std::string("-");
+      char b[32];
+      std::snprintf(b, sizeof b, "%.3f", *v / 1e6);
+      return std::string(b);
+    };
+    std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s\n", percent_text(hit_rate_of(row.with)).c_str(),
+                  percent_text(row.coverage).c_str(), percent_text(row.precision).c_str(),
+                  count(&ec::PrefetchCounts::issued).c_str(), count(&ec::PrefetchCounts::used).c_str(),
+                  count(&ec::PrefetchCounts::wasted).c_str(), mb(row.extra_bytes_per_token).c_str(),
+                  mb(row.bytes_per_token_with).c_str());
+    out << buf;
+  }
+  if (ec::is_emulated(p.prefetch)) {
+    out << "\n(" << ec::to_string(p.prefetch)
+        << " is EMULATED: hints drawn from the trace's own future at the given recall, not a real predictor)\n";
+  }
+}
+
 bool stderr_is_tty() {
 #if defined(__unix__) || defined(__APPLE__)
   return isatty(STDERR_FILENO) != 0;
@@ -369,6 +533,34 @@ int run(int argc, char** argv) {
                    tty ? "" : "\n");
       std::fflush(stderr);
     };
+  }
+  if (args.prefetch.kind != ec::PrefetchKind::none) {
+    ec::PrefetchReplayOptions po;
+    po.scope = options.scope;
+    po.capacities = options.capacities;
+    po.policies = options.policies;
+    po.prefetch = args.prefetch;
+    po.budget = args.prefetch_budget;
+    po.expert_bytes = args.expert_bytes;
+    po.progress = options.progress;
+    po.progress_every = options.progress_every;
+    ec::Result<ec::PrefetchReplayReport> pr = ec::replay_with_prefetch(trace, po);
+    if (tty && show_progress) std::fputs("\r\033[K", stderr);
+    if (!pr.ok()) {
+      const ec::Status& st = pr.status();
+      if (args.trace_path && st.code() == ec::ErrorCode::too_many_experts) {
+        return fail(ec::ToolStatus(st).with_prefix(*args.trace_path));
+      }
+      return fail(st);
+    }
+    if (args.json) {
+      print_prefetch_json(std::cout, source, pr.value());
+    } else {
+      print_prefetch_table(std::cout, source, pr.value());
+      if (args.per_layer) print_per_layer(std::cout, pr.value().plain);
+    }
+    std::cout.flush();
+    return std::cout ? 0 : 1;
   }
   ec::Result<ec::ReplayReport> report = ec::replay(trace, options);
   if (tty && show_progress) std::fputs("\r\033[K", stderr);  // clear the progress line

@@ -1,5 +1,6 @@
 // Next-layer predictors (prefetch/predictors.hpp): rankings on hand-made traces, the emulated
-// hints' exact recall, determinism, errors, no allocation per call.
+// hints' exact recall, determinism, errors, no allocation per call. The replay with prefetch
+// (tools/prefetch_replay.hpp): counts by hand, invariants against the plain replay.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,6 +12,10 @@
 
 #include "expert_cache/detail/splitmix64.hpp"
 #include "expert_cache/prefetch/predictors.hpp"
+#include "expert_cache/tools/prefetch_replay.hpp"
+#include "expert_cache/tools/replay.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "expert_cache/tools/trace_io.hpp"
 #include "support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
 
 using namespace expert_cache;
@@ -318,4 +323,220 @@ TEST_CASE("predictors: observe and predict allocate nothing after construction")
   const std::uint64_t after = expert_cache::test::g_allocations.load();
   CHECK(after == before);
   CHECK(returned > 0);
+}
+
+// ---- replay with prefetch -----------------------------------------------------------------
+
+namespace {
+
+Trace parsed(const char* text) {
+  ToolResult<Trace> t = parse_trace_text(text);
+  REQUIRE(t.ok());
+  return std::move(t).value();
+}
+
+PrefetchReplayReport prefetch_replay(const Trace& trace, ReplayScope scope, std::vector<std::int32_t> capacities,
+                                     std::vector<std::string> policies, const char* predictor,
+                                     std::optional<std::int32_t> budget = std::nullopt, std::uint64_t bytes = 1000) {
+  PrefetchReplayOptions o;
+  o.scope = scope;
+  o.capacities = std::move(capacities);
+  o.policies = std::move(policies);
+  Result<PrefetchSpec> spec = parse_prefetch_spec(predictor);
+  REQUIRE(spec.ok());
+  o.prefetch = spec.value();
+  o.budget = budget;
+  o.expert_bytes = bytes;
+  Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
+  REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+  return std::move(r).value();
+}
+
+// Online policies (OPT rows are replayed without prefetch).
+std::vector<std::string> online_policies() {
+  std::vector<std::string> names = replay_policy_names();
+  names.erase(std::remove(names.begin(), names.end(), std::string(opt_policy_alias)), names.end());
+  return names;
+}
+
+// Every run: counts add up, and the metrics are what docs/prefetch.md defines.
+void check_invariants(const PrefetchReplayReport& r) {
+  REQUIRE(r.rows.size() == r.plain.rows.size());
+  for (std::size_t i = 0; i < r.rows.size(); ++i) {
+    const PrefetchRow& row = r.rows[i];
+    CAPTURE(row.policy);
+    CAPTURE(row.capacity);
+    CHECK(row.without == r.plain.rows[i].counts);
+    if (detail::is_opt_name(row.policy)) {
+      CHECK(!row.with);
+      continue;
+    }
+    REQUIRE(row.with);
+    REQUIRE(row.speculative);
+    const PrefetchCounts& c = *row.speculative;
+    CHECK(row.with->accesses() == r.plain.accesses);
+    CHECK(c.used <= c.issued);
+    CHECK(c.issued == c.used + c.wasted + c.pending);
+    CHECK(c.predicted >= c.issued + c.skipped_resident + c.skipped_no_victim);
+    CHECK(c.issued <= static_cast<std::uint64_t>(r.budget) * r.plain.forwards);
+    CHECK(row.with->hits >= c.used);  // a used fill is a hit
+    if (row.without.misses > 0) {
+      CHECK(row.coverage.value() == doctest::Approx(static_cast<double>(c.used) / static_cast<double>(row.without.misses)));
+    }
+    if (c.issued > 0) {
+      CHECK(row.precision.value() == doctest::Approx(static_cast<double>(c.used) / static_cast<double>(c.issued)));
+    } else {
+      CHECK(!row.precision);
+    }
+    CHECK(row.extra_bytes_per_token.value() ==
+          doctest::Approx(static_cast<double>(c.issued - c.used) * static_cast<double>(r.expert_bytes) / r.tokens));
+    CHECK(row.bytes_per_token_with.value() ==
+          doctest::Approx(static_cast<double>(row.with->misses + c.issued) * static_cast<double>(r.expert_bytes) / r.tokens));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("prefetch replay: counts by hand (hint:1, layer and global scope)") {
+  // Two layers, four experts: (step, layer) {experts}: (0,0){0} (0,1){1} (1,0){2} (1,1){3} (2,0){0} (2,1){2}.
+  const Trace trace = parsed("0 0 0\n0 1 1\n1 0 2\n1 1 3\n2 0 0\n2 1 2\n");
+  {
+    // Layer scope, 2 slots, 1 fill: layer 1's cache gets 1, then 3 (free slots), then 2
+    // (evicting 1: 3 is its most recent forward's). Every layer-1 forward hits.
+    const PrefetchReplayReport r = prefetch_replay(trace, ReplayScope::layer, {2}, {"lru"}, "hint:1", 1);
+    check_invariants(r);
+    const PrefetchRow& row = r.rows[0];
+    CHECK(r.tokens == 3.0);
+    CHECK(r.expires_after == 1);
+    CHECK(row.without == ReplayCounts{1, 5, 1});
+    CHECK(row.with->hits == 4);
+    CHECK(row.with->misses == 2);
+    CHECK(row.speculative->issued == 3);
+    CHECK(row.speculative->used == 3);
+    CHECK(row.speculative->wasted == 0);
+    CHECK(row.speculative->pending == 0);
+    CHECK(row.coverage.value() == doctest::Approx(0.6));
+    CHECK(row.precision.value() == 1.0);
+    CHECK(row.extra_bytes_per_token.value() == 0.0);
+    CHECK(row.bytes_per_token_with.value() == doctest::Approx((2 + 3) * 1000.0 / 3));
+  }
+  {
+    // Global scope, 3 slots, keys layer*4 + e: 0 | 5 | 2 | 7 | 0 | 6. Without prefetch LRU misses
+    // all six; with it every layer-1 key is filled just before its forward.
+    const PrefetchReplayReport r = prefetch_replay(trace, ReplayScope::global, {3}, {"lru"}, "hint:1", 1);
+    check_invariants(r);
+    const PrefetchRow& row = r.rows[0];
+    CHECK(r.expires_after == 2);
+    CHECK(row.without.hits == 0);
+    CHECK(row.without.misses == 6);
+    CHECK(row.with->hits == 3);
+    CHECK(row.with->misses == 3);
+    CHECK(row.speculative->issued == 3);
+    CHECK(row.speculative->used == 3);
+    CHECK(row.coverage.value() == doctest::Approx(0.5));
+  }
+  {
+    // prev: layer 1's previous token's experts. Step 1 predicts {1} (resident), step 2 predicts
+    // {3} (resident): nothing to fill.
+    const PrefetchReplayReport r = prefetch_replay(trace, ReplayScope::layer, {2}, {"lru"}, "prev", 1);
+    check_invariants(r);
+    CHECK(r.rows[0].speculative->predicted == 2);
+    CHECK(r.rows[0].speculative->skipped_resident == 2);
+    CHECK(r.rows[0].speculative->issued == 0);
+    CHECK(!r.rows[0].precision);
+    CHECK(*r.rows[0].with == r.rows[0].without);
+  }
+}
+
+TEST_CASE("prefetch replay: budget 0 and prefetch none equal the plain replay exactly") {
+  const Trace trace = generate_trace(GeneratorSpec{4, 24, 3, 300, 1.0, 0.4, 5});
+  for (const ReplayScope scope : {ReplayScope::layer, ReplayScope::global}) {
+    CAPTURE(to_string(scope));
+    std::vector<std::string> policies = online_policies();
+    policies.emplace_back(opt_policy_alias);
+    for (const char* predictor : {"coact", "prev", "hint:1", "hint:0.5", "none"}) {
+      CAPTURE(predictor);
+      const bool none = std::string_view(predictor) == "none";
+      const PrefetchReplayReport r =
+          prefetch_replay(trace, scope, {3, 6, 12}, policies, predictor, none ? std::nullopt : std::optional<std::int32_t>(0));
+      check_invariants(r);
+      for (const PrefetchRow& row : r.rows) {
+        if (detail::is_opt_name(row.policy)) continue;
+        CAPTURE(row.policy);
+        CHECK(*row.with == row.without);  // hits, misses and evictions
+        CHECK(row.speculative->issued == 0);
+        CHECK(row.coverage.value() == 0.0);
+      }
+    }
+  }
+}
+
+TEST_CASE("prefetch replay: hint:1 with enough budget never lowers the hit rate; invariants for every predictor") {
+  const Trace trace = generate_trace(GeneratorSpec{6, 32, 4, 400, 0.8, 0.3, 9});
+  for (const ReplayScope scope : {ReplayScope::layer, ReplayScope::global}) {
+    CAPTURE(to_string(scope));
+    // Capacities of at least two forwards' worth: a victim outside the last forward always exists.
+    const std::vector<std::int32_t> caps = scope == ReplayScope::layer ? std::vector<std::int32_t>{8, 16}
+                                                                       : std::vector<std::int32_t>{8, 32, 64};
+    const PrefetchReplayReport hint = prefetch_replay(trace, scope, caps, online_policies(), "hint:1", 4);
+    check_invariants(hint);
+    for (const PrefetchRow& row : hint.rows) {
+      CAPTURE(row.policy);
+      CAPTURE(row.capacity);
+      CHECK(row.with->hit_rate() >= row.without.hit_rate());
+      CHECK(row.speculative->issued > 0);
+      CHECK(row.precision.value() == 1.0);  // every hinted id is a true one
+      if (scope == ReplayScope::layer) CHECK(row.speculative->pending == 0);  // each fill meets its forward
+    }
+    for (const char* predictor : {"coact", "prev", "hint:0.8", "hint:0.3"}) {
+      CAPTURE(predictor);
+      const PrefetchReplayReport r = prefetch_replay(trace, scope, caps, online_policies(), predictor);
+      check_invariants(r);
+      CHECK(r.budget == 4);  // default: the widest forward (top_k)
+      // The same run twice gives the same numbers (seeded hints, deterministic tables).
+      const PrefetchReplayReport again = prefetch_replay(trace, scope, caps, online_policies(), predictor);
+      for (std::size_t i = 0; i < r.rows.size(); ++i) {
+        CHECK(*r.rows[i].with == *again.rows[i].with);
+        CHECK(*r.rows[i].speculative == *again.rows[i].speculative);
+      }
+    }
+  }
+}
+
+TEST_CASE("prefetch replay: a lower recall hits less than a higher one (emulated hints are monotone on average)") {
+  const Trace trace = generate_trace(GeneratorSpec{6, 32, 4, 400, 0.8, 0.3, 9});
+  const PrefetchReplayReport hi = prefetch_replay(trace, ReplayScope::layer, {8}, {"lru"}, "hint:0.9");
+  const PrefetchReplayReport lo = prefetch_replay(trace, ReplayScope::layer, {8}, {"lru"}, "hint:0.2");
+  CHECK(hi.rows[0].with->hits > lo.rows[0].with->hits);
+  CHECK(hi.rows[0].precision.value() > lo.rows[0].precision.value());
+}
+
+TEST_CASE("prefetch spec: parsing and errors") {
+  CHECK(parse_prefetch_spec("none").value().kind == PrefetchKind::none);
+  CHECK(parse_prefetch_spec("coact").value().kind == PrefetchKind::coact);
+  CHECK(parse_prefetch_spec("prev").value().kind == PrefetchKind::prev);
+  const PrefetchSpec h = parse_prefetch_spec("hint:0.75").value();
+  CHECK(h.kind == PrefetchKind::hint);
+  CHECK(h.recall == 0.75);
+  CHECK(to_string(h) == "hint:0.75");
+  CHECK(to_label(h).find("emulated") != std::string::npos);
+  CHECK(to_label(parse_prefetch_spec("coact").value()) == "coact");
+  CHECK(parse_prefetch_spec("hint:1").value().recall == 1.0);
+  for (const char* bad : {"hint:0", "hint:1.5", "hint:-0.5", "hint:", "hint:abc", "hint:0.5x", "hint:nan", "hint:inf",
+                          "hint:1e-1", "bogus", "", "hint"}) {
+    CAPTURE(bad);
+    const Result<PrefetchSpec> r = parse_prefetch_spec(bad);
+    CHECK(!r.ok());
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+  }
+  const Trace trace = parsed("0 0 0\n0 1 1\n");
+  PrefetchReplayOptions o;
+  o.capacities = {2};
+  o.policies = {"lru"};
+  o.prefetch.kind = PrefetchKind::coact;
+  o.budget = -1;
+  CHECK(replay_with_prefetch(trace, o).status().code() == ErrorCode::invalid_argument);
+  o.budget = 1;
+  o.capacities = {9};
+  CHECK(replay_with_prefetch(trace, o).status().code() == ErrorCode::invalid_capacity);
 }

@@ -153,6 +153,93 @@ def case_malformed_traces():
     expect_usage_error(["--trace", path, "--capacity", "2", "--policy", "lru"], "line 3: forward (step 1, layer 0)")
 
 
+def plain_fields(r):
+    return {k: r[k] for k in ("policy", "capacity", "hits", "misses", "evictions", "hit_rate")}
+
+
+def case_prefetch():
+    path = generated_file()
+    rc, out, err = run("--trace", path, "--capacity", "6,12", "--policy", "all", "--json")
+    expect(rc == 0, "plain replay", out, err)
+    plain = json.loads(out)
+    for pf in ("coact", "prev", "hint:0.8"):
+        rc, out, err = run("--trace", path, "--capacity", "6,12", "--policy", "all", "--json", "--prefetch", pf,
+                           "--expert-bytes", "1000")
+        expect(rc == 0, f"--prefetch {pf}", out, err)
+        doc = json.loads(out)
+        p = doc["prefetch"]
+        expect(p["predictor"] == pf and p["emulated"] == pf.startswith("hint"), "prefetch header", p)
+        expect(p["budget"] == 3 and p["expires_after"] == 1 and p["expert_bytes"] == 1000, "budget = topk", p)
+        expect(p["tokens"] == 300, "tokens = records / layers", p)
+        expect([plain_fields(r) for r in doc["results"]] == [plain_fields(r) for r in plain["results"]],
+               "the plain columns are the plain replay's", out)
+        for r in doc["results"]:
+            if r["policy"] == "opt":
+                expect(r["prefetch_hits"] is None and r["issued"] is None and r["coverage"] is None,
+                       "OPT is the reference, replayed without prefetch", r)
+                continue
+            expect(r["prefetch_hits"] + r["prefetch_misses"] == doc["accesses"], "prefetch accesses", r)
+            expect(r["used"] <= r["issued"], "used <= issued", r)
+            expect(r["issued"] == r["used"] + r["wasted"] + r["pending"], "issued = used + wasted + pending", r)
+            expect(r["issued"] <= 3 * doc["forwards"], "budget bounds the fills", r)
+            expect(abs(r["coverage"] - r["used"] / r["misses"]) < 1e-6, "coverage = used / plain misses", r)
+            if r["issued"]:
+                expect(abs(r["precision"] - r["used"] / r["issued"]) < 1e-6, "precision = used / issued", r)
+            expect(abs(r["extra_bytes_per_token"] - (r["issued"] - r["used"]) * 1000 / 300) < 1e-3,
+                   "extra bytes per token", r)
+            expect(abs(r["opt_hit_rate"] - r["hit_rate"] / r["hits_vs_opt"]) < 1e-4 if r["hits_vs_opt"] else True,
+                   "OPT's hit rate next to the policy's", r)
+    # Budget 0: the prefetch run is the plain run.
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "all", "--json", "--prefetch", "hint:0.7",
+                       "--prefetch-budget", "0")
+    expect(rc == 0, "budget 0", out, err)
+    for r in json.loads(out)["results"]:
+        if r["policy"] != "opt":
+            expect(r["prefetch_hits"] == r["hits"] and r["issued"] == 0, "budget 0 changes nothing", r)
+    # Perfect hints with enough budget never lower the hit rate.
+    rc, out, err = run("--trace", path, "--capacity", "6,12", "--policy", "lru,lrfu", "--json", "--prefetch", "hint:1")
+    expect(rc == 0, "hint:1", out, err)
+    for r in json.loads(out)["results"]:
+        expect(r["prefetch_hit_rate"] >= r["hit_rate"] and r["precision"] == 1.0, "hint:1 helps", r)
+    # By hand (tests/test_predictors.cpp): global LRU, 3 slots, one fill per forward.
+    tiny = write("tiny.trace", "0 0 0\n0 1 1\n1 0 2\n1 1 3\n2 0 0\n2 1 2\n")
+    rc, out, err = run("--trace", tiny, "--scope", "global", "--capacity", "3", "--policy", "lru", "--json",
+                       "--prefetch", "hint:1", "--prefetch-budget", "1")
+    expect(rc == 0, "tiny global", out, err)
+    doc = json.loads(out)
+    r = doc["results"][0]
+    expect(doc["prefetch"]["expires_after"] == 2, "global: expires after one token's forwards", doc)
+    expect((r["hits"], r["prefetch_hits"], r["issued"], r["used"]) == (0, 3, 3, 3), "counts by hand", r)
+    expect(abs(r["coverage"] - 0.5) < 1e-9, "coverage by hand", r)
+    # Table: the added columns, and emulated hints labelled as such.
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru,opt", "--prefetch", "hint:0.8")
+    expect(rc == 0 and "coverage" in out and "precision" in out and "+prefetch" in out, "prefetch table", out, err)
+    expect("emulated" in out and "EMULATED" in out, "emulated hints are labelled", out)
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch", "coact")
+    expect(rc == 0 and "prefetch: coact:" in out and "emulated" not in out.lower(), "coact is not emulated", out)
+    # --prefetch none is the plain output, byte for byte.
+    rc, a, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch", "none")
+    rc2, b, err2 = run("--trace", path, "--capacity", "6", "--policy", "lru")
+    expect(rc == 0 and rc2 == 0 and a == b, "--prefetch none changes nothing", a, b)
+    rc, out, err = run("--help")
+    expect(rc == 0 and "--prefetch" in out and "hint:R" in out and "--prefetch-budget" in out and "--expert-bytes" in out,
+           "--help lists the prefetch options", out)
+
+
+def case_prefetch_bad_args():
+    path = generated_file()
+    for bad, needle in [("hint:0", "outside (0, 1]"), ("hint:1.5", "outside (0, 1]"), ("hint:-1", "outside (0, 1]"),
+                        ("hint:abc", "decimal number"), ("hint:", "decimal number"), ("hint:0.5x", "decimal number"),
+                        ("hint:nan", "decimal number"), ("bogus", "unknown prefetch 'bogus'"), ("", "unknown prefetch")]:
+        rc, out, err = expect_usage_error(["--trace", path, "--prefetch", bad], needle)
+        expect("--prefetch" in err and out == "", f"--prefetch {bad!r} names the flag, prints nothing", err, out)
+    expect_usage_error(["--trace", path, "--prefetch", "coact", "--prefetch-budget", "-1"], "is negative")
+    expect_usage_error(["--trace", path, "--prefetch", "coact", "--prefetch-budget", "x"], "not an integer")
+    expect_usage_error(["--trace", path, "--prefetch", "coact", "--expert-bytes", "0"], "below 1")
+    expect_usage_error(["--trace", path, "--prefetch"], "needs a value")
+    expect_usage_error(["--trace", path, "--prefetch", "coact", "--capacity", "2"], "needs 3 unique experts")
+
+
 CASES = {
     "help": case_help,
     "default_generated": case_default_generated,
@@ -162,6 +249,8 @@ CASES = {
     "progress": case_progress,
     "bad_args": case_bad_args,
     "malformed_traces": case_malformed_traces,
+    "prefetch": case_prefetch,
+    "prefetch_bad_args": case_prefetch_bad_args,
 }
 
 

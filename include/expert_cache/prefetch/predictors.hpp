@@ -112,9 +112,9 @@ inline Status check_max_ids(std::int32_t max_ids) noexcept {
 class CoactivationPredictor {
  public:
   static constexpr std::string_view name = "coact";
-  // Bound on table entries ((num_layers-1) * num_experts^2 doubles), so a bad shape is an error
-  // rather than a huge allocation.
-  static constexpr std::int64_t max_table_entries = std::int64_t{1} << 27;
+  // Bound on table entries ((num_layers-1) * num_experts^2 doubles, 256 MiB), so a bad shape is
+  // an error rather than a huge allocation.
+  static constexpr std::int64_t max_table_entries = std::int64_t{1} << 25;
 
   CoactivationPredictor(std::int32_t num_layers, std::int32_t num_experts, double decay = 1.0)
       : layers_(num_layers), experts_(num_experts), decay_(decay), ids_(checked(num_layers, num_experts, decay)) {
