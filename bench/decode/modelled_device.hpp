@@ -33,14 +33,16 @@ class ModelledPlanExecutor {
   using Stream = ModelledSim::Stream;
 
   ModelledPlanExecutor(ModelledSim& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                       const CopyRegions& regions, bool fused)
-      : rt_(&rt), inner_(rt.sim(), num_experts, capacity, max_ids, regions, fused), regions_(regions) {}
+                       const CopyRegions& regions, const DeviceCacheOptions& options)
+      : rt_(&rt), inner_(rt.sim(), num_experts, capacity, max_ids, regions, options), regions_(regions) {}
 
   [[nodiscard]] const DevicePlanState& state() const noexcept { return inner_.state(); }
   [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return inner_.sanitized_ids(); }
   [[nodiscard]] std::size_t device_bytes() const noexcept { return inner_.device_bytes(); }
   [[nodiscard]] DevicePlanStats stats() const noexcept { return inner_.stats(); }
   std::uint32_t take_error_word() noexcept { return inner_.take_error_word(); }
+  [[nodiscard]] bool overlap() const noexcept { return inner_.overlap(); }
+  Status join_fills() noexcept { return inner_.join_fills(); }
 
   Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
     rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);

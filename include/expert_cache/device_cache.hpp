@@ -27,6 +27,14 @@
 // cache's lifetime, so a graph captured once stays correct on replay. view.hits / view.misses
 // are 0: the counts exist only on the device (stats() reads them from the mapped mirror).
 //
+// Overlap (DeviceCacheOptions::overlap; docs/design.md edge D4 and "Overlap"): the fill may run
+// while the consumer already computes. The plan tags each slot the forward uses with the fill
+// sequence value its content must have reached (slot_needed); the fill stores that value into
+// the slot's ready word (slot_ready, release) once its bytes landed; a consumer given
+// readiness() waits for each slot's word (acquire) before it reads that slot, so it starts on
+// the resident experts and takes each missing one as soon as it landed. Values only grow:
+// a replayed graph needs no reset.
+//
 // The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>):
 // SimPlanExecutor here (simulated launches that run the shared planning code with
 // SequentialBlock and declare what they touch), CudaPlanExecutor in
@@ -63,6 +71,15 @@ struct DeviceCacheOptions {
   // CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
   // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
   bool fused_plan_fill = true;
+  // Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
+  // used), a consumer given readiness() may run concurrently with the fill. false: today's
+  // stream-ordered path exactly (readiness() is empty).
+  bool overlap = false;
+  // Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
+  // test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
+  // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
+  std::uint32_t test_fill_delay_ns = 0;
+  std::int32_t test_fill_delay_index = 0;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -81,6 +98,8 @@ concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s,
   { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
   { x.invalidate(s, n) } -> std::same_as<Status>;
   { x.drop_fills(s) } -> std::same_as<Status>;
+  { x.join_fills() } -> std::same_as<Status>;  // overlap: order later work after the last fill
+  { cx.overlap() } -> std::same_as<bool>;
   { cx.stats() } -> std::same_as<DevicePlanStats>;
   { x.take_error_word() } -> std::same_as<std::uint32_t>;
   { cx.device_bytes() } -> std::same_as<std::size_t>;
@@ -116,13 +135,25 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s
 //          simulated launch declares its ranges at enqueue. It is also the real contract: the
 //          host cannot know which slots a device-planned fill writes, so the ordering must
 //          cover every slot (edge 1 orders all of the previous owner's readers before it).
+//   overlapped fill (options.overlap, edge D4): the fill runs off the caller's stream X, so that
+//          only the ready words order a consumer after it. One lane stream per slot j: the lane
+//          waits for an event recorded on X after the plan, runs "fill slot j" (declares the
+//          write of slot j's rows in every region and of slot_ready[j]; copies if the fill list
+//          has slot j, then stores slot_ready[j] = slot_needed[j]) and records ready_event(j),
+//          which stands for the ready word's release store. A consumer waits for
+//          ready_event(j) before it reads slot j (the acquire). A lane's write is declared
+//          even when this step does not fill slot j (conservative: the host does not know the
+//          plan). join_fills() (the cache calls it before its next call, so before the core's
+//          records on X) makes X wait for every lane: on the GPU the next kernels on X run
+//          after the fill grid, because a readiness consumer waits for it before it completes.
 class SimPlanExecutor {
  public:
   using Stream = SimRuntime::Stream;
 
   SimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                  const CopyRegions& regions, bool /*fused: always two ops here*/)
+                  const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
       : rt_(&rt),
+        overlap_(options.overlap),
         block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
         words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
@@ -139,6 +170,30 @@ class SimPlanExecutor {
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
       slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
     }
+    if (overlap_) {
+      planned_ = RuntimeEvent<SimRuntime>(rt);
+      for (std::int32_t j = 0; j < capacity; ++j) {
+        lanes_.emplace_back(rt);
+        ready_.emplace_back(rt);
+      }
+    }
+  }
+
+  [[nodiscard]] bool overlap() const noexcept { return overlap_; }
+  // The event that stands for slot j's ready word (overlap only): recorded after the lane's
+  // fill of slot j in the latest step. A consumer waits for it before reading slot j.
+  [[nodiscard]] SimRuntime::Event ready_event(std::int32_t j) const noexcept {
+    return ready_[static_cast<std::size_t>(j)].get();
+  }
+
+  // Overlap: the stream the last fill forked from waits for every lane (see above).
+  Status join_fills() noexcept {
+    if (!fork_) return {};
+    const Stream x = *fork_;
+    fork_.reset();
+    for (const auto& e : ready_)
+      if (Status r = rt_->wait(x, e.get()); !r) return r;
+    return {};
   }
 
   [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
@@ -245,11 +300,15 @@ class SimPlanExecutor {
     add(acc, state_.prev_forward);
     add(acc, state_.fills);
     add(acc, state_.evictions);
+    add(acc, state_.slot_needed);
+    add(acc, state_.slot_ready);
+    add(acc, state_.fill_arrivals);
     acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
     acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
   }
 
   Status fill(Stream s) noexcept {
+    if (overlap_) return fill_overlapped(s);
     std::vector<Access> acc;
     acc.push_back({state_.scalars, sizeof(DevicePlanScalars), AccessMode::read});
     acc.push_back({state_.fills.data, static_cast<std::size_t>(state_.capacity) * sizeof(PlanEntry), AccessMode::read});
@@ -272,7 +331,51 @@ class SimPlanExecutor {
     });
   }
 
+  // One op per slot on its own lane (see the class comment).
+  Status fill_overlapped(Stream s) noexcept {
+    if (Status r = rt_->record(planned_.get(), s); !r) return r;
+    fork_ = s;
+    const DevicePlanState st = state_;
+    for (std::int32_t j = 0; j < st.capacity; ++j) {
+      const Stream lane = lanes_[static_cast<std::size_t>(j)].get();
+      if (Status r = rt_->wait(lane, planned_.get()); !r) return r;
+      std::vector<Access> acc;
+      acc.push_back({st.scalars, sizeof(DevicePlanScalars), AccessMode::read});
+      acc.push_back({st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read});
+      acc.push_back({st.slot_needed.data + j, sizeof(std::uint32_t), AccessMode::read});
+      acc.push_back({st.slot_ready.data + j, sizeof(std::uint32_t), AccessMode::write});
+      acc.insert(acc.end(), pools_.begin(), pools_.end());
+      for (const CopyRegion& r : regions_) {
+        if (r.bytes != 0) acc.push_back({r.slot_base + static_cast<std::size_t>(j) * r.slot_stride, r.bytes, AccessMode::write});
+      }
+      const CopyRegions regions = regions_;
+      rt_->set_next_label("device plan_fill_ready (slot " + std::to_string(j) + ")");
+      if (Status r = rt_->launch(lane, acc, [st, regions, j] {
+            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+            for (std::int32_t i = 0; i < n; ++i) {
+              const PlanEntry f = st.fills[i];
+              if (f.slot != j || f.expert < 0 || f.expert >= st.num_experts) continue;
+              for (const CopyRegion& r : regions) {
+                std::memcpy(r.slot_base + static_cast<std::size_t>(j) * r.slot_stride,
+                            r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
+              }
+              st.slot_ready[j] = st.slot_needed[j];  // the release store (after the bytes)
+            }
+          });
+          !r) {
+        return r;
+      }
+      if (Status r = rt_->record(ready_[static_cast<std::size_t>(j)].get(), lane); !r) return r;
+    }
+    return {};
+  }
+
   SimRuntime* rt_;
+  bool overlap_;
+  RuntimeEvent<SimRuntime> planned_;
+  std::vector<RuntimeStream<SimRuntime>> lanes_;
+  std::vector<RuntimeEvent<SimRuntime>> ready_;
+  std::optional<Stream> fork_;
   RuntimeBuffer<SimRuntime> block_;
   RuntimeBuffer<SimRuntime> words_;
   RuntimeBuffer<SimRuntime> sanitized_;
@@ -311,8 +414,7 @@ class DeviceExpertCacheWithEdges {
         // Inline mode (fills on the caller's stream); no host map is ever uploaded, so the
         // staging ring stays at its minimum.
         core_(rt, false, static_cast<std::size_t>(options_.num_experts), 2),
-        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(),
-              options_.fused_plan_fill) {
+        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = exec_.state().forward_map.data;
     view_.resident_map = exec_.state().resident_map.data;
@@ -430,6 +532,13 @@ class DeviceExpertCacheWithEdges {
   [[nodiscard]] const ForwardView& view() const noexcept { return view_; }
   // The device state (device pointers): maps, fill list, scalars; for tests and tools.
   [[nodiscard]] const DevicePlanState& plan_state() const noexcept { return exec_.state(); }
+  // Overlap (options().overlap): what a consumer needs to wait for each slot's bytes (device
+  // pointers, fixed for the cache's lifetime). Empty (enabled() false) without overlap: the
+  // consumer then relies on stream order, as before.
+  [[nodiscard]] SlotReadiness readiness() const noexcept {
+    return exec_.overlap() ? slot_readiness_of(exec_.state()) : SlotReadiness{};
+  }
+  [[nodiscard]] const Executor& executor() const noexcept { return exec_; }
   [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
   [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
   // The last prepare's ids with every dropped one as -1 (n_ids entries, device memory): a
@@ -469,6 +578,11 @@ class DeviceExpertCacheWithEdges {
   template <class Step>
   Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
     bool planned = false;
+    // Overlap: the last fill joins its stream first, so the core's records there cover it.
+    if (Status j = exec_.join_fills(); !j) {
+      ++faults_;
+      return j;
+    }
     Status s = core_.write(stream, purpose, MapUpload{}, [&](Stream f) noexcept -> Status {
       if (drop_pending_) {
         if (Status d = exec_.drop_fills(f); !d) return d;

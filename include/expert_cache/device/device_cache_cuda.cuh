@@ -10,8 +10,10 @@
 // replays correctly with new ids: what changes per step lives in device memory.
 //
 //   prepare         fused: plan_forward_fill_kernel (plan + fill of group 0, one node);
-//                   otherwise plan_forward (one warp for <= 16 ids) -> plan_fill
-//   prepare_group   plan_group -> plan_fill
+//                   otherwise plan_forward (one warp for <= 16 ids) -> plan_fill;
+//                   overlap: plan_forward -> plan_fill_ready (always two nodes: the consumer
+//                   may start while the fill runs, so the plan must be complete before it)
+//   prepare_group   plan_group -> plan_fill (overlap: plan_fill_ready)
 //   invalidate      plan_invalidate
 //   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued
 #if !defined(__CUDACC__)
@@ -48,10 +50,13 @@ class CudaPlanExecutor {
   // the fill kernel cannot take (pools that are not mapped pinned memory, more than
   // max_copy_regions, a region wider than its stride).
   CudaPlanExecutor(CudaRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                   const CopyRegions& regions, bool fused)
+                   const CopyRegions& regions, const DeviceCacheOptions& options)
       : rt_(&rt),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
-        fused_(fused) {
+        fused_(options.fused_plan_fill),
+        overlap_(options.overlap),
+        debug_{options.test_fill_delay_ns, options.test_fill_delay_index},
+        use_debug_(options.test_fill_delay_ns != 0) {
     RuntimeStream<CudaRuntime> init(rt);
     throw_on(storage_.create(num_experts, capacity, init.get()), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
@@ -69,7 +74,7 @@ class CudaPlanExecutor {
 
   Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
     planned = false;
-    if (fused_) {
+    if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
       EXPERT_CACHE_TRY_CUDA(launch_plan_forward_fill(state(), ids, n, sanitized_ids(), fill_, s));
       planned = true;
@@ -78,8 +83,7 @@ class CudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA(launch_plan_forward(state(), ids, n, sanitized_ids(), s));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
-    return rt_->after_enqueue(s, "plan_fill_kernel");
+    return fill(s);
   }
 
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
@@ -87,9 +91,13 @@ class CudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA(launch_plan_group(state(), g, s));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_group_kernel"); !st) return st;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
-    return rt_->after_enqueue(s, "plan_fill_kernel");
+    return fill(s);
   }
+
+  // Nothing to join on the GPU: the next call's kernels are stream ordered after the fill grid
+  // (a readiness consumer waits for it before it completes, docs/design.md edge D4).
+  Status join_fills() noexcept { return {}; }
+  [[nodiscard]] bool overlap() const noexcept { return overlap_; }
 
   Status invalidate(Stream s, std::int32_t expert) noexcept {
     EXPERT_CACHE_TRY_CUDA(launch_plan_invalidate(state(), expert, nullptr, s));
@@ -118,6 +126,15 @@ class CudaPlanExecutor {
   }
 
  private:
+  Status fill(Stream s) noexcept {
+    if (overlap_) {
+      EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, use_debug_ ? &debug_ : nullptr));
+      return rt_->after_enqueue(s, "plan_fill_ready_kernel");
+    }
+    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
+    return rt_->after_enqueue(s, "plan_fill_kernel");
+  }
+
   static void throw_on(cudaError_t err, const char* what) {
     if (err != cudaSuccess) throw Error(cuda_status(err, what));
   }
@@ -127,6 +144,9 @@ class CudaPlanExecutor {
   RuntimeBuffer<CudaRuntime> sanitized_;
   PlanFillParams fill_{};
   bool fused_;
+  bool overlap_;
+  PlanFillDebug debug_;
+  bool use_debug_;
 };
 static_assert(device_plan_executor<CudaPlanExecutor>);
 

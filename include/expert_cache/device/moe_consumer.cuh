@@ -32,6 +32,22 @@
 // for the previous kernel before reading anything. Without the launch attribute (older device
 // or driver, PTX for an older target) plain stream order applies and the waits are no-ops.
 //
+// Readiness (the device-planned cache's overlap, docs/design.md edge D4): run() given an
+// enabled SlotReadiness (DeviceExpertCache::readiness()) launches the waiting instantiations
+// (moe_w13<ready_wait>, moe_w2<ready_wait>). Then moe_w13 does not wait for the previous kernel
+// (the overlapped fill) at its start: each block waits, one thread then the block barrier, for
+// its pair's slot's ready word (acquire, bounded by a timeout) right before it loads the slot,
+// and reads slots with coherent loads (ld.global.cg: the fill writes them while this kernel
+// runs, which the non-coherent path does not allow). So the blocks of resident experts compute
+// while the fill still copies the missing ones, and each missing expert is taken as soon as it
+// landed. moe_w13 still waits for the fill grid before it COMPLETES (griddepcontrol.wait at
+// its end): moe_w2's wait, and every later kernel on the stream, then come after the fill.
+// Its other inputs (ids, x) must have been written before the cache's prepare (true in a decode
+// loop: the router and the layer's input precede it). moe_w2 waits per slot the same way
+// before its early weight loads. Without readiness (default): the kernels are today's.
+// Blocks are launched in pair order, not resident-first: at decode sizes every block of
+// moe_w13 is resident at once, so the spinning ones do not hold back the resident ones.
+//
 // Limits: inputs and activations below 2^63 in magnitude (they are pre-scaled by 2^62); scale
 // bytes 1-7 (never produced by the repack) go through bf16 subnormals in the MMA.
 #if !defined(__CUDACC__)
@@ -49,6 +65,7 @@
 #include <cstring>
 
 #include "expert_cache/config.hpp"
+#include "expert_cache/device/slot_ready.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
@@ -107,6 +124,12 @@ EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
 }
 
 namespace moe_detail {
+
+// Which kernel instantiation: today's (no readiness), waiting on ready words, or (tests only)
+// the readiness kernels' loads without the wait, to show that the wait is what orders them.
+inline constexpr int ready_none = 0;
+inline constexpr int ready_wait = 1;
+inline constexpr int ready_test_skip_wait = 2;
 
 inline constexpr int warps = 8;
 inline constexpr int threads = 32 * warps;
@@ -184,6 +207,42 @@ __device__ __forceinline__ uint2 load_stream8(const unsigned char* p) {
   uint2 v;
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
+}
+// The readiness kernels' slot loads: coherent at L2 (the fill writes the slots during the kernel).
+__device__ __forceinline__ uint4 load_cg16(const unsigned char* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_cg8(const unsigned char* p) {
+  uint2 v;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+template <int Mode>
+__device__ __forceinline__ uint4 load_slot16(const unsigned char* p) {
+  if constexpr (Mode == ready_none) {
+    return load_stream16(p);
+  } else {
+    return load_cg16(p);
+  }
+}
+template <int Mode>
+__device__ __forceinline__ uint2 load_slot8(const unsigned char* p) {
+  if constexpr (Mode == ready_none) {
+    return load_stream8(p);
+  } else {
+    return load_cg8(p);
+  }
+}
+// Before a block reads `slot`: one thread waits for its ready word, the barrier orders the
+// block's loads after that acquire. Uniform per block (the slot depends on blockIdx.z only).
+template <int Mode>
+__device__ __forceinline__ void await_slot(const SlotReadiness& ready, std::int32_t slot) {
+  if constexpr (Mode == ready_wait) {
+    if (threadIdx.x == 0) (void)wait_slot_ready(ready, slot);
+    __syncthreads();
+  }
 }
 
 __device__ __forceinline__ std::uint32_t bf16x2_mul(std::uint32_t a, std::uint32_t b) {
@@ -280,22 +339,35 @@ __device__ __forceinline__ std::int32_t slot_of(const MoeWeights& w, const std::
   return w.expert_map[e];
 }
 
+template <int Mode = ready_none>
 __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std::int32_t slot) {
   float g;
-  memcpy(&g, w.base[tensor] + static_cast<unsigned long long>(slot) * w.stride[tensor], sizeof g);
+  const unsigned char* p = w.base[tensor] + static_cast<unsigned long long>(slot) * w.stride[tensor];
+  if constexpr (Mode == ready_none) {
+    memcpy(&g, p, sizeof g);
+  } else {
+    std::uint32_t bits;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(bits) : "l"(p));
+    g = __uint_as_float(bits);
+  }
   return g;
 }
 
 // C1 partials of the gate tile j and the up tile j over K-rows [16 split, 16 split + 16), then, in
 // the last block of (pair, j), A = silu(gate) * up for k in [64 j, 64 j + 64) as bf16 terms in
 // fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
-// A template only so that every translation unit may define it (moe_w13<> is the one kernel).
-template <class = void>
-EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden,
-                                                   int top_k, int rows, int padded, float gscale, float* partial,
-                                                   unsigned* counters, unsigned short* act) {
-  griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
-  griddep_launch_dependents();  // only after the wait: moe_w2 reads slot buffers before its own
+// A template (Mode: ready_none / ready_wait / ready_test_skip_wait) so that every translation
+// unit may define it; moe_w13<> is today's kernel.
+template <int Mode>
+__device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int32_t* ids, const float* x, int hidden,
+                                             int top_k, int rows, int padded, float gscale, float* partial,
+                                             unsigned* counters, unsigned short* act, const SlotReadiness& ready) {
+  if constexpr (Mode == ready_none) {
+    griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
+  }
+  // ready_none: only after the wait (moe_w2 reads slot buffers before its own); with
+  // readiness moe_w2 waits for each slot's ready word itself.
+  griddep_launch_dependents();
   const int j = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
   const int p = static_cast<int>(blockIdx.z);
@@ -313,6 +385,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(M
   }
   const std::int32_t slot = slot_of(w, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
+  await_slot<Mode>(ready, slot);
 
   const long long size_n = 2LL * padded;
   const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
@@ -327,8 +400,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(M
     q[i] = make_uint4(0u, 0u, 0u, 0u);
     s[i] = make_uint2(0u, 0u);
     if (kt < rows) {
-      q[i] = load_stream16(wp + kt * 8 * size_n);
-      s[i] = load_stream8(sp + kt * size_n);
+      q[i] = load_slot16<Mode>(wp + kt * 8 * size_n);
+      s[i] = load_slot8<Mode>(sp + kt * size_n);
     }
   }
 
@@ -363,7 +436,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(M
   if (!arrive_last(&counters[static_cast<long long>(p) * tiles + j], static_cast<unsigned>(splits))) return;
 
   if (tid < 64) {
-    const float gs = global_of(w, 4, slot) * gscale;
+    const float gs = global_of<Mode>(w, 4, slot) * gscale;
     float gate = 0.0f, up = 0.0f;
 #pragma unroll 8
     for (int i = 0; i < splits; ++i) {
@@ -382,14 +455,24 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm) moe_w13(M
   }
 }
 
+template <int Mode = ready_none>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
+    moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden, int top_k, int rows, int padded,
+            float gscale, float* partial, unsigned* counters, unsigned short* act, SlotReadiness ready) {
+  moe_w13_body<Mode>(w, ids, x, hidden, top_k, rows, padded, gscale, partial, counters, act, ready);
+  // With readiness: complete only after the previous kernel (the overlapped fill), so that
+  // moe_w2's wait and every later kernel on the stream come after the fill grid (edge D4).
+  if constexpr (Mode != ready_none) griddep_wait();
+}
+
 // C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
 // (0 for absent pairs), then, in the last block of (token, nt), out = the sum over the token's
 // pairs and splits in order. Grid (K / 64, splits, pairs). A template for the same reason.
-template <class = void>
+template <int Mode = ready_none>
 EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
                                                   int hidden, int top_k, int rows, float gscale,
                                                   const unsigned short* act, float* partial, unsigned* counters,
-                                                  float* out) {
+                                                  float* out, SlotReadiness ready) {
   const int nt = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
   const int p = static_cast<int>(blockIdx.z);
@@ -403,6 +486,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
   uint4 q[rows_per_warp];
   uint2 s[rows_per_warp];
   float g2 = 0.0f;
+  if (slot >= 0) await_slot<Mode>(ready, slot);
   if (slot >= 0) {
     const unsigned char* wp = w.base[1] + static_cast<unsigned long long>(slot) * w.stride[1] + nt * 512LL + lane * 16;
     const unsigned char* sp = w.base[3] + static_cast<unsigned long long>(slot) * w.stride[3] + nt * 64LL + 8 * g;
@@ -412,11 +496,11 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
       q[i] = make_uint4(0u, 0u, 0u, 0u);
       s[i] = make_uint2(0u, 0u);
       if (kt < rows) {
-        q[i] = load_stream16(wp + static_cast<long long>(kt) * 8 * hidden);
-        s[i] = load_stream8(sp + static_cast<long long>(kt) * hidden);
+        q[i] = load_slot16<Mode>(wp + static_cast<long long>(kt) * 8 * hidden);
+        s[i] = load_slot8<Mode>(sp + static_cast<long long>(kt) * hidden);
       }
     }
-    g2 = global_of(w, 5, slot) * gscale;
+    g2 = global_of<Mode>(w, 5, slot) * gscale;
   }
   griddep_launch_dependents();
   // After the wait: act (moe_w13), topk_weights (the previous kernel) and the partials and
@@ -497,8 +581,24 @@ class MoeConsumer {
     cudaFree(counters_);
   }
 
+  // `ready`: DeviceExpertCache::readiness() of an overlapping cache (the kernels then wait per
+  // slot, see the top of this file); empty: today's stream-ordered kernels. test_skip_wait
+  // (tests only): the readiness kernels without the wait.
   [[nodiscard]] Status run(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
-                           float* out, int tokens, cudaStream_t stream) const noexcept {
+                           float* out, int tokens, cudaStream_t stream, const SlotReadiness& ready = {},
+                           bool test_skip_wait = false) const noexcept {
+    if (!ready.enabled()) return run_mode<moe_detail::ready_none>(w, ids, topk_weights, x, out, tokens, stream, ready);
+    if (test_skip_wait) return run_mode<moe_detail::ready_test_skip_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
+    return run_mode<moe_detail::ready_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
+  }
+
+  [[nodiscard]] int top_k() const noexcept { return top_k_; }
+  [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
+
+ private:
+  template <int Mode>
+  [[nodiscard]] Status run_mode(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
+                                float* out, int tokens, cudaStream_t stream, const SlotReadiness& ready) const noexcept {
     if (tokens < 1 || tokens > max_tokens_) {
       return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run: tokens %d outside [1, %d]", tokens,
                             max_tokens_);
@@ -507,21 +607,17 @@ class MoeConsumer {
     const int padded = static_cast<int>(layout_.padded_intermediate());
     const int hidden = static_cast<int>(layout_.hidden);
     const float gscale = unbias_ * moe_detail::out_scale;
-    cudaError_t err = launch(moe_detail::moe_w13<>, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
-                             stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_);
+    cudaError_t err = launch(moe_detail::moe_w13<Mode>, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
+                             stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_, ready);
     if (err == cudaSuccess) {
-      err = launch(moe_detail::moe_w2<>, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
+      err = launch(moe_detail::moe_w2<Mode>, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
                    ids, topk_weights, hidden, top_k_, rows2_, gscale, static_cast<const unsigned short*>(act_), part2_,
-                   counters_ + counters1_, out);
+                   counters_ + counters1_, out, ready);
     }
     if (err == cudaSuccess) err = cudaGetLastError();
     return cuda_status(err, "MoeConsumer::run: launch");
   }
 
-  [[nodiscard]] int top_k() const noexcept { return top_k_; }
-  [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
-
- private:
   // PDL needs sm_90 and kernels whose code has the waits (PTX for sm_90 or newer): a kernel
   // JIT-compiled from older PTX would not wait, so it then runs in plain stream order.
   static bool pdl_supported() noexcept {

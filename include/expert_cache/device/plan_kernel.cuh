@@ -26,6 +26,19 @@
 // did not wait would copy the previous step's experts, and checks every slot's bytes. The
 // waiting blocks need block 0 to run: the grid is capped at what is co-resident (blocks are
 // dispatched in index order, the forward-progress assumption CUB's decoupled look-back makes).
+// That spin is bounded (device/slot_ready.cuh): after about 1.5 s it flags
+// plan_error_wait_timeout and goes on instead of hanging.
+//
+// Overlapped fill (plan_fill_ready_kernel, DeviceCacheOptions::overlap; edge D4 of
+// docs/design.md): the fill of a two-node step (plan -> fill) that lets the consumer run while
+// it copies. Every block first triggers programmatic dependent launch, so a consumer launched
+// with cudaLaunchAttributeProgrammaticStreamSerialization may start at once; each fill i is
+// copied by all blocks together, each block counts itself in (fill_arrivals[i]), and the last
+// one stores slot_ready[slot] = slot_needed[slot] with release semantics; the consumer acquires
+// that word before it reads the slot. Deadlock freedom: the consumer's blocks spin, the fill's
+// never do, and PDL starts the dependent grid only once every block of this grid has triggered
+// (or exited), i.e. once every fill block is resident; so the spinning blocks can never keep a
+// fill block from running, and every fill completes.
 #if !defined(__CUDACC__)
 #error "expert_cache/device/plan_kernel.cuh needs nvcc"
 #endif
@@ -42,6 +55,7 @@
 
 #include "expert_cache/config.hpp"
 #include "expert_cache/device/fill_gather.cuh"
+#include "expert_cache/device/slot_ready.cuh"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 
@@ -233,6 +247,18 @@ struct PlanFillParams {
   std::int32_t capacity = 0;
   const PlanEntry* fills = nullptr;                // the state's fill list
   const DevicePlanScalars* scalars = nullptr;      // its fill_count
+  // The overlapped fill only (plan_fill_ready_kernel): the state's readiness arrays.
+  const std::uint32_t* slot_needed = nullptr;
+  std::uint32_t* slot_ready = nullptr;
+  std::uint32_t* fill_arrivals = nullptr;
+};
+
+// Test-only knob of the overlapped fill (compiled in only by plan_fill_ready_kernel<Ilp, true>):
+// every block waits `delay_ns` before it copies fill `delay_fill`, so a consumer that did not
+// wait for that slot's ready word would read the slot's previous bytes.
+struct PlanFillDebug {
+  std::uint32_t delay_ns = 0;
+  std::int32_t delay_fill = -1;
 };
 
 namespace detail {
@@ -274,6 +300,61 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(c
   detail::plan_fill_items<Ilp>(p, p.scalars->fill_count);
 }
 
+namespace detail {
+__device__ __forceinline__ void plan_griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+}  // namespace detail
+
+// The overlapped fill (see the top of this file). Grid as plan_fill_kernel's.
+template <int Ilp = 4, bool Debug = false>
+EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
+    plan_fill_ready_kernel(const __grid_constant__ PlanFillParams p, const PlanFillDebug debug) {
+  // First, in every block: the dependent (consumer) grid may start once all of this grid's
+  // blocks are running. No memory ordering comes with it; the ready words provide that.
+  detail::plan_griddep_launch_dependents();
+  // The plan kernel completed before this one started (plain stream order): plain loads.
+  std::int32_t n = p.scalars->fill_count;
+  n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
+  for (std::int32_t i = 0; i < n; ++i) {
+    if constexpr (Debug) {
+      if (i == debug.delay_fill && debug.delay_ns != 0) {
+        const std::uint64_t until = global_timer_ns() + debug.delay_ns;
+        while (global_timer_ns() < until) __nanosleep(1000);
+      }
+    }
+    // Fill i, shared by all blocks (grid-stride over its items): fills become ready in list
+    // order, the first one after about 1/n of the step's bytes.
+    const std::uint64_t base = static_cast<std::uint64_t>(i) * p.items_per_fill;
+    detail::copy_items<Ilp>(p.items_per_fill, [&p, base](std::uint64_t idx, int4& v, int4*& dst16) {
+      return detail::locate_plan_item(p, base + idx, v, dst16);
+    });
+    // Publication (PTX memory model): every thread of the block issued its stores of fill i
+    // above; bar.sync orders them before thread 0's next operations (CTA-scope
+    // synchronisation, part of causality order); thread 0's fence.acq_rel.gpu + acq_rel RMW
+    // at device scope then releases them cumulatively to whoever acquires the counter. The
+    // last block's RMW reads the release sequence of every earlier arrival (acquire), so all
+    // blocks' stores of fill i precede its release store of the ready word, which the
+    // consumer acquires before its barrier and its loads of the slot. (The pattern of
+    // cooperative groups' grid barrier.)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> arrivals(p.fill_arrivals[i]);
+      if (arrivals.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1) {
+        arrivals.store(0u, cuda::memory_order_relaxed);  // every block arrived: ready for the next launch
+        const PlanEntry f = p.fills[i];
+        if (f.slot >= 0 && f.slot < p.capacity) {
+          cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device>(p.slot_ready[f.slot])
+              .store(p.slot_needed[f.slot], cuda::memory_order_release);
+        }
+      }
+    }
+  }
+}
+
 // Plan (warp 0 of block 0) and fill (every block) in one kernel node; see the top of this file
 // for the flag protocol. `debug_plan_delay_ns` delays the plan (tests: a fill that does not
 // wait for the flag then copies stale experts).
@@ -306,8 +387,9 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     __syncthreads();  // block 0's other warps: ordered after the plan by the barrier
   } else {
     if (threadIdx.x == 0) {
-      while (ready.load(cuda::memory_order_acquire) == 0u) {
-      }
+      // Bounded: on a timeout the error word says so and the block copies what the list holds
+      // (bounds-checked), so the kernel ends and the done-counter protocol stays intact.
+      (void)bounded_spin([&] { return ready.load(cuda::memory_order_acquire) != 0u; }, 0, p.state.error_word);
     }
     __syncthreads();  // the acquire, then the barrier: the block's reads below see the plan
   }
@@ -349,6 +431,9 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   p.capacity = s.capacity;
   p.fills = s.fills.data;
   p.scalars = s.scalars;
+  p.slot_needed = s.slot_needed.data;
+  p.slot_ready = s.slot_ready.data;
+  p.fill_arrivals = s.fill_arrivals.data;
   std::uint64_t items = 0;
   for (std::size_t i = 0; i < regions.count; ++i) {
     const CopyRegion& r = regions.regions[i];
@@ -418,6 +503,24 @@ inline cudaError_t launch_plan_fill(const PlanFillParams& p, cudaStream_t stream
   void* args[] = {const_cast<PlanFillParams*>(&p)};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_fill_kernel<Ilp>), dim3(static_cast<unsigned>(blocks)),
                           dim3(plan_fill_threads), args, 0, stream);
+}
+
+// The overlapped fill (same grid as launch_plan_fill). `debug` non-null selects the test
+// instantiation with the delay knob; the full-speed kernel has none.
+template <int Ilp = 4>
+inline cudaError_t launch_plan_fill_ready(const PlanFillParams& p, cudaStream_t stream, const PlanFillDebug* debug = nullptr,
+                                          int max_blocks = plan_fill_max_blocks) noexcept {
+  if (p.slot_ready == nullptr || p.slot_needed == nullptr || p.fill_arrivals == nullptr) return cudaErrorInvalidValue;
+  const std::uint64_t worst = static_cast<std::uint64_t>(p.capacity) * p.items_per_fill;
+  const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
+  std::uint64_t blocks = (worst + per_block - 1) / per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > static_cast<std::uint64_t>(max_blocks > 0 ? max_blocks : 1)) blocks = max_blocks > 0 ? max_blocks : 1;
+  PlanFillDebug d = debug != nullptr ? *debug : PlanFillDebug{};
+  void* args[] = {const_cast<PlanFillParams*>(&p), &d};
+  const void* kernel = debug != nullptr ? reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, true>)
+                                        : reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, false>);
+  return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
 }
 
 // One node: plan_forward of `ids` then the fill of its group 0 (overflow groups still take

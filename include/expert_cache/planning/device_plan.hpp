@@ -103,6 +103,10 @@ enum PlanErrorBit : std::uint32_t {
   plan_error_overflow = 1u << 1,      // a forward needed more than one group
   plan_error_bad_state = 1u << 2,     // the state view or its scalars are inconsistent: nothing planned
   plan_error_bad_argument = 1u << 3,  // n_ids < 0, null ids with n_ids > 0, or group < 0
+  // A kernel's bounded spin-wait gave up (about 1.5 s): the fused fill's wait for the plan, or
+  // a readiness consumer's wait for a slot's ready word (device/plan_kernel.cuh). The kernel
+  // went on instead of hanging; what it computed is not trustworthy.
+  plan_error_wait_timeout = 1u << 4,
 };
 
 // Mutable scalars of one cache's planning state (device memory on the GPU).
@@ -125,6 +129,9 @@ struct DevicePlanScalars {
   // block to finish (fill_done counts them) sets both back to 0 for the next launch.
   std::uint32_t fill_ready = 0;
   std::uint32_t fill_done = 0;
+  // Per-slot readiness (docs/design.md, edge D4): the last fill sequence value handed out. Each
+  // planned fill takes the next value (wrapping uint32; compared with slot_seq_reached).
+  std::uint32_t fill_seq = 0;
 };
 
 // The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
@@ -142,6 +149,16 @@ struct DevicePlanState {
   PlanSpan<std::int32_t> prev_forward;  // [C] experts of the last group (sparse forward-map clear)
   PlanSpan<PlanEntry> fills;            // [C] fill list of the last group, in processing order
   PlanSpan<PlanEntry> evictions;        // [C] evictions of the last group, in order
+  // Per-slot readiness (edge D4). slot_needed[s]: the sequence value slot s's content must have
+  // reached, written by the plan (a miss takes a new value; a hit keeps the value of the fill
+  // that last wrote the slot). slot_ready[s]: the value of the last COMPLETED fill of slot s,
+  // stored (release) by the overlapped fill once every byte of it landed. A reader may read slot
+  // s once slot_seq_reached(slot_ready[s], slot_needed[s]) (acquire). Both only grow, so a
+  // replayed graph needs no reset. fill_arrivals[i]: blocks done with fill i (the overlapped
+  // fill's per-fill counter; the last block resets it).
+  PlanSpan<std::uint32_t> slot_needed;  // [C]
+  PlanSpan<std::uint32_t> slot_ready;   // [C]
+  PlanSpan<std::uint32_t> fill_arrivals;  // [C]
   DevicePlanScalars* scalars = nullptr;
   DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
   DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
@@ -242,6 +259,9 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.prev_forward = c.take<std::int32_t>(capacity);
   s.fills = c.take<PlanEntry>(capacity);
   s.evictions = c.take<PlanEntry>(capacity);
+  s.slot_needed = c.take<std::uint32_t>(capacity);
+  s.slot_ready = c.take<std::uint32_t>(capacity);
+  s.fill_arrivals = c.take<std::uint32_t>(capacity);
   s.stats = stats;
   s.error_word = error_word;
   return s;
@@ -250,7 +270,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
 EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_experts, std::int32_t capacity) noexcept {
   if (num_experts <= 0 || capacity <= 0) return 0;
   const DevicePlanState s = bind_plan_state(nullptr, num_experts, capacity, nullptr, nullptr);
-  const auto end = reinterpret_cast<std::uintptr_t>(s.evictions.data + capacity);
+  const auto end = reinterpret_cast<std::uintptr_t>(s.fill_arrivals.data + capacity);
   return static_cast<std::size_t>(end);
 }
 
@@ -263,7 +283,37 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
   }
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
-         s.fills.size == c && s.evictions.size == c;
+         s.fills.size == c && s.evictions.size == c && s.slot_needed.size == c && s.slot_ready.size == c &&
+         s.fill_arrivals.size == c;
+}
+
+// Wrap-safe "sequence `have` has reached `want`" (uint32 sequence values; correct while fewer
+// than 2^31 fills separate them, i.e. always: a slot is read within one forward of its plan).
+EXPERT_CACHE_HOST_DEVICE constexpr bool slot_seq_reached(std::uint32_t have, std::uint32_t want) noexcept {
+  return static_cast<std::int32_t>(have - want) >= 0;
+}
+
+// What a readiness consumer needs (device pointers into the plan state; fixed for the cache's
+// lifetime, so a graph keeps it): before it reads slot s, it waits until
+// slot_seq_reached(ready[s], needed[s]) (acquire), bounded by timeout_ns (0: the default,
+// about 1.5 s), after which it sets plan_error_wait_timeout in error_word and goes on.
+// A default-constructed view (ready == nullptr) means: no overlap, today's stream-ordered path.
+struct SlotReadiness {
+  const std::uint32_t* ready = nullptr;
+  const std::uint32_t* needed = nullptr;
+  std::uint32_t* error_word = nullptr;
+  std::int32_t capacity = 0;
+  std::uint64_t timeout_ns = 0;
+  [[nodiscard]] EXPERT_CACHE_HOST_DEVICE constexpr bool enabled() const noexcept { return ready != nullptr; }
+};
+
+EXPERT_CACHE_HOST_DEVICE inline SlotReadiness slot_readiness_of(const DevicePlanState& s) noexcept {
+  SlotReadiness r;
+  r.ready = s.slot_ready.data;
+  r.needed = s.slot_needed.data;
+  r.error_word = s.error_word;
+  r.capacity = s.capacity;
+  return r;
 }
 
 // The view, and the scalars within range (dereferences them: where the state lives). Checked at
@@ -305,6 +355,9 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.prev_forward[i] = -1;
     s.fills[i] = PlanEntry{};
     s.evictions[i] = PlanEntry{};
+    s.slot_needed[i] = 0;
+    s.slot_ready[i] = 0;
+    s.fill_arrivals[i] = 0;
   }
   if (r == 0) {
     *s.scalars = DevicePlanScalars{};
@@ -364,6 +417,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   DevicePlanScalars& sc = *s.scalars;
   const std::int32_t prev = in.prev, unique = in.unique, groups = in.groups, free = in.free;
   const std::uint64_t tick0 = in.tick0;
+  // Read before the barrier below; rank 0 advances it only after that barrier.
+  const std::uint32_t seq0 = sc.fill_seq;
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
@@ -457,6 +512,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     s.forward_map[f.expert] = slot;
     s.slot_owner[slot] = f.expert;
     s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+    s.slot_needed[slot] = seq0 + static_cast<std::uint32_t>(r) + 1u;  // edge D4: this fill's value
   }
   if (rank == 0) {
     sc.free_count = free - from_free;
@@ -468,6 +524,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     sc.group = g;
     sc.group_size = n;
     sc.tick = tick0 + static_cast<std::uint64_t>(n);
+    sc.fill_seq = seq0 + static_cast<std::uint32_t>(misses);
     DevicePlanStats now = in.now;
     now.hits += static_cast<std::uint64_t>(n - misses);
     now.misses += static_cast<std::uint64_t>(misses);
