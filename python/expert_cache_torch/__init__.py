@@ -1,0 +1,173 @@
+"""expert_cache for PyTorch: a GPU expert cache over an MoE layer's host weight tensors.
+
+    import torch, expert_cache_torch as ect
+    cache = ect.ExpertCache(ect.DenseBf16(hidden=K, intermediate=N),
+                            host_tensors={"w13": w13_cpu, "w2": w2_cpu},   # [E, 2N, K], [E, K, N] bf16
+                            num_experts=E, capacity=C, top_k=k, provider="row")
+    view = cache.prepare(topk_ids)          # on torch.cuda.current_stream()
+    slots = view.expert_map[topk_ids]       # expert -> slot; view.tensors["w13"][slots] are its weights
+
+Stream contract (docs/python.md): the tensors of a view alias the cache's slot arrays and maps. They
+are valid for work enqueued on the current stream after prepare() (or on streams that wait on it)
+until the next prepare()/invalidate() of this cache. The maps are persistent device buffers (stable
+addresses: CUDA-graph safe). A host-planned provider ("row", "cached") given CUDA ids copies them to
+the host and synchronises the current stream once per prepare(); provider "device" takes CUDA ids as
+they are, never synchronises, and can be captured in torch.cuda.graph.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+
+__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ForwardView", "ExpertCacheError"]
+
+#: Raised for every error the library reports (a subclass of RuntimeError; the message is the
+#: library's Status message).
+ExpertCacheError = _C.ExpertCacheError
+
+
+class DenseBf16:
+    """Unquantized experts: w13 [2N, K] and w2 [K, N] bf16 per expert (K = hidden, N = intermediate)."""
+
+    name = "dense_bf16"
+
+    def __init__(self, hidden, intermediate):
+        self.hidden = int(hidden)
+        self.intermediate = int(intermediate)
+
+    def _args(self):
+        return (self.name, self.hidden, self.intermediate, 16, [])
+
+    def __repr__(self):
+        return f"DenseBf16(hidden={self.hidden}, intermediate={self.intermediate})"
+
+
+class Nvfp4Marlin:
+    """NVFP4 experts repacked for Marlin (docs/nvfp4_marlin.md): w13 int32 [K/16, 4Np], w2 int32
+    [Np/16, 2K], w13_scale uint8 [K/16, 2Np], w2_scale uint8 [Np/16, K], w13_scale_2 / w2_scale_2
+    float32 [1]; host tensors may also be uint8 byte views of the same sizes."""
+
+    name = "nvfp4_marlin"
+
+    def __init__(self, hidden, intermediate, group_size=16):
+        self.hidden = int(hidden)
+        self.intermediate = int(intermediate)
+        self.group_size = int(group_size)
+
+    def _args(self):
+        return (self.name, self.hidden, self.intermediate, self.group_size, [])
+
+    def __repr__(self):
+        return f"Nvfp4Marlin(hidden={self.hidden}, intermediate={self.intermediate}, group_size={self.group_size})"
+
+
+class ExplicitBytes:
+    """Any per-expert tensors by byte size: {"name": bytes_per_expert, ...} (slot tensors are uint8 [C, bytes])."""
+
+    name = "explicit"
+
+    def __init__(self, tensors):
+        if not isinstance(tensors, dict):
+            raise TypeError("ExplicitBytes takes a dict {name: bytes_per_expert}")
+        self.tensors = {str(k): int(v) for k, v in tensors.items()}
+
+    def _args(self):
+        return (self.name, 0, 0, 16, list(self.tensors.items()))
+
+    def __repr__(self):
+        return f"ExplicitBytes({self.tensors})"
+
+
+class ForwardView:
+    """One prepare()'s result. tensors / expert_map / resident_map alias cache memory (see the stream contract)."""
+
+    __slots__ = ("tensors", "expert_map", "resident_map", "expert_map_host", "hits", "misses", "generation")
+
+    def __init__(self, tensors, expert_map, resident_map, expert_map_host, hits, misses, generation):
+        self.tensors = tensors
+        self.expert_map = expert_map
+        self.resident_map = resident_map
+        self.expert_map_host = expert_map_host
+        self.hits = hits
+        self.misses = misses
+        self.generation = generation
+
+    def __repr__(self):
+        return f"ForwardView(generation={self.generation}, hits={self.hits}, misses={self.misses})"
+
+
+class ExpertCache:
+    """A fixed pool of `capacity` GPU slots over `num_experts` experts whose weights stay in the
+    caller's host tensors (registered in place at their exact size, never copied).
+
+    host_tensors: {name: CPU tensor [E, ...]}, contiguous, 16-byte aligned, one per layout tensor;
+    all pinned (tensor.pin_memory(), not registered again) or all pageable (registered). The cache
+    keeps references to them. provider: "row" | "cached" | "device"; policy / staging / storage: ""
+    for the provider's default (storage must be "tensor_major" with caller tensors, the default).
+    max_ids: provider "device" only, the largest number of ids one prepare() takes (tokens * top_k).
+    """
+
+    def __init__(self, layout, host_tensors, num_experts, capacity, top_k=1, provider="row", policy="",
+                 staging="", storage="", max_ids=0, label="expert_cache"):
+        if not hasattr(layout, "_args"):
+            raise TypeError(f"layout must be ect.DenseBf16, ect.Nvfp4Marlin or ect.ExplicitBytes, got {type(layout).__name__}")
+        if not isinstance(host_tensors, dict) or not all(isinstance(t, torch.Tensor) for t in host_tensors.values()):
+            raise TypeError("host_tensors must be a dict {name: torch.Tensor}")
+        name, hidden, intermediate, group_size, explicit = layout._args()
+        self.layout = layout
+        self._host_tensors = dict(host_tensors)  # kept alive with the cache
+        self._impl = _C.Cache(name, hidden, intermediate, group_size, explicit, str(provider), str(policy),
+                              str(staging), str(storage), int(num_experts), int(capacity), int(top_k), int(max_ids),
+                              str(label), self._host_tensors)
+        self.num_experts = int(num_experts)
+        self.capacity = int(capacity)
+        self.top_k = int(top_k)
+        self.label = str(label)
+        self.provider = self._impl.provider
+        self.policy = self._impl.policy
+        self.staging = self._impl.staging
+        self.storage = self._impl.storage
+        #: {name: CUDA tensor [capacity, ...]} aliasing the slot arrays, stable for the cache's life.
+        self.slot_tensors = self._impl.slot_tensors()
+        self._expert_map = self._impl.expert_map()
+        self._resident_map = self._impl.resident_map()
+        self._device = self._impl.device_provider
+
+    def prepare(self, topk_ids):
+        """Makes the experts in topk_ids (int32/int64, CPU or CUDA, any shape; negative = padding)
+        resident, on torch.cuda.current_stream(). Returns a ForwardView."""
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        has_counts, hits, misses, generation = self._impl.prepare(topk_ids)
+        host_map = None if self._device else self._impl.expert_map_host()
+        return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, host_map,
+                           hits if has_counts else None, misses if has_counts else None, generation)
+
+    def invalidate(self, expert_id):
+        """Drops expert_id from the cache (its slot is refilled on next use), on the current stream."""
+        self._impl.invalidate(int(expert_id))
+
+    def stats(self):
+        """Every CacheStats field by name (ints) plus hit_rate (float). Provider "device": synchronises
+        the current stream first (its counters are written by the device)."""
+        return self._impl.stats()
+
+    def device_errors(self):
+        """Provider "device": reads and clears the device error word (bad ids, overflow); synchronises."""
+        return self._impl.device_errors()
+
+    def host_pointer(self, name, expert):
+        """Debug: the host address the cache reads expert `expert` of tensor `name` from."""
+        return self._impl.host_pointer(str(name), int(expert))
+
+    @property
+    def expert_map(self):
+        return self._expert_map
+
+    @property
+    def resident_map(self):
+        return self._resident_map
+
+    def __repr__(self):
+        return (f"ExpertCache({self.layout!r}, provider={self.provider!r}, policy={self.policy!r}, "
+                f"staging={self.staging!r}, capacity={self.capacity}/{self.num_experts}, label={self.label!r})")

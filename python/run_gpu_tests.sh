@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds the PyTorch extension in place and runs its GPU tests (python/tests/test_extension.py).
+#
+#   python/run_gpu_tests.sh OUT        # from the repository root; OUT receives the logs
+#
+# Needs python with torch (CUDA build), nvcc and a CUDA device. Logs: OUT/build_ext.log (the
+# build), OUT/test_extension.log (the tests). Prints a summary; exits 0 when everything passed,
+# 77 when the tests skipped (no torch / no device), 1 otherwise.
+set -u
+OUT=${1:?usage: python/run_gpu_tests.sh OUT_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PY=${PYTHON:-python}
+command -v "$PY" > /dev/null || PY=python3
+
+{
+  echo "== environment"
+  date -u
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name() if torch.cuda.is_available() else None)' 2>&1
+  command -v nvcc && nvcc --version | tail -n 2
+  g++ --version | head -n 1
+} | tee "$OUT/environment.log"
+
+echo "== build (log: $OUT/build_ext.log)"
+start=$(date +%s)
+(cd "$HERE" && MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
+   "$PY" setup.py build_ext --inplace) > "$OUT/build_ext.log" 2>&1
+build_rc=$?
+echo "build rc $build_rc in $(( $(date +%s) - start )) s"
+if [ $build_rc -ne 0 ]; then
+  echo "---- last 60 lines of build_ext.log"
+  tail -n 60 "$OUT/build_ext.log"
+  echo "SUMMARY: build FAILED (rc $build_rc)"
+  exit 1
+fi
+ls -l "$HERE"/expert_cache_torch/_C*.so
+
+echo "== tests (log: $OUT/test_extension.log)"
+(cd "$HERE" && "$PY" tests/test_extension.py) > "$OUT/test_extension.log" 2>&1
+test_rc=$?
+grep -E "^(test_|FAIL|ERROR|SKIP|SUMMARY|torch )|Error|error:" "$OUT/test_extension.log" | head -n 80
+if [ $test_rc -ne 0 ] && [ $test_rc -ne 77 ]; then
+  echo "---- last 60 lines of test_extension.log"
+  tail -n 60 "$OUT/test_extension.log"
+fi
+case $test_rc in
+  0) echo "SUMMARY: build ok, tests PASSED" ;;
+  77) echo "SUMMARY: build ok, tests SKIPPED (no torch or no CUDA device)" ;;
+  *) echo "SUMMARY: build ok, tests FAILED (rc $test_rc)"; test_rc=1 ;;
+esac
+exit $test_rc

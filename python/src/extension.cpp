@@ -1,0 +1,290 @@
+// expert_cache_torch._C: the torch side of the extension (g++ with torch headers). It only
+// converts: torch tensors -> (pointer, bytes, dtype, shape) records and id spans, the current
+// torch CUDA stream -> the cache's stream, slot and map pointers -> torch tensors that alias them
+// (torch::from_blob, no copy), Status errors -> ExpertCacheError. Validation and the cache
+// live in bridge.hpp (torch-free, tested on SimRuntime); the CUDA instantiation in
+// bridge_cuda.cu (nvcc, no torch headers).
+#include "bridge.hpp"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+namespace ec = expert_cache::python;
+
+namespace {
+
+// Raised as expert_cache_torch.ExpertCacheError (a RuntimeError) with the library's message.
+struct ExpertCacheError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+[[noreturn]] void fail(const std::string& message) { throw ExpertCacheError(message); }
+
+void check(const expert_cache::Status& s) {
+  if (!s.ok()) fail(std::string(s.message()));
+}
+
+ec::DType dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: return ec::DType::uint8;
+    case at::kInt: return ec::DType::int32;
+    case at::kBFloat16: return ec::DType::bfloat16;
+    case at::kFloat: return ec::DType::float32;
+    default: return ec::DType::other;
+  }
+}
+
+at::ScalarType scalar_type_of(ec::DType d) {
+  switch (d) {
+    case ec::DType::int32: return at::kInt;
+    case ec::DType::bfloat16: return at::kBFloat16;
+    case ec::DType::float32: return at::kFloat;
+    default: return at::kByte;
+  }
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) fail("cudaStreamIsCapturing failed");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+class TorchCache {
+ public:
+  TorchCache(const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+             const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
+             const std::string& policy, const std::string& staging, const std::string& storage, std::int32_t num_experts,
+             std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids, const std::string& label,
+             const std::map<std::string, at::Tensor>& host_tensors) {
+    ec::BridgeConfig c;
+    c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
+    c.provider = provider;
+    c.policy = policy;
+    c.staging = staging;
+    c.storage = storage;
+    c.num_experts = num_experts;
+    c.capacity = capacity;
+    c.top_k = top_k;
+    c.max_ids = max_ids;
+    c.label = label;
+
+    std::vector<ec::HostTensorArg> args;
+    std::size_t pinned = 0;
+    for (const auto& [name, t] : host_tensors) {
+      if (!t.defined()) fail(label + ": host tensor '" + name + "' is undefined");
+      if (t.device().type() != at::kCPU) fail(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
+      if (!t.is_contiguous()) fail(label + ": host tensor '" + name + "' must be contiguous");
+      if (t.is_pinned()) ++pinned;
+      std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
+      keep_.push_back(t);  // the cache reads this memory for its whole life
+    }
+    // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered again.
+    if (pinned != 0 && pinned != host_tensors.size()) {
+      fail(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+    }
+    c.host_registered = pinned != 0;
+
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();  // initialises CUDA
+    device_ = stream.device_index();
+    auto made = ec::make_cuda_bridge(c, args);
+    check(made.status());
+    bridge_ = std::shared_ptr<ec::CudaBridge>(std::move(made.value()));
+    num_experts_ = num_experts;
+    label_ = label;
+  }
+
+  // (has_counts, hits, misses, generation), on torch's current stream.
+  py::tuple prepare(const at::Tensor& ids) {
+    const std::string& label = label_;
+    if (!ids.defined()) fail(label + ": topk_ids is undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail(label + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    if (!ids.is_contiguous()) fail(label + ": topk_ids must be contiguous");
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail(label + ": topk_ids must be a CPU or CUDA tensor");
+    const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids);
+    check(r.status());
+    const ec::PrepareResult p = r.value();
+    if (!p.has_counts) return py::make_tuple(false, py::none(), py::none(), p.generation);
+    return py::make_tuple(true, p.hits, p.misses, p.generation);
+  }
+
+  void invalidate(std::int64_t expert) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    check(bridge_->invalidate(expert, static_cast<void*>(stream.stream())));
+  }
+
+  // Device provider: its counters live in mapped host memory written by the device, so the
+  // current stream is synchronised first (not inside a capture).
+  py::dict stats() {
+    if (bridge_->device_provider()) {
+      const c10::cuda::CUDAStream stream = current_stream();
+      if (!capturing(stream.stream())) stream.synchronize();
+    }
+    py::dict d;
+    for (const ec::StatEntry& e : bridge_->stats()) {
+      if (e.is_float) d[py::str(e.name)] = e.float_value;
+      else d[py::str(e.name)] = e.int_value;
+    }
+    return d;
+  }
+
+  // Device provider: read and clear the device error word (bad ids, overflow); synchronises.
+  std::uint32_t device_errors() {
+    const c10::cuda::CUDAStream stream = current_stream();
+    stream.synchronize();
+    return bridge_->device_errors();
+  }
+
+  // Aliases of the slot arrays: [capacity, *slot shape], slot stride from the storage.
+  py::dict slot_tensors() {
+    py::dict d;
+    for (const ec::SlotDescriptor& s : bridge_->slots()) {
+      const at::ScalarType st = scalar_type_of(s.dtype);
+      const auto elem = static_cast<std::int64_t>(ec::element_size(s.dtype));
+      std::vector<std::int64_t> sizes{s.capacity};
+      sizes.insert(sizes.end(), s.shape.begin(), s.shape.end());
+      std::vector<std::int64_t> strides(sizes.size(), 1);
+      for (std::size_t i = sizes.size() - 1; i > 1; --i) strides[i - 1] = strides[i] * sizes[i];
+      if (s.slot_stride % static_cast<std::size_t>(elem) != 0) fail("slot stride is not a multiple of the element size");
+      strides[0] = static_cast<std::int64_t>(s.slot_stride) / elem;
+      d[py::str(s.name)] = alias(s.base, sizes, strides, st);
+    }
+    return d;
+  }
+  at::Tensor expert_map() { return alias(bridge_->expert_map_device(), {num_experts_}, {1}, at::kInt); }
+  at::Tensor resident_map() { return alias(bridge_->resident_map_device(), {num_experts_}, {1}, at::kInt); }
+  // Host providers: a CPU copy of this forward's map (E int32); None for the device provider.
+  py::object expert_map_host() {
+    if (bridge_->device_provider()) return py::none();
+    const auto m = bridge_->expert_map_host();
+    at::Tensor t = at::empty({static_cast<std::int64_t>(m.size())}, at::TensorOptions().dtype(at::kInt));
+    std::copy(m.begin(), m.end(), t.data_ptr<std::int32_t>());
+    return py::cast(t);
+  }
+
+  std::uintptr_t host_pointer(const std::string& name, std::int64_t expert) {
+    auto r = bridge_->host_pointer(name, expert);
+    check(r.status());
+    return r.value();
+  }
+
+  std::string provider() const { return bridge_->provider(); }
+  std::string policy() const { return bridge_->policy(); }
+  std::string staging() const { return bridge_->staging(); }
+  std::string storage() const { return bridge_->storage(); }
+  bool device_provider() const { return bridge_->device_provider(); }
+
+ private:
+  // Device provider: CUDA ids as they are, no synchronisation.
+  expert_cache::Result<ec::PrepareResult> prepare_device(const at::Tensor& ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (!ids.is_cuda()) fail(label_ + ": provider 'device' takes CUDA topk_ids (the router's output); got a CPU tensor");
+    if (ids.device().index() != device_) {
+      fail(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+    }
+    // int64 -> int32 on the current stream (one small kernel; allowed inside a capture). Kept
+    // until the next prepare so the plan kernel reads live memory.
+    last_ids_ = ids.scalar_type() == at::kInt ? ids : ids.to(at::kInt);
+    return bridge_->prepare_device(last_ids_.data_ptr<std::int32_t>(), last_ids_.numel(), stream.stream());
+  }
+
+  // Host-planned providers: CPU ids as they are; CUDA ids read back first (one synchronisation).
+  expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": provider '" + bridge_->provider() +
+           "' plans on the host and cannot be captured in a CUDA graph (a replay would repeat this forward's "
+           "plan); capture with provider 'device'");
+    }
+    at::Tensor host = ids;
+    if (ids.is_cuda()) {
+      // One copy into a reused pinned buffer on the current stream, then one synchronisation
+      // of that stream (the plan needs the ids on the host).
+      if (!pinned_ids_.defined() || pinned_ids_.scalar_type() != ids.scalar_type() || pinned_ids_.numel() < ids.numel()) {
+        pinned_ids_ = at::empty({std::max<std::int64_t>(ids.numel(), 64)},
+                                at::TensorOptions().dtype(ids.scalar_type()).device(at::kCPU).pinned_memory(true));
+      }
+      host = pinned_ids_.narrow(0, 0, ids.numel());
+      host.copy_(ids.reshape({-1}), /*non_blocking=*/true);
+      stream.synchronize();
+    }
+    const auto n = static_cast<std::size_t>(host.numel());
+    if (host.scalar_type() == at::kInt) {
+      return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream());
+    }
+    return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream());
+  }
+
+  c10::cuda::CUDAStream current_stream() const {
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    if (stream.device_index() != device_) {
+      fail("the current CUDA device is cuda:" + std::to_string(stream.device_index()) + ", the cache lives on cuda:" +
+           std::to_string(device_));
+    }
+    return stream;
+  }
+
+  // A CUDA tensor over cache memory, no copy. Its deleter frees nothing; it holds the bridge,
+  // so a tensor outliving the Python cache object keeps the memory valid.
+  at::Tensor alias(std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides, at::ScalarType t) {
+    std::shared_ptr<ec::CudaBridge> keep = bridge_;
+    return torch::from_blob(reinterpret_cast<void*>(p), sizes, strides, [keep](void*) {},
+                            at::TensorOptions().dtype(t).device(at::kCUDA, device_));
+  }
+
+  std::shared_ptr<ec::CudaBridge> bridge_;
+  std::vector<at::Tensor> keep_;  // the caller's host tensors
+  at::Tensor pinned_ids_;         // host-planned + CUDA ids: the pinned read-back buffer
+  at::Tensor last_ids_;           // device provider: the ids the last plan reads
+  c10::DeviceIndex device_ = 0;
+  std::int64_t num_experts_ = 0;
+  std::string label_ = "expert_cache";
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "expert_cache: GPU expert cache for MoE inference (use the expert_cache_torch package)";
+  py::register_exception<ExpertCacheError>(m, "ExpertCacheError", PyExc_RuntimeError);
+  py::class_<TorchCache, std::shared_ptr<TorchCache>>(m, "Cache")
+      .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+                       const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
+                       const std::string& policy, const std::string& staging, const std::string& storage,
+                       std::int32_t num_experts, std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids,
+                       const std::string& label, const std::map<std::string, at::Tensor>& host_tensors) {
+             return std::make_shared<TorchCache>(layout, hidden, intermediate, group_size, explicit_tensors, provider,
+                                                 policy, staging, storage, num_experts, capacity, top_k, max_ids, label,
+                                                 host_tensors);
+           }),
+           py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
+           py::arg("explicit_tensors"), py::arg("provider"), py::arg("policy"), py::arg("staging"), py::arg("storage"),
+           py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
+           py::arg("host_tensors"))
+      .def("prepare", &TorchCache::prepare, py::arg("topk_ids"))
+      .def("invalidate", &TorchCache::invalidate, py::arg("expert"))
+      .def("stats", &TorchCache::stats)
+      .def("device_errors", &TorchCache::device_errors)
+      .def("slot_tensors", &TorchCache::slot_tensors)
+      .def("expert_map", &TorchCache::expert_map)
+      .def("resident_map", &TorchCache::resident_map)
+      .def("expert_map_host", &TorchCache::expert_map_host)
+      .def("host_pointer", &TorchCache::host_pointer, py::arg("name"), py::arg("expert"))
+      .def_property_readonly("provider", &TorchCache::provider)
+      .def_property_readonly("policy", &TorchCache::policy)
+      .def_property_readonly("staging", &TorchCache::staging)
+      .def_property_readonly("storage", &TorchCache::storage)
+      .def_property_readonly("device_provider", &TorchCache::device_provider);
+}
