@@ -19,11 +19,33 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 
-__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ForwardView", "ExpertCacheError"]
+__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ForwardView", "ExpertCacheError",
+           "host_empty", "to_host"]
+
+_PAGE = 4096
 
 #: Raised for every error the library reports (a subclass of RuntimeError; the message is the
 #: library's Status message).
 ExpertCacheError = _C.ExpertCacheError
+
+
+def host_empty(shape, dtype):
+    """An uninitialised CPU tensor on pages of its own. cudaHostRegister pins whole pages, and a range
+    sharing a page with an already registered one can be refused; host tensors made here (or pinned
+    with pin_memory()) never share one."""
+    shape = torch.Size(shape)
+    nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+    padded = (nbytes + _PAGE - 1) // _PAGE * _PAGE
+    raw = torch.empty(padded + _PAGE, dtype=torch.uint8)
+    offset = (-raw.data_ptr()) % _PAGE
+    return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def to_host(tensor):
+    """A contiguous CPU copy of `tensor` on pages of its own (host_empty), for host_tensors."""
+    out = host_empty(tensor.shape, tensor.dtype)
+    out.copy_(tensor)
+    return out
 
 
 class DenseBf16:

@@ -40,13 +40,11 @@ EXPECTED_STATS = {"hits", "misses", "promotions", "evictions", "invalidations", 
 
 
 def page_aligned(shape, dtype):
-    """A CPU tensor alone on its own pages: cudaHostRegister works per page, so two registered
-    tensors must not share one."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    padded = (nbytes + PAGE - 1) // PAGE * PAGE
-    raw = torch.empty(padded + PAGE, dtype=torch.uint8)
-    offset = (-raw.data_ptr()) % PAGE
-    return raw[offset:offset + nbytes].view(dtype).view(shape)
+    """A CPU tensor alone on its own pages (ect.host_empty): cudaHostRegister pins whole pages, so two
+    registered tensors must not share one."""
+    t = ect.host_empty(shape, dtype)
+    assert t.data_ptr() % PAGE == 0 and t.is_contiguous() and tuple(t.shape) == tuple(shape) and t.dtype == dtype
+    return t
 
 
 def dense_weights(seed=0, experts=E):
@@ -123,6 +121,10 @@ class ExtensionTest(unittest.TestCase):
         self.check_view(cache, view, torch.tensor([[3, 4]]), w13p, w2p)
 
     def test_slot_tensors(self):
+        src = torch.randn(3, 5).to(torch.bfloat16)
+        copy = ect.to_host(src)
+        self.assertTrue(torch.equal(copy, src))
+        self.assertEqual(copy.data_ptr() % PAGE, 0)
         w13, w2 = dense_weights(3)
         cache = make_cache(w13, w2, "row")
         st = cache.slot_tensors
@@ -354,6 +356,18 @@ class ExtensionTest(unittest.TestCase):
         torch.cuda.synchronize()
         s = int(v.expert_map_host[3])
         self.assertTrue(torch.equal(v.tensors["bias"][s].cpu(), host["bias"][3]))
+
+    def test_documented_snippets(self):
+        """The README's "Use it from Python" block and docs/python.md's first example run as pasted."""
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        for path, after in (("README.md", "## Use it from Python"), (os.path.join("docs", "python.md"), "")):
+            with self.subTest(doc=path):
+                text = open(os.path.join(root, path), encoding="utf-8").read()
+                text = text[text.index(after):]
+                start = text.index("```python\n") + len("```python\n")
+                code = text[start:text.index("```", start)]
+                exec(compile(code, path, "exec"), {"__name__": "snippet"})
+                torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
