@@ -43,6 +43,7 @@ struct BenchArgs {
   std::vector<std::string> providers;  // row, cached, device, resident
   std::vector<std::string> staging;    // inline, copy_stream, batched, gather
   bool staging_given = false;
+  bool overlap = false;  // the device provider also with per-slot readiness (measured only)
   RuntimeChoice runtime = RuntimeChoice::automatic;
   std::optional<std::string> json_path;
   std::int64_t sim_scale = 1024;  // SimRuntime holds weights scaled down by this factor
@@ -86,6 +87,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --provider P,...    row, cached, device, resident, or all (default all)\n"
                "  --staging S,...     inline, copy_stream, batched, gather (CUDA only), or all (default: all that\n"
                "                      the runtime has)\n"
+               "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
+               "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
                "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
                "output\n"
@@ -206,6 +209,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--progress") {
       no_value();
       a.progress = true;
+    } else if (arg == "--overlap") {
+      no_value();
+      a.overlap = true;
     } else {
       throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
     }
@@ -216,8 +222,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
 
 // One configuration of the run: a provider and (for host-planned caches) a staging policy. The
 // device provider (planned on the GPU, one CUDA graph per step) has no staging policy: it runs
-// once, labelled "graph", whatever --staging lists.
+// once, labelled "graph", whatever --staging lists; with --overlap a second time, labelled
+// "overlap" (DeviceCacheOptions::overlap: the consumer waits per slot, fills overlap it).
 inline constexpr const char* device_staging = "graph";
+inline constexpr const char* device_overlap_staging = "overlap";
 struct RunConfig {
   std::string provider;
   std::string staging;
@@ -229,6 +237,7 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
     if (p == "resident") continue;
     if (p == "device") {
       out.push_back({p, device_staging});
+      if (a.overlap) out.push_back({p, device_overlap_staging});
       continue;
     }
     for (const std::string& s : staging) out.push_back({p, s});

@@ -2,6 +2,7 @@
 // expert-cache-bench: the driver both builds call (bench_main): arguments and routing are
 // validated first, then the measured GPU path (GpuHooks, CUDA build) or the modelled one runs,
 // and the table (and --json) is written. Host-only.
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <fstream>
@@ -45,6 +46,12 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       std::string why;
       use_gpu = gpu.device_available(why);
       if (!use_gpu && args.runtime == RuntimeChoice::cuda) throw UsageError{"--runtime cuda: no usable CUDA device (" + why + ")"};
+    }
+    if (args.overlap) {
+      if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())
+        throw UsageError{"--overlap needs the device provider (--provider device or all)"};
+      if (!use_gpu)
+        throw UsageError{"--overlap needs the CUDA runtime (a GPU): the modelled run has no model of the overlap"};
     }
     for (const std::string& s : args.staging) {
       if (s == "gather" && !use_gpu) {

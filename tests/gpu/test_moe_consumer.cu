@@ -6,6 +6,10 @@
 //    double-precision host MoE built from dequant_marlin_reference;
 //  * through CudaRuntime caches (row and whole-expert, every staging policy run here) its output
 //    is bit-identical to the all-resident run, step after step with evictions;
+//  * through an OVERLAPPED DeviceExpertCache (per-slot ready words, docs/design.md edge D4) with a
+//    deliberately slowed fill: bit-identical to the non-overlapped cache and to the all-resident
+//    run, eagerly and in a captured graph replayed with new ids; and with the test-only "skip
+//    the wait" kernels the consumer reads the slot's previous expert (the wait is what orders it);
 //  * at batch 1 on the default benchmark expert shape it reports its weight-read bandwidth against the HBM
 //    copy (a message, no assertion: the speed target is a benchmark number, docs/benchmarks.md).
 #include <doctest/doctest.h>
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "expert_cache/device/device_cache_cuda.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
@@ -389,6 +394,165 @@ TEST_CASE("moe consumer: cached runs are bit-identical to the all-resident run")
   cached_equals_resident<ExpertCache<TensorMajorStorage, Lru, Batched, Nvfp4Marlin, CudaRuntime>>("row/batched");
   cached_equals_resident<ExpertCache<TensorMajorStorage, Lru, Gather, Nvfp4Marlin, CudaRuntime>>("row/gather");
   cached_equals_resident<ExpertCache<ExpertMajorStorage, Lfru, Gather, Nvfp4Marlin, CudaRuntime>>("cached/gather");
+}
+
+namespace {
+
+using DevCache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
+
+// A device-planned cache of `L` (E = 16, C = 4, up to 4 ids), its host pools filled.
+std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns) {
+  DeviceCacheOptions o;
+  o.num_experts = static_cast<std::int32_t>(L.experts);
+  o.capacity = 4;
+  o.max_ids = 4;
+  o.overlap = overlap;
+  o.test_fill_delay_ns = delay_ns;
+  o.test_fill_delay_index = 0;
+  auto cache = std::make_unique<DevCache>(rt, o, L.layout);
+  const ExpertTensorBytes b = L.layout.tensors();
+  for (std::int64_t e = 0; e < L.experts; ++e)
+    for (std::size_t t = 0; t < num_expert_tensors; ++t)
+      if (b[t].bytes_per_expert != 0)
+        std::memcpy(cache->storage().host_tensor(t, static_cast<std::int32_t>(e)), L.tensor(t, e), b[t].bytes_per_expert);
+  return cache;
+}
+
+// One forward of 1 token x 4 experts through `cache` on `stream`: ids uploaded, prepare, consumer
+// (with the cache's readiness when it overlaps); returns the output.
+std::vector<float> device_step(DevCache& cache, const device::MoeConsumer& moe, const std::vector<std::int32_t>& ids,
+                               DevArray<std::int32_t>& d_ids, const DevArray<float>& d_w, const DevArray<float>& d_x,
+                               DevArray<float>& d_out, cudaStream_t stream, bool skip_wait = false) {
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+  d_ids.upload(ids);
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());  // the pageable upload's DMA too (legacy stream)
+  auto view = cache.prepare(d_ids.get(), static_cast<std::int32_t>(ids.size()), stream);
+  REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+  REQUIRE(moe.run(device::moe_weights_from_view(view.value(), 16), cache.sanitized_ids_device(), d_w.get(), d_x.get(),
+                  d_out.get(), 1, stream, cache.readiness(), skip_wait)
+              .ok());
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+  return d_out.download();
+}
+
+}  // namespace
+
+TEST_CASE("moe consumer + overlapped device cache (edge D4): a slowed fill is waited for, bit-identical; skipping the wait reads stale bytes") {
+  const Layer L = make_layer(256, 128, 16, 71);
+  const ResidentLayer res(L);
+  CudaRuntime rt;
+  cudaStream_t stream;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  device::MoeConsumer moe(L.layout, 1, 4);
+  DevArray<float> d_x(random_x(1, 256, 3)), d_w(std::vector<float>{0.4f, 0.3f, 0.2f, 0.1f}), d_out(256), d_ref(256);
+  DevArray<std::int32_t> d_ids(4), d_ids_ref(4);
+  auto resident = [&](const std::vector<std::int32_t>& ids) {
+    d_ids_ref.upload(ids);
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE(moe.run(res.weights, d_ids_ref.get(), d_w.get(), d_x.get(), d_ref.get(), 1, stream).ok());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    return d_ref.download();
+  };
+  // Step A fills slots 0-3 with experts 0-3; step B hits 0, 1, 2 and evicts 3: expert 9 lands in
+  // slot 3, whose old bytes (expert 3) are what a consumer that did not wait would read. Every
+  // fill block waits 500 us before copying fill 0 (expert 9), far longer than the consumer runs.
+  const std::vector<std::int32_t> a{0, 1, 2, 3}, b{0, 1, 2, 9};
+  constexpr std::uint32_t delay_ns = 500'000;
+  const std::vector<float> ref_a = resident(a), ref_b = resident(b);
+  auto plain = make_device_cache(rt, L, false, 0);
+  REQUIRE(!plain->readiness().enabled());
+  CHECK(std::memcmp(device_step(*plain, moe, a, d_ids, d_w, d_x, d_out, stream).data(), ref_a.data(), 256 * sizeof(float)) == 0);
+  const std::vector<float> plain_b = device_step(*plain, moe, b, d_ids, d_w, d_x, d_out, stream);
+  CHECK(std::memcmp(plain_b.data(), ref_b.data(), 256 * sizeof(float)) == 0);
+
+  {  // Overlap with the wait: bit-identical, no timeout flagged.
+    auto ov = make_device_cache(rt, L, true, delay_ns);
+    REQUIRE(ov->readiness().enabled());
+    CHECK(std::memcmp(device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream).data(), ref_a.data(), 256 * sizeof(float)) == 0);
+    const std::vector<float> got = device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream);
+    const bool same = std::memcmp(got.data(), plain_b.data(), 256 * sizeof(float)) == 0;
+    CHECK_MESSAGE(same, "overlapped run differs from the non-overlapped one: the readiness wait did not order the read");
+    std::int32_t slot9 = -1;
+    REQUIRE_CUDA_OK(cudaMemcpy(&slot9, ov->resident_map_device() + 9, sizeof slot9, cudaMemcpyDeviceToHost));
+    CHECK(slot9 == 3);
+    const std::uint32_t errors = ov->take_errors();
+    CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
+  }
+  {  // Overlap WITHOUT the wait (test kernels): the consumer reads slot 3 before expert 9 landed.
+    auto ov = make_device_cache(rt, L, true, delay_ns);
+    (void)device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream);
+    const std::vector<float> got = device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, true);
+    const bool stale = std::memcmp(got.data(), ref_b.data(), 256 * sizeof(float)) != 0;
+    CHECK_MESSAGE(stale,
+                  "without the wait the consumer still saw expert 9's bytes: it did not overlap the slowed fill "
+                  "(programmatic dependent launch inactive? sm_90 and a driver with PDL are needed), so this run "
+                  "cannot show that the wait orders the read");
+    // The fill did land (after the consumer had read): the same forward again is all hits and right.
+    const std::vector<float> again = device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream);
+    CHECK(std::memcmp(again.data(), ref_b.data(), 256 * sizeof(float)) == 0);  // all hits now: correct
+  }
+  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions and a captured graph replayed with new ids equal the all-resident run") {
+  const Layer L = make_layer(512, 256, 16, 73);
+  const ResidentLayer res(L);
+  CudaRuntime rt;
+  cudaStream_t stream;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  device::MoeConsumer moe(L.layout, 1, 4);
+  DevArray<float> d_x(random_x(1, 512, 5)), d_w(std::vector<float>{0.1f, 0.2f, 0.3f, 0.4f}), d_out(512), d_ref(512);
+  DevArray<std::int32_t> d_ids(4), d_ids_ref(4);
+  auto cache = make_device_cache(rt, L, true, 20'000);  // 20 us on every step's first fill
+  std::mt19937_64 rng(11);
+  auto random_ids = [&] {
+    std::vector<std::int32_t> ids(4);
+    for (auto& id : ids) id = static_cast<std::int32_t>(rng() % 16);
+    return ids;
+  };
+  auto resident = [&](const std::vector<std::int32_t>& ids) {
+    d_ids_ref.upload(ids);
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE(moe.run(res.weights, d_ids_ref.get(), d_w.get(), d_x.get(), d_ref.get(), 1, stream).ok());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    return d_ref.download();
+  };
+  for (int step = 0; step < 30; ++step) {
+    const std::vector<std::int32_t> ids = random_ids();
+    const std::vector<float> want = resident(ids);
+    const std::vector<float> got = device_step(*cache, moe, ids, d_ids, d_w, d_x, d_out, stream);
+    CAPTURE(step);
+    CHECK(std::memcmp(got.data(), want.data(), 512 * sizeof(float)) == 0);
+  }
+  // One captured step (prepare + consumer), replayed with new ids: no reset between replays.
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  auto view = cache->prepare(d_ids.get(), 4, stream);
+  const bool ran = view.ok() && moe.run(device::moe_weights_from_view(view.value(), 16), cache->sanitized_ids_device(),
+                                        d_w.get(), d_x.get(), d_out.get(), 1, stream, cache->readiness())
+                                    .ok();
+  REQUIRE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  REQUIRE(ran);
+  REQUIRE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const std::uint64_t misses0 = cache->stats().misses;
+  for (int replay = 0; replay < 40; ++replay) {
+    const std::vector<std::int32_t> ids = random_ids();
+    const std::vector<float> want = resident(ids);
+    d_ids.upload(ids);
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE_CUDA_OK(cudaGraphLaunch(exec, stream));
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    CAPTURE(replay);
+    CHECK(std::memcmp(d_out.download().data(), want.data(), 512 * sizeof(float)) == 0);
+  }
+  CHECK(cache->stats().misses > misses0 + 20);  // the replays did fill
+  const std::uint32_t errors = cache->take_errors();
+  CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
+  REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (reported)") {
