@@ -39,6 +39,7 @@ class SharedHostPool {
  public:
   static constexpr std::size_t run_alignment = 64;
   static constexpr std::int32_t max_ranks = 64;  // ranks of one host
+  static constexpr std::size_t page_bytes = 4096;
 
   // `rank_tensors`: the tensors of ONE rank's layout (expert parallel: the layer's layout;
   // tensor slice: tp_slice_layout(full, TP)). Throws Error when the runtime refuses a
@@ -61,8 +62,11 @@ class SharedHostPool {
         at += round_up(rank_experts(r) * b);
       }
       bytes_[t] = at;
-      data_[t].reset(static_cast<std::byte*>(::operator new(at, std::align_val_t{run_alignment})));
-      std::memset(data_[t].get(), 0, at);
+      // Whole pages per tensor: cudaHostRegister pins pages, and two registrations sharing a page
+      // are refused (cudaErrorHostMemoryAlreadyRegistered).
+      const std::size_t alloc = (at + page_bytes - 1) / page_bytes * page_bytes;
+      data_[t].reset(static_cast<std::byte*>(::operator new(alloc, std::align_val_t{page_bytes})));
+      std::memset(data_[t].get(), 0, alloc);
       reg_[t] = detail::HostRegistration<R>(rt, data_[t].get(), at, "the shared host pool's " + std::string(tensors_[t].name));
     }
   }
@@ -108,7 +112,7 @@ class SharedHostPool {
 
  private:
   struct AlignedFree {
-    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{run_alignment}); }
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{page_bytes}); }
   };
   [[nodiscard]] bool shared(std::size_t t) const noexcept {
     return placement_.sharding() == Sharding::tensor_slice && tp_replicated(tensors_[t].name);
