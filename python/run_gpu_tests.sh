@@ -22,6 +22,11 @@ command -v "$PY" > /dev/null || PY=python3
   g++ --version | head -n 1
 } | tee "$OUT/environment.log"
 
+if ! "$PY" -c 'import torch' > /dev/null 2>&1; then
+  echo "SUMMARY: SKIPPED: $PY cannot import torch (needs a CUDA build of torch, nvcc and a GPU)"
+  exit 77
+fi
+
 echo "== build (log: $OUT/build_ext.log)"
 start=$(date +%s)
 (cd "$HERE" && MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \

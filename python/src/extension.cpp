@@ -60,6 +60,13 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// The cache and the host tensors it reads, owned together: slot/map aliases hold this, so the
+// host memory outlives the registration, and the cache (declared last) goes first.
+struct Owned {
+  std::vector<at::Tensor> host;  // the caller's host tensors
+  std::unique_ptr<ec::CudaBridge> bridge;
+};
+
 class TorchCache {
  public:
   TorchCache(const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
@@ -80,6 +87,7 @@ class TorchCache {
     c.label = label;
 
     std::vector<ec::HostTensorArg> args;
+    std::vector<at::Tensor> host;
     std::size_t pinned = 0;
     for (const auto& [name, t] : host_tensors) {
       if (!t.defined()) fail(label + ": host tensor '" + name + "' is undefined");
@@ -88,7 +96,7 @@ class TorchCache {
       if (t.is_pinned()) ++pinned;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
       args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
-      keep_.push_back(t);  // the cache reads this memory for its whole life
+      host.push_back(t);  // the cache reads this memory for its whole life
     }
     // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered again.
     if (pinned != 0 && pinned != host_tensors.size()) {
@@ -100,7 +108,8 @@ class TorchCache {
     device_ = stream.device_index();
     auto made = ec::make_cuda_bridge(c, args);
     check(made.status());
-    bridge_ = std::shared_ptr<ec::CudaBridge>(std::move(made.value()));
+    owned_ = std::make_shared<Owned>(Owned{std::move(host), std::move(made.value())});
+    bridge_ = owned_->bridge.get();
     num_experts_ = num_experts;
     label_ = label;
   }
@@ -237,16 +246,16 @@ class TorchCache {
     return stream;
   }
 
-  // A CUDA tensor over cache memory, no copy. Its deleter frees nothing; it holds the bridge,
-  // so a tensor outliving the Python cache object keeps the memory valid.
+  // A CUDA tensor over cache memory, no copy. Its deleter frees nothing; it holds the cache and
+  // its host tensors, so a tensor outliving the Python cache object keeps the memory valid.
   at::Tensor alias(std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides, at::ScalarType t) {
-    std::shared_ptr<ec::CudaBridge> keep = bridge_;
+    std::shared_ptr<Owned> keep = owned_;
     return torch::from_blob(reinterpret_cast<void*>(p), sizes, strides, [keep](void*) {},
                             at::TensorOptions().dtype(t).device(at::kCUDA, device_));
   }
 
-  std::shared_ptr<ec::CudaBridge> bridge_;
-  std::vector<at::Tensor> keep_;  // the caller's host tensors
+  std::shared_ptr<Owned> owned_;
+  ec::CudaBridge* bridge_ = nullptr;  // owned_->bridge
   at::Tensor pinned_ids_;         // host-planned + CUDA ids: the pinned read-back buffer
   at::Tensor last_ids_;           // device provider: the ids the last plan reads
   c10::DeviceIndex device_ = 0;
