@@ -13,7 +13,7 @@
 //   timed pass  fresh caches, `--steps` decode steps (prepare + consumer + all-reduce + the
 //               host waits for the output, as a decode loop does): tok/s and hit rate per rank.
 // The 1-GPU baseline: one cache of `--capacity` whole experts on device 0, the same loop.
-// Keep NVLink multicast off: the program sets NCCL_NVLS_ENABLE=0 unless the caller set it.
+// NVLink multicast stays off: the program sets NCCL_NVLS_ENABLE=0 before NCCL starts (docs/parallel.md).
 // Exit: 0 all checks passed, 1 a check failed, 2 bad usage, 3 fewer than 2 devices.
 #include <cuda_runtime.h>
 
@@ -157,7 +157,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "multi-gpu-decode: needs 2 CUDA devices, found %d\n", devices);
     return 3;
   }
-  if (std::getenv("NCCL_NVLS_ENABLE") == nullptr) setenv("NCCL_NVLS_ENABLE", "0", 1);  // NVLink multicast off
+  // NVLink multicast (NVLS) stays off whatever the caller's environment says: on a shared host a
+  // program using it can take every GPU out of service (docs/parallel.md). Set before NCCL starts.
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
   std::printf("multi-gpu-decode: K=%lld N=%lld E=%lld top-%d, %d whole experts of slots per GPU, NCCL_NVLS_ENABLE=%s\n",
               static_cast<long long>(a.hidden), static_cast<long long>(a.inter), static_cast<long long>(a.experts), a.top_k,
               a.capacity, std::getenv("NCCL_NVLS_ENABLE"));
