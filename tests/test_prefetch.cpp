@@ -4,14 +4,23 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <memory>
 #include <random>
+#include <type_traits>
 #include <vector>
 
+#include "expert_cache/any_cache.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/planner.hpp"
+#include "support/removed_edges.hpp"
+#include "support/sim_cache_harness.hpp"
+#include "support/stats_checks.hpp"
 
 using namespace expert_cache;
+using namespace expert_cache::test;
 using Ids = std::vector<std::int32_t>;
+using Stream = SimRuntime::Stream;
 
 namespace {
 
@@ -270,4 +279,373 @@ TEST_CASE_TEMPLATE("plan_prefetch over random forwards, prefetches and invalidat
   CHECK(fills > 100);
   CHECK(p.counters().speculative_used > 0);
   CHECK(p.counters().speculative_wasted > 0);
+}
+
+// ---- the cache: ExpertCache::prefetch on SimRuntime ------------------------------------------
+
+namespace {
+
+template <class Cache>
+struct Fixture {
+  SimRuntime rt;
+  std::vector<Stream> streams;
+  std::unique_ptr<Cache> cache;
+  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
+  std::uint64_t launched = 0;
+
+  Fixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::uint64_t seed = 1,
+          std::size_t staging_ring = 8)
+      : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}) {
+    for (int i = 0; i < 3; ++i) streams.push_back(rt.create_stream().value());
+    CacheOptions o = quiet_options(experts, capacity, top_k);
+    o.staging_ring = staging_ring;
+    cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
+    fill_host_pools(*cache);
+  }
+
+  // prepare + a reader of the forward (forward map, resident map, slots) on the same stream.
+  Status forward(const Ids& topk, Stream s) {
+    auto view = cache->prepare(topk, s);
+    if (!view.ok()) return view.status();
+    last_view = view.value();
+    last_unique.clear();
+    for (ExpertId e : cache->last_plan().unique) last_unique.push_back(e.value);
+    ++launched;
+    return launch_reader(rt, *cache, view.value(), last_unique, s, log);
+  }
+
+  // The current forward's kernels after a prefetch: they read the forward map and their slots,
+  // not the resident map (which prefetch rewrites).
+  Status forward_map_reader(Stream s) {
+    std::vector<Access> accesses;
+    const auto n = static_cast<std::size_t>(cache->options().num_experts);
+    accesses.push_back({last_view.expert_map, n * sizeof(std::int32_t), AccessMode::read});
+    Ids slots;
+    for (std::int32_t e : last_unique) slots.push_back(cache->forward_map_host()[static_cast<std::size_t>(e)]);
+    for (std::int32_t slot : slots) {
+      for (const SlotTensor& t : last_view.tensors) {
+        if (t.bytes != 0) accesses.push_back({t.slot(slot), t.bytes, AccessMode::read});
+      }
+    }
+    ++launched;
+    return rt.launch(s, accesses, [v = last_view, ids = last_unique, slots, log = log]() {
+      ++log->runs;
+      for (std::size_t k = 0; k < ids.size(); ++k) {
+        bool ok = v.expert_map[ids[k]] == slots[k];
+        for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
+          const SlotTensor& st = v.tensors[t];
+          for (std::size_t i = 0; i < st.bytes; ++i) {
+            if (st.slot(slots[k])[i] != pattern_byte(t, ids[k], i)) {
+              ok = false;
+              break;
+            }
+          }
+        }
+        if (!ok && log->mismatches++ == 0) log->first_mismatch = "forward-map reader: expert " + std::to_string(ids[k]);
+      }
+    });
+  }
+
+  [[nodiscard]] std::int64_t bytes_per_expert() const {
+    return static_cast<std::int64_t>(total_bytes_per_expert(cache->layout().tensors()));
+  }
+  PrefetchOptions budget(std::int64_t fills, std::uint32_t expires_after = 1) const {
+    return PrefetchOptions{fills * bytes_per_expert(), expires_after};
+  }
+
+  void check_clean_after_drain() {
+    rt.drain();
+    CHECK(rt.races().empty());
+    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    if (log->mismatches != 0) MESSAGE(log->first_mismatch);
+    CHECK(log->runs == launched);
+    const auto host = cache->resident_map_host();
+    CHECK(std::equal(host.begin(), host.end(), cache->resident_map_device()));
+  }
+
+  ForwardView last_view{};
+  Ids last_unique;
+};
+
+using RowSim = RowCache<SimRuntime, ExplicitLayout>;
+using WholeSim = WholeExpertCache<SimRuntime, ExplicitLayout>;
+using InlineSim = ExpertCache<TensorMajorStorage, Sieve, Inline, ExplicitLayout, SimRuntime>;
+using BatchedSim = ExpertCache<ExpertMajorStorage, S3Fifo, Batched, ExplicitLayout, SimRuntime>;
+using LayerShareSim = ExpertCache<TensorMajorStorage, LayerShare, CopyStream, ExplicitLayout, SimRuntime>;
+
+template <class Edges>
+using EdgeCache = detail::ExpertCacheWithEdges<TensorMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime, Edges>;
+static_assert(std::is_same_v<EdgeCache<OrderingEdges>, RowSim>);
+
+Ids random_ids(std::mt19937_64& rng, std::size_t n, std::int32_t experts, bool padding) {
+  Ids ids;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto r = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(experts + (padding ? 1 : 0)));
+    ids.push_back(r == experts ? -1 : r);
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("prefetch: fills land, a using prepare hits and reads them, stats count issued/used/wasted/bytes",
+                   Cache, RowSim, WholeSim, InlineSim, BatchedSim, LayerShareSim) {
+  Fixture<Cache> f(12, 6, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  const Ids forward_before(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end());
+  const auto uploads = f.cache->stats().map_uploads;
+  const auto copies = f.cache->stats().total_copies;
+  auto pv = f.cache->prefetch(Ids{2, 3, 0, 4}, f.streams[0], f.budget(2, 1));
+  REQUIRE(pv.ok());
+  CHECK(pv.value().issued == 2);  // the budget: 2 and 3
+  CHECK(pv.value().skipped_resident == 1);
+  CHECK(pv.value().bytes == static_cast<std::uint64_t>(2 * f.bytes_per_expert()));
+  CHECK(f.cache->planner().is_speculative(2));
+  CHECK(f.cache->planner().is_speculative(3));
+  CHECK_FALSE(f.cache->planner().is_resident(4));
+  // The forward map is not touched; the resident map is uploaded once.
+  CHECK(Ids(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end()) == forward_before);
+  CHECK(f.cache->stats().map_uploads == uploads + 1);
+  CHECK(f.cache->stats().total_copies == copies + 2 * f.cache->storage().copy_regions().count);
+  CHECK(f.cache->stats().prepare_calls == 1);
+  REQUIRE(f.forward_map_reader(f.streams[0]).ok());  // the current forward's kernels go on
+  f.rt.run_random(3, 5);
+
+  REQUIRE(f.forward(Ids{2, 0, -1, 2}, f.streams[1]).ok());  // 2 used, from another stream
+  CHECK(f.cache->last_plan().hits == 2);
+  CHECK(f.cache->last_plan().misses == 0);
+  CHECK(f.cache->stats().last_copies == 0);
+  REQUIRE(f.forward(Ids{5, 1}, f.streams[0]).ok());  // 3 unused for 2 forwards: wasted after the first
+  const CacheStats s = f.cache->stats();
+  CHECK(s.speculative_issued == 2);
+  CHECK(s.speculative_used == 1);
+  CHECK(s.speculative_wasted == 1);
+  CHECK(s.speculative_bytes == static_cast<std::uint64_t>(2 * f.bytes_per_expert()));
+  CHECK(s.promotions == s.misses);  // speculative fills are not promotions
+  CHECK(s.hits == 2 + 1);
+  f.check_clean_after_drain();
+}
+
+TEST_CASE("prefetch through AnyExpertCache: host providers pass through") {
+  SimRuntime rt;
+  const Stream st = rt.create_stream().value();
+  AnyCacheConfig config;
+  config.options = quiet_options(10, 4, 2);
+  config.layout = AnyLayout::explicit_bytes(six_tensor_layout().bytes);
+  auto made = make_expert_cache(rt, config);
+  REQUIRE(made.ok());
+  auto& cache = made.value();
+  REQUIRE(cache.prepare(Ids{0, 1}, st).ok());
+  const std::int64_t per = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().bytes));
+  auto pv = cache.prefetch(Ids{5, 6, 7}, st, PrefetchOptions{2 * per + per / 2, 1});
+  REQUIRE(pv.ok());
+  CHECK(pv.value().issued == 2);
+  CHECK(cache.stats().speculative_issued == 2);
+  CHECK(cache.prefetch(Ids{10}, st, PrefetchOptions{per, 1}).status().code() == ErrorCode::expert_out_of_range);
+  REQUIRE(cache.prepare(Ids{5, 1}, st).ok());
+  CHECK(cache.stats().speculative_used == 1);
+  rt.drain();
+  CHECK(rt.races().empty());
+}
+
+TEST_CASE("prefetch: bad input gets a specific error and leaves stats, maps, plan state and device work unchanged") {
+  Fixture<RowSim> f(10, 4, 2);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{3}, f.streams[0], f.budget(1, 2)).ok());
+  f.rt.drain();
+  const auto snap = f.cache->planner().snapshot();
+  const CacheStats stats_before = f.cache->stats();
+  const auto ops_before = f.rt.counters();
+  const Ids resident_before(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end());
+  const Ids forward_before(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end());
+  auto same = [&] {
+    CHECK(f.cache->planner().snapshot() == snap);
+    check_stats_equal(f.cache->stats(), stats_before);
+    CHECK(f.cache->stats().speculative_issued == stats_before.speculative_issued);
+    CHECK(f.cache->stats().speculative_bytes == stats_before.speculative_bytes);
+    CHECK(f.rt.counters() == ops_before);
+    CHECK(Ids(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end()) == resident_before);
+    CHECK(Ids(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end()) == forward_before);
+  };
+  const Stream s = f.streams[1];
+  CHECK(f.cache->prefetch(Ids{4, 10}, s, f.budget(2)).status().code() == ErrorCode::expert_out_of_range);
+  same();
+  CHECK(f.cache->prefetch(Ids{-1}, s, f.budget(2)).status().code() == ErrorCode::expert_out_of_range);
+  same();
+  CHECK(f.cache->prefetch(Ids(11, 4), s, f.budget(2)).status().code() == ErrorCode::too_many_experts);
+  same();
+  CHECK(f.cache->prefetch(Ids{4}, s, PrefetchOptions{-1, 1}).status().code() == ErrorCode::invalid_argument);
+  same();
+  CHECK(f.cache->prefetch(Ids{4}, s, f.budget(1, 0)).status().code() == ErrorCode::invalid_argument);
+  same();
+  REQUIRE(f.rt.set_capturing(s, true).ok());
+  CHECK(f.cache->prefetch(Ids{4}, s, f.budget(1)).status().code() == ErrorCode::capture_unsupported);
+  REQUIRE(f.rt.set_capturing(s, false).ok());
+  same();
+  // A budget below one expert, or an empty list: accepted, nothing happens.
+  auto none = f.cache->prefetch(Ids{4}, s, PrefetchOptions{f.bytes_per_expert() - 1, 1});
+  REQUIRE(none.ok());
+  CHECK(none.value().issued == 0);
+  same();
+  REQUIRE(f.cache->prefetch(Ids{}, s, f.budget(3)).ok());
+  same();
+  REQUIRE(f.forward(Ids{3, 5}, f.streams[0]).ok());
+  f.check_clean_after_drain();
+}
+
+TEST_CASE("prefetch: a runtime failure drops the call's fills, counts a fault; the cache goes on") {
+  for (FaultKind kind : {FaultKind::copy, FaultKind::record, FaultKind::wait}) {
+    CAPTURE(static_cast<int>(kind));
+    Fixture<RowSim> f(10, 4, 2);
+    REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+    f.rt.inject_failure(kind, 1);
+    auto pv = f.cache->prefetch(Ids{2, 3}, f.streams[1], f.budget(2));
+    REQUIRE_FALSE(pv.ok());
+    CHECK(pv.status().code() == ErrorCode::runtime_failure);
+    CHECK(pv.status().message().find("prefetch") != std::string_view::npos);
+    f.rt.clear_failures();
+    const CacheStats s = f.cache->stats();
+    CHECK(s.faults == 1);
+    CHECK(f.cache->planner().speculative_count() == 0);
+    CHECK(s.speculative_issued == s.speculative_wasted);
+    CHECK_FALSE(f.cache->planner().is_resident(2));
+    CHECK_FALSE(f.cache->planner().is_resident(3));
+    REQUIRE(f.forward(Ids{2, 3}, f.streams[0]).ok());  // refetched by a prepare
+    REQUIRE(f.cache->prefetch(Ids{4}, f.streams[0], f.budget(1)).ok());
+    REQUIRE(f.forward(Ids{4, 2}, f.streams[1]).ok());
+    f.check_clean_after_drain();
+  }
+}
+
+// ---- edge 9: a prepare using a speculative fill waits for exactly that slot ------------------
+
+namespace {
+
+struct Detected {
+  std::size_t races = 0;
+  std::uint64_t mismatches = 0;
+};
+
+// prefetch(2) on the copy stream, then an all-hit prepare using 2 on the consumer stream: only
+// the slot's event orders the reader after the copy (`ready` precedes the fill).
+template <class Edges>
+Detected read_speculative_fill() {
+  Fixture<EdgeCache<Edges>> f(8, 4, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{2}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.forward(Ids{0, 2}, f.streams[0]).ok());
+  REQUIRE(f.cache->stats().last_copies == 0);  // all hits: nothing else orders the reader
+  f.rt.drain();
+  if (!f.rt.races().empty()) MESSAGE(f.rt.races()[0].description);
+  return {f.rt.races().size(), f.log->mismatches};
+}
+
+}  // namespace
+
+TEST_CASE("negative (edge 9): removing the speculative-slot wait lets a prepare read a fill still in flight") {
+  const Detected with = read_speculative_fill<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const Detected without = read_speculative_fill<NoSpeculativeSlotWait>();
+  CHECK(without.races > 0);  // the detector itself fires, whatever the reader happened to see
+}
+
+TEST_CASE("edge 9 waits for exactly the slot's event: a later prefetch's fill still in flight does not hold the reader") {
+  Fixture<RowSim> f(10, 5, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{2}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.cache->prefetch(Ids{3}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.forward(Ids{0, 2}, f.streams[0]).ok());  // all hits, uses 2 only
+  REQUIRE(f.cache->stats().last_copies == 0);
+  const Stream copy = f.cache->copy_stream().value();
+  // The copy stream's last ops: expert 3's copies (one per present tensor) and its slot event.
+  const std::size_t tail = f.cache->storage().copy_regions().count + 1;
+  for (int guard = 0; guard < 1000 && f.rt.pending_ops(copy) > tail; ++guard) {
+    if (!f.rt.step(copy)) REQUIRE(f.rt.step(f.streams[0]));  // the copy stream waits on the owner
+  }
+  REQUIRE(f.rt.pending_ops(copy) == tail);
+  while (f.rt.step(f.streams[0])) {
+  }
+  CHECK(f.rt.pending_ops(f.streams[0]) == 0);  // both readers ran with 3's fill still queued
+  CHECK(f.log->runs == 2);
+  CHECK(f.rt.pending_ops(copy) == tail);
+  f.check_clean_after_drain();
+}
+
+// ---- randomized schedules --------------------------------------------------------------------
+
+namespace {
+
+// prefetches, prepares (with readers), current-forward readers after a prefetch, invalidates and
+// expert-split groups from random streams, the simulated GPU advanced by random amounts.
+template <class Cache>
+std::uint64_t run_prefetch_schedule(std::uint64_t seed) {
+  constexpr std::int32_t experts = 12, capacity = 5, k = 2;
+  Fixture<Cache> f(experts, capacity, k, seed, 3);
+  std::mt19937_64 rng(seed);
+  const int actions = 8 + static_cast<int>(rng() % 8);
+  bool have_forward = false;
+  Stream owner = f.streams[0];
+  for (int a = 0; a < actions; ++a) {
+    const Stream s = f.streams[rng() % f.streams.size()];
+    const auto kind = rng() % 20;
+    if (kind < 8) {
+      REQUIRE(f.forward(random_ids(rng, 2 * k, experts, true), s).ok());
+      have_forward = true;
+      owner = s;
+    } else if (kind < 14) {
+      const Ids predicted = random_ids(rng, 1 + rng() % 4, experts, false);
+      const auto fills = static_cast<std::int64_t>(rng() % 4);
+      REQUIRE(f.cache->prefetch(predicted, s, f.budget(fills, 1 + static_cast<std::uint32_t>(rng() % 2))).ok());
+      if (have_forward && rng() % 2 == 0) REQUIRE(f.forward_map_reader(owner).ok());
+    } else if (kind < 17) {
+      REQUIRE(f.cache->invalidate(static_cast<std::int32_t>(rng() % experts), s).ok());
+      have_forward = false;  // the last forward's reader may no longer name a resident slot
+    } else {
+      auto groups = f.cache->plan_expert_groups(random_ids(rng, 10, experts, true));
+      REQUIRE(groups.ok());
+      for (const auto& g : groups.value()) {
+        auto view = f.cache->prepare_unique(g.unique_ids, s);
+        REQUIRE(view.ok());
+        ++f.launched;
+        REQUIRE(launch_reader(f.rt, *f.cache, view.value(), g.unique_ids, s, f.log).ok());
+      }
+      have_forward = false;
+    }
+    f.rt.run_random(rng(), rng() % 12);
+  }
+  f.check_clean_after_drain();
+  const CacheStats st = f.cache->stats();
+  CHECK(st.speculative_issued == st.speculative_used + st.speculative_wasted +
+                                     static_cast<std::uint64_t>(f.cache->planner().speculative_count()));
+  return st.speculative_used;
+}
+
+// 4000 schedules by default; EXPERT_CACHE_SCHEDULES (10^5 by default in test_cache_sim.cpp)
+// scales them by 1/25, with a floor of 400.
+std::uint64_t prefetch_schedules() {
+  if (const char* env = std::getenv("EXPERT_CACHE_SCHEDULES")) {
+    return std::max<std::uint64_t>(400, std::strtoull(env, nullptr, 10) / 25);
+  }
+  return 4000;
+}
+
+}  // namespace
+
+TEST_CASE("ordering: the race detector stays silent over randomized schedules mixing prefetch, prepare, invalidate") {
+  const std::uint64_t total = prefetch_schedules();
+  constexpr std::uint64_t configs = 5;
+  std::uint64_t used = 0, count = 0;
+  for (std::uint64_t i = 0; i < (total + configs - 1) / configs; ++i) {
+    used += run_prefetch_schedule<RowSim>(i * configs + 1);
+    used += run_prefetch_schedule<WholeSim>(i * configs + 2);
+    used += run_prefetch_schedule<InlineSim>(i * configs + 3);
+    used += run_prefetch_schedule<BatchedSim>(i * configs + 4);
+    used += run_prefetch_schedule<LayerShareSim>(i * configs + 5);
+    count += configs;
+  }
+  MESSAGE("prefetch schedules checked: " << count << ", speculative fills used: " << used);
+  CHECK(count >= total);
+  CHECK(used > count / 10);  // the schedules do exercise edge 9
 }

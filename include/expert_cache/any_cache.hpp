@@ -184,6 +184,8 @@ class AnyCacheBase {
   virtual Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
   virtual Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept = 0;
   virtual Status invalidate(std::int32_t expert, Stream stream) noexcept = 0;
+  virtual Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
+                                        PrefetchOptions options) noexcept = 0;
   [[nodiscard]] virtual CacheStats stats() const noexcept = 0;
   [[nodiscard]] virtual const ExpertTensorBytes& tensors() const noexcept = 0;
   [[nodiscard]] virtual std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept = 0;
@@ -246,6 +248,10 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
                   "prepare_group is the device provider's overflow round; host providers split with "
                   "plan_expert_groups / plan_token_chunks and prepare_unique");
   }
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
+                                PrefetchOptions options) noexcept final {
+    return this->cache_.prefetch(ids, stream, options);
+  }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final {
     return this->cache_.resident_map_host();
   }
@@ -283,6 +289,16 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   }
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
     return this->cache_.prepare_group(group, stream);
+  }
+  // Passed through once DeviceExpertCache has prefetch(ids, stream, options); until then refused.
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
+                                PrefetchOptions options) noexcept final {
+    if constexpr (requires { { this->cache_.prefetch(ids, stream, options) } -> std::same_as<Result<PrefetchView>>; }) {
+      return this->cache_.prefetch(ids, stream, options);
+    } else {
+      (void)ids, (void)stream, (void)options;
+      return Status(ErrorCode::not_supported, "prefetch: the device provider has no speculative fills yet");
+    }
   }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final { return {}; }
   [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept final { return {}; }
@@ -325,6 +341,12 @@ class AnyExpertCache {
     return impl_->prepare_group(group, stream);
   }
   Status invalidate(std::int32_t expert, Stream stream) noexcept { return impl_->invalidate(expert, stream); }
+  // Speculative fills of predicted ids (host ids), as ExpertCache::prefetch. Host providers; the
+  // device provider returns not_supported for now.
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    return impl_->prefetch(predicted, stream, options);
+  }
   [[nodiscard]] CacheStats stats() const noexcept { return impl_->stats(); }
 
   // Split plans for forwards wider than the cache (host providers; any provider can compute them).

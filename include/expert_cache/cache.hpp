@@ -12,7 +12,10 @@
 //
 // prepare(ids, stream) plans the forward, hands its fills to the ordering core's one write
 // entry (which orders, issues, uploads the resident map, publishes and adopts the reader) and
-// uploads the forward map; every stream/event edge comes from the core.
+// uploads the forward map; every stream/event edge comes from the core. prefetch(ids, stream)
+// plans speculative fills of predicted experts (planner.hpp, plan_prefetch) and hands them to
+// the same entry; a later prepare() using one waits for exactly that fill (docs/design.md,
+// "Prefetch" and edge 9).
 //
 // ExpertCache is an alias of detail::ExpertCacheWithEdges with every ordering edge on. The
 // sixth parameter exists only for the negative tests (tests/test_cache_sim.cpp), which remove
@@ -64,6 +67,10 @@ struct CacheStats {
   std::uint64_t map_uploads = 0;    ///< expert/resident map uploads
   std::uint64_t staging_stalls = 0; ///< waits for a free host staging buffer
   std::uint64_t faults = 0;         ///< runtime failures reported by prepare()/invalidate()
+  std::uint64_t speculative_issued = 0;  ///< experts filled by prefetch() (not in misses or promotions)
+  std::uint64_t speculative_used = 0;    ///< ... then used by a forward (also counted in hits)
+  std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
+  std::uint64_t speculative_bytes = 0;   ///< bytes copied by prefetch()
   std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
   std::size_t host_bytes = 0;       ///< host: expert pools + map staging
   /// hits / (hits + misses); 0 before the first forward.
@@ -88,6 +95,24 @@ struct ForwardView {
   [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
     return tensors[static_cast<std::size_t>(t)];
   }
+};
+
+/// Budget and lifetime of one prefetch() call.
+struct PrefetchOptions {
+  /// Bytes this call may copy: max_bytes / bytes per expert fills (0 = none; < 0 is an error).
+  std::int64_t max_bytes = 0;
+  /// Accepted forwards a fill stays protected unused before it counts wasted (>= 1): 1 for a
+  /// per-layer cache prefetched one forward ahead, L for a cache shared by L layers.
+  std::uint32_t expires_after = 1;
+};
+
+/// What one prefetch() did.
+struct PrefetchView {
+  std::uint32_t issued = 0;             ///< speculative fills enqueued
+  std::uint32_t evictions = 0;          ///< residents dropped for them
+  std::uint32_t skipped_resident = 0;   ///< predicted entries already resident or in flight
+  std::uint32_t skipped_no_victim = 0;  ///< predicted ids dropped: every slot was protected
+  std::uint64_t bytes = 0;              ///< bytes enqueued
 };
 
 /// Construction parameters of an ExpertCache. The constructor throws Error when they are
@@ -178,6 +203,69 @@ class ExpertCacheWithEdges {
     return prepare_impl<true>(unique_ids, stream);
   }
 
+  /// Speculative fills of `predicted` (best first, ids in [0, num_experts), at most num_experts
+  /// entries) for a later prepare(), under `options.max_bytes`. Enqueued on the fill stream after
+  /// the previous readers and writers (edges 1, 2), with the resident map (edge 7); `stream`
+  /// does not wait for them and stays what it was (the owner is unchanged). The forward map is
+  /// not touched: kernels of the current forward keep reading it. Never evicts an expert of the
+  /// most recent prepare() or an unused, unexpired speculative fill. A later prepare() whose
+  /// forward uses a fill makes its stream wait for exactly that fill (edge 9). The device
+  /// resident map names a speculative slot before its bytes land: read slots through the
+  /// forward map (expert_map), whose entries are always ordered for the prepare's stream.
+  /// Errors (before any state change): expert_out_of_range, too_many_experts (more entries
+  /// than num_experts), invalid_argument (max_bytes < 0, expires_after == 0),
+  /// capture_unsupported (`stream` is capturing: the per-slot events must be eager). A runtime
+  /// failure drops the call's fills (counted wasted and invalidated).
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prefetch");
+    if (options.max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "prefetch max_bytes must be >= 0, got %lld",
+                            static_cast<long long>(options.max_bytes));
+    }
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    const std::uint64_t budget_fills = static_cast<std::uint64_t>(options.max_bytes) / bytes_per_expert;
+    const auto max_fills = static_cast<std::int32_t>(
+        std::min<std::uint64_t>(budget_fills, static_cast<std::uint64_t>(options_.capacity)));
+    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
+      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported,
+                    "prefetch() under stream capture: its per-slot events must be recorded eagerly");
+    }
+    // The one-time per-slot events, then the plan (which validates before any state change).
+    if (max_fills > 0) {
+      if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;
+    }
+    if (Status s = planner_.plan_prefetch(predicted, max_fills, options.expires_after, prefetch_plan_); !s) return s;
+    if (prefetch_plan_.fills.empty()) return prefetch_view(bytes_per_expert);
+    resident_dirty_ = true;
+    Status s = core_.write(stream, WritePurpose::speculative, resident_upload(), [&](Stream fill) noexcept {
+      for (const SlotFill& f : prefetch_plan_.fills) {
+        if (Status w = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(&f, 1)); !w) return w;
+        if (Status w = core_.record_speculative(f.slot.index(), fill); !w) return w;
+      }
+      return Status();
+    });
+    if (!s) {
+      // As roll_back(): the slots' contents are unknown; drop them, re-upload the map next time.
+      for (const SlotFill& f : prefetch_plan_.fills) {
+        (void)planner_.invalidate(f.expert.value);
+        core_.forget_speculative(f.slot.index());
+      }
+      ++faults_;
+      return s.with_context("prefetch failed after planning (%zu speculative experts dropped)",
+                            prefetch_plan_.fills.size());
+    }
+    resident_dirty_ = false;
+    total_copies_ += prefetch_plan_.fills.size() * copies_per_fill_;
+    speculative_bytes_ += prefetch_plan_.fills.size() * bytes_per_expert;
+    return prefetch_view(bytes_per_expert);
+  }
+
   /// Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
   /// rewritten only by a later prepare(), after the readers of the previous forward.
   Status invalidate(std::int32_t expert, Stream stream) noexcept {
@@ -185,6 +273,7 @@ class ExpertCacheWithEdges {
     Result<SlotId> freed = planner_.invalidate(expert);
     if (!freed.ok()) return freed.status();
     if (!freed.value().valid()) return {};
+    core_.forget_speculative(freed.value().index());  // rewritten only after edges 1/2 order it
     resident_dirty_ = true;
     // Only the resident map changes: no slot writes, the owner keeps reading.
     Status s = core_.write(stream, WritePurpose::invalidate, resident_upload(), [](Stream) noexcept { return Status(); });
@@ -226,6 +315,10 @@ class ExpertCacheWithEdges {
     s.map_uploads = o.map_uploads;
     s.staging_stalls = o.staging_stalls;
     s.faults = faults_;
+    s.speculative_issued = c.speculative_issued;
+    s.speculative_used = c.speculative_used;
+    s.speculative_wasted = c.speculative_wasted;
+    s.speculative_bytes = speculative_bytes_;
     s.slot_bytes = storage_.slot_bytes() + 2 * map_bytes();
     s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
     return s;
@@ -236,6 +329,7 @@ class ExpertCacheWithEdges {
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
   [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
   [[nodiscard]] const ForwardPlan& last_plan() const noexcept { return plan_; }
+  [[nodiscard]] const PrefetchPlan& last_prefetch() const noexcept { return prefetch_plan_; }
   [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
   [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
@@ -271,6 +365,7 @@ class ExpertCacheWithEdges {
                            [&](Stream fill) noexcept {
                              return staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
                            });
+    if (s) s = wait_speculative_fills(stream);
     if (s && !forward_map_uploaded()) s = upload_forward_map(stream);
     if (!s) return roll_back(s);
     if (writes) resident_dirty_ = false;
@@ -284,6 +379,27 @@ class ExpertCacheWithEdges {
       options_.stats_callback(stats());
     }
     return view_;
+  }
+
+  // Edge 9: the forward's hits that are speculative fills no prepare waited for yet: `stream`
+  // waits for each one's own event. Slots this forward fills again are covered by `ready`.
+  Status wait_speculative_fills(Stream stream) noexcept {
+    for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
+    const auto map = planner_.forward_map();
+    for (const ExpertId e : plan_.unique) {
+      if (Status s = core_.wait_speculative(static_cast<std::size_t>(map[e.index()]), stream); !s) return s;
+    }
+    return {};
+  }
+
+  PrefetchView prefetch_view(std::uint64_t bytes_per_expert) const noexcept {
+    PrefetchView v;
+    v.issued = static_cast<std::uint32_t>(prefetch_plan_.fills.size());
+    v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
+    v.skipped_resident = prefetch_plan_.skipped_resident;
+    v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
+    v.bytes = v.issued * bytes_per_expert;
+    return v;
   }
 
   // The device forward map already holds the host's: the last upload had the same entries, was
@@ -334,12 +450,14 @@ class ExpertCacheWithEdges {
   bool forward_shadow_valid_ = false;
   StagingPolicy staging_{};
   ForwardPlan plan_;
+  PrefetchPlan prefetch_plan_;
   ForwardView view_;
   bool resident_dirty_ = true;  // the device resident map is behind the host's
   std::size_t copies_per_fill_ = 0;
   std::uint64_t last_copies_ = 0;
   std::uint64_t total_copies_ = 0;
   std::uint64_t faults_ = 0;
+  std::uint64_t speculative_bytes_ = 0;
 };
 
 }  // namespace detail

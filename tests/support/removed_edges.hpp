@@ -30,5 +30,8 @@ struct NoResidentSerialisation : OrderingEdges {  // 7
 struct NoStagingGuard : OrderingEdges {  // 8
   static constexpr bool staging_guard = false;
 };
+struct NoSpeculativeSlotWait : OrderingEdges {  // 9 (tests/test_prefetch.cpp)
+  static constexpr bool speculative_slot_wait = false;
+};
 
 }  // namespace expert_cache::test

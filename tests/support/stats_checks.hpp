@@ -19,6 +19,10 @@ inline void check_plan_stats_equal(const CacheStats& a, const CacheStats& b) {
   CHECK(a.capacity == b.capacity);
   CHECK(a.prepare_calls == b.prepare_calls);
   CHECK(a.generation == b.generation);
+  CHECK(a.speculative_issued == b.speculative_issued);
+  CHECK(a.speculative_used == b.speculative_used);
+  CHECK(a.speculative_wasted == b.speculative_wasted);
+  CHECK(a.speculative_bytes == b.speculative_bytes);
   CHECK(a.last_copies == b.last_copies);
   CHECK(a.total_copies == b.total_copies);
   CHECK(a.slot_bytes == b.slot_bytes);

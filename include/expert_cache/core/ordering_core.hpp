@@ -20,6 +20,10 @@
 // A prepare() with nothing to write (WritePurpose::read_only) skips 1-4 and only adopts X as
 // the reader: X waits for the previous owner's readers (it overwrites the forward map) and for
 // the latest `ready` it has not seen. invalidate() runs 1-4 and leaves the owner as it is.
+// A prefetch() (WritePurpose::speculative) runs 1, then 3 and 4 without X waiting (the map
+// lands first), then 2: its fills, each followed by record_speculative(slot, F). X neither
+// waits nor becomes the owner: the fills overlap the work on X. A later prepare() whose forward
+// uses a speculative slot waits for exactly that slot's event (wait_speculative, edge 9).
 //
 // Readers: one core may serve several caches that share its fill stream and events (the
 // model-level cache, model_cache.hpp: one reader per layer). Each reader index has its own
@@ -57,6 +61,7 @@ struct OrderingEdges {
   static constexpr bool invalidate_order = true;         // 6: invalidate's map write is ordered like a fill
   static constexpr bool resident_map_serialised = true;  // 7: resident-map uploads go on F
   static constexpr bool staging_guard = true;            // 8: a staging buffer waits for its last copy
+  static constexpr bool speculative_slot_wait = true;    // 9: a forward using a speculative fill waits for its slot's event
 };
 
 // What a call through OrderingCore::write() does.
@@ -64,6 +69,7 @@ enum class WritePurpose : std::uint8_t {
   fill,        // prepare() with writes (slot fills and/or a stale resident map); X then reads
   read_only,   // prepare() with nothing to write (all hits, resident map current); X only reads
   invalidate,  // invalidate(): the resident map changes; the owner keeps reading
+  speculative, // prefetch(): the resident map, then slot fills X does not wait for; the owner keeps reading
 };
 
 // A host map (int32 entries, as many as the core's map_entries) and the device buffer it is
@@ -144,6 +150,20 @@ class OrderingCore {
     }
     if (purpose == WritePurpose::read_only) return adopt_reader(caller, false, reader);
     const Stream fill = fill_stream(caller);
+    if (purpose == WritePurpose::speculative) {
+      // Edges 1 and 2 as for a fill. The resident map goes first and `ready` right after it, so
+      // a later reader without writes waits for the map (edge 4) but not for these fills: it
+      // waits for the slots it uses only (edge 9). Nobody waits for this `ready` now.
+      Status s = order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader);
+      if (s && resident.host != nullptr) {
+        s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller, resident.entries);
+      }
+      if (s) s = rt_->record(ready_.get(), fill);
+      if (!s) return s;
+      ready_recorded_ = true;
+      ready_seen_count_ = 0;
+      return writes(fill);
+    }
     Status s = purpose == WritePurpose::fill
                    ? order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader)
                    : order_writes_after_previous_use<Edges::invalidate_order, Edges::invalidate_order>(fill, caller, reader);
@@ -154,6 +174,50 @@ class OrderingCore {
     if (s) s = publish_writes(fill, caller);
     if (s && purpose == WritePurpose::fill) s = adopt_reader(caller, true, reader);
     return s;
+  }
+
+  // Per-slot events of speculative fills (edge 9), created on the first prefetch: `slots` is the
+  // cache's capacity. An event that cannot be made fails the call (the events made so far are kept).
+  Status reserve_speculative_slots(std::size_t slots) noexcept {
+    if (speculative_.size() >= slots) return {};
+    try {
+      speculative_.reserve(slots);
+      while (speculative_.size() < slots) speculative_.push_back(SpeculativeSlot{RuntimeEvent<R>(*rt_), false});
+    } catch (const Error& e) {
+      return Status(e.code(), e.what());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "could not allocate the per-slot events of speculative fills");
+    }
+    return {};
+  }
+  // Inside write(speculative)'s `writes`, after the copy into `slot` was enqueued on `fill`.
+  Status record_speculative(std::size_t slot, Stream fill) noexcept {
+    if (slot >= speculative_.size()) {
+      return Status::format(ErrorCode::internal, "speculative slot %zu outside the %zu reserved", slot,
+                            speculative_.size());
+    }
+    speculative_[slot].pending = false;
+    if (Status s = rt_->record(speculative_[slot].event.get(), fill); !s) return s;
+    speculative_[slot].pending = true;
+    return {};
+  }
+  // Whether `slot` holds a speculative fill no prepare has waited for yet.
+  [[nodiscard]] bool speculative_pending(std::size_t slot) const noexcept {
+    return slot < speculative_.size() && speculative_[slot].pending;
+  }
+  // Edge 9: `caller` (a prepare that reads `slot`) waits for that slot's fill, then forgets it:
+  // later readers are ordered after this one (edges 1, 4, 5), which saw the bytes.
+  Status wait_speculative(std::size_t slot, Stream caller) noexcept {
+    if (!speculative_pending(slot)) return {};
+    if constexpr (Edges::speculative_slot_wait) {
+      if (Status s = rt_->wait(caller, speculative_[slot].event.get()); !s) return s;
+    }
+    speculative_[slot].pending = false;
+    return {};
+  }
+  // The slot is written again by a prepare's fill (ordered by edges 1-3) or freed.
+  void forget_speculative(std::size_t slot) noexcept {
+    if (slot < speculative_.size()) speculative_[slot].pending = false;
   }
 
   // One async copy of a host map (int32 entries) into a device buffer on `stream`, through
@@ -318,6 +382,11 @@ class OrderingCore {
     if (ready_seen_count_ < ready_seen_.size() && !ready_seen_by(s)) ready_seen_[ready_seen_count_++] = s;
   }
 
+  struct SpeculativeSlot {
+    RuntimeEvent<R> event;  // recorded on F after the slot's speculative copy
+    bool pending = false;   // recorded, and no prepare has waited for it yet
+  };
+
   struct StagingBuffer {
     RuntimeBuffer<R> memory;
     RuntimeEvent<R> consumed;  // recorded after the copy that reads `memory`
@@ -339,6 +408,7 @@ class OrderingCore {
   std::vector<std::optional<Stream>> owners_;  // per reader: the stream its readers are on
   std::optional<Stream> last_fill_;
   std::vector<StagingBuffer> ring_;
+  std::vector<SpeculativeSlot> speculative_;  // per slot, empty until the first prefetch
   std::size_t next_staging_ = 0;
   bool last_upload_captured_ = false;
   OrderingCounters counters_;
