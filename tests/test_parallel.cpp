@@ -1,9 +1,10 @@
 // Several GPUs on SimRuntime (docs/parallel.md): the id-mapping chain (ExpertPlacement) and its
 // validation errors; per-rank caches over ONE shared host pool (SharedHostPool) for expert
-// parallel and tensor-slice; N = 1, 2, 4 simulated ranks in one SimRuntime (one stream and one
-// cache per rank; one runtime so that the race detector's clocks span every rank and the shared
-// pool), a host reference MoE per rank and a simulated reduction, equal bit for bit to the
-// single-rank result; NVFP4 Marlin slices and their tile / scale-group checks.
+// parallel and tensor-slice; N = 1, 2, 4 simulated ranks (one stream and one cache per rank), in
+// one SimRuntime (the race detector's clocks then span every rank, the shared pool and the
+// reduction) and in one SimRuntime per rank (host-staged reduction); a host reference MoE per rank
+// and a simulated reduction, equal bit for bit to the single-rank result; NVFP4 Marlin slices and
+// their tile / scale-group checks.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -241,12 +242,22 @@ std::vector<float> reference_moe(const DenseModel& m, const Ids& ids, const std:
 
 using RankCache = RowCache<SimRuntime, DenseBf16>;
 
-// N simulated ranks in one SimRuntime: per rank a consumer stream, a cache over its part of the
-// shared pool, a partial-output buffer and a "done" event; one reduction stream.
+// How the simulated ranks map to SimRuntimes. shared: ONE runtime for every rank (the detector's
+// clocks span the ranks, the shared pool and the reduction, which is a launch on its own stream
+// waiting for each rank's event). per_rank: one runtime per rank (as one device each); the
+// reduction is host-staged (synchronize each rank, read its partial, sum on the host in rank
+// order), and each detector sees its own rank's accesses, the shared pool's reads among them.
+enum class Runtimes { shared, per_rank };
+
+// N simulated ranks: per rank a consumer stream, a cache over its part of the shared pool, a
+// partial-output buffer and a "done" event; one reduction stream.
 class ParallelSim {
  public:
-  ParallelSim(Sharding sharding, std::int32_t world, std::int32_t capacity, const DenseModel& model)
-      : placement_(placement_or_fail(sharding == Sharding::expert_parallel ? ep(kExperts, world) : tp(kExperts, world))),
+  ParallelSim(Sharding sharding, std::int32_t world, std::int32_t capacity, const DenseModel& model,
+              Runtimes runtimes = Runtimes::shared)
+      : rts_(make_runtimes(runtimes == Runtimes::shared ? 1 : world)),
+        rt_(*rts_.front()),
+        placement_(placement_or_fail(sharding == Sharding::expert_parallel ? ep(kExperts, world) : tp(kExperts, world))),
         layout_(sharding == Sharding::expert_parallel ? DenseBf16{kHidden, kInter}
                                                       : tp_slice_layout(DenseBf16{kHidden, kInter}, world).value()),
         pool_(rt_, placement_, layout_.tensors()),
@@ -264,7 +275,8 @@ class ParallelSim {
                              reinterpret_cast<std::uint16_t*>(pool_.expert(1, r, e)));
       }
     }
-    for (std::size_t t = 0; t < 2; ++t) rt_.host_access(pool_.expert(t, 0, 0), pool_.host_bytes(t), AccessMode::write);
+    for (auto& rt : rts_)
+      for (std::size_t t = 0; t < 2; ++t) rt->host_access(pool_.expert(t, 0, 0), pool_.host_bytes(t), AccessMode::write);
     for (std::int32_t r = 0; r < world; ++r) {
       CacheOptions o;
       o.num_experts = placement_.num_local(r);
@@ -272,8 +284,9 @@ class ParallelSim {
       o.top_k = kTopK;
       o.memory = pool_.rank_memory(r);
       o.label = "rank " + std::to_string(r);
-      Rank k{rt_.create_stream().value(), std::make_unique<RankCache>(rt_, o, layout_),
-             RuntimeBuffer<SimRuntime>(rt_, out_bytes(), MemoryKind::device), rt_.create_event().value()};
+      SimRuntime& rt = rank_rt(r);
+      Rank k{rt.create_stream().value(), std::make_unique<RankCache>(rt, o, layout_),
+             RuntimeBuffer<SimRuntime>(rt, out_bytes(), MemoryKind::device), rt.create_event().value(), &rt};
       REQUIRE(placement_.check_rank(r, world, k.cache->options().num_experts).ok());
       ranks_.push_back(std::move(k));
     }
@@ -290,8 +303,9 @@ class ParallelSim {
       auto view = k.cache->prepare(local, k.stream);
       REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
       REQUIRE(launch_consumer(k, view.value(), std::move(local), coef, x).ok());
-      REQUIRE(rt_.record(k.done, k.stream).ok());
+      REQUIRE(k.rt->record(k.done, k.stream).ok());
     }
+    if (rts_.size() > 1) return host_reduction(skip_wait_rank);
     for (std::int32_t r = 0; r < world(); ++r)
       if (r != skip_wait_rank) REQUIRE(rt_.wait(reduce_stream_, ranks_[static_cast<std::size_t>(r)].done).ok());
     std::vector<Access> acc;
@@ -314,12 +328,26 @@ class ParallelSim {
   }
 
   [[nodiscard]] std::int32_t world() const noexcept { return placement_.world_size(); }
+  [[nodiscard]] std::uint64_t race_count() const noexcept {
+    std::uint64_t n = 0;
+    for (const auto& rt : rts_) n += rt->race_count();
+    return n;
+  }
+  [[nodiscard]] std::vector<std::string> races() const {
+    std::vector<std::string> d;
+    for (const auto& rt : rts_)
+      for (const auto& r : rt->races()) d.push_back(r.description);
+    return d;
+  }
+  [[nodiscard]] std::size_t runtimes() const noexcept { return rts_.size(); }
   [[nodiscard]] CacheStats stats(std::int32_t r) const { return ranks_[static_cast<std::size_t>(r)].cache->stats(); }
   [[nodiscard]] RankCache& cache(std::int32_t r) { return *ranks_[static_cast<std::size_t>(r)].cache; }
   [[nodiscard]] const ExpertPlacement& placement() const noexcept { return placement_; }
   SimRuntime& rt() noexcept { return rt_; }
   SharedHostPool<SimRuntime>& pool() noexcept { return pool_; }
-  void finish() { rt_.drain(); }
+  void finish() {
+    for (auto& rt : rts_) rt->drain();
+  }
 
  private:
   struct Rank {
@@ -327,7 +355,28 @@ class ParallelSim {
     std::unique_ptr<RankCache> cache;
     RuntimeBuffer<SimRuntime> partial;
     SimRuntime::Event done;
+    SimRuntime* rt;  // the rank's runtime
   };
+  static std::vector<std::unique_ptr<SimRuntime>> make_runtimes(std::int32_t n) {
+    std::vector<std::unique_ptr<SimRuntime>> v;
+    for (std::int32_t i = 0; i < n; ++i) v.push_back(std::make_unique<SimRuntime>());
+    return v;
+  }
+  SimRuntime& rank_rt(std::int32_t r) { return rts_.size() == 1 ? *rts_.front() : *rts_[static_cast<std::size_t>(r)]; }
+
+  // Per-rank runtimes: the host waits for each rank, reads its partial (declared) and sums in
+  // rank order. skip_wait_rank's partial is read without the wait (the negative test).
+  std::vector<float> host_reduction(std::int32_t skip_wait_rank) {
+    std::vector<float> out(static_cast<std::size_t>(kTokens) * kHidden, 0.0f);
+    for (std::int32_t r = 0; r < world(); ++r) {
+      Rank& k = ranks_[static_cast<std::size_t>(r)];
+      if (r != skip_wait_rank) REQUIRE(k.rt->synchronize(k.stream).ok());
+      k.rt->host_access(k.partial.data(), out_bytes(), AccessMode::read);
+      const auto* p = reinterpret_cast<const float*>(k.partial.data());
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] += p[i];
+    }
+    return out;
+  }
   static std::size_t out_bytes() noexcept { return static_cast<std::size_t>(kTokens) * kHidden * sizeof(float); }
 
   // The reference consumer of one rank: reads the forward map and the slots of its local
@@ -343,7 +392,7 @@ class ParallelSim {
       if (l >= 0)
         for (std::size_t t = 0; t < 2; ++t)
           acc.push_back({v.tensors[t].slot(host_map[static_cast<std::size_t>(l)]), v.tensors[t].bytes, AccessMode::read});
-    return rt_.launch(k.stream, acc, [v, n, local = std::move(local), coef, x, partial = k.partial.data()] {
+    return k.rt->launch(k.stream, acc, [v, n, local = std::move(local), coef, x, partial = k.partial.data()] {
       auto* out = reinterpret_cast<float*>(partial);
       std::fill(out, out + kTokens * kHidden, 0.0f);
       for (std::size_t p = 0; p < local.size(); ++p) {
@@ -357,7 +406,8 @@ class ParallelSim {
     });
   }
 
-  SimRuntime rt_;
+  std::vector<std::unique_ptr<SimRuntime>> rts_;  // one, or one per rank
+  SimRuntime& rt_;                                // the host's (rank 0's): pool registration, reduction
   ExpertPlacement placement_;
   DenseBf16 layout_;
   SharedHostPool<SimRuntime> pool_;
@@ -409,43 +459,54 @@ TEST_CASE("parallel sim: N = 1, 2, 4 ranks, expert parallel and tensor-slice, eq
   const CacheStats one = single.stats(0);
   CHECK(one.evictions > 0);  // the trace exercises eviction (capacity 6 of 16)
 
-  for (Sharding sh : {Sharding::expert_parallel, Sharding::tensor_slice}) {
-    for (std::int32_t world : {1, 2, 4}) {
-      CAPTURE(world);
-      CAPTURE(sh == Sharding::tensor_slice);
-      // Same per-GPU slot memory as the single run: expert parallel keeps 6 slots per rank,
-      // tensor-slice 6 * world slices (each 1/world of an expert).
-      const std::int32_t cap = sh == Sharding::expert_parallel ? 6 : std::min(6 * world, kExperts);
-      ParallelSim sim(sh, world, cap, model);
-      for (std::size_t s = 0; s < trace.size(); ++s) {
-        const auto out = sim.step(trace[s].ids, trace[s].coef, trace[s].x);
-        REQUIRE_MESSAGE(std::memcmp(out.data(), single_out[s].data(), out.size() * sizeof(float)) == 0, "step " << s);
-      }
-      sim.finish();
-      for (const auto& race : sim.rt().races()) FAIL_CHECK(race.description);
-      CHECK(sim.rt().race_count() == 0);
-      std::uint64_t lookups = 0, misses = 0;
-      for (std::int32_t r = 0; r < world; ++r) {
-        const CacheStats s = sim.stats(r);
-        MESSAGE(std::string(sh == Sharding::tensor_slice ? "tensor-slice" : "expert parallel")
-                << " N=" << world << " rank " << r << ": hit rate " << s.hit_rate() << " (" << s.hits << "/"
-                << s.hits + s.misses << ")");
-        lookups += s.hits + s.misses;
-        misses += s.misses;
-        if (sh == Sharding::tensor_slice) {
-          // Every rank sees every id: the same lookups as the single cache, the same decisions
-          // on every rank (same ids, same capacity).
-          CHECK(s.hits + s.misses == one.hits + one.misses);
-          CHECK(s.hits == sim.stats(0).hits);
+  std::vector<std::uint64_t> shared_hits;  // per (split, N, rank), in loop order
+  for (Runtimes rts : {Runtimes::shared, Runtimes::per_rank}) {
+    std::size_t at = 0;
+    for (Sharding sh : {Sharding::expert_parallel, Sharding::tensor_slice}) {
+      for (std::int32_t world : {1, 2, 4}) {
+        CAPTURE(world);
+        CAPTURE(sh == Sharding::tensor_slice);
+        CAPTURE(rts == Runtimes::per_rank);
+        // Same per-GPU slot memory as the single run: expert parallel keeps 6 slots per rank,
+        // tensor-slice 6 * world slices (each 1/world of an expert).
+        const std::int32_t cap = sh == Sharding::expert_parallel ? 6 : std::min(6 * world, kExperts);
+        ParallelSim sim(sh, world, cap, model, rts);
+        for (std::size_t s = 0; s < trace.size(); ++s) {
+          const auto out = sim.step(trace[s].ids, trace[s].coef, trace[s].x);
+          REQUIRE_MESSAGE(std::memcmp(out.data(), single_out[s].data(), out.size() * sizeof(float)) == 0, "step " << s);
         }
+        sim.finish();
+        for (const auto& race : sim.races()) FAIL_CHECK(race);
+        CHECK(sim.race_count() == 0);
+        CHECK(sim.runtimes() == (rts == Runtimes::shared ? 1u : static_cast<std::size_t>(world)));
+        std::uint64_t lookups = 0, misses = 0;
+        for (std::int32_t r = 0; r < world; ++r) {
+          const CacheStats s = sim.stats(r);
+          if (rts == Runtimes::per_rank) {
+            CHECK(s.hits == shared_hits[at++]);  // the same decisions as with one shared runtime
+          } else {
+            shared_hits.push_back(s.hits);
+            MESSAGE(std::string(sh == Sharding::tensor_slice ? "tensor-slice" : "expert parallel")
+                    << " N=" << world << " rank " << r << ": hit rate " << s.hit_rate() << " (" << s.hits << "/"
+                    << s.hits + s.misses << ")");
+          }
+          lookups += s.hits + s.misses;
+          misses += s.misses;
+          if (sh == Sharding::tensor_slice) {
+            // Every rank sees every id: the same lookups as the single cache, the same decisions
+            // on every rank (same ids, same capacity).
+            CHECK(s.hits + s.misses == one.hits + one.misses);
+            CHECK(s.hits == sim.stats(0).hits);
+          }
+        }
+        if (sh == Sharding::expert_parallel) {
+          CHECK(lookups == one.hits + one.misses);  // each lookup at its owner only
+          CHECK(misses <= one.misses);  // 6 slots per rank over fewer experts: LRU inclusion, never more misses
+        } else {
+          CHECK(sim.stats(0).misses <= one.misses);  // 6 * world slices per rank: the same ids, more room
+        }
+        if (world == 1) CHECK(misses == one.misses);
       }
-      if (sh == Sharding::expert_parallel) {
-        CHECK(lookups == one.hits + one.misses);  // each lookup at its owner only
-        CHECK(misses <= one.misses);  // 6 slots per rank over fewer experts: LRU inclusion, never more misses
-      } else {
-        CHECK(sim.stats(0).misses <= one.misses);  // 6 * world slices per rank: the same ids, more room
-      }
-      if (world == 1) CHECK(misses == one.misses);
     }
   }
 }
@@ -500,11 +561,13 @@ TEST_CASE("parallel sim: the race detector covers the reduction and the shared p
   const DenseModel model;
   const auto trace = make_trace(4, 9);
   SUBCASE("a reduction that does not wait for rank 1 races with rank 1's consumer") {
-    ParallelSim sim(Sharding::tensor_slice, 2, 8, model);
-    (void)sim.step(trace[0].ids, trace[0].coef, trace[0].x, /*skip_wait_rank=*/1);
-    sim.finish();
-    REQUIRE(sim.rt().race_count() > 0);
-    CHECK(sim.rt().races()[0].description.find("data race") != std::string::npos);
+    for (Runtimes rts : {Runtimes::shared, Runtimes::per_rank}) {
+      ParallelSim sim(Sharding::tensor_slice, 2, 8, model, rts);
+      (void)sim.step(trace[0].ids, trace[0].coef, trace[0].x, /*skip_wait_rank=*/1);
+      sim.finish();
+      REQUIRE(sim.race_count() > 0);
+      CHECK(sim.races()[0].find("data race") != std::string::npos);
+    }
   }
   SUBCASE("ranks reading the shared pool: silent; a host write into it while fills are pending: a race") {
     ParallelSim sim(Sharding::tensor_slice, 4, 8, model);
