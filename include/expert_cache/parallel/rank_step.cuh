@@ -87,8 +87,13 @@ class RankStep {
   [[nodiscard]] Cache& cache() noexcept { return *cache_; }
 
  private:
-  static void check(cudaError_t err, const char* what) {
-    if (Status s = cuda_status(err, what); !s) throw Error(s.with_context("RankStep"));
+  // Throws from the constructor, whose destructor then does not run: free what exists first.
+  void check(cudaError_t err, const char* what) {
+    if (Status s = cuda_status(err, what); !s) {
+      cudaFree(table_);
+      cudaFree(local_ids_);
+      throw Error(s.with_context("RankStep"));
+    }
   }
 
   ExpertPlacement placement_;
