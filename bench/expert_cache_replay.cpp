@@ -206,6 +206,18 @@ std::string ratio_text(std::optional<double> v) {
   return buf;
 }
 
+// ", \"per_layer\": [...]" of one result (--per-layer): the plain replay's counts per layer.
+void print_per_layer_json(std::ostream& out, const ec::ReplayReport& r, const ec::ReplayRow& row) {
+  out << ", \"per_layer\": [";
+  for (std::size_t l = 0; l < row.per_layer.size(); ++l) {
+    out << (l ? ", " : "") << "{\"layer\": " << r.layers[l] << ", \"hits\": " << row.per_layer[l].hits
+        << ", \"misses\": " << row.per_layer[l].misses;
+    if (row.opt_per_layer) out << ", \"opt_hits\": " << (*row.opt_per_layer)[l].hits;
+    out << "}";
+  }
+  out << "]";
+}
+
 void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r, bool per_layer) {
   out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
       << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
@@ -222,16 +234,7 @@ void print_json(std::ostream& out, const std::string& source, const ec::ReplayRe
       out << ", \"hits_vs_opt\": " << json_number(row.hits_vs_opt)
           << ", \"misses_vs_opt\": " << json_number(row.misses_vs_opt);
     }
-    if (per_layer) {
-      out << ", \"per_layer\": [";
-      for (std::size_t l = 0; l < row.per_layer.size(); ++l) {
-        out << (l ? ", " : "") << "{\"layer\": " << r.layers[l] << ", \"hits\": " << row.per_layer[l].hits
-            << ", \"misses\": " << row.per_layer[l].misses;
-        if (row.opt_per_layer) out << ", \"opt_hits\": " << (*row.opt_per_layer)[l].hits;
-        out << "}";
-      }
-      out << "]";
-    }
+    if (per_layer) print_per_layer_json(out, r, row);
     out << "}";
   }
   out << "\n  ]\n}\n";
@@ -343,7 +346,8 @@ std::string prefetch_scope_text(const ec::PrefetchReplayReport& p) {
 
 // JSON with prefetch: the plain document's fields plus, per result, the prefetch ones (null on
 // OPT rows, the reference), and a top-level "prefetch" object.
-void print_prefetch_json(std::ostream& out, const std::string& source, const ec::PrefetchReplayReport& p) {
+void print_prefetch_json(std::ostream& out, const std::string& source, const ec::PrefetchReplayReport& p,
+                         bool per_layer) {
   const ec::ReplayReport& r = p.plain;
   out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
       << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
@@ -384,7 +388,9 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
         << ", \"skipped_no_victim\": " << ops_number(field(&ec::PrefetchCounts::skipped_no_victim))
         << ", \"extra_bytes_per_token\": " << json_number(row.extra_bytes_per_token)
         << ", \"bytes_per_token\": " << json_number(row.bytes_per_token_without)
-        << ", \"prefetch_bytes_per_token\": " << json_number(row.bytes_per_token_with) << "}";
+        << ", \"prefetch_bytes_per_token\": " << json_number(row.bytes_per_token_with);
+    if (per_layer) print_per_layer_json(out, r, plain);
+    out << "}";
   }
   out << "\n  ]\n}\n";
 }
@@ -554,7 +560,7 @@ int run(int argc, char** argv) {
       return fail(st);
     }
     if (args.json) {
-      print_prefetch_json(std::cout, source, pr.value());
+      print_prefetch_json(std::cout, source, pr.value(), args.per_layer);
     } else {
       print_prefetch_table(std::cout, source, pr.value());
       if (args.per_layer) print_per_layer(std::cout, pr.value().plain);

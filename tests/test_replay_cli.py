@@ -221,6 +221,15 @@ def case_prefetch():
     rc, a, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch", "none")
     rc2, b, err2 = run("--trace", path, "--capacity", "6", "--policy", "lru")
     expect(rc == 0 and rc2 == 0 and a == b, "--prefetch none changes nothing", a, b)
+    # --per-layer keeps its plain per-layer arrays next to the prefetch fields.
+    rc, a, err = run("--trace", path, "--scope", "global", "--capacity", "12", "--policy", "lru,opt", "--per-layer",
+                     "--json")
+    rc2, b, err2 = run("--trace", path, "--scope", "global", "--capacity", "12", "--policy", "lru,opt", "--per-layer",
+                       "--json", "--prefetch", "coact")
+    expect(rc == 0 and rc2 == 0, "--per-layer with and without --prefetch", a, b, err, err2)
+    expect([r["per_layer"] for r in json.loads(a)["results"]] == [r["per_layer"] for r in json.loads(b)["results"]],
+           "per-layer arrays unchanged by --prefetch", a, b)
+    expect(json.loads(b)["prefetch"]["expires_after"] == 3, "global: expires after the trace's 3 layers", b)
     rc, out, err = run("--help")
     expect(rc == 0 and "--prefetch" in out and "hint:R" in out and "--prefetch-budget" in out and "--expert-bytes" in out,
            "--help lists the prefetch options", out)
