@@ -3,6 +3,9 @@
 #   bench/gpu_suite.sh test  OUT   build the GPU targets, the GPU test suite, compute-sanitizer
 #                                  memcheck / racecheck / synccheck on the device-planned paths
 #   bench/gpu_suite.sh bench OUT   the GPU benchmarks (device planner, decode loop, staging fills)
+#   bench/gpu_suite.sh python OUT  the PyTorch extension (build + its tests) and the transformers Mixtral
+#                                  served through it (examples/torch, --check for both providers)
+# GPU_TESTS="tests/test_gpu_x ..." restricts the test phase to those targets (and skips the sanitizers).
 # Logs and JSON go to OUT (default ./gpu-logs). Build folder: build-gpu (kept between phases).
 # Needs nvcc and a GPU; doctest and Google Benchmark from the system or a staged copy on
 # PKG_CONFIG_PATH. Exit status: non-zero when a test, a sanitizer or a benchmark failed.
@@ -19,7 +22,10 @@ note() { echo "== $*" | tee -a "$out/summary.txt"; }
 git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
 
 gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_device_plan
-           tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda examples/quickstart_cuda)
+           tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda
+           tests/test_gpu_parallel_cuda examples/quickstart_cuda)
+subset=${GPU_TESTS:-}
+if [ -n "$subset" ]; then read -r -a gpu_tests <<< "$subset"; fi
 gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging)
 
 if [ ! -f "$build/build.ninja" ]; then
@@ -31,6 +37,13 @@ case "$phase" in
 test)
   if ! meson compile -C "$build" "${gpu_tests[@]}" "${gpu_benches[@]}" >"$out/compile.log" 2>&1; then
     note "compile failed"; grep -E "error|FAILED" "$out/compile.log" | head -30; exit 1
+  fi
+  if [ -n "$subset" ]; then
+    for t in "${gpu_tests[@]}"; do
+      if "$build/$t" >"$out/$(basename "$t").log" 2>&1; then note "$t: OK ($(grep -E '^\[doctest\] (test cases|assertions)' "$out/$(basename "$t").log" | tr '\n' ' '))"
+      else note "$t: FAILED"; tail -40 "$out/$(basename "$t").log"; status=1; fi
+    done
+    note "phase $phase (subset): status $status"; exit $status
   fi
   meson test -C "$build" --no-rebuild --suite gpu --print-errorlogs >"$out/gpu_tests.log" 2>&1 || status=1
   grep -E "^ *[0-9]+/[0-9]+ |^Ok:|^Fail:|^Skipped:" "$out/gpu_tests.log" | tee -a "$out/summary.txt"
@@ -58,7 +71,21 @@ bench)
     >"$out/bench_staging.txt" 2>&1 || { note "bench_staging failed"; status=1; }
   grep -E "_median" "$out/bench_device_plan.txt" "$out/bench_staging.txt" | head -80
   ;;
-*) echo "usage: bench/gpu_suite.sh test|bench [OUT]"; exit 2 ;;
+python)
+  py_out="$out/python"; mkdir -p "$py_out"
+  python/run_gpu_tests.sh "$py_out" 2>&1 | tail -60 | tee "$out/python_tests.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { note "python extension tests failed"; status=1; }
+  if PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 tests/gpu/test_torch_mixtral.py \
+      >"$out/torch_mixtral_check.txt" 2>&1; then note "torch mixtral check: OK"
+  else note "torch mixtral check: FAILED"; status=1; fi
+  tail -40 "$out/torch_mixtral_check.txt"
+  if [ "${MIXTRAL_BENCH:-1}" = 1 ]; then
+    PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 examples/torch/mixtral_offload.py --provider all \
+      --json "$out/mixtral.json" >"$out/mixtral.txt" 2>&1 || { note "mixtral_offload --provider all failed"; status=1; }
+    tail -30 "$out/mixtral.txt"
+  fi
+  ;;
+*) echo "usage: bench/gpu_suite.sh test|bench|python [OUT]"; exit 2 ;;
 esac
 note "phase $phase: status $status"
 exit $status
