@@ -28,7 +28,7 @@ subset=${GPU_TESTS:-}
 if [ -n "$subset" ]; then read -r -a gpu_tests <<< "$subset"; fi
 gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging)
 
-if [ ! -f "$build/build.ninja" ]; then
+if [ "$phase" != python ] && [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" -Dcuda=enabled -Dgpu_arch=sm_90 -Dtests=enabled -Dbenchmarks=enabled >"$out/setup.log" 2>&1 \
     || { note "configure failed"; tail -30 "$out/setup.log"; exit 1; }
 fi
