@@ -62,8 +62,8 @@ class SharedHostPool {
         at += round_up(rank_experts(r) * b);
       }
       bytes_[t] = at;
-      // Whole pages per tensor: cudaHostRegister pins pages, and two registrations sharing a page
-      // are refused (cudaErrorHostMemoryAlreadyRegistered).
+      // Whole pages per tensor: cudaHostRegister pins whole pages, and a registration overlapping
+      // pages another one pinned can be refused (cudaErrorHostMemoryAlreadyRegistered).
       const std::size_t alloc = (at + page_bytes - 1) / page_bytes * page_bytes;
       data_[t].reset(static_cast<std::byte*>(::operator new(alloc, std::align_val_t{page_bytes})));
       std::memset(data_[t].get(), 0, alloc);
