@@ -608,3 +608,91 @@ TEST_CASE("device plan kernel: fused plan + fill in one node waits for the plan 
   CUDA_OK(cudaGraphExecDestroy(exec));
   CUDA_OK(cudaGraphDestroy(graph));
 }
+
+// The overlapped fill (edge D4, device/plan_kernel.cuh plan_fill_ready_kernel): plan -> fill in
+// a captured graph replayed with new ids and never reset. After every replay each resident
+// slot holds its expert's bytes (several blocks share each fill), its ready word equals the
+// value the plan tagged it with, every per-fill arrival counter is back at 0, and the fill
+// sequence counts the misses. One replay in ten runs the test kernel with a 30 us delay.
+TEST_CASE("device plan kernel: the overlapped fill publishes each slot's ready word at the plan's tag (replays, no reset)") {
+  constexpr std::int32_t E = 64, C = 16, top_k = 6, k = 3;
+  constexpr std::size_t bytes = 256 * 1024;
+  Stream stream;
+  device::DevicePlanStorage st;
+  CUDA_OK(st.create(E, C, stream.s));
+  const DevicePlanState& s = st.state();
+  PinnedBuffer pool(bytes * E);
+  for (std::int32_t e = 0; e < E; ++e) {
+    for (std::size_t i = 0; i < bytes; ++i) pool.p[static_cast<std::size_t>(e) * bytes + i] = std::byte{pool_byte(e, 0, i)};
+  }
+  DeviceBuffer<std::byte> slots(bytes * C);
+  CopyRegions regions;
+  regions.count = 1;
+  regions.regions[0] = CopyRegion{pool.p, slots.p, bytes, bytes, bytes};
+  CUDA_OK(device::resolve_mapped_regions(regions));
+  device::PlanFillParams fill{};
+  CUDA_OK(device::make_plan_fill_params(regions, s, fill));
+  REQUIRE(fill.slot_ready == s.slot_ready.data);
+  DeviceBuffer<std::int32_t> d_ids(top_k);
+  DeviceBuffer<std::uint64_t> d_step(1);
+  CUDA_OK(cudaMemset(d_step.p, 0, sizeof(std::uint64_t)));
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+
+  auto capture = [&](const device::PlanFillDebug* debug) {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CUDA_OK(cudaStreamBeginCapture(stream.s, cudaStreamCaptureModeGlobal));
+    fused_router_kernel<<<1, 32, 0, stream.s>>>(d_ids.p, top_k, k, d_step.p);
+    CUDA_OK(cudaGetLastError());
+    CUDA_OK(device::launch_plan_forward(s, d_ids.p, top_k, nullptr, stream.s));
+    CUDA_OK(device::launch_plan_fill_ready(fill, stream.s, debug));
+    CUDA_OK(cudaStreamEndCapture(stream.s, &graph));
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphDestroy(graph));
+    return exec;
+  };
+  const device::PlanFillDebug slow{30000, 0};
+  cudaGraphExec_t fast_exec = capture(nullptr), slow_exec = capture(&slow);
+
+  ForwardPlanner<Lru> host(CacheShape{E, C}, top_k);
+  ForwardPlan plan;
+  Mirror m;
+  std::vector<std::byte> got(bytes * C);
+  const std::int32_t replays = std::min(200, count_from_env("EXPERT_CACHE_DPLAN_REPLAYS", 200));
+  std::uint64_t misses = 0;
+  for (std::int32_t step = 0; step < replays; ++step) {
+    CAPTURE(step);
+    CUDA_OK(cudaGraphLaunch(step % 10 == 3 ? slow_exec : fast_exec, stream.s));
+    CUDA_OK(cudaMemcpyAsync(got.data(), slots.p, got.size(), cudaMemcpyDeviceToHost, stream.s));
+    m.read(st, stream.s);
+    Ids ids(top_k);
+    for (std::int32_t j = 0; j < top_k; ++j) {
+      ids[static_cast<std::size_t>(j)] =
+          j < top_k - k ? j : static_cast<std::int32_t>(top_k + (static_cast<std::uint64_t>(step) * k + static_cast<std::uint64_t>(j)) % 50);
+    }
+    REQUIRE(host.plan_topk(ids, plan));
+    misses += plan.misses;
+    check_group(host, plan, *m.view.scalars, m.view.fills.data, m.view.evictions.data, m.view.forward_map.data);
+    CHECK(m.view.scalars->fill_seq == static_cast<std::uint32_t>(misses));
+    for (std::int32_t i = 0; i < C; ++i) CHECK(m.view.fill_arrivals[i] == 0u);
+    for (std::int32_t i = 0; i < m.view.scalars->fill_count; ++i) {
+      // This step's fills carry this step's tags: the last `fill_count` sequence values.
+      const PlanEntry f = m.view.fills[i];
+      CHECK(m.view.slot_needed[f.slot] == static_cast<std::uint32_t>(misses) - static_cast<std::uint32_t>(m.view.scalars->fill_count - 1 - i));
+    }
+    const auto owner = host.slot_owner();
+    for (std::int32_t slot = 0; slot < C; ++slot) {
+      const std::int32_t e = owner[static_cast<std::size_t>(slot)];
+      if (e < 0) continue;
+      CHECK_MESSAGE(m.view.slot_ready[slot] == m.view.slot_needed[slot], "slot ", slot, " ready word ", m.view.slot_ready[slot],
+                    " needed ", m.view.slot_needed[slot]);
+      REQUIRE_MESSAGE(std::memcmp(got.data() + static_cast<std::size_t>(slot) * bytes, pool.p + static_cast<std::size_t>(e) * bytes,
+                                  bytes) == 0,
+                      "slot ", slot, " expert ", e);
+    }
+  }
+  CHECK(misses >= static_cast<std::uint64_t>(replays) * k - 2 * top_k);
+  CHECK(st.error_word() == 0u);
+  CUDA_OK(cudaGraphExecDestroy(fast_exec));
+  CUDA_OK(cudaGraphExecDestroy(slow_exec));
+}

@@ -208,15 +208,16 @@ __device__ __forceinline__ uint2 load_stream8(const unsigned char* p) {
   asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-// The readiness kernels' slot loads: coherent at L2 (the fill writes the slots during the kernel).
+// The readiness kernels' slot loads: coherent at L2 (the fill writes the slots during the kernel);
+// the memory clobber keeps them after the barrier that follows the ready-word acquire.
 __device__ __forceinline__ uint4 load_cg16(const unsigned char* p) {
   uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint2 load_cg8(const unsigned char* p) {
   uint2 v;
-  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
   return v;
 }
 template <int Mode>
@@ -347,7 +348,7 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
     memcpy(&g, p, sizeof g);
   } else {
     std::uint32_t bits;
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(bits) : "l"(p));
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(bits) : "l"(p) : "memory");
     g = __uint_as_float(bits);
   }
   return g;
