@@ -335,8 +335,10 @@ def stats_sum(caches):
     total = {}
     for s in per_layer:
         for key, value in s.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "hit_rate":
                 total[key] = total.get(key, 0) + value
+    # A rate does not add up over layers: recompute it from the summed counts.
+    total["hit_rate"] = hit_rate(total.get("hits", 0), total.get("misses", 0))
     return total, per_layer
 
 
