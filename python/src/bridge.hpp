@@ -390,6 +390,10 @@ class CacheBridge {
             i("map_uploads", s.map_uploads),
             i("staging_stalls", s.staging_stalls),
             i("faults", s.faults),
+            i("speculative_issued", s.speculative_issued),
+            i("speculative_used", s.speculative_used),
+            i("speculative_wasted", s.speculative_wasted),
+            i("speculative_bytes", s.speculative_bytes),
             i("slot_bytes", s.slot_bytes),
             i("host_bytes", s.host_bytes),
             StatEntry{"hit_rate", 0, s.hit_rate(), true}};
