@@ -336,6 +336,22 @@ TEST_CASE("CacheBridge: slot descriptors describe the layout's slot arrays") {
     check(*made.value(),
           {{"w13", {8, 512}}, {"w2", {8, 256}}, {"w13_scale", {8, 256}}, {"w2_scale", {8, 128}}, {"w13_scale_2", {1}}, {"w2_scale_2", {1}}},
           {DType::int32, DType::int32, DType::uint8, DType::uint8, DType::float32, DType::float32});
+    // Raw bytes may come as [E, bytes per expert] uint8 (what a repack writes), also for the scales
+    // whose typed dtype is uint8; a uint8 tensor of another shape is still checked against the typed one.
+    auto flat = w.args;
+    for (std::size_t i = 0; i < flat.size(); ++i) {
+      flat[i].shape = {E, static_cast<std::int64_t>(t[i].second)};
+    }
+    SimRuntime rt_flat(sim_options());
+    auto flat_made = Bridge::create(rt_flat, c, flat);
+    REQUIRE_MESSAGE(flat_made.ok(), std::string(flat_made.status().message()));
+    auto wrong = flat;
+    wrong[2].shape = {E, 4, 512};  // w13_scale: uint8, 2048 bytes, but not [E, 8, 256]
+    SimRuntime rt_wrong(sim_options());
+    auto wrong_made = Bridge::create(rt_wrong, c, wrong);
+    REQUIRE(!wrong_made.ok());
+    CHECK(std::string(wrong_made.status().message()).find("host tensor 'w13_scale' has shape [6, 4, 512], expected [6, 8, 256]") !=
+          std::string::npos);
   }
   SUBCASE("explicit: uint8 [bytes]") {
     const std::vector<std::pair<std::string, std::size_t>> t = {{"qweight", 96}, {"bias", 32}, {"g_idx", 48}};

@@ -251,7 +251,11 @@ class CacheBridge {
                               label.c_str(), h.name.c_str(), std::string(to_string(h.dtype)).c_str(),
                               std::string(to_string(want.dtype)).c_str());
       }
-      if (!explicit_layout && h.dtype == want.dtype && !h.shape.empty()) {
+      // Raw bytes are accepted as [E, bytes per expert] uint8, also for tensors whose typed dtype is uint8.
+      const bool flat_bytes = h.dtype == DType::uint8 && h.shape.size() == 2 &&
+                              h.shape[0] == static_cast<std::int64_t>(E) &&
+                              h.shape[1] == static_cast<std::int64_t>(want.bytes);
+      if (!explicit_layout && h.dtype == want.dtype && !h.shape.empty() && !flat_bytes) {
         std::vector<std::int64_t> full{static_cast<std::int64_t>(E)};
         full.insert(full.end(), want.shape.begin(), want.shape.end());
         if (h.shape != full) {
