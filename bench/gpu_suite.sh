@@ -63,7 +63,7 @@ bench)
   "$build/bench/bench_device_plan" --benchmark_repetitions=5 --benchmark_report_aggregates_only=true \
     --benchmark_counters_tabular=true --benchmark_out="$out/bench_device_plan.json" --benchmark_out_format=json \
     >"$out/bench_device_plan.txt" 2>&1 || { note "bench_device_plan failed"; status=1; }
-  "$build/bench/expert-cache-bench" --provider all --staging all --json "$out/decode.json" \
+  "$build/bench/expert-cache-bench" --provider all --staging all --overlap --json "$out/decode.json" \
     >"$out/decode.txt" 2>&1 || { note "expert-cache-bench failed"; status=1; }
   cat "$out/decode.txt"
   "$build/bench/bench_staging" --benchmark_filter='fill/' --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
