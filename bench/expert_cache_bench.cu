@@ -188,9 +188,13 @@ double ns_since(Clock::time_point t0) {
 // view, or the resident arrays) and accounts hits/misses itself.
 std::vector<float> last_outputs(const Model& m, GpuContext& ctx);
 
-template <class PrepareFn>
+// `after(s, l)` runs after layer l's consumer is enqueued (the lookahead's prefetch point).
+struct NoAfterLayer {
+  void operator()(std::int32_t, std::int32_t) const noexcept {}
+};
+template <class PrepareFn, class AfterFn = NoAfterLayer>
 void decode_loop(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, RunResult& r,
-                 Progress& progress, const std::string& key, PrepareFn&& prepare) {
+                 Progress& progress, const std::string& key, PrepareFn&& prepare, AfterFn&& after = AfterFn{}) {
   const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
   const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
   auto& snaps = ctx.snapshots[key];
@@ -222,6 +226,7 @@ void decode_loop(const Model& m, const Routing& routing, const BenchArgs& a, Gpu
                                    ctx.consumer);
           !st)
         throw Error(st);
+      after(s, l);
     }
     counted_sync(ctx, ctx.consumer);
     if (s == 0) r.cold_start_ns = ns_since(step_start);
@@ -439,10 +444,30 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
   RunResult r;
   r.provider = cfg.provider;
   r.staging = cfg.staging;
+  r.prefetch = cfg.prefetch;
   r.modelled = false;
   std::uint64_t hits0 = 0, misses0 = 0, copies0 = 0, stalls0 = 0;
+  std::uint64_t spec0[3] = {0, 0, 0};
   bool snap = false;
-  const std::string key = cfg.provider + "/" + cfg.staging;
+  const std::string key = run_label(cfg);
+  // --prefetch: this row's predictor; one prefetch() may copy budget experts of this layout.
+  Lookahead lookahead(cfg.prefetch, m.layers, m.experts, prefetch_budget(a, m), a.seed);
+  const auto prefetch_bytes =
+      static_cast<std::int64_t>(lookahead.budget()) * static_cast<std::int64_t>(total_bytes_per_expert(tensors));
+  // After layer l's consumer is enqueued on ctx.consumer (the kernels that read cache[l]'s maps;
+  // edge 9 asks for prefetch() after them): predict layer l+1 of the same token and prefetch it
+  // into cache[l+1]. The fills run on that cache's copy stream; the consumer stream does not wait
+  // for them (a later prepare() that uses one waits for exactly that fill).
+  auto after = [&](std::int32_t s, std::int32_t l) {
+    if (!lookahead.active()) return;
+    const bool last = l + 1 == m.layers;
+    const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
+    const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
+    if (last) return;
+    Result<PrefetchView> pv =
+        caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, ctx.consumer, PrefetchOptions{prefetch_bytes, 1});
+    if (!pv.ok()) throw Error(pv.status());
+  };
   decode_loop(m, routing, a, ctx, r, progress, key, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
     if (measured && !snap) {
       snap = true;
@@ -452,6 +477,9 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
         misses0 += s.misses;
         copies0 += s.total_copies;
         stalls0 += s.staging_stalls;
+        spec0[0] += s.speculative_issued;
+        spec0[1] += s.speculative_used;
+        spec0[2] += s.speculative_wasted;
       }
     }
     Cache& cache = *caches[static_cast<std::size_t>(l)];
@@ -464,7 +492,7 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
       ++r.prepares;
     }
     return device::moe_weights_from_view(view.value(), m.experts);
-  });
+  }, after);
   std::uint64_t stalls = 0;
   for (auto& c : caches) {
     const CacheStats s = c->stats();
@@ -472,12 +500,19 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     r.misses += s.misses;
     r.copies += s.total_copies;
     stalls += s.staging_stalls;
+    r.speculative_issued += s.speculative_issued;
+    r.speculative_used += s.speculative_used;
+    r.speculative_wasted += s.speculative_wasted;
   }
   r.hits -= hits0;
   r.misses -= misses0;
   r.copies -= copies0;
+  r.speculative_issued -= spec0[0];
+  r.speculative_used -= spec0[1];
+  r.speculative_wasted -= spec0[2];
   r.host_syncs += stalls - stalls0;  // the library's own host waits (staging buffer reuse)
-  r.pcie_bytes = static_cast<double>(r.misses) * static_cast<double>(bytes_per_fill);
+  // Bytes moved: the misses and every speculative fill (used or wasted), each one fill's bytes.
+  r.pcie_bytes = static_cast<double>(r.misses + r.speculative_issued) * static_cast<double>(bytes_per_fill);
   compare_outputs(m, ctx, r);
   if (cfg.provider == "row" && ctx.row_reference.empty()) ctx.row_reference = key;
   return r;
@@ -736,7 +771,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
   const std::vector<RunConfig> configs = run_configs(a, staging);
   for (std::size_t i = 0; i < configs.size(); ++i) {
     const RunConfig& cfg = configs[i];
-    progress.run_started(i, configs.size(), cfg.provider == "resident" ? std::string("resident") : cfg.provider + "/" + cfg.staging);
+    progress.run_started(i, configs.size(), run_label(cfg));
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {

@@ -4,7 +4,9 @@
 usage: test_bench_cli.py PATH_TO_BENCH CASE
 Cases: smoke (a short modelled run of every provider, the device provider alone too, table +
 Google-Benchmark JSON, host synchronisations per token), bad_args (every rejection
-exits 2 with a clear message and prints no table). 'all' runs both. Always forces --runtime sim
+exits 2 with a clear message and prints no table), prefetch (--prefetch rows: columns, JSON
+fields, budget 0 = no prefetch, emulated-hint labels; the output without --prefetch keeps its
+table), prefetch_bad_args (its rejections). 'all' runs every case. Always forces --runtime sim
 so the tests behave the same with or without a GPU.
 """
 import json
@@ -96,7 +98,124 @@ def case_bad_args():
     expect("row, cached, device, resident" in out, "--help names the device provider", out)
 
 
-CASES = {"smoke": case_smoke, "bad_args": case_bad_args}
+PREFETCH_FIELDS = ("prefetch", "prefetch_label", "prefetch_emulated", "prefetch_budget", "speculative_issued_per_token",
+                   "speculative_used_per_token", "speculative_wasted_per_token", "bytes_moved_per_token",
+                   "bytes_needed_per_token", "vs_pcie_bound_moved", "vs_pcie_bound_needed")
+
+
+def mask_real_cpu(text):
+    # prep_us(realCPU) (columns 91-100 of the main table) is this CPU's wall clock; everything
+    # else of a modelled run is deterministic.
+    return "\n".join(line[:90] + "#" * 10 + line[100:] if len(line) > 100 else line for line in text.split("\n"))
+
+
+def load(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def case_prefetch():
+    # A small model where the slots are short (64 experts, 24 slots, top-4), so the predictors
+    # have non-resident experts to fetch.
+    base = ["--runtime", "sim", "--experts", "64", "--capacity", "24", "--topk", "4", "--layers", "4", "--steps", "8",
+            "--warmup", "8"]
+    out_json = os.path.join(h.TMP, "prefetch.json")
+    rc, out, err = run(*base, "--provider", "row,cached", "--prefetch", "none,coact,prev,hint:0.8,hint:1", "--json",
+                       out_json)
+    expect(rc == 0, "prefetch run exits 0", out, err)
+    expect("lookahead" in out and "budget 4 experts per layer" in out, "lookahead table, default budget top-k", out)
+    look = out.split("\nlookahead")[1]
+    for col in ("spec_iss", "spec_use", "spec_wst", "(moved)", "(needed)", "vs_pcie", "tok/s", "hit%"):
+        expect(col in look, f"lookahead table has {col}", out)
+    rows = [line.split() for line in look.split("\n") if line.startswith(("row ", "cached "))]
+    expect(len(rows) == 10, "5 lookahead rows per host-planned provider", out)
+    for r in rows:
+        expect(r[1] == "copy_stream", "lookahead rows use copy_stream", r)
+        expect(("(emulated hint)" in " ".join(r)) == r[2].startswith("hint:"), "hint rows labelled emulated", r)
+    main = out.split("\nlookahead")[0]
+    expect("coact" not in main and "hint" not in main, "the main table keeps its rows", out)
+    doc = load(out_json)
+    by = {b["name"]: b for b in doc["benchmarks"]}
+    for p in ("row", "cached"):
+        none = by[f"decode/{p}/copy_stream"]
+        expect(none["prefetch"] == "none" and none["speculative_issued_per_token"] == 0, f"{p} baseline row", none)
+        expect(none["bytes_needed_per_token"] == none["pcie_bytes_per_token"] == none["bytes_moved_per_token"]
+               and abs(none["vs_pcie_bound_needed"] - none["vs_pcie_bound_moved"]) < 1e-12, f"{p} baseline bytes", none)
+        expect("prefetch" not in by[f"decode/{p}/inline"], "rows of other stagings carry no prefetch fields",
+               by[f"decode/{p}/inline"])
+        for spec in ("coact", "prev", "hint:0.8", "hint:1"):
+            b = by.get(f"decode/{p}/copy_stream/prefetch:{spec}")
+            expect(b is not None, f"{p} {spec} row in json", list(by))
+            for key in PREFETCH_FIELDS:
+                expect(key in b, f"{b['name']} has {key}", b)
+            expect(b["check_failures"] == 0 and b["iterations"] == 8, f"{b['name']} consumer checks", b)
+            expect(b["prefetch_emulated"] == spec.startswith("hint") and
+                   ("emulated hint" in b["prefetch_label"]) == spec.startswith("hint"), f"{b['name']} label", b)
+            iss, use, wst = (b["speculative_issued_per_token"], b["speculative_used_per_token"],
+                             b["speculative_wasted_per_token"])
+            expect(0 <= use <= iss and use + wst <= iss + 1e-9, f"{b['name']} used + wasted <= issued", b)
+            expect(b["bytes_needed_per_token"] == none["pcie_bytes_per_token"], f"{b['name']} needed = baseline misses", b)
+            # Bytes moved = the misses plus every speculative fill, each one fill's bytes.
+            per_fill = none["pcie_bytes_per_token"] / none["misses_per_token"]
+            want = (b["misses_per_token"] + iss) * per_fill
+            expect(abs(b["bytes_moved_per_token"] - want) <= 1e-6 * want, f"{b['name']} bytes moved", b, want)
+            expect(b["hit_rate"] >= 0 and b["prefetch_budget"] == 4, f"{b['name']} budget", b)
+        hint1 = by[f"decode/{p}/copy_stream/prefetch:hint:1"]
+        expect(hint1["speculative_wasted_per_token"] == 0 and hint1["hit_rate"] > none["hit_rate"],
+               f"{p}: exact hints are all used and raise the hit rate", hint1, none)
+        # prev names layer L+1's experts of the previous token: cache[L+1]'s last forward, which
+        # is still resident, so a per-layer cache never needs its fills.
+        prev = by[f"decode/{p}/copy_stream/prefetch:prev"]
+        expect(prev["speculative_issued_per_token"] == 0 and prev["hit_rate"] == none["hit_rate"],
+               f"{p}: previous-token predictions are resident already", prev, none)
+    # Budget 0 = no prefetch: the same hits and misses, nothing issued.
+    rc, out, err = run(*base, "--provider", "cached", "--staging", "copy_stream", "--prefetch", "coact,prev,hint:1",
+                       "--prefetch-budget", "0", "--json", out_json)
+    expect(rc == 0 and "budget 0 experts" in out, "budget 0 run", out, err)
+    doc = load(out_json)
+    none = doc["benchmarks"][0]
+    expect(none["name"] == "decode/cached/copy_stream" and len(doc["benchmarks"]) == 4, "budget 0 rows", doc)
+    for b in doc["benchmarks"][1:]:
+        expect(b["hit_rate"] == none["hit_rate"] and b["misses_per_token"] == none["misses_per_token"]
+               and b["speculative_issued_per_token"] == 0 and b["bytes_moved_per_token"] == none["bytes_moved_per_token"],
+               f"{b['name']}: budget 0 equals no prefetch", b, none)
+    # Without --prefetch: no lookahead output, no prefetch fields; the table is the one a
+    # --prefetch run prints above its lookahead table.
+    rc, plain, err = run(*base, "--json", out_json)
+    expect(rc == 0 and "lookahead" not in plain and "prefetch" not in plain and "emulated" not in plain,
+           "no lookahead output without --prefetch", plain, err)
+    for b in load(out_json)["benchmarks"]:
+        expect(not any(k in b for k in PREFETCH_FIELDS), f"{b['name']}: no prefetch fields without --prefetch", b)
+    rc, with_prefetch, err = run(*base, "--prefetch", "coact")
+    expect(rc == 0, "default providers with --prefetch", with_prefetch, err)
+    # The --prefetch output is the plain one with the lookahead table inserted after the legend.
+    start = with_prefetch.index("\nlookahead (")
+    tail = "(the benchmark has no hidden states).\n"
+    end = with_prefetch.index(tail) + len(tail)
+    expect(mask_real_cpu(with_prefetch[:start] + with_prefetch[end:]) == mask_real_cpu(plain),
+           "the output without --prefetch is the --prefetch output less its lookahead table", plain, with_prefetch)
+
+
+def case_prefetch_bad_args():
+    expect_usage_error(["--prefetch", "bogus"], "unknown prefetch 'bogus'")
+    expect_usage_error(["--prefetch", "hint:0"], "outside (0, 1]")
+    expect_usage_error(["--prefetch", "hint:1.5"], "outside (0, 1]")
+    expect_usage_error(["--prefetch", "hint:x"], "decimal number")
+    expect_usage_error(["--prefetch", "coact,"], "--prefetch")
+    expect_usage_error(["--prefetch"], "needs a value")
+    expect_usage_error(["--prefetch", "coact", "--prefetch-budget", "-1"], "--prefetch-budget")
+    expect_usage_error(["--prefetch", "coact", "--prefetch-budget", "x"], "not an integer")
+    expect_usage_error(["--prefetch-budget", "3"], "--prefetch-budget needs --prefetch")
+    expect_usage_error(["--prefetch", "coact", "--provider", "device"], "host-planned provider")
+    expect_usage_error(["--prefetch", "prev", "--provider", "resident"], "host-planned provider")
+    expect_usage_error(["--prefetch", "coact", "--staging", "inline,batched"], "--staging copy_stream")
+    rc, out, err = run("--help")
+    expect(rc == 0 and "--prefetch P" in out and "--prefetch-budget N" in out and "EMULATED" in out,
+           "--help documents --prefetch", out, err)
+
+
+CASES = {"smoke": case_smoke, "bad_args": case_bad_args, "prefetch": case_prefetch,
+         "prefetch_bad_args": case_prefetch_bad_args}
 
 
 if __name__ == "__main__":

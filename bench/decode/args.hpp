@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../cli_args.hpp"
+#include "expert_cache/tools/prefetch_replay.hpp"
 
 namespace expert_cache::bench {
 
@@ -44,6 +45,10 @@ struct BenchArgs {
   std::vector<std::string> staging;    // inline, copy_stream, batched, gather
   bool staging_given = false;
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
+  // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
+  // the host-planned providers with copy_stream staging; empty = none asked (output as before).
+  std::vector<std::string> prefetch;
+  std::optional<std::int32_t> prefetch_budget;  // experts per layer; default top_k
   RuntimeChoice runtime = RuntimeChoice::automatic;
   std::optional<std::string> json_path;
   std::int64_t sim_scale = 1024;  // SimRuntime holds weights scaled down by this factor
@@ -89,6 +94,11 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
+               "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging: after layer L's\n"
+               "                      prepare and consumer, prefetch layer L+1's predicted experts: none, coact\n"
+               "                      (co-activation table), prev (previous token), hint:R (EMULATED engine\n"
+               "                      hints of recall R in (0, 1], drawn from the routing's future)\n"
+               "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
                "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
                "output\n"
@@ -212,6 +222,16 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--overlap") {
       no_value();
       a.overlap = true;
+    } else if (arg == "--prefetch") {
+      for (const std::string_view item : split_commas(value())) {
+        const Result<PrefetchSpec> spec = parse_prefetch_spec(item);
+        if (!spec.ok()) throw UsageError{"--prefetch: " + std::string(spec.status().message())};
+        const std::string name = to_string(spec.value());
+        if (std::find(a.prefetch.begin(), a.prefetch.end(), name) == a.prefetch.end()) a.prefetch.push_back(name);
+      }
+      if (a.prefetch.empty()) throw UsageError{"--prefetch needs a predictor (none, coact, prev, hint:R)"};
+    } else if (arg == "--prefetch-budget") {
+      a.prefetch_budget = static_cast<std::int32_t>(parse_int(arg, value(), 0, 1 << 16));
     } else {
       throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
     }
@@ -226,25 +246,45 @@ inline BenchArgs parse_args(int argc, char** argv) {
 // "overlap" (DeviceCacheOptions::overlap: the consumer waits per slot, fills overlap it).
 inline constexpr const char* device_staging = "graph";
 inline constexpr const char* device_overlap_staging = "overlap";
+// With --prefetch, the host-planned copy_stream rows are the lookahead baseline (prefetch
+// "none") and each predictor adds a row after them ("coact", "prev", "hint:R").
+inline constexpr const char* prefetch_staging = "copy_stream";
 struct RunConfig {
   std::string provider;
   std::string staging;
+  std::string prefetch;  // "" (no --prefetch), "none", or a predictor name
 };
+
+inline bool prefetch_provider(const std::string& p) { return p == "row" || p == "cached"; }
+
+// "resident", "cached/copy_stream", "cached/copy_stream+coact" (progress lines).
+inline std::string run_label(const RunConfig& c) {
+  if (c.provider == "resident") return "resident";
+  std::string s = c.provider + "/" + c.staging;
+  if (!c.prefetch.empty() && c.prefetch != "none") s += "+" + c.prefetch;
+  return s;
+}
 
 inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<std::string>& staging) {
   std::vector<RunConfig> out;
   for (const std::string& p : a.providers) {
     if (p == "resident") continue;
     if (p == "device") {
-      out.push_back({p, device_staging});
-      if (a.overlap) out.push_back({p, device_overlap_staging});
+      out.push_back({p, device_staging, ""});
+      if (a.overlap) out.push_back({p, device_overlap_staging, ""});
       continue;
     }
-    for (const std::string& s : staging) out.push_back({p, s});
+    for (const std::string& s : staging) {
+      const bool lookahead = !a.prefetch.empty() && s == prefetch_staging && prefetch_provider(p);
+      out.push_back({p, s, lookahead ? "none" : ""});
+      if (!lookahead) continue;
+      for (const std::string& spec : a.prefetch)
+        if (spec != "none") out.push_back({p, s, spec});
+    }
   }
   // The all-resident run goes first: the ratios need it, and it is the cheapest.
   if (std::find(a.providers.begin(), a.providers.end(), "resident") != a.providers.end())
-    out.insert(out.begin(), RunConfig{"resident", "-"});
+    out.insert(out.begin(), RunConfig{"resident", "-", ""});
   return out;
 }
 

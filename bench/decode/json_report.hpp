@@ -72,8 +72,9 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
   out << "\n  },\n  \"benchmarks\": [";
   for (std::size_t i = 0; i < rep.runs.size(); ++i) {
     const RunResult& r = rep.runs[i];
-    const std::string name =
+    std::string name =
         r.provider == "resident" ? std::string("decode/resident") : "decode/" + r.provider + "/" + r.staging;
+    if (r.is_lookahead_row()) name += "/prefetch:" + r.prefetch;
     const double ms_per_token = r.seconds_per_token() * 1e3;
     const auto vr = rep.vs_resident(r);
     out << (i ? ",\n" : "\n") << "    {\"name\": " << json_string(name) << ", \"family_index\": " << i
@@ -100,7 +101,21 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
         << json_number(rep.pcie_bound_seconds_per_token(r) > 0 ? 1.0 / rep.pcie_bound_seconds_per_token(r) : 0)
         << ", \"cold_start_ms\": " << json_number(r.cold_start_ns * 1e-6) << ", \"capacity\": " << m.capacity
         << ", \"batch\": " << m.batch << ", \"host_syncs_per_token\": " << json_number(r.host_syncs_per_token())
-        << ", \"check_failures\": " << r.check_failures << "}";
+        << ", \"check_failures\": " << r.check_failures;
+    if (!r.prefetch.empty()) {  // --prefetch rows only: the output without it is unchanged
+      out << ", \"prefetch\": " << json_string(r.prefetch)
+          << ", \"prefetch_label\": " << json_string(prefetch_label(r.prefetch))
+          << ", \"prefetch_emulated\": " << (prefetch_is_emulated(r.prefetch) ? "true" : "false")
+          << ", \"prefetch_budget\": " << rep.prefetch_budget
+          << ", \"speculative_issued_per_token\": " << json_number(r.per_token(r.speculative_issued))
+          << ", \"speculative_used_per_token\": " << json_number(r.per_token(r.speculative_used))
+          << ", \"speculative_wasted_per_token\": " << json_number(r.per_token(r.speculative_wasted))
+          << ", \"bytes_moved_per_token\": " << json_number(r.pcie_bytes_per_token())
+          << ", \"bytes_needed_per_token\": " << json_number(rep.needed_bytes_per_token(r))
+          << ", \"vs_pcie_bound_moved\": " << json_number(rep.vs_pcie(r))
+          << ", \"vs_pcie_bound_needed\": " << json_number(rep.vs_pcie_needed(r));
+    }
+    out << "}";
   }
   out << "\n  ]\n}\n";
 }

@@ -53,6 +53,16 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (!use_gpu)
         throw UsageError{"--overlap needs the CUDA runtime (a GPU): the modelled run has no model of the overlap"};
     }
+    if (!args.prefetch.empty() || args.prefetch_budget) {
+      if (args.prefetch.empty()) throw UsageError{"--prefetch-budget needs --prefetch"};
+      if (std::none_of(args.providers.begin(), args.providers.end(), prefetch_provider))
+        throw UsageError{"--prefetch needs a host-planned provider (--provider row or cached): prefetch() runs on "
+                         "the host-planned caches"};
+      if (args.staging_given && std::find(args.staging.begin(), args.staging.end(), std::string(prefetch_staging)) ==
+                                    args.staging.end())
+        throw UsageError{"--prefetch needs --staging copy_stream (the staging whose fills run on the copy stream, so "
+                         "speculative fills overlap the consumer)"};
+    }
     for (const std::string& s : args.staging) {
       if (s == "gather" && !use_gpu) {
         throw UsageError{"--staging gather needs the CUDA runtime (a GPU); the modelled run has inline, copy_stream, batched"};
@@ -85,6 +95,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
   rep.routing = routing.source;
   rep.steps = args.steps;
   rep.warmup = args.warmup;
+  rep.prefetch_budget = prefetch_budget(args, model);
   print_table(stdout, rep);
   std::fflush(stdout);
   if (args.json_path) {

@@ -57,6 +57,11 @@ struct Routing {
   }
 };
 
+// --prefetch-budget, default top-k (of the model: a trace's top-k when --trace is given).
+inline std::int32_t prefetch_budget(const BenchArgs& a, const Model& m) noexcept {
+  return a.prefetch_budget.value_or(m.top_k);
+}
+
 // Builds the model and the routing; every problem is a UsageError (exit 2), raised before any
 // runtime (GPU) work.
 inline std::pair<Model, Routing> build_model_and_routing(const BenchArgs& a) {

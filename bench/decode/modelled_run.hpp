@@ -19,6 +19,7 @@
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "json_report.hpp"
+#include "lookahead.hpp"
 #include "model.hpp"
 #include "progress.hpp"
 #include "report.hpp"
@@ -276,7 +277,8 @@ void fill_sim_pools(Cache& cache, ModelledSim& rt, std::int32_t layer, const Exp
 // One modelled run of a configuration. Cache = nullptr type (void) runs all-resident.
 template <class Cache>
 RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
-                  const std::string& provider, const std::string& staging, Progress& progress) {
+                  const std::string& provider, const std::string& staging, Progress& progress,
+                  const std::string& prefetch = {}) {
   constexpr bool cached = !std::is_void_v<Cache>;
   ModelledSim rt(costs);
   const auto consumer = rt.create_stream().value();
@@ -302,9 +304,17 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
   RuntimeBuffer<ModelledSim> ids_host(rt, id_bytes, MemoryKind::pinned_host);
   RuntimeBuffer<ModelledSim> ids_dev(rt, id_bytes, MemoryKind::device);
 
+  // --prefetch: the predictor of this row (inactive for "", "none") and the byte budget of one
+  // prefetch() in the cache's own (scaled) bytes per expert.
+  Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), a.seed);
+  const auto prefetch_bytes =
+      static_cast<std::int64_t>(lookahead.budget()) * static_cast<std::int64_t>(total_bytes_per_expert(layout.tensors()));
+  std::uint64_t spec0[3] = {0, 0, 0};
+
   RunResult r;
   r.provider = provider;
   r.staging = staging;
+  r.prefetch = prefetch;
   r.modelled = true;
   r.output_checked = cached;
   std::uint64_t check_failures = 0;
@@ -323,6 +333,9 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
           hits0 += c->stats().hits;
           misses0 += c->stats().misses;
           stalls0 += c->stats().staging_stalls;
+          spec0[0] += c->stats().speculative_issued;
+          spec0[1] += c->stats().speculative_used;
+          spec0[2] += c->stats().speculative_wasted;
         }
       }
       bytes0 = rt.weight_bytes();
@@ -389,6 +402,18 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
           }
         };
         if (Status st = rt.launch(consumer, accesses, body, consumer_ns); !st) throw Error(st);
+        // (4) lookahead: layer L+1's predicted experts of this token, after the kernels that read
+        // this layer's maps are enqueued (edge 9); the last layer predicts nothing.
+        if (lookahead.active()) {
+          const bool last = l + 1 == m.layers;
+          const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
+          const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, ids, next, last);
+          if (!last) {
+            Result<PrefetchView> pv =
+                caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, consumer, PrefetchOptions{prefetch_bytes, 1});
+            if (!pv.ok()) throw Error(pv.status());
+          }
+        }
       } else {
         if (Status st = rt.launch(consumer, accesses, {}, consumer_ns); !st) throw Error(st);
       }
@@ -406,10 +431,16 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
       r.hits += c->stats().hits;
       r.misses += c->stats().misses;
       syncs += c->stats().staging_stalls;
+      r.speculative_issued += c->stats().speculative_issued;
+      r.speculative_used += c->stats().speculative_used;
+      r.speculative_wasted += c->stats().speculative_wasted;
     }
     r.hits -= hits0;
     r.misses -= misses0;
     syncs -= stalls0;
+    r.speculative_issued -= spec0[0];
+    r.speculative_used -= spec0[1];
+    r.speculative_wasted -= spec0[2];
   }
   r.host_syncs = syncs;
   r.pcie_bytes = rt.weight_bytes() - bytes0;
@@ -432,8 +463,8 @@ RunResult run_sim_staging(const Model& m, const Routing& routing, const BenchArg
     return run_sim<ExpertCache<Storage, Policy, Inline, ExplicitLayout, ModelledSim>>(m, routing, a, costs, cfg.provider,
                                                                                      cfg.staging, progress);
   if (cfg.staging == "copy_stream")
-    return run_sim<ExpertCache<Storage, Policy, CopyStream, ExplicitLayout, ModelledSim>>(m, routing, a, costs,
-                                                                                         cfg.provider, cfg.staging, progress);
+    return run_sim<ExpertCache<Storage, Policy, CopyStream, ExplicitLayout, ModelledSim>>(
+        m, routing, a, costs, cfg.provider, cfg.staging, progress, cfg.prefetch);
   if (cfg.staging == "batched")
     return run_sim<ExpertCache<Storage, Policy, Batched, ExplicitLayout, ModelledSim>>(m, routing, a, costs, cfg.provider,
                                                                                       cfg.staging, progress);
@@ -456,7 +487,7 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
   const std::vector<RunConfig> configs = run_configs(a, staging);
   for (std::size_t i = 0; i < configs.size(); ++i) {
     const RunConfig& cfg = configs[i];
-    progress.run_started(i, configs.size(), cfg.provider == "resident" ? std::string("resident") : cfg.provider + "/" + cfg.staging);
+    progress.run_started(i, configs.size(), run_label(cfg));
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_sim<void>(m, routing, a, costs, "resident", "-", progress));
     } else if (cfg.provider == "device") {

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "lookahead.hpp"
 #include "model.hpp"
 
 namespace expert_cache::bench {
@@ -29,6 +30,16 @@ struct RunResult {
                                     // synchronisations and device reads, plus the caches' staging stalls
   std::uint64_t check_failures = 0; // consumer saw a wrong expert (sim) / outputs differ (GPU)
   bool output_checked = false;
+  // Lookahead (--prefetch): "" = not asked, "none" = the baseline row, else the predictor.
+  // With a predictor, pcie_bytes includes the speculative fills (wasted ones too).
+  std::string prefetch;
+  std::uint64_t speculative_issued = 0;
+  std::uint64_t speculative_used = 0;
+  std::uint64_t speculative_wasted = 0;
+  [[nodiscard]] bool is_lookahead_row() const noexcept { return !prefetch.empty() && prefetch != "none"; }
+  [[nodiscard]] double per_token(std::uint64_t n) const noexcept {
+    return tokens ? static_cast<double>(n) / static_cast<double>(tokens) : 0;
+  }
   [[nodiscard]] double seconds_per_token() const noexcept { return tokens ? time_ns * 1e-9 / static_cast<double>(tokens) : 0; }
   [[nodiscard]] double tokens_per_second() const noexcept { return time_ns > 0 ? static_cast<double>(tokens) / (time_ns * 1e-9) : 0; }
   [[nodiscard]] double hit_rate() const noexcept {
@@ -51,6 +62,29 @@ struct Report {
   std::int32_t steps = 0, warmup = 0;
   std::vector<RunResult> runs;
   std::vector<std::string> notes;  // extra lines printed under the table
+  std::int32_t prefetch_budget = 0;  // experts per layer (--prefetch runs)
+  [[nodiscard]] bool has_lookahead() const noexcept {
+    for (const RunResult& r : runs)
+      if (!r.prefetch.empty()) return true;
+    return false;
+  }
+  // Bytes a perfect cache would move for this routing: the misses of the no-prefetch row of the
+  // same provider and staging in this run (nullptr when that row is missing).
+  [[nodiscard]] const RunResult* lookahead_baseline(const RunResult& r) const noexcept {
+    for (const RunResult& b : runs)
+      if (b.prefetch == "none" && b.provider == r.provider && b.staging == r.staging) return &b;
+    return nullptr;
+  }
+  [[nodiscard]] double needed_bytes_per_token(const RunResult& r) const noexcept {
+    const RunResult* b = lookahead_baseline(r);
+    return b ? b->pcie_bytes_per_token() : 0;
+  }
+  // The PCIe-bound ratio on the bytes needed: moving the baseline's misses at the ceiling over
+  // this row's time per token.
+  [[nodiscard]] double vs_pcie_needed(const RunResult& r) const noexcept {
+    const double t = r.seconds_per_token();
+    return t > 0 && pcie_ceiling_bytes_per_s > 0 ? needed_bytes_per_token(r) / pcie_ceiling_bytes_per_s / t : 0;
+  }
   [[nodiscard]] const RunResult* resident() const noexcept {
     for (const RunResult& r : runs)
       if (r.provider == "resident") return &r;
@@ -77,6 +111,31 @@ inline std::string mode_label(bool modelled) {
   return modelled ? "MODELLED (SimRuntime cost model), not measured" : "MEASURED (CUDA)";
 }
 
+// --prefetch: the baseline and predictor rows (hint rows labelled emulated).
+inline void print_lookahead_table(std::FILE* out, const Report& rep) {
+  std::fprintf(out,
+               "\nlookahead (after layer L's prepare and consumer, cache[L+1].prefetch() of the predicted experts;\n"
+               "budget %d experts per layer and token)\n",
+               rep.prefetch_budget);
+  std::fprintf(out, "%-9s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
+               "tok/s", "hit%", "spec_iss", "spec_use", "spec_wst", "MB/tok", "MB/tok", "vs_pcie", "vs_pcie");
+  std::fprintf(out, "%-9s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "", "", "", "", "", "/tok", "/tok", "/tok",
+               "(moved)", "(needed)", "(moved)", "(needed)");
+  for (const RunResult& r : rep.runs) {
+    if (r.prefetch.empty()) continue;
+    std::fprintf(out, "%-9s %-12s %-34s %9.2f %6.1f%% %8.2f %8.2f %8.2f %9.2f %9.2f %8.3f %8.3f\n", r.provider.c_str(),
+                 r.staging.c_str(), prefetch_label(r.prefetch).c_str(), r.tokens_per_second(), 100.0 * r.hit_rate(),
+                 r.per_token(r.speculative_issued), r.per_token(r.speculative_used), r.per_token(r.speculative_wasted),
+                 r.pcie_bytes_per_token() / 1e6, rep.needed_bytes_per_token(r) / 1e6, rep.vs_pcie(r),
+                 rep.vs_pcie_needed(r));
+  }
+  std::fprintf(out,
+               "spec_* = speculative fills issued / used by a later prepare() / wasted (expired or evicted unused) per\n"
+               "token; MB/tok(moved) = all expert bytes copied, wasted fills included; MB/tok(needed) = the misses of\n"
+               "the prefetch-none row (what a perfect cache moves); vs_pcie = (MB/tok / ceiling) / time per token.\n"
+               "hint rows are EMULATED engine hints drawn from the routing's future (the benchmark has no hidden states).\n");
+}
+
 inline void print_table(std::FILE* out, const Report& rep) {
   const Model& m = rep.model;
   std::fprintf(out, "expert-cache-bench: %s\n", mode_label(rep.modelled).c_str());
@@ -97,6 +156,7 @@ inline void print_table(std::FILE* out, const Report& rep) {
   std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "", "", "", "", "", "", "", "(PCIe)",
                rep.modelled ? "(model)" : "(real)", rep.modelled ? "(realCPU)" : "", "", "/tok");
   for (const RunResult& r : rep.runs) {
+    if (r.is_lookahead_row()) continue;  // in the lookahead table below
     const auto vr = rep.vs_resident(r);
     char vs_res[32];
     if (vr) std::snprintf(vs_res, sizeof vs_res, "%.3f", *vr);
@@ -130,6 +190,7 @@ inline void print_table(std::FILE* out, const Report& rep) {
                  "this routing; prep_us(realCPU) is the real wall clock of prepare() on this CPU, SimRuntime's own\n"
                  "bookkeeping (race detector) included.\n");
   }
+  if (rep.has_lookahead()) print_lookahead_table(out, rep);
   for (const std::string& n : rep.notes) std::fprintf(out, "%s\n", n.c_str());
   for (const RunResult& r : rep.runs) {
     if (r.output_checked && r.check_failures != 0) {

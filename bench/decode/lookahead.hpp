@@ -1,0 +1,95 @@
+#pragma once
+// expert-cache-bench: lookahead in the decode loop (--prefetch, issue 16 item 5). After layer L's
+// prepare() and consumer launch, a predictor (prefetch/predictors.hpp) ranks layer L+1's experts
+// of the same token and the loop hands them to cache[L+1].prefetch(). Host-only.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "expert_cache/prefetch/predictors.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/tools/prefetch_replay.hpp"
+
+namespace expert_cache::bench {
+
+// "none", "coact", "prev", "hint:0.8 (emulated hint)": the label every printed row carries.
+inline std::string prefetch_label(const std::string& spec) {
+  const Result<PrefetchSpec> s = parse_prefetch_spec(spec);
+  if (!s.ok()) return spec;
+  return to_string(s.value()) + (is_emulated(s.value()) ? " (emulated hint)" : "");
+}
+inline bool prefetch_is_emulated(const std::string& spec) {
+  const Result<PrefetchSpec> s = parse_prefetch_spec(spec);
+  return s.ok() && is_emulated(s.value());
+}
+
+// One row's predictor plus the per-forward scratch (unique ids: predictors want them unique,
+// a batch > 1 forward repeats ids and pads with -1).
+class Lookahead {
+ public:
+  // spec: "" or "none" = no lookahead; otherwise a name parse_prefetch_spec accepts.
+  Lookahead(const std::string& spec, std::int32_t layers, std::int32_t experts, std::int32_t budget, std::uint64_t seed)
+      : budget_(budget), seen_(static_cast<std::size_t>(experts), 0u) {
+    if (spec.empty() || spec == "none") return;
+    const Result<PrefetchSpec> s = parse_prefetch_spec(spec);
+    if (!s.ok()) throw Error(s.status());
+    switch (s.value().kind) {
+      case PrefetchKind::none: break;
+      case PrefetchKind::coact: predictor_.emplace<CoactivationPredictor>(layers, experts, s.value().decay); break;
+      case PrefetchKind::prev: predictor_.emplace<PreviousTokenPredictor>(layers, experts); break;
+      case PrefetchKind::hint: predictor_.emplace<EmulatedHintPredictor>(layers, experts, s.value().recall, seed); break;
+    }
+    current_.reserve(static_cast<std::size_t>(experts));
+    truth_.reserve(static_cast<std::size_t>(experts));
+  }
+  [[nodiscard]] bool active() const noexcept { return !std::holds_alternative<std::monostate>(predictor_); }
+  [[nodiscard]] std::int32_t budget() const noexcept { return budget_; }
+
+  // Layer `layer` of step `step` ran with `ids`; `next` is layer+1's routing of the same step
+  // (read by the emulated hints only; empty for the last layer). Returns layer+1's predicted
+  // experts, best first, at most budget (empty for the last layer).
+  std::span<const std::int32_t> after_layer(std::int32_t step, std::int32_t layer, std::span<const std::int32_t> ids,
+                                            std::span<const std::int32_t> next, bool last_layer) {
+    unique_into(ids, current_);
+    unique_into(next, truth_);
+    std::span<const std::int32_t> out;
+    std::visit(
+        [&](auto& p) {
+          if constexpr (!std::is_same_v<std::decay_t<decltype(p)>, std::monostate>) {
+            if (Status st = p.observe(step, layer, current_); !st) throw Error(st);
+            if (last_layer) return;
+            const PredictionQuery q{step, layer, current_, truth_};
+            if (Status st = p.predict(q, budget_, out); !st) throw Error(st);
+          }
+        },
+        predictor_);
+    return out;
+  }
+
+ private:
+  void unique_into(std::span<const std::int32_t> ids, std::vector<std::int32_t>& out) {
+    out.clear();
+    if (++epoch_ == 0) {
+      std::fill(seen_.begin(), seen_.end(), 0u);
+      epoch_ = 1;
+    }
+    for (const std::int32_t e : ids) {
+      if (e < 0 || static_cast<std::size_t>(e) >= seen_.size()) continue;
+      if (seen_[static_cast<std::size_t>(e)] == epoch_) continue;
+      seen_[static_cast<std::size_t>(e)] = epoch_;
+      out.push_back(e);
+    }
+  }
+
+  std::variant<std::monostate, CoactivationPredictor, PreviousTokenPredictor, EmulatedHintPredictor> predictor_;
+  std::int32_t budget_ = 0;
+  std::vector<std::uint32_t> seen_;
+  std::uint32_t epoch_ = 0;
+  std::vector<std::int32_t> current_, truth_;
+};
+
+}  // namespace expert_cache::bench
