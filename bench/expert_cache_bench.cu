@@ -451,7 +451,7 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
   bool snap = false;
   const std::string key = run_label(cfg);
   // --prefetch: this row's predictor; one prefetch() may copy budget experts of this layout.
-  Lookahead lookahead(cfg.prefetch, m.layers, m.experts, prefetch_budget(a, m), a.seed);
+  Lookahead lookahead(cfg.prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
   const auto prefetch_bytes =
       static_cast<std::int64_t>(lookahead.budget()) * static_cast<std::int64_t>(total_bytes_per_expert(tensors));
   // After layer l's consumer is enqueued on ctx.consumer (the kernels that read cache[l]'s maps;

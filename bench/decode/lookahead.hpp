@@ -31,9 +31,12 @@ inline bool prefetch_is_emulated(const std::string& spec) {
 // a batch > 1 forward repeats ids and pads with -1).
 class Lookahead {
  public:
-  // spec: "" or "none" = no lookahead; otherwise a name parse_prefetch_spec accepts.
-  Lookahead(const std::string& spec, std::int32_t layers, std::int32_t experts, std::int32_t budget, std::uint64_t seed)
-      : budget_(budget), seen_(static_cast<std::size_t>(experts), 0u) {
+  // spec: "" or "none" = no lookahead; otherwise a name parse_prefetch_spec accepts. budget:
+  // fills per prefetch(); the predictor is asked for max(budget, widest forward) ids, as in the
+  // replay tool, so already-resident predictions leave room for the next ones in the ranking.
+  Lookahead(const std::string& spec, std::int32_t layers, std::int32_t experts, std::int32_t budget,
+            std::int32_t widest_forward, std::uint64_t seed)
+      : budget_(budget), list_length_(std::max(budget, widest_forward)), seen_(static_cast<std::size_t>(experts), 0u) {
     if (spec.empty() || spec == "none") return;
     const Result<PrefetchSpec> s = parse_prefetch_spec(spec);
     if (!s.ok()) throw Error(s.status());
@@ -48,10 +51,11 @@ class Lookahead {
   }
   [[nodiscard]] bool active() const noexcept { return !std::holds_alternative<std::monostate>(predictor_); }
   [[nodiscard]] std::int32_t budget() const noexcept { return budget_; }
+  [[nodiscard]] std::int32_t list_length() const noexcept { return list_length_; }
 
   // Layer `layer` of step `step` ran with `ids`; `next` is layer+1's routing of the same step
   // (read by the emulated hints only; empty for the last layer). Returns layer+1's predicted
-  // experts, best first, at most budget (empty for the last layer).
+  // experts, best first, at most list_length (empty for the last layer).
   std::span<const std::int32_t> after_layer(std::int32_t step, std::int32_t layer, std::span<const std::int32_t> ids,
                                             std::span<const std::int32_t> next, bool last_layer) {
     unique_into(ids, current_);
@@ -63,7 +67,7 @@ class Lookahead {
             if (Status st = p.observe(step, layer, current_); !st) throw Error(st);
             if (last_layer) return;
             const PredictionQuery q{step, layer, current_, truth_};
-            if (Status st = p.predict(q, budget_, out); !st) throw Error(st);
+            if (Status st = p.predict(q, list_length_, out); !st) throw Error(st);
           }
         },
         predictor_);
@@ -87,6 +91,7 @@ class Lookahead {
 
   std::variant<std::monostate, CoactivationPredictor, PreviousTokenPredictor, EmulatedHintPredictor> predictor_;
   std::int32_t budget_ = 0;
+  std::int32_t list_length_ = 0;
   std::vector<std::uint32_t> seen_;
   std::uint32_t epoch_ = 0;
   std::vector<std::int32_t> current_, truth_;

@@ -306,7 +306,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
 
   // --prefetch: the predictor of this row (inactive for "", "none") and the byte budget of one
   // prefetch() in the cache's own (scaled) bytes per expert.
-  Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), a.seed);
+  Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
   const auto prefetch_bytes =
       static_cast<std::int64_t>(lookahead.budget()) * static_cast<std::int64_t>(total_bytes_per_expert(layout.tensors()));
   std::uint64_t spec0[3] = {0, 0, 0};

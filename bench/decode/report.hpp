@@ -115,7 +115,7 @@ inline std::string mode_label(bool modelled) {
 inline void print_lookahead_table(std::FILE* out, const Report& rep) {
   std::fprintf(out,
                "\nlookahead (after layer L's prepare and consumer, cache[L+1].prefetch() of the predicted experts;\n"
-               "budget %d experts per layer and token)\n",
+               "budget %d experts per layer and token; the predictor ranks max(budget, widest forward) experts)\n",
                rep.prefetch_budget);
   std::fprintf(out, "%-9s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
                "tok/s", "hit%", "spec_iss", "spec_use", "spec_wst", "MB/tok", "MB/tok", "vs_pcie", "vs_pcie");
