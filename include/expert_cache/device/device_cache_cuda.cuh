@@ -12,7 +12,9 @@
 //   prepare         fused: plan_forward_fill_kernel (plan + fill of group 0, one node);
 //                   otherwise plan_forward (one warp for <= 16 ids) -> plan_fill;
 //                   overlap: plan_forward -> plan_fill_ready (always two nodes: the consumer
-//                   may start while the fill runs, so the plan must be complete before it)
+//                   may start while the fill runs, so the plan must be complete before it; on
+//                   sm_90 the fill is launched programmatically, scheduled while the plan runs,
+//                   and waits for the plan grid before it touches memory)
 //   prepare_group   plan_group -> plan_fill (overlap: plan_fill_ready)
 //   invalidate      plan_invalidate
 //   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued
@@ -56,7 +58,8 @@ class CudaPlanExecutor {
         fused_(options.fused_plan_fill),
         overlap_(options.overlap),
         debug_{options.test_fill_delay_ns, options.test_fill_delay_index},
-        use_debug_(options.test_fill_delay_ns != 0) {
+        use_debug_(options.test_fill_delay_ns != 0),
+        fill_pdl_(options.overlap && plan_fill_ready_pdl_supported()) {
     RuntimeStream<CudaRuntime> init(rt);
     throw_on(storage_.create(num_experts, capacity, init.get()), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
@@ -128,7 +131,7 @@ class CudaPlanExecutor {
  private:
   Status fill(Stream s) noexcept {
     if (overlap_) {
-      EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, use_debug_ ? &debug_ : nullptr));
+      EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, use_debug_ ? &debug_ : nullptr, plan_fill_max_blocks, fill_pdl_));
       return rt_->after_enqueue(s, "plan_fill_ready_kernel");
     }
     EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
@@ -147,6 +150,7 @@ class CudaPlanExecutor {
   bool overlap_;
   PlanFillDebug debug_;
   bool use_debug_;
+  bool fill_pdl_;  // overlap on sm_90: the fill is launched programmatically after the plan
 };
 static_assert(device_plan_executor<CudaPlanExecutor>);
 

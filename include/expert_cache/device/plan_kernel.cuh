@@ -31,8 +31,11 @@
 //
 // Overlapped fill (plan_fill_ready_kernel, DeviceCacheOptions::overlap; edge D4 of
 // docs/design.md): the fill of a two-node step (plan -> fill) that lets the consumer run while
-// it copies. Every block first triggers programmatic dependent launch, so a consumer launched
-// with cudaLaunchAttributeProgrammaticStreamSerialization may start at once; each fill i is
+// it copies. On sm_90 it is itself launched programmatically after the plan kernel (which
+// triggers at its start), so its blocks are scheduled while the plan runs; each block first waits
+// for the plan grid (griddepcontrol.wait), then triggers programmatic dependent launch, so a
+// consumer launched with cudaLaunchAttributeProgrammaticStreamSerialization may start at once
+// (and only after the plan completed: it reads the maps without a wait of its own); each fill i is
 // copied by all blocks together, each block counts itself in (fill_arrivals[i]), and the last
 // one stores slot_ready[slot] = slot_needed[slot] with release semantics; the consumer acquires
 // that word before it reads the slot. Deadlock freedom: the consumer's blocks spin, the fill's
@@ -187,6 +190,24 @@ class WarpBlock : public PlanBlockStores {
   }
 };
 
+namespace detail {
+// Programmatic dependent launch (sm_90; no-ops below). The planning kernels trigger at their
+// start, so an overlapped fill launched programmatically after them (launch_plan_fill_ready with
+// `programmatic`) is scheduled while the plan runs; the fill waits (griddepcontrol.wait: the plan
+// grid completed, its writes visible) before it touches memory. A dependent launched without the
+// attribute ignores the trigger.
+__device__ __forceinline__ void plan_griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void plan_griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+}  // namespace detail
+
 // ---- planning kernels (one block of Threads threads each) -------------------------------------
 
 template <int Threads = plan_block_threads>
@@ -204,6 +225,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
+  detail::plan_griddep_launch_dependents();
   plan_forward(b, s, ids, n_ids, sanitized);
 }
 
@@ -213,6 +235,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
+  detail::plan_griddep_launch_dependents();
   plan_forward(b, s, ids, n_ids, sanitized);
 }
 
@@ -221,6 +244,7 @@ template <int Threads = plan_block_threads>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
+  detail::plan_griddep_launch_dependents();
   plan_group(b, s, group);
 }
 
@@ -300,22 +324,18 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(c
   detail::plan_fill_items<Ilp>(p, p.scalars->fill_count);
 }
 
-namespace detail {
-__device__ __forceinline__ void plan_griddep_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-}  // namespace detail
-
 // The overlapped fill (see the top of this file). Grid as plan_fill_kernel's.
 template <int Ilp = 4, bool Debug = false>
 EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     plan_fill_ready_kernel(const __grid_constant__ PlanFillParams p, const PlanFillDebug debug) {
-  // First, in every block: the dependent (consumer) grid may start once all of this grid's
-  // blocks are running. No memory ordering comes with it; the ready words provide that.
+  // Launched programmatically after the plan kernel: wait for it (completed, writes visible)
+  // before any memory access; in plain stream order this returns at once.
+  detail::plan_griddep_wait();
+  // Then, in every block: the dependent (consumer) grid may start once all of this grid's
+  // blocks got here, i.e. after the plan completed (the consumer reads the maps and ids without
+  // a wait). No memory ordering comes with it for the fill; the ready words provide that.
   detail::plan_griddep_launch_dependents();
-  // The plan kernel completed before this one started (plain stream order): plain loads.
+  // The plan kernel completed (stream order, or the wait above): plain loads.
   std::int32_t n = p.scalars->fill_count;
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
   for (std::int32_t i = 0; i < n; ++i) {
@@ -506,10 +526,13 @@ inline cudaError_t launch_plan_fill(const PlanFillParams& p, cudaStream_t stream
 }
 
 // The overlapped fill (same grid as launch_plan_fill). `debug` non-null selects the test
-// instantiation with the delay knob; the full-speed kernel has none.
+// instantiation with the delay knob; the full-speed kernel has none. `programmatic` (sm_90,
+// plan_fill_ready_pdl_supported()): launched with programmatic stream serialization, so that it
+// is scheduled while the plan kernel before it runs (the kernel waits for the plan first); a
+// launch refused with the attribute is retried in plain stream order.
 template <int Ilp = 4>
 inline cudaError_t launch_plan_fill_ready(const PlanFillParams& p, cudaStream_t stream, const PlanFillDebug* debug = nullptr,
-                                          int max_blocks = plan_fill_max_blocks) noexcept {
+                                          int max_blocks = plan_fill_max_blocks, bool programmatic = false) noexcept {
   if (p.slot_ready == nullptr || p.slot_needed == nullptr || p.fill_arrivals == nullptr) return cudaErrorInvalidValue;
   const std::uint64_t worst = static_cast<std::uint64_t>(p.capacity) * p.items_per_fill;
   const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
@@ -520,7 +543,41 @@ inline cudaError_t launch_plan_fill_ready(const PlanFillParams& p, cudaStream_t 
   void* args[] = {const_cast<PlanFillParams*>(&p), &d};
   const void* kernel = debug != nullptr ? reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, true>)
                                         : reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, false>);
-  return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
+  if (!programmatic) {
+    return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
+  }
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(plan_fill_threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t err = cudaLaunchKernelExC(&cfg, kernel, args);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    cfg.numAttrs = 0;
+    err = cudaLaunchKernelExC(&cfg, kernel, args);
+  }
+  return err;
+}
+
+// Whether launch_plan_fill_ready may use `programmatic`: an sm_90+ device and fill kernels whose
+// code has the wait (PTX 9.0+; older PTX JIT-compiled would not wait). Host calls: ask once.
+template <int Ilp = 4>
+inline bool plan_fill_ready_pdl_supported() noexcept {
+  int dev = 0, major = 0;
+  cudaFuncAttributes a{}, b{};
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, false>)) != cudaSuccess ||
+      cudaFuncGetAttributes(&b, reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, true>)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return major >= 9 && a.ptxVersion >= 90 && b.ptxVersion >= 90;
 }
 
 // One node: plan_forward of `ids` then the fill of its group 0 (overflow groups still take
