@@ -65,6 +65,7 @@
 #include <cstring>
 
 #include "expert_cache/config.hpp"
+#include "expert_cache/device/griddep.cuh"
 #include "expert_cache/device/slot_ready.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
@@ -184,16 +185,8 @@ EXPERT_CACHE_HOST_DEVICE constexpr int a_frag_index(int kk) noexcept {
   return ((kk & 7) >> 1) * 4 + (kk & 1) + ((kk & 8) >> 2);
 }
 
-__device__ __forceinline__ void griddep_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+using detail::griddep_launch_dependents;  // device/griddep.cuh
+using detail::griddep_wait;
 
 // Streamed once: skip L1. volatile keeps them ahead of griddep_wait (moe_w2 prefetches).
 __device__ __forceinline__ uint4 load_stream16(const unsigned char* p) {

@@ -58,6 +58,7 @@
 
 #include "expert_cache/config.hpp"
 #include "expert_cache/device/fill_gather.cuh"
+#include "expert_cache/device/griddep.cuh"
 #include "expert_cache/device/slot_ready.cuh"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/storage/copy_region.hpp"
@@ -196,16 +197,7 @@ namespace detail {
 // `programmatic`) is scheduled while the plan runs; the fill waits (griddepcontrol.wait: the plan
 // grid completed, its writes visible) before it touches memory. A dependent launched without the
 // attribute ignores the trigger.
-__device__ __forceinline__ void plan_griddep_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void plan_griddep_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
+// (the two instructions: device/griddep.cuh)
 }  // namespace detail
 
 // ---- planning kernels (one block of Threads threads each) -------------------------------------
@@ -225,7 +217,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  detail::plan_griddep_launch_dependents();
+  detail::griddep_launch_dependents();
   plan_forward(b, s, ids, n_ids, sanitized);
 }
 
@@ -235,7 +227,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
-  detail::plan_griddep_launch_dependents();
+  detail::griddep_launch_dependents();
   plan_forward(b, s, ids, n_ids, sanitized);
 }
 
@@ -244,7 +236,7 @@ template <int Threads = plan_block_threads>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  detail::plan_griddep_launch_dependents();
+  detail::griddep_launch_dependents();
   plan_group(b, s, group);
 }
 
@@ -330,11 +322,11 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     plan_fill_ready_kernel(const __grid_constant__ PlanFillParams p, const PlanFillDebug debug) {
   // Launched programmatically after the plan kernel: wait for it (completed, writes visible)
   // before any memory access; in plain stream order this returns at once.
-  detail::plan_griddep_wait();
+  detail::griddep_wait();
   // Then, in every block: the dependent (consumer) grid may start once all of this grid's
   // blocks got here, i.e. after the plan completed (the consumer reads the maps and ids without
   // a wait). No memory ordering comes with it for the fill; the ready words provide that.
-  detail::plan_griddep_launch_dependents();
+  detail::griddep_launch_dependents();
   // The plan kernel completed (stream order, or the wait above): plain loads.
   std::int32_t n = p.scalars->fill_count;
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
