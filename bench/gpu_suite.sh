@@ -66,6 +66,10 @@ bench)
   "$build/bench/expert-cache-bench" --provider all --staging all --overlap --json "$out/decode.json" \
     >"$out/decode.txt" 2>&1 || { note "expert-cache-bench failed"; status=1; }
   cat "$out/decode.txt"
+  # Lookahead (docs/prefetch.md): the host-planned cached provider with copy-stream fills and each predictor.
+  "$build/bench/expert-cache-bench" --provider resident,cached --staging copy_stream --prefetch coact,hint:0.8 \
+    --json "$out/decode_prefetch.json" >"$out/decode_prefetch.txt" 2>&1 || { note "expert-cache-bench --prefetch failed"; status=1; }
+  tail -16 "$out/decode_prefetch.txt"
   "$build/bench/bench_staging" --benchmark_filter='fill/' --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_counters_tabular=true --benchmark_out="$out/bench_staging.json" --benchmark_out_format=json \
     >"$out/bench_staging.txt" 2>&1 || { note "bench_staging failed"; status=1; }
