@@ -17,52 +17,7 @@ using Stream = SimRuntime::Stream;
 namespace {
 
 template <class Cache>
-struct Fixture {
-  SimRuntime rt;
-  std::vector<Stream> streams;
-  std::unique_ptr<Cache> cache;
-  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
-  std::uint64_t launched = 0;
-
-  Fixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::uint64_t seed = 1,
-          std::size_t staging_ring = 8)
-      : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}) {
-    for (int i = 0; i < 3; ++i) streams.push_back(rt.create_stream().value());
-    CacheOptions o = quiet_options(experts, capacity, top_k);
-    o.staging_ring = staging_ring;
-    cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
-    fill_host_pools(*cache);
-  }
-
-  // prepare + a reader of the forward on the same stream.
-  Status forward(const Ids& topk, Stream s) {
-    auto view = cache->prepare(topk, s);
-    if (!view.ok()) return view.status();
-    Ids unique;
-    for (ExpertId e : cache->last_plan().unique) unique.push_back(e.value);
-    ++launched;
-    return launch_reader(rt, *cache, view.value(), unique, s, log);
-  }
-  Status forward_unique(const Ids& ids, Stream s) {
-    auto view = cache->prepare_unique(ids, s);
-    if (!view.ok()) return view.status();
-    ++launched;
-    return launch_reader(rt, *cache, view.value(), ids, s, log);
-  }
-
-  void check_clean_after_drain() {
-    rt.drain();
-    CHECK(rt.races().empty());
-    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
-    CHECK(log->mismatches == 0);
-    if (log->mismatches != 0) MESSAGE(log->first_mismatch);
-    CHECK(log->runs == launched);
-    // The device resident map ends at the final generation.
-    const auto host = cache->resident_map_host();
-    const std::int32_t* dev = cache->resident_map_device();
-    CHECK(std::equal(host.begin(), host.end(), dev));
-  }
-};
+using Fixture = SimCacheFixture<Cache>;
 
 using RowSim = RowCache<SimRuntime, ExplicitLayout>;
 using WholeSim = WholeExpertCache<SimRuntime, ExplicitLayout>;

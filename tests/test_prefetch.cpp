@@ -285,34 +285,16 @@ TEST_CASE_TEMPLATE("plan_prefetch over random forwards, prefetches and invalidat
 
 namespace {
 
+// The shared fixture, plus a reader of the current forward after a prefetch and byte budgets.
 template <class Cache>
-struct Fixture {
-  SimRuntime rt;
-  std::vector<Stream> streams;
-  std::unique_ptr<Cache> cache;
-  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
-  std::uint64_t launched = 0;
-
-  Fixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::uint64_t seed = 1,
-          std::size_t staging_ring = 8)
-      : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}) {
-    for (int i = 0; i < 3; ++i) streams.push_back(rt.create_stream().value());
-    CacheOptions o = quiet_options(experts, capacity, top_k);
-    o.staging_ring = staging_ring;
-    cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
-    fill_host_pools(*cache);
-  }
-
-  // prepare + a reader of the forward (forward map, resident map, slots) on the same stream.
-  Status forward(const Ids& topk, Stream s) {
-    auto view = cache->prepare(topk, s);
-    if (!view.ok()) return view.status();
-    last_view = view.value();
-    last_unique.clear();
-    for (ExpertId e : cache->last_plan().unique) last_unique.push_back(e.value);
-    ++launched;
-    return launch_reader(rt, *cache, view.value(), last_unique, s, log);
-  }
+struct Fixture : SimCacheFixture<Cache> {
+  using SimCacheFixture<Cache>::SimCacheFixture;
+  using SimCacheFixture<Cache>::rt;
+  using SimCacheFixture<Cache>::cache;
+  using SimCacheFixture<Cache>::log;
+  using SimCacheFixture<Cache>::launched;
+  using SimCacheFixture<Cache>::last_view;
+  using SimCacheFixture<Cache>::last_unique;
 
   // The current forward's kernels after a prefetch: they read the forward map and their slots,
   // not the resident map (which prefetch rewrites).
@@ -352,20 +334,6 @@ struct Fixture {
   PrefetchOptions budget(std::int64_t fills, std::uint32_t expires_after = 1) const {
     return PrefetchOptions{fills * bytes_per_expert(), expires_after};
   }
-
-  void check_clean_after_drain() {
-    rt.drain();
-    CHECK(rt.races().empty());
-    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
-    CHECK(log->mismatches == 0);
-    if (log->mismatches != 0) MESSAGE(log->first_mismatch);
-    CHECK(log->runs == launched);
-    const auto host = cache->resident_map_host();
-    CHECK(std::equal(host.begin(), host.end(), cache->resident_map_device()));
-  }
-
-  ForwardView last_view{};
-  Ids last_unique;
 };
 
 using RowSim = RowCache<SimRuntime, ExplicitLayout>;
@@ -571,6 +539,60 @@ TEST_CASE("edge 9 waits for exactly the slot's event: a later prefetch's fill st
   CHECK(f.log->runs == 2);
   CHECK(f.rt.pending_ops(copy) == tail);
   f.check_clean_after_drain();
+}
+
+namespace {
+
+struct SecondWait {
+  bool held = false;  // the second reader was still queued while the other slot's fill was
+  std::size_t races = 0;
+  std::uint64_t mismatches = 0;
+};
+
+// One prefetch() fills 2 then 3 (copy 2, event 2, copy 3, event 3 on the copy stream); an all-hit
+// prepare on the owner stream uses 2, then one on another stream uses 3. After the first prepare
+// one fill is still pending, so the second must not take the no-pending early return: only
+// slot 3's event orders its reader after copy 3 (the first prepare waited for event 2 only).
+template <class Edges>
+SecondWait consume_one_of_two_pending() {
+  Fixture<EdgeCache<Edges>> f(10, 5, 2);
+  SecondWait out;
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{2, 3}, f.streams[0], f.budget(2, 2)).ok());
+  REQUIRE(f.forward(Ids{0, 2}, f.streams[0]).ok());  // consumes 2; 3 stays pending
+  REQUIRE(f.cache->stats().last_copies == 0);
+  REQUIRE(f.forward(Ids{3, 0}, f.streams[1]).ok());  // all hits, another stream
+  REQUIRE(f.cache->stats().last_copies == 0);
+  const Stream copy = f.cache->copy_stream().value();
+  const std::size_t tail = f.cache->storage().copy_regions().count + 1;  // copy 3 and event 3
+  for (int guard = 0; guard < 1000 && f.rt.pending_ops(copy) > tail; ++guard) {
+    if (!f.rt.step(copy)) REQUIRE(f.rt.step(f.streams[0]));
+  }
+  REQUIRE(f.rt.pending_ops(copy) == tail);
+  while (f.rt.step(f.streams[0]) || f.rt.step(f.streams[1])) {
+  }
+  CHECK(f.rt.pending_ops(f.streams[0]) == 0);
+  out.held = f.log->runs == 2 && f.rt.pending_ops(f.streams[1]) > 0;
+  f.rt.drain();
+  CHECK(f.log->runs == f.launched);
+  if (!f.rt.races().empty()) MESSAGE(f.rt.races()[0].description);
+  out.races = f.rt.races().size();
+  out.mismatches = f.log->mismatches;
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("edge 9 with two fills pending: after one is consumed, a prepare using the other still waits for it") {
+  const SecondWait with = consume_one_of_two_pending<OrderingEdges>();
+  CHECK(with.held);
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  // Without edge 9 the same schedule reads slot 3 early: the wait the second prepare issues is
+  // the only order, so an early return that skipped it would fail the two checks above.
+  const SecondWait without = consume_one_of_two_pending<NoSpeculativeSlotWait>();
+  CHECK_FALSE(without.held);
+  CHECK(without.races > 0);
 }
 
 // ---- randomized schedules --------------------------------------------------------------------

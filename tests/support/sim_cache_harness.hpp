@@ -1,7 +1,11 @@
 #pragma once
 // Test support: fills a cache's host pools with a recognisable pattern and launches a
 // simulated consumer kernel that reads the slots through the forward map, declaring every
-// byte it reads so the race detector sees it, and checks the bytes it finds.
+// byte it reads so the race detector sees it, and checks the bytes it finds. SimCacheFixture
+// puts them together: a cache on its own SimRuntime with three streams and a reader log.
+#include <doctest/doctest.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -108,5 +112,62 @@ inline CacheOptions quiet_options(std::int32_t experts, std::int32_t capacity, s
   o.log = {};
   return o;
 }
+
+// A cache on its own SimRuntime (1 GiB, race detector on) with three streams and the host
+// pools filled, plus the log of the readers launched after each forward. Shared by the CPU
+// tests of the host-planned cache (test_cache_sim.cpp, test_prefetch.cpp).
+template <class Cache>
+struct SimCacheFixture {
+  using Ids = std::vector<std::int32_t>;
+  using Stream = SimRuntime::Stream;
+
+  SimRuntime rt;
+  std::vector<Stream> streams;
+  std::unique_ptr<Cache> cache;
+  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
+  std::uint64_t launched = 0;
+  ForwardView last_view{};  // the latest forward()'s view and unique experts
+  Ids last_unique;
+
+  SimCacheFixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::uint64_t seed = 1,
+                  std::size_t staging_ring = 8)
+      : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}) {
+    for (int i = 0; i < 3; ++i) streams.push_back(rt.create_stream().value());
+    CacheOptions o = quiet_options(experts, capacity, top_k);
+    o.staging_ring = staging_ring;
+    cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
+    fill_host_pools(*cache);
+  }
+
+  // prepare + a reader of the forward (forward map, resident map, slots) on the same stream.
+  Status forward(const Ids& topk, Stream s) {
+    auto view = cache->prepare(topk, s);
+    if (!view.ok()) return view.status();
+    last_view = view.value();
+    last_unique.clear();
+    for (ExpertId e : cache->last_plan().unique) last_unique.push_back(e.value);
+    ++launched;
+    return launch_reader(rt, *cache, view.value(), last_unique, s, log);
+  }
+  Status forward_unique(const Ids& ids, Stream s) {
+    auto view = cache->prepare_unique(ids, s);
+    if (!view.ok()) return view.status();
+    ++launched;
+    return launch_reader(rt, *cache, view.value(), ids, s, log);
+  }
+
+  void check_clean_after_drain() {
+    rt.drain();
+    CHECK(rt.races().empty());
+    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    if (log->mismatches != 0) MESSAGE(log->first_mismatch);
+    CHECK(log->runs == launched);
+    // The device resident map ends at the final generation.
+    const auto host = cache->resident_map_host();
+    const std::int32_t* dev = cache->resident_map_device();
+    CHECK(std::equal(host.begin(), host.end(), dev));
+  }
+};
 
 }  // namespace expert_cache::test
