@@ -383,10 +383,14 @@ class ExpertCacheWithEdges {
 
   // Edge 9: the forward's hits that are speculative fills no prepare waited for yet: `stream`
   // waits for each one's own event. Slots this forward fills again are covered by `ready`.
+  // Runs on every prepare: with no fill pending (a cache that never prefetched, or all waited
+  // for) it returns before touching the plan.
   Status wait_speculative_fills(Stream stream) noexcept {
+    if (!core_.any_speculative_pending()) return {};
     for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
     const auto map = planner_.forward_map();
     for (const ExpertId e : plan_.unique) {
+      if (!core_.any_speculative_pending()) break;  // the rest cannot be pending
       if (Status s = core_.wait_speculative(static_cast<std::size_t>(map[e.index()]), stream); !s) return s;
     }
     return {};

@@ -196,11 +196,15 @@ class OrderingCore {
       return Status::format(ErrorCode::internal, "speculative slot %zu outside the %zu reserved", slot,
                             speculative_.size());
     }
-    speculative_[slot].pending = false;
+    forget_speculative(slot);
     if (Status s = rt_->record(speculative_[slot].event.get(), fill); !s) return s;
     speculative_[slot].pending = true;
+    ++speculative_pending_count_;
     return {};
   }
+  // Whether any slot holds a speculative fill no prepare has waited for yet: lets a prepare of a
+  // cache with nothing in flight skip the per-expert test.
+  [[nodiscard]] bool any_speculative_pending() const noexcept { return speculative_pending_count_ != 0; }
   // Whether `slot` holds a speculative fill no prepare has waited for yet.
   [[nodiscard]] bool speculative_pending(std::size_t slot) const noexcept {
     return slot < speculative_.size() && speculative_[slot].pending;
@@ -212,12 +216,15 @@ class OrderingCore {
     if constexpr (Edges::speculative_slot_wait) {
       if (Status s = rt_->wait(caller, speculative_[slot].event.get()); !s) return s;
     }
-    speculative_[slot].pending = false;
+    forget_speculative(slot);
     return {};
   }
   // The slot is written again by a prepare's fill (ordered by edges 1-3) or freed.
   void forget_speculative(std::size_t slot) noexcept {
-    if (slot < speculative_.size()) speculative_[slot].pending = false;
+    if (slot < speculative_.size() && speculative_[slot].pending) {
+      speculative_[slot].pending = false;
+      --speculative_pending_count_;
+    }
   }
 
   // One async copy of a host map (int32 entries) into a device buffer on `stream`, through
@@ -409,6 +416,7 @@ class OrderingCore {
   std::optional<Stream> last_fill_;
   std::vector<StagingBuffer> ring_;
   std::vector<SpeculativeSlot> speculative_;  // per slot, empty until the first prefetch
+  std::size_t speculative_pending_count_ = 0;  // slots of speculative_ with `pending` set
   std::size_t next_staging_ = 0;
   bool last_upload_captured_ = false;
   OrderingCounters counters_;
