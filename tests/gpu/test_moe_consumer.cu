@@ -12,6 +12,11 @@
 //    the consumer overlaps the fill: eagerly the ready-event record of prepare serialises them),
 //    with the test-only "skip the wait" kernels the consumer reads the slot's previous expert
 //    (the wait is what orders it);
+//  * edge D4b (moe_w2 waits per pair for moe_w13's activations, not for all of moe_w13): with the
+//    same slowed fill (the missing expert's W2 equal to the evicted one's, so only activations can
+//    be stale), bit-identical to the non-overlapped cache; in a captured graph, moe_w2 without
+//    that wait reads the previous run's activations of the slowed pair (a run that does not
+//    differ prints INCONCLUSIVE and fails: PDL did not overlap the kernels);
 //  * at batch 1 on the default benchmark expert shape it reports its weight-read bandwidth against the HBM
 //    copy (a message, no assertion: the speed target is a benchmark number, docs/benchmarks.md).
 #include <doctest/doctest.h>
@@ -420,19 +425,28 @@ std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, boo
   return cache;
 }
 
+// Which readiness kernels a step's consumer runs (MoeConsumer::run's test knobs): every wait,
+// without the slot waits (test_skip_wait), or moe_w2 without any wait before it reads the
+// activations (test_skip_act_wait; moe_w13 still waits for its slots).
+enum class Waits { all, skip_slot_wait, skip_act_wait };
+
+Status run_consumer(DevCache& cache, const device::MoeConsumer& moe, const ForwardView& view, const DevArray<float>& d_w,
+                    const DevArray<float>& d_x, DevArray<float>& d_out, cudaStream_t stream, Waits waits) {
+  return moe.run(device::moe_weights_from_view(view, 16), cache.sanitized_ids_device(), d_w.get(), d_x.get(), d_out.get(), 1,
+                 stream, cache.readiness(), waits == Waits::skip_slot_wait, waits == Waits::skip_act_wait);
+}
+
 // One forward of 1 token x 4 experts through `cache` on `stream`: ids uploaded, prepare, consumer
 // (with the cache's readiness when it overlaps); returns the output.
 std::vector<float> device_step(DevCache& cache, const device::MoeConsumer& moe, const std::vector<std::int32_t>& ids,
                                DevArray<std::int32_t>& d_ids, const DevArray<float>& d_w, const DevArray<float>& d_x,
-                               DevArray<float>& d_out, cudaStream_t stream, bool skip_wait = false) {
+                               DevArray<float>& d_out, cudaStream_t stream, Waits waits = Waits::all) {
   REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
   d_ids.upload(ids);
   REQUIRE_CUDA_OK(cudaDeviceSynchronize());  // the pageable upload's DMA too (legacy stream)
   auto view = cache.prepare(d_ids.get(), static_cast<std::int32_t>(ids.size()), stream);
   REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
-  REQUIRE(moe.run(device::moe_weights_from_view(view.value(), 16), cache.sanitized_ids_device(), d_w.get(), d_x.get(),
-                  d_out.get(), 1, stream, cache.readiness(), skip_wait)
-              .ok());
+  REQUIRE(run_consumer(cache, moe, view.value(), d_w, d_x, d_out, stream, waits).ok());
   REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
   return d_out.download();
 }
@@ -443,7 +457,7 @@ std::vector<float> device_step(DevCache& cache, const device::MoeConsumer& moe, 
 // first kernel gets a programmatic edge from the overlapped fill and may run while it copies.
 std::vector<float> graph_step(DevCache& cache, const device::MoeConsumer& moe, const std::vector<std::int32_t>& ids,
                               DevArray<std::int32_t>& d_ids, const DevArray<float>& d_w, const DevArray<float>& d_x,
-                              DevArray<float>& d_out, cudaStream_t stream, bool skip_wait = false) {
+                              DevArray<float>& d_out, cudaStream_t stream, Waits waits = Waits::all) {
   REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
   d_ids.upload(ids);
   REQUIRE_CUDA_OK(cudaDeviceSynchronize());
@@ -451,9 +465,7 @@ std::vector<float> graph_step(DevCache& cache, const device::MoeConsumer& moe, c
   cudaGraphExec_t exec = nullptr;
   REQUIRE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   auto view = cache.prepare(d_ids.get(), static_cast<std::int32_t>(ids.size()), stream);
-  const bool ran = view.ok() && moe.run(device::moe_weights_from_view(view.value(), 16), cache.sanitized_ids_device(),
-                                        d_w.get(), d_x.get(), d_out.get(), 1, stream, cache.readiness(), skip_wait)
-                                    .ok();
+  const bool ran = view.ok() && run_consumer(cache, moe, view.value(), d_w, d_x, d_out, stream, waits).ok();
   const cudaError_t ended = cudaStreamEndCapture(stream, &graph);  // always end it, even after a failure
   REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
   REQUIRE(ran);
@@ -466,59 +478,112 @@ std::vector<float> graph_step(DevCache& cache, const device::MoeConsumer& moe, c
   return d_out.download();
 }
 
-}  // namespace
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
 
-TEST_CASE("moe consumer + overlapped device cache (edge D4): a slowed fill is waited for, bit-identical; in a captured graph skipping the wait reads stale bytes") {
-  const Layer L = make_layer(256, 128, 16, 71);
-  const ResidentLayer res(L);
+// The setup of the slowed-fill cases (edge D4): 1 token x 4 experts, a device cache of 4 slots.
+// Step A fills slots 0-3 with experts 0-3; step B hits 0, 1, 2 and evicts 3: expert 9 lands in
+// slot 3, whose old bytes (expert 3) are what a consumer that did not wait would read. Every
+// fill block of an overlapped cache waits 500 us before copying fill 0 (expert 9), far longer
+// than the consumer runs. The constructor computes the all-resident outputs of A and B and step
+// B through a non-overlapped cache (plain_b, the reference of every overlapped run).
+struct SlowedFill {
+  static constexpr std::uint32_t delay_ns = 500'000;
+  const Layer& L;
+  ResidentLayer res;
   CudaRuntime rt;
-  cudaStream_t stream;
-  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  device::MoeConsumer moe(L.layout, 1, 4);
-  DevArray<float> d_x(random_x(1, 256, 3)), d_w(std::vector<float>{0.4f, 0.3f, 0.2f, 0.1f}), d_out(256), d_ref(256);
-  DevArray<std::int32_t> d_ids(4), d_ids_ref(4);
-  auto resident = [&](const std::vector<std::int32_t>& ids) {
+  cudaStream_t stream = nullptr;
+  device::MoeConsumer moe;
+  DevArray<float> d_x, d_w, d_out, d_ref;
+  DevArray<std::int32_t> d_ids, d_ids_ref;
+  const std::vector<std::int32_t> a{0, 1, 2, 3}, b{0, 1, 2, 9};
+  std::vector<float> ref_a, ref_b, plain_b;
+
+  explicit SlowedFill(const Layer& layer)
+      : L(layer), res(layer), moe(layer.layout, 1, 4), d_x(random_x(1, layer.layout.hidden, 3)),
+        d_w(std::vector<float>{0.4f, 0.3f, 0.2f, 0.1f}), d_out(static_cast<std::size_t>(layer.layout.hidden)),
+        d_ref(static_cast<std::size_t>(layer.layout.hidden)), d_ids(4), d_ids_ref(4) {
+    REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    ref_a = resident(a);
+    ref_b = resident(b);
+    auto plain = make_device_cache(rt, L, false, 0);
+    REQUIRE(!plain->readiness().enabled());
+    CHECK(same_bits(device_step(*plain, moe, a, d_ids, d_w, d_x, d_out, stream), ref_a));
+    plain_b = device_step(*plain, moe, b, d_ids, d_w, d_x, d_out, stream);
+    CHECK(same_bits(plain_b, ref_b));
+  }
+  SlowedFill(const SlowedFill&) = delete;
+  SlowedFill& operator=(const SlowedFill&) = delete;
+  ~SlowedFill() { (void)cudaStreamDestroy(stream); }
+
+  std::vector<float> resident(const std::vector<std::int32_t>& ids) {
     d_ids_ref.upload(ids);
     REQUIRE_CUDA_OK(cudaDeviceSynchronize());
     REQUIRE(moe.run(res.weights, d_ids_ref.get(), d_w.get(), d_x.get(), d_ref.get(), 1, stream).ok());
     REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
     return d_ref.download();
-  };
-  // Step A fills slots 0-3 with experts 0-3; step B hits 0, 1, 2 and evicts 3: expert 9 lands in
-  // slot 3, whose old bytes (expert 3) are what a consumer that did not wait would read. Every
-  // fill block waits 500 us before copying fill 0 (expert 9), far longer than the consumer runs.
-  const std::vector<std::int32_t> a{0, 1, 2, 3}, b{0, 1, 2, 9};
-  constexpr std::uint32_t delay_ns = 500'000;
-  const std::vector<float> ref_a = resident(a), ref_b = resident(b);
-  auto plain = make_device_cache(rt, L, false, 0);
-  REQUIRE(!plain->readiness().enabled());
-  CHECK(std::memcmp(device_step(*plain, moe, a, d_ids, d_w, d_x, d_out, stream).data(), ref_a.data(), 256 * sizeof(float)) == 0);
-  const std::vector<float> plain_b = device_step(*plain, moe, b, d_ids, d_w, d_x, d_out, stream);
-  CHECK(std::memcmp(plain_b.data(), ref_b.data(), 256 * sizeof(float)) == 0);
+  }
 
+  // A fresh overlapped cache with the slowed fill: step A (every wait; checked against the
+  // all-resident run), then step B eagerly or as a captured graph with `waits`. Returns step B's
+  // output; the cache stays in `ov` for the caller's checks.
+  std::vector<float> step_b(std::unique_ptr<DevCache>& ov, bool graph, Waits waits) {
+    ov = make_device_cache(rt, L, true, delay_ns);
+    REQUIRE(ov->readiness().enabled());
+    CHECK(same_bits(device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream), ref_a));
+    return graph ? graph_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, waits)
+                 : device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, waits);
+  }
+
+  // After a run that skipped a wait: the fill did land, so the same forward again (all hits,
+  // every wait) is right, and no bounded wait timed out.
+  void check_recovered(DevCache& ov) {
+    CHECK(same_bits(device_step(ov, moe, b, d_ids, d_w, d_x, d_out, stream), ref_b));  // all hits now: correct
+    check_no_errors(ov);
+  }
+  static void check_no_errors(DevCache& ov) {
+    const std::uint32_t errors = ov.take_errors();
+    CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
+  }
+};
+
+// Expert `to` gets expert `from`'s down projection (W2 words, scales, global scale; and its
+// double dequantisation): a moe_w2 that reads slot bytes of `from` where `to` is being filled
+// still computes with the right W2, so only its activations can be stale.
+void alias_w2(Layer& L, std::int64_t from, std::int64_t to) {
+  const ExpertTensorBytes b = L.layout.tensors();
+  for (const std::size_t t : {std::size_t{1}, std::size_t{3}, std::size_t{5}}) {
+    const std::size_t n = b[t].bytes_per_expert;
+    unsigned char* base = const_cast<unsigned char*>(L.tensor(t, 0));  // L's own vectors
+    std::memcpy(base + n * static_cast<std::size_t>(to), base + n * static_cast<std::size_t>(from), n);
+  }
+  const auto n = static_cast<std::size_t>(L.layout.hidden * L.layout.intermediate);
+  std::copy_n(L.dq2.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(from)), n,
+              L.dq2.begin() + static_cast<std::ptrdiff_t>(n * static_cast<std::size_t>(to)));
+}
+
+}  // namespace
+
+TEST_CASE("moe consumer + overlapped device cache (edge D4): a slowed fill is waited for, bit-identical; in a captured graph skipping the wait reads stale bytes") {
+  const Layer L = make_layer(256, 128, 16, 71);
+  SlowedFill f(L);
   // Step B eagerly and as a captured graph (where the product runs it).
   for (const bool graph : {false, true}) {
     CAPTURE(graph);
     {  // Overlap with the wait: bit-identical, no timeout flagged.
-      auto ov = make_device_cache(rt, L, true, delay_ns);
-      REQUIRE(ov->readiness().enabled());
-      CHECK(std::memcmp(device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream).data(), ref_a.data(), 256 * sizeof(float)) == 0);
-      const std::vector<float> got = graph ? graph_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream)
-                                           : device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream);
-      const bool same = std::memcmp(got.data(), plain_b.data(), 256 * sizeof(float)) == 0;
-      CHECK_MESSAGE(same, "overlapped run differs from the non-overlapped one: the readiness wait did not order the read");
+      std::unique_ptr<DevCache> ov;
+      const std::vector<float> got = f.step_b(ov, graph, Waits::all);
+      CHECK_MESSAGE(same_bits(got, f.plain_b), "overlapped run differs from the non-overlapped one: the readiness wait did not order the read");
       std::int32_t slot9 = -1;
       REQUIRE_CUDA_OK(cudaMemcpy(&slot9, ov->resident_map_device() + 9, sizeof slot9, cudaMemcpyDeviceToHost));
       CHECK(slot9 == 3);
-      const std::uint32_t errors = ov->take_errors();
-      CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
+      SlowedFill::check_no_errors(*ov);
     }
     {  // Overlap WITHOUT the wait (test kernels).
-      auto ov = make_device_cache(rt, L, true, delay_ns);
-      (void)device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream);
-      const std::vector<float> got = graph ? graph_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, true)
-                                           : device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, true);
-      const bool stale = std::memcmp(got.data(), ref_b.data(), 256 * sizeof(float)) != 0;
+      std::unique_ptr<DevCache> ov;
+      const std::vector<float> got = f.step_b(ov, graph, Waits::skip_slot_wait);
+      const bool stale = !same_bits(got, f.ref_b);
       if (graph) {
         // The negative check: in the graph the consumer's first kernel hangs off the fill node by
         // a programmatic edge, starts while fill 0 is held back, and reads slot 3 (expert 3).
@@ -534,14 +599,50 @@ TEST_CASE("moe consumer + overlapped device cache (edge D4): a slowed fill is wa
         // not guaranteed to stay that strict, so this is reported, not asserted.
         MESSAGE("eager prepare + consumer without the wait: " << (stale ? "read stale bytes (overlapped)" : "correct (serialised at the ready-event record)"));
       }
-      // The fill did land: the same forward again is all hits and right.
-      const std::vector<float> again = device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream);
-      CHECK(std::memcmp(again.data(), ref_b.data(), 256 * sizeof(float)) == 0);  // all hits now: correct
-      const std::uint32_t errors = ov->take_errors();
-      CHECK_MESSAGE(errors == 0u, "device error word " << errors);
+      f.check_recovered(*ov);
     }
   }
-  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("moe consumer + overlapped device cache (edge D4b): moe_w2 waits per pair for moe_w13's activations; in a captured graph skipping that wait reads stale activations") {
+  // Expert 9's W2 is expert 3's, so the stale slot-3 bytes moe_w2 may load are the right W2: only
+  // the activations of pair 3 (written by moe_w13 after the slowed fill of expert 9) can be stale.
+  Layer L = make_layer(256, 128, 16, 71);
+  alias_w2(L, 3, 9);
+  SlowedFill f(L);
+  REQUIRE_MESSAGE(!same_bits(f.ref_a, f.ref_b), "expert 9's activations must differ from expert 3's for this test to show anything");
+  for (const bool graph : {false, true}) {
+    CAPTURE(graph);
+    {  // Every wait, moe_w2 per pair: bit-identical to the non-overlapped run.
+      std::unique_ptr<DevCache> ov;
+      const std::vector<float> got = f.step_b(ov, graph, Waits::all);
+      const bool same = same_bits(got, f.plain_b);
+      MESSAGE("D4b " << (graph ? "graph" : "eager") << ", moe_w2 waits per pair: " << (same ? "bit-identical to the non-overlapped run" : "DIFFERS from the non-overlapped run"));
+      CHECK_MESSAGE(same, "overlapped run with the per-pair wait differs from the non-overlapped one: moe_w2 read activations before moe_w13 published them");
+      SlowedFill::check_no_errors(*ov);
+    }
+    if (!graph) continue;  // eagerly the consumer follows the fill grid (see the edge D4 case): nothing to show
+    {  // moe_w2 without any wait before it reads the activations (moe_w13 still waits for slot 3).
+      std::unique_ptr<DevCache> ov;
+      const std::vector<float> got = f.step_b(ov, graph, Waits::skip_act_wait);
+      const bool stale = !same_bits(got, f.ref_b);
+      // Stale means: pair 3's activations of step A (expert 3; pairs 0-2 are the same in A and B)
+      // with expert 9's W2, which is expert 3's, i.e. exactly step A's output.
+      const bool step_a = same_bits(got, f.ref_a);
+      if (!stale) {
+        MESSAGE("D4b INCONCLUSIVE: in a captured graph, moe_w2 without the per-pair wait still read expert 9's "
+                "activations: it did not overlap the slowed fill (programmatic dependent launch inactive? sm_90 and a "
+                "driver with programmatic edges in stream capture are needed), so this run cannot show that the wait "
+                "orders the read");
+      } else {
+        MESSAGE("D4b graph, moe_w2 without the per-pair wait: read stale activations (output "
+                << (step_a ? "equals step A's: pair 3's activations of the previous run" : "differs from both steps") << ")");
+      }
+      CHECK_MESSAGE(stale, "D4b INCONCLUSIVE (see above)");
+      CHECK_MESSAGE(step_a, "moe_w2 without the wait should read exactly the previous run's activations of pair 3");
+      f.check_recovered(*ov);
+    }
+  }
 }
 
 TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions and a captured graph replayed with new ids equal the all-resident run") {

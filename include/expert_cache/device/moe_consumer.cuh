@@ -41,10 +41,25 @@
 // runs, which the non-coherent path does not allow). So the blocks of resident experts compute
 // while the fill still copies the missing ones, and each missing expert is taken as soon as it
 // landed. moe_w13 still waits for the fill grid before it COMPLETES (griddepcontrol.wait at
-// its end): moe_w2's wait, and every later kernel on the stream, then come after the fill.
-// Its other inputs (ids, x) must have been written before the cache's prepare (true in a decode
-// loop: the router and the layer's input precede it). moe_w2 waits per slot the same way
-// before its early weight loads. Without readiness (default): the kernels are today's.
+// its end). moe_w2 waits per slot the same way before its early weight loads, and then, instead
+// of waiting for all of moe_w13, per pair (edge D4b): the moe_w13 block that stores tile j of
+// pair p's act adds one to the pair's count (release, publish_tile), and moe_w2 blocks of pair p
+// acquire-wait for the full count (await_pair, bounded like the slot waits) before they read
+// act. So moe_w2 of the resident experts runs while the fill still copies the missing ones. The
+// last moe_w2 block of a token takes the counts back to 0 (retire_token), so a replayed graph
+// and many layers sharing one consumer need no reset. moe_w2 too waits for its previous grid
+// (moe_w13, which waited for the fill) at its END: every later kernel on the stream, and the
+// core's records there, still come after the fill. Inputs: ids, x and topk_weights must have
+// been written before the cache's prepare, and run() directly follows that prepare (true in a
+// decode loop: the router and the layer's input precede it).
+// Deadlock freedom: only the consumer's blocks spin. moe_w13 blocks wait only for fill blocks,
+// which are all running before moe_w13 is scheduled (the fill triggers programmatic launch in
+// every block, after its griddepcontrol.wait) and never wait themselves. moe_w2 is launched
+// with programmatic serialization too and moe_w13 triggers at its start, so moe_w2 is scheduled
+// only once every moe_w13 block is running or done: a spinning moe_w2 block can never keep a
+// moe_w13 block it waits for from being scheduled. Without the launch attribute stream order
+// applies and every wait is already satisfied.
+// Without readiness (default): the kernels are today's and the pair counts are not touched.
 // Blocks are launched in pair order, not resident-first: at decode sizes every block of
 // moe_w13 is resident at once, so the spinning ones do not hold back the resident ones.
 //
@@ -126,11 +141,20 @@ EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
 
 namespace moe_detail {
 
-// Which kernel instantiation: today's (no readiness), waiting on ready words, or (tests only)
-// the readiness kernels' loads without the wait, to show that the wait is what orders them.
+// Which kernel instantiation: today's (no readiness), waiting on ready words and pair progress,
+// or (tests only) one wait left out, to show that the wait is what orders the reads:
+// ready_test_skip_wait drops the slot waits of both kernels (moe_w2 still waits for all of
+// moe_w13 before it reads act); ready_test_skip_act_wait keeps moe_w13's slot waits but runs
+// moe_w2 with no wait at all before its reads (neither slot words, nor pair progress, nor
+// griddepcontrol.wait).
 inline constexpr int ready_none = 0;
 inline constexpr int ready_wait = 1;
 inline constexpr int ready_test_skip_wait = 2;
+inline constexpr int ready_test_skip_act_wait = 3;
+EXPERT_CACHE_HOST_DEVICE constexpr bool w13_waits_for_slot(int mode) noexcept {
+  return mode == ready_wait || mode == ready_test_skip_act_wait;
+}
+EXPERT_CACHE_HOST_DEVICE constexpr bool w2_waits_for_slot(int mode) noexcept { return mode == ready_wait; }
 
 inline constexpr int warps = 8;
 inline constexpr int threads = 32 * warps;
@@ -231,9 +255,9 @@ __device__ __forceinline__ uint2 load_slot8(const unsigned char* p) {
 }
 // Before a block reads `slot`: one thread waits for its ready word, the barrier orders the
 // block's loads after that acquire. Uniform per block (the slot depends on blockIdx.z only).
-template <int Mode>
+template <bool Wait>
 __device__ __forceinline__ void await_slot(const SlotReadiness& ready, std::int32_t slot) {
-  if constexpr (Mode == ready_wait) {
+  if constexpr (Wait) {
     if (threadIdx.x == 0) (void)wait_slot_ready(ready, slot);
     __syncthreads();
   }
@@ -333,6 +357,71 @@ __device__ __forceinline__ std::int32_t slot_of(const MoeWeights& w, const std::
   return w.expert_map[e];
 }
 
+// Per-pair progress of moe_w13 for the readiness kernels' moe_w2 (edge D4b of docs/design.md):
+// moe_w2 blocks of pair p read act as soon as all of pair p's tiles are stored, not after all of
+// moe_w13 (which completes only after the fill grid). Unused by ready_none.
+struct PairProgress {
+  unsigned* tiles_done = nullptr;  // [pairs]: moe_w13 tiles of the pair whose act is stored
+  unsigned* token_done = nullptr;  // [tokens]: moe_w2 (token, tile) reductions finished
+  unsigned w13_tiles = 0;          // Np / 64: tiles_done of a pair once its act is complete
+};
+
+// moe_w13, in the block that stored tile j of pair p's act (every thread of it): "pair p: one
+// more tile done". Publication (PTX memory model): threads 0-63 stored the tile's act above;
+// bar.sync orders those stores before thread 0's next operations (CTA-scope synchronisation,
+// part of causality order); thread 0's fence + release RMW at device scope then releases them
+// cumulatively. The tiles' RMWs on the word chain in observation order, so the acquire load in
+// await_pair that reads the final count (w13_tiles) synchronises with every tile's release; its
+// block barrier then orders all of that block's act loads after it. (The pattern of
+// plan_fill_ready_kernel's ready words.)
+__device__ __forceinline__ void publish_tile(unsigned* tiles_done) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    cuda::atomic_ref<unsigned, cuda::thread_scope_device>(*tiles_done).fetch_add(1u, cuda::memory_order_release);
+  }
+}
+
+// moe_w2, before a block reads pair p's act (slot >= 0 only: absent pairs publish nothing and
+// read nothing): one thread acquire-waits until the pair's count is w13_tiles, then the block
+// barrier. Bounded like the slot waits (the readiness' timeout, plan_error_wait_timeout in its
+// error word). Exactly w13_tiles: a count that overshoots is a bug and times out, flagged.
+__device__ __forceinline__ void await_pair(const SlotReadiness& ready, const PairProgress& progress, int p) {
+  if (threadIdx.x == 0) {
+    cuda::atomic_ref<unsigned, cuda::thread_scope_device> done(progress.tiles_done[p]);
+    const unsigned want = progress.w13_tiles;
+    (void)bounded_spin([&] { return done.load(cuda::memory_order_acquire) == want; }, ready.timeout_ns, ready.error_word);
+  }
+  __syncthreads();
+}
+
+// moe_w2, thread 0 of the last block of (token m, tile nt): counts the token's tiles; the last
+// one takes w13_tiles back off each of the token's present pairs, so every count is 0 again for
+// the next run (no memset, in a replayed graph too, for any number of layers sharing the
+// consumer). Why no wait can see it: each moe_w2 block of token m passed its await_pair (program
+// order, then its barrier) before it arrived at its (m, nt) counter, and the arrivals (fence +
+// RMW) and this acq_rel RMW chain, so every wait of token m happened before the reset and has
+// already read the full count (coherence). No later moe_w13 can add to the counts before it:
+// the next run's moe_w13 starts only after the next plan kernel, launched in plain stream
+// order, i.e. after this grid completed. An atomic subtraction, not a store of 0: if a wait
+// timed out or was skipped (ready_test_skip_act_wait), tiles of this run may still arrive after
+// the reset; moe_w13 completes before this grid does (griddepcontrol.wait at its end), so the
+// count is exactly 0 again before any next run.
+__device__ __forceinline__ void retire_token(const MoeWeights& w, const std::int32_t* ids, const PairProgress& progress,
+                                             int m, int top_k, unsigned tiles) {
+  if (threadIdx.x != 0) return;
+  cuda::atomic_ref<unsigned, cuda::thread_scope_device> done(progress.token_done[m]);
+  if (done.fetch_add(1u, cuda::memory_order_acq_rel) != tiles - 1u) return;
+  done.store(0u, cuda::memory_order_relaxed);  // every tile of the token counted: ready for the next run
+  for (int j = 0; j < top_k; ++j) {
+    const int p = m * top_k + j;
+    // The same slot look-up as moe_w13's (ids and the map do not change during the run): a pair
+    // moe_w13 skipped has a count of 0 and is left alone.
+    if (slot_of(w, ids, p) >= 0)
+      cuda::atomic_ref<unsigned, cuda::thread_scope_device>(progress.tiles_done[p]).fetch_sub(progress.w13_tiles, cuda::memory_order_relaxed);
+  }
+}
+
 template <int Mode = ready_none>
 __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std::int32_t slot) {
   float g;
@@ -355,7 +444,8 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
 template <int Mode>
 __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int32_t* ids, const float* x, int hidden,
                                              int top_k, int rows, int padded, float gscale, float* partial,
-                                             unsigned* counters, unsigned short* act, const SlotReadiness& ready) {
+                                             unsigned* counters, unsigned short* act, const SlotReadiness& ready,
+                                             const PairProgress& progress) {
   if constexpr (Mode == ready_none) {
     griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
   }
@@ -379,7 +469,7 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   }
   const std::int32_t slot = slot_of(w, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
-  await_slot<Mode>(ready, slot);
+  await_slot<w13_waits_for_slot(Mode)>(ready, slot);
 
   const long long size_n = 2LL * padded;
   const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
@@ -447,13 +537,15 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
 #pragma unroll
     for (int r = 0; r < terms; ++r) dst[16 * r] = b[r];
   }
+  if constexpr (Mode != ready_none) publish_tile(progress.tiles_done + p);  // edge D4b: moe_w2 of pair p may read it
 }
 
 template <int Mode = ready_none>
 EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
     moe_w13(MoeWeights w, const std::int32_t* ids, const float* x, int hidden, int top_k, int rows, int padded,
-            float gscale, float* partial, unsigned* counters, unsigned short* act, SlotReadiness ready) {
-  moe_w13_body<Mode>(w, ids, x, hidden, top_k, rows, padded, gscale, partial, counters, act, ready);
+            float gscale, float* partial, unsigned* counters, unsigned short* act, SlotReadiness ready,
+            PairProgress progress) {
+  moe_w13_body<Mode>(w, ids, x, hidden, top_k, rows, padded, gscale, partial, counters, act, ready, progress);
   // With readiness: complete only after the previous kernel (the overlapped fill), so that
   // moe_w2's wait and every later kernel on the stream come after the fill grid (edge D4).
   if constexpr (Mode != ready_none) griddep_wait();
@@ -462,11 +554,11 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
 // C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
 // (0 for absent pairs), then, in the last block of (token, nt), out = the sum over the token's
 // pairs and splits in order. Grid (K / 64, splits, pairs). A template for the same reason.
-template <int Mode = ready_none>
-EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
-                                                  int hidden, int top_k, int rows, float gscale,
-                                                  const unsigned short* act, float* partial, unsigned* counters,
-                                                  float* out, SlotReadiness ready) {
+template <int Mode>
+__device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights,
+                                            int hidden, int top_k, int rows, float gscale, const unsigned short* act,
+                                            float* partial, unsigned* counters, float* out, const SlotReadiness& ready,
+                                            const PairProgress& progress) {
   const int nt = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
   const int p = static_cast<int>(blockIdx.z);
@@ -480,7 +572,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
   uint4 q[rows_per_warp];
   uint2 s[rows_per_warp];
   float g2 = 0.0f;
-  if (slot >= 0) await_slot<Mode>(ready, slot);
+  if (slot >= 0) await_slot<w2_waits_for_slot(Mode)>(ready, slot);
   if (slot >= 0) {
     const unsigned char* wp = w.base[1] + static_cast<unsigned long long>(slot) * w.stride[1] + nt * 512LL + lane * 16;
     const unsigned char* sp = w.base[3] + static_cast<unsigned long long>(slot) * w.stride[3] + nt * 64LL + 8 * g;
@@ -497,9 +589,19 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
     g2 = global_of<Mode>(w, 5, slot) * gscale;
   }
   griddep_launch_dependents();
-  // After the wait: act (moe_w13), topk_weights (the previous kernel) and the partials and
-  // counters (still used by the previous run's moe_w2 until moe_w13 waited for it).
-  griddep_wait();
+  if constexpr (Mode == ready_none || Mode == ready_test_skip_wait) {
+    // After the wait: act (moe_w13), topk_weights (the previous kernel) and the partials and
+    // counters (still used by the previous run's moe_w2 until moe_w13 waited for it).
+    griddep_wait();
+  } else if constexpr (Mode == ready_wait) {
+    // Readiness (edge D4b): only this pair's act is waited for (publish_tile / await_pair), not
+    // all of moe_w13, which completes only after the fill. The other inputs need no wait here:
+    // topk_weights, like moe_w13's ids and x, were written before the cache's prepare, and the
+    // previous run's moe_w2 (the partials', counters' and act's last user) completed before this
+    // run's plan kernel started (plain stream order), hence before moe_w13 and this grid.
+    if (slot >= 0) await_pair(ready, progress, p);
+  }
+  // ready_test_skip_act_wait: no wait at all; act may still be the previous run's.
 
   __shared__ float red[warps][64];
   float* part = partial + (static_cast<long long>(p) * splits + split) * hidden + 64LL * nt;
@@ -533,6 +635,18 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
     for (unsigned i = 0; i < arrivals; ++i) sum += __ldcg(src + static_cast<long long>(i) * hidden);
     out[static_cast<long long>(m) * hidden + 64LL * nt + tid] = sum;
   }
+  if constexpr (Mode != ready_none) retire_token(w, ids, progress, m, top_k, static_cast<unsigned>(tiles));
+}
+
+template <int Mode = ready_none>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const std::int32_t* ids, const float* topk_weights,
+                                                  int hidden, int top_k, int rows, float gscale,
+                                                  const unsigned short* act, float* partial, unsigned* counters,
+                                                  float* out, SlotReadiness ready, PairProgress progress) {
+  moe_w2_body<Mode>(w, ids, topk_weights, hidden, top_k, rows, gscale, act, partial, counters, out, ready, progress);
+  // Readiness: complete only after moe_w13 (hence after the fill), as before the per-pair wait,
+  // so that every later kernel on the stream still comes after both.
+  if constexpr (Mode == ready_wait || Mode == ready_test_skip_act_wait) griddep_wait();
 }
 
 }  // namespace moe_detail
@@ -553,14 +667,17 @@ class MoeConsumer {
     splits1_ = (rows1_ + moe_detail::w13_rows - 1) / moe_detail::w13_rows;
     splits2_ = (rows2_ + moe_detail::w2_rows - 1) / moe_detail::w2_rows;
     counters1_ = pairs * (padded / 64);
-    const long long counters2 = static_cast<long long>(max_tokens) * (layout.hidden / 64);
+    counters2_ = static_cast<long long>(max_tokens) * (layout.hidden / 64);
+    // After the two kernels' counters: the readiness kernels' pair progress (one word per pair,
+    // then one per token; moe_detail::PairProgress).
+    const long long words = counters1_ + counters2_ + pairs + max_tokens;
     alloc(part1_, static_cast<std::size_t>(pairs * splits1_ * 2 * padded) * sizeof(float));
     alloc(act_, static_cast<std::size_t>(pairs * rows2_ * moe_detail::terms * 16) * sizeof(unsigned short));
     alloc(part2_, static_cast<std::size_t>(pairs * splits2_ * layout.hidden) * sizeof(float));
-    alloc(counters_, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned));
+    alloc(counters_, static_cast<std::size_t>(words) * sizeof(unsigned));
     // The kernels keep the counters at zero between runs; they start at zero once. Waited for
     // here, so that runs on any stream (non-blocking ones too) see it.
-    check(cudaMemsetAsync(counters_, 0, static_cast<std::size_t>(counters1_ + counters2) * sizeof(unsigned), cudaStreamLegacy),
+    check(cudaMemsetAsync(counters_, 0, static_cast<std::size_t>(words) * sizeof(unsigned), cudaStreamLegacy),
           "cudaMemsetAsync");
     check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");
     unbias_ = marlin::exp2i(-marlin::dtype_bias(layout.dtype));
@@ -576,13 +693,17 @@ class MoeConsumer {
   }
 
   // `ready`: DeviceExpertCache::readiness() of an overlapping cache (the kernels then wait per
-  // slot, see the top of this file); empty: today's stream-ordered kernels. test_skip_wait
-  // (tests only): the readiness kernels without the wait.
+  // slot and moe_w2 per pair, see the top of this file; run() must then directly follow that
+  // cache's prepare on `stream`); empty: today's stream-ordered kernels. Tests only:
+  // test_skip_wait runs the readiness kernels without the slot waits, test_skip_act_wait runs
+  // moe_w2 without any wait before it reads act (moe_w13 still waits for its slots).
   [[nodiscard]] Status run(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
                            float* out, int tokens, cudaStream_t stream, const SlotReadiness& ready = {},
-                           bool test_skip_wait = false) const noexcept {
+                           bool test_skip_wait = false, bool test_skip_act_wait = false) const noexcept {
     if (!ready.enabled()) return run_mode<moe_detail::ready_none>(w, ids, topk_weights, x, out, tokens, stream, ready);
     if (test_skip_wait) return run_mode<moe_detail::ready_test_skip_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
+    if (test_skip_act_wait)
+      return run_mode<moe_detail::ready_test_skip_act_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
     return run_mode<moe_detail::ready_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
   }
 
@@ -601,12 +722,19 @@ class MoeConsumer {
     const int padded = static_cast<int>(layout_.padded_intermediate());
     const int hidden = static_cast<int>(layout_.hidden);
     const float gscale = unbias_ * moe_detail::out_scale;
+    moe_detail::PairProgress progress;
+    progress.tiles_done = counters_ + counters1_ + counters2_;
+    progress.token_done = progress.tiles_done + static_cast<long long>(max_tokens_) * top_k_;
+    progress.w13_tiles = static_cast<unsigned>(padded / 64);
+    // Both with the PDL attribute where supported (launch): with readiness, moe_w2 is then
+    // scheduled only once every moe_w13 block triggered, i.e. is running or done, which is what
+    // makes its per-pair wait deadlock-free (top of this file).
     cudaError_t err = launch(moe_detail::moe_w13<Mode>, dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs),
-                             stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_, ready);
+                             stream, w, ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_, ready, progress);
     if (err == cudaSuccess) {
       err = launch(moe_detail::moe_w2<Mode>, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs), stream, w,
                    ids, topk_weights, hidden, top_k_, rows2_, gscale, static_cast<const unsigned short*>(act_), part2_,
-                   counters_ + counters1_, out, ready);
+                   counters_ + counters1_, out, ready, progress);
     }
     if (err == cudaSuccess) err = cudaGetLastError();
     return cuda_status(err, "MoeConsumer::run: launch");
@@ -666,6 +794,7 @@ class MoeConsumer {
   int splits1_ = 1;
   int splits2_ = 1;
   long long counters1_ = 0;
+  long long counters2_ = 0;
   float unbias_ = 1.0f;
   bool use_pdl_ = false;
   float* part1_ = nullptr;
