@@ -89,6 +89,7 @@ struct Fixture {
   SimRuntime host_rt;  // the reference runs on its own runtime, drained at once
   std::vector<Stream> streams;
   std::vector<RuntimeBuffer<SimRuntime>> id_buffers;  // one per stream: the router's output
+  std::vector<RuntimeBuffer<SimRuntime>> prefetch_buffers;  // one per stream: a predictor's output
   std::unique_ptr<Dev> dev;
   std::unique_ptr<Host> host;
   Stream host_stream;
@@ -106,6 +107,7 @@ struct Fixture {
     for (int i = 0; i < 3; ++i) {
       streams.push_back(rt.create_stream().value());
       id_buffers.emplace_back(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
+      prefetch_buffers.emplace_back(rt, static_cast<std::size_t>(e) * sizeof(std::int32_t), MemoryKind::device);
     }
     DeviceCacheOptions o;
     o.num_experts = e;
@@ -213,6 +215,26 @@ struct Fixture {
     }
     host_rt.drain();
     return c;
+  }
+
+  // A predictor kernel on stream s writes `predicted` (valid ids) into device memory, then the
+  // device cache prefetches them there; the host reference prefetches the same ids.
+  void prefetch(std::size_t s, const Ids& predicted, std::int32_t max_fills, std::uint32_t expires_after) {
+    std::int32_t* dst = prefetch_ids_of(s);
+    const Access w{dst, predicted.size() * sizeof(std::int32_t), AccessMode::write};
+    rt.set_next_label("predictor");
+    REQUIRE(rt.launch(streams[s], std::span<const Access>(&w, predicted.empty() ? 0 : 1),
+                      [dst, predicted] { std::copy(predicted.begin(), predicted.end(), dst); })
+                .ok());
+    const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
+    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after};  // a budget between whole experts
+    auto r = dev->prefetch(dst, static_cast<std::int32_t>(predicted.size()), streams[s], o);
+    REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+    REQUIRE(host->prefetch(predicted, host_stream, o).ok());
+    host_rt.drain();
+  }
+  std::int32_t* prefetch_ids_of(std::size_t s) const {
+    return reinterpret_cast<std::int32_t*>(prefetch_buffers[s].data());
   }
 
   void invalidate(std::size_t s, std::int32_t e) {
@@ -331,14 +353,18 @@ namespace {
 // streams, overflow rounds, the simulated GPU advanced by random amounts in between; then the
 // final state against the host reference.
 template <class Edges>
-std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false) {
+std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false, bool prefetches = false) {
   Fixture<Edges> f(12, 4, seed, overlap);
   std::mt19937_64 rng(seed);
   const int actions = 6 + static_cast<int>(rng() % 8);
   bool last_full = true;
   for (int a = 0; a < actions; ++a) {
     const std::size_t s = rng() % 3;
-    if (rng() % 5 == 0) {
+    if (prefetches && rng() % 3 == 0) {
+      Ids predicted;
+      for (auto n = rng() % 5; n > 0; --n) predicted.push_back(static_cast<std::int32_t>(rng() % 12));
+      f.prefetch(s, predicted, static_cast<std::int32_t>(rng() % 4), 1 + static_cast<std::uint32_t>(rng() % 2));
+    } else if (rng() % 5 == 0) {
       f.invalidate(s, static_cast<std::int32_t>(rng() % 12));
     } else {
       const std::int32_t n = 1 + static_cast<std::int32_t>(rng() % 12);
@@ -711,4 +737,145 @@ TEST_CASE("overlap (edge D4): the plan tags the slots, the fill's ready word rea
   // Without overlap the view is empty (today's path).
   Fixture<> plain(12, 4);
   CHECK(!plain.dev->readiness().enabled());
+}
+
+// ---- speculative fills planned on the device (issue 16) --------------------------------------
+
+TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's prefetch") {
+  std::uint64_t issued = 0, used = 0, wasted = 0;
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    Fixture<> f(20, 6, seed);
+    std::mt19937_64 rng(seed * 104729);
+    for (int step = 0; step < 60; ++step) {
+      const std::size_t s = rng() % 4 == 0 ? rng() % 3 : 0;
+      const Ids ids = random_ids(rng, 1 + static_cast<std::int32_t>(rng() % 6), 20, false);
+      (void)f.step(s, ids);
+      // The next forward's likely experts from another stream (a side stream of the engine).
+      Ids predicted;
+      for (auto n = rng() % 6; n > 0; --n) predicted.push_back(static_cast<std::int32_t>(rng() % 20));
+      f.prefetch(rng() % 3, predicted, static_cast<std::int32_t>(rng() % 4), 1 + static_cast<std::uint32_t>(rng() % 2));
+      f.settle();
+      f.check_equal(true);
+      if (rng() % 10 == 0) {
+        f.invalidate(rng() % 3, static_cast<std::int32_t>(rng() % 20));
+        f.settle();
+      }
+    }
+    f.check_clean();
+    const CacheStats cs = f.dev->stats(), hs = f.host->stats();
+    CHECK(cs.hits == hs.hits);
+    CHECK(cs.misses == hs.misses);
+    CHECK(cs.evictions == hs.evictions);
+    CHECK(cs.resident == hs.resident);
+    CHECK(cs.speculative_issued == hs.speculative_issued);
+    CHECK(cs.speculative_used == hs.speculative_used);
+    CHECK(cs.speculative_wasted == hs.speculative_wasted);
+    CHECK(cs.speculative_bytes == hs.speculative_bytes);
+    issued += cs.speculative_issued;
+    used += cs.speculative_used;
+    wasted += cs.speculative_wasted;
+  }
+  MESSAGE("speculative fills issued " << issued << ", used " << used << ", wasted " << wasted);
+  CHECK(issued > 200);
+  CHECK(used > 50);
+  CHECK(wasted > 50);
+}
+
+TEST_CASE("device prefetch ordering: no race over many seeded random schedules (also with overlap)") {
+  std::uint64_t races = 0;
+  for (std::uint64_t seed = 1; seed <= 1500; ++seed) races += run_schedule<OrderingEdges>(seed, true, seed % 2 == 0, true);
+  CHECK(races == 0);
+  // The same schedules need edge 2 for the prefetches: without it they race.
+  std::uint64_t racy = 0;
+  for (std::uint64_t seed = 1; seed <= 200; ++seed) racy += run_schedule<NoLastFillRelease>(seed, false, false, true) > 0 ? 1 : 0;
+  MESSAGE("schedules with prefetches that race without edge 2: " << racy << " of 200");
+  CHECK(racy > 10);
+}
+
+TEST_CASE("negative (edge 2, prefetch): without the last-writer release, a forward races the side stream's prefetch") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2});
+    (void)f.step(0, {0});            // 1 and 2 no longer protected
+    f.prefetch(1, {5, 6}, 2, 1);     // side stream: plan + fill of 5 (free slot) and 6 (evicts 1)
+    (void)f.step(0, {5, 6, 0});      // uses them: ordered after stream 1 by edge 2 only
+    f.settle();
+  };
+  Fixture<NoLastFillRelease> f(12, 4);
+  run(f);
+  REQUIRE(f.rt.race_count() > 0);
+  MESSAGE(f.rt.races()[0].description);
+  Fixture<> g(12, 4);
+  run(g);
+  g.check_clean();
+  g.check_equal(true);
+  CHECK(g.dev->stats().speculative_used == 2);
+}
+
+TEST_CASE("negative (edge 1, prefetch): without the owner release, a side-stream prefetch races the owner's consumer") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2, 3});   // all four slots, read by stream 0's consumer
+    (void)f.step(0, {0, 1});         // 2 and 3 no longer protected
+    f.prefetch(1, {7, 8}, 2, 1);     // evicts 2 and 3 while stream 0's consumers may still read every slot
+    f.settle();
+  };
+  Fixture<NoReleaseWait> f(12, 4);
+  run(f);
+  REQUIRE(f.rt.race_count() > 0);
+  MESSAGE(f.rt.races()[0].description);
+  Fixture<> g(12, 4);
+  run(g);
+  g.check_clean();
+  g.check_equal(true);
+  CHECK(g.dev->stats().speculative_issued == 2);
+}
+
+TEST_CASE("device prefetch: rejected calls leave the cache unchanged and enqueue nothing; host ids as device ids") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {0, 1, 2});
+  f.settle();
+  const CacheStats before = f.dev->stats();
+  const SimCounters calls = f.rt.counters();
+  const DevicePlanStats dev_before = f.dev->device_stats();
+  const Ids resident(f.dev->resident_map_device(), f.dev->resident_map_device() + 12);
+  std::int32_t* ids = f.prefetch_ids_of(0);
+  const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
+  auto code = [](const Result<PrefetchView>& r) { return r.ok() ? ErrorCode::ok : r.status().code(); };
+  CHECK(code(f.dev->prefetch(ids, -1, f.streams[0], {bytes, 1})) == ErrorCode::invalid_argument);
+  CHECK(code(f.dev->prefetch(ids, 13, f.streams[0], {bytes, 1})) == ErrorCode::too_many_experts);
+  CHECK(code(f.dev->prefetch(nullptr, 2, f.streams[0], {bytes, 1})) == ErrorCode::invalid_argument);
+  CHECK(code(f.dev->prefetch(ids, 2, f.streams[0], {-1, 1})) == ErrorCode::invalid_argument);
+  CHECK(code(f.dev->prefetch(ids, 2, f.streams[0], {bytes, 0})) == ErrorCode::invalid_argument);
+  CHECK(!f.dev->prefetch(ids, 2, Stream{999}, {bytes, 1}).ok());
+  const Ids bad_host = {3, 12};
+  auto r = f.dev->prefetch(std::span<const std::int32_t>(bad_host), f.streams[0], {bytes, 1});
+  CHECK(code(r) == ErrorCode::expert_out_of_range);
+  CHECK(std::string(r.status().message()).find("12") != std::string::npos);
+  const Ids pad_host = {-1};
+  CHECK(code(f.dev->prefetch(std::span<const std::int32_t>(pad_host), f.streams[0], {bytes, 1})) ==
+        ErrorCode::expert_out_of_range);
+  const Ids too_many(13, 0);
+  CHECK(code(f.dev->prefetch(std::span<const std::int32_t>(too_many), f.streams[0], {bytes, 1})) ==
+        ErrorCode::too_many_experts);
+  // A zero budget or an empty list is accepted and enqueues nothing.
+  CHECK(f.dev->prefetch(ids, 2, f.streams[0], {bytes - 1, 1}).ok());
+  CHECK(f.dev->prefetch(ids, 0, f.streams[0], {bytes, 1}).ok());
+  CHECK(f.rt.counters() == calls);
+  CHECK(f.dev->device_stats() == dev_before);
+  CHECK(Ids(f.dev->resident_map_device(), f.dev->resident_map_device() + 12) == resident);
+  const CacheStats after = f.dev->stats();
+  CHECK(after.generation == before.generation);
+  CHECK(after.speculative_issued == 0);
+  CHECK(after.resident == before.resident);
+  // Host ids: uploaded and planned like device ids (padding and bad ids are device-only inputs).
+  const Ids predicted = {4, 0, 5};
+  REQUIRE(f.dev->prefetch(std::span<const std::int32_t>(predicted), f.streams[1], {2 * bytes, 1}).ok());
+  f.settle();
+  // 4 takes the free slot, 0 is resident, 5 finds no victim (1 and 2 are the last forward's).
+  CHECK(f.dev->stats().speculative_issued == 1);
+  CHECK(f.dev->resident_map_device()[4] >= 0);
+  CHECK(f.dev->resident_map_device()[5] == -1);
+  CHECK(f.dev->plan_state().scalars->prefetch_skipped_resident == 1);
+  CHECK(f.dev->plan_state().scalars->prefetch_skipped_no_victim == 1);
+  CHECK(f.dev->device_stats().bad_ids == 0);
+  f.check_clean();
 }

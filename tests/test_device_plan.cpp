@@ -57,7 +57,7 @@ struct Pair {
   HostPlanStorage dev;
   SequentialBlock block;
   ForwardPlan plan;
-  std::int64_t bad = 0, overflows = 0, overflow_groups = 0, forwards = 0;
+  std::int64_t bad = 0, overflows = 0, overflow_groups = 0, forwards = 0, prefetches = 0;
   bool forward_cleared = false;  // an empty device group ran after the host's last group
 
   Pair(std::int32_t E, std::int32_t C, std::int32_t top_k) : host(CacheShape{E, C}, top_k), dev(E, C) {}
@@ -128,8 +128,43 @@ struct Pair {
     check_stats();
   }
 
+  // plan_prefetch of valid ids (the host refuses others) through both planners.
+  void prefetch(const Ids& ids, std::int32_t max_fills, std::uint32_t expires_after) {
+    const DevicePlanState& s = dev.state();
+    PrefetchPlan hp;
+    REQUIRE(host.plan_prefetch(ids, max_fills, expires_after, hp));
+    plan_prefetch(block, s, ids.data(), static_cast<std::int32_t>(ids.size()), max_fills, expires_after);
+    ++prefetches;
+    const DevicePlanScalars& k = *s.scalars;
+    REQUIRE(k.fill_count == static_cast<std::int32_t>(hp.fills.size()));
+    REQUIRE(k.eviction_count == static_cast<std::int32_t>(hp.evictions.size()));
+    CHECK(to_vector(s.fills, k.fill_count) == entries(hp.fills));
+    CHECK(to_vector(s.evictions, k.eviction_count) == entries(hp.evictions));
+    CHECK(k.prefetch_skipped_resident == static_cast<std::int32_t>(hp.skipped_resident));
+    CHECK(k.prefetch_skipped_no_victim == static_cast<std::int32_t>(hp.skipped_no_victim));
+    CHECK(k.spec_live == host.speculative_count());
+    for (std::int32_t slot = 0; slot < s.capacity; ++slot) {
+      const std::int32_t owner = s.slot_owner[slot];
+      CHECK((s.slot_spec_left[slot] != 0) == (owner >= 0 && host.is_speculative(owner)));
+    }
+    CHECK(to_vector(s.resident_map, s.num_experts) == Ids(host.resident_map().begin(), host.resident_map().end()));
+    // The forward map is the current forward's readers': untouched.
+    CHECK(to_vector(s.forward_map, s.num_experts) ==
+          (forward_cleared ? Ids(static_cast<std::size_t>(s.num_experts), -1)
+                           : Ids(host.forward_map().begin(), host.forward_map().end())));
+    CHECK(to_vector(s.slot_owner, s.capacity) == Ids(host.slot_owner().begin(), host.slot_owner().end()));
+    CHECK(to_vector(s.free_stack, k.free_count) == host.snapshot().free_slots);
+    CHECK(to_vector(s.marks, s.num_experts) == std::vector<std::uint32_t>(static_cast<std::size_t>(s.num_experts), 0u));
+    check_stats();
+  }
+
   void check_stats() const {
     const DevicePlanStats& st = *dev.state().stats;
+    CHECK(st.prefetches == static_cast<std::uint64_t>(prefetches));
+    CHECK(st.speculative_issued == host.counters().speculative_issued);
+    CHECK(st.speculative_used == host.counters().speculative_used);
+    CHECK(st.speculative_wasted == host.counters().speculative_wasted);
+    CHECK(dev.state().scalars->spec_live == host.speculative_count());
     CHECK(st.hits == host.counters().hits);
     CHECK(st.misses == host.counters().misses);
     CHECK(st.evictions == host.counters().evictions);
@@ -476,4 +511,111 @@ TEST_CASE("device plan: the small path (<= plan_small_ids ids) and the general p
     if (c.C < c.E) CHECK(a.state().stats->evictions > 0);
   }
   CHECK(small_overflows > 100);
+}
+
+// Predictions like an engine's: mostly the next forward's hot experts, some cold ones, duplicates.
+static Ids predicted_ids(std::mt19937_64& rng, std::int32_t E, std::int32_t n) {
+  std::uniform_int_distribution<std::int32_t> any(0, E - 1);
+  std::uniform_int_distribution<std::int32_t> hot(0, std::max(1, E / 8) - 1);
+  Ids ids;
+  for (std::int32_t i = 0; i < n; ++i) ids.push_back(rng() % 3 == 0 ? any(rng) : hot(rng));
+  if (n > 1 && rng() % 4 == 0) ids.push_back(ids.front());  // a duplicate
+  return ids;
+}
+
+TEST_CASE("device plan: prefetch equals ForwardPlanner<Lru>::plan_prefetch step by step") {
+  struct Config {
+    std::int32_t E, C, top_k, max_tokens;
+  };
+  const Config configs[] = {
+      {8, 4, 2, 2}, {16, 6, 2, 3}, {64, 16, 4, 4}, {64, 64, 8, 4}, {512, 208, 10, 2}, {300, 37, 6, 8}, {128, 10, 10, 1},
+  };
+  std::uint64_t seed = 77, issued = 0, used = 0, wasted = 0, no_victim = 0, evictions = 0;
+  for (const Config& c : configs) {
+    for (int rep = 0; rep < 3; ++rep) {
+      CAPTURE(c.E);
+      CAPTURE(c.C);
+      CAPTURE(rep);
+      std::mt19937_64 rng(seed++);
+      Pair p(c.E, c.C, c.top_k);
+      const std::int32_t max_groups = plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, c.C);
+      for (int step = 0; step < 200; ++step) {
+        CAPTURE(step);
+        const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
+        // Some forwards are all padding (an empty forward still ages the speculative fills).
+        const double pad = step % 23 == 0 ? 1.0 : 0.02;
+        p.step(random_ids(rng, c.E, c.top_k, tokens, pad, rep == 2 ? 0.03 : 0.0), max_groups);
+        const int prefetches = static_cast<int>(rng() % 3);  // 0, 1 or 2 prefetches between forwards
+        for (int k = 0; k < prefetches; ++k) {
+          const auto n = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(2 * c.top_k + 2));
+          const auto max_fills = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.top_k + 2));
+          const auto expires = static_cast<std::uint32_t>(1 + rng() % 3);
+          p.prefetch(predicted_ids(rng, c.E, n), max_fills, expires);
+          no_victim += static_cast<std::uint64_t>(p.dev.state().scalars->prefetch_skipped_no_victim);
+        }
+        if (rng() % 10 == 0) p.invalidate(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E)));
+      }
+      const DevicePlanStats& st = *p.dev.state().stats;
+      issued += st.speculative_issued;
+      used += st.speculative_used;
+      wasted += st.speculative_wasted;
+      evictions += st.evictions;
+    }
+  }
+  MESSAGE("speculative issued ", issued, ", used ", used, ", wasted ", wasted, ", skipped (no victim) ", no_victim,
+          ", evictions ", evictions);
+  // Every rule is exercised: fills used and wasted (expiry, eviction, invalidation), protection
+  // leaving no victim.
+  CHECK(issued > 1000);
+  CHECK(used > 100);
+  CHECK(wasted > 100);
+  CHECK(no_victim > 0);
+}
+
+TEST_CASE("device plan: prefetch drops bad ids, refuses bad arguments, protects the forward") {
+  HostPlanStorage dev(16, 4);
+  const DevicePlanState& s = dev.state();
+  SequentialBlock b;
+  const Ids fwd = {1, 2};
+  plan_forward(b, s, fwd.data(), 2);  // slots 0, 1; two free
+  // Bad ids are counted and dropped, -1 is padding; the valid ones are filled into free slots.
+  const Ids mixed = {-1, 16, 5, INT32_MIN, 6};
+  plan_prefetch(b, s, mixed.data(), 5, 4, 1);
+  CHECK(s.scalars->fill_count == 2);
+  CHECK(s.stats->bad_ids == 2);
+  CHECK((*s.error_word & plan_error_bad_id) != 0);
+  CHECK(s.resident_map[5] >= 0);
+  CHECK(s.resident_map[6] >= 0);
+  // Full, and every resident protected (the forward's two, two live speculative fills): nothing.
+  const Ids more = {7, 8};
+  plan_prefetch(b, s, more.data(), 2, 2, 1);
+  CHECK(s.scalars->fill_count == 0);
+  CHECK(s.scalars->prefetch_skipped_no_victim == 2);
+  CHECK(s.resident_map[1] >= 0);
+  CHECK(s.resident_map[2] >= 0);
+  // Bad arguments: flagged, nothing changes.
+  const std::vector<std::uint8_t> before(static_cast<const std::uint8_t*>(dev.block()),
+                                         static_cast<const std::uint8_t*>(dev.block()) + dev.bytes());
+  *s.error_word = 0;
+  plan_prefetch(b, s, more.data(), -1, 2, 1);
+  plan_prefetch(b, s, nullptr, 2, 2, 1);
+  plan_prefetch(b, s, more.data(), 2, -1, 1);
+  plan_prefetch(b, s, more.data(), 2, 2, 0);
+  CHECK(*s.error_word == plan_error_bad_argument);
+  const std::vector<std::uint8_t> after(static_cast<const std::uint8_t*>(dev.block()),
+                                        static_cast<const std::uint8_t*>(dev.block()) + dev.bytes());
+  CHECK(before == after);
+  // The next forward uses one fill (used) and not the other; it expires (wasted), and is then
+  // evictable by a prefetch.
+  const Ids next = {5, 1};
+  plan_forward(b, s, next.data(), 2);
+  CHECK(s.stats->speculative_used == 1);
+  CHECK(s.stats->speculative_wasted == 1);
+  CHECK(s.scalars->spec_live == 0);
+  plan_prefetch(b, s, more.data(), 2, 2, 1);
+  CHECK(s.scalars->fill_count == 2);  // victims: 6 (expired) and 2 (not in the last forward)
+  CHECK(s.resident_map[6] == -1);
+  CHECK(s.resident_map[2] == -1);
+  CHECK(s.resident_map[5] >= 0);
+  CHECK(s.resident_map[1] >= 0);
 }

@@ -186,6 +186,8 @@ class AnyCacheBase {
   virtual Status invalidate(std::int32_t expert, Stream stream) noexcept = 0;
   virtual Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
                                         PrefetchOptions options) noexcept = 0;
+  virtual Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                                               PrefetchOptions options) noexcept = 0;
   [[nodiscard]] virtual CacheStats stats() const noexcept = 0;
   [[nodiscard]] virtual const ExpertTensorBytes& tensors() const noexcept = 0;
   [[nodiscard]] virtual std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept = 0;
@@ -252,6 +254,11 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
                                 PrefetchOptions options) noexcept final {
     return this->cache_.prefetch(ids, stream, options);
   }
+  Result<PrefetchView> prefetch_device(const std::int32_t*, std::int32_t, Stream, PrefetchOptions) noexcept final {
+    return Status(ErrorCode::not_supported,
+                  "prefetch_device: a host-planned provider plans host ids; read the predicted ids back and call "
+                  "prefetch, or use the device provider");
+  }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final {
     return this->cache_.resident_map_host();
   }
@@ -290,15 +297,14 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
     return this->cache_.prepare_group(group, stream);
   }
-  // Passed through once DeviceExpertCache has prefetch(ids, stream, options); until then refused.
+  // Host ids (validated, uploaded, planned on the device), unlike prepare's span.
   Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
                                 PrefetchOptions options) noexcept final {
-    if constexpr (requires { { this->cache_.prefetch(ids, stream, options) } -> std::same_as<Result<PrefetchView>>; }) {
-      return this->cache_.prefetch(ids, stream, options);
-    } else {
-      (void)ids, (void)stream, (void)options;
-      return Status(ErrorCode::not_supported, "prefetch: the device provider has no speculative fills yet");
-    }
+    return this->cache_.prefetch(ids, stream, options);
+  }
+  Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                                       PrefetchOptions options) noexcept final {
+    return this->cache_.prefetch(device_ids, n_ids, stream, options);
   }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final { return {}; }
   [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept final { return {}; }
@@ -341,11 +347,19 @@ class AnyExpertCache {
     return impl_->prepare_group(group, stream);
   }
   Status invalidate(std::int32_t expert, Stream stream) noexcept { return impl_->invalidate(expert, stream); }
-  // Speculative fills of predicted ids (host ids), as ExpertCache::prefetch. Host providers; the
-  // device provider returns not_supported for now.
+  // Speculative fills of predicted ids in HOST memory, as ExpertCache::prefetch (every
+  // provider; the device provider uploads them and plans on the device, its view counts nothing:
+  // see stats()).
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     return impl_->prefetch(predicted, stream, options);
+  }
+  // Predicted ids in DEVICE memory (e.g. written by a kernel inside a captured step), planned on
+  // the device: the device provider only (DeviceExpertCache::prefetch); host-planned providers
+  // return not_supported.
+  Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                                       PrefetchOptions options = {}) noexcept {
+    return impl_->prefetch_device(device_ids, n_ids, stream, options);
   }
   [[nodiscard]] CacheStats stats() const noexcept { return impl_->stats(); }
 

@@ -46,6 +46,7 @@
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -97,6 +98,7 @@ concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s,
   { x.plan_forward_fill(s, ids, n, planned) } -> std::same_as<Status>;
   { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
   { x.invalidate(s, n) } -> std::same_as<Status>;
+  { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
   { x.drop_fills(s) } -> std::same_as<Status>;
   { x.join_fills() } -> std::same_as<Status>;  // overlap: order later work after the last fill
   { cx.overlap() } -> std::same_as<bool>;
@@ -237,6 +239,28 @@ class SimPlanExecutor {
     return fill(s);
   }
 
+  // plan_prefetch, then its fills as one stream-ordered fill op (also with overlap: a forward's
+  // consumer reads a prefetched slot only after the next prepare, which is ordered after this
+  // call's stream by the core, and whose lane for that slot waits for its plan).
+  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
+                  bool& planned) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_prefetch");
+    if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
+          SequentialBlock b;
+          plan_prefetch(b, st, ids, n, max_fills, expires_after);
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    return fill_stream_ordered(s, overlap_);
+  }
+
   Status invalidate(Stream s, std::int32_t expert) noexcept {
     std::vector<Access> acc;
     add_state_accesses(acc);
@@ -303,21 +327,33 @@ class SimPlanExecutor {
     add(acc, state_.slot_needed);
     add(acc, state_.slot_ready);
     add(acc, state_.fill_arrivals);
+    add(acc, state_.slot_spec_left);
     acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
     acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
   }
 
   Status fill(Stream s) noexcept {
     if (overlap_) return fill_overlapped(s);
+    return fill_stream_ordered(s);
+  }
+
+  // `publish_ready` (a prefetch's fill with overlap): also stores each filled slot's ready word,
+  // as the GPU's ready-word fill does, so a later readiness consumer finds it at the needed value.
+  Status fill_stream_ordered(Stream s, bool publish_ready = false) noexcept {
     std::vector<Access> acc;
     acc.push_back({state_.scalars, sizeof(DevicePlanScalars), AccessMode::read});
     acc.push_back({state_.fills.data, static_cast<std::size_t>(state_.capacity) * sizeof(PlanEntry), AccessMode::read});
+    if (publish_ready) {
+      const std::size_t words = static_cast<std::size_t>(state_.capacity) * sizeof(std::uint32_t);
+      acc.push_back({state_.slot_needed.data, words, AccessMode::read});
+      acc.push_back({state_.slot_ready.data, words, AccessMode::write});
+    }
     acc.insert(acc.end(), pools_.begin(), pools_.end());
     acc.insert(acc.end(), slots_.begin(), slots_.end());
     const DevicePlanState st = state_;
     const CopyRegions regions = regions_;
     rt_->set_next_label("device plan_fill");
-    return rt_->launch(s, acc, [st, regions] {
+    return rt_->launch(s, acc, [st, regions, publish_ready] {
       const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
       for (std::int32_t i = 0; i < n; ++i) {
         const PlanEntry f = st.fills[i];
@@ -327,6 +363,7 @@ class SimPlanExecutor {
           std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
                       r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
         }
+        if (publish_ready) st.slot_ready[f.slot] = st.slot_needed[f.slot];
       }
     });
   }
@@ -414,11 +451,13 @@ class DeviceExpertCacheWithEdges {
         // Inline mode (fills on the caller's stream); no host map is ever uploaded, so the
         // staging ring stays at its minimum.
         core_(rt, false, static_cast<std::size_t>(options_.num_experts), 2),
-        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_) {
+        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_),
+        prefetch_ids_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = exec_.state().forward_map.data;
     view_.resident_map = exec_.state().resident_map.data;
     copies_per_fill_ = storage_.copy_regions().count;
+    bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
     if (options_.log) {
       const CacheStats s = stats();
       options_.log(options_.label + ": device-planned lru/inline/" + std::string(StorageType::name) + "/" +
@@ -486,6 +525,70 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
+  // Speculative fills of predicted experts (issue 16, docs/prefetch.md), planned ON THE DEVICE
+  // on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
+  // plan_prefetch): `device_ids` holds n_ids predicted ids in device memory, best first (-1 is
+  // padding; other ids outside [0, E) are dropped and counted, as in prepare); at most
+  // options.max_bytes / bytes-per-expert fills; never a victim from the last prepared forward,
+  // an unused unexpired speculative fill or an earlier id of the list. Ordered like a write
+  // (edges 1, 2: after the owner's readers enqueued so far and after the last writer); the
+  // owner does not change and nothing waits for the fills now, so they overlap whatever the
+  // owner's stream runs next. The next prepare() (any stream) is ordered after them: this
+  // call's stream is then its last writer (edge 2), so a forward that uses a prefetched expert
+  // reads it complete, and a forward that does not still waits for this call's fills (the host
+  // cannot know which slots a device-planned fill wrote). Capturable, with ids that change
+  // between replays. The returned view counts nothing (decisions are made on the device):
+  // stats() has speculative_issued / used / wasted / bytes.
+  // Errors, nothing enqueued: n_ids outside [0, E] (too_many_experts above E), null ids with
+  // n_ids > 0, max_bytes < 0, expires_after == 0, a stream the runtime refuses.
+  Result<PrefetchView> prefetch(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    Result<std::int32_t> max_fills = prefetch_budget(n_ids, options);
+    if (!max_fills.ok()) return max_fills.status();
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %d ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    if (Status s = check_stream(stream, "prefetch"); !s) return s;
+    if (n_ids == 0 || max_fills.value() == 0) return PrefetchView{};
+    Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
+      return exec_.prefetch(f, device_ids, n_ids, max_fills.value(), options.expires_after, planned);
+    });
+    if (!s) return s.with_context("%s: prefetch(%d ids)", options_.label.c_str(), n_ids);
+    ++generation_;
+    return PrefetchView{};
+  }
+
+  // The same for predicted ids in host memory, validated like ExpertCache::prefetch (every id in
+  // [0, E), at most E of them: otherwise refused before anything is enqueued), then uploaded on
+  // `stream` through the ordering core's staging ring (graph-safe like its map uploads).
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    if (predicted.size() > static_cast<std::size_t>(options_.num_experts)) {
+      return Status::format(ErrorCode::too_many_experts, "%s: prefetch got %zu predicted ids, more than the %d experts",
+                            options_.label.c_str(), predicted.size(), options_.num_experts);
+    }
+    const auto n = static_cast<std::int32_t>(predicted.size());
+    Result<std::int32_t> max_fills = prefetch_budget(n, options);
+    if (!max_fills.ok()) return max_fills.status();
+    for (const std::int32_t id : predicted) {
+      if (id < 0 || id >= options_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: prefetch of expert %d outside [0, %d)",
+                              options_.label.c_str(), id, options_.num_experts);
+      }
+    }
+    if (Status s = check_stream(stream, "prefetch"); !s) return s;
+    if (n == 0 || max_fills.value() == 0) return PrefetchView{};
+    auto* ids = reinterpret_cast<std::int32_t*>(prefetch_ids_.data());
+    Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
+      if (Status u = core_.upload_map(predicted.data(), ids, f, static_cast<std::size_t>(n)); !u) return u;
+      return exec_.prefetch(f, ids, n, max_fills.value(), options.expires_after, planned);
+    });
+    if (!s) return s.with_context("%s: prefetch(%d host ids)", options_.label.c_str(), n);
+    ++generation_;
+    return PrefetchView{};
+  }
+
   // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids.
   [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids) const noexcept {
     return plan_max_groups(n_ids, options_.num_experts, options_.capacity);
@@ -504,13 +607,17 @@ class DeviceExpertCacheWithEdges {
     s.promotions = d.misses;
     s.evictions = d.evictions;
     s.invalidations = d.invalidations;
-    s.resident = static_cast<std::int64_t>(d.misses) - static_cast<std::int64_t>(d.evictions) -
-                 static_cast<std::int64_t>(d.invalidations);
+    s.resident = static_cast<std::int64_t>(d.misses) + static_cast<std::int64_t>(d.speculative_issued) -
+                 static_cast<std::int64_t>(d.evictions) - static_cast<std::int64_t>(d.invalidations);
     s.capacity = options_.capacity;
     s.prepare_calls = prepare_calls_;
     s.generation = generation_;
     s.last_copies = 0;
-    s.total_copies = d.misses * copies_per_fill_;
+    s.total_copies = (d.misses + d.speculative_issued) * copies_per_fill_;
+    s.speculative_issued = d.speculative_issued;
+    s.speculative_used = d.speculative_used;
+    s.speculative_wasted = d.speculative_wasted;
+    s.speculative_bytes = d.speculative_issued * bytes_per_expert_;
     s.owner_changes = o.owner_changes;
     s.map_uploads = o.map_uploads;
     s.staging_stalls = o.staging_stalls;
@@ -564,6 +671,25 @@ class DeviceExpertCacheWithEdges {
     return layout;
   }
 
+  // Fills a prefetch may make: max_bytes / bytes per expert, at most the capacity.
+  Result<std::int32_t> prefetch_budget(std::int32_t n_ids, const PrefetchOptions& o) const noexcept {
+    if (n_ids < 0 || n_ids > options_.num_experts) {
+      return Status::format(n_ids < 0 ? ErrorCode::invalid_argument : ErrorCode::too_many_experts,
+                            "%s: prefetch of %d ids (accepted: 0..%d, the experts)", options_.label.c_str(), n_ids,
+                            options_.num_experts);
+    }
+    if (o.max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes must be >= 0, got %lld",
+                            options_.label.c_str(), static_cast<long long>(o.max_bytes));
+    }
+    if (o.expires_after == 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after must be >= 1 forward",
+                            options_.label.c_str());
+    }
+    const std::uint64_t fills = bytes_per_expert_ == 0 ? 0 : static_cast<std::uint64_t>(o.max_bytes) / bytes_per_expert_;
+    return static_cast<std::int32_t>(std::min<std::uint64_t>(fills, static_cast<std::uint64_t>(options_.capacity)));
+  }
+
   // A stream the runtime does not know is refused before anything is enqueued.
   Status check_stream(Stream stream, const char* what) noexcept {
     Result<bool> capturing = rt_->is_capturing(stream);
@@ -602,9 +728,11 @@ class DeviceExpertCacheWithEdges {
   StorageType storage_;
   OrderingCore<Runtime, Edges> core_;
   Executor exec_;
+  RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
   ForwardView view_;
   bool drop_pending_ = false;
   std::size_t copies_per_fill_ = 0;
+  std::uint64_t bytes_per_expert_ = 0;
   std::uint64_t prepare_calls_ = 0;
   std::uint64_t generation_ = 0;
   std::uint64_t faults_ = 0;

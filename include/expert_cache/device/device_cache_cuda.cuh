@@ -17,6 +17,7 @@
 //                   and waits for the plan grid before it touches memory)
 //   prepare_group   plan_group -> plan_fill (overlap: plan_fill_ready)
 //   invalidate      plan_invalidate
+//   prefetch        plan_prefetch (one warp) -> plan_fill (overlap: plan_fill_ready, plain order)
 //   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued
 #if !defined(__CUDACC__)
 #error "expert_cache/device/device_cache_cuda.cuh needs nvcc"
@@ -101,6 +102,23 @@ class CudaPlanExecutor {
   // (a readiness consumer waits for it before it completes, docs/design.md edge D4).
   Status join_fills() noexcept { return {}; }
   [[nodiscard]] bool overlap() const noexcept { return overlap_; }
+
+  // plan_prefetch (one warp), then the fill of its list: with overlap the ready-word fill
+  // (launched in plain stream order), so a later readiness consumer finds every prefetched
+  // slot's ready word published; otherwise the plain fill.
+  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
+                  bool& planned) noexcept {
+    planned = false;
+    EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch(state(), ids, n, max_fills, expires_after, s));
+    planned = true;
+    if (Status st = rt_->after_enqueue(s, "plan_prefetch_kernel"); !st) return st;
+    if (overlap_) {
+      EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, nullptr, plan_fill_max_blocks, false));
+      return rt_->after_enqueue(s, "plan_fill_ready_kernel (prefetch)");
+    }
+    EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
+    return rt_->after_enqueue(s, "plan_fill_kernel (prefetch)");
+  }
 
   Status invalidate(Stream s, std::int32_t expert) noexcept {
     EXPERT_CACHE_TRY_CUDA(launch_plan_invalidate(state(), expert, nullptr, s));

@@ -249,6 +249,18 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
   plan_invalidate(b, s, expert_ptr != nullptr ? *expert_ptr : expert);
 }
 
+// Speculative fills (plan_prefetch): one warp. The ids are a device buffer of n_ids int32 whose
+// contents may change between graph replays; the fills it lists are then copied by
+// plan_fill_kernel or plan_fill_ready_kernel exactly like a forward's.
+template <int Unused = 0>
+EXPERT_CACHE_KERNEL void __launch_bounds__(32)
+    plan_prefetch_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t max_fills,
+                         std::uint32_t expires_after) {
+  WarpBlock b;
+  detail::griddep_launch_dependents();
+  plan_prefetch(b, s, ids, n_ids, max_fills, expires_after);
+}
+
 // ---- fill from the device fill list -----------------------------------------------------------
 
 // Fixed for the cache's lifetime (a graph keeps its own copy). Region bases must be device
@@ -501,6 +513,12 @@ inline cudaError_t launch_plan_invalidate(const DevicePlanState& s, std::int32_t
   void* args[] = {const_cast<DevicePlanState*>(&s), &expert, &expert_ptr};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_invalidate_kernel<32>), dim3(1), dim3(32), args, 0,
                           stream);
+}
+
+inline cudaError_t launch_plan_prefetch(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
+                                        std::int32_t max_fills, std::uint32_t expires_after, cudaStream_t stream) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &max_fills, &expires_after};
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_prefetch_kernel<0>), dim3(1), dim3(32), args, 0, stream);
 }
 
 // Grid for the worst case: `capacity` fills (at most plan_fill_max_blocks blocks).

@@ -94,6 +94,11 @@ struct DevicePlanStats {
   std::uint64_t bad_ids = 0;          // ids dropped by plan_forward / plan_invalidate
   std::uint64_t forwards = 0;         // plan_forward calls
   std::uint64_t invalidations = 0;    // experts dropped by plan_invalidate
+  // Speculative fills (plan_prefetch; the same rules as ForwardPlanner::plan_prefetch).
+  std::uint64_t prefetches = 0;          // plan_prefetch calls
+  std::uint64_t speculative_issued = 0;  // experts made resident by plan_prefetch (not misses)
+  std::uint64_t speculative_used = 0;    // ... then hit by a forward (also counted in hits)
+  std::uint64_t speculative_wasted = 0;  // ... expired, evicted or invalidated unused
   friend constexpr bool operator==(const DevicePlanStats&, const DevicePlanStats&) = default;
 };
 
@@ -132,6 +137,15 @@ struct DevicePlanScalars {
   // Per-slot readiness (docs/design.md, edge D4): the last fill sequence value handed out. Each
   // planned fill takes the next value (wrapping uint32; compared with slot_seq_reached).
   std::uint32_t fill_seq = 0;
+  // Speculative fills: slots whose slot_spec_left is non-zero, and the first tick of the last
+  // planned group (its residents, ticks >= protect_tick, are protected from plan_prefetch's
+  // victim search like the host planner's previous forward; ~0 = no group planned yet).
+  std::int32_t spec_live = 0;
+  std::uint64_t protect_tick = ~std::uint64_t{0};
+  // The last plan_prefetch: predicted ids already resident, and distinct ones dropped because
+  // every slot was protected (PrefetchPlan's skipped_resident / skipped_no_victim).
+  std::int32_t prefetch_skipped_resident = 0;
+  std::int32_t prefetch_skipped_no_victim = 0;
 };
 
 // The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
@@ -159,6 +173,9 @@ struct DevicePlanState {
   PlanSpan<std::uint32_t> slot_needed;  // [C]
   PlanSpan<std::uint32_t> slot_ready;   // [C]
   PlanSpan<std::uint32_t> fill_arrivals;  // [C]
+  // slot_spec_left[s]: forwards left before the unused speculative fill in slot s expires
+  // (0 = the slot holds no live speculative fill).
+  PlanSpan<std::uint32_t> slot_spec_left;  // [C]
   DevicePlanScalars* scalars = nullptr;
   DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
   DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
@@ -262,6 +279,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.slot_needed = c.take<std::uint32_t>(capacity);
   s.slot_ready = c.take<std::uint32_t>(capacity);
   s.fill_arrivals = c.take<std::uint32_t>(capacity);
+  s.slot_spec_left = c.take<std::uint32_t>(capacity);
   s.stats = stats;
   s.error_word = error_word;
   return s;
@@ -270,7 +288,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
 EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_experts, std::int32_t capacity) noexcept {
   if (num_experts <= 0 || capacity <= 0) return 0;
   const DevicePlanState s = bind_plan_state(nullptr, num_experts, capacity, nullptr, nullptr);
-  const auto end = reinterpret_cast<std::uintptr_t>(s.fill_arrivals.data + capacity);
+  const auto end = reinterpret_cast<std::uintptr_t>(s.slot_spec_left.data + capacity);
   return static_cast<std::size_t>(end);
 }
 
@@ -284,7 +302,7 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
          s.fills.size == c && s.evictions.size == c && s.slot_needed.size == c && s.slot_ready.size == c &&
-         s.fill_arrivals.size == c;
+         s.fill_arrivals.size == c && s.slot_spec_left.size == c;
 }
 
 // Wrap-safe "sequence `have` has reached `want`" (uint32 sequence values; correct while fewer
@@ -324,7 +342,7 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noe
   const std::int32_t e = s.num_experts, c = s.capacity;
   const DevicePlanScalars& k = *s.scalars;
   return k.free_count >= 0 && k.free_count <= c && k.prev_count >= 0 && k.prev_count <= c && k.unique_count >= 0 &&
-         k.unique_count <= e && k.group_count >= 0 && k.group_count <= e;
+         k.unique_count <= e && k.group_count >= 0 && k.group_count <= e && k.spec_live >= 0 && k.spec_live <= c;
 }
 
 namespace detail {
@@ -358,6 +376,7 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.slot_needed[i] = 0;
     s.slot_ready[i] = 0;
     s.fill_arrivals[i] = 0;
+    s.slot_spec_left[i] = 0;
   }
   if (r == 0) {
     *s.scalars = DevicePlanScalars{};
@@ -386,6 +405,25 @@ EXPERT_CACHE_HOST_DEVICE void publish_stats(Block& b, const DevicePlanState& s, 
   if (now.bad_ids != before.bad_ids) b.publish(s.stats->bad_ids, now.bad_ids);
   if (now.forwards != before.forwards) b.publish(s.stats->forwards, now.forwards);
   if (now.invalidations != before.invalidations) b.publish(s.stats->invalidations, now.invalidations);
+  if (now.prefetches != before.prefetches) b.publish(s.stats->prefetches, now.prefetches);
+  if (now.speculative_issued != before.speculative_issued) b.publish(s.stats->speculative_issued, now.speculative_issued);
+  if (now.speculative_used != before.speculative_used) b.publish(s.stats->speculative_used, now.speculative_used);
+  if (now.speculative_wasted != before.speculative_wasted) b.publish(s.stats->speculative_wasted, now.speculative_wasted);
+}
+
+// Speculative bookkeeping of one accepted forward (group), after its hits and victims cleared
+// their slots' entries: every other live speculative fill ages by one forward, and one that
+// reaches 0 expired unused (ForwardPlanner::apply's aging). Returns the block's expirations
+// (every thread). Block-collective; callers skip it when no fill is live (uniform).
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE std::int32_t age_speculative(Block& b, const DevicePlanState& s) noexcept {
+  b.sync();  // the hits' and victims' clears (other threads) land before the aging reads
+  std::int32_t expired = 0;
+  for (std::int32_t slot = b.thread_rank(); slot < s.capacity; slot += b.size()) {
+    std::uint32_t& left = s.slot_spec_left[slot];
+    if (left != 0 && --left == 0) ++expired;
+  }
+  return b.sum(expired);
 }
 
 // What a group step starts from: the scalars (read once by the caller), the counters as they
@@ -394,6 +432,7 @@ struct GroupInput {
   std::int32_t unique = 0, groups = 0, prev = 0, free = 0;
   std::uint64_t tick0 = 0;
   DevicePlanStats before{}, now{};
+  bool forward = false;  // called by plan_forward (group 0 of a new forward), not plan_group
 };
 
 // The general path's reads: straight from the state.
@@ -417,8 +456,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   DevicePlanScalars& sc = *s.scalars;
   const std::int32_t prev = in.prev, unique = in.unique, groups = in.groups, free = in.free;
   const std::uint64_t tick0 = in.tick0;
-  // Read before the barrier below; rank 0 advances it only after that barrier.
+  // Read before the barrier below; rank 0 advances them only after that barrier.
   const std::uint32_t seq0 = sc.fill_seq;
+  const std::int32_t live0 = sc.spec_live;  // live speculative fills (0: their code is skipped)
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
@@ -427,10 +467,20 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   }
   b.sync();  // a cleared entry may belong to this group too: clear before set
   if (g >= groups) {
+    // An empty forward (in.forward) is still an accepted forward: the host ages its speculative
+    // fills. Empty overflow rounds (g >= 1) are not forwards of their own.
+    const std::int32_t expired = (in.forward && live0 > 0) ? age_speculative(b, s) : 0;
     if (rank == 0) {
       sc.prev_count = sc.fill_count = sc.eviction_count = sc.hits = sc.misses = sc.group_size = 0;
       sc.group = g;
-      publish_stats(b, s, in.before, in.now);
+      // An empty forward leaves nothing to protect (the host's previous forward is empty); an
+      // empty overflow round keeps the last real group protected, as the host (which has no
+      // such round) does.
+      if (in.forward) sc.protect_tick = sc.tick;
+      sc.spec_live = live0 - expired;
+      DevicePlanStats now = in.now;
+      now.speculative_wasted += static_cast<std::uint64_t>(expired);
+      publish_stats(b, s, in.before, now);
     }
     b.sync();
     return;
@@ -442,7 +492,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // than every other resident before the victim search (in-forward protection by ordering).
   // Misses are compacted in ascending order into the fill list; `slot` temporarily holds the
   // expert's position in the group (its tick offset) until the slot is known.
-  std::int32_t misses = 0;
+  std::int32_t misses = 0, used = 0;
   for (std::int32_t base = 0; base < n; base += nt) {
     const std::int32_t i = base + rank;
     std::int32_t miss = 0, e = -1;
@@ -453,6 +503,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
         s.forward_map[e] = slot;
+        if (live0 > 0 && s.slot_spec_left[slot] != 0) {  // a speculative fill used
+          s.slot_spec_left[slot] = 0;
+          ++used;
+        }
       } else {
         miss = 1;
       }
@@ -496,6 +550,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
 
   // Apply: the r-th miss pops the free stack while it lasts (top first, like the host's
   // pop_back), then takes the r - from_free-th victim's slot.
+  std::int32_t evicted_unused = 0;
   for (std::int32_t r = rank; r < misses; r += nt) {
     const PlanEntry f = s.fills[r];
     std::int32_t slot;
@@ -505,6 +560,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       const PlanEntry v = s.evictions[r - from_free];
       if (v.expert >= 0 && v.expert < E) s.resident_map[v.expert] = -1;
       slot = v.slot;
+      if (live0 > 0 && slot >= 0 && slot < C && s.slot_spec_left[slot] != 0) {  // an unused fill evicted: wasted
+        s.slot_spec_left[slot] = 0;
+        ++evicted_unused;
+      }
     }
     if (slot < 0 || slot >= C || f.expert < 0 || f.expert >= E) continue;  // corrupted free stack only
     s.fills[r].slot = slot;
@@ -514,7 +573,15 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
     s.slot_needed[slot] = seq0 + static_cast<std::uint32_t>(r) + 1u;  // edge D4: this fill's value
   }
+  std::int32_t spec_used = 0, spec_wasted = 0;
+  if (live0 > 0) {  // uniform
+    spec_wasted = age_speculative(b, s);
+    spec_used = b.sum(used);
+    spec_wasted += b.sum(evicted_unused);
+  }
   if (rank == 0) {
+    sc.protect_tick = tick0;
+    sc.spec_live = live0 - spec_used - spec_wasted;
     sc.free_count = free - from_free;
     sc.prev_count = n;
     sc.fill_count = misses;
@@ -529,6 +596,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     now.hits += static_cast<std::uint64_t>(n - misses);
     now.misses += static_cast<std::uint64_t>(misses);
     now.evictions += static_cast<std::uint64_t>(victims);
+    now.speculative_used += static_cast<std::uint64_t>(spec_used);
+    now.speculative_wasted += static_cast<std::uint64_t>(spec_wasted);
     publish_stats(b, s, in.before, now);
   }
   b.sync();
@@ -631,12 +700,16 @@ struct SmallSource {
 // Plans group g of the current forward (set up by plan_forward): ids unique[g*C, g*C + n) in
 // ascending order, with ForwardPlanner<Lru>::plan_unique's decisions. g >= group_count is an
 // empty group (see the overflow note at the top). All threads of the block call it.
+// `forward` (internal): the call is plan_forward's group 0 (an empty forward still ages the
+// speculative fills; a later empty round does not).
 template <plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g) noexcept {
+EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g,
+                                         bool forward = false) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   if (g < 0) return detail::plan_fail(b, s, plan_error_bad_argument);
   const DevicePlanScalars& sc = *s.scalars;
   detail::GroupInput in;
+  in.forward = forward;
   in.prev = sc.prev_count;
   in.unique = sc.unique_count;
   in.groups = sc.group_count;
@@ -697,7 +770,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
     detail::publish_stats(b, s, before, now);
   }
   b.sync();  // unique list and group count visible
-  plan_group(b, s, 0);
+  plan_group(b, s, 0, true);
 }
 
 // The small path of plan_forward (0 <= n_ids <= plan_small_ids; otherwise the general path):
@@ -718,6 +791,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
 
   // Up front, independent of each other: scalars, counters, ids, this thread's old entry.
   detail::GroupInput in;
+  in.forward = true;
   in.prev = sc.prev_count;
   in.free = sc.free_count;
   in.tick0 = sc.tick;
@@ -785,6 +859,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
     } else {
       const std::int32_t slot = s.resident_map[expert];
       if (slot >= 0 && slot < s.capacity && sc.free_count < s.capacity) {
+        if (s.slot_spec_left[slot] != 0) {  // an unused speculative fill dropped: wasted
+          s.slot_spec_left[slot] = 0;
+          sc.spec_live -= 1;
+          now.speculative_wasted += 1;
+        }
         s.resident_map[expert] = -1;
         s.forward_map[expert] = -1;
         s.slot_owner[slot] = -1;
@@ -793,6 +872,145 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
         sc.last_invalidated_slot = slot;
         now.invalidations += 1;
       }
+    }
+    detail::publish_stats(b, s, before, now);
+  }
+  b.sync();
+}
+
+// Speculative fills (issue 16) for `n_ids` predicted ids (best first), with the decisions of
+// ForwardPlanner<Lru>::plan_prefetch: at most `max_fills` fills (clamped to C); an id already
+// resident is skipped (and protected for the rest of the list); a fill takes a free slot, else
+// the least recently used resident that is neither in the last planned group (ticks >=
+// protect_tick), nor an unused, unexpired speculative fill, nor an earlier id of this list; no
+// such resident: the rest is skipped (counted in prefetch_skipped_no_victim). A fill is
+// inserted as the most recent resident (Lru::on_insert), lives `expires_after` forwards unless a
+// forward hits it (used), and takes a fill-sequence value like a forward's miss (edge D4). The
+// forward map is not touched: the current forward's readers keep reading it. The fill and
+// eviction lists are the state's (fill_count, eviction_count), so the forward's fill kernels
+// copy a prefetch's fills unchanged. Unlike the host planner, which refuses a list with an id
+// outside [0, E), the device drops such ids (counted in bad_ids, flagged), as plan_forward
+// does; -1 is padding. All threads of the block call it.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, const std::int32_t* ids,
+                                            std::int32_t n_ids, std::int32_t max_fills,
+                                            std::uint32_t expires_after) noexcept {
+  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  if (n_ids < 0 || (ids == nullptr && n_ids > 0) || max_fills < 0 || expires_after == 0) {
+    return detail::plan_fail(b, s, plan_error_bad_argument);
+  }
+  const std::int32_t rank = b.thread_rank(), nt = b.size();
+  const std::int32_t E = s.num_experts, C = s.capacity;
+  DevicePlanScalars& sc = *s.scalars;
+  // Read once by every thread; only rank 0 writes the scalars, after the last barrier below.
+  const std::uint64_t protect = sc.protect_tick;
+  std::uint64_t tick = sc.tick;
+  std::int32_t free = sc.free_count;
+  const std::uint32_t seq0 = sc.fill_seq;
+  const std::int32_t live0 = sc.spec_live;
+  if (max_fills > C) max_fills = C;
+
+  std::int32_t bad = 0;
+  for (std::int32_t i = rank; i < n_ids; i += nt) {
+    const std::int32_t id = ids[i];
+    if (id != plan_padding_id && (id < 0 || id >= E)) ++bad;
+  }
+  const std::int32_t bad_total = b.sum(bad);
+
+  // One id at a time (a victim search is block-collective); every branch below is uniform:
+  // each thread reads the same id and the same state (rank 0's writes of the previous id are
+  // published by the barrier that ends it).
+  std::int32_t fills = 0, victims = 0, skipped_resident = 0, next = 0;
+  bool no_victim = false;
+  for (; next < n_ids; ++next) {
+    const std::int32_t e = ids[next];
+    if (e < 0 || e >= E) continue;  // padding or a bad id (counted above)
+    if (s.resident_map[e] >= 0) {
+      ++skipped_resident;
+      if (rank == 0) b.mark(s.marks[e]);  // protected for the rest of the list
+      b.sync();
+      continue;
+    }
+    if (fills >= max_fills) break;
+    std::int32_t target;
+    if (free > 0) {
+      target = s.free_stack[free - 1];
+      --free;
+    } else {
+      PlanKey best;
+      for (std::int32_t slot = rank; slot < C; slot += nt) {
+        const std::int32_t owner = s.slot_owner[slot];
+        if (owner < 0 || owner >= E) continue;
+        const PlanKey key{s.slot_tick[slot], slot};
+        if (key.tick >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
+        if (key < best) best = key;
+      }
+      best = b.min_key(best);
+      if (best.slot < 0 || best.slot >= C) {
+        no_victim = true;
+        break;
+      }
+      target = best.slot;
+      if (rank == 0) {
+        const std::int32_t victim = s.slot_owner[target];
+        s.resident_map[victim] = -1;
+        s.evictions[victims] = PlanEntry{victim, target};
+      }
+      ++victims;
+    }
+    if (target < 0 || target >= C) {  // a corrupted free stack only
+      if (rank == 0) b.flags_or(*s.error_word, plan_error_bad_state);
+      break;
+    }
+    if (rank == 0) {
+      s.fills[fills] = PlanEntry{e, target};
+      s.resident_map[e] = target;
+      s.slot_owner[target] = e;
+      s.slot_tick[target] = tick;
+      s.slot_spec_left[target] = expires_after;
+      s.slot_needed[target] = seq0 + static_cast<std::uint32_t>(fills) + 1u;  // edge D4, as a miss
+    }
+    ++tick;
+    ++fills;
+    b.sync();
+  }
+  // The distinct non-resident ids left once no victim remained (fresh marks), then every mark
+  // of this call cleared (marks are zero between calls). Rank 0 alone: duplicates in the list
+  // would otherwise race on one mark.
+  std::int32_t skipped_no_victim = 0;
+  if (rank == 0) {
+    if (no_victim) {
+      for (std::int32_t i = 0; i < next; ++i) {
+        const std::int32_t id = ids[i];
+        if (id >= 0 && id < E) s.marks[id] = 0;
+      }
+      for (std::int32_t i = next; i < n_ids; ++i) {
+        const std::int32_t id = ids[i];
+        if (id < 0 || id >= E || s.resident_map[id] >= 0 || s.marks[id] != 0) continue;
+        s.marks[id] = 1;
+        ++skipped_no_victim;
+      }
+    }
+    for (std::int32_t i = 0; i < n_ids; ++i) {
+      const std::int32_t id = ids[i];
+      if (id >= 0 && id < E) s.marks[id] = 0;
+    }
+    DevicePlanStats now = *s.counters;
+    const DevicePlanStats before = now;
+    sc.tick = tick;
+    sc.free_count = free;
+    sc.fill_seq = seq0 + static_cast<std::uint32_t>(fills);
+    sc.spec_live = live0 + fills;
+    sc.fill_count = fills;
+    sc.eviction_count = victims;
+    sc.prefetch_skipped_resident = skipped_resident;
+    sc.prefetch_skipped_no_victim = skipped_no_victim;
+    now.prefetches += 1;
+    now.speculative_issued += static_cast<std::uint64_t>(fills);
+    now.evictions += static_cast<std::uint64_t>(victims);
+    if (bad_total > 0) {
+      now.bad_ids += static_cast<std::uint64_t>(bad_total);
+      b.flags_or(*s.error_word, plan_error_bad_id);
     }
     detail::publish_stats(b, s, before, now);
   }
