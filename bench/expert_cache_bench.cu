@@ -547,6 +547,16 @@ __global__ void router_kernel(const std::int32_t* ids_table, const float* w_tabl
   }
 }
 __global__ void step_counter_kernel(std::uint32_t* counter) { *counter += 1; }
+// Lookahead stand-in: the predictions for layer `layer` + 1 of step *counter (computed on the
+// host before timing, -1 padded), read in the graph like the router's ids.
+__global__ void hint_kernel(const std::int32_t* table, const std::uint32_t* counter, std::int32_t steps,
+                            std::int32_t layers, std::int32_t layer, std::int32_t n, std::int32_t* out) {
+  const std::uint32_t step = *counter % static_cast<std::uint32_t>(steps);
+  const std::size_t at = (static_cast<std::size_t>(step) * static_cast<std::size_t>(layers) + static_cast<std::size_t>(layer)) *
+                         static_cast<std::size_t>(n);
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n; i += static_cast<std::int32_t>(blockDim.x))
+    out[i] = table[at + static_cast<std::size_t>(i)];
+}
 // Overflow rounds g >= 1 write their own output; an empty round (every routing this benchmark
 // accepts fits one group) leaves zeros, which are not added, so the result stays bit-identical.
 __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) {
@@ -556,8 +566,15 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
 
 // overlap: DeviceCacheOptions::overlap and the consumer given the cache's readiness (issue 16
 // item 1): the row "device/overlap", otherwise "device/graph".
+// prefetch ("", "none" or a predictor): lookahead. The predictor runs on the host BEFORE timing
+// over the whole routing (the same calls, in the same order, as the host-planned rows make
+// during their loop); its lists are uploaded with the routing. In the graph, after layer l's
+// prepare, a side stream forks from the consumer stream, a kernel copies layer l+1's list of
+// the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
+// layer l's consumer; prepare(l+1) joins the side stream (edge 2).
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
-                     Progress& progress, std::vector<std::string>& notes, bool overlap = false) {
+                     Progress& progress, std::vector<std::string>& notes, bool overlap = false,
+                     const std::string& prefetch = "") {
   using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
   const char* const device_staging = overlap ? device_overlap_staging : bench::device_staging;
   const std::int32_t n = m.ids_per_forward();
@@ -580,6 +597,45 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
       synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
   });
   const std::int32_t rounds = caches[0]->max_groups(n);
+
+  // Lookahead lists: [steps][layers][list_length], -1 padded (the last layer's is empty).
+  Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
+  const std::int32_t list_n = lookahead.active() ? lookahead.list_length() : 0;
+  std::vector<std::int32_t> hints;
+  if (lookahead.active()) {
+    hints.assign(static_cast<std::size_t>(routing.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), -1);
+    for (std::int32_t s = 0; s < routing.steps; ++s) {
+      for (std::int32_t l = 0; l < m.layers; ++l) {
+        const bool last = l + 1 == m.layers;
+        const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
+        const std::span<const std::int32_t> p = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
+        std::copy(p.begin(), p.end(),
+                  hints.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(s) * m.layers + l) * list_n));
+      }
+    }
+  }
+  const auto prefetch_bytes =
+      static_cast<std::int64_t>(lookahead.budget()) * static_cast<std::int64_t>(total_bytes_per_expert(tensors));
+  DeviceBuffer table_hints(std::max<std::size_t>(hints.size(), 1) * sizeof(std::int32_t));
+  if (!hints.empty()) {
+    check_cuda(cudaMemcpy(table_hints.p, hints.data(), hints.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
+               "cudaMemcpy(lookahead lists)");
+  }
+  DeviceBuffer layer_hints(std::max<std::size_t>(static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), 1) *
+                           sizeof(std::int32_t));
+  cudaStream_t side = nullptr;
+  cudaEvent_t forked = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreateWithFlags(side)");
+  check_cuda(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  struct SideGuard {
+    cudaStream_t s;
+    cudaEvent_t e;
+    ~SideGuard() {
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+      cudaEventDestroy(e);
+    }
+  } side_guard{side, forked};
 
   // The routing buffer (every step's ids and weights, uploaded once, before timing), the step
   // counter, per-layer ids / weights, the outputs of overflow rounds.
@@ -613,6 +669,17 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
       for (std::int32_t g = 0; g < rounds; ++g) {
         Result<ForwardView> view = g == 0 ? cache.prepare(l_ids, n, ctx.consumer) : cache.prepare_group(g, ctx.consumer);
         if (!view.ok()) throw Error(view.status());
+        if (g == 0 && list_n > 0 && l + 1 < m.layers) {
+          std::int32_t* h = layer_hints.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
+          check_cuda(cudaEventRecord(forked, ctx.consumer), "cudaEventRecord(fork)");
+          check_cuda(cudaStreamWaitEvent(side, forked, 0), "cudaStreamWaitEvent(fork)");
+          hint_kernel<<<1, 32, 0, side>>>(table_hints.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
+                                          m.layers, l, list_n, h);
+          check_cuda(cudaGetLastError(), "hint_kernel");
+          Result<PrefetchView> pv =
+              caches[static_cast<std::size_t>(l + 1)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
+          if (!pv.ok()) throw Error(pv.status());
+        }
         float* dst = g == 0 ? out : part.as<float>();
         if (g > 0) check_cuda(cudaMemsetAsync(dst, 0, act * sizeof(float), ctx.consumer), "cudaMemsetAsync(round)");
         if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(), l_w,
@@ -648,12 +715,14 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
   RunResult r;
   r.provider = "device";
   r.staging = device_staging;
+  r.prefetch = prefetch;
   r.modelled = false;
   const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
-  const std::string key = std::string("device/") + device_staging;
+  const std::string key = std::string("device/") + device_staging + (lookahead.active() ? "+" + prefetch : "");
   auto& snaps = ctx.snapshots[key];
   snaps.clear();
   std::uint64_t hits0 = 0, misses0 = 0, stalls0 = 0, syncs0 = 0;
+  std::uint64_t spec0[3] = {0, 0, 0};
   double launch_ns = 0;
   Clock::time_point measure_start{};
   for (std::int32_t s = 0; s < routing.steps; ++s) {
@@ -665,6 +734,9 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
         hits0 += cs.hits;
         misses0 += cs.misses;
         stalls0 += cs.staging_stalls;
+        spec0[0] += cs.speculative_issued;
+        spec0[1] += cs.speculative_used;
+        spec0[2] += cs.speculative_wasted;
       }
       syncs0 = ctx.host_syncs;
       measure_start = Clock::now();
@@ -693,12 +765,19 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
     r.hits += cs.hits;
     r.misses += cs.misses;
     stalls += cs.staging_stalls;
+    r.speculative_issued += cs.speculative_issued;
+    r.speculative_used += cs.speculative_used;
+    r.speculative_wasted += cs.speculative_wasted;
     if (c->take_errors() != 0) ++errors;  // bad ids / overflow: impossible for a validated routing
   }
   r.hits -= hits0;
   r.misses -= misses0;  // copies stay 0: the fills are kernels, no copy calls
+  r.speculative_issued -= spec0[0];
+  r.speculative_used -= spec0[1];
+  r.speculative_wasted -= spec0[2];
   r.host_syncs += stalls - stalls0;
-  r.pcie_bytes = static_cast<double>(r.misses) * static_cast<double>(m.expert_bytes());
+  // Bytes moved: the misses and every speculative fill (used or wasted).
+  r.pcie_bytes = static_cast<double>(r.misses + r.speculative_issued) * static_cast<double>(m.expert_bytes());
   compare_outputs(m, ctx, r);
   r.output_checked = true;
   r.check_failures += errors;
@@ -721,19 +800,19 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
   char buf[640];
   if (compared == 0) {
     std::snprintf(buf, sizeof buf,
-                  "device/%s: no host-planned row run before it in this invocation; last-step outputs compared "
+                  "%s: no host-planned row run before it in this invocation; last-step outputs compared "
                   "with the all-resident run only",
-                  device_staging);
+                  key.c_str());
   } else {
-    std::snprintf(buf, sizeof buf, "device/%s: outputs of steps %s %s %s (host-planned, same steps)", device_staging,
+    std::snprintf(buf, sizeof buf, "%s: outputs of steps %s %s %s (host-planned, same steps)", key.c_str(),
                   steps_text.c_str(), differ == 0 ? "bit-identical to" : "DIFFER from", ctx.row_reference.c_str());
   }
   notes.emplace_back(buf);
   r.check_failures += differ;
   std::snprintf(buf, sizeof buf,
-                "device/%s: one CUDA graph per step (%zu nodes, %d round(s) per layer; captured and instantiated "
+                "%s: one CUDA graph per step (%zu nodes, %d round(s) per layer; captured and instantiated "
                 "once in %.1f ms); cudaGraphLaunch %.1f us of host time per step; %s",
-                device_staging, nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
+                key.c_str(), nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
   return r;
@@ -775,7 +854,8 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {
-      rep.runs.push_back(run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging));
+      rep.runs.push_back(
+          run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging, cfg.prefetch));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
     } else {
@@ -787,8 +867,9 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
   const RunResult* plain = nullptr;
   const RunResult* ov = nullptr;
   for (const RunResult& r : rep.runs) {
-    if (r.provider == "device" && r.staging == bench::device_staging) plain = &r;
-    if (r.provider == "device" && r.staging == device_overlap_staging) ov = &r;
+    if (r.provider != "device" || r.is_lookahead_row()) continue;
+    if (r.staging == bench::device_staging) plain = &r;
+    if (r.staging == device_overlap_staging) ov = &r;
   }
   if (plain != nullptr && ov != nullptr && plain->tokens_per_second() > 0) {
     char buf[256];

@@ -94,8 +94,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
-               "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging: after layer L's\n"
-               "                      prepare and consumer, prefetch layer L+1's predicted experts: none, coact\n"
+               "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
+               "                      the device rows: after layer L's prepare, prefetch layer L+1's predicted\n"
+               "                      experts (device: on a side stream inside the captured step): none, coact\n"
                "                      (co-activation table), prev (previous token), hint:R (EMULATED engine\n"
                "                      hints of recall R in (0, 1], drawn from the routing's future)\n"
                "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
@@ -270,8 +271,15 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
   for (const std::string& p : a.providers) {
     if (p == "resident") continue;
     if (p == "device") {
-      out.push_back({p, device_staging, ""});
-      if (a.overlap) out.push_back({p, device_overlap_staging, ""});
+      // With --prefetch every device row has a lookahead twin per predictor (prefetch() on the
+      // device from a side stream of the captured step; measured runs only).
+      std::vector<std::string> rows{device_staging};
+      if (a.overlap) rows.emplace_back(device_overlap_staging);
+      for (const std::string& s : rows) {
+        out.push_back({p, s, a.prefetch.empty() ? "" : "none"});
+        for (const std::string& spec : a.prefetch)
+          if (spec != "none") out.push_back({p, s, spec});
+      }
       continue;
     }
     for (const std::string& s : staging) {

@@ -56,6 +56,14 @@ class ModelledPlanExecutor {
     if (Status st = inner_.plan_group_fill(s, g, planned); !st) return st;
     return charge_fill(s);
   }
+  // Costed like a forward's plan + fill (the modelled run issues no prefetch today).
+  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
+                  bool& planned) noexcept {
+    rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);
+    rt_->sim().set_next_duration_ns(rt_->costs().plan_ns);
+    if (Status st = inner_.prefetch(s, ids, n, max_fills, expires_after, planned); !st) return st;
+    return charge_fill(s);
+  }
   Status invalidate(Stream s, std::int32_t expert) noexcept {
     rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);
     rt_->sim().set_next_duration_ns(rt_->costs().graph_node_ns);

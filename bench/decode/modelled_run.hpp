@@ -491,6 +491,7 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_sim<void>(m, routing, a, costs, "resident", "-", progress));
     } else if (cfg.provider == "device") {
+      if (!cfg.prefetch.empty() && cfg.prefetch != "none") continue;  // device lookahead: measured runs only
       rep.runs.push_back(run_sim_device(m, routing, a, costs, progress));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_sim_staging<TensorMajorStorage, Lru>(m, routing, a, costs, cfg, progress));

@@ -123,13 +123,32 @@ Ids sorted_unique_valid(const std::int32_t* ids, std::int32_t n, std::int32_t ex
 struct Config {
   std::int32_t layers, experts, capacity, n_ids, steps;
   bool fused;
+  // Lookahead (issue 16): at layer l a predictor kernel on a side stream writes hint ids for
+  // layer l + 1 (mostly that step's true ids, some wrong ones) and dev[l + 1] prefetches them
+  // there, overlapping layer l's consumer; the host reference prefetches the same ids.
+  std::int32_t hint_ids = 0;  // 0: no prefetch
 };
+
+// The predictor stand-in: hint ids of step *counter, layer `layer`, from a device table.
+template <int U = 0>
+__global__ void hint_kernel(const std::int32_t* table, const std::uint32_t* counter, std::int32_t layers,
+                            std::int32_t layer, std::int32_t n, std::int32_t steps, std::int32_t* out) {
+  const std::uint32_t step = *counter % static_cast<std::uint32_t>(steps);
+  const std::int32_t* src = table + (static_cast<std::size_t>(step) * layers + layer) * n;
+  for (std::int32_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
+}
 
 struct Rig {
   Config cfg;
   std::int32_t rounds;
   cudaStream_t x = nullptr;
   cudaStream_t host_x = nullptr;
+  cudaStream_t side = nullptr;   // the prefetches' stream
+  cudaEvent_t forked = nullptr;  // recorded on x before each prefetch: side starts after layer l's prepare
+  std::vector<Ids> hints;        // [step][layer] -> hint_ids ids for layer + 1 (valid ids)
+  DeviceBuffer<std::int32_t> d_hints;
+  DeviceBuffer<std::int32_t> d_hint_ids;  // [layer][hint_ids]
+  PrefetchOptions prefetch_options{};
   std::vector<std::unique_ptr<DevCache>> dev;
   std::vector<std::unique_ptr<HostCache>> host;
   std::vector<Ids> table;  // [step][layer] -> n_ids ids
@@ -168,8 +187,34 @@ struct Rig {
     return t;
   }
 
+  // Per step and layer l: hints for layer l + 1: its valid ids of the step (deduplicated, in
+  // order), every third replaced by a random expert, padded with random experts.
+  static std::vector<std::int32_t> make_hints(const Config& c, const std::vector<std::int32_t>& flat, std::uint64_t seed) {
+    std::mt19937_64 rng(seed ^ 0x5151);
+    std::vector<std::int32_t> h;
+    for (std::int32_t s = 0; s < c.steps; ++s) {
+      for (std::int32_t l = 0; l < c.layers; ++l) {
+        Ids row;
+        if (l + 1 < c.layers) {
+          const auto* next = flat.data() + (static_cast<std::size_t>(s) * c.layers + l + 1) * c.n_ids;
+          for (std::int32_t i = 0; i < c.n_ids && static_cast<std::int32_t>(row.size()) < c.hint_ids; ++i) {
+            if (next[i] < 0 || next[i] >= c.experts) continue;
+            row.push_back(rng() % 3 == 0 ? static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.experts)) : next[i]);
+          }
+        }
+        while (static_cast<std::int32_t>(row.size()) < c.hint_ids) {
+          row.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.experts)));
+        }
+        h.insert(h.end(), row.begin(), row.end());
+      }
+    }
+    return h;
+  }
+
   Rig(Config c, std::uint64_t seed)
       : cfg(c),
+        d_hints(c.hint_ids > 0 ? make_hints(c, make_table(c, seed), seed) : std::vector<std::int32_t>{0}),
+        d_hint_ids(static_cast<std::size_t>(std::max(1, c.layers * c.hint_ids))),
         d_table(make_table(c, seed)),
         d_ids(static_cast<std::size_t>(c.layers * c.n_ids)),
         d_counter(std::vector<std::uint32_t>{0u}),
@@ -184,6 +229,17 @@ struct Rig {
     }
     REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
     REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&host_x, cudaStreamNonBlocking));
+    REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    REQUIRE_CUDA_OK(cudaEventCreateWithFlags(&forked, cudaEventDisableTiming));
+    if (c.hint_ids > 0) {
+      const std::vector<std::int32_t> hf = make_hints(c, flat, seed);
+      for (std::size_t i = 0; i < hf.size(); i += static_cast<std::size_t>(c.hint_ids)) {
+        hints.emplace_back(hf.begin() + static_cast<std::ptrdiff_t>(i), hf.begin() + static_cast<std::ptrdiff_t>(i + c.hint_ids));
+      }
+      // Budget: half the hints (whole experts), each fill protected for one forward.
+      const auto bytes = static_cast<std::int64_t>(total_bytes_per_expert(test_layout().tensors()));
+      prefetch_options = PrefetchOptions{bytes * std::max(1, c.hint_ids / 2), 1};
+    }
     for (std::int32_t l = 0; l < c.layers; ++l) {
       DeviceCacheOptions o;
       o.num_experts = c.experts;
@@ -223,8 +279,11 @@ struct Rig {
   }
   ~Rig() {
     (void)cudaStreamSynchronize(x);
+    (void)cudaStreamSynchronize(side);
     (void)cudaStreamDestroy(x);
     (void)cudaStreamDestroy(host_x);
+    (void)cudaStreamDestroy(side);
+    (void)cudaEventDestroy(forked);
   }
 
   // One decode step on x: per layer router -> prepare -> consumer, then the overflow rounds.
@@ -235,6 +294,16 @@ struct Rig {
       REQUIRE_CUDA_OK(cudaGetLastError());
       auto v = dev[static_cast<std::size_t>(l)]->prepare(ids, cfg.n_ids, x);
       REQUIRE_MESSAGE(v.ok(), std::string(v.status().message()));
+      if (cfg.hint_ids > 0 && l + 1 < cfg.layers) {
+        // Fork after this layer's prepare; the next layer's prepare joins (edge 2).
+        std::int32_t* h = d_hint_ids.get() + l * cfg.hint_ids;
+        REQUIRE_CUDA_OK(cudaEventRecord(forked, x));
+        REQUIRE_CUDA_OK(cudaStreamWaitEvent(side, forked, 0));
+        hint_kernel<0><<<1, 32, 0, side>>>(d_hints.get(), d_counter.get(), cfg.layers, l, cfg.hint_ids, cfg.steps, h);
+        REQUIRE_CUDA_OK(cudaGetLastError());
+        auto pv = dev[static_cast<std::size_t>(l + 1)]->prefetch(h, cfg.hint_ids, side, prefetch_options);
+        REQUIRE_MESSAGE(pv.ok(), std::string(pv.status().message()));
+      }
       reader_kernel<0><<<1, 64, 0, x>>>(readers[static_cast<std::size_t>(l)]);
       REQUIRE_CUDA_OK(cudaGetLastError());
       for (std::int32_t g = 1; g < rounds; ++g) {
@@ -265,6 +334,10 @@ struct Rig {
                             uniq.begin() + static_cast<std::ptrdiff_t>(std::min(uniq.size(), b + cfg.capacity)));
       }
       std::uint64_t hits = 0, miss = 0;
+      if (cfg.hint_ids > 0 && l > 0) {  // the prefetch issued at layer l - 1 of this step
+        auto pv = host[li]->prefetch(hints[static_cast<std::size_t>(s) * cfg.layers + li - 1], host_x, prefetch_options);
+        REQUIRE_MESSAGE(pv.ok(), std::string(pv.status().message()));
+      }
       if (groups.empty()) REQUIRE(host[li]->prepare_unique(Ids{}, host_x).ok());
       for (const Ids& g : groups) {
         auto v = host[li]->prepare_unique(g, host_x);
@@ -281,6 +354,11 @@ struct Rig {
           ids.begin(), ids.end(), [&](std::int32_t id) { return id != -1 && (id < 0 || id >= cfg.experts); }));
       CHECK(now.bad_ids - before[li].bad_ids == bad);
       CHECK(now.overflows - before[li].overflows == (groups.size() > 1 ? 1u : 0u));
+      const CacheStats hs = host[li]->stats();
+      CHECK(now.speculative_issued == hs.speculative_issued);
+      CHECK(now.speculative_used == hs.speculative_used);
+      CHECK(now.speculative_wasted == hs.speculative_wasted);
+      CHECK(now.evictions == hs.evictions);
       before[li] = now;
       misses += miss;
       // Maps.
@@ -328,6 +406,21 @@ std::int32_t steps_requested() {
   return 1000;
 }
 
+// With hints: the prefetches did fill, and some fills were used by the next forward.
+void report_speculative(const Rig& r) {
+  if (r.cfg.hint_ids == 0) return;
+  std::uint64_t issued = 0, used = 0, wasted = 0;
+  for (const auto& d : r.dev) {
+    const CacheStats s = d->stats();
+    issued += s.speculative_issued;
+    used += s.speculative_used;
+    wasted += s.speculative_wasted;
+  }
+  MESSAGE("speculative fills issued " << issued << ", used " << used << ", wasted " << wasted);
+  CHECK(issued > 0);
+  CHECK(used > 0);
+}
+
 void run_eager(const Config& c) {
   Rig r(c, 17);
   std::vector<DevicePlanStats> before(static_cast<std::size_t>(c.layers));
@@ -338,7 +431,8 @@ void run_eager(const Config& c) {
     misses += r.check_step(s, before);
   }
   MESSAGE("eager: " << c.steps << " steps x " << c.layers << " layers, " << r.rounds << " rounds, misses " << misses
-                    << ", fused " << c.fused);
+                    << ", fused " << c.fused << ", hint ids " << c.hint_ids);
+  report_speculative(r);
 }
 
 void run_graph(const Config& c) {
@@ -361,7 +455,8 @@ void run_graph(const Config& c) {
   // The host saw no cache call during the replays: every prepare was captured once.
   for (const auto& d : r.dev) CHECK(d->stats().prepare_calls == 1);
   MESSAGE("graph: " << nodes << " nodes, replayed " << c.steps << " times x " << c.layers << " layers, " << r.rounds
-                    << " rounds, misses " << misses << ", fused " << c.fused);
+                    << " rounds, misses " << misses << ", fused " << c.fused << ", hint ids " << c.hint_ids);
+  report_speculative(r);
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
 }
@@ -421,4 +516,9 @@ TEST_CASE("device cache: invalidate on the device, owner change between two stre
   CHECK(r.dev[0]->device_stats() == d);
   CHECK(r.dev[0]->stats().faults == 0);
   (void)cudaStreamDestroy(y);
+}
+
+TEST_CASE("device prefetch on a side stream == host-planned prefetch, eager (fused) and captured (two nodes)") {
+  run_eager(Config{4, 64, 12, 16, std::max(100, steps_requested() / 4), true, 6});
+  run_graph(Config{4, 64, 12, 16, steps_requested(), false, 6});
 }
