@@ -55,11 +55,13 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     }
     if (!args.prefetch.empty() || args.prefetch_budget) {
       if (args.prefetch.empty()) throw UsageError{"--prefetch-budget needs --prefetch"};
-      if (std::none_of(args.providers.begin(), args.providers.end(), prefetch_provider))
-        throw UsageError{"--prefetch needs a host-planned provider (--provider row or cached): prefetch() runs on "
-                         "the host-planned caches"};
-      if (args.staging_given && std::find(args.staging.begin(), args.staging.end(), std::string(prefetch_staging)) ==
-                                    args.staging.end())
+      const bool host_planned = std::any_of(args.providers.begin(), args.providers.end(), prefetch_provider);
+      const bool device = std::find(args.providers.begin(), args.providers.end(), "device") != args.providers.end();
+      if (!host_planned && !(device && use_gpu))
+        throw UsageError{"--prefetch needs a host-planned provider (--provider row or cached), or the device provider "
+                         "on the CUDA runtime (the modelled run has no device lookahead)"};
+      if (host_planned && args.staging_given &&
+          std::find(args.staging.begin(), args.staging.end(), std::string(prefetch_staging)) == args.staging.end())
         throw UsageError{"--prefetch needs --staging copy_stream (the staging whose fills run on the copy stream, so "
                          "speculative fills overlap the consumer)"};
     }
