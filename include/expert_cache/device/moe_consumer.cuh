@@ -40,7 +40,7 @@
 // and reads slots with coherent loads (ld.global.cg: the fill writes them while this kernel
 // runs, which the non-coherent path does not allow). So the blocks of resident experts compute
 // while the fill still copies the missing ones, and each missing expert is taken as soon as it
-// landed. moe_w13 still waits for the fill grid before it COMPLETES (griddepcontrol.wait at
+// landed. moe_w13 still waits for the fill grid before it COMPLETES (griddepcontrol.wait, in one block, at
 // its end). moe_w2 waits per slot the same way before its early weight loads, and then, instead
 // of waiting for all of moe_w13, per pair (edge D4b): the moe_w13 block that stores tile j of
 // pair p's act adds one to the pair's count (release, publish_tile), and moe_w2 blocks of pair p
@@ -548,7 +548,12 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
   moe_w13_body<Mode>(w, ids, x, hidden, top_k, rows, padded, gscale, partial, counters, act, ready, progress);
   // With readiness: complete only after the previous kernel (the overlapped fill), so that
   // moe_w2's wait and every later kernel on the stream come after the fill grid (edge D4).
-  if constexpr (Mode != ready_none) griddep_wait();
+  // One block's wait is enough (a grid completes when its last block exits); the others exit
+  // when their work is done, so they free their SM slots for the blocks not yet resident and
+  // for moe_w2 instead of holding them until the last byte of the fill landed.
+  if constexpr (Mode != ready_none) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) griddep_wait();
+  }
 }
 
 // C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
@@ -645,8 +650,11 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
                                                   float* out, SlotReadiness ready, PairProgress progress) {
   moe_w2_body<Mode>(w, ids, topk_weights, hidden, top_k, rows, gscale, act, partial, counters, out, ready, progress);
   // Readiness: complete only after moe_w13 (hence after the fill), as before the per-pair wait,
-  // so that every later kernel on the stream still comes after both.
-  if constexpr (Mode == ready_wait || Mode == ready_test_skip_act_wait) griddep_wait();
+  // so that every later kernel on the stream still comes after both. One block's wait is
+  // enough, as in moe_w13.
+  if constexpr (Mode == ready_wait || Mode == ready_test_skip_act_wait) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) griddep_wait();
+  }
 }
 
 }  // namespace moe_detail
