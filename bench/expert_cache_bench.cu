@@ -574,9 +574,10 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
 // layer l's consumer; prepare(l+1) joins the side stream (edge 2).
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      Progress& progress, std::vector<std::string>& notes, bool overlap = false,
-                     const std::string& prefetch = "") {
+                     const std::string& prefetch = "", bool fill_only = false) {
   using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
-  const char* const device_staging = overlap ? device_overlap_staging : bench::device_staging;
+  const char* const device_staging =
+      fill_only ? device_fill_only_staging : (overlap ? device_overlap_staging : bench::device_staging);
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
@@ -682,6 +683,7 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
         }
         float* dst = g == 0 ? out : part.as<float>();
         if (g > 0) check_cuda(cudaMemsetAsync(dst, 0, act * sizeof(float), ctx.consumer), "cudaMemsetAsync(round)");
+        if (fill_only) continue;  // the timing decomposition: router, plan and fills only
         if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(), l_w,
                                      ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
             !st)
@@ -778,6 +780,11 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
   r.host_syncs += stalls - stalls0;
   // Bytes moved: the misses and every speculative fill (used or wasted).
   r.pcie_bytes = static_cast<double>(r.misses + r.speculative_issued) * static_cast<double>(m.expert_bytes());
+  if (fill_only) {
+    notes.emplace_back("device/fill_only: no consumer in the graph (router, plan and fills): the time a perfectly hidden "
+                       "consumer would leave; outputs not checked");
+    return r;
+  }
   compare_outputs(m, ctx, r);
   r.output_checked = true;
   r.check_failures += errors;
@@ -855,7 +862,8 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {
       rep.runs.push_back(
-          run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging, cfg.prefetch));
+          run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging, cfg.prefetch,
+                     cfg.staging == device_fill_only_staging));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
     } else {
@@ -875,6 +883,26 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     char buf[256];
     std::snprintf(buf, sizeof buf, "device/overlap: %.3fx the tokens per second of device/graph (issue 16 target: >= 1.15x at the defaults)",
                   ov->tokens_per_second() / plain->tokens_per_second());
+    rep.notes.emplace_back(buf);
+  }
+  const RunResult* fo = nullptr;
+  for (const RunResult& r : rep.runs)
+    if (r.provider == "device" && r.staging == device_fill_only_staging) fo = &r;
+  if (plain != nullptr && fo != nullptr && fo->tokens_per_second() > 0 && plain->tokens_per_second() > 0) {
+    // Per token: graph = fills path + consumer; fill_only = fills path alone.
+    const double t_graph = 1e3 / plain->tokens_per_second(), t_fill = 1e3 / fo->tokens_per_second();
+    char buf[320];
+    if (ov != nullptr && ov->tokens_per_second() > 0) {
+      const double t_ov = 1e3 / ov->tokens_per_second();
+      std::snprintf(buf, sizeof buf,
+                    "decomposition (ms/token): graph %.3f, overlap %.3f, fill_only %.3f; a fully hidden consumer would "
+                    "give %.3fx graph; overlap hides %.0f%% of the consumer's %.3f ms",
+                    t_graph, t_ov, t_fill, t_graph / t_fill, t_graph > t_fill ? 100.0 * (t_graph - t_ov) / (t_graph - t_fill) : 0.0,
+                    t_graph - t_fill);
+    } else {
+      std::snprintf(buf, sizeof buf, "decomposition (ms/token): graph %.3f, fill_only %.3f (consumer %.3f)", t_graph, t_fill,
+                    t_graph - t_fill);
+    }
     rep.notes.emplace_back(buf);
   }
   return rep;

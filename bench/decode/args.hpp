@@ -45,6 +45,7 @@ struct BenchArgs {
   std::vector<std::string> staging;    // inline, copy_stream, batched, gather
   bool staging_given = false;
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
+  bool fill_only = false;  // the device provider also without its consumer (a timing decomposition)
   // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
   std::vector<std::string> prefetch;
@@ -94,6 +95,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
+               "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
+               "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
                "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
                "                      the device rows: after layer L's prepare, prefetch layer L+1's predicted\n"
                "                      experts (device: on a side stream inside the captured step): none, coact\n"
@@ -223,6 +226,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--overlap") {
       no_value();
       a.overlap = true;
+    } else if (arg == "--fill-only") {
+      no_value();
+      a.fill_only = true;
     } else if (arg == "--prefetch") {
       for (const std::string_view item : split_commas(value())) {
         const Result<PrefetchSpec> spec = parse_prefetch_spec(item);
@@ -247,6 +253,7 @@ inline BenchArgs parse_args(int argc, char** argv) {
 // "overlap" (DeviceCacheOptions::overlap: the consumer waits per slot, fills overlap it).
 inline constexpr const char* device_staging = "graph";
 inline constexpr const char* device_overlap_staging = "overlap";
+inline constexpr const char* device_fill_only_staging = "fill_only";
 // With --prefetch, the host-planned copy_stream rows are the lookahead baseline (prefetch
 // "none") and each predictor adds a row after them ("coact", "prev", "hint:R").
 inline constexpr const char* prefetch_staging = "copy_stream";
@@ -273,6 +280,7 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
     if (p == "device") {
       // With --prefetch every device row has a lookahead twin per predictor (prefetch() on the
       // device from a side stream of the captured step; measured runs only).
+      if (a.fill_only) out.push_back({p, device_fill_only_staging, ""});
       std::vector<std::string> rows{device_staging};
       if (a.overlap) rows.emplace_back(device_overlap_staging);
       for (const std::string& s : rows) {

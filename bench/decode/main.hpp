@@ -53,6 +53,11 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (!use_gpu)
         throw UsageError{"--overlap needs the CUDA runtime (a GPU): the modelled run has no model of the overlap"};
     }
+    if (args.fill_only) {
+      if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())
+        throw UsageError{"--fill-only needs the device provider (--provider device or all)"};
+      if (!use_gpu) throw UsageError{"--fill-only needs the CUDA runtime (a GPU)"};
+    }
     if (!args.prefetch.empty() || args.prefetch_budget) {
       if (args.prefetch.empty()) throw UsageError{"--prefetch-budget needs --prefetch"};
       const bool host_planned = std::any_of(args.providers.begin(), args.providers.end(), prefetch_provider);
