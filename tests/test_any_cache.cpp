@@ -326,6 +326,9 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
     const Stream ss = rs.create_stream().value(), sa = ra.create_stream().value();
     RuntimeBuffer<SimRuntime> ids_s(rs, max_ids * sizeof(std::int32_t), MemoryKind::device);
     RuntimeBuffer<SimRuntime> ids_a(ra, max_ids * sizeof(std::int32_t), MemoryKind::device);
+    RuntimeBuffer<SimRuntime> pred_s(rs, E * sizeof(std::int32_t), MemoryKind::device);
+    RuntimeBuffer<SimRuntime> pred_a(ra, E * sizeof(std::int32_t), MemoryKind::device);
+    std::uint64_t speculative = 0;
     DeviceCacheOptions o;
     o.num_experts = E;
     o.capacity = C;
@@ -369,6 +372,23 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
         for (std::int32_t g = 1; g < ref.max_groups(max_ids); ++g) {
           check_result_equal(ref.prepare_group(g, ss), any.prepare_group(g, sa));
         }
+        if (step % 3 == 1) {  // lookahead: device ids (prefetch_device) or host ids (prefetch)
+          Ids predicted;
+          for (auto n = rng() % 5; n > 0; --n) predicted.push_back(static_cast<std::int32_t>(rng() % E));
+          const PrefetchOptions po{2 * static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors())), 1};
+          if (step % 2 == 0) {
+            for (auto [rt, buf] : {std::pair{&rs, &pred_s}, std::pair{&ra, &pred_a}}) {
+              rt->host_access(buf->data(), predicted.size() * sizeof(std::int32_t), AccessMode::write);
+              std::memcpy(buf->data(), predicted.data(), predicted.size() * sizeof(std::int32_t));
+            }
+            const auto n = static_cast<std::int32_t>(predicted.size());
+            REQUIRE(ref.prefetch(reinterpret_cast<const std::int32_t*>(pred_s.data()), n, ss, po).ok());
+            REQUIRE(any.prefetch_device(reinterpret_cast<const std::int32_t*>(pred_a.data()), n, sa, po).ok());
+          } else {
+            REQUIRE(ref.prefetch(std::span<const std::int32_t>(predicted), ss, po).ok());
+            REQUIRE(any.prefetch(std::span<const std::int32_t>(predicted), sa, po).ok());
+          }
+        }
         rs.drain();
         ra.drain();
         REQUIRE(rs.synchronize(ss).ok());  // the host reads the error word next
@@ -384,6 +404,7 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
           for (std::int32_t slot = 0; slot < C; ++slot) REQUIRE(std::equal(st.slot(slot), st.slot(slot) + st.bytes, at.slot(slot)));
         }
       }
+      speculative += ref.stats().speculative_issued;
       // Too many ids: refused by both, nothing changes.
       const Ids big(max_ids + 1, 0);
       check_result_equal(ref.prepare(reinterpret_cast<const std::int32_t*>(ids_s.data()), max_ids + 1, ss),
@@ -396,7 +417,24 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
     CHECK(any.prepare_unique(Ids{1}, sa).status().code() == ErrorCode::not_supported);
     CHECK(any.last_plan() == nullptr);
     CHECK(any.forward_map_host().empty());
+    CHECK(speculative > 20);  // the lookahead calls did fill
+    const Ids bad = {E};
+    CHECK(any.prefetch(std::span<const std::int32_t>(bad), sa, {1 << 20, 1}).status().code() == ErrorCode::expert_out_of_range);
   }
+}
+
+TEST_CASE("AnyExpertCache: prefetch_device is the device provider's; host providers refuse it") {
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  auto made = make_expert_cache(rt, config_of("row", "", "", "", 12, 4, 1));
+  REQUIRE(made.ok());
+  AnySim row = std::move(made.value());
+  RuntimeBuffer<SimRuntime> ids(rt, 4 * sizeof(std::int32_t), MemoryKind::device);
+  const CacheStats before = row.stats();
+  const auto r = row.prefetch_device(reinterpret_cast<const std::int32_t*>(ids.data()), 2, s, {1 << 20, 1});
+  CHECK(r.status().code() == ErrorCode::not_supported);
+  CHECK(std::string(r.status().message()).find("host-planned") != std::string::npos);
+  check_stats_equal(before, row.stats());
 }
 
 TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, with nothing allocated") {
