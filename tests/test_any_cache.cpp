@@ -378,6 +378,7 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
           const PrefetchOptions po{2 * static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors())), 1};
           if (step % 2 == 0) {
             for (auto [rt, buf] : {std::pair{&rs, &pred_s}, std::pair{&ra, &pred_a}}) {
+              if (predicted.empty()) break;  // nothing to write (and no null pointer to memcpy)
               rt->host_access(buf->data(), predicted.size() * sizeof(std::int32_t), AccessMode::write);
               std::memcpy(buf->data(), predicted.data(), predicted.size() * sizeof(std::int32_t));
             }
