@@ -14,6 +14,8 @@
 //     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
 //                                    forward had fewer groups: a graph provisions max_groups)
 //     invalidate(e, X)               a device invalidate, ordered like any write
+//     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
+//     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
 //     stats(), device_stats()        from the device stats (mapped memory) + host counters
 //     take_errors()                  read and clear the device error word (bad ids, overflow)
 //
