@@ -418,21 +418,31 @@ TEST_CASE("device cache ordering: edges 3, 4, 5, 7, 8 are not relied upon (all o
   CHECK(racy > 20);
 }
 
-TEST_CASE("negative (edge 1): without the owner release, an owner change races the previous owner's consumer") {
-  Fixture<NoReleaseWait> f(12, 4);
-  (void)f.step(0, {0, 1, 2, 3});
-  (void)f.step(1, {4, 5, 6, 7});  // owner A -> B: B's plan + fill overwrite what A's consumer reads
-  f.settle();
+namespace {
+// Both halves of a negative test: the schedule `run` races with the edge of `Removed` off, and is
+// silent, with the state equal to the host reference, with every edge on. Returns the latter
+// fixture for the test's own checks.
+template <class Removed, class Run>
+std::unique_ptr<Fixture<>> races_only_without(Run run) {
+  Fixture<Removed> f(12, 4);
+  run(f);
   REQUIRE(f.rt.race_count() > 0);
   MESSAGE(f.rt.races()[0].description);
-  // With the edge: silent.
-  Fixture<> g(12, 4);
-  (void)g.step(0, {0, 1, 2, 3});
-  (void)g.step(1, {4, 5, 6, 7});
-  g.settle();
-  g.check_clean();
-  g.check_equal(true);
-  CHECK(g.dev->ordering_counters().owner_changes == 1);
+  auto g = std::make_unique<Fixture<>>(12, 4);
+  run(*g);
+  g->check_clean();
+  g->check_equal(true);
+  return g;
+}
+}  // namespace
+
+TEST_CASE("negative (edge 1): without the owner release, an owner change races the previous owner's consumer") {
+  auto g = races_only_without<NoReleaseWait>([](auto& f) {
+    (void)f.step(0, {0, 1, 2, 3});
+    (void)f.step(1, {4, 5, 6, 7});  // owner A -> B: B's plan + fill overwrite what A's consumer reads
+    f.settle();
+  });
+  CHECK(g->dev->ordering_counters().owner_changes == 1);
 }
 
 TEST_CASE("negative (edge 2): without the last-writer release, an invalidate from a third stream races the next plan") {
@@ -443,14 +453,7 @@ TEST_CASE("negative (edge 2): without the last-writer release, an invalidate fro
     (void)f.step(1, {1, 2, 3, 4});  // B waits for the owner (edge 1) and for stream 2 (edge 2)
     f.settle();
   };
-  Fixture<NoLastFillRelease> f(12, 4);
-  run(f);
-  REQUIRE(f.rt.race_count() > 0);
-  MESSAGE(f.rt.races()[0].description);
-  Fixture<> g(12, 4);
-  run(g);
-  g.check_clean();
-  g.check_equal(true);
+  (void)races_only_without<NoLastFillRelease>(run);
 }
 
 TEST_CASE("negative (edge 6): without invalidate ordering, a device invalidate races the owner's consumer") {
@@ -459,14 +462,7 @@ TEST_CASE("negative (edge 6): without invalidate ordering, a device invalidate r
     f.invalidate(1, 1);  // stream 1 rewrites the maps the consumer on stream 0 may still read
     f.settle();
   };
-  Fixture<NoInvalidateOrder> f(12, 4);
-  run(f);
-  REQUIRE(f.rt.race_count() > 0);
-  MESSAGE(f.rt.races()[0].description);
-  Fixture<> g(12, 4);
-  run(g);
-  g.check_clean();
-  g.check_equal(true);
+  (void)races_only_without<NoInvalidateOrder>(run);
 }
 
 TEST_CASE("device cache: bad ids and overflow are counted and flagged in the error word") {
@@ -800,15 +796,8 @@ TEST_CASE("negative (edge 2, prefetch): without the last-writer release, a forwa
     (void)f.step(0, {5, 6, 0});      // uses them: ordered after stream 1 by edge 2 only
     f.settle();
   };
-  Fixture<NoLastFillRelease> f(12, 4);
-  run(f);
-  REQUIRE(f.rt.race_count() > 0);
-  MESSAGE(f.rt.races()[0].description);
-  Fixture<> g(12, 4);
-  run(g);
-  g.check_clean();
-  g.check_equal(true);
-  CHECK(g.dev->stats().speculative_used == 2);
+  auto g = races_only_without<NoLastFillRelease>(run);
+  CHECK(g->dev->stats().speculative_used == 2);
 }
 
 TEST_CASE("negative (edge 1, prefetch): without the owner release, a side-stream prefetch races the owner's consumer") {
@@ -818,15 +807,8 @@ TEST_CASE("negative (edge 1, prefetch): without the owner release, a side-stream
     f.prefetch(1, {7, 8}, 2, 1);     // evicts 2 and 3 while stream 0's consumers may still read every slot
     f.settle();
   };
-  Fixture<NoReleaseWait> f(12, 4);
-  run(f);
-  REQUIRE(f.rt.race_count() > 0);
-  MESSAGE(f.rt.races()[0].description);
-  Fixture<> g(12, 4);
-  run(g);
-  g.check_clean();
-  g.check_equal(true);
-  CHECK(g.dev->stats().speculative_issued == 2);
+  auto g = races_only_without<NoReleaseWait>(run);
+  CHECK(g->dev->stats().speculative_issued == 2);
 }
 
 TEST_CASE("device prefetch: rejected calls leave the cache unchanged and enqueue nothing; host ids as device ids") {
