@@ -1,4 +1,4 @@
-// Device planner micro-benchmark (issue 12; Google Benchmark, CUDA events, manual time). The
+// Device planner micro-benchmark (Google Benchmark, CUDA events, manual time). The
 // decode defaults: 48 layers x 512 experts, 208 slots per layer, top-10, batch 1. A router
 // stand-in kernel (the graph's first node) writes every layer's ids on the device: 10 - k hot
 // experts (resident after the first step) and k cold ones cycling through the other 502 experts

@@ -135,7 +135,7 @@ const Forwards& bench_sequence(bool warm) {
   return warm ? hot : cold;
 }
 
-// Global pool (issue 15): 8 layers x 64 experts = the same 512 ids, 208 slots, 10 ids per
+// Global pool: 8 layers x 64 experts = the same 512 ids, 208 slots, 10 ids per
 // forward; step-major, layers in order. "cold": each layer cycles through its own
 // permutation (512 ids in the cycle > 208 slots: LRU misses every id); "warm": each layer
 // draws from its own Zipf(1.0) over its 64 experts.
@@ -247,7 +247,7 @@ EC_BENCH_POLICY_GLOBAL(Lrfu);
 EC_BENCH_POLICY_GLOBAL(LayerShare);
 
 // ------------------------------------------------------------------------------------------
-// Type-erased cache overhead (issue 13): prepare() through AnyExpertCache (provider "row":
+// Type-erased cache overhead: prepare() through AnyExpertCache (provider "row":
 // tensor_major + lru + copy_stream) against the static RowCache on SimRuntime, the same
 // forwards on twin runtimes (E = 512, C = 208, 10 ids, 6 small tensors). "hit": the same
 // resident ids every forward (no fill, no map upload); "miss": one miss per forward (a fill of

@@ -18,7 +18,7 @@
 //                                  factors precomputed; no validation/stats pass, no host sync),
 //                                  cudaEvents around 8 back-to-back launches (launch gaps amortised
 //                                  exactly like the reference's 8 back-to-back copies).
-//                                  Counters: GBps = (S+D)/t, ratio_to_d2d (target >= 0.80).
+//                                  Counters: GBps = (S+D)/t, ratio_to_d2d.
 //   repack_layer_device/<shape>    repack_layer_device end to end: wall clock of the call (stats
 //                                  kernel + its host sync + repack launches) until the stream drains.
 //                                  Counters: GBps, ratio_to_d2d.

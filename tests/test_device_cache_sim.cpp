@@ -735,7 +735,7 @@ TEST_CASE("overlap (edge D4): the plan tags the slots, the fill's ready word rea
   CHECK(!plain.dev->readiness().enabled());
 }
 
-// ---- speculative fills planned on the device (issue 16) --------------------------------------
+// ---- speculative fills planned on the device --------------------------------------
 
 TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's prefetch") {
   std::uint64_t issued = 0, used = 0, wasted = 0;

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "expert_cache/eviction/all.hpp"
-#include "expert_cache/expert_cache.hpp"  // the recommended cache aliases (issue 15)
+#include "expert_cache/expert_cache.hpp"  // the recommended cache aliases
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/eviction/make_policy.hpp"  // make_policy<P>(shape, forwards[, layout])
 #include "expert_cache/planner.hpp"
@@ -730,7 +730,7 @@ TEST_CASE_TEMPLATE("a copied policy plans without allocating", P, Lru, Lfru, Sie
 }
 
 // ---------------------------------------------------------------------------------------
-// Recommended instantiations (issue 15, docs/policies.md "Choosing a policy"): the aliases name
+// Recommended instantiations (docs/policies.md "Choosing a policy"): the aliases name
 // the intended policy, and a cache built from them plans a trace exactly as that policy's
 // planner does (same hits and misses per forward, same final residency and policy state).
 

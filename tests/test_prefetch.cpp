@@ -1,4 +1,4 @@
-// Speculative fills (issue 16, lookahead API): the planner's plan_prefetch rules for several
+// Speculative fills (lookahead API): the planner's plan_prefetch rules for several
 // eviction policies, then the host-planned cache's prefetch() on SimRuntime (ordering edge 9,
 // its negative test, randomized schedules, stats and bad input).
 #include <doctest/doctest.h>

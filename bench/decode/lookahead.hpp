@@ -1,5 +1,5 @@
 #pragma once
-// expert-cache-bench: lookahead in the decode loop (--prefetch, issue 16 item 5). After layer L's
+// expert-cache-bench: lookahead in the decode loop (--prefetch). After layer L's
 // prepare() and consumer launch, a predictor (prefetch/predictors.hpp) ranks layer L+1's experts
 // of the same token and the loop hands them to cache[L+1].prefetch(). Host-only.
 #include <algorithm>

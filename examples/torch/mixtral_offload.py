@@ -41,7 +41,7 @@ EXIT_OK, EXIT_FAIL, EXIT_SKIP = 0, 1, 77
 STOCK_REL_TOL = 2e-2
 STOCK_ABS_TOL = 1e-6
 
-# Providers this example runs through the cache ("all" = the two host-planned ones of issue 14).
+# Providers this example runs through the cache ("all" = the two host-planned ones).
 PROVIDERS = ("row", "cached", "device")
 
 # Defaults of a normal run and of --check (a smaller model, same assertions).

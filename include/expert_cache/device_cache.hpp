@@ -1,5 +1,5 @@
 #pragma once
-// DeviceExpertCache: the expert cache planned ON THE DEVICE (issue 12), through the same library
+// DeviceExpertCache: the expert cache planned ON THE DEVICE, through the same library
 // as ExpertCache: the same Storage (TensorMajorStorage / ExpertMajorStorage and their
 // copy_regions()), the same Layout (expert_layout), the same slot buffers and ForwardView, and
 // OrderingCore for every stream edge. What changes is who plans: the router's top-k ids stay in
@@ -527,7 +527,7 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
-  // Speculative fills of predicted experts (issue 16, docs/prefetch.md), planned ON THE DEVICE
+  // Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
   // on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
   // plan_prefetch): `device_ids` holds n_ids predicted ids in device memory, best first (-1 is
   // padding; other ids outside [0, E) are dropped and counted, as in prepare); at most

@@ -8,7 +8,7 @@
 //                     stream. The copy stream (not the cached provider's inline copies) lets
 //                     fills overlap earlier work on the consumer stream; use
 //                     ExpertCache<ExpertMajorStorage, Lfru, Inline, ...> for inline copies.
-// and the recommended ones (issue 15, docs/policies.md "Choosing a policy"), which differ from
+// and the recommended ones (docs/policies.md "Choosing a policy"), which differ from
 // the standard ones only in the eviction policy:
 //   RecommendedRowCache          RowCache with Lrfu
 //   RecommendedWholeExpertCache  WholeExpertCache with Lrfu

@@ -123,7 +123,7 @@ Ids sorted_unique_valid(const std::int32_t* ids, std::int32_t n, std::int32_t ex
 struct Config {
   std::int32_t layers, experts, capacity, n_ids, steps;
   bool fused;
-  // Lookahead (issue 16): at layer l a predictor kernel on a side stream writes hint ids for
+  // Lookahead: at layer l a predictor kernel on a side stream writes hint ids for
   // layer l + 1 (mostly that step's true ids, some wrong ones) and dev[l + 1] prefetches them
   // there, overlapping layer l's consumer; the host reference prefetches the same ids.
   std::int32_t hint_ids = 0;  // 0: no prefetch

@@ -1,5 +1,5 @@
 #pragma once
-// Device-side forward planning (issue 12, phase 1): the LRU planning step written once as
+// Device-side forward planning: the LRU planning step written once as
 // __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
 // algorithm the CUDA kernel runs (planning/device_plan.hpp + SequentialBlock on the host,
 // device/plan_kernel.cuh + CubBlock on the GPU). Its decisions equal ForwardPlanner<Lru>
@@ -35,7 +35,7 @@
 // with every dropped one replaced by -1, so a consumer indexing the forward map with them stays
 // in bounds; it may alias the input.
 //
-// Speed (issue 12, phase 2): the stats the host reads live in mapped host memory, but the
+// Speed: the stats the host reads live in mapped host memory, but the
 // planner never READS mapped memory (a PCIe round trip each): the authoritative counters sit in
 // the state block (device memory) and every change is published to the mapped mirror with a
 // plain store. A forward of at most plan_small_ids ids (batch-1 decode: top-k <= 16) takes a
@@ -878,7 +878,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
   b.sync();
 }
 
-// Speculative fills (issue 16) for `n_ids` predicted ids (best first), with the decisions of
+// Speculative fills for `n_ids` predicted ids (best first), with the decisions of
 // ForwardPlanner<Lru>::plan_prefetch: at most `max_fills` fills (clamped to C); an id already
 // resident is skipped (and protected for the rest of the list); a fill takes a free slot, else
 // the least recently used resident that is neither in the last planned group (ticks >=
