@@ -427,3 +427,135 @@ TEST_CASE("ordering: randomized schedules of wide and normal forwards keep the r
     schedule(std::type_identity<InlineWide>{}, seed + 2000);
   }
 }
+
+// ---- ModelExpertCache::prepare_wide (one stream area for the model) --------------------------
+
+namespace {
+using ModelWide = ModelExpertCache<TensorMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>;
+
+struct ModelWideFixture {
+  SimRuntime rt{SimRuntime::Options{.memory_limit = std::size_t{1} << 28, .seed = 11, .max_races = 16, .max_streams = 16}};
+  std::vector<Stream> streams;
+  std::unique_ptr<ModelWide> cache;
+  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
+  std::uint64_t launched = 0;
+  std::int32_t experts;
+
+  ModelWideFixture(ModelPool pool, std::int32_t layers, std::int32_t experts_, std::int32_t capacity,
+                   std::int32_t stream_slots)
+      : experts(experts_) {
+    for (int i = 0; i < 2; ++i) streams.push_back(rt.create_stream().value());
+    ModelCacheOptions o;
+    o.num_layers = layers;
+    o.num_experts = experts;
+    o.capacity = capacity;
+    o.top_k = 2;
+    o.pool = pool;
+    o.stream_slots = stream_slots;
+    cache = std::make_unique<ModelWide>(rt, o, six_tensor_layout());
+    const auto& tensors = cache->storage().tensors();
+    for (std::int32_t l = 0; l < layers; ++l)
+      for (std::int32_t e = 0; e < experts; ++e)
+        for (std::size_t t = 0; t < num_expert_tensors; ++t)
+          for (std::size_t i = 0; i < tensors[t].bytes_per_expert; ++i)
+            cache->host_tensor(l, t, e)[i] = pattern_byte(t, l * experts + e, i);
+  }
+
+  // Reads the round's (or forward's) experts of `layer` through the view's map and slots.
+  Status read(std::int32_t layer, const ForwardView& v, std::span<const std::int32_t> ids_in,
+              std::span<const std::int32_t> slots_in, Stream s) {
+    std::vector<std::int32_t> ids(ids_in.begin(), ids_in.end()), slots(slots_in.begin(), slots_in.end());
+    std::vector<Access> acc{{v.expert_map, static_cast<std::size_t>(experts) * sizeof(std::int32_t), AccessMode::read}};
+    for (const std::int32_t slot : slots)
+      for (const SlotTensor& t : v.tensors)
+        if (t.bytes != 0) acc.push_back({t.slot(slot), t.bytes, AccessMode::read});
+    ++launched;
+    const std::int32_t key0 = layer * experts;
+    return rt.launch(s, acc, [v, ids, slots, key0, log = log]() {
+      ++log->runs;
+      bool ok = true;
+      for (std::size_t k = 0; ok && k < ids.size(); ++k) {
+        ok = v.expert_map[ids[k]] == slots[k];
+        for (std::size_t t = 0; ok && t < num_expert_tensors; ++t)
+          for (std::size_t i = 0; ok && i < v.tensors[t].bytes; ++i)
+            ok = v.tensors[t].slot(slots[k])[i] == pattern_byte(t, key0 + ids[k], i);
+      }
+      if (!ok) ++log->mismatches;
+    });
+  }
+  Status forward(std::int32_t layer, const Ids& topk, Stream s) {
+    auto v = cache->prepare(layer, topk, s);
+    if (!v.ok()) return v.status();
+    Ids ids, slots;
+    const auto map = cache->forward_map_host(layer);
+    for (std::int32_t e = 0; e < experts; ++e)
+      if (map[static_cast<std::size_t>(e)] != absent_slot) {
+        ids.push_back(e);
+        slots.push_back(map[static_cast<std::size_t>(e)]);
+      }
+    return read(layer, v.value(), ids, slots, s);
+  }
+  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s) {
+    return cache->prepare_wide(layer, topk, s, [&](const WideRound& r) noexcept {
+      return read(layer, r.view, r.experts, r.slots, s);
+    });
+  }
+  void check_clean() {
+    rt.drain();
+    CHECK(rt.races().empty());
+    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    CHECK(log->runs == launched);
+  }
+};
+}  // namespace
+
+TEST_CASE("model cache wide forward: per-layer and global pools, every round right, the pools untouched") {
+  for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+    CAPTURE(to_string(pool));
+    ModelWideFixture f(pool, 3, 16, pool == ModelPool::global ? 9 : 4, 4);
+    REQUIRE(f.forward(1, Ids{2, 5}, f.streams[0]).ok());
+    REQUIRE(f.forward(2, Ids{7, 8}, f.streams[0]).ok());
+    std::vector<ForwardPlanner<Lru>::Snapshot> before;
+    for (std::int32_t l = 0; l < 3; ++l) before.push_back(f.cache->planner(l).snapshot());
+    auto r = f.wide(1, all_experts(16), f.streams[1]);
+    REQUIRE(r.ok());
+    CHECK(r.value().hits == 2);
+    CHECK(r.value().streamed == 14);
+    CHECK(r.value().rounds == 7);
+    CHECK(r.value().copies == 7 * 6);  // each round one run of consecutive experts, six tensors
+    for (std::int32_t l = 0; l < 3; ++l) CHECK(f.cache->planner(l).snapshot() == before[static_cast<std::size_t>(l)]);
+    REQUIRE(f.wide(2, all_experts(16), f.streams[0]).ok());
+    REQUIRE(f.forward(1, Ids{2, 5}, f.streams[0]).ok());
+    CHECK(f.cache->stats().per_layer[1].hits == 2);
+    f.check_clean();
+    auto bad = f.wide(3, all_experts(16), f.streams[0]);
+    CHECK(bad.status().code() == ErrorCode::invalid_argument);
+    auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
+    CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    auto admit = f.cache->prepare_wide(0, Ids{1}, f.streams[0], [](const WideRound&) noexcept { return Status(); },
+                                       WideOptions{WideAdmission::admit});
+    CHECK(admit.status().code() == ErrorCode::not_supported);
+  }
+}
+
+TEST_CASE("model cache wide forward: randomized schedules over layers and streams keep the detector silent") {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+    for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+      ModelWideFixture f(pool, 3, 12, pool == ModelPool::global ? 8 : 3, 4);
+      f.rt.set_seed(seed);
+      std::mt19937_64 rng(seed);
+      for (int a = 0; a < 8; ++a) {
+        const Stream s = f.streams[rng() % 2];
+        const auto layer = static_cast<std::int32_t>(rng() % 3);
+        if (rng() % 2 == 0) {
+          REQUIRE(f.forward(layer, random_topk(rng, 1, 2, 12), s).ok());
+        } else {
+          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s).ok());
+        }
+        f.rt.run_random(rng(), rng() % 16);
+      }
+      f.check_clean();
+    }
+  }
+}

@@ -258,7 +258,18 @@ class OrderingCore {
     wide_released_ = {false, false};
     const Stream fill = fill_stream(caller);
     Status s = order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader);
+    // Edge 10 across forwards: the buffers are shared by every reader (a model cache's layers),
+    // so F also waits for the stream of the last wide forward when it is not this reader's owner.
+    if constexpr (Edges::wide_buffer_release) {
+      const std::optional<Stream>& owner = owners_[reader];
+      if (s && wide_reader_ && *wide_reader_ != fill && (!owner || *wide_reader_ != *owner)) {
+        s = rt_->record(release_owner_.get(), *wide_reader_);
+        if (s) s = rt_->wait(fill, release_owner_.get());
+        if (s) ++counters_.release_edges;
+      }
+    }
     if (s) s = adopt_reader(caller, false, reader);
+    if (s) wide_reader_ = caller;
     return s;
   }
   // One round's writes on F into buffer `buffer` (0 or 1), after the consumer that last read
@@ -496,6 +507,7 @@ class OrderingCore {
   std::vector<SpeculativeSlot> speculative_;  // per slot, empty until the first prefetch
   std::vector<RuntimeEvent<R>> wide_release_;  // per wide buffer (2), made by the first wide_begin
   std::array<bool, 2> wide_released_{};        // recorded in this wide forward, not yet waited for
+  std::optional<Stream> wide_reader_;          // the stream of the last wide forward (any reader)
   std::size_t speculative_pending_count_ = 0;  // slots of speculative_ with `pending` set
   std::size_t next_staging_ = 0;
   bool last_upload_captured_ = false;
