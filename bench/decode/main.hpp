@@ -15,6 +15,7 @@
 #include "model.hpp"
 #include "modelled_run.hpp"
 #include "progress.hpp"
+#include "prompt_run.hpp"
 #include "report.hpp"
 
 namespace expert_cache::bench {
@@ -84,6 +85,19 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     return exit_usage;
   }
 
+  if (!args.prompts.empty()) {  // the prompt mode is modelled only (prompt_run.hpp)
+    try {
+      if (args.prompt_every > 0 && args.prompts.empty()) throw UsageError{"--prompt-every needs --prompt"};
+      return run_prompt_mode(model, args);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "expert-cache-bench: prompt run failed: %s\n", e.what());
+      return exit_failure;
+    }
+  }
+  if (args.prompt_every > 0) {
+    std::fprintf(stderr, "expert-cache-bench: --prompt-every needs --prompt\n");
+    return exit_usage;
+  }
   const bool tty = stderr_is_tty();
   Progress progress(args.progress || tty, tty);
   Report rep;

@@ -24,6 +24,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <span>
 #include <string>
 #include <string_view>
@@ -38,6 +39,7 @@
 #include "expert_cache/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -71,6 +73,11 @@ struct CacheStats {
   std::uint64_t speculative_used = 0;    ///< ... then used by a forward (also counted in hits)
   std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
   std::uint64_t speculative_bytes = 0;   ///< bytes copied by prefetch()
+  std::uint64_t wide_forwards = 0;  ///< prepare_wide() calls whose every round was served
+  std::uint64_t wide_rounds = 0;    ///< rounds handed to a wide consumer
+  std::uint64_t wide_hits = 0;      ///< stream admission: experts read from the pool (not in hits)
+  std::uint64_t wide_streamed = 0;  ///< stream admission: experts copied into stream slots (not in misses)
+  std::uint64_t wide_bytes = 0;     ///< bytes copied by wide forwards (both admissions)
   std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
   std::size_t host_bytes = 0;       ///< host: expert pools + map staging
   /// hits / (hits + misses); 0 before the first forward.
@@ -95,6 +102,22 @@ struct ForwardView {
   [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
     return tensors[static_cast<std::size_t>(t)];
   }
+};
+
+/// One round of a wide forward (prepare_wide), handed to the caller's consumer: `view` has the
+/// contract of a prepare()'s view for work the consumer enqueues on the prepare_wide() stream
+/// during the call, and until the next call into the cache. Its expert map holds this round's
+/// experts only (disjoint from every other round's); with WideAdmission::stream a streamed
+/// expert's slot is a stream slot (>= capacity), which the resident map does not name.
+struct WideRound {
+  ForwardView view{};
+  std::span<const std::int32_t> experts;  ///< this round's experts, ascending (host memory, valid during the call)
+  std::span<const std::int32_t> slots;    ///< their slots (what the round's expert map holds for them)
+  std::uint32_t index = 0;                ///< 0-based round number
+  std::uint32_t rounds = 0;               ///< rounds of this forward
+  std::uint32_t streamed = 0;             ///< experts of this round in stream slots
+  /// True for round 0 only: where work that is not per expert (shared experts) belongs.
+  [[nodiscard]] bool include_shared() const noexcept { return index == 0; }
 };
 
 /// Budget and lifetime of one prefetch() call.
@@ -130,8 +153,15 @@ struct CacheOptions {
   /// silent unless a sink is given here.
   std::function<void(std::string_view)> log;
   /// Caller-owned host pools and/or slot workspace (storage/storage_memory.hpp); empty: the
-  /// storage allocates them. The caller keeps the memory alive for the cache's lifetime.
+  /// storage allocates them. The caller keeps the memory alive for the cache's lifetime. A
+  /// workspace covers capacity + stream_slots slots.
   StorageMemory memory{};
+  /// Extra GPU slots after the pool's `capacity` for wide forwards with WideAdmission::stream
+  /// (wide.hpp): two halves of stream_slots / 2, used alternately, never admitted. 0: such
+  /// forwards are refused (not_supported); recommended_stream_slots() gives a default size.
+  std::int32_t stream_slots = 0;
+  /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
+  std::int64_t max_wide_ids = default_max_wide_ids;
 };
 
 namespace detail {
@@ -158,8 +188,9 @@ class ExpertCacheWithEdges {
         options_(std::move(options)),
         layout_(validated(layout)),
         planner_(CacheShape{options_.num_experts, options_.capacity}, options_.top_k, std::move(policy)),
-        storage_(rt, planner_.shape(), layout_.tensors(), options_.memory),
-        core_(rt, StagingPolicy::uses_copy_stream, static_cast<std::size_t>(options_.num_experts), options_.staging_ring),
+        storage_(rt, storage_shape(planner_.shape(), options_), layout_.tensors(), options_.memory),
+        core_(rt, StagingPolicy::uses_copy_stream, static_cast<std::size_t>(options_.num_experts),
+              ring_size(options_)),
         resident_device_(rt, map_bytes(), MemoryKind::device),
         forward_device_(rt, map_bytes(), MemoryKind::device) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
@@ -167,6 +198,15 @@ class ExpertCacheWithEdges {
     forward_shadow_.assign(static_cast<std::size_t>(options_.num_experts), absent_slot);
     view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
     copies_per_fill_ = storage_.copy_regions().count;
+    const auto experts = static_cast<std::size_t>(options_.num_experts);
+    wide_seen_.assign(experts, 0);
+    wide_unique_.reserve(experts);
+    wide_hits_.reserve(experts);
+    wide_misses_.reserve(experts);
+    wide_round_.reserve(experts);
+    wide_slots_.reserve(experts);
+    wide_fills_.reserve(experts);
+    wide_map_.assign(experts, absent_slot);
     if (options_.log) {
       const CacheStats s = stats();
       options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
@@ -266,6 +306,68 @@ class ExpertCacheWithEdges {
     return prefetch_view(bytes_per_expert);
   }
 
+  /// A forward of any width (e.g. a whole prompt), served in rounds: `consumer(const
+  /// WideRound&)` is called once per round, returns a Status, and enqueues the round's work on
+  /// `stream`. Round r + 1's copies are enqueued on the fill stream before round r's consumer
+  /// runs, so they overlap it; a buffer is refilled only after the consumer of the round that
+  /// read it (edge 10). The host never waits for the device (beyond the staging guard, edge 8).
+  /// WideAdmission::stream (default): resident experts are read in round 0 without touching
+  /// the planner or the policy; the others stream through the stream slots in ascending order,
+  /// runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
+  /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as
+  /// prepare_unique() calls would (round r + 1 may not evict round r's experts).
+  /// Errors before anything changes: too_many_experts (more than max_wide_ids ids),
+  /// expert_out_of_range, not_supported (stream admission without stream_slots),
+  /// capture_unsupported (`stream` is capturing), a staging policy's precheck. A consumer that
+  /// fails ends the forward with its Status (context: the round); a runtime failure drops what
+  /// the failing round was filling (admit: as prepare() does). Either way no round is half
+  /// published: stream admission leaves the pool as it was; admit leaves it as after the rounds
+  /// planned so far (rounds 0..r + 1 when round r's consumer failed). The device forward map
+  /// then holds the last uploaded round's; the next prepare() uploads its own. The consumer must
+  /// not call into this cache.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_wide");
+    const bool streaming = options.admission == WideAdmission::stream;
+    if (streaming && options_.stream_slots < 2) {
+      return Status::format(ErrorCode::not_supported,
+                            "prepare_wide with WideAdmission::stream needs CacheOptions::stream_slots >= 2 (this cache "
+                            "has %d); configure them or pass WideAdmission::admit",
+                            options_.stream_slots);
+    }
+    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
+      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
+    }
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+        !s) {
+      return s;
+    }
+    // Validated: from here on the cache changes.
+    forward_shadow_valid_ = false;  // the rounds overwrite the device forward map
+    if (Status s = core_.wide_begin(stream); !s) {
+      ++faults_;
+      return s.with_context("prepare_wide: ordering the forward after earlier work");
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    last_copies_ = 0;
+    Status s = streaming ? wide_stream_rounds(stream, consumer, summary) : wide_admit_rounds(stream, consumer, summary);
+    total_copies_ += summary.copies;
+    last_copies_ = summary.copies;
+    wide_bytes_ += summary.bytes;
+    wide_rounds_ += summary.rounds;
+    if (!s) return s;
+    ++wide_forwards_;
+    return summary;
+  }
+
   /// Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
   /// rewritten only by a later prepare(), after the readers of the previous forward.
   Status invalidate(std::int32_t expert, Stream stream) noexcept {
@@ -319,6 +421,11 @@ class ExpertCacheWithEdges {
     s.speculative_used = c.speculative_used;
     s.speculative_wasted = c.speculative_wasted;
     s.speculative_bytes = speculative_bytes_;
+    s.wide_forwards = wide_forwards_;
+    s.wide_rounds = wide_rounds_;
+    s.wide_hits = wide_hits_count_;
+    s.wide_streamed = wide_streamed_count_;
+    s.wide_bytes = wide_bytes_;
     s.slot_bytes = storage_.slot_bytes() + 2 * map_bytes();
     s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
     return s;
@@ -351,6 +458,228 @@ class ExpertCacheWithEdges {
   }
   [[nodiscard]] std::size_t map_bytes() const noexcept {
     return static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+  }
+  // The pool's slots plus the stream slots (checked here: the storage is sized from it).
+  static CacheShape storage_shape(CacheShape pool, const CacheOptions& o) {
+    if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
+      throw Error(ErrorCode::invalid_argument, "stream_slots must be in [0, num_experts=" +
+                                                   std::to_string(o.num_experts) + "], got " +
+                                                   std::to_string(o.stream_slots));
+    }
+    if (o.max_wide_ids < 0) {
+      throw Error(ErrorCode::invalid_argument, "max_wide_ids must be >= 0, got " + std::to_string(o.max_wide_ids));
+    }
+    return CacheShape{pool.num_experts, pool.capacity + o.stream_slots};
+  }
+  // With stream slots, room in the staging ring for every round's map uploads of one wide
+  // forward (a round per half of the stream slots, or per capacity / 2 admitted), so the host
+  // does not wait for a staging buffer inside a forward.
+  static std::size_t ring_size(const CacheOptions& o) {
+    if (o.stream_slots < 2 || o.capacity < 1) return o.staging_ring;
+    const auto experts = static_cast<std::size_t>(std::max(o.num_experts, 1));
+    const auto half = static_cast<std::size_t>(o.stream_slots / 2);
+    const auto group = static_cast<std::size_t>(std::max(o.capacity / 2, 1));
+    const std::size_t rounds = (experts + std::min(half, group) - 1) / std::min(half, group);
+    return std::max(o.staging_ring, 2 * rounds + 4);
+  }
+
+  // The consumer of one round; an exception becomes an error Status (the API is noexcept).
+  template <class Consumer>
+  static Status call_consumer(Consumer& consumer, const WideRound& round) noexcept {
+    try {
+      Status s = consumer(round);
+      if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
+      return s;
+    } catch (const std::exception& e) {
+      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
+                            round.index, round.rounds, e.what());
+    } catch (...) {
+      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
+                            round.index, round.rounds);
+    }
+  }
+
+  // Uploads the round's forward map (wide_map_ holds exactly the round's experts) on `stream`,
+  // after the previous round's consumer there (stream order).
+  Status upload_round_map(Stream stream) noexcept {
+    return core_.upload_map(wide_map_.data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+  }
+
+  // WideAdmission::stream. Round 0: the resident experts (pool slots) and the first half's
+  // worth of missing ones; round r: the r-th chunk of missing experts, in stream half r % 2.
+  template <class Consumer>
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary) noexcept {
+    const auto resident = planner_.resident_map();
+    wide_hits_.clear();
+    wide_misses_.clear();
+    for (const std::int32_t e : wide_unique_) {
+      (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
+    }
+    const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
+    const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
+    // Edge 9 for the pool's speculative fills this forward reads.
+    for (const std::int32_t e : wide_hits_) {
+      if (Status s = core_.wait_speculative(static_cast<std::size_t>(resident[static_cast<std::size_t>(e)]), stream); !s) {
+        ++faults_;
+        return s.with_context("prepare_wide: waiting for a speculative fill");
+      }
+    }
+    const auto chunk = [&](std::size_t r) {
+      const std::size_t b = std::min(wide_misses_.size(), r * half);
+      return std::span<const std::int32_t>(wide_misses_).subspan(b, std::min(wide_misses_.size(), b + half) - b);
+    };
+    const auto stream_slot = [&](std::size_t r, std::size_t i) {
+      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + i);
+    };
+    const auto fill_round = [&](std::size_t r) noexcept -> Status {
+      const auto c = chunk(r);
+      wide_fills_.clear();
+      for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
+      if (wide_fills_.empty() && !resident_dirty_) return {};
+      const bool upload = resident_dirty_;
+      Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
+        return detail::issue_coalesced(staging_, *rt_, f, storage_, std::span<const SlotFill>(wide_fills_),
+                                       summary.copies);
+      });
+      if (s && upload) resident_dirty_ = false;
+      if (s) {
+        summary.streamed += static_cast<std::uint32_t>(c.size());
+        summary.bytes += c.size() * bytes_per_expert;
+      }
+      return s;
+    };
+    Status s = fill_round(0);
+    for (std::size_t r = 0; s && r < rounds; ++r) {
+      // The round's experts (ascending) and map entries.
+      const auto c = chunk(r);
+      wide_round_.clear();
+      if (r == 0) {
+        std::merge(wide_hits_.begin(), wide_hits_.end(), c.begin(), c.end(), std::back_inserter(wide_round_));
+        for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+      } else {
+        wide_round_.assign(c.begin(), c.end());
+      }
+      for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+      wide_slots_.clear();
+      for (const std::int32_t e : wide_round_) wide_slots_.push_back(wide_map_[static_cast<std::size_t>(e)]);
+      s = core_.wide_acquire(stream);
+      if (s) s = upload_round_map(stream);
+      for (const std::int32_t e : wide_round_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+      if (s && r + 1 < rounds) s = fill_round(r + 1);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool is "
+                              "unchanged)",
+                              r, rounds);
+      }
+      WideRound round;
+      round.view = view_;
+      round.view.hits = r == 0 ? static_cast<std::uint32_t>(wide_hits_.size()) : 0;
+      round.view.misses = static_cast<std::uint32_t>(c.size());
+      round.experts = wide_round_;
+      round.slots = wide_slots_;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      round.streamed = static_cast<std::uint32_t>(c.size());
+      if (Status cs = call_consumer(consumer, round); !cs) return cs;
+      ++summary.rounds;
+      if (r == 0) wide_hits_count_ += wide_hits_.size();
+      wide_streamed_count_ += c.size();
+      s = core_.wide_release(stream, r % 2);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide: releasing round %zu", r);
+      }
+    }
+    return s;
+  }
+
+  // WideAdmission::admit: ascending groups of capacity / 2 through the planner. With room for
+  // two groups, round r + 1 is planned (keeping round r's experts) and filled before round r's
+  // consumer; a one-slot cache plans each round after the previous consumer.
+  template <class Consumer>
+  Status wide_admit_rounds(Stream stream, Consumer& consumer, WideSummary& summary) noexcept {
+    const std::size_t group = static_cast<std::size_t>(std::max(1, options_.capacity / 2));
+    const bool overlap = 2 * group <= static_cast<std::size_t>(options_.capacity);
+    const std::size_t n = wide_unique_.size();
+    const std::size_t rounds = std::max<std::size_t>(1, (n + group - 1) / group);
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    const auto ids = [&](std::size_t r) {
+      const std::size_t b = std::min(n, r * group);
+      return std::span<const std::int32_t>(wide_unique_).subspan(b, std::min(n, b + group) - b);
+    };
+    std::uint32_t round_hits = 0, round_misses = 0, next_hits = 0, next_misses = 0;
+    const auto plan_round = [&](std::size_t r) noexcept -> Status {
+      const auto keep = overlap && r > 0 ? ids(r - 1) : std::span<const std::int32_t>();
+      if (Status p = planner_.plan_unique(ids(r), plan_, keep); !p) return p;
+      next_hits = plan_.hits;
+      next_misses = plan_.misses;
+      for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
+      if (!plan_.fills.empty()) resident_dirty_ = true;
+      Status s = Status();
+      if (resident_dirty_) {
+        s = core_.wide_fill(stream, r % 2, resident_upload(), [&](Stream f) noexcept {
+          return staging_.issue(*rt_, f, storage_, std::span<const SlotFill>(plan_.fills));
+        });
+        if (s) resident_dirty_ = false;
+      }
+      if (s) {
+        const auto map = planner_.forward_map();
+        for (const ExpertId e : plan_.unique) {
+          if (Status w = core_.wait_speculative(static_cast<std::size_t>(map[e.index()]), stream); !w) return w;
+        }
+        summary.hits += plan_.hits;
+        summary.admitted += plan_.misses;
+        summary.copies += plan_.fills.size() * copies_per_fill_;
+        summary.bytes += plan_.fills.size() * bytes_per_expert;
+      } else {
+        // As roll_back(): the round's slots are unknown; drop them, re-upload the map next time.
+        for (const SlotFill& f : plan_.fills) (void)planner_.invalidate(f.expert.value);
+        resident_dirty_ = true;
+      }
+      return s;
+    };
+    Status s = plan_round(0);
+    for (std::size_t r = 0; s && r < rounds; ++r) {
+      if (r > 0 && !overlap) s = plan_round(r);
+      round_hits = next_hits;
+      round_misses = next_misses;
+      if (s) s = core_.wide_acquire(stream);
+      if (s) {
+        const auto map = planner_.forward_map();
+        std::copy(map.begin(), map.end(), wide_map_.begin());
+        s = upload_round_map(stream);
+        std::fill(wide_map_.begin(), wide_map_.end(), absent_slot);
+        const auto experts = ids(r);
+        wide_round_.assign(experts.begin(), experts.end());
+        wide_slots_.clear();
+        for (const std::int32_t e : wide_round_) wide_slots_.push_back(map[static_cast<std::size_t>(e)]);
+      }
+      if (s && overlap && r + 1 < rounds) s = plan_round(r + 1);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide (admit): round %zu of %zu", r, rounds);
+      }
+      WideRound round;
+      round.view = view_;
+      round.view.hits = round_hits;
+      round.view.misses = round_misses;
+      round.view.generation = planner_.counters().generation;
+      round.experts = wide_round_;
+      round.slots = wide_slots_;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      if (Status cs = call_consumer(consumer, round); !cs) return cs;
+      ++summary.rounds;
+      s = core_.wide_release(stream, r % 2);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide (admit): releasing round %zu", r);
+      }
+    }
+    return s;
   }
 
   template <bool Unique>
@@ -462,6 +791,11 @@ class ExpertCacheWithEdges {
   std::uint64_t total_copies_ = 0;
   std::uint64_t faults_ = 0;
   std::uint64_t speculative_bytes_ = 0;
+  // Wide forwards: scratch sized at construction (num_experts entries each), and counters.
+  std::vector<std::uint8_t> wide_seen_;
+  std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
+  std::vector<SlotFill> wide_fills_;
+  std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0, wide_bytes_ = 0;
 };
 
 }  // namespace detail

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
@@ -53,6 +54,7 @@
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
+#include "expert_cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -87,6 +89,10 @@ struct ModelCacheOptions {
   // model: the storage holds L*E experts layer-major (host_tensor(l, t, e) is expert l*E + e),
   // so a host span covers [L][E] experts and the workspace every layer's slots.
   StorageMemory memory{};
+  // Stream slots of the whole model for prepare_wide (CacheOptions::stream_slots): one area
+  // after every layer's slots, shared by the layers (their wide forwards run one at a time).
+  std::int32_t stream_slots = 0;
+  std::int64_t max_wide_ids = default_max_wide_ids;  // per prepare_wide call
 };
 
 // stats(): the model's totals and one entry per layer. Ordering counters (owner_changes,
@@ -131,7 +137,8 @@ class ModelExpertCache {
         layout_(validated(layout)),
         capacities_(layer_capacities(options_)),
         planners_(make_planners(make_policy)),
-        storage_(rt, CacheShape{model_experts(), total_slots()}, layout_.tensors(), options_.memory),
+        storage_(rt, CacheShape{model_experts(), total_slots() + options_.stream_slots}, layout_.tensors(),
+                 options_.memory),
         core_(rt, StagingPolicy::uses_copy_stream,
               static_cast<std::size_t>(global() ? model_experts() : options_.num_experts), ring_size(options_),
               global() ? 1 : static_cast<std::size_t>(options_.num_layers)),
@@ -170,6 +177,10 @@ class ModelExpertCache {
     resident_dirty_.assign(L, 1);  // the device maps start unwritten
     layer_counters_.resize(L);
     ids_.reserve(static_cast<std::size_t>(total_slots()) * static_cast<std::size_t>(options_.top_k));
+    wide_seen_.assign(E, 0);
+    for (auto* v : {&wide_unique_, &wide_hits_, &wide_misses_, &wide_round_, &wide_slots_}) v->reserve(E);
+    wide_fills_.reserve(E);
+    wide_map_.assign(E, absent_slot);
     if (options_.log) {
       const CacheStats s = stats().total;
       options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
@@ -208,6 +219,139 @@ class ModelExpertCache {
                                      Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare_unique");
     return prepare_impl<true>(layer, unique_ids, stream);
+  }
+
+  // A wide forward of layer `layer` (ExpertCache::prepare_wide, same contract per layer): the
+  // rounds' views are the layer's (its map range, its slot tensors: a stream slot's id in the
+  // layer's map is relative to the layer's first slot like the pool's). WideAdmission::stream
+  // only (the model's stream slots); WideAdmission::admit is refused (not_supported) here: use
+  // the per-layer ExpertCache for the admit-everything baseline.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int32_t> topk_ids, Stream stream,
+                                   Consumer&& consumer, WideOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare_wide");
+    if (Status s = check_layer(layer, "prepare_wide"); !s) return s;
+    if (options.admission != WideAdmission::stream) {
+      return Status(ErrorCode::not_supported, "ModelExpertCache::prepare_wide serves WideAdmission::stream only");
+    }
+    if (options_.stream_slots < 2) {
+      return Status::format(ErrorCode::not_supported,
+                            "prepare_wide needs ModelCacheOptions::stream_slots >= 2 (this cache has %d)",
+                            options_.stream_slots);
+    }
+    const auto l = static_cast<std::size_t>(layer);
+    StagingPolicy& staging = stagings_[global() ? 0 : l];
+    if constexpr (requires { staging.precheck(*rt_, stream); }) {
+      if (Status s = staging.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
+    }
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+        !s) {
+      return s.with_context("prepare_wide of layer %d", layer);
+    }
+    LayerCounters& lc = layer_counters_[l];
+    shadow_valid_[l] = 0;  // the rounds overwrite the layer's device forward map
+    if (Status s = core_.wide_begin(stream, reader(l)); !s) {
+      ++lc.faults;
+      return s.with_context("prepare_wide of layer %d: ordering the forward after earlier work", layer);
+    }
+    // Pure read of the pool: hits from the resident map, the rest through the stream slots.
+    const auto resident = resident_map_host(layer);
+    wide_hits_.clear();
+    wide_misses_.clear();
+    for (const std::int32_t e : wide_unique_) {
+      (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
+    const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
+    const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    // A stream slot as the layer's maps name it (relative to the layer's first slot).
+    const std::int32_t stream_base = total_slots() - slot_offsets_[l];
+    const auto chunk = [&](std::size_t r) {
+      const std::size_t b = std::min(wide_misses_.size(), r * half);
+      return std::span<const std::int32_t>(wide_misses_).subspan(b, std::min(wide_misses_.size(), b + half) - b);
+    };
+    const auto stream_slot = [&](std::size_t r, std::size_t i) {
+      return stream_base + static_cast<std::int32_t>((r % 2) * half + i);
+    };
+    const auto fill_round = [&](std::size_t r) noexcept -> Status {
+      const auto c = chunk(r);
+      wide_fills_.clear();
+      for (std::size_t i = 0; i < c.size(); ++i) {
+        wide_fills_.push_back({ExpertId(key(l, c[i])), SlotId(stream_slot(r, i))});
+      }
+      const bool upload = global() ? any_dirty() : resident_dirty_[l] != 0;
+      if (wide_fills_.empty() && !upload) return {};
+      Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload(l) : MapUpload{}, [&](Stream f) noexcept {
+        const std::span<const SlotFill> fills(wide_fills_);
+        if (global()) return detail::issue_coalesced(staging, *rt_, f, storage_, fills, summary.copies);
+        return detail::issue_coalesced(staging, *rt_, f, regions_[l], fills, summary.copies);
+      });
+      if (s && upload) clear_dirty(l);
+      if (s) {
+        summary.streamed += static_cast<std::uint32_t>(c.size());
+        summary.bytes += c.size() * bytes_per_expert;
+      }
+      return s;
+    };
+    Status s = fill_round(0);
+    for (std::size_t r = 0; s && r < rounds; ++r) {
+      const auto c = chunk(r);
+      wide_round_.clear();
+      if (r == 0) {
+        std::merge(wide_hits_.begin(), wide_hits_.end(), c.begin(), c.end(), std::back_inserter(wide_round_));
+        for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+      } else {
+        wide_round_.assign(c.begin(), c.end());
+      }
+      for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+      wide_slots_.clear();
+      for (const std::int32_t e : wide_round_) wide_slots_.push_back(wide_map_[static_cast<std::size_t>(e)]);
+      s = core_.wide_acquire(stream);
+      if (s) s = core_.upload_map(wide_map_.data(), forward_device(l), stream, experts());
+      for (const std::int32_t e : wide_round_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+      if (s && r + 1 < rounds) s = fill_round(r + 1);
+      if (!s) break;
+      WideRound round;
+      round.view = views_[l];
+      round.view.hits = r == 0 ? summary.hits : 0;
+      round.view.misses = static_cast<std::uint32_t>(c.size());
+      round.experts = wide_round_;
+      round.slots = wide_slots_;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      round.streamed = static_cast<std::uint32_t>(c.size());
+      Status cs;
+      try {
+        cs = consumer(round);
+        if (!cs) cs = cs.with_context("wide forward of layer %d: the consumer of round %zu of %zu failed", layer, r, rounds);
+      } catch (...) {
+        cs = Status::format(ErrorCode::runtime_failure, "wide forward of layer %d: the consumer of round %zu threw", layer, r);
+      }
+      if (!cs) {
+        lc.total_copies += summary.copies;
+        return cs;
+      }
+      ++summary.rounds;
+      s = core_.wide_release(stream, r % 2);
+    }
+    lc.total_copies += summary.copies;
+    lc.last_copies = summary.copies;
+    last_copies_ = summary.copies;
+    if (!s) {
+      ++lc.faults;
+      return s.with_context("prepare_wide of layer %d (streamed experts are never admitted; the pool is unchanged)",
+                            layer);
+    }
+    return summary;
   }
 
   // Drop layer `layer`'s expert `expert` (ExpertCache::invalidate, for one layer).
@@ -384,6 +528,14 @@ class ModelExpertCache {
                                                    std::to_string(o.num_experts) + " experts exceed the limit " +
                                                    std::to_string(model_max_experts));
     }
+    if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
+      throw Error(ErrorCode::invalid_argument, "stream_slots must be in [0, num_experts=" +
+                                                   std::to_string(o.num_experts) + "], got " +
+                                                   std::to_string(o.stream_slots));
+    }
+    if (o.max_wide_ids < 0) {
+      throw Error(ErrorCode::invalid_argument, "max_wide_ids must be >= 0, got " + std::to_string(o.max_wide_ids));
+    }
     if (!o.layer_capacities.empty()) {
       if (o.pool == ModelPool::global) {
         throw Error(ErrorCode::invalid_argument, "layer_capacities is for a per_layer pool; a global pool has one capacity");
@@ -404,9 +556,13 @@ class ModelExpertCache {
     return std::vector<std::int32_t>(static_cast<std::size_t>(o.num_layers), o.capacity);
   }
   static std::size_t ring_size(const ModelCacheOptions& o) {
-    if (o.staging_ring != 0) return o.staging_ring;
     const auto L = static_cast<std::size_t>(o.num_layers);
-    return o.pool == ModelPool::global ? 2 * L + 8 : 8 * L;
+    std::size_t ring = o.staging_ring != 0 ? o.staging_ring : (o.pool == ModelPool::global ? 2 * L + 8 : 8 * L);
+    if (o.stream_slots >= 2) {  // one wide forward's map uploads never wait for a staging buffer
+      const auto half = static_cast<std::size_t>(o.stream_slots / 2);
+      ring += 2 * ((static_cast<std::size_t>(o.num_experts) + half - 1) / half) + 4;
+    }
+    return ring;
   }
   template <class MakePolicy>
   std::vector<Planner> make_planners(MakePolicy& make_policy) const {
@@ -595,6 +751,10 @@ class ModelExpertCache {
   std::vector<char> resident_dirty_;  // per layer: the device resident range is behind the host's
   std::vector<LayerCounters> layer_counters_;
   std::vector<std::int32_t> ids_;  // keyed ids (global mode)
+  // Wide forwards: scratch of E entries each, sized at construction.
+  std::vector<std::uint8_t> wide_seen_;
+  std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
+  std::vector<SlotFill> wide_fills_;
   ForwardPlan plan_;
   std::size_t copies_per_fill_ = 0;
   std::uint64_t last_copies_ = 0;

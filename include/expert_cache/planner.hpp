@@ -124,7 +124,11 @@ class ForwardPlanner {
 
   // Plan from an explicit list of unique ids, processed in the given order. Duplicates and
   // ids outside [0, num_experts) (negative included) are errors.
-  Status plan_unique(std::span<const std::int32_t> unique_ids, ForwardPlan& plan) noexcept {
+  // `keep` (a wide forward's previous round, still to be read): residents that are not planned
+  // but may not be evicted either; ids outside [0, num_experts) in it are errors, and the
+  // unique ids plus the resident ones of `keep` must fit the capacity.
+  Status plan_unique(std::span<const std::int32_t> unique_ids, ForwardPlan& plan,
+                     std::span<const std::int32_t> keep = {}) noexcept {
     if (static_cast<std::int64_t>(unique_ids.size()) > shape_.capacity) {
       return too_many(static_cast<std::int64_t>(unique_ids.size()));
     }
@@ -137,6 +141,17 @@ class ForwardPlanner {
       }
       stamps_[static_cast<std::size_t>(id)] = epoch_;
       scratch_.push_back(ExpertId(id));
+    }
+    std::int64_t kept = 0;
+    for (const std::int32_t id : keep) {
+      if (id < 0 || id >= shape_.num_experts) return out_of_range(id);
+      std::uint32_t& stamp = stamps_[static_cast<std::size_t>(id)];
+      if (stamp == epoch_) continue;
+      stamp = epoch_;
+      if (resident_map_[static_cast<std::size_t>(id)] != absent_slot) ++kept;
+    }
+    if (kept + static_cast<std::int64_t>(unique_ids.size()) > shape_.capacity) {
+      return too_many(kept + static_cast<std::int64_t>(unique_ids.size()));
     }
     return apply(plan);
   }

@@ -25,6 +25,14 @@
 // waits nor becomes the owner: the fills overlap the work on X. A later prepare() whose forward
 // uses a speculative slot waits for exactly that slot's event (wait_speculative, edge 9).
 //
+// A wide forward (wide.hpp) runs its rounds through wide_begin (edges 1, 2 on F; X adopted as
+// the reader with edges 4, 5), then per round wide_fill (F waits for the release of the buffer
+// it refills, edge 10; the round's writes; the resident map; `ready` on F, X NOT waiting yet),
+// wide_acquire (X waits for the latest `ready`: the round it is about to read, edge 3) and, after
+// the round's consumer, wide_release (the buffer's release recorded on X). The host calls
+// wide_acquire(r) before wide_fill(r + 1), so X waits for round r's copies only and round
+// r + 1's copies overlap round r's consumer.
+//
 // Readers: one core may serve several caches that share its fill stream and events (the
 // model-level cache, model_cache.hpp: one reader per layer). Each reader index has its own
 // owner, so a write for reader r waits for r's owner exactly as a core of its own would; the
@@ -62,6 +70,7 @@ struct OrderingEdges {
   static constexpr bool resident_map_serialised = true;  // 7: resident-map uploads go on F
   static constexpr bool staging_guard = true;            // 8: a staging buffer waits for its last copy
   static constexpr bool speculative_slot_wait = true;    // 9: a forward using a speculative fill waits for its slot's event
+  static constexpr bool wide_buffer_release = true;      // 10: a wide round refills a buffer after the consumer that read it
 };
 
 // What a call through OrderingCore::write() does.
@@ -225,6 +234,86 @@ class OrderingCore {
       speculative_[slot].pending = false;
       --speculative_pending_count_;
     }
+  }
+
+  // ---- wide forwards (header comment; docs/design.md "Wide forwards") ----
+
+  // Before a wide forward's first round: F after every earlier reader and writer (edges 1, 2),
+  // `caller` becomes reader `reader` after the previous owner's readers and the latest `ready`
+  // (edges 5, 4). The two buffer-release events are made on the first call.
+  Status wide_begin(Stream caller, std::size_t reader = 0) noexcept {
+    if (reader >= owners_.size()) {
+      return Status::format(ErrorCode::invalid_argument, "ordering core reader %zu is outside [0, %zu)", reader,
+                            owners_.size());
+    }
+    if (wide_release_.size() < 2) {
+      try {
+        while (wide_release_.size() < 2) wide_release_.emplace_back(*rt_);
+      } catch (const Error& e) {
+        return Status(e.code(), e.what());
+      } catch (...) {
+        return Status(ErrorCode::runtime_failure, "could not create the wide forward's buffer-release events");
+      }
+    }
+    wide_released_ = {false, false};
+    const Stream fill = fill_stream(caller);
+    Status s = order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader);
+    // Edge 10 across forwards: the buffers are shared by every reader (a model cache's layers),
+    // so F also waits for the stream of the last wide forward when it is not this reader's owner.
+    if constexpr (Edges::wide_buffer_release) {
+      const std::optional<Stream>& owner = owners_[reader];
+      if (s && wide_reader_ && *wide_reader_ != fill && (!owner || *wide_reader_ != *owner)) {
+        s = rt_->record(release_owner_.get(), *wide_reader_);
+        if (s) s = rt_->wait(fill, release_owner_.get());
+        if (s) ++counters_.release_edges;
+      }
+    }
+    if (s) s = adopt_reader(caller, false, reader);
+    if (s) wide_reader_ = caller;
+    return s;
+  }
+  // One round's writes on F into buffer `buffer` (0 or 1), after the consumer that last read
+  // that buffer in this forward (edge 10), then the resident map (edge 7) and `ready`.
+  template <class Writes>
+    requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
+  Status wide_fill(Stream caller, std::size_t buffer, MapUpload resident, Writes&& writes) noexcept {
+    const Stream fill = fill_stream(caller);
+    if (buffer >= wide_release_.size()) return Status(ErrorCode::internal, "wide_fill before wide_begin");
+    if constexpr (Edges::wide_buffer_release) {
+      if (wide_released_[buffer] && fill != caller) {
+        if (Status s = rt_->wait(fill, wide_release_[buffer].get()); !s) return s;
+        ++counters_.release_edges;
+      }
+    }
+    wide_released_[buffer] = false;
+    last_fill_ = fill;
+    Status s = writes(fill);
+    if (s && resident.host != nullptr) {
+      s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller, resident.entries);
+    }
+    if (s) s = rt_->record(ready_.get(), fill);
+    if (!s) return s;
+    ready_recorded_ = true;
+    ready_seen_count_ = 0;
+    return {};
+  }
+  // `caller` waits for the latest wide_fill (edge 3): the round it reads next.
+  Status wide_acquire(Stream caller) noexcept {
+    if (fill_stream(caller) != caller && ready_recorded_ && !ready_seen_by(caller)) {
+      if constexpr (Edges::ready_wait) {
+        if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
+        ++counters_.ready_edges;
+      }
+    }
+    note_ready_seen(caller);
+    return {};
+  }
+  // After the consumer of a round that read buffer `buffer`: its release, recorded on `caller`.
+  Status wide_release(Stream caller, std::size_t buffer) noexcept {
+    if (buffer >= wide_release_.size()) return Status(ErrorCode::internal, "wide_release before wide_begin");
+    if (Status s = rt_->record(wide_release_[buffer].get(), caller); !s) return s;
+    wide_released_[buffer] = true;
+    return {};
   }
 
   // One async copy of a host map (int32 entries) into a device buffer on `stream`, through
@@ -416,6 +505,9 @@ class OrderingCore {
   std::optional<Stream> last_fill_;
   std::vector<StagingBuffer> ring_;
   std::vector<SpeculativeSlot> speculative_;  // per slot, empty until the first prefetch
+  std::vector<RuntimeEvent<R>> wide_release_;  // per wide buffer (2), made by the first wide_begin
+  std::array<bool, 2> wide_released_{};        // recorded in this wide forward, not yet waited for
+  std::optional<Stream> wide_reader_;          // the stream of the last wide forward (any reader)
   std::size_t speculative_pending_count_ = 0;  // slots of speculative_ with `pending` set
   std::size_t next_staging_ = 0;
   bool last_upload_captured_ = false;

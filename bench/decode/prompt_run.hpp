@@ -1,0 +1,227 @@
+#pragma once
+// expert-cache-bench --prompt: time to first token (TTFT) of whole prompts served as ONE wide
+// forward per layer (prepare_wide), and a mixed run (one prompt every K decode tokens), both
+// MODELLED on SimRuntime with the decode run's cost model (modelled_run.hpp). Host-planned
+// provider: per-layer whole-expert caches (expert-major blobs, Lfru, copy stream) with the
+// recommended stream slots. Per layer the host first waits for the consumer stream (a
+// host-planned cache needs the router's ids on the host), then prepare_wide; each round's
+// consumer is one modelled kernel. Host-only.
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "args.hpp"
+#include "expert_cache/expert_cache.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "model.hpp"
+#include "modelled_run.hpp"
+
+namespace expert_cache::bench {
+
+// Compute model of the prompt consumer (assumption, stated in docs/benchmarks.md): per round a
+// launch (consumer_fixed_ns), the round's expert weights read once from HBM, and per
+// (token, expert) pair 6 * hidden * intermediate flops at prompt_flops_per_ns.
+inline constexpr double prompt_flops_per_ns = 400e3;  // 400 TFLOP/s effective (NVFP4 peak is far higher)
+
+struct PromptRouting {
+  std::vector<std::vector<std::int32_t>> ids;  // per layer: tokens * top_k ids
+};
+
+// Generated routing of a `tokens`-token prompt (the decode generator with its own seed).
+inline PromptRouting generate_prompt(const Model& m, const BenchArgs& a, std::int32_t tokens, std::uint64_t seed) {
+  GeneratorSpec spec;
+  spec.layers = m.layers;
+  spec.experts = m.experts;
+  spec.top_k = m.top_k;
+  spec.steps = tokens;
+  spec.zipf_s = a.zipf;
+  spec.sticky = a.sticky;
+  spec.seed = seed;
+  const Trace t = generate_trace(spec);
+  PromptRouting p;
+  p.ids.resize(static_cast<std::size_t>(m.layers));
+  for (std::size_t f = 0; f < t.forwards.size(); ++f) {
+    const auto e = t.experts(f);
+    auto& dst = p.ids[static_cast<std::size_t>(t.forwards[f].layer)];
+    dst.insert(dst.end(), e.begin(), e.end());
+  }
+  return p;
+}
+
+class PromptBench {
+ public:
+  using Cache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, ExplicitLayout, ModelledSim>;
+
+  PromptBench(const Model& m, const BenchArgs& a, const SimCosts& costs) : m_(m), a_(a), rt_(costs) {
+    consumer_ = rt_.create_stream().value();
+    const ExpertTensorBytes real = m.layout.tensors();
+    const ExplicitLayout layout = scaled_layout(real, a.sim_scale);
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      CacheOptions o;
+      o.num_experts = m.experts;
+      o.capacity = m.capacity;
+      o.top_k = m.top_k;
+      o.stream_slots = std::min(m.experts, recommended_stream_slots(m.capacity, m.top_k));
+      o.log = {};
+      caches_.push_back(std::make_unique<Cache>(rt_, o, layout));
+      fill_sim_pools(*caches_.back(), rt_, l, real);
+    }
+    GeneratorSpec spec;
+    spec.layers = m.layers;
+    spec.experts = m.experts;
+    spec.top_k = m.top_k;
+    spec.steps = 4096;
+    spec.zipf_s = a.zipf;
+    spec.sticky = a.sticky;
+    spec.seed = a.seed;
+    decode_ = generate_trace(spec);
+  }
+
+  [[nodiscard]] double expert_bytes() const noexcept { return static_cast<double>(m_.expert_bytes()); }
+  [[nodiscard]] double pair_ns() const noexcept {
+    return 6.0 * static_cast<double>(a_.hidden) * static_cast<double>(a_.intermediate) / prompt_flops_per_ns;
+  }
+  [[nodiscard]] double now() noexcept {
+    (void)rt_.synchronize(consumer_);
+    return rt_.now_ns();
+  }
+
+  // One decode step (batch 1): per layer sync, prepare, one consumer kernel.
+  void decode_step() {
+    for (std::int32_t l = 0; l < m_.layers; ++l) {
+      (void)rt_.synchronize(consumer_);
+      const auto ids = decode_.experts(static_cast<std::size_t>(step_ % 4096) * static_cast<std::size_t>(m_.layers) +
+                                       static_cast<std::size_t>(l));
+      auto v = caches_[static_cast<std::size_t>(l)]->prepare(ids, consumer_);
+      if (!v.ok()) throw Error(v.status());
+      const auto& c = rt_.costs();
+      check(rt_.launch(consumer_, {}, {}, c.consumer_fixed_ns + static_cast<double>(ids.size()) * expert_bytes() / c.hbm_bytes_per_ns));
+    }
+    ++step_;
+  }
+
+  struct PromptTimes {
+    double ttft_ns = 0, compute_ns = 0, bound_ns = 0, resident_ns = 0, bytes = 0;
+    std::uint64_t rounds = 0, copies = 0;
+  };
+
+  // One prompt as one wide forward per layer.
+  PromptTimes prompt(const PromptRouting& p, WideAdmission admission) {
+    PromptTimes t;
+    const auto& c = rt_.costs();
+    const double start = now();
+    for (std::int32_t l = 0; l < m_.layers; ++l) {
+      (void)rt_.synchronize(consumer_);
+      Cache& cache = *caches_[static_cast<std::size_t>(l)];
+      const auto& ids = p.ids[static_cast<std::size_t>(l)];
+      // Tokens per expert of this layer (the consumer's work per round).
+      std::vector<std::int32_t> pairs(static_cast<std::size_t>(m_.experts), 0);
+      for (const std::int32_t e : ids)
+        if (e >= 0) ++pairs[static_cast<std::size_t>(e)];
+      std::size_t missing = 0, unique = 0;
+      for (std::int32_t e = 0; e < m_.experts; ++e) {
+        if (pairs[static_cast<std::size_t>(e)] == 0) continue;
+        ++unique;
+        if (!cache.planner().is_resident(e)) ++missing;
+      }
+      t.bound_ns += static_cast<double>(missing) * expert_bytes() / c.pcie_bytes_per_ns;
+      t.resident_ns += c.consumer_fixed_ns + static_cast<double>(unique) * expert_bytes() / c.hbm_bytes_per_ns +
+                       static_cast<double>(ids.size()) * pair_ns();
+      auto r = cache.prepare_wide(ids, consumer_, [&](const WideRound& round) noexcept {
+        double work = 0;
+        for (const std::int32_t e : round.experts) work += pairs[static_cast<std::size_t>(e)];
+        const double ns = c.consumer_fixed_ns + static_cast<double>(round.experts.size()) * expert_bytes() / c.hbm_bytes_per_ns +
+                          work * pair_ns();
+        t.compute_ns += ns;
+        return rt_.launch(consumer_, {}, {}, ns);
+      }, WideOptions{admission});
+      if (!r.ok()) throw Error(r.status());
+      t.rounds += r.value().rounds;
+      t.copies += r.value().copies;
+      t.bytes += static_cast<double>(r.value().streamed + r.value().admitted) * expert_bytes();
+    }
+    t.ttft_ns = now() - start;
+    return t;
+  }
+
+  [[nodiscard]] CacheStats totals() const {
+    CacheStats s;
+    for (const auto& c : caches_) {
+      const CacheStats x = c->stats();
+      s.hits += x.hits;
+      s.misses += x.misses;
+    }
+    return s;
+  }
+
+ private:
+  static void check(const Status& s) {
+    if (!s) throw Error(s);
+  }
+  const Model& m_;
+  const BenchArgs& a_;
+  ModelledSim rt_;
+  SimRuntime::Stream consumer_{};
+  std::vector<std::unique_ptr<Cache>> caches_;
+  Trace decode_;
+  std::int64_t step_ = 0;
+};
+
+// The --prompt tables (MODELLED). Returns the process exit code.
+inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
+  const SimCosts costs;
+  std::printf("expert-cache-bench --prompt: MODELLED on SimRuntime (no GPU measurement; costs as the decode run's, "
+              "compute %.0f TFLOP/s assumed)\n",
+              prompt_flops_per_ns / 1e3);
+  std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB, host-planned whole-expert "
+              "cache (Lfru, copy stream) with %d stream slots per layer\n",
+              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
+              std::min(m.experts, recommended_stream_slots(m.capacity, m.top_k)));
+  std::printf("\nTTFT (one wide forward per layer after %d decode warm-up steps; bound = non-resident bytes / %.1f GB/s)\n",
+              a.warmup, costs.pcie_bytes_per_ns);
+  std::printf("%8s %10s %10s %10s %8s %12s %12s %8s %8s\n", "tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s",
+              "compute_ms", "resident_ms", "rounds", "copies");
+  for (const std::int32_t tokens : a.prompts) {
+    PromptBench b(m, a, costs);
+    for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
+    const PromptBench::PromptTimes t = b.prompt(generate_prompt(m, a, tokens, a.seed + 7919), WideAdmission::stream);
+    std::printf("%8d %10.3f %10.3f %10.3f %8.1f %12.3f %12.3f %8llu %8llu\n", tokens, t.ttft_ns / 1e6, t.bound_ns / 1e6,
+                t.ttft_ns > 0 ? t.bound_ns / t.ttft_ns : 0.0, t.ttft_ns > 0 ? t.bytes / t.ttft_ns : 0.0,
+                t.compute_ns / 1e6, t.resident_ns / 1e6, static_cast<unsigned long long>(t.rounds),
+                static_cast<unsigned long long>(t.copies));
+  }
+  if (a.prompt_every > 0) {
+    const std::int32_t tokens = a.prompts.back();
+    std::printf("\nmixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", tokens,
+                a.prompt_every, a.steps);
+    std::printf("%-24s %12s %14s\n", "admission", "decode_tok/s", "decode_hit_rate");
+    for (int mode = 0; mode < 3; ++mode) {
+      PromptBench b(m, a, costs);
+      for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
+      double decode_ns = 0;
+      std::uint64_t hits = 0, misses = 0;
+      std::uint64_t prompt_seed = a.seed + 104729;
+      for (std::int32_t s = 0; s < a.steps; ++s) {
+        if (mode > 0 && s % a.prompt_every == 0) {
+          (void)b.prompt(generate_prompt(m, a, tokens, prompt_seed++), mode == 1 ? WideAdmission::stream : WideAdmission::admit);
+        }
+        const CacheStats s0 = b.totals();
+        const double t0 = b.now();
+        b.decode_step();
+        decode_ns += b.now() - t0;
+        const CacheStats s1 = b.totals();
+        hits += s1.hits - s0.hits;
+        misses += s1.misses - s0.misses;
+      }
+      const char* name = mode == 0 ? "decode only" : mode == 1 ? "stream (scan resistant)" : "admit (reference)";
+      std::printf("%-24s %12.1f %14.4f\n", name, decode_ns > 0 ? a.steps / (decode_ns / 1e9) : 0.0,
+                  hits + misses > 0 ? static_cast<double>(hits) / static_cast<double>(hits + misses) : 0.0);
+    }
+  }
+  return 0;
+}
+
+}  // namespace expert_cache::bench

@@ -1,0 +1,166 @@
+#pragma once
+// Wide forwards: a forward with more unique experts than the cache holds (a prompt, a large
+// batch), served in rounds by ExpertCache::prepare_wide / ModelExpertCache::prepare_wide.
+//
+// Each round hands the caller's consumer a view with the contract of a normal prepare()
+// (slot buffers, forward-scoped expert map, resident map); the round's experts are disjoint
+// from every other round's, so a consumer that accumulates each round's expert outputs
+// computes the whole forward (the expert split of split.hpp, run by the library). The copies
+// of round r+1 are enqueued on the fill stream before the consumer of round r, so they overlap
+// it; a buffer is refilled only after the consumer of the round that read it (edge 10,
+// docs/design.md "Wide forwards").
+//
+// Two admissions (WideAdmission):
+//   stream  (default, scan resistant) experts already resident are read from their pool slots
+//           (a pure read: the planner, the policy and the hit/miss counters stay as they were);
+//           the others are copied into the cache's stream slots (CacheOptions::stream_slots,
+//           appended to the same slot storage so one expert map indexes both), two halves used
+//           alternately, never admitted. A run of consecutive expert ids goes to consecutive
+//           stream slots as ONE copy per tensor (or per blob) where the storage is dense.
+//   admit   the reference providers' behaviour: rounds of at most capacity/2 experts go through
+//           the pool with the policy's evictions (round r+1 keeps round r's experts).
+//
+// Host-only vocabulary plus the helpers both caches share.
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/staging/copy_staging.hpp"
+#include "expert_cache/status.hpp"
+#include "expert_cache/storage/copy_region.hpp"
+
+namespace expert_cache::inline v0 {
+
+enum class WideAdmission : std::uint8_t {
+  stream,  // scan resistant: missing experts go through the stream slots, never into the pool
+  admit,   // every expert goes through the pool (the policy evicts), as the reference providers
+};
+
+[[nodiscard]] constexpr std::string_view to_string(WideAdmission a) noexcept {
+  return a == WideAdmission::stream ? "stream" : "admit";
+}
+
+/// Options of one prepare_wide() call.
+struct WideOptions {
+  WideAdmission admission = WideAdmission::stream;
+};
+
+/// What a wide forward did (returned by prepare_wide once every round's consumer succeeded).
+struct WideSummary {
+  std::uint32_t rounds = 0;     ///< rounds served (consumer calls)
+  std::uint32_t unique = 0;     ///< unique experts of the forward
+  std::uint32_t hits = 0;       ///< experts served from the pool without a copy
+  std::uint32_t streamed = 0;   ///< stream admission: experts copied into stream slots
+  std::uint32_t admitted = 0;   ///< admit admission: experts copied into the pool
+  std::uint64_t copies = 0;     ///< copy operations enqueued (a coalesced run counts once per region)
+  std::uint64_t bytes = 0;      ///< bytes copied
+};
+
+/// Recommended stream slots for a cache of `capacity` slots and top-k `top_k`: two halves of
+/// max(top_k, capacity / 16) slots, i.e. about an eighth of the pool (a round's compute then
+/// hides the next round's transfer without taking much memory from the cache).
+[[nodiscard]] constexpr std::int32_t recommended_stream_slots(std::int32_t capacity, std::int32_t top_k) noexcept {
+  const std::int32_t half = std::max<std::int32_t>(std::max<std::int32_t>(top_k, 1), capacity / 16);
+  return 2 * half;
+}
+
+/// Default bound on the ids of one wide forward (CacheOptions::max_wide_ids): 8192 tokens of
+/// top-128, far beyond any prompt a single forward takes, small enough to refuse garbage sizes.
+inline constexpr std::int64_t default_max_wide_ids = std::int64_t{1} << 20;
+
+namespace detail {
+
+// A storage's copy regions widened to a run of `n` consecutive experts in consecutive slots:
+// what a copy-based staging policy reads for ONE fill (the run's first expert and slot).
+struct RunCopyRegions {
+  CopyRegions regions{};
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions; }
+};
+
+// A region coalesces when both sides are densely packed (host_stride == slot_stride == bytes):
+// tensor-major pools and expert-major blobs do, an expert-major host scattered into per-tensor
+// slots (ExpertMajorHostStorage) does not.
+[[nodiscard]] constexpr bool dense_region(const CopyRegion& r) noexcept {
+  return r.host_stride == r.bytes && r.slot_stride == r.bytes;
+}
+
+// Staging policies whose issue() is plain copies of the regions it is given (copy_staging.hpp):
+// they accept a RunCopyRegions. Others (Gather caches per-storage state) get per-expert fills.
+template <class Staging>
+inline constexpr bool coalescing_staging =
+    std::is_same_v<Staging, CopyStream> || std::is_same_v<Staging, Inline> || std::is_same_v<Staging, Batched>;
+
+// Issues `fills` (slots consecutive where experts are: the stream slots of one round) with every
+// run of consecutive experts in consecutive slots as one copy per dense region; non-dense regions
+// and non-coalescing staging policies get one copy per fill and region. Adds the copies issued.
+template <class Staging, class R, class Storage>
+Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const Storage& storage,
+                       std::span<const SlotFill> fills, std::uint64_t& copies) noexcept {
+  const CopyRegions& all = storage.copy_regions();
+  if constexpr (!coalescing_staging<Staging>) {
+    copies += fills.size() * all.count;
+    return staging.issue(rt, fill, storage, fills);
+  } else {
+    RunCopyRegions dense, sparse;
+    for (const CopyRegion& r : all) {
+      (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
+    }
+    std::size_t begin = 0;
+    while (begin < fills.size()) {
+      std::size_t end = begin + 1;
+      while (end < fills.size() && fills[end].expert.value == fills[end - 1].expert.value + 1 &&
+             fills[end].slot.value == fills[end - 1].slot.value + 1) {
+        ++end;
+      }
+      if (dense.regions.count != 0) {
+        RunCopyRegions run = dense;
+        for (std::size_t i = 0; i < run.regions.count; ++i) run.regions.regions[i].bytes *= end - begin;
+        if (Status s = staging.issue(rt, fill, run, fills.subspan(begin, 1)); !s) return s;
+        copies += run.regions.count;
+      }
+      begin = end;
+    }
+    if (sparse.regions.count != 0) {
+      if (Status s = staging.issue(rt, fill, sparse, fills); !s) return s;
+      copies += fills.size() * sparse.regions.count;
+    }
+    return {};
+  }
+}
+
+// The forward's unique experts, ascending, from top-k ids (negative = padding): validated
+// completely before the caller changes anything. `seen` holds one byte per expert (all zero on
+// entry and on return); `out` has room for num_experts ids.
+inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_experts, std::int64_t max_ids,
+                          std::vector<std::uint8_t>& seen, std::vector<std::int32_t>& out) noexcept {
+  out.clear();
+  if (static_cast<std::int64_t>(ids.size()) > max_ids) {
+    return Status::format(ErrorCode::too_many_experts,
+                          "wide forward of %zu ids exceeds the configured maximum of %lld (CacheOptions::max_wide_ids)",
+                          ids.size(), static_cast<long long>(max_ids));
+  }
+  for (const std::int32_t id : ids) {
+    if (id >= num_experts) {
+      return Status::format(ErrorCode::expert_out_of_range, "expert id %d is outside [0, %d)", id, num_experts);
+    }
+  }
+  for (const std::int32_t id : ids) {
+    if (id >= 0) seen[static_cast<std::size_t>(id)] = 1;
+  }
+  for (std::int32_t e = 0; e < num_experts; ++e) {
+    if (seen[static_cast<std::size_t>(e)] != 0) {
+      seen[static_cast<std::size_t>(e)] = 0;
+      out.push_back(e);  // capacity num_experts reserved by the owner: no allocation
+    }
+  }
+  return {};
+}
+
+}  // namespace detail
+
+}  // namespace expert_cache::inline v0

@@ -1,0 +1,561 @@
+// Wide forwards (prepare_wide, wide.hpp) on SimRuntime: every round's bytes and maps, the race
+// detector over randomized schedules of wide and normal forwards, edge 10's negative test,
+// scan resistance against the admit-everything option, copy coalescing, and bad input.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "support/removed_edges.hpp"
+#include "support/sim_cache_harness.hpp"
+
+using namespace expert_cache;
+using namespace expert_cache::test;
+using Ids = std::vector<std::int32_t>;
+using Stream = SimRuntime::Stream;
+
+namespace {
+
+struct NoWideBufferRelease : OrderingEdges {  // 10
+  static constexpr bool wide_buffer_release = false;
+};
+
+template <class Edges, template <class> class Storage = TensorMajorStorage, class Policy = Lru, class Staging = CopyStream>
+using WideCache = detail::ExpertCacheWithEdges<Storage, Policy, Staging, ExplicitLayout, SimRuntime, Edges>;
+using RowWide = WideCache<OrderingEdges>;
+using WholeWide = WideCache<OrderingEdges, ExpertMajorStorage, Lfru>;
+using InlineWide = WideCache<OrderingEdges, ExpertMajorHostStorage, Lru, Inline>;
+
+// A cache with stream slots on its own SimRuntime (race detector on), host pools filled.
+template <class Cache>
+struct WideFixture {
+  SimRuntime rt{SimRuntime::Options{.memory_limit = std::size_t{1} << 28, .seed = 7, .max_races = 16, .max_streams = 16}};
+  std::vector<Stream> streams;
+  std::unique_ptr<Cache> cache;
+  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
+  std::uint64_t launched = 0;
+
+  WideFixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::int32_t stream_slots,
+              std::int64_t max_wide_ids = default_max_wide_ids) {
+    for (int i = 0; i < 2; ++i) streams.push_back(rt.create_stream().value());
+    CacheOptions o = quiet_options(experts, capacity, top_k);
+    o.stream_slots = stream_slots;
+    o.max_wide_ids = max_wide_ids;
+    cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
+    fill_host_pools(*cache);
+  }
+
+  // A kernel-like reader of one round on `s`: the round's map entries and every byte of its
+  // experts' slots; it checks the map names exactly the round's experts (at run time).
+  Status read_round(const WideRound& round, Stream s) {
+    const ForwardView v = round.view;
+    const auto n = static_cast<std::size_t>(cache->options().num_experts);
+    std::vector<std::int32_t> ids(round.experts.begin(), round.experts.end());
+    std::vector<std::int32_t> slots(round.slots.begin(), round.slots.end());
+    REQUIRE(slots.size() == ids.size());
+    std::vector<Access> acc{{v.expert_map, n * sizeof(std::int32_t), AccessMode::read}};
+    // A resident expert must be in its pool slot, a streamed one in a stream slot.
+    const auto resident = cache->resident_map_host();
+    for (std::size_t k = 0; k < ids.size(); ++k) {
+      const std::int32_t pool = resident[static_cast<std::size_t>(ids[k])];
+      CHECK((pool >= 0 ? slots[k] == pool : slots[k] >= cache->options().capacity));
+      for (const SlotTensor& t : v.tensors) {
+        if (t.bytes != 0) acc.push_back({t.slot(slots[k]), t.bytes, AccessMode::read});
+      }
+    }
+    ++launched;
+    return rt.launch(s, acc, [v, ids, slots, n, log = log]() {
+      ++log->runs;
+      std::size_t named = 0;
+      for (std::size_t e = 0; e < n; ++e) named += v.expert_map[e] != absent_slot ? 1 : 0;
+      bool ok = named == ids.size();
+      for (std::size_t k = 0; ok && k < ids.size(); ++k) {
+        const std::int32_t slot = v.expert_map[ids[k]];
+        ok = slot == slots[k];
+        for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
+          const SlotTensor& st = v.tensors[t];
+          for (std::size_t i = 0; i < st.bytes; ++i) {
+            if (st.slot(slot)[i] != pattern_byte(t, ids[k], i)) {
+              ok = false;
+              break;
+            }
+          }
+        }
+      }
+      if (!ok && log->mismatches++ == 0) log->first_mismatch = "round of " + std::to_string(ids.size()) + " experts";
+    });
+  }
+
+  Result<WideSummary> wide(const Ids& topk, Stream s, WideAdmission admission = WideAdmission::stream,
+                           std::vector<Ids>* rounds = nullptr) {
+    return cache->prepare_wide(
+        topk, s,
+        [&](const WideRound& r) noexcept {
+          if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
+          return read_round(r, s);
+        },
+        WideOptions{admission});
+  }
+
+  Status forward(const Ids& topk, Stream s) {
+    auto view = cache->prepare(topk, s);
+    if (!view.ok()) return view.status();
+    Ids unique;
+    for (ExpertId e : cache->last_plan().unique) unique.push_back(e.value);
+    ++launched;
+    return launch_reader(rt, *cache, view.value(), unique, s, log);
+  }
+
+  void check_clean() {
+    rt.drain();
+    CHECK(rt.races().empty());
+    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    if (log->mismatches != 0) MESSAGE(log->first_mismatch);
+    CHECK(log->runs == launched);
+    const auto host = cache->resident_map_host();
+    CHECK(std::equal(host.begin(), host.end(), cache->resident_map_device()));
+  }
+};
+
+Ids all_experts(std::int32_t n) {
+  Ids ids(static_cast<std::size_t>(n));
+  for (std::int32_t i = 0; i < n; ++i) ids[static_cast<std::size_t>(i)] = i;
+  return ids;
+}
+
+Ids random_topk(std::mt19937_64& rng, std::int32_t rows, std::int32_t k, std::int32_t experts) {
+  Ids ids;
+  for (std::int32_t i = 0; i < rows * k; ++i) {
+    const auto r = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(experts + 1));
+    ids.push_back(r == experts ? -1 : r);
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("wide forward, stream admission: every round's bytes and map; the pool untouched", Cache, RowWide,
+                   WholeWide, InlineWide) {
+  WideFixture<Cache> f(32, 8, 2, 4);
+  REQUIRE(f.forward(Ids{3, 9, 9, 20}, f.streams[0]).ok());  // residents 3, 9, 20
+  f.rt.drain();
+  const auto before = f.cache->planner().snapshot();
+  const CacheStats s0 = f.cache->stats();
+  std::vector<Ids> rounds;
+  auto r = f.wide(all_experts(32), f.streams[0], WideAdmission::stream, &rounds);
+  REQUIRE(r.ok());
+  // 29 missing experts in halves of 2: 15 rounds; round 0 has the 3 residents + 2 streamed.
+  CHECK(r.value().rounds == 15);
+  CHECK(r.value().unique == 32);
+  CHECK(r.value().hits == 3);
+  CHECK(r.value().streamed == 29);
+  CHECK(r.value().admitted == 0);
+  REQUIRE(rounds.size() == 15);
+  CHECK(rounds[0] == Ids{0, 1, 3, 9, 20});
+  CHECK(rounds[1] == Ids{2, 4});
+  Ids seen;
+  for (const Ids& ids : rounds) seen.insert(seen.end(), ids.begin(), ids.end());
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen == all_experts(32));  // disjoint rounds covering the forward
+  f.check_clean();
+  // Scan resistance, exactly: planner, policy and hit/miss counters as they were.
+  CHECK(f.cache->planner().snapshot() == before);
+  const CacheStats s1 = f.cache->stats();
+  CHECK(s1.hits == s0.hits);
+  CHECK(s1.misses == s0.misses);
+  CHECK(s1.wide_forwards == 1);
+  CHECK(s1.wide_rounds == 15);
+  CHECK(s1.wide_hits == 3);
+  CHECK(s1.wide_streamed == 29);
+  CHECK(s1.wide_bytes == 29 * total_bytes_per_expert(six_tensor_layout().tensors()));
+  // The cache stays usable: a normal forward after it.
+  REQUIRE(f.forward(Ids{3, 31}, f.streams[1]).ok());
+  f.check_clean();
+}
+
+TEST_CASE("wide forward: runs of consecutive experts go as one copy per dense region") {
+  SUBCASE("tensor-major: one copy per tensor per run") {
+    WideFixture<RowWide> f(32, 4, 1, 8);
+    auto r = f.wide(Ids{0, 1, 2, 3, 10, 11, 12, 13}, f.streams[0]);  // one round of two runs (half = 4... two rounds)
+    REQUIRE(r.ok());
+    CHECK(r.value().rounds == 2);
+    CHECK(r.value().copies == 2 * 6);  // each round one run of 4, six tensors
+    f.check_clean();
+  }
+  SUBCASE("expert-major blob: one copy per run; a gap splits the run") {
+    WideFixture<WholeWide> f(32, 4, 1, 8);
+    auto r = f.wide(Ids{0, 1, 2, 5, 10, 11, 12, 13}, f.streams[0]);
+    REQUIRE(r.ok());
+    CHECK(r.value().copies == 3);  // {0,1,2} {5} | {10..13}
+    f.check_clean();
+  }
+  SUBCASE("expert-major host scattered into per-tensor slots: per expert and tensor") {
+    WideFixture<InlineWide> f(32, 4, 1, 8);
+    auto r = f.wide(Ids{0, 1, 2, 3}, f.streams[0]);
+    REQUIRE(r.ok());
+    CHECK(r.value().copies == 4 * 6);
+    f.check_clean();
+  }
+}
+
+TEST_CASE_TEMPLATE("wide forward, admit admission: rounds of capacity/2 through the pool", Cache, RowWide, WholeWide) {
+  WideFixture<Cache> f(20, 6, 2, 0);
+  std::vector<Ids> rounds;
+  auto r = f.wide(all_experts(20), f.streams[0], WideAdmission::admit, &rounds);
+  REQUIRE(r.ok());
+  CHECK(r.value().rounds == 7);  // groups of 3
+  CHECK(r.value().admitted == 20);
+  CHECK(r.value().streamed == 0);
+  REQUIRE(rounds.size() == 7);
+  CHECK(rounds[0] == Ids{0, 1, 2});
+  f.check_clean();
+  const CacheStats s = f.cache->stats();
+  CHECK(s.misses == 20);
+  CHECK(s.prepare_calls == 7);
+  CHECK(s.resident == 6);
+  // The last two groups are resident (round 6 kept round 5's experts).
+  for (std::int32_t e : {15, 16, 17, 18, 19}) CHECK(f.cache->planner().is_resident(e));
+}
+
+TEST_CASE("wide forward: stream admission without stream slots is refused, nothing changes") {
+  WideFixture<RowWide> f(16, 4, 1, 0);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  const auto before = f.cache->planner().snapshot();
+  int calls = 0;
+  auto r = f.cache->prepare_wide(all_experts(16), f.streams[0], [&](const WideRound&) noexcept {
+    ++calls;
+    return Status();
+  });
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == ErrorCode::not_supported);
+  CHECK(calls == 0);
+  CHECK(f.cache->planner().snapshot() == before);
+  f.check_clean();
+}
+
+TEST_CASE_TEMPLATE("wide forward bad input: too many ids, an id out of range; nothing changes", Cache, RowWide, WholeWide) {
+  WideFixture<Cache> f(16, 4, 2, 4, /*max_wide_ids=*/64);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  f.rt.drain();
+  const auto before = f.cache->planner().snapshot();
+  const CacheStats s0 = f.cache->stats();
+  const std::size_t ops = f.rt.pending_ops();
+  int calls = 0;
+  const auto consumer = [&](const WideRound&) noexcept {
+    ++calls;
+    return Status();
+  };
+  for (const WideAdmission a : {WideAdmission::stream, WideAdmission::admit}) {
+    auto big = f.cache->prepare_wide(Ids(65, 3), f.streams[0], consumer, WideOptions{a});
+    REQUIRE_FALSE(big.ok());
+    CHECK(big.status().code() == ErrorCode::too_many_experts);
+    CHECK(big.status().message().find("65 ids") != std::string_view::npos);
+    auto out = f.cache->prepare_wide(Ids{1, 2, 16, 3}, f.streams[0], consumer, WideOptions{a});
+    REQUIRE_FALSE(out.ok());
+    CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    CHECK(out.status().message().find("16") != std::string_view::npos);
+  }
+  CHECK(calls == 0);
+  CHECK(f.rt.pending_ops() == ops);  // nothing enqueued
+  CHECK(f.cache->planner().snapshot() == before);
+  const CacheStats s1 = f.cache->stats();
+  CHECK(s1.total_copies == s0.total_copies);
+  CHECK(s1.map_uploads == s0.map_uploads);
+  CHECK(s1.faults == 0);
+  // Still usable: a valid wide forward and a normal one, all bytes right.
+  REQUIRE(f.wide(Ids(64, 7), f.streams[0]).ok());
+  REQUIRE(f.wide(all_experts(16), f.streams[1]).ok());
+  REQUIRE(f.forward(Ids{1, 5}, f.streams[0]).ok());
+  f.check_clean();
+}
+
+TEST_CASE("wide forward: a consumer failing mid-forward; no round half-published, the cache usable") {
+  SUBCASE("stream admission: the pool exactly as before") {
+    WideFixture<RowWide> f(24, 6, 2, 4);
+    REQUIRE(f.forward(Ids{0, 5, 7, 11}, f.streams[0]).ok());
+    const auto before = f.cache->planner().snapshot();
+    int calls = 0;
+    auto r = f.cache->prepare_wide(all_experts(24), f.streams[0], [&](const WideRound& round) noexcept {
+      ++calls;
+      if (round.index == 2) return Status(ErrorCode::invalid_argument, "engine kernel refused");
+      return f.read_round(round, f.streams[0]);
+    });
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    CHECK(r.status().message().find("round 2 of") != std::string_view::npos);
+    CHECK(r.status().message().find("engine kernel refused") != std::string_view::npos);
+    CHECK(calls == 3);
+    CHECK(f.cache->planner().snapshot() == before);
+    CHECK(f.cache->stats().wide_forwards == 0);
+    CHECK(f.cache->stats().wide_rounds == 2);
+    // Usable: a normal forward (its map re-uploaded), then a full wide forward.
+    REQUIRE(f.forward(Ids{0, 5}, f.streams[0]).ok());
+    REQUIRE(f.wide(all_experts(24), f.streams[1]).ok());
+    f.check_clean();
+  }
+  SUBCASE("a consumer that throws") {
+    WideFixture<WholeWide> f(24, 6, 2, 4);
+    const auto before = f.cache->planner().snapshot();
+    auto r = f.cache->prepare_wide(all_experts(24), f.streams[0], [&](const WideRound& round) -> Status {
+      if (round.index == 1) throw std::runtime_error("boom");
+      return f.read_round(round, f.streams[0]);
+    });
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == ErrorCode::runtime_failure);
+    CHECK(r.status().message().find("boom") != std::string_view::npos);
+    CHECK(f.cache->planner().snapshot() == before);
+    REQUIRE(f.wide(all_experts(24), f.streams[0]).ok());
+    f.check_clean();
+  }
+  SUBCASE("admit admission: the pool as after the rounds planned so far (0..r+1)") {
+    WideFixture<RowWide> f(24, 6, 2, 0);
+    REQUIRE(f.forward(Ids{0, 5, 7, 11}, f.streams[0]).ok());
+    // The prediction: a planner of the same shape given the same calls.
+    ForwardPlanner<Lru> twin(CacheShape{24, 6}, 2);
+    ForwardPlan scratch;
+    REQUIRE(twin.plan_topk(Ids{0, 5, 7, 11}, scratch));
+    const Ids all = all_experts(24);
+    for (std::size_t g = 0; g <= 3; ++g) {  // round 2 fails: rounds 0..3 planned
+      const auto group = std::span<const std::int32_t>(all).subspan(3 * g, 3);
+      const auto keep = g == 0 ? std::span<const std::int32_t>() : std::span<const std::int32_t>(all).subspan(3 * (g - 1), 3);
+      REQUIRE(twin.plan_unique(group, scratch, keep));
+    }
+    auto r = f.cache->prepare_wide(all, f.streams[0], [&](const WideRound& round) noexcept {
+      if (round.index == 2) return Status(ErrorCode::invalid_argument, "stop");
+      return f.read_round(round, f.streams[0]);
+    }, WideOptions{WideAdmission::admit});
+    REQUIRE_FALSE(r.ok());
+    CHECK(f.cache->planner().snapshot() == twin.snapshot());
+    REQUIRE(f.forward(Ids{9, 10}, f.streams[1]).ok());  // round 3's experts: resident, hits
+    CHECK(f.cache->last_plan().hits == 2);
+    f.check_clean();
+  }
+}
+
+TEST_CASE("wide forward: a runtime failure mid-forward is reported; the pool unchanged, the cache usable") {
+  WideFixture<RowWide> f(24, 6, 2, 4);
+  REQUIRE(f.forward(Ids{0, 5}, f.streams[0]).ok());
+  f.rt.drain();
+  const auto before = f.cache->planner().snapshot();
+  f.rt.inject_failure(FaultKind::copy, 20);  // inside a later round's fills
+  auto r = f.wide(all_experts(24), f.streams[0]);
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == ErrorCode::runtime_failure);
+  CHECK(r.status().message().find("prepare_wide: round") != std::string_view::npos);
+  CHECK(f.cache->stats().faults == 1);
+  CHECK(f.cache->planner().snapshot() == before);
+  REQUIRE(f.wide(all_experts(24), f.streams[0]).ok());
+  REQUIRE(f.forward(Ids{0, 5}, f.streams[0]).ok());
+  f.check_clean();
+}
+
+TEST_CASE("negative (edge 10): without the buffer release a round's fill races the consumer two rounds back") {
+  const auto races = [](auto tag) {
+    using Cache = typename decltype(tag)::type;
+    WideFixture<Cache> f(24, 4, 1, 4);
+    REQUIRE(f.wide(all_experts(24), f.streams[0]).ok());  // 12 rounds over two halves of 2
+    f.rt.drain();
+    CHECK(f.log->runs == f.launched);
+    return f.rt.races().size();
+  };
+  CHECK(races(std::type_identity<WideCache<NoWideBufferRelease>>{}) > 0);
+  CHECK(races(std::type_identity<RowWide>{}) == 0);
+  // Edge 3 orders each round's reader after its own fills, also inside a wide forward.
+  CHECK(races(std::type_identity<WideCache<NoReadyWait>>{}) > 0);
+}
+
+TEST_CASE("scan resistance: the decode working set's hit rate after a wide forward equals what it was") {
+  // Decode: top-2 of 6 hot experts in a 64-expert layer with 8 slots; then a 512-token prompt.
+  const auto decode = [](auto& f, std::mt19937_64& rng, int steps) {
+    const CacheStats s0 = f.cache->stats();
+    for (int i = 0; i < steps; ++i) {
+      const auto a = static_cast<std::int32_t>(rng() % 6), b = static_cast<std::int32_t>((a + 1 + rng() % 5) % 6);
+      REQUIRE(f.forward(Ids{a * 7, b * 7}, f.streams[0]).ok());
+    }
+    const CacheStats s1 = f.cache->stats();
+    return static_cast<double>(s1.hits - s0.hits) / static_cast<double>(s1.hits + s1.misses - s0.hits - s0.misses);
+  };
+  const auto run = [&](bool with_prompt, WideAdmission a) {
+    WideFixture<RowWide> f(64, 8, 2, 8);
+    std::mt19937_64 rng(3), prompt_rng(4);
+    (void)decode(f, rng, 32);  // warm
+    const double warm = decode(f, rng, 32);
+    CHECK(warm == 1.0);  // 6 hot experts fit in 8 slots
+    if (with_prompt) REQUIRE(f.wide(random_topk(prompt_rng, 512, 2, 64), f.streams[0], a).ok());
+    const double after = decode(f, rng, 16);
+    f.check_clean();
+    return after;
+  };
+  const double baseline = run(false, WideAdmission::stream);
+  const double streamed = run(true, WideAdmission::stream);
+  const double admitted = run(true, WideAdmission::admit);
+  MESSAGE("decode hit rate after a prompt: none " << baseline << ", stream " << streamed << ", admit " << admitted);
+  CHECK(streamed == baseline);
+  CHECK(admitted < baseline);  // the prompt flushed the working set
+}
+
+TEST_CASE("ordering: randomized schedules of wide and normal forwards keep the race detector silent") {
+  const auto schedule = [](auto tag, std::uint64_t seed) {
+    using Cache = typename decltype(tag)::type;
+    WideFixture<Cache> f(16, 4, 2, 4);
+    f.rt.set_seed(seed);
+    std::mt19937_64 rng(seed);
+    const int actions = 4 + static_cast<int>(rng() % 6);
+    for (int a = 0; a < actions; ++a) {
+      const Stream s = f.streams[rng() % f.streams.size()];
+      const auto kind = rng() % 10;
+      if (kind < 4) {
+        REQUIRE(f.forward(random_topk(rng, 1, 2, 16), s).ok());
+      } else if (kind < 6) {
+        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::stream).ok());
+      } else if (kind < 8) {
+        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::admit).ok());
+      } else {
+        REQUIRE(f.cache->invalidate(static_cast<std::int32_t>(rng() % 16), s).ok());
+      }
+      f.rt.run_random(rng(), rng() % 16);
+    }
+    f.check_clean();
+  };
+  for (std::uint64_t seed = 1; seed <= 400; ++seed) {
+    schedule(std::type_identity<RowWide>{}, seed);
+    schedule(std::type_identity<WholeWide>{}, seed + 1000);
+    schedule(std::type_identity<InlineWide>{}, seed + 2000);
+  }
+}
+
+// ---- ModelExpertCache::prepare_wide (one stream area for the model) --------------------------
+
+namespace {
+using ModelWide = ModelExpertCache<TensorMajorStorage, Lru, CopyStream, ExplicitLayout, SimRuntime>;
+
+struct ModelWideFixture {
+  SimRuntime rt{SimRuntime::Options{.memory_limit = std::size_t{1} << 28, .seed = 11, .max_races = 16, .max_streams = 16}};
+  std::vector<Stream> streams;
+  std::unique_ptr<ModelWide> cache;
+  std::shared_ptr<ReaderLog> log = std::make_shared<ReaderLog>();
+  std::uint64_t launched = 0;
+  std::int32_t experts;
+
+  ModelWideFixture(ModelPool pool, std::int32_t layers, std::int32_t experts_, std::int32_t capacity,
+                   std::int32_t stream_slots)
+      : experts(experts_) {
+    for (int i = 0; i < 2; ++i) streams.push_back(rt.create_stream().value());
+    ModelCacheOptions o;
+    o.num_layers = layers;
+    o.num_experts = experts;
+    o.capacity = capacity;
+    o.top_k = 2;
+    o.pool = pool;
+    o.stream_slots = stream_slots;
+    cache = std::make_unique<ModelWide>(rt, o, six_tensor_layout());
+    const auto& tensors = cache->storage().tensors();
+    for (std::int32_t l = 0; l < layers; ++l)
+      for (std::int32_t e = 0; e < experts; ++e)
+        for (std::size_t t = 0; t < num_expert_tensors; ++t)
+          for (std::size_t i = 0; i < tensors[t].bytes_per_expert; ++i)
+            cache->host_tensor(l, t, e)[i] = pattern_byte(t, l * experts + e, i);
+  }
+
+  // Reads the round's (or forward's) experts of `layer` through the view's map and slots.
+  Status read(std::int32_t layer, const ForwardView& v, std::span<const std::int32_t> ids_in,
+              std::span<const std::int32_t> slots_in, Stream s) {
+    std::vector<std::int32_t> ids(ids_in.begin(), ids_in.end()), slots(slots_in.begin(), slots_in.end());
+    std::vector<Access> acc{{v.expert_map, static_cast<std::size_t>(experts) * sizeof(std::int32_t), AccessMode::read}};
+    for (const std::int32_t slot : slots)
+      for (const SlotTensor& t : v.tensors)
+        if (t.bytes != 0) acc.push_back({t.slot(slot), t.bytes, AccessMode::read});
+    ++launched;
+    const std::int32_t key0 = layer * experts;
+    return rt.launch(s, acc, [v, ids, slots, key0, log = log]() {
+      ++log->runs;
+      bool ok = true;
+      for (std::size_t k = 0; ok && k < ids.size(); ++k) {
+        ok = v.expert_map[ids[k]] == slots[k];
+        for (std::size_t t = 0; ok && t < num_expert_tensors; ++t)
+          for (std::size_t i = 0; ok && i < v.tensors[t].bytes; ++i)
+            ok = v.tensors[t].slot(slots[k])[i] == pattern_byte(t, key0 + ids[k], i);
+      }
+      if (!ok) ++log->mismatches;
+    });
+  }
+  Status forward(std::int32_t layer, const Ids& topk, Stream s) {
+    auto v = cache->prepare(layer, topk, s);
+    if (!v.ok()) return v.status();
+    Ids ids, slots;
+    const auto map = cache->forward_map_host(layer);
+    for (std::int32_t e = 0; e < experts; ++e)
+      if (map[static_cast<std::size_t>(e)] != absent_slot) {
+        ids.push_back(e);
+        slots.push_back(map[static_cast<std::size_t>(e)]);
+      }
+    return read(layer, v.value(), ids, slots, s);
+  }
+  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s) {
+    return cache->prepare_wide(layer, topk, s, [&](const WideRound& r) noexcept {
+      return read(layer, r.view, r.experts, r.slots, s);
+    });
+  }
+  void check_clean() {
+    rt.drain();
+    CHECK(rt.races().empty());
+    if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+    CHECK(log->mismatches == 0);
+    CHECK(log->runs == launched);
+  }
+};
+}  // namespace
+
+TEST_CASE("model cache wide forward: per-layer and global pools, every round right, the pools untouched") {
+  for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+    CAPTURE(to_string(pool));
+    ModelWideFixture f(pool, 3, 16, pool == ModelPool::global ? 9 : 4, 4);
+    REQUIRE(f.forward(1, Ids{2, 5}, f.streams[0]).ok());
+    REQUIRE(f.forward(2, Ids{7, 8}, f.streams[0]).ok());
+    std::vector<ForwardPlanner<Lru>::Snapshot> before;
+    for (std::int32_t l = 0; l < 3; ++l) before.push_back(f.cache->planner(l).snapshot());
+    auto r = f.wide(1, all_experts(16), f.streams[1]);
+    REQUIRE(r.ok());
+    CHECK(r.value().hits == 2);
+    CHECK(r.value().streamed == 14);
+    CHECK(r.value().rounds == 7);
+    CHECK(r.value().copies == 7 * 6);  // each round one run of consecutive experts, six tensors
+    for (std::int32_t l = 0; l < 3; ++l) CHECK(f.cache->planner(l).snapshot() == before[static_cast<std::size_t>(l)]);
+    REQUIRE(f.wide(2, all_experts(16), f.streams[0]).ok());
+    REQUIRE(f.forward(1, Ids{2, 5}, f.streams[0]).ok());
+    CHECK(f.cache->stats().per_layer[1].hits == 2);
+    f.check_clean();
+    auto bad = f.wide(3, all_experts(16), f.streams[0]);
+    CHECK(bad.status().code() == ErrorCode::invalid_argument);
+    auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
+    CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    auto admit = f.cache->prepare_wide(0, Ids{1}, f.streams[0], [](const WideRound&) noexcept { return Status(); },
+                                       WideOptions{WideAdmission::admit});
+    CHECK(admit.status().code() == ErrorCode::not_supported);
+  }
+}
+
+TEST_CASE("model cache wide forward: randomized schedules over layers and streams keep the detector silent") {
+  for (std::uint64_t seed = 1; seed <= 150; ++seed) {
+    for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+      ModelWideFixture f(pool, 3, 12, pool == ModelPool::global ? 8 : 3, 4);
+      f.rt.set_seed(seed);
+      std::mt19937_64 rng(seed);
+      for (int a = 0; a < 8; ++a) {
+        const Stream s = f.streams[rng() % 2];
+        const auto layer = static_cast<std::int32_t>(rng() % 3);
+        if (rng() % 2 == 0) {
+          REQUIRE(f.forward(layer, random_topk(rng, 1, 2, 12), s).ok());
+        } else {
+          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s).ok());
+        }
+        f.rt.run_random(rng(), rng() % 16);
+      }
+      f.check_clean();
+    }
+  }
+}
