@@ -142,7 +142,7 @@ P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_pt
   }
 }
 
-using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
+using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Crf>;
 // The policy used as OPT (void would leave OPT and the ratio columns out).
 using ReplayOptPolicy = Belady;
 
