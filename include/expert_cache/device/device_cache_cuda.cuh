@@ -81,11 +81,11 @@ class BasicCudaPlanExecutor {
     planned = false;
     if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
-      EXPERT_CACHE_TRY_CUDA(launch_plan_forward_fill<4, Policy>(state(), ids, n, sanitized_ids(), fill_, s));
+      EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(state(), ids, n, sanitized_ids(), fill_, s)));
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_fill_kernel");
     }
-    EXPERT_CACHE_TRY_CUDA(launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s));
+    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
     return fill(s);
@@ -93,7 +93,7 @@ class BasicCudaPlanExecutor {
 
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
     planned = false;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_group<plan_block_threads, Policy>(state(), g, s));
+    EXPERT_CACHE_TRY_CUDA((launch_plan_group<plan_block_threads, Policy>(state(), g, s)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_group_kernel"); !st) return st;
     return fill(s);
