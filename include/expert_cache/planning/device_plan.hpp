@@ -1,4 +1,7 @@
 #pragma once
+// Device policies: DeviceLru (below), DeviceLfru (= Lfru) and DeviceCrf (= Crf) are template
+// arguments of every planning function (plan_group_from says how the score policies search).
+//
 // Device-side forward planning (issue 12, phase 1): the LRU planning step written once as
 // __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
 // algorithm the CUDA kernel runs (planning/device_plan.hpp + SequentialBlock on the host,
