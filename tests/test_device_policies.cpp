@@ -353,3 +353,27 @@ TEST_CASE("device Crf: a bad bias table is refused and changes nothing") {
   CHECK(before == after);
   CHECK(dev.state().expert_bias[3] == crf_one);
 }
+
+TEST_CASE("Crf: hand-computed victims, decay and bias") {
+  // d^8 = 1/2 (half-life 8), up to the Q32 truncations.
+  CHECK(static_cast<double>(crf_decay_pow(crf_default_decay_q32, 8)) / 4294967296.0 == doctest::Approx(0.5).epsilon(1e-8));
+  CHECK(crf_decay_pow(crf_default_decay_q32, 0) == crf_one);
+  CHECK(crf_decay_pow(crf_default_decay_q32, 100000) == 0u);
+  // Forwards {0}, {1}, {0}, {2} with two slots: at the miss on 2, expert 0 (two requests) has
+  // CRF (d^2 + 1) d, expert 1 (one, more recent) d^2: 1 is the victim.
+  for (const bool pin_one : {false, true}) {
+    CAPTURE(pin_one);
+    std::vector<std::uint64_t> bias(4, 0);
+    if (pin_one) bias[1] = crf_pin_bias;  // pinned: 0 goes instead
+    const CacheShape shape{4, 2};
+    ForwardPlanner<Crf> p(shape, 1, Crf(shape, CrfParams{}, bias));
+    ForwardPlan plan;
+    for (const std::int32_t e : {0, 1, 0}) REQUIRE(p.plan_topk(std::vector<std::int32_t>{e}, plan));
+    const double d = static_cast<double>(crf_default_decay_q32) / 4294967296.0;
+    CHECK(static_cast<double>(p.policy().key(0)) / 4294967296.0 == doctest::Approx(1.0 + d * d).epsilon(1e-8));
+    REQUIRE(p.plan_topk(std::vector<std::int32_t>{2}, plan));
+    REQUIRE(plan.evictions.size() == 1);
+    CHECK(plan.evictions[0].expert.value == (pin_one ? 0 : 1));
+    CHECK(p.policy().clock() == 4u);
+  }
+}
