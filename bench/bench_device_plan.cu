@@ -9,6 +9,10 @@
 //                                 ceiling every fill ratio is taken against)
 //   plan/misses:k                 router + 48 x plan_forward captured once; GPU time per replay
 //                                 (events over 20 replays); us_per_layer = replay / 48
+//   plan/<policy>/misses:k        the same for each device policy (lru, lfru, crf; plan/misses:k
+//                                 is lru): the hot ids have the higher frequency and CRF, so the
+//                                 score policies also miss exactly the k cold ids per layer
+//   fill/fused/<policy>/misses:k  the fused node for each device policy
 //   router_only                   the router node alone (subtract from plan/* if wanted)
 //   fill/<nodes>/misses:k         router + 48 x (plan -> fill) [two_nodes] or 48 x plan_forward_fill
 //                                 [fused]: k misses per layer of the NVFP4 Marlin expert (hidden
@@ -72,12 +76,16 @@ __global__ void router_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* 
 
 struct World {
   cudaStream_t stream = nullptr;
-  std::vector<device::DevicePlanStorage> states;
+  // Per device policy (DevicePolicyKind order: lru, lfru, crf): one state per layer, and its
+  // fill parameters.
+  std::vector<device::DevicePlanStorage> policy_states[3];
+  std::vector<device::PlanFillParams> policy_fills[3];
+  std::vector<device::DevicePlanStorage>& states = policy_states[0];
   std::int32_t* ids = nullptr;
   std::uint64_t* step = nullptr;
   std::byte* pools[kTensorCount] = {};
   std::byte* slots[kTensorCount] = {};
-  std::vector<device::PlanFillParams> fills;
+  std::vector<device::PlanFillParams>& fills = policy_fills[0];
   double ceiling_gbps = 0;
   cudaEvent_t start = nullptr, stop = nullptr;
 
@@ -97,14 +105,22 @@ struct World {
       regions.regions[t] = CopyRegion{pools[t], slots[t], kTensors[t], kTensors[t], kTensors[t]};
     }
     BENCH_CUDA(device::resolve_mapped_regions(regions));
-    states.resize(kLayers);
-    fills.resize(kLayers);
-    for (std::int32_t l = 0; l < kLayers; ++l) {
-      BENCH_CUDA(states[l].create(kExperts, kSlots, stream));
-      BENCH_CUDA(device::make_plan_fill_params(regions, states[l].state(), fills[l]));
-    }
+    create_states<DeviceLru>(regions);
+    create_states<DeviceLfru>(regions);
+    create_states<DeviceCrf>(regions);
     BENCH_CUDA(cudaStreamSynchronize(stream));
     ceiling_gbps = measure_ceiling();
+  }
+
+  template <class Policy>
+  void create_states(const CopyRegions& regions) {
+    const auto p = static_cast<std::size_t>(Policy::kind);
+    policy_states[p].resize(kLayers);
+    policy_fills[p].resize(kLayers);
+    for (std::int32_t l = 0; l < kLayers; ++l) {
+      BENCH_CUDA(policy_states[p][l].template create<Policy>(kExperts, kSlots, stream));
+      BENCH_CUDA(device::make_plan_fill_params(regions, policy_states[p][l].state(), policy_fills[p][l]));
+    }
   }
 
   // Median of 5 copies of 256 MiB pinned -> device.
@@ -130,9 +146,9 @@ struct World {
     return gbps[gbps.size() / 2];
   }
 
-  std::uint64_t misses_layer0() {
+  std::uint64_t misses_layer0(std::size_t policy) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    return states[0].stats().misses;
+    return policy_states[policy][0].stats().misses;
   }
 };
 
@@ -143,21 +159,23 @@ World& world() {
 
 enum class Graph { router_only, plan, fill_two_nodes, fill_fused };
 
+template <class Policy>
 cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
+  const auto p = static_cast<std::size_t>(Policy::kind);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   BENCH_CUDA(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeGlobal));
   router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
   BENCH_CUDA(cudaGetLastError());
   for (std::int32_t l = 0; kind != Graph::router_only && l < kLayers; ++l) {
-    const DevicePlanState& s = w.states[static_cast<std::size_t>(l)].state();
+    const DevicePlanState& s = w.policy_states[p][static_cast<std::size_t>(l)].state();
+    const device::PlanFillParams& fill = w.policy_fills[p][static_cast<std::size_t>(l)];
     std::int32_t* layer_ids = w.ids + l * kTopK;
     if (kind == Graph::fill_fused) {
-      BENCH_CUDA(device::launch_plan_forward_fill(s, layer_ids, kTopK, nullptr, w.fills[static_cast<std::size_t>(l)],
-                                                  w.stream));
+      BENCH_CUDA((device::launch_plan_forward_fill<4, Policy>(s, layer_ids, kTopK, nullptr, fill, w.stream)));
     } else {
-      BENCH_CUDA(device::launch_plan_forward(s, layer_ids, kTopK, nullptr, w.stream));
-      if (kind == Graph::fill_two_nodes) BENCH_CUDA(device::launch_plan_fill(w.fills[static_cast<std::size_t>(l)], w.stream));
+      BENCH_CUDA((device::launch_plan_forward<device::plan_block_threads, Policy>(s, layer_ids, kTopK, nullptr, w.stream)));
+      if (kind == Graph::fill_two_nodes) BENCH_CUDA(device::launch_plan_fill(fill, w.stream));
     }
   }
   BENCH_CUDA(cudaStreamEndCapture(w.stream, &graph));
@@ -166,11 +184,13 @@ cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
   return exec;
 }
 
+template <class Policy = DeviceLru>
 void run_graph(benchmark::State& state, Graph kind, std::int32_t k, int replays_per_iteration, int warm) {
   World& w = world();
-  cudaGraphExec_t exec = capture(w, kind, k);
+  const auto p = static_cast<std::size_t>(Policy::kind);
+  cudaGraphExec_t exec = capture<Policy>(w, kind, k);
   for (int i = 0; i < warm; ++i) BENCH_CUDA(cudaGraphLaunch(exec, w.stream));  // slots full, cycle wrapped
-  const std::uint64_t misses_before = w.misses_layer0();
+  const std::uint64_t misses_before = w.misses_layer0(p);
   double total_s = 0;
   std::int64_t replays = 0;
   for (auto _ : state) {
@@ -185,7 +205,7 @@ void run_graph(benchmark::State& state, Graph kind, std::int32_t k, int replays_
     total_s += s * replays_per_iteration;
     replays += replays_per_iteration;
   }
-  const double misses = static_cast<double>(w.misses_layer0() - misses_before);
+  const double misses = static_cast<double>(w.misses_layer0(p) - misses_before);
   const double per_replay_s = total_s / static_cast<double>(std::max<std::int64_t>(replays, 1));
   state.counters["us_per_layer"] = per_replay_s * 1e6 / kLayers;
   if (kind != Graph::router_only) state.counters["misses_per_layer"] = misses / static_cast<double>(std::max<std::int64_t>(replays, 1));
@@ -220,6 +240,16 @@ void BM_fill_fused(benchmark::State& state) {
   const auto k = static_cast<std::int32_t>(state.range(0));
   run_graph(state, Graph::fill_fused, k, 3, 220 / k + 3);
 }
+template <class Policy>
+void BM_plan_policy(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::plan, k, 20, k > 0 ? 260 / k + 5 : 5);
+}
+template <class Policy>
+void BM_fill_fused_policy(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::fill_fused, k, 3, 220 / k + 3);
+}
 
 }  // namespace
 
@@ -227,6 +257,16 @@ BENCHMARK(BM_ceiling)->Name("ceiling")->UseManualTime()->Iterations(3)->Unit(ben
 BENCHMARK(BM_router_only)->Name("router_only")->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_plan)->Name("plan")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
     ->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_policy<DeviceLru>)->Name("plan/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_policy<DeviceLfru>)->Name("plan/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_policy<DeviceCrf>)->Name("plan/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_fill_fused_policy<DeviceLfru>)->Name("fill/fused/lfru")->ArgName("misses")->Arg(1)->Arg(8)
+    ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_fill_fused_policy<DeviceCrf>)->Name("fill/fused/crf")->ArgName("misses")->Arg(1)->Arg(8)
+    ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fill_two_nodes)->Name("fill/two_nodes")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fill_fused)->Name("fill/fused")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()

@@ -572,10 +572,11 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
 // prepare, a side stream forks from the consumer stream, a kernel copies layer l+1's list of
 // the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
 // layer l's consumer; prepare(l+1) joins the side stream (edge 2).
-RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
-                     Progress& progress, std::vector<std::string>& notes, bool overlap = false,
-                     const std::string& prefetch = "", bool fill_only = false) {
-  using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
+template <class Policy>
+RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
+                          Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
+                          bool fill_only) {
+  using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>;
   const char* const device_staging =
       fill_only ? device_fill_only_staging : (overlap ? device_overlap_staging : bench::device_staging);
   const std::int32_t n = m.ids_per_forward();
@@ -717,6 +718,7 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
   RunResult r;
   r.provider = "device";
   r.staging = device_staging;
+  if (a.device_policy != "lru") notes.emplace_back("device provider planned with the " + a.device_policy + " policy");
   r.prefetch = prefetch;
   r.modelled = false;
   const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
@@ -823,6 +825,19 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
   return r;
+}
+
+// --device-policy: the device provider's planning policy (one per run).
+RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
+                     Progress& progress, std::vector<std::string>& notes, bool overlap = false,
+                     const std::string& prefetch = "", bool fill_only = false) {
+  if (a.device_policy == "lfru") {
+    return run_device_with<DeviceLfru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
+  }
+  if (a.device_policy == "crf") {
+    return run_device_with<DeviceCrf>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
+  }
+  return run_device_with<DeviceLru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
 }
 
 Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, Progress& progress) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <iostream>
@@ -60,6 +61,11 @@ void print_help(std::ostream& out) {
          "  --scope layer|global  layer: one cache per layer (default); global: one cache for all\n"
          "                        layers keyed layer_index*E + expert\n"
          "  --experts E           number of experts per layer (default: max id + 1); ids >= E are errors\n"
+         "  --calibrate F         frequency priors: the first fraction F in (0, 1) of the steps only\n"
+         "                        counts requests per expert; every policy replays the rest (cold),\n"
+         "                        crf+prior / crf+pin take the counts as a bias (docs/policies.md)\n"
+         "  --prior-weight W      crf+prior's bias: W x the expert's calibrated CRF (default 1)\n"
+         "  --prior-pin P         crf+pin pins the most requested P x capacity experts (default 0.25)\n"
          "  --json                print JSON instead of a table\n"
          "  --per-layer           per-layer breakdown against OPT (most useful with --scope global:\n"
          "                        which layers lose the most hits); JSON gains per_layer arrays\n"
@@ -105,6 +111,9 @@ struct Args {
   ec::PrefetchSpec prefetch;
   std::optional<std::int32_t> prefetch_budget;
   std::uint64_t expert_bytes = 0;
+  double calibrate = 0.0;
+  double prior_weight = 1.0;
+  double prior_pin = 0.25;
   bool json = false;
   bool per_layer = false;
   bool progress = false;
@@ -172,6 +181,23 @@ Args parse_args(int argc, char** argv) {
       const std::int32_t n = parse_int_arg("--expert-bytes", value());
       if (n < 1) throw UsageError{"--expert-bytes: " + std::to_string(n) + " is below 1"};
       a.expert_bytes = static_cast<std::uint64_t>(n);
+    } else if (arg == "--calibrate" || arg == "--prior-weight" || arg == "--prior-pin") {
+      const std::string v(value());
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (v.empty() || end != v.c_str() + v.size() || !std::isfinite(x)) {
+        throw UsageError{std::string(arg) + ": '" + v + "' is not a number"};
+      }
+      if (arg == "--calibrate") {
+        if (!(x > 0.0 && x < 1.0)) throw UsageError{"--calibrate: " + v + " is not in (0, 1)"};
+        a.calibrate = x;
+      } else if (arg == "--prior-weight") {
+        if (x < 0.0) throw UsageError{"--prior-weight: " + v + " is negative"};
+        a.prior_weight = x;
+      } else {
+        if (x < 0.0 || x > 1.0) throw UsageError{"--prior-pin: " + v + " is not in [0, 1]"};
+        a.prior_pin = x;
+      }
     } else if (arg == "--per-layer") {
       no_value();
       a.per_layer = true;
@@ -186,6 +212,9 @@ Args parse_args(int argc, char** argv) {
     }
   }
   if (a.trace_path && a.generate_spec) throw UsageError{"--trace and --generate are mutually exclusive"};
+  if (a.calibrate > 0.0 && a.prefetch.kind != ec::PrefetchKind::none) {
+    throw UsageError{"--calibrate and --prefetch cannot be combined (the prefetch replay has no calibration part)"};
+  }
   if (a.policies.empty()) a.policies = ec::replay_policy_names();
   if (a.expert_bytes == 0) a.expert_bytes = default_expert_bytes();
   return a;
@@ -223,8 +252,11 @@ void print_json(std::ostream& out, const std::string& source, const ec::ReplayRe
       << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
       << ",\n  \"cache_experts\": " << r.cache_experts << ",\n  \"caches\": " << r.caches
       << ",\n  \"records\": " << r.records << ",\n  \"forwards\": " << r.forwards
-      << ",\n  \"accesses\": " << r.accesses << ",\n  \"has_opt\": " << (r.has_opt ? "true" : "false")
-      << ",\n  \"results\": [";
+      << ",\n  \"accesses\": " << r.accesses << ",\n  \"has_opt\": " << (r.has_opt ? "true" : "false");
+  if (r.replay_from_step) {
+    out << ",\n  \"replay_from_step\": " << *r.replay_from_step << ",\n  \"calibration_forwards\": " << r.calibration_forwards;
+  }
+  out << ",\n  \"results\": [";
   for (std::size_t i = 0; i < r.rows.size(); ++i) {
     const ec::ReplayRow& row = r.rows[i];
     out << (i ? ",\n" : "\n") << "    {\"policy\": " << json_string(row.policy) << ", \"capacity\": " << row.capacity
@@ -245,7 +277,12 @@ void print_table(std::ostream& out, const std::string& source, const ec::ReplayR
       << "  " << r.records << " records, " << r.forwards << " forwards, " << r.num_layers << " layers, "
       << r.num_experts << " experts, " << r.accesses << " expert requests\n"
       << "scope: " << ec::to_string(r.scope) << " (" << r.caches << (r.caches == 1 ? " cache" : " caches")
-      << " of " << r.cache_experts << " keys; capacity = slots per cache)\n\n";
+      << " of " << r.cache_experts << " keys; capacity = slots per cache)\n";
+  if (r.replay_from_step) {
+    out << "calibrated on the steps before " << *r.replay_from_step << " (" << r.calibration_forwards
+        << " forwards, counted only); the rows replay the rest\n";
+  }
+  out << "\n";
   char buf[256];
   std::snprintf(buf, sizeof buf, "%-10s %8s %12s %12s %9s", "policy", "capacity", "hits", "misses", "hit_rate");
   out << buf;
@@ -526,6 +563,9 @@ int run(int argc, char** argv) {
   options.scope = args.scope;
   options.capacities = args.capacities;
   options.policies = args.policies;
+  options.calibrate = args.calibrate;
+  options.prior_weight = args.prior_weight;
+  options.prior_pin = args.prior_pin;
   const bool tty = stderr_is_tty();
   const bool show_progress = args.progress || tty;
   if (show_progress) {

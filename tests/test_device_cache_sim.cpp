@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "expert_cache/device_cache.hpp"
+#include "expert_cache/eviction/crf.hpp"
+#include "expert_cache/eviction/lfru.hpp"
 #include "support/caller_memory.hpp"
 #include "support/removed_edges.hpp"
 #include "support/sim_cache_harness.hpp"
@@ -29,8 +31,8 @@ using Stream = SimRuntime::Stream;
 
 namespace {
 
-template <class Edges, template <class> class Storage = TensorMajorStorage>
-using DevCacheE = detail::DeviceExpertCacheWithEdges<Storage, ExplicitLayout, SimRuntime, Edges>;
+template <class Edges, template <class> class Storage = TensorMajorStorage, class Policy = DeviceLru>
+using DevCacheE = detail::DeviceExpertCacheWithEdges<Storage, ExplicitLayout, SimRuntime, Edges, Policy>;
 using HostRef = ExpertCache<TensorMajorStorage, Lru, Inline, ExplicitLayout, SimRuntime>;
 using HostRefExpertMajor = ExpertCache<ExpertMajorStorage, Lru, Inline, ExplicitLayout, SimRuntime>;
 
@@ -81,9 +83,9 @@ Ids random_ids(std::mt19937_64& rng, std::int32_t n, std::int32_t experts, bool 
 }
 
 template <class Edges = OrderingEdges, template <class> class Storage = TensorMajorStorage,
-          class Host = HostRef>
+          class Host = HostRef, class Policy = DeviceLru>
 struct Fixture {
-  using Dev = DevCacheE<Edges, Storage>;
+  using Dev = DevCacheE<Edges, Storage, Policy>;
   static constexpr std::int32_t max_ids = 24;
   SimRuntime rt;
   SimRuntime host_rt;  // the reference runs on its own runtime, drained at once
@@ -331,6 +333,59 @@ TEST_CASE("device cache: step by step equal to the host-planned Lru cache (hits,
     CHECK(cs.resident == hs.resident);
     CHECK(cs.promotions == hs.promotions);
   }
+}
+
+// The device policies beyond LRU through the whole cache: the same decisions and slot bytes as the
+// host-planned cache with the host policy, forwards, overflow rounds, prefetches and
+// invalidations on three streams, race-free.
+template <class Policy, class HostPolicy>
+void device_policy_cache_run() {
+  using Host = ExpertCache<TensorMajorStorage, HostPolicy, Inline, ExplicitLayout, SimRuntime>;
+  std::uint64_t evictions = 0;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    Fixture<OrderingEdges, TensorMajorStorage, Host, Policy> f(20, 6, seed);
+    std::mt19937_64 rng(seed * 104729);
+    bool last_full = true;
+    for (int step = 0; step < 60; ++step) {
+      const std::size_t s = rng() % 4 == 0 ? rng() % 3 : 0;
+      const auto kind = rng() % 12;
+      if (kind == 0) {
+        f.invalidate(rng() % 3, static_cast<std::int32_t>(rng() % 20));
+      } else if (kind == 1) {
+        Ids predicted;
+        for (int i = 0; i < 3; ++i) predicted.push_back(static_cast<std::int32_t>(rng() % 20));
+        f.prefetch(s, predicted, 2, 2);
+      } else {
+        const std::int32_t n = kind < 9 ? 1 + static_cast<std::int32_t>(rng() % 8) : 9 + static_cast<std::int32_t>(rng() % 16);
+        const Ids ids = random_ids(rng, n, 20, kind == 11);
+        const std::int32_t needed = std::max<std::int32_t>(1, static_cast<std::int32_t>(groups_of(ids, 20, 6).size()));
+        const std::int32_t rounds = rng() % 3 == 0 ? f.dev->max_groups(n) : needed;
+        const DevicePlanStats before = f.dev->device_stats();
+        const auto expect = f.step(s, ids, rounds);
+        f.settle();
+        const DevicePlanStats after = f.dev->device_stats();
+        INFO("seed " << seed << " step " << step << " n " << n);
+        CHECK(after.hits - before.hits == expect.hits);
+        CHECK(after.misses - before.misses == expect.misses);
+        last_full = rounds == needed;
+      }
+      f.settle();
+      f.check_equal(last_full);
+    }
+    f.check_clean();
+    const CacheStats cs = f.dev->stats();
+    const CacheStats hs = f.host->stats();
+    CHECK(cs.hits == hs.hits);
+    CHECK(cs.misses == hs.misses);
+    CHECK(cs.evictions == hs.evictions);
+    evictions += cs.evictions;
+  }
+  CHECK(evictions > 500);
+}
+
+TEST_CASE("device cache: DeviceLfru and DeviceCrf equal the host-planned Lfru / Crf caches step by step") {
+  SUBCASE("lfru") { device_policy_cache_run<DeviceLfru, Lfru>(); }
+  SUBCASE("crf") { device_policy_cache_run<DeviceCrf, Crf>(); }
 }
 
 TEST_CASE("device cache: expert-major storage (one region per fill) gives the same bytes") {

@@ -249,6 +249,26 @@ def case_prefetch_bad_args():
     expect_usage_error(["--trace", path, "--prefetch", "coact", "--capacity", "2"], "needs 3 unique experts")
 
 
+def case_calibrate():
+    path = generated_file()
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "crf,crf+prior,crf+pin,opt", "--json",
+                       "--calibrate", "0.5")
+    expect(rc == 0, "--calibrate replays", out, err)
+    r = json.loads(out)
+    expect(r["replay_from_step"] == 150 and r["calibration_forwards"] == 3 * 150 and r["forwards"] == 3 * 150,
+           "the first half counted, the second replayed", r)
+    rows = {x["policy"]: x for x in r["results"]}
+    expect(set(rows) == {"crf", "crf+prior", "crf+pin", "opt"}, "one row per policy", r)
+    expect(all(x["hits"] + x["misses"] == r["accesses"] for x in r["results"]), "every row replays the same rest", r)
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "crf", "--calibrate", "0.5")
+    expect(rc == 0 and "calibrated on the steps before 150" in out, "the table names the split", out, err)
+    expect_usage_error(["--trace", path, "--calibrate", "1"], "not in (0, 1)")
+    expect_usage_error(["--trace", path, "--calibrate", "x"], "not a number")
+    expect_usage_error(["--trace", path, "--prior-pin", "2"], "not in [0, 1]")
+    expect_usage_error(["--trace", path, "--prior-weight", "-1"], "is negative")
+    expect_usage_error(["--trace", path, "--calibrate", "0.5", "--prefetch", "coact"], "cannot be combined")
+
+
 CASES = {
     "help": case_help,
     "default_generated": case_default_generated,
@@ -260,6 +280,7 @@ CASES = {
     "malformed_traces": case_malformed_traces,
     "prefetch": case_prefetch,
     "prefetch_bad_args": case_prefetch_bad_args,
+    "calibrate": case_calibrate,
 }
 
 

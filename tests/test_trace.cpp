@@ -1,6 +1,7 @@
 // Trace format v1 parser, writer, generator and the replay engine.
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -289,4 +290,83 @@ TEST_CASE("replay runs every available policy; OPT bounds them when present") {
       CHECK_FALSE(row.hits_vs_opt.has_value());
     }
   }
+}
+
+TEST_CASE("replay --calibrate: counts the first steps, replays the rest; crf+prior/crf+pin take the counts") {
+  GeneratorSpec spec;
+  spec.layers = 3;
+  spec.experts = 32;
+  spec.top_k = 4;
+  spec.steps = 200;
+  const Trace t = generate_trace(spec);
+  ReplayOptions options;
+  options.capacities = {8};
+  options.policies = {"crf", "crf+prior", "crf+pin"};
+  options.calibrate = 0.25;
+  const Result<ReplayReport> r = replay(t, options);
+  REQUIRE(r.ok());
+  const ReplayReport& rep = r.value();
+  REQUIRE(rep.replay_from_step.has_value());
+  CHECK(*rep.replay_from_step == 50);
+  CHECK(rep.calibration_forwards == 3u * 50u);
+  CHECK(rep.forwards == 3u * 150u);
+  // The rows are a cold replay of steps >= 50 only: crf equals a direct Crf run on them, and
+  // crf+prior a direct run with the bias of a PopularityTable of steps < 50.
+  for (const ReplayRow& row : rep.rows) {
+    std::uint64_t hits = 0, misses = 0;
+    for (std::int32_t layer = 0; layer < spec.layers; ++layer) {
+      PopularityTable pop(spec.experts);
+      for (const TraceForward& f : t.forwards) {
+        if (f.layer == layer && f.step < 50) pop.count(t.experts(f));
+      }
+      const CacheShape shape{spec.experts, 8};
+      std::vector<std::uint64_t> bias;
+      if (row.policy == "crf+prior") bias = pop.weighted_bias(1.0);
+      if (row.policy == "crf+pin") bias = pop.pinned_bias(2);  // 0.25 x 8
+      ForwardPlanner<Crf> p(shape, spec.top_k, Crf(shape, CrfParams{}, bias));
+      ForwardPlan plan;
+      for (const TraceForward& f : t.forwards) {
+        if (f.layer == layer && f.step >= 50) REQUIRE(p.plan_topk(t.experts(f), plan).ok());
+      }
+      hits += p.counters().hits;
+      misses += p.counters().misses;
+    }
+    CAPTURE(row.policy);
+    CHECK(row.counts.hits == hits);
+    CHECK(row.counts.misses == misses);
+  }
+  CHECK(rep.rows[0].counts.misses != rep.rows[1].counts.misses);  // the prior changed decisions
+  // Without calibration the prior policies have no counts: they plan exactly as crf.
+  options.calibrate = 0.0;
+  const Result<ReplayReport> plain = replay(t, options);
+  REQUIRE(plain.ok());
+  CHECK(plain.value().rows[0].counts == plain.value().rows[1].counts);
+  CHECK(plain.value().rows[0].counts == plain.value().rows[2].counts);
+  // Bad calibration arguments are refused.
+  for (const double bad : {-0.1, 1.0, 0.001}) {
+    options.calibrate = bad;
+    const Result<ReplayReport> e = replay(t, options);
+    CHECK_FALSE(e.ok());
+    CHECK(e.status().code() == ErrorCode::invalid_argument);
+  }
+}
+
+TEST_CASE("PopularityTable: counts, weighted and pinned biases") {
+  PopularityTable pop(6);
+  const std::vector<std::int32_t> f1{0, 1, 2}, f2{1, 2, 9, -1}, f3{2};
+  pop.count(f1);
+  pop.count(f2);  // 9 and -1 are outside [0, 6): not counted
+  pop.count(f3);
+  CHECK(pop.forwards() == 3u);
+  CHECK(std::vector<std::uint64_t>(pop.counts().begin(), pop.counts().end()) ==
+        std::vector<std::uint64_t>{1, 2, 3, 0, 0, 0});
+  // Expert 2: rate 1 per forward -> bias = 1 / (1 - d) in Q32 (d = 2^(-1/8)).
+  const double one_minus_d = 1.0 - static_cast<double>(crf_default_decay_q32) / 4294967296.0;
+  const auto w = pop.weighted_bias(1.0);
+  CHECK(w[2] == static_cast<std::uint64_t>(std::llround(4294967296.0 / one_minus_d)));
+  CHECK(w[0] * 3 == doctest::Approx(static_cast<double>(w[2])).epsilon(1e-9));
+  CHECK(w[3] == 0u);
+  const auto p = pop.pinned_bias(2);
+  CHECK(p == std::vector<std::uint64_t>{0, crf_pin_bias, crf_pin_bias, 0, 0, 0});
+  CHECK(pop.pinned_bias(5)[3] == 0u);  // never requested: never pinned
 }

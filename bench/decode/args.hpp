@@ -46,6 +46,7 @@ struct BenchArgs {
   bool staging_given = false;
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
   bool fill_only = false;  // the device provider also without its consumer (a timing decomposition)
+  std::string device_policy = "lru";  // the device provider's planning policy: lru, lfru or crf (measured only)
   // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
   std::vector<std::string> prefetch;
@@ -98,6 +99,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
+               "  --device-policy P   the device provider's planning policy: lru (default), lfru or crf\n"
+               "                      (docs/policies.md); measured on a GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
                "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
                "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
@@ -234,6 +237,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--overlap") {
       no_value();
       a.overlap = true;
+    } else if (arg == "--device-policy") {
+      const std::string p(value());
+      if (p != "lru" && p != "lfru" && p != "crf") throw UsageError{"--device-policy: '" + p + "' is not lru, lfru or crf"};
+      a.device_policy = p;
     } else if (arg == "--fill-only") {
       no_value();
       a.fill_only = true;

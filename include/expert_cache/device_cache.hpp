@@ -150,11 +150,12 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s
 //          plan). join_fills() (the cache calls it before its next call, so before the core's
 //          records on X) makes X wait for every lane: on the GPU the next kernels on X run
 //          after the fill grid, because a readiness consumer waits for it before it completes.
-class SimPlanExecutor {
+template <device_plan_policy Policy>
+class BasicSimPlanExecutor {
  public:
   using Stream = SimRuntime::Stream;
 
-  SimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
                   const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
       : rt_(&rt),
         overlap_(options.overlap),
@@ -168,7 +169,7 @@ class SimPlanExecutor {
     rt.host_access(block_.data(), block_.size(), AccessMode::write);
     rt.host_access(words_.data(), words_.size(), AccessMode::write);
     SequentialBlock b;
-    reset_plan_state(b, state_);
+    reset_plan_state<Policy>(b, state_);
     for (const CopyRegion& r : regions_) {
       if (r.bytes == 0) continue;
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
@@ -215,7 +216,7 @@ class SimPlanExecutor {
     rt_->set_next_label("device plan_forward");
     if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
           SequentialBlock b;
-          plan_forward(b, st, ids, n, out);
+          plan_forward<Policy>(b, st, ids, n, out);
         });
         !r) {
       return r;
@@ -232,7 +233,7 @@ class SimPlanExecutor {
     rt_->set_next_label("device plan_group");
     if (Status r = rt_->launch(s, acc, [st, g] {
           SequentialBlock b;
-          plan_group(b, st, g);
+          plan_group<Policy>(b, st, g);
         });
         !r) {
       return r;
@@ -254,7 +255,7 @@ class SimPlanExecutor {
     rt_->set_next_label("device plan_prefetch");
     if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
           SequentialBlock b;
-          plan_prefetch(b, st, ids, n, max_fills, expires_after);
+          plan_prefetch<Policy>(b, st, ids, n, max_fills, expires_after);
         });
         !r) {
       return r;
@@ -423,24 +424,41 @@ class SimPlanExecutor {
   std::vector<Access> slots_;
   DevicePlanState state_{};
 };
+using SimPlanExecutor = BasicSimPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<SimPlanExecutor>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceLfru>>);
 
 template <>
 struct DevicePlanExecutorFor<SimRuntime> {
   using type = SimPlanExecutor;
+  template <device_plan_policy Policy>
+  using with_policy = BasicSimPlanExecutor<Policy>;
+};
+
+// The executor of `Runtime` for `Policy`: DevicePlanExecutorFor<Runtime>::type for DeviceLru,
+// its with_policy<Policy> for the others (a runtime without it plans LRU only).
+template <class Runtime, class Policy>
+struct DevicePlanExecutorOf {
+  using type = typename DevicePlanExecutorFor<Runtime>::template with_policy<Policy>;
+};
+template <class Runtime>
+struct DevicePlanExecutorOf<Runtime, DeviceLru> {
+  using type = typename DevicePlanExecutorFor<Runtime>::type;
 };
 
 // ---- the cache ----------------------------------------------------------------------------
 
 namespace detail {
 
-template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime, class Edges>
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime, class Edges,
+          device_plan_policy Policy = DeviceLru>
 class DeviceExpertCacheWithEdges {
  public:
   using Stream = typename Runtime::Stream;
   using StorageType = Storage<Runtime>;
   using LayoutType = Layout;
-  using Executor = typename DevicePlanExecutorFor<Runtime>::type;
+  using PolicyType = Policy;
+  using Executor = typename DevicePlanExecutorOf<Runtime, Policy>::type;
   static_assert(device_plan_executor<Executor>);
 
   // Throws Error on an impossible configuration (capacity 0 or > num_experts, max_ids <= 0, a
@@ -462,7 +480,7 @@ class DeviceExpertCacheWithEdges {
     bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
     if (options_.log) {
       const CacheStats s = stats();
-      options_.log(options_.label + ": device-planned lru/inline/" + std::string(StorageType::name) + "/" +
+      options_.log(options_.label + ": device-planned " + std::string(Policy::name) + "/inline/" + std::string(StorageType::name) + "/" +
                    std::string(Layout::name) + ", " + std::to_string(options_.capacity) + " of " +
                    std::to_string(options_.num_experts) + " experts, up to " + std::to_string(options_.max_ids) +
                    " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes));
@@ -742,8 +760,10 @@ class DeviceExpertCacheWithEdges {
 
 }  // namespace detail
 
-// The public type: every ordering edge on.
-template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime>
-using DeviceExpertCache = detail::DeviceExpertCacheWithEdges<Storage, Layout, Runtime, OrderingEdges>;
+// The public type: every ordering edge on. Policy: DeviceLru (= Lru), DeviceLfru (= Lfru) or
+// DeviceCrf (= Crf), planning/device_plan.hpp.
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime,
+          device_plan_policy Policy = DeviceLru>
+using DeviceExpertCache = detail::DeviceExpertCacheWithEdges<Storage, Layout, Runtime, OrderingEdges, Policy>;
 
 }  // namespace expert_cache::inline v0

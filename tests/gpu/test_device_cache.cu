@@ -23,6 +23,8 @@
 
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device/device_cache_cuda.cuh"
+#include "expert_cache/eviction/crf.hpp"
+#include "expert_cache/eviction/lfru.hpp"
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;
@@ -138,7 +140,9 @@ __global__ void hint_kernel(const std::int32_t* table, const std::uint32_t* coun
   for (std::int32_t i = threadIdx.x; i < n; i += blockDim.x) out[i] = src[i];
 }
 
-struct Rig {
+// Dev: a DeviceExpertCache; Host: the host-planned cache with the same policy.
+template <class Dev = DevCache, class Host = HostCache>
+struct RigT {
   Config cfg;
   std::int32_t rounds;
   cudaStream_t x = nullptr;
@@ -149,8 +153,8 @@ struct Rig {
   DeviceBuffer<std::int32_t> d_hints;
   DeviceBuffer<std::int32_t> d_hint_ids;  // [layer][hint_ids]
   PrefetchOptions prefetch_options{};
-  std::vector<std::unique_ptr<DevCache>> dev;
-  std::vector<std::unique_ptr<HostCache>> host;
+  std::vector<std::unique_ptr<Dev>> dev;
+  std::vector<std::unique_ptr<Host>> host;
   std::vector<Ids> table;  // [step][layer] -> n_ids ids
   DeviceBuffer<std::int32_t> d_table;
   DeviceBuffer<std::int32_t> d_ids;  // [layer][n_ids]
@@ -211,7 +215,7 @@ struct Rig {
     return h;
   }
 
-  Rig(Config c, std::uint64_t seed)
+  RigT(Config c, std::uint64_t seed)
       : cfg(c),
         d_hints(c.hint_ids > 0 ? make_hints(c, make_table(c, seed), seed) : std::vector<std::int32_t>{0}),
         d_hint_ids(static_cast<std::size_t>(std::max(1, c.layers * c.hint_ids))),
@@ -246,12 +250,12 @@ struct Rig {
       o.capacity = c.capacity;
       o.max_ids = c.n_ids;
       o.fused_plan_fill = c.fused;
-      dev.push_back(std::make_unique<DevCache>(cuda_runtime(), o, test_layout()));
+      dev.push_back(std::make_unique<Dev>(cuda_runtime(), o, test_layout()));
       CacheOptions ho;
       ho.num_experts = c.experts;
       ho.capacity = c.capacity;
       ho.top_k = 1;
-      host.push_back(std::make_unique<HostCache>(cuda_runtime(), ho, test_layout()));
+      host.push_back(std::make_unique<Host>(cuda_runtime(), ho, test_layout()));
       fill_pools(*dev.back(), c.experts);
       fill_pools(*host.back(), c.experts);
       ReaderParams r{};
@@ -277,7 +281,7 @@ struct Rig {
     rounds = dev[0]->max_groups(c.n_ids);
     REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   }
-  ~Rig() {
+  ~RigT() {
     (void)cudaStreamSynchronize(x);
     (void)cudaStreamSynchronize(side);
     (void)cudaStreamDestroy(x);
@@ -401,13 +405,16 @@ struct Rig {
   }
 };
 
+using Rig = RigT<>;
+
 std::int32_t steps_requested() {
   if (const char* e = std::getenv("EXPERT_CACHE_DCACHE_STEPS")) return std::max(10, std::atoi(e));
   return 1000;
 }
 
 // With hints: the prefetches did fill, and some fills were used by the next forward.
-void report_speculative(const Rig& r) {
+template <class R>
+void report_speculative(const R& r) {
   if (r.cfg.hint_ids == 0) return;
   std::uint64_t issued = 0, used = 0, wasted = 0;
   for (const auto& d : r.dev) {
@@ -421,8 +428,9 @@ void report_speculative(const Rig& r) {
   CHECK(used > 0);
 }
 
+template <class R = Rig>
 void run_eager(const Config& c) {
-  Rig r(c, 17);
+  R r(c, 17);
   std::vector<DevicePlanStats> before(static_cast<std::size_t>(c.layers));
   std::uint64_t misses = 0;
   for (std::int32_t s = 0; s < c.steps; ++s) {
@@ -435,8 +443,9 @@ void run_eager(const Config& c) {
   report_speculative(r);
 }
 
+template <class R = Rig>
 void run_graph(const Config& c) {
-  Rig r(c, 29);
+  R r(c, 29);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   REQUIRE_CUDA_OK(cudaStreamBeginCapture(r.x, cudaStreamCaptureModeGlobal));
@@ -521,4 +530,23 @@ TEST_CASE("device cache: invalidate on the device, owner change between two stre
 TEST_CASE("device prefetch on a side stream == host-planned prefetch, eager (fused) and captured (two nodes)") {
   run_eager(Config{4, 64, 12, 16, std::max(100, steps_requested() / 4), true, 6});
   run_graph(Config{4, 64, 12, 16, steps_requested(), false, 6});
+}
+
+// The device policies beyond LRU: the same comparison against the host-planned cache with the
+// host policy (DeviceLfru = Lfru, DeviceCrf = Crf), eager and in a replayed graph, with prefetch.
+template <class Policy, class HostPolicy>
+using PolicyRig = RigT<DeviceExpertCache<TensorMajorStorage, ExplicitLayout, CudaRuntime, Policy>,
+                       ExpertCache<TensorMajorStorage, HostPolicy, CopyStream, ExplicitLayout, CudaRuntime>>;
+
+TEST_CASE("device cache (DeviceLfru) == host-planned Lfru cache: eager (fused), graph (two nodes, general path), prefetch") {
+  using R = PolicyRig<DeviceLfru, Lfru>;
+  run_eager<R>(Config{4, 64, 12, 16, std::max(100, steps_requested() / 2), true});
+  run_graph<R>(Config{2, 64, 12, 40, std::max(100, steps_requested() / 2), false});
+  run_graph<R>(Config{4, 64, 12, 8, std::max(100, steps_requested() / 2), true, 6});
+}
+TEST_CASE("device cache (DeviceCrf) == host-planned Crf cache: eager (fused), graph (two nodes, general path), prefetch") {
+  using R = PolicyRig<DeviceCrf, Crf>;
+  run_eager<R>(Config{4, 64, 12, 16, std::max(100, steps_requested() / 2), true});
+  run_graph<R>(Config{2, 64, 12, 40, std::max(100, steps_requested() / 2), false});
+  run_graph<R>(Config{4, 64, 12, 8, std::max(100, steps_requested() / 2), true, 6});
 }

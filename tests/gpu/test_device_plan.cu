@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "expert_cache/device/plan_kernel.cuh"
+#include "expert_cache/eviction/crf.hpp"
+#include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
@@ -44,7 +46,8 @@ using Ids = std::vector<std::int32_t>;
 namespace {
 
 // The host planner's plan of one group (plan_topk for a single group, plan_unique otherwise).
-void host_plan(ForwardPlanner<Lru>& host, const Ids& ids, const std::vector<Ids>& groups, std::size_t g,
+template <class P>
+void host_plan(ForwardPlanner<P>& host, const Ids& ids, const std::vector<Ids>& groups, std::size_t g,
                ForwardPlan& plan) {
   if (groups.size() <= 1) {
     Ids valid;
@@ -73,7 +76,8 @@ struct Mirror {
   }
 };
 
-void check_group(const ForwardPlanner<Lru>& host, const ForwardPlan& plan, const DevicePlanScalars& k,
+template <class P>
+void check_group(const ForwardPlanner<P>& host, const ForwardPlan& plan, const DevicePlanScalars& k,
                  const PlanEntry* fills, const PlanEntry* evictions, const std::int32_t* forward_map) {
   REQUIRE(k.hits == static_cast<std::int32_t>(plan.hits));
   REQUIRE(k.misses == static_cast<std::int32_t>(plan.misses));
@@ -85,7 +89,8 @@ void check_group(const ForwardPlanner<Lru>& host, const ForwardPlan& plan, const
   CHECK(std::memcmp(forward_map, fm.data(), fm.size_bytes()) == 0);  // byte-identical map
 }
 
-void check_residency(const ForwardPlanner<Lru>& host, const DevicePlanState& s) {
+template <class P>
+void check_residency(const ForwardPlanner<P>& host, const DevicePlanState& s) {
   const auto rm = host.resident_map();
   const auto so = host.slot_owner();
   CHECK(std::memcmp(s.resident_map.data, rm.data(), rm.size_bytes()) == 0);
@@ -695,4 +700,113 @@ TEST_CASE("device plan kernel: the overlapped fill publishes each slot's ready w
   CHECK(st.error_word() == 0u);
   CUDA_OK(cudaGraphExecDestroy(fast_exec));
   CUDA_OK(cudaGraphExecDestroy(slow_exec));
+}
+
+namespace {
+// The policy state the kernels keep equals the host policy's.
+void check_policy_state(const Lfru& h, const DevicePlanState& s) {
+  REQUIRE(s.scalars->tick - 1 == h.clock());
+  for (std::int32_t slot = 0; slot < s.capacity; ++slot) {
+    const std::int32_t e = s.slot_owner[slot];
+    if (e < 0) continue;
+    CHECK(s.slot_freq[slot] == h.freq(ExpertId(e)));
+    CHECK(s.slot_tick[slot] == h.last(ExpertId(e)));
+  }
+}
+void check_policy_state(const Crf& h, const DevicePlanState& s) {
+  REQUIRE(s.scalars->crf_clock == h.clock());
+  for (std::int32_t e = 0; e < s.num_experts; ++e) {
+    CHECK(s.expert_crf[e] == h.crf_q32(ExpertId(e)));
+    CHECK(s.expert_last[e] == h.last(ExpertId(e)));
+  }
+}
+
+// Eager launches of every planning kernel of `Policy` (warp and block forward, group,
+// invalidate, prefetch) against ForwardPlanner<HostPolicy> after every group and prefetch.
+template <class Policy, class HostPolicy>
+void policy_kernel_trace(std::uint64_t seed) {
+  struct Config {
+    std::int32_t E, C, top_k, max_tokens;
+  };
+  const Config configs[] = {{64, 16, 4, 8}, {512, 208, 10, 40}, {300, 37, 6, 12}, {128, 10, 10, 2}, {1000, 300, 8, 64}};
+  Stream stream;
+  const std::int32_t steps = count_from_env("EXPERT_CACHE_DPLAN_STEPS", 200);
+  std::uint64_t evictions = 0, spec_used = 0;
+  for (const Config& c : configs) {
+    CAPTURE(c.E);
+    CAPTURE(c.C);
+    std::mt19937_64 rng(seed++);
+    device::DevicePlanStorage st;
+    CUDA_OK(st.create<Policy>(c.E, c.C, stream.s));
+    const DevicePlanState& s = st.state();
+    const std::int32_t max_n = c.max_tokens * c.top_k;
+    const std::int32_t max_groups = plan_max_groups(max_n, c.E, c.C);
+    DeviceBuffer<std::int32_t> d_ids(static_cast<std::size_t>(std::max(max_n, c.E)));
+    ForwardPlanner<HostPolicy> host(CacheShape{c.E, c.C}, c.top_k);
+    ForwardPlan plan;
+    Mirror m;
+    for (int step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      if (rng() % 10 == 0) {
+        const auto e = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E));
+        CUDA_OK(device::launch_plan_invalidate(s, e, nullptr, stream.s));
+        REQUIRE(host.invalidate(e));
+      }
+      const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
+      const Ids ids = random_ids(rng, c.E, c.top_k, tokens, 0.0);
+      const auto n = static_cast<std::int32_t>(ids.size());
+      const auto groups = host_groups(ids, c.E, c.C);
+      CUDA_OK(cudaMemcpyAsync(d_ids.p, ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.s));
+      CUDA_OK((device::launch_plan_forward<device::plan_block_threads, Policy>(s, d_ids.p, n, nullptr, stream.s)));
+      for (std::int32_t g = 0; g < max_groups; ++g) {
+        CAPTURE(g);
+        if (g > 0) CUDA_OK((device::launch_plan_group<device::plan_block_threads, Policy>(s, g, stream.s)));
+        m.read(st, stream.s);
+        const DevicePlanState& v = m.view;
+        if (static_cast<std::size_t>(g) < groups.size() || (g == 0 && groups.empty())) {
+          host_plan(host, ids, groups, static_cast<std::size_t>(g), plan);
+          check_group(host, plan, *v.scalars, v.fills.data, v.evictions.data, v.forward_map.data);
+        } else {
+          CHECK(v.scalars->fill_count == 0);
+        }
+        check_residency(host, v);
+        check_policy_state(host.policy(), v);
+      }
+      if (rng() % 3 == 0) {  // a prefetch of predicted ids (valid: the host refuses others)
+        Ids pred;
+        const auto k = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(2 * c.top_k));
+        for (std::int32_t i = 0; i < k; ++i) pred.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E)));
+        const auto max_fills = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.top_k + 1));
+        CUDA_OK(cudaMemcpyAsync(d_ids.p, pred.data(), pred.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.s));
+        CUDA_OK(device::launch_plan_prefetch<Policy>(s, d_ids.p, k, max_fills, 2, stream.s));
+        PrefetchPlan hp;
+        REQUIRE(host.plan_prefetch(pred, max_fills, 2, hp));
+        m.read(st, stream.s);
+        const DevicePlanState& v = m.view;
+        REQUIRE(v.scalars->fill_count == static_cast<std::int32_t>(hp.fills.size()));
+        CHECK(to_vector(v.fills, v.scalars->fill_count) == entries(hp.fills));
+        CHECK(to_vector(v.evictions, v.scalars->eviction_count) == entries(hp.evictions));
+        check_residency(host, v);
+        check_policy_state(host.policy(), v);
+      }
+    }
+    const DevicePlanStats ds = st.stats();
+    CHECK(ds.hits == host.counters().hits);
+    CHECK(ds.misses == host.counters().misses);
+    CHECK(ds.evictions == host.counters().evictions);
+    CHECK(ds.speculative_used == host.counters().speculative_used);
+    CHECK((st.error_word() & (plan_error_bad_state | plan_error_bad_argument)) == 0u);
+    evictions += ds.evictions;
+    spec_used += ds.speculative_used;
+  }
+  MESSAGE(std::string(Policy::name), " kernels: evictions ", evictions, ", speculative used ", spec_used);
+  if (steps >= 200) CHECK(evictions > 1000);
+}
+}  // namespace
+
+TEST_CASE("device plan kernels (DeviceLfru) equal ForwardPlanner<Lfru> after every group and prefetch") {
+  policy_kernel_trace<DeviceLfru, Lfru>(900);
+}
+TEST_CASE("device plan kernels (DeviceCrf) equal ForwardPlanner<Crf> after every group and prefetch") {
+  policy_kernel_trace<DeviceCrf, Crf>(950);
 }

@@ -44,7 +44,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_fills_kernel(const DevicePlan
   expert_cache::detail::plan_drop_fills(b, s);
 }
 
-class CudaPlanExecutor {
+template <device_plan_policy Policy>
+class BasicCudaPlanExecutor {
  public:
   using Stream = cudaStream_t;
 
@@ -52,7 +53,7 @@ class CudaPlanExecutor {
   // any hot path) and builds the fill parameters. Throws Error on a CUDA failure or regions
   // the fill kernel cannot take (pools that are not mapped pinned memory, more than
   // max_copy_regions, a region wider than its stride).
-  CudaPlanExecutor(CudaRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+  BasicCudaPlanExecutor(CudaRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
                    const CopyRegions& regions, const DeviceCacheOptions& options)
       : rt_(&rt),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
@@ -62,14 +63,14 @@ class CudaPlanExecutor {
         use_debug_(options.test_fill_delay_ns != 0),
         fill_pdl_(options.overlap && plan_fill_ready_pdl_supported()) {
     RuntimeStream<CudaRuntime> init(rt);
-    throw_on(storage_.create(num_experts, capacity, init.get()), "DevicePlanStorage::create");
+    throw_on(storage_.template create<Policy>(num_experts, capacity, init.get()), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
     throw_on(resolve_mapped_regions(mapped), "resolve_mapped_regions (pools must be mapped pinned memory)");
     throw_on(make_plan_fill_params(mapped, storage_.state(), fill_), "make_plan_fill_params");
     throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
   }
-  CudaPlanExecutor(const CudaPlanExecutor&) = delete;
-  CudaPlanExecutor& operator=(const CudaPlanExecutor&) = delete;
+  BasicCudaPlanExecutor(const BasicCudaPlanExecutor&) = delete;
+  BasicCudaPlanExecutor& operator=(const BasicCudaPlanExecutor&) = delete;
 
   [[nodiscard]] const DevicePlanState& state() const noexcept { return storage_.state(); }
   [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
@@ -80,11 +81,11 @@ class CudaPlanExecutor {
     planned = false;
     if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
-      EXPERT_CACHE_TRY_CUDA(launch_plan_forward_fill(state(), ids, n, sanitized_ids(), fill_, s));
+      EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(state(), ids, n, sanitized_ids(), fill_, s)));
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_fill_kernel");
     }
-    EXPERT_CACHE_TRY_CUDA(launch_plan_forward(state(), ids, n, sanitized_ids(), s));
+    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
     return fill(s);
@@ -92,7 +93,7 @@ class CudaPlanExecutor {
 
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
     planned = false;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_group(state(), g, s));
+    EXPERT_CACHE_TRY_CUDA((launch_plan_group<plan_block_threads, Policy>(state(), g, s)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_group_kernel"); !st) return st;
     return fill(s);
@@ -109,7 +110,7 @@ class CudaPlanExecutor {
   Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
                   bool& planned) noexcept {
     planned = false;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch(state(), ids, n, max_fills, expires_after, s));
+    EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch<Policy>(state(), ids, n, max_fills, expires_after, s));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_prefetch_kernel"); !st) return st;
     if (overlap_) {
@@ -170,6 +171,7 @@ class CudaPlanExecutor {
   bool use_debug_;
   bool fill_pdl_;  // overlap on sm_90: the fill is launched programmatically after the plan
 };
+using CudaPlanExecutor = BasicCudaPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<CudaPlanExecutor>);
 
 }  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS
@@ -178,5 +180,7 @@ namespace expert_cache::inline v0 {
 template <>
 struct DevicePlanExecutorFor<CudaRuntime> {
   using type = device::CudaPlanExecutor;
+  template <device_plan_policy Policy>
+  using with_policy = device::BasicCudaPlanExecutor<Policy>;
 };
 }  // namespace expert_cache::inline v0

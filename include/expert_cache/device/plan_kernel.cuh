@@ -101,6 +101,7 @@ class CubBlock : public PlanBlockStores {
   using Scan = cub::BlockScan<std::int32_t, Threads>;
   using ReduceSum = cub::BlockReduce<std::int32_t, Threads>;
   using ReduceKey = cub::BlockReduce<PlanKey, Threads>;
+  using ReduceScore = cub::BlockReduce<ScoreKey, Threads>;
 
  public:
   struct TempStorage {
@@ -108,8 +109,10 @@ class CubBlock : public PlanBlockStores {
       typename Scan::TempStorage scan;
       typename ReduceSum::TempStorage sum;
       typename ReduceKey::TempStorage key;
+      typename ReduceScore::TempStorage score;
     } cub;
     std::uint64_t key_tick;  // broadcast slots (BlockReduce's result is valid in thread 0 only)
+    std::uint64_t key_tie;
     std::int32_t key_slot;
     std::int32_t value;
   };
@@ -148,9 +151,25 @@ class CubBlock : public PlanBlockStores {
     __syncthreads();
     return all;
   }
+  __device__ ScoreKey min_score(ScoreKey k) noexcept {
+    const ScoreKey r = ReduceScore(t_.cub.score).Reduce(k, KeyMin{});
+    if (threadIdx.x == 0) {
+      t_.key_tick = r.score;
+      t_.key_tie = r.tie;
+      t_.key_slot = r.slot;
+    }
+    __syncthreads();
+    ScoreKey all;
+    all.score = t_.key_tick;
+    all.tie = t_.key_tie;
+    all.slot = t_.key_slot;
+    __syncthreads();
+    return all;
+  }
  private:
   struct KeyMin {
     __device__ PlanKey operator()(const PlanKey& a, const PlanKey& b) const noexcept { return b < a ? b : a; }
+    __device__ ScoreKey operator()(const ScoreKey& a, const ScoreKey& b) const noexcept { return b < a ? b : a; }
   };
   TempStorage& t_;
 };
@@ -189,6 +208,17 @@ class WarpBlock : public PlanBlockStores {
     }
     return k;
   }
+  __device__ ScoreKey min_score(ScoreKey k) noexcept {
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      ScoreKey o;
+      o.score = __shfl_xor_sync(full, k.score, d);
+      o.tie = __shfl_xor_sync(full, k.tie, d);
+      o.slot = __shfl_xor_sync(full, k.slot, d);
+      if (o < k) k = o;
+    }
+    return k;
+  }
 };
 
 namespace detail {
@@ -202,42 +232,44 @@ namespace detail {
 
 // ---- planning kernels (one block of Threads threads each) -------------------------------------
 
-template <int Threads = plan_block_threads>
+// Every planning kernel takes the device policy (planning/device_plan.hpp) as its last template
+// argument, DeviceLru by default; one state is planned by one policy for its whole life.
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  reset_plan_state(b, s);
+  reset_plan_state<Policy>(b, s);
 }
 
 // `ids` is a device buffer of n_ids int32 ([tokens, top_k], -1 padding) whose contents may
 // change between graph replays; `sanitized` (optional, may equal ids) receives the ids with
 // every dropped one as -1.
-template <int Threads = plan_block_threads>
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
-  plan_forward(b, s, ids, n_ids, sanitized);
+  plan_forward<Policy>(b, s, ids, n_ids, sanitized);
 }
 
 // The same on one warp (small forwards: n_ids <= plan_small_ids; correct for any n_ids).
-template <int Unused = 0>
+template <int Unused = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
   detail::griddep_launch_dependents();
-  plan_forward(b, s, ids, n_ids, sanitized);
+  plan_forward<Policy>(b, s, ids, n_ids, sanitized);
 }
 
 // Group g >= 1 of an overflowing forward; empty (clears the forward map) when g >= group_count.
-template <int Threads = plan_block_threads>
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
-  plan_group(b, s, group);
+  plan_group<Policy>(b, s, group);
 }
 
 // The expert id is read from device memory when `expert_ptr` is set (graph-friendly), else `expert`.
@@ -252,13 +284,13 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
 // Speculative fills (plan_prefetch): one warp. The ids are a device buffer of n_ids int32 whose
 // contents may change between graph replays; the fills it lists are then copied by
 // plan_fill_kernel or plan_fill_ready_kernel exactly like a forward's.
-template <int Unused = 0>
+template <int Unused = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_prefetch_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t max_fills,
                          std::uint32_t expires_after) {
   WarpBlock b;
   detail::griddep_launch_dependents();
-  plan_prefetch(b, s, ids, n_ids, max_fills, expires_after);
+  plan_prefetch<Policy>(b, s, ids, n_ids, max_fills, expires_after);
 }
 
 // ---- fill from the device fill list -----------------------------------------------------------
@@ -391,7 +423,7 @@ struct PlanFusedParams {
   std::uint32_t debug_plan_delay_ns = 0;
 };
 
-template <int Ilp = 4>
+template <int Ilp = 4, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     plan_forward_fill_kernel(const __grid_constant__ PlanFusedParams p) {
   DevicePlanScalars* sc = p.state.scalars;
@@ -404,7 +436,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
         while (clock64() < until) __nanosleep(1000);
       }
       WarpBlock w;
-      plan_forward(w, p.state, p.ids, p.n_ids, p.sanitized);
+      plan_forward<Policy>(w, p.state, p.ids, p.n_ids, p.sanitized);
       __syncwarp();  // every lane's plan writes happen before lane 0's release
       if (threadIdx.x == 0) ready.store(1u, cuda::memory_order_release);
     }
@@ -481,30 +513,30 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   return cudaSuccess;
 }
 
-template <int Threads = plan_block_threads>
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s)};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_reset_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_reset_kernel<Threads, Policy>), dim3(1), dim3(Threads), args, 0,
                           stream);
 }
 
 // Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads.
-template <int Threads = plan_block_threads>
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                        std::int32_t* sanitized, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &sanitized};
   if (n_ids >= 0 && n_ids <= plan_small_ids) {
-    return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_warp_kernel<0>), dim3(1), dim3(32), args, 0,
-                            stream);
+    return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_warp_kernel<0, Policy>), dim3(1), dim3(32), args,
+                            0, stream);
   }
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_kernel<Threads, Policy>), dim3(1), dim3(Threads), args, 0,
                           stream);
 }
 
-template <int Threads = plan_block_threads>
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_group(const DevicePlanState& s, std::int32_t group, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &group};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_group_kernel<Threads>), dim3(1), dim3(Threads), args, 0,
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_group_kernel<Threads, Policy>), dim3(1), dim3(Threads), args, 0,
                           stream);
 }
 
@@ -515,10 +547,12 @@ inline cudaError_t launch_plan_invalidate(const DevicePlanState& s, std::int32_t
                           stream);
 }
 
+template <device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_prefetch(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                         std::int32_t max_fills, std::uint32_t expires_after, cudaStream_t stream) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &max_fills, &expires_after};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_prefetch_kernel<0>), dim3(1), dim3(32), args, 0, stream);
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_prefetch_kernel<0, Policy>), dim3(1), dim3(32), args, 0,
+                          stream);
 }
 
 // Grid for the worst case: `capacity` fills (at most plan_fill_max_blocks blocks).
@@ -594,7 +628,7 @@ inline bool plan_fill_ready_pdl_supported() noexcept {
 // launch_plan_group + launch_plan_fill). `fill` from make_plan_fill_params for the same state.
 // The grid is capped at plan_fill_max_blocks and at what the device holds at once (the waiting
 // blocks need block 0 to be resident).
-template <int Ilp = 4>
+template <int Ilp = 4, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                             std::int32_t* sanitized, const PlanFillParams& fill, cudaStream_t stream,
                                             int max_blocks = plan_fill_max_blocks,
@@ -615,7 +649,7 @@ inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std:
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp>), plan_fill_threads, 0);
+        &per_sm, reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>), plan_fill_threads, 0);
   }
   if (err != cudaSuccess) return err;
   const std::uint64_t resident = static_cast<std::uint64_t>(sms) * static_cast<std::uint64_t>(per_sm > 0 ? per_sm : 1);
@@ -624,7 +658,7 @@ inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std:
   if (blocks > resident) blocks = resident;
   if (blocks < 1) blocks = 1;
   void* args[] = {&p};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp>),
+  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>),
                           dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
 }
 
@@ -645,7 +679,9 @@ class DevicePlanStorage {
   }
   ~DevicePlanStorage() { release(); }
 
-  // Allocates and enqueues the reset on `stream` (the state is empty once it ran).
+  // Allocates and enqueues the reset on `stream` (the state is empty once it ran), for the
+  // policy that will plan it (its free-slot order).
+  template <device_plan_policy Policy = DeviceLru>
   [[nodiscard]] cudaError_t create(std::int32_t num_experts, std::int32_t capacity, cudaStream_t stream) noexcept {
     release();
     const std::size_t bytes = plan_state_bytes(num_experts, capacity);
@@ -660,8 +696,19 @@ class DevicePlanStorage {
     err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words), words_, 0);
     if (err != cudaSuccess) return fail(err);
     state_ = bind_plan_state(block_, num_experts, capacity, &dev_words->stats, &dev_words->error_word);
-    err = launch_plan_reset(state_, stream);
+    err = launch_plan_reset<plan_block_threads, Policy>(state_, stream);
     return err == cudaSuccess ? err : fail(err);
+  }
+
+  // DeviceCrf's prior bias (plan_set_bias's table: one Q32 value per expert), copied into the
+  // state after the work already enqueued on `stream` and before any later work there. A table
+  // of the wrong length, or none, is refused (cudaErrorInvalidValue) and nothing is copied.
+  // Synchronises `stream` (the host table need not outlive the call); not under capture.
+  [[nodiscard]] cudaError_t set_bias(const std::uint64_t* bias, std::int32_t n, cudaStream_t stream) noexcept {
+    if (block_ == nullptr || bias == nullptr || n != state_.num_experts) return cudaErrorInvalidValue;
+    const cudaError_t err = cudaMemcpyAsync(state_.expert_bias.data, bias, sizeof(std::uint64_t) * static_cast<std::size_t>(n),
+                                            cudaMemcpyHostToDevice, stream);
+    return err == cudaSuccess ? cudaStreamSynchronize(stream) : err;
   }
 
   [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }

@@ -2,6 +2,7 @@
 // Every eviction policy shipped with the library.
 #include "expert_cache/eviction/arc.hpp"
 #include "expert_cache/eviction/belady.hpp"
+#include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/layer_share.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lrfu.hpp"

@@ -1,4 +1,7 @@
 #pragma once
+// Device policies: DeviceLru (below), DeviceLfru (= Lfru) and DeviceCrf (= Crf) are template
+// arguments of every planning function (plan_group_from says how the score policies search).
+//
 // Device-side forward planning: the LRU planning step written once as
 // __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
 // algorithm the CUDA kernel runs (planning/device_plan.hpp + SequentialBlock on the host,
@@ -48,6 +51,7 @@
 //
 // Host-compilable with g++ alone (no CUDA headers); under nvcc every function here is
 // __host__ __device__.
+#include <bit>
 #include <climits>
 #include <concepts>
 #include <cstddef>
@@ -55,6 +59,7 @@
 #include <vector>
 
 #include "expert_cache/config.hpp"
+#include "expert_cache/planning/crf_math.hpp"
 
 // Full unrolling of the fixed-size register loops (g++ would warn about an unknown pragma).
 #if defined(__CUDA_ARCH__)
@@ -146,6 +151,10 @@ struct DevicePlanScalars {
   // every slot was protected (PrefetchPlan's skipped_resident / skipped_no_victim).
   std::int32_t prefetch_skipped_resident = 0;
   std::int32_t prefetch_skipped_no_victim = 0;
+  // DeviceCrf only: forwards (planned groups) seen, and the decay per forward in Q32
+  // (planning/crf_math.hpp; Crf's CrfParams::decay_q32).
+  std::uint32_t crf_clock = 0;
+  std::uint64_t crf_decay = crf_default_decay_q32;
 };
 
 // The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
@@ -176,6 +185,15 @@ struct DevicePlanState {
   // slot_spec_left[s]: forwards left before the unused speculative fill in slot s expires
   // (0 = the slot holds no live speculative fill).
   PlanSpan<std::uint32_t> slot_spec_left;  // [C]
+  // Policy state beyond the recency tick (every policy's arrays are bound, whichever plans: a
+  // few bytes per expert, one layout). DeviceLfru: a resident's request count and the tick it
+  // was inserted at (its place in Lfru's insertion order). DeviceCrf: every expert's CRF (Q32)
+  // and the clock of its last request (kept after eviction, like Crf), and its prior bias.
+  PlanSpan<std::uint64_t> slot_freq;    // [C]
+  PlanSpan<std::uint64_t> slot_order;   // [C]
+  PlanSpan<std::uint64_t> expert_crf;   // [E]
+  PlanSpan<std::uint64_t> expert_bias;  // [E] 0 = no prior (plan_set_bias)
+  PlanSpan<std::uint32_t> expert_last;  // [E]
   DevicePlanScalars* scalars = nullptr;
   DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
   DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
@@ -192,6 +210,44 @@ struct PlanKey {
   }
 };
 
+// Ordering key of a resident under a score policy: (score, tie, slot), the lowest is the victim.
+// DeviceLfru: score = the bits of the double freq / age (positive doubles order like their bits),
+// tie = insertion tick. DeviceCrf: score = CRF + bias, tie = expert id.
+struct ScoreKey {
+  std::uint64_t score = ~std::uint64_t{0};
+  std::uint64_t tie = ~std::uint64_t{0};
+  std::int32_t slot = 0x7fffffff;
+  EXPERT_CACHE_HOST_DEVICE friend constexpr bool operator<(const ScoreKey& a, const ScoreKey& b) noexcept {
+    return a.score < b.score || (a.score == b.score && (a.tie < b.tie || (a.tie == b.tie && a.slot < b.slot)));
+  }
+};
+
+// The device policies, chosen at compile time (a template argument of every planning function,
+// the kernels and DeviceExpertCache; DeviceLru by default). Each takes exactly the decisions of
+// its host policy (`host` names it): DeviceLru = Lru, DeviceLfru = Lfru (vLLM's LFRU), DeviceCrf =
+// Crf (LRFU's CRF order per layer, eviction/crf.hpp).
+enum class DevicePolicyKind : std::uint8_t { lru, lfru, crf };
+struct DeviceLru {
+  static constexpr DevicePolicyKind kind = DevicePolicyKind::lru;
+  static constexpr const char* name = "lru";
+  static constexpr bool free_highest_first = false;  // Lru's FreeSlotOrder::lowest_first
+};
+struct DeviceLfru {
+  static constexpr DevicePolicyKind kind = DevicePolicyKind::lfru;
+  static constexpr const char* name = "lfru";
+  static constexpr bool free_highest_first = true;  // Lfru's FreeSlotOrder::highest_first
+};
+struct DeviceCrf {
+  static constexpr DevicePolicyKind kind = DevicePolicyKind::crf;
+  static constexpr const char* name = "crf";
+  static constexpr bool free_highest_first = false;
+};
+template <class P>
+concept device_plan_policy = requires {
+  { P::kind } -> std::convertible_to<DevicePolicyKind>;
+  { P::free_highest_first } -> std::convertible_to<bool>;
+};
+
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
 // flow (block-collective); publish / flags_or are called by thread 0 only, the single writer of
@@ -205,6 +261,7 @@ concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey
   { b.exclusive_sum(v, total) } -> std::same_as<std::int32_t>;     // prefix sum, total to all
   { b.sum(v) } -> std::same_as<std::int32_t>;                      // result to all threads
   { b.min_key(k) } -> std::same_as<PlanKey>;                       // arg-min, result to all
+  { b.min_score(ScoreKey{}) } -> std::same_as<ScoreKey>;           // arg-min, result to all
   b.publish(c64, std::uint64_t{});                                  // store to the stats mirror
   b.flags_or(c32, std::uint32_t{});                                 // sticky error word
   b.mark(c32);                                                      // racing stores of 1
@@ -221,6 +278,7 @@ struct SequentialBlock {
   }
   EXPERT_CACHE_HOST_DEVICE std::int32_t sum(std::int32_t v) noexcept { return v; }
   EXPERT_CACHE_HOST_DEVICE PlanKey min_key(PlanKey k) noexcept { return k; }
+  EXPERT_CACHE_HOST_DEVICE ScoreKey min_score(ScoreKey k) noexcept { return k; }
   EXPERT_CACHE_HOST_DEVICE void publish(std::uint64_t& w, std::uint64_t v) noexcept { w = v; }
   EXPERT_CACHE_HOST_DEVICE void flags_or(std::uint32_t& w, std::uint32_t v) noexcept { w |= v; }
   EXPERT_CACHE_HOST_DEVICE void mark(std::uint32_t& w) noexcept { w = 1; }
@@ -280,6 +338,11 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.slot_ready = c.take<std::uint32_t>(capacity);
   s.fill_arrivals = c.take<std::uint32_t>(capacity);
   s.slot_spec_left = c.take<std::uint32_t>(capacity);
+  s.slot_freq = c.take<std::uint64_t>(capacity);
+  s.slot_order = c.take<std::uint64_t>(capacity);
+  s.expert_crf = c.take<std::uint64_t>(num_experts);
+  s.expert_bias = c.take<std::uint64_t>(num_experts);
+  s.expert_last = c.take<std::uint32_t>(num_experts);
   s.stats = stats;
   s.error_word = error_word;
   return s;
@@ -288,7 +351,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
 EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_experts, std::int32_t capacity) noexcept {
   if (num_experts <= 0 || capacity <= 0) return 0;
   const DevicePlanState s = bind_plan_state(nullptr, num_experts, capacity, nullptr, nullptr);
-  const auto end = reinterpret_cast<std::uintptr_t>(s.slot_spec_left.data + capacity);
+  const auto end = reinterpret_cast<std::uintptr_t>(s.expert_last.data + num_experts);
   return static_cast<std::size_t>(end);
 }
 
@@ -299,10 +362,13 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
       s.error_word == nullptr) {
     return false;
   }
-  if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e) return false;
+  if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e ||
+      s.expert_crf.size != e || s.expert_bias.size != e || s.expert_last.size != e) {
+    return false;
+  }
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
          s.fills.size == c && s.evictions.size == c && s.slot_needed.size == c && s.slot_ready.size == c &&
-         s.fill_arrivals.size == c && s.slot_spec_left.size == c;
+         s.fill_arrivals.size == c && s.slot_spec_left.size == c && s.slot_freq.size == c && s.slot_order.size == c;
 }
 
 // Wrap-safe "sequence `have` has reached `want`" (uint32 sequence values; correct while fewer
@@ -355,8 +421,9 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t min_i32(std::int32_t a, std::int
 }  // namespace detail
 
 // Empty cache: nothing resident, free stack [C-1, ..., 0] (slot 0 popped first, like
-// ForwardPlanner<Lru>, whose free_slot_order is lowest_first), counters and error word zero.
-template <plan_block Block>
+// ForwardPlanner<Lru>, whose free_slot_order is lowest_first; [0, ..., C-1] for a policy that
+// hands out C-1 first, like Lfru), counters, error word, policy state and prior biases zero.
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& s) noexcept {
   const std::int32_t r = b.thread_rank(), n = b.size();
   for (std::int32_t e = r; e < s.resident_map.size; e += n) {
@@ -364,13 +431,18 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.forward_map[e] = -1;
     s.unique[e] = -1;
     s.marks[e] = 0;
+    s.expert_crf[e] = 0;
+    s.expert_bias[e] = 0;
+    s.expert_last[e] = 0;
   }
   const std::int32_t c = s.capacity;
   for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
     s.slot_owner[i] = -1;
     s.slot_tick[i] = 0;
-    s.free_stack[i] = c - 1 - i;
+    s.free_stack[i] = Policy::free_highest_first ? i : c - 1 - i;
     s.prev_forward[i] = -1;
+    s.slot_freq[i] = 0;
+    s.slot_order[i] = 0;
     s.fills[i] = PlanEntry{};
     s.evictions[i] = PlanEntry{};
     s.slot_needed[i] = 0;
@@ -445,12 +517,63 @@ struct StateSource {
   }
 };
 
+// The bits of a positive double, ordered like its value.
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t double_bits(double x) noexcept {
+#if defined(__CUDA_ARCH__)
+  return static_cast<std::uint64_t>(__double_as_longlong(x));
+#else
+  return std::bit_cast<std::uint64_t>(x);
+#endif
+}
+
+// Lfru's score freq / (clock - last + 1) as Lfru::victim_double divides it (IEEE, round to
+// nearest on both sides; the explicit intrinsic keeps nvcc from approximating). Below clock 2^25
+// Lfru compares by cross-multiplication instead, which orders exactly like these doubles
+// (eviction/lfru.hpp says why), so one comparison serves both of its paths.
+EXPERT_CACHE_HOST_DEVICE inline ScoreKey lfru_key(const DevicePlanState& s, std::int32_t slot, std::uint64_t clock,
+                                                  std::uint64_t last) noexcept {
+  const double f = static_cast<double>(s.slot_freq[slot]);
+  const double a = static_cast<double>(clock - last + 1);
+#if defined(__CUDA_ARCH__)
+  const double q = __ddiv_rn(f, a);
+#else
+  const double q = f / a;
+#endif
+  return ScoreKey{double_bits(q), s.slot_order[slot], slot};
+}
+
+// Crf's victim key of resident `owner` (in `slot`) at clock `clk`: CRF + prior bias, then id.
+EXPERT_CACHE_HOST_DEVICE inline ScoreKey crf_key(const DevicePlanState& s, std::int32_t slot, std::int32_t owner,
+                                                 std::uint32_t clk, std::uint64_t d) noexcept {
+  const std::uint64_t crf = crf_at(s.expert_crf[owner], s.expert_last[owner], clk, d);
+  return ScoreKey{crf_add_sat(crf, s.expert_bias[owner]), static_cast<std::uint64_t>(owner), slot};
+}
+
+// Crf::touch: one request of expert e at clock clk.
+EXPERT_CACHE_HOST_DEVICE inline void crf_touch(const DevicePlanState& s, std::int32_t e, std::uint32_t clk,
+                                               std::uint64_t d) noexcept {
+  s.expert_crf[e] = crf_at(s.expert_crf[e], s.expert_last[e], clk, d) + crf_one;
+  s.expert_last[e] = clk;
+}
+
 // Plans group g: ids src.id(g*C + i), i < n, in ascending order, with
-// ForwardPlanner<Lru>::plan_unique's decisions. g >= groups is an empty group (see the overflow
-// note at the top). All threads of the block call it; the state was checked by the caller.
-template <plan_block Block, class Source>
+// ForwardPlanner<host policy>::plan_unique's decisions. g >= groups is an empty group (see the
+// overflow note at the top). All threads of the block call it; the state was checked by the caller.
+//
+// The score policies reuse the recency tick for in-forward protection (the forward's hits get
+// ticks >= tick0 before any victim is searched) and search one victim at a time, block arg-min of
+// ScoreKey over the other residents; each victim's tick is then set to ~0 by the thread that owns
+// its slot in the strided search (slot % threads), the only thread that reads it in later
+// searches, so no barrier is needed to exclude it. DeviceLfru's scores change with the clock,
+// which a forward advances by one per id, so victim j is scored at the clock of its miss
+// (position p in the group: tick0 + p - 1, Lfru's clock before that insert). DeviceCrf's clock
+// ticks once per group, so its keys are fixed during the group.
+template <device_plan_policy Policy, plan_block Block, class Source>
 EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s, std::int32_t g, GroupInput in,
                                               const Source& src) noexcept {
+  constexpr bool lru = Policy::kind == DevicePolicyKind::lru;
+  constexpr bool lfru = Policy::kind == DevicePolicyKind::lfru;
+  constexpr bool crf = Policy::kind == DevicePolicyKind::crf;
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
   DevicePlanScalars& sc = *s.scalars;
@@ -459,6 +582,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // Read before the barrier below; rank 0 advances them only after that barrier.
   const std::uint32_t seq0 = sc.fill_seq;
   const std::int32_t live0 = sc.spec_live;  // live speculative fills (0: their code is skipped)
+  const std::uint32_t clk = sc.crf_clock + 1u;  // DeviceCrf: this group's clock
+  const std::uint64_t decay = sc.crf_decay;
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
@@ -500,8 +625,12 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       e = src.id(begin + i);
       const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
+      if constexpr (crf) {
+        if (e >= 0 && e < E) crf_touch(s, e, clk, decay);  // hits and misses alike (ids are unique)
+      }
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
+        if constexpr (lfru) s.slot_freq[slot] += 1;
         s.forward_map[e] = slot;
         if (live0 > 0 && s.slot_spec_left[slot] != 0) {  // a speculative fill used
           s.slot_spec_left[slot] = 0;
@@ -525,23 +654,46 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // step and misses served from free slots skip it); O(victims * C / threads).
   // Both words of a key are loaded unconditionally (independent loads, issued together); the
   // victims' experts are looked up once after the search, not one dependent load per victim.
-  PlanKey last{0, -1};
-  for (std::int32_t j = 0; j < victims; ++j) {
-    PlanKey best;
-    for (std::int32_t slot = rank; slot < C; slot += nt) {
-      const std::int32_t owner = s.slot_owner[slot];
-      const PlanKey key{s.slot_tick[slot], slot};
-      if (owner >= 0 && last < key && key < best) best = key;
+  if constexpr (lru) {
+    PlanKey last{0, -1};
+    for (std::int32_t j = 0; j < victims; ++j) {
+      PlanKey best;
+      for (std::int32_t slot = rank; slot < C; slot += nt) {
+        const std::int32_t owner = s.slot_owner[slot];
+        const PlanKey key{s.slot_tick[slot], slot};
+        if (owner >= 0 && last < key && key < best) best = key;
+      }
+      best = b.min_key(best);
+      // Not found, or a resident of this group: only a corrupted state gets here (the host
+      // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
+      if (best.slot < 0 || best.slot >= C || best.tick >= tick0) {
+        if (rank == 0) publish_stats(b, s, in.before, in.now);
+        return plan_fail(b, s, plan_error_bad_state);
+      }
+      if (rank == 0) s.evictions[j].slot = best.slot;
+      last = best;
     }
-    best = b.min_key(best);
-    // Not found, or a resident of this group: only a corrupted state gets here (the host
-    // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
-    if (best.slot < 0 || best.slot >= C || best.tick >= tick0) {
-      if (rank == 0) publish_stats(b, s, in.before, in.now);
-      return plan_fail(b, s, plan_error_bad_state);
+  } else {
+    for (std::int32_t j = 0; j < victims; ++j) {
+      // Lfru's clock before the insert of this victim's miss (fills[].slot holds its position).
+      const std::uint64_t clock_j =
+          lfru ? tick0 + static_cast<std::uint64_t>(s.fills[from_free + j].slot) - 1u : 0u;
+      ScoreKey best;
+      for (std::int32_t slot = rank; slot < C; slot += nt) {
+        const std::int32_t owner = s.slot_owner[slot];
+        const std::uint64_t t = s.slot_tick[slot];
+        if (owner < 0 || owner >= E || t >= tick0) continue;  // free, or this group's (or a victim)
+        const ScoreKey key = lfru ? lfru_key(s, slot, clock_j, t) : crf_key(s, slot, owner, clk, decay);
+        if (key < best) best = key;
+      }
+      best = b.min_score(best);
+      if (best.slot < 0 || best.slot >= C) {  // no candidate: a corrupted state only
+        if (rank == 0) publish_stats(b, s, in.before, in.now);
+        return plan_fail(b, s, plan_error_bad_state);
+      }
+      if (best.slot % nt == rank) s.slot_tick[best.slot] = ~std::uint64_t{0};
+      if (rank == 0) s.evictions[j].slot = best.slot;
     }
-    if (rank == 0) s.evictions[j].slot = best.slot;
-    last = best;
   }
   if (rank == 0) {
     for (std::int32_t j = 0; j < victims; ++j) s.evictions[j].expert = s.slot_owner[s.evictions[j].slot];
@@ -571,6 +723,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     s.forward_map[f.expert] = slot;
     s.slot_owner[slot] = f.expert;
     s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+    if constexpr (lfru) {
+      s.slot_freq[slot] = 1;
+      s.slot_order[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+    }
     s.slot_needed[slot] = seq0 + static_cast<std::uint32_t>(r) + 1u;  // edge D4: this fill's value
   }
   std::int32_t spec_used = 0, spec_wasted = 0;
@@ -591,6 +747,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     sc.group = g;
     sc.group_size = n;
     sc.tick = tick0 + static_cast<std::uint64_t>(n);
+    if constexpr (crf) sc.crf_clock = clk;
     sc.fill_seq = seq0 + static_cast<std::uint32_t>(misses);
     DevicePlanStats now = in.now;
     now.hits += static_cast<std::uint64_t>(n - misses);
@@ -702,7 +859,7 @@ struct SmallSource {
 // empty group (see the overflow note at the top). All threads of the block call it.
 // `forward` (internal): the call is plan_forward's group 0 (an empty forward still ages the
 // speculative fills; a later empty round does not).
-template <plan_block Block>
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std::int32_t g,
                                          bool forward = false) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
@@ -716,7 +873,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
   in.free = sc.free_count;
   in.tick0 = sc.tick;
   if (b.thread_rank() == 0) in.before = in.now = *s.counters;
-  detail::plan_group_from(b, s, g, in, detail::StateSource{&s});
+  detail::plan_group_from<Policy>(b, s, g, in, detail::StateSource{&s});
 }
 
 // The general path of plan_forward (any n_ids): dedup by marking instead of sorting: each valid
@@ -724,7 +881,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
 // ascending order (and clears the marks). O(n_ids / threads + E / threads) for any n_ids, where
 // a block radix sort needs the input size fixed at compile time and log2(E)-bit passes each with
 // their own scans.
-template <plan_block Block>
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                                    std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
@@ -770,7 +927,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
     detail::publish_stats(b, s, before, now);
   }
   b.sync();  // unique list and group count visible
-  plan_group(b, s, 0, true);
+  plan_group<Policy>(b, s, 0, true);
 }
 
 // The small path of plan_forward (0 <= n_ids <= plan_small_ids; otherwise the general path):
@@ -778,11 +935,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
 // loads) and sorts them; the bad-id count and the distinct count are then known to every
 // thread without a reduction, and thread r holds the group's r-th id and its resident-map entry
 // before the group step starts.
-template <plan_block Block>
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                                  std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
   if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0)) {
-    return plan_forward_general(b, s, ids, n_ids, sanitized);
+    return plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
   }
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
@@ -828,18 +985,18 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   }
   for (std::int32_t t = rank; t < unique; t += nt) s.unique[t] = t == rank && t < n0 ? id_mine : sorted.unique_at(t);
   if (rank == 0) detail::note_forward(b, s, unique, groups, bad, 0u, in.now);
-  detail::plan_group_from(b, s, 0, in, detail::SmallSource{&s, &sorted, rank, prev_mine, id_mine, slot_mine});
+  detail::plan_group_from<Policy>(b, s, 0, in, detail::SmallSource{&s, &sorted, rank, prev_mine, id_mine, slot_mine});
 }
 
 // Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
 // out-of-range ids counted and dropped): deduplicates into the ascending unique list, records
 // the group count, and plans group 0. All threads of the block call it. Up to plan_small_ids
 // ids take the register path, more the marking path: the same state either way.
-template <plan_block Block>
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                            std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
-  if (n_ids >= 0 && n_ids <= plan_small_ids) return plan_forward_small(b, s, ids, n_ids, sanitized);
-  plan_forward_general(b, s, ids, n_ids, sanitized);
+  if (n_ids >= 0 && n_ids <= plan_small_ids) return plan_forward_small<Policy>(b, s, ids, n_ids, sanitized);
+  plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
 }
 
 // Drops `expert` from residency (ForwardPlanner::invalidate): resident -> -1, its forward-map
@@ -891,7 +1048,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
 // copy a prefetch's fills unchanged. Unlike the host planner, which refuses a list with an id
 // outside [0, E), the device drops such ids (counted in bad_ids, flagged), as plan_forward
 // does; -1 is padding. All threads of the block call it.
-template <plan_block Block>
+template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                             std::int32_t n_ids, std::int32_t max_fills,
                                             std::uint32_t expires_after) noexcept {
@@ -937,20 +1094,37 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
       target = s.free_stack[free - 1];
       --free;
     } else {
-      PlanKey best;
-      for (std::int32_t slot = rank; slot < C; slot += nt) {
-        const std::int32_t owner = s.slot_owner[slot];
-        if (owner < 0 || owner >= E) continue;
-        const PlanKey key{s.slot_tick[slot], slot};
-        if (key.tick >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
-        if (key < best) best = key;
+      std::int32_t found = -1;
+      if constexpr (Policy::kind == DevicePolicyKind::lru) {
+        PlanKey best;
+        for (std::int32_t slot = rank; slot < C; slot += nt) {
+          const std::int32_t owner = s.slot_owner[slot];
+          if (owner < 0 || owner >= E) continue;
+          const PlanKey key{s.slot_tick[slot], slot};
+          if (key.tick >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
+          if (key < best) best = key;
+        }
+        found = b.min_key(best).slot;
+      } else {
+        // The host policy's victim at its clock now: Lfru's clock is tick - 1 (one per insert).
+        ScoreKey best;
+        for (std::int32_t slot = rank; slot < C; slot += nt) {
+          const std::int32_t owner = s.slot_owner[slot];
+          if (owner < 0 || owner >= E) continue;
+          const std::uint64_t t = s.slot_tick[slot];
+          if (t >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
+          const ScoreKey key = Policy::kind == DevicePolicyKind::lfru
+                                   ? detail::lfru_key(s, slot, tick - 1u, t)
+                                   : detail::crf_key(s, slot, owner, sc.crf_clock, sc.crf_decay);
+          if (key < best) best = key;
+        }
+        found = b.min_score(best).slot;
       }
-      best = b.min_key(best);
-      if (best.slot < 0 || best.slot >= C) {
+      if (found < 0 || found >= C) {
         no_victim = true;
         break;
       }
-      target = best.slot;
+      target = found;
       if (rank == 0) {
         const std::int32_t victim = s.slot_owner[target];
         s.resident_map[victim] = -1;
@@ -967,6 +1141,12 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
       s.resident_map[e] = target;
       s.slot_owner[target] = e;
       s.slot_tick[target] = tick;
+      if constexpr (Policy::kind == DevicePolicyKind::lfru) {
+        s.slot_freq[target] = 1;
+        s.slot_order[target] = tick;
+      } else if constexpr (Policy::kind == DevicePolicyKind::crf) {
+        detail::crf_touch(s, e, sc.crf_clock, sc.crf_decay);  // Crf::on_insert (no clock tick)
+      }
       s.slot_spec_left[target] = expires_after;
       s.slot_needed[target] = seq0 + static_cast<std::uint32_t>(fills) + 1u;  // edge D4, as a miss
     }
@@ -1015,6 +1195,16 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
     detail::publish_stats(b, s, before, now);
   }
   b.sync();
+}
+
+// Sets every expert's prior bias (DeviceCrf's frequency prior, planning/crf_math.hpp's Q32; see
+// eviction/crf.hpp) in a state the host can write (HostPlanStorage; DeviceExpertCache uploads the
+// same table with set_prior_bias). A table of the wrong length, or none, is refused: false,
+// nothing written.
+inline bool plan_set_bias(const DevicePlanState& s, const std::uint64_t* bias, std::int32_t n) noexcept {
+  if (!plan_view_ok(s) || bias == nullptr || n != s.num_experts) return false;
+  for (std::int32_t e = 0; e < n; ++e) s.expert_bias[e] = bias[e];
+  return true;
 }
 
 // Host memory for one state (the CPU suite; a SimRuntime model later): the block laid out by

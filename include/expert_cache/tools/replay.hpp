@@ -25,6 +25,7 @@
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/all.hpp"
+#include "expert_cache/eviction/popularity.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
@@ -52,6 +53,11 @@ struct CacheStream {
   std::vector<std::size_t> offsets{0};
   std::vector<std::size_t> source;
   std::vector<std::int32_t> layer_index;  // per forward: rank of its layer among the trace's layers
+  // Frequency prior (ReplayOptions::calibrate): requests per key in the calibration part, and how
+  // the prior policies turn it into a bias. Empty: no calibration (their bias is then zero).
+  std::optional<PopularityTable> popularity;
+  double prior_weight = 1.0;
+  double prior_pin = 0.25;
 
   [[nodiscard]] std::size_t size() const noexcept { return source.size(); }
   [[nodiscard]] std::span<const std::int32_t> forward(std::size_t i) const noexcept {
@@ -111,6 +117,9 @@ struct CacheStream {
 
 // ---- policy registry ------------------------------------------------------------------
 
+// How a prior policy of the replay turns the calibrated popularity into its bias.
+enum class PriorKind : std::uint8_t { weighted, pinned };
+
 template <class... Policies>
 struct PolicyList {};
 
@@ -130,7 +139,17 @@ struct PolicyList {};
 // (`future`, built on first use).
 template <class P>
 P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_ptr<const BeladyFuture>& future) {
-  if constexpr (std::constructible_from<P, std::shared_ptr<const BeladyFuture>, CacheShape>) {
+  if constexpr (requires { P::prior_kind; }) {
+    (void)future;
+    std::vector<std::uint64_t> bias;
+    if (stream.popularity) {
+      bias = P::prior_kind == PriorKind::weighted
+                 ? stream.popularity->weighted_bias(stream.prior_weight)
+                 : stream.popularity->pinned_bias(
+                       static_cast<std::int32_t>(std::lround(stream.prior_pin * static_cast<double>(shape.capacity))));
+    }
+    return P(shape, CrfParams{}, bias);
+  } else if constexpr (std::constructible_from<P, std::shared_ptr<const BeladyFuture>, CacheShape>) {
     if (!future) future = make_belady_future(stream);
     return P(future, shape);
   } else if constexpr (std::constructible_from<P, CacheShape, PoolLayout>) {
@@ -142,7 +161,22 @@ P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_pt
   }
 }
 
-using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
+// Crf with the calibrated prior (ReplayOptions::calibrate): weighted bias, or the most requested
+// experts pinned. Without calibration they plan exactly as Crf.
+class CrfPrior : public Crf {
+ public:
+  static constexpr std::string_view name = "crf+prior";
+  static constexpr PriorKind prior_kind = PriorKind::weighted;
+  using Crf::Crf;
+};
+class CrfPin : public Crf {
+ public:
+  static constexpr std::string_view name = "crf+pin";
+  static constexpr PriorKind prior_kind = PriorKind::pinned;
+  using Crf::Crf;
+};
+
+using ReplayPolicies = PolicyList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Crf, CrfPrior, CrfPin>;
 // The policy used as OPT (void would leave OPT and the ratio columns out).
 using ReplayOptPolicy = Belady;
 
@@ -190,6 +224,13 @@ struct ReplayOptions {
   std::vector<std::string> policies;  // names from replay_policy_names()
   std::function<void(const ReplayProgress&)> progress;  // optional
   std::uint64_t progress_every = 1u << 16;                // forwards between progress calls
+  // Frequency priors: in (0, 1), the first `calibrate` of the trace's steps only count requests
+  // per key (PopularityTable) and every policy replays the rest, cold; crf+prior and crf+pin take
+  // the counts as their bias (prior_weight; prior_pin = pinned experts as a fraction of the
+  // capacity). 0: no calibration, the whole trace is replayed.
+  double calibrate = 0.0;
+  double prior_weight = 1.0;
+  double prior_pin = 0.25;
 };
 
 struct ReplayCounts {
@@ -228,6 +269,9 @@ struct ReplayReport {
   std::uint64_t records = 0;
   std::uint64_t accesses = 0;     // unique experts summed over forwards (same for every run)
   bool has_opt = false;
+  // With calibration: the first replayed step, and the forwards only counted (not replayed).
+  std::optional<std::int32_t> replay_from_step;
+  std::uint64_t calibration_forwards = 0;
   std::vector<ReplayRow> rows;    // capacities outer, policies inner, in request order
 };
 
@@ -357,6 +401,48 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     if (!streams_r.ok()) return streams_r.status();
     detail::ReplayCaches caches{std::move(streams_r).value(), {}, trace.layers().size()};
     caches.futures.resize(caches.streams.size());
+    if (!(options.calibrate >= 0.0 && options.calibrate < 1.0) || !(options.prior_weight >= 0.0) ||
+        !(options.prior_pin >= 0.0 && options.prior_pin <= 1.0)) {
+      return Status(ErrorCode::invalid_argument,
+                    "calibrate must be in [0, 1), prior_weight >= 0 and prior_pin in [0, 1]");
+    }
+    std::optional<std::int32_t> split_step;
+    std::uint64_t calibration_forwards = 0, replayed_accesses = 0;
+    if (options.calibrate > 0.0) {
+      std::vector<std::int32_t> steps;
+      for (const TraceForward& f : trace.forwards) steps.push_back(f.step);
+      std::sort(steps.begin(), steps.end());
+      steps.erase(std::unique(steps.begin(), steps.end()), steps.end());
+      const auto at = static_cast<std::size_t>(options.calibrate * static_cast<double>(steps.size()));
+      if (at == 0 || at >= steps.size()) {
+        return Status(ErrorCode::invalid_argument, "calibrate " + std::to_string(options.calibrate) + " leaves no step to " +
+                                                       (at == 0 ? "calibrate on" : "replay") + " (the trace has " +
+                                                       std::to_string(steps.size()) + " steps)");
+      }
+      split_step = steps[at];
+      for (CacheStream& st : caches.streams) {
+        CacheStream rest;
+        rest.num_experts = st.num_experts;
+        rest.experts_per_layer = st.experts_per_layer;
+        rest.popularity.emplace(st.num_experts);
+        rest.prior_weight = options.prior_weight;
+        rest.prior_pin = options.prior_pin;
+        for (std::size_t i = 0; i < st.size(); ++i) {
+          const auto f = st.forward(i);
+          if (trace.forwards[st.source[i]].step < *split_step) {
+            rest.popularity->count(f);
+            ++calibration_forwards;
+            continue;
+          }
+          rest.ids.insert(rest.ids.end(), f.begin(), f.end());
+          rest.offsets.push_back(rest.ids.size());
+          rest.source.push_back(st.source[i]);
+          rest.layer_index.push_back(st.layer_index[i]);
+          replayed_accesses += f.size();
+        }
+        st = std::move(rest);
+      }
+    }
     const std::vector<CacheStream>& streams = caches.streams;
 
     ReplayReport report;
@@ -370,6 +456,12 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     report.records = trace.records;
     report.accesses = trace.ids.size();
     report.has_opt = replay_has_opt();
+    if (split_step) {
+      report.replay_from_step = split_step;
+      report.calibration_forwards = calibration_forwards;
+      report.forwards -= calibration_forwards;
+      report.accesses = replayed_accesses;
+    }
 
     // Validate every capacity before running anything, so errors come back fast.
     std::size_t widest = 0;  // the first forward with the largest union
@@ -394,7 +486,7 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
 
     const std::size_t runs = options.capacities.size() *
                              (options.policies.size() + (replay_has_opt() ? 1 : 0));
-    detail::ProgressState progress{&options, 0, runs * trace.forwards.size(),
+    detail::ProgressState progress{&options, 0, runs * report.forwards,
                                    std::max<std::uint64_t>(options.progress_every, 1)};
 
     for (const std::int32_t c : options.capacities) {

@@ -1,0 +1,57 @@
+#pragma once
+// Fixed-point CRF arithmetic (combined recency-frequency, LRFU), shared by the host policy `Crf`
+// (eviction/crf.hpp) and the device planner (planning/device_plan.hpp), so that both compute
+// bit-identical keys: integers only (no exp2/log2, whose last bits differ between glibc and
+// CUDA's libdevice, and no floating multiply-add that nvcc would contract into an FMA).
+// A CRF is an unsigned Q32.32 number: 1.0 = 2^32. The decay per forward is d = 2^(-1/half_life)
+// in Q32 (crf_decay_q32); d^age comes from square-and-multiply with truncation at every step,
+// which is not exactly round(2^32 * 2^(-age/h)), but the same on both sides, which is what
+// parity needs.
+#include <cstdint>
+
+#include "expert_cache/config.hpp"
+
+namespace expert_cache::inline v0 {
+
+inline constexpr std::uint64_t crf_one = std::uint64_t{1} << 32;
+// round(2^32 * 2^(-1/8)): half-life 8 forwards, Lrfu's default.
+inline constexpr std::uint64_t crf_default_decay_q32 = 3938502376u;
+
+// (a * b) >> 32, with the full 128-bit product.
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_mul_q32(std::uint64_t a, std::uint64_t b) noexcept {
+#if defined(__CUDA_ARCH__)
+  const std::uint64_t hi = __umul64hi(a, b);
+  const std::uint64_t lo = a * b;
+#else
+  __extension__ using U128 = unsigned __int128;  // GCC/Clang extension (-Wpedantic)
+  const U128 p = static_cast<U128>(a) * b;
+  const auto hi = static_cast<std::uint64_t>(p >> 64);
+  const auto lo = static_cast<std::uint64_t>(p);
+#endif
+  return (hi << 32) | (lo >> 32);
+}
+
+// d^age in Q32 (d < 1.0 in Q32; 1.0 for age 0; 0 once the product underflows).
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow(std::uint64_t d, std::uint32_t age) noexcept {
+  std::uint64_t result = crf_one, base = d;
+  while (age != 0 && result != 0) {
+    if ((age & 1u) != 0) result = crf_mul_q32(result, base);
+    base = crf_mul_q32(base, base);
+    age >>= 1;
+    if (base == 0 && age != 0) return 0;
+  }
+  return result;
+}
+
+// CRF of an expert at `now` whose CRF was `crf` at its last request `last` (last <= now).
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at(std::uint64_t crf, std::uint32_t last, std::uint32_t now,
+                                                     std::uint64_t d) noexcept {
+  return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow(d, now - last));
+}
+
+// Saturating add: a victim key is CRF + prior bias; a pinning bias is near UINT64_MAX.
+EXPERT_CACHE_HOST_DEVICE constexpr std::uint64_t crf_add_sat(std::uint64_t a, std::uint64_t b) noexcept {
+  return a + b < a ? ~std::uint64_t{0} : a + b;
+}
+
+}  // namespace expert_cache::inline v0
