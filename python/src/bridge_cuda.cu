@@ -31,6 +31,26 @@ class CudaBridgeImpl final : public CudaBridge {
   Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept override {
     return bridge_->prepare_device(ids, n, static_cast<cudaStream_t>(stream));
   }
+  Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept override {
+    return bridge_->prepare_unique(unique_ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
+                                     std::int64_t expires_after, void* stream) noexcept override {
+    return bridge_->prefetch(ids, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,
+                                       std::int64_t expires_after, void* stream) noexcept override {
+    return bridge_->prefetch_device(ids, n, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+  }
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const override {
+    return bridge_->last_fills();
+  }
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const override {
+    return bridge_->last_evictions();
+  }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept override {
+    return bridge_->resident_map_host();
+  }
   Status invalidate(std::int64_t expert, void* stream) noexcept override {
     return bridge_->invalidate(expert, static_cast<cudaStream_t>(stream));
   }
