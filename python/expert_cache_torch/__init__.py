@@ -20,13 +20,16 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C
 
 __all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ForwardView", "ExpertCacheError",
-           "host_empty", "to_host"]
+           "ExpertCacheValueError", "host_empty", "to_host"]
 
 _PAGE = 4096
 
 #: Raised for every error the library reports (a subclass of RuntimeError; the message is the
 #: library's Status message).
 ExpertCacheError = _C.ExpertCacheError
+#: Raised for bad arguments (ids out of range, wrong sizes, dtypes or names): a subclass of both
+#: ExpertCacheError and ValueError.
+ExpertCacheValueError = _C.ExpertCacheValueError
 
 
 def host_empty(shape, dtype):
@@ -165,6 +168,36 @@ class ExpertCache:
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, host_map,
                            hits if has_counts else None, misses if has_counts else None, generation)
 
+    def prepare_unique(self, unique_ids):
+        """Host-planned providers: makes the experts of an explicit list resident, in its order
+        (ids in [0, num_experts), distinct, at most capacity of them). Returns a ForwardView."""
+        has_counts, hits, misses, generation = self._impl.prepare_unique(_id_list(unique_ids, "unique_ids"))
+        return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, self._impl.expert_map_host(),
+                           hits, misses, generation)
+
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1):
+        """Speculative fills of predicted experts (distinct ids in [0, num_experts), best first),
+        on the current stream, within max_bytes (None: up to every slot). A prefetched expert is
+        protected from eviction until `expires_after` further prepares have passed without using
+        it. CPU ids: every provider. CUDA ids: provider "device" plans them on the GPU (no
+        synchronisation, capturable); a host-planned provider reads them back (one synchronisation).
+        Returns {issued, evictions, skipped_resident, skipped_no_victim, bytes}."""
+        if not isinstance(predicted_ids, torch.Tensor):
+            predicted_ids = torch.tensor(_id_list(predicted_ids, "predicted_ids"), dtype=torch.int64)
+        if max_bytes is None:
+            max_bytes = self.capacity * self.bytes_per_expert
+        return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after))
+
+    def last_plan(self):
+        """Host-planned providers: the last prepare's misses and victims, as
+        {"fills": [(expert, slot)], "evictions": [(expert, slot)]}; both empty for "device"."""
+        return {"fills": self._impl.last_fills(), "evictions": self._impl.last_evictions()}
+
+    @property
+    def bytes_per_expert(self):
+        """Bytes one expert occupies in its slot, all tensors together."""
+        return sum(int(t[0].numel()) * t.element_size() for t in self.slot_tensors.values())
+
     def invalidate(self, expert_id):
         """Drops expert_id from the cache (its slot is refilled on next use), on the current stream."""
         self._impl.invalidate(int(expert_id))
@@ -193,3 +226,15 @@ class ExpertCache:
     def __repr__(self):
         return (f"ExpertCache({self.layout!r}, provider={self.provider!r}, policy={self.policy!r}, "
                 f"staging={self.staging!r}, capacity={self.capacity}/{self.num_experts}, label={self.label!r})")
+
+
+def _id_list(ids, name):
+    """A list of Python ints from a tensor (read back if on a GPU), a list or a tuple."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ExpertCacheValueError(f"{name} must be int32 or int64 (got {ids.dtype})")
+        return [int(x) for x in ids.reshape(-1).tolist()]
+    try:
+        return [int(x) for x in ids]
+    except (TypeError, ValueError):
+        raise ExpertCacheValueError(f"{name} must be a tensor or a sequence of ints (got {type(ids).__name__})") from None

@@ -5,6 +5,7 @@
 // live in bridge.hpp (torch-free, tested on SimRuntime); the CUDA instantiation in
 // bridge_cuda.cu (nvcc, no torch headers).
 #include "bridge.hpp"
+#include "vllm_bridge.hpp"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime_api.h>
@@ -17,6 +18,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -24,15 +26,40 @@ namespace ec = expert_cache::python;
 
 namespace {
 
-// Raised as expert_cache_torch.ExpertCacheError (a RuntimeError) with the library's message.
+// Raised as expert_cache_torch.ExpertCacheError (a RuntimeError) with the library's message;
+// bad arguments (wrong ids, sizes, names) as ExpertCacheValueError, a subclass of both
+// ExpertCacheError and ValueError (vLLM's providers raise ValueError for those).
 struct ExpertCacheError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct ExpertCacheValueError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 [[noreturn]] void fail(const std::string& message) { throw ExpertCacheError(message); }
+[[noreturn]] void fail_value(const std::string& message) { throw ExpertCacheValueError(message); }
 
 void check(const expert_cache::Status& s) {
-  if (!s.ok()) fail(std::string(s.message()));
+  if (s.ok()) return;
+  switch (s.code()) {
+    case expert_cache::ErrorCode::invalid_argument:
+    case expert_cache::ErrorCode::invalid_capacity:
+    case expert_cache::ErrorCode::expert_out_of_range:
+    case expert_cache::ErrorCode::duplicate_expert:
+      fail_value(std::string(s.message()));
+    default:
+      fail(std::string(s.message()));  // too_many_experts (vLLM: RuntimeError), runtime failures, ...
+  }
+}
+
+py::dict prefetch_dict(const expert_cache::PrefetchView& v) {
+  py::dict d;
+  d["issued"] = v.issued;
+  d["evictions"] = v.evictions;
+  d["skipped_resident"] = v.skipped_resident;
+  d["skipped_no_victim"] = v.skipped_no_victim;
+  d["bytes"] = v.bytes;
+  return d;
 }
 
 ec::DType dtype_of(at::ScalarType t) {
@@ -130,6 +157,58 @@ class TorchCache {
     return py::make_tuple(true, p.hits, p.misses, p.generation);
   }
 
+  // An explicit unique list (host providers), processed in its order.
+  py::tuple prepare_unique(const std::vector<std::int64_t>& unique_ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (!bridge_->device_provider() && capturing(stream.stream())) fail(not_capturable());
+    const auto r = bridge_->prepare_unique(unique_ids, static_cast<void*>(stream.stream()));
+    check(r.status());
+    const ec::PrepareResult p = r.value();
+    return py::make_tuple(true, p.hits, p.misses, p.generation);
+  }
+
+  // Speculative fills of predicted experts (int32/int64, distinct, in [0, E)). CPU ids: every
+  // provider (the device provider uploads them). CUDA ids: the device provider plans them on the
+  // device as they are (no synchronisation; capturable); a host-planned provider reads them back
+  // first (one synchronisation of the current stream).
+  py::dict prefetch(const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after) {
+    if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (ids.is_cuda() && bridge_->device_provider()) {
+      if (ids.device().index() != device_) {
+        fail_value(label_ + ": prefetch ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+      }
+      last_prefetch_ids_ = ids.reshape({-1}).to(at::kInt).contiguous();
+      const auto r = bridge_->prefetch_device(last_prefetch_ids_.data_ptr<std::int32_t>(), last_prefetch_ids_.numel(),
+                                              max_bytes, expires_after, static_cast<void*>(stream.stream()));
+      check(r.status());
+      return prefetch_dict(r.value());
+    }
+    if (ids.is_cuda() && capturing(stream.stream())) fail(not_capturable());
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": prefetch ids must be a CPU or CUDA tensor");
+    const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
+    const auto n = static_cast<std::size_t>(host.numel());
+    const auto r = bridge_->prefetch_host(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), max_bytes,
+                                          expires_after, static_cast<void*>(stream.stream()));
+    check(r.status());
+    return prefetch_dict(r.value());
+  }
+
+  // The last prepare's misses and victims as (expert, slot) pairs (host providers; empty for
+  // the device provider).
+  std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const { return bridge_->last_fills(); }
+  std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const { return bridge_->last_evictions(); }
+  py::object resident_map_host() {
+    if (bridge_->device_provider()) return py::none();
+    const auto m = bridge_->resident_map_host();
+    at::Tensor t = at::empty({static_cast<std::int64_t>(m.size())}, at::TensorOptions().dtype(at::kInt));
+    std::copy(m.begin(), m.end(), t.data_ptr<std::int32_t>());
+    return py::cast(t);
+  }
+
   void invalidate(std::int64_t expert) {
     const c10::cuda::CUDAStream stream = current_stream();
     check(bridge_->invalidate(expert, static_cast<void*>(stream.stream())));
@@ -213,11 +292,7 @@ class TorchCache {
   // Host-planned providers: CPU ids as they are; CUDA ids read back first (one synchronisation).
   expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids) {
     const c10::cuda::CUDAStream stream = current_stream();
-    if (capturing(stream.stream())) {
-      fail(label_ + ": provider '" + bridge_->provider() +
-           "' plans on the host and cannot be captured in a CUDA graph (a replay would repeat this forward's "
-           "plan); capture with provider 'device'");
-    }
+    if (capturing(stream.stream())) fail(not_capturable());
     at::Tensor host = ids;
     if (ids.is_cuda()) {
       // One copy into a reused pinned buffer on the current stream, then one synchronisation
@@ -235,6 +310,12 @@ class TorchCache {
       return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream());
     }
     return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream());
+  }
+
+  std::string not_capturable() const {
+    return label_ + ": provider '" + bridge_->provider() +
+           "' plans on the host and cannot be captured in a CUDA graph (a replay would repeat this forward's "
+           "plan); capture with provider 'device'";
   }
 
   c10::cuda::CUDAStream current_stream() const {
@@ -258,6 +339,7 @@ class TorchCache {
   ec::CudaBridge* bridge_ = nullptr;  // owned_->bridge
   at::Tensor pinned_ids_;         // host-planned + CUDA ids: the pinned read-back buffer
   at::Tensor last_ids_;           // device provider: the ids the last plan reads
+  at::Tensor last_prefetch_ids_;  // device provider: the ids the last device prefetch reads
   c10::DeviceIndex device_ = 0;
   std::int64_t num_experts_ = 0;
   std::string label_ = "expert_cache";
@@ -267,7 +349,10 @@ class TorchCache {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "expert_cache: GPU expert cache for MoE inference (use the expert_cache_torch package)";
-  py::register_exception<ExpertCacheError>(m, "ExpertCacheError", PyExc_RuntimeError);
+  auto& error = py::register_exception<ExpertCacheError>(m, "ExpertCacheError", PyExc_RuntimeError);
+  // A subclass of ExpertCacheError and ValueError: the bases as a tuple (PyErr_NewException takes one).
+  py::register_exception<ExpertCacheValueError>(m, "ExpertCacheValueError",
+                                                py::make_tuple(error, py::handle(PyExc_ValueError)));
   py::class_<TorchCache, std::shared_ptr<TorchCache>>(m, "Cache")
       .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
                        const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
@@ -283,6 +368,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
            py::arg("host_tensors"))
       .def("prepare", &TorchCache::prepare, py::arg("topk_ids"))
+      .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
+      .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"))
+      .def("last_fills", &TorchCache::last_fills)
+      .def("last_evictions", &TorchCache::last_evictions)
+      .def("resident_map_host", &TorchCache::resident_map_host)
       .def("invalidate", &TorchCache::invalidate, py::arg("expert"))
       .def("stats", &TorchCache::stats)
       .def("device_errors", &TorchCache::device_errors)
@@ -296,4 +386,63 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("staging", &TorchCache::staging)
       .def_property_readonly("storage", &TorchCache::storage)
       .def_property_readonly("device_provider", &TorchCache::device_provider);
+
+  // ---- the vLLM-surface providers' torch-free checks (vllm_bridge.hpp) ----
+  // records: (name, given, dtype, element size, shape) -> (E, capacity,
+  // [(name, slot name, dtype, bytes per expert, trailing shape)]).
+  m.def("validate_provider_sources",
+        [](std::int64_t capacity,
+           const std::vector<std::tuple<std::string, bool, std::string, std::size_t, std::vector<std::int64_t>>>& records,
+           const std::string& label) {
+          std::vector<ec::SourceArg> args;
+          for (const auto& [name, given, dtype, element_size, shape] : records) {
+            args.push_back(ec::SourceArg{name, given, dtype, element_size, shape});
+          }
+          auto r = ec::validate_provider_sources(capacity, args, label);
+          check(r.status());
+          py::list sources;
+          for (const ec::ProviderSource& s : r.value().sources) {
+            sources.append(py::make_tuple(s.name, s.slot_name, s.dtype, s.bytes_per_expert, s.trailing));
+          }
+          return py::make_tuple(r.value().num_experts, r.value().capacity, sources);
+        },
+        py::arg("capacity"), py::arg("records"), py::arg("label"));
+  m.def("provider_semantics",
+        [](const std::string& semantics, const std::string& policy) {
+          auto r = ec::provider_semantics(semantics, policy);
+          check(r.status());
+          return py::make_tuple(r.value().provider, r.value().policy);
+        },
+        py::arg("semantics"), py::arg("policy"));
+  // -> [(row_begin, row_end, unique ids, include_shared)]
+  m.def("plan_split",
+        [](const std::vector<std::int64_t>& ids, std::int32_t top_k, std::int32_t capacity, std::int32_t num_experts,
+           const std::string& split) {
+          auto r = ec::plan_split(ids, top_k, capacity, num_experts, split);
+          check(r.status());
+          py::list parts;
+          for (const ec::SplitPart& p : r.value()) {
+            parts.append(py::make_tuple(p.row_begin, p.row_end, p.unique_ids, p.include_shared));
+          }
+          return parts;
+        },
+        py::arg("ids"), py::arg("top_k"), py::arg("capacity"), py::arg("num_experts"), py::arg("split"));
+  py::class_<ec::ReferencePlanner, std::shared_ptr<ec::ReferencePlanner>>(m, "ReferencePlanner")
+      .def(py::init([](const std::string& policy, std::int32_t num_experts, std::int32_t capacity, std::int32_t top_k) {
+             auto r = ec::ReferencePlanner::create(policy, num_experts, capacity, top_k);
+             check(r.status());
+             return std::shared_ptr<ec::ReferencePlanner>(std::move(r.value()));
+           }),
+           py::arg("policy"), py::arg("num_experts"), py::arg("capacity"), py::arg("top_k") = 1)
+      // -> (hits, misses, fills [(expert, slot)], evictions [(expert, slot)])
+      .def("plan",
+           [](ec::ReferencePlanner& p, const std::vector<std::int32_t>& ids, bool unique) {
+             auto r = p.plan(ids, unique);
+             check(r.status());
+             return py::make_tuple(r.value().hits, r.value().misses, r.value().fills, r.value().evictions);
+           },
+           py::arg("ids"), py::arg("unique") = false)
+      .def("invalidate", [](ec::ReferencePlanner& p, std::int32_t e) { check(p.invalidate(e)); }, py::arg("expert"))
+      .def("forward_map", &ec::ReferencePlanner::forward_map)
+      .def("resident_map", &ec::ReferencePlanner::resident_map);
 }
