@@ -5,6 +5,7 @@
 // live in bridge.hpp (torch-free, tested on SimRuntime); the CUDA instantiation in
 // bridge_cuda.cu (nvcc, no torch headers).
 #include "bridge.hpp"
+#include "model_bridge.hpp"
 #include "vllm_bridge.hpp"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -345,6 +346,192 @@ class TorchCache {
   std::string label_ = "expert_cache";
 };
 
+// The model-level cache (model_bridge.hpp): one object for all MoE layers. Host tensors are
+// [L, E, ...] per layout tensor; ids are host-planned (CUDA ids read back once per prepare).
+struct OwnedModel {
+  std::vector<at::Tensor> host;
+  std::unique_ptr<ec::CudaModelBridge> bridge;
+};
+
+class TorchModelCache {
+ public:
+  TorchModelCache(const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+                  const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
+                  const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
+                  const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
+                  const std::map<std::string, at::Tensor>& host_tensors)
+      : label_(label) {
+    ec::ModelBridgeConfig c;
+    c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
+    c.policy = policy;
+    c.pool = pool;
+    c.num_layers = num_layers;
+    c.num_experts = num_experts;
+    c.capacity = capacity;
+    c.layer_capacities = layer_capacities;
+    c.top_k = top_k;
+    c.label = label;
+    std::vector<ec::HostTensorArg> args;
+    std::vector<at::Tensor> host;
+    std::size_t pinned = 0;
+    for (const auto& [name, t] : host_tensors) {
+      if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
+      if (t.device().type() != at::kCPU) {
+        fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
+      }
+      if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
+      if (t.is_pinned()) ++pinned;
+      std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
+      host.push_back(t);
+    }
+    if (pinned != 0 && pinned != host_tensors.size()) {
+      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+    }
+    c.host_registered = pinned != 0;
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();  // initialises CUDA
+    device_ = stream.device_index();
+    auto made = ec::make_cuda_model_bridge(c, args);
+    check(made.status());
+    owned_ = std::make_shared<OwnedModel>(OwnedModel{std::move(host), std::move(made.value())});
+    bridge_ = owned_->bridge.get();
+    num_experts_ = num_experts;
+    num_layers_ = num_layers;
+  }
+
+  // (hits, misses, generation) of layer `layer`'s forward, on torch's current stream.
+  py::tuple prepare(std::int32_t layer, const at::Tensor& ids) {
+    if (!ids.defined()) fail_value(label_ + ": topk_ids is undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": topk_ids must be a CPU or CUDA tensor");
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    // One copy into a pinned int64 buffer on the current stream, one synchronisation (CUDA ids).
+    at::Tensor host = ids.reshape({-1});
+    if (ids.is_cuda()) {
+      if (!pinned_ids_.defined() || pinned_ids_.numel() < ids.numel()) {
+        pinned_ids_ = at::empty({std::max<std::int64_t>(ids.numel(), 64)},
+                                at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
+      }
+      at::Tensor dst = pinned_ids_.narrow(0, 0, ids.numel());
+      dst.copy_(host, /*non_blocking=*/true);
+      stream.synchronize();
+      host = dst;
+    } else {
+      host = host.to(at::kLong).contiguous();
+    }
+    const auto r = bridge_->prepare(layer, std::span<const std::int64_t>(host.data_ptr<std::int64_t>(),
+                                                                         static_cast<std::size_t>(host.numel())),
+                                    static_cast<void*>(stream.stream()));
+    check(r.status());
+    return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
+  }
+  py::tuple prepare_unique(std::int32_t layer, const std::vector<std::int64_t>& unique_ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    const auto r = bridge_->prepare_unique(layer, unique_ids, static_cast<void*>(stream.stream()));
+    check(r.status());
+    return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
+  }
+  void invalidate(std::int32_t layer, std::int64_t expert) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    check(bridge_->invalidate(layer, expert, static_cast<void*>(stream.stream())));
+  }
+  // {"total": {...}, "per_layer": [{...}, ...]}
+  py::dict stats() {
+    const auto all = bridge_->stats();
+    const auto dict_of = [](const std::vector<ec::StatEntry>& v) {
+      py::dict d;
+      for (const ec::StatEntry& e : v) {
+        if (e.is_float) d[py::str(e.name)] = e.float_value;
+        else d[py::str(e.name)] = e.int_value;
+      }
+      return d;
+    };
+    py::dict out;
+    out["total"] = dict_of(all.front());
+    py::list layers;
+    for (std::size_t l = 1; l < all.size(); ++l) layers.append(dict_of(all[l]));
+    out["per_layer"] = layers;
+    return out;
+  }
+  // Layer `layer`'s slot tensors [capacity of its view, *slot shape] (global: the pool's).
+  py::dict layer_tensors(std::int32_t layer) {
+    const ec::LayerDescriptor& ld = layer_of(layer);
+    py::dict d;
+    const auto& slots = bridge_->slots();
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      const ec::SlotDescriptor& s = slots[t];
+      const auto elem = static_cast<std::int64_t>(ec::element_size(s.dtype));
+      std::vector<std::int64_t> sizes{ld.capacity};
+      sizes.insert(sizes.end(), s.shape.begin(), s.shape.end());
+      std::vector<std::int64_t> strides(sizes.size(), 1);
+      for (std::size_t i = sizes.size() - 1; i > 1; --i) strides[i - 1] = strides[i] * sizes[i];
+      if (s.slot_stride % static_cast<std::size_t>(elem) != 0) fail("slot stride is not a multiple of the element size");
+      strides[0] = static_cast<std::int64_t>(s.slot_stride) / elem;
+      d[py::str(s.name)] = alias(ld.slot_bases[t], sizes, strides, scalar_type_of(s.dtype));
+    }
+    return d;
+  }
+  at::Tensor expert_map(std::int32_t layer) { return alias(layer_of(layer).expert_map, {num_experts_}, {1}, at::kInt); }
+  at::Tensor resident_map(std::int32_t layer) {
+    return alias(layer_of(layer).resident_map, {num_experts_}, {1}, at::kInt);
+  }
+  at::Tensor expert_map_host(std::int32_t layer) {
+    auto r = bridge_->forward_map_host(layer);
+    check(r.status());
+    const std::vector<std::int32_t>& m = r.value();
+    at::Tensor t = at::empty({static_cast<std::int64_t>(m.size())}, at::TensorOptions().dtype(at::kInt));
+    std::copy(m.begin(), m.end(), t.data_ptr<std::int32_t>());
+    return t;
+  }
+  std::uintptr_t host_pointer(std::int32_t layer, const std::string& name, std::int64_t expert) {
+    const auto& slots = bridge_->slots();
+    std::size_t t = 0;
+    while (t < slots.size() && slots[t].name != name) ++t;
+    if (t == slots.size()) fail_value(label_ + ": host_pointer: unknown tensor '" + name + "'");
+    auto r = bridge_->host_pointer(layer, t, expert);
+    check(r.status());
+    return r.value();
+  }
+  std::string policy() const { return bridge_->policy(); }
+
+ private:
+  const ec::LayerDescriptor& layer_of(std::int32_t layer) const {
+    if (layer < 0 || layer >= num_layers_) {
+      fail_value(label_ + ": layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers_) + ")");
+    }
+    return bridge_->layers()[static_cast<std::size_t>(layer)];
+  }
+  c10::cuda::CUDAStream current_stream() const {
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    if (stream.device_index() != device_) {
+      fail("the current CUDA device is cuda:" + std::to_string(stream.device_index()) + ", the cache lives on cuda:" +
+           std::to_string(device_));
+    }
+    return stream;
+  }
+  at::Tensor alias(std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides, at::ScalarType t) {
+    std::shared_ptr<OwnedModel> keep = owned_;
+    return torch::from_blob(reinterpret_cast<void*>(p), sizes, strides, [keep](void*) {},
+                            at::TensorOptions().dtype(t).device(at::kCUDA, device_));
+  }
+
+  std::shared_ptr<OwnedModel> owned_;
+  ec::CudaModelBridge* bridge_ = nullptr;
+  at::Tensor pinned_ids_;
+  c10::DeviceIndex device_ = 0;
+  std::int64_t num_experts_ = 0;
+  std::int32_t num_layers_ = 0;
+  std::string label_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -386,6 +573,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("staging", &TorchCache::staging)
       .def_property_readonly("storage", &TorchCache::storage)
       .def_property_readonly("device_provider", &TorchCache::device_provider);
+
+  py::class_<TorchModelCache, std::shared_ptr<TorchModelCache>>(m, "ModelCache")
+      .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+                       const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
+                       const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
+                       const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
+                       const std::map<std::string, at::Tensor>& host_tensors) {
+             return std::make_shared<TorchModelCache>(layout, hidden, intermediate, group_size, explicit_tensors, policy,
+                                                      pool, num_layers, num_experts, capacity, layer_capacities, top_k,
+                                                      label, host_tensors);
+           }),
+           py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
+           py::arg("explicit_tensors"), py::arg("policy"), py::arg("pool"), py::arg("num_layers"),
+           py::arg("num_experts"), py::arg("capacity"), py::arg("layer_capacities"), py::arg("top_k"),
+           py::arg("label"), py::arg("host_tensors"))
+      .def("prepare", &TorchModelCache::prepare, py::arg("layer"), py::arg("topk_ids"))
+      .def("prepare_unique", &TorchModelCache::prepare_unique, py::arg("layer"), py::arg("unique_ids"))
+      .def("invalidate", &TorchModelCache::invalidate, py::arg("layer"), py::arg("expert"))
+      .def("stats", &TorchModelCache::stats)
+      .def("layer_tensors", &TorchModelCache::layer_tensors, py::arg("layer"))
+      .def("expert_map", &TorchModelCache::expert_map, py::arg("layer"))
+      .def("resident_map", &TorchModelCache::resident_map, py::arg("layer"))
+      .def("expert_map_host", &TorchModelCache::expert_map_host, py::arg("layer"))
+      .def("host_pointer", &TorchModelCache::host_pointer, py::arg("layer"), py::arg("name"), py::arg("expert"))
+      .def_property_readonly("policy", &TorchModelCache::policy);
 
   // ---- the vLLM-surface providers' torch-free checks (vllm_bridge.hpp) ----
   // records: (name, given, dtype, element size, shape) -> (E, capacity,

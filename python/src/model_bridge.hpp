@@ -379,4 +379,25 @@ class ModelBridge {
   std::unique_ptr<detail::ModelCacheBase<Runtime>> cache_;  // last: destroyed before the names it views
 };
 
+// ---- the CUDA model bridge, non-template (python/src/bridge_cuda.cu), as CudaBridge ----
+class CudaModelBridge {
+ public:
+  virtual ~CudaModelBridge() = default;
+  virtual Result<PrepareResult> prepare(std::int32_t layer, std::span<const std::int64_t> ids, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids,
+                                               void* stream) noexcept = 0;
+  virtual Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept = 0;
+  [[nodiscard]] virtual std::vector<std::vector<StatEntry>> stats() const = 0;
+  [[nodiscard]] virtual const std::vector<SlotDescriptor>& slots() const noexcept = 0;
+  [[nodiscard]] virtual const std::vector<LayerDescriptor>& layers() const noexcept = 0;
+  [[nodiscard]] virtual Result<std::vector<std::int32_t>> forward_map_host(std::int32_t layer) const = 0;
+  [[nodiscard]] virtual Result<std::uintptr_t> host_pointer(std::int32_t layer, std::size_t tensor,
+                                                            std::int64_t expert) const = 0;
+  [[nodiscard]] virtual std::string policy() const = 0;
+};
+
+// Defined in bridge_cuda.cu (nvcc): the CUDA runtime on the current device plus the model bridge.
+Result<std::unique_ptr<CudaModelBridge>> make_cuda_model_bridge(const ModelBridgeConfig& config,
+                                                                std::span<const HostTensorArg> host);
+
 }  // namespace expert_cache::inline v0::python
