@@ -141,9 +141,11 @@ inline Result<ProviderSpec> validate_provider_sources(std::int64_t capacity, std
     const bool weight = i < 2;
     const std::size_t min_dims = weight ? 2 : 1;
     if (a.shape.size() < min_dims || a.shape[0] != E) {
-      return Status::format(ErrorCode::invalid_argument, "%s: %s has shape %s, expected [%lld%s] (one row per expert, E = w13_weight.shape[0])",
-                            l.c_str(), a.name.c_str(), detail::shape_of(a.shape).c_str(), static_cast<long long>(E),
-                            weight ? ", ..." : ", ...] or [E");
+      const std::string expected = weight ? "[" + std::to_string(E) + ", ...]"
+                                          : "[" + std::to_string(E) + "] or [" + std::to_string(E) + ", ...]";
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: %s has shape %s, expected %s (one row per expert, E = w13_weight.shape[0])", l.c_str(),
+                            a.name.c_str(), detail::shape_of(a.shape).c_str(), expected.c_str());
     }
     const SourceArg* partner = (i % 2 == 1) ? by_name[i - 1] : nullptr;
     if (partner != nullptr && a.dtype != partner->dtype) {
