@@ -118,9 +118,9 @@ class TorchCache {
     std::vector<at::Tensor> host;
     std::size_t pinned = 0;
     for (const auto& [name, t] : host_tensors) {
-      if (!t.defined()) fail(label + ": host tensor '" + name + "' is undefined");
-      if (t.device().type() != at::kCPU) fail(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
-      if (!t.is_contiguous()) fail(label + ": host tensor '" + name + "' must be contiguous");
+      if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
+      if (t.device().type() != at::kCPU) fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
+      if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
       if (t.is_pinned()) ++pinned;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
       args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
@@ -128,7 +128,7 @@ class TorchCache {
     }
     // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered again.
     if (pinned != 0 && pinned != host_tensors.size()) {
-      fail(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
     }
     c.host_registered = pinned != 0;
 
@@ -145,12 +145,12 @@ class TorchCache {
   // (has_counts, hits, misses, generation), on torch's current stream.
   py::tuple prepare(const at::Tensor& ids) {
     const std::string& label = label_;
-    if (!ids.defined()) fail(label + ": topk_ids is undefined");
+    if (!ids.defined()) fail_value(label + ": topk_ids is undefined");
     if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
-      fail(label + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+      fail_value(label + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
     }
-    if (!ids.is_contiguous()) fail(label + ": topk_ids must be contiguous");
-    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail(label + ": topk_ids must be a CPU or CUDA tensor");
+    if (!ids.is_contiguous()) fail_value(label + ": topk_ids must be contiguous");
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label + ": topk_ids must be a CPU or CUDA tensor");
     const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids);
     check(r.status());
     const ec::PrepareResult p = r.value();
@@ -280,9 +280,9 @@ class TorchCache {
   // Device provider: CUDA ids as they are, no synchronisation.
   expert_cache::Result<ec::PrepareResult> prepare_device(const at::Tensor& ids) {
     const c10::cuda::CUDAStream stream = current_stream();
-    if (!ids.is_cuda()) fail(label_ + ": provider 'device' takes CUDA topk_ids (the router's output); got a CPU tensor");
+    if (!ids.is_cuda()) fail_value(label_ + ": provider 'device' takes CUDA topk_ids (the router's output); got a CPU tensor");
     if (ids.device().index() != device_) {
-      fail(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+      fail_value(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
     }
     // int64 -> int32 on the current stream (one small kernel; allowed inside a capture). Kept
     // until the next prepare so the plan kernel reads live memory.
