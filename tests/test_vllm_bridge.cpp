@@ -447,9 +447,14 @@ TEST_CASE("CacheBridge: refused prepares, unique lists and prefetches change no 
     check_slots(rt, b, h);
   };
   using V = std::vector<std::int64_t>;
-  unchanged(b.prepare(V{0, 1, 2, 3, 4, 4, -1}, s).status(),
+  unchanged(b.prepare(V{0, 1, 2, 3, 4, 4, -1}, s, true).status(),
             "moe.3: 5 unique experts in one forward, capacity 4 slots (split it: run_with_expert_cache); experts [0, 1, 2, 3, 4]");
-  unchanged(b.prepare(std::vector<std::int32_t>{9, 8, 7, 6, 5}, s).status(), "experts [5, 6, 7, 8, 9]");
+  unchanged(b.prepare(std::vector<std::int32_t>{9, 8, 7, 6, 5}, s, true).status(), "experts [5, 6, 7, 8, 9]");
+  // Without name_experts: the planner's own message (the ExpertCache API's).
+  unchanged(b.prepare(std::vector<std::int32_t>{9, 8, 7, 6, 5}, s).status(),
+            "forward needs 5 unique experts but the cache has 4 slots");
+  // A long list is cut at its end; the counts stay.
+  unchanged(b.prepare_unique(V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}, s).status(), "10 unique experts in one forward, capacity 4");
   unchanged(b.prepare(V{0, E}, s).status(), "topk_ids[1] = 10 out of range (num_experts 10)");
   unchanged(b.prepare_unique(V{3, 1, 3}, s).status(), "moe.3: unique_ids[2] = 3 appears twice");
   unchanged(b.prepare_unique(V{3, -1}, s).status(), "moe.3: unique_ids[1] = -1 outside [0, 10)");

@@ -158,12 +158,13 @@ class ExpertCache:
         self._resident_map = self._impl.resident_map()
         self._device = self._impl.device_provider
 
-    def prepare(self, topk_ids):
+    def prepare(self, topk_ids, *, name_experts=False):
         """Makes the experts in topk_ids (int32/int64, CPU or CUDA, any shape; negative = padding)
-        resident, on torch.cuda.current_stream(). Returns a ForwardView."""
+        resident, on torch.cuda.current_stream(). Returns a ForwardView. name_experts: a forward with
+        more unique experts than slots is refused with a message naming them (host-planned providers)."""
         if not isinstance(topk_ids, torch.Tensor):
             raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-        has_counts, hits, misses, generation = self._impl.prepare(topk_ids)
+        has_counts, hits, misses, generation = self._impl.prepare(topk_ids, bool(name_experts))
         host_map = None if self._device else self._impl.expert_map_host()
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, host_map,
                            hits if has_counts else None, misses if has_counts else None, generation)

@@ -227,7 +227,7 @@ class ExpertCacheProvider:
                 raise ExpertCacheError(f"{self.label}: semantics {self.semantics!r} plans on the host and cannot be "
                                        f"captured in a CUDA graph; capture with semantics 'device' (DeviceWeightProvider)")
             if unique_ids is None:
-                view = self._cache.prepare(topk_ids)
+                view = self._cache.prepare(topk_ids, name_experts=True)
             else:
                 if not _checked and topk_ids.numel() > 0:
                     # The remap below gathers expert_map[topk_ids]: ids >= E are refused here.

@@ -322,15 +322,19 @@ class CacheBridge {
 
   // Host ids (host providers). int32 or int64; negative ids are padding (as the planner treats
   // them), ids >= num_experts are refused before the cache is touched.
-  Result<PrepareResult> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept {
+  // name_experts: a forward with more unique experts than slots is refused with a message that
+  // names them and the capacity (the vLLM surface's error) instead of the planner's count.
+  Result<PrepareResult> prepare(std::span<const std::int32_t> ids, Stream stream, bool name_experts = false) noexcept {
     if (device_) return not_host("prepare with host ids");
     for (std::size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
     }
-    if (Status s = check_fits(ids); !s) return s;
+    if (name_experts) {
+      if (Status s = check_fits(ids); !s) return s;
+    }
     return counts(cache_->prepare(ids, stream));
   }
-  Result<PrepareResult> prepare(std::span<const std::int64_t> ids, Stream stream) noexcept {
+  Result<PrepareResult> prepare(std::span<const std::int64_t> ids, Stream stream, bool name_experts = false) noexcept {
     if (device_) return not_host("prepare with host ids");
     try {
       ids32_.resize(ids.size());
@@ -341,7 +345,9 @@ class CacheBridge {
       if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
       ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
     }
-    if (Status s = check_fits(std::span<const std::int32_t>(ids32_)); !s) return s;
+    if (name_experts) {
+      if (Status s = check_fits(std::span<const std::int32_t>(ids32_)); !s) return s;
+    }
     return counts(cache_->prepare(std::span<const std::int32_t>(ids32_), stream));
   }
 
@@ -626,8 +632,10 @@ class CacheBridge {
 class CudaBridge {
  public:
   virtual ~CudaBridge() = default;
-  virtual Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept = 0;
-  virtual Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream,
+                                               bool name_experts) noexcept = 0;
+  virtual Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream,
+                                               bool name_experts) noexcept = 0;
   virtual Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept = 0;
   virtual Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept = 0;
   virtual Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,

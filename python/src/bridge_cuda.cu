@@ -24,11 +24,13 @@ class CudaBridgeImpl final : public CudaBridge {
   }
   ~CudaBridgeImpl() override { bridge_.reset(); }  // the cache before the runtime it uses
 
-  Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept override {
-    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream,
+                                       bool name_experts) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream), name_experts);
   }
-  Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept override {
-    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream,
+                                       bool name_experts) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream), name_experts);
   }
   Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept override {
     return bridge_->prepare_device(ids, n, static_cast<cudaStream_t>(stream));

@@ -142,8 +142,9 @@ class TorchCache {
     label_ = label;
   }
 
-  // (has_counts, hits, misses, generation), on torch's current stream.
-  py::tuple prepare(const at::Tensor& ids) {
+  // (has_counts, hits, misses, generation), on torch's current stream. name_experts: a forward
+  // wider than the slots is refused naming its experts (the vLLM surface's message).
+  py::tuple prepare(const at::Tensor& ids, bool name_experts) {
     const std::string& label = label_;
     if (!ids.defined()) fail_value(label + ": topk_ids is undefined");
     if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
@@ -151,7 +152,7 @@ class TorchCache {
     }
     if (!ids.is_contiguous()) fail_value(label + ": topk_ids must be contiguous");
     if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label + ": topk_ids must be a CPU or CUDA tensor");
-    const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids);
+    const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids, name_experts);
     check(r.status());
     const ec::PrepareResult p = r.value();
     if (!p.has_counts) return py::make_tuple(false, py::none(), py::none(), p.generation);
@@ -291,7 +292,7 @@ class TorchCache {
   }
 
   // Host-planned providers: CPU ids as they are; CUDA ids read back first (one synchronisation).
-  expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids) {
+  expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids, bool name_experts) {
     const c10::cuda::CUDAStream stream = current_stream();
     if (capturing(stream.stream())) fail(not_capturable());
     at::Tensor host = ids;
@@ -308,9 +309,11 @@ class TorchCache {
     }
     const auto n = static_cast<std::size_t>(host.numel());
     if (host.scalar_type() == at::kInt) {
-      return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream());
+      return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream(),
+                                     name_experts);
     }
-    return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream());
+    return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream(),
+                                   name_experts);
   }
 
   std::string not_capturable() const {
@@ -554,7 +557,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("explicit_tensors"), py::arg("provider"), py::arg("policy"), py::arg("staging"), py::arg("storage"),
            py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
            py::arg("host_tensors"))
-      .def("prepare", &TorchCache::prepare, py::arg("topk_ids"))
+      .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
       .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
       .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"))
       .def("last_fills", &TorchCache::last_fills)
