@@ -340,8 +340,8 @@ def run_with_expert_cache(provider, topk_ids, run, split=None):
 
 
 def _serve_wide_forward(provider, topk_ids, run, split):
-    # Token / expert split planned on the host (one read-back of the ids). The library's own
-    # wide-forward path (rounds inside one prepare) will replace this function's body.
+    # Token / expert split planned on the host (one read-back of the ids). The one place a
+    # wide-forward path of the library (rounds inside one prepare) plugs in.
     if topk_ids.dim() != 2:
         raise ExpertCacheValueError(f"{provider.label}: run_with_expert_cache takes topk_ids [tokens, top_k], got "
                                     f"shape {list(topk_ids.shape)}")
