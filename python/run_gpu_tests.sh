@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Builds the PyTorch extension in place and runs its GPU tests (python/tests/test_extension.py).
+# Builds the PyTorch extension in place and runs its GPU tests (python/tests/test_extension.py:
+# the ExpertCache API; python/tests/test_vllm.py: the vLLM-surface providers, prefetch, the
+# model-level cache, policies by name).
 #
 #   python/run_gpu_tests.sh OUT        # from the repository root; OUT receives the logs
 #
 # Needs python with torch (CUDA build), nvcc and a CUDA device. Logs: OUT/build_ext.log (the
-# build), OUT/test_extension.log (the tests). Prints a summary; exits 0 when everything passed,
+# build), OUT/test_extension.log and OUT/test_vllm.log (the tests). Prints a summary; exits 0 when everything passed,
 # 77 when the tests skipped (no torch / no device), 1 otherwise.
 set -u
 OUT=${1:?usage: python/run_gpu_tests.sh OUT_DIR}
@@ -41,14 +43,22 @@ if [ $build_rc -ne 0 ]; then
 fi
 ls -l "$HERE"/expert_cache_torch/_C*.so
 
-echo "== tests (log: $OUT/test_extension.log)"
-(cd "$HERE" && "$PY" tests/test_extension.py) > "$OUT/test_extension.log" 2>&1
-test_rc=$?
-grep -E "^(test_|FAIL|ERROR|SKIP|SUMMARY|torch )|Error|error:" "$OUT/test_extension.log" | head -n 80
-if [ $test_rc -ne 0 ] && [ $test_rc -ne 77 ]; then
-  echo "---- last 60 lines of test_extension.log"
-  tail -n 60 "$OUT/test_extension.log"
-fi
+# Each test file in its own process (its own CUDA context and registrations); the worst exit
+# status wins (1 over 77 over 0).
+test_rc=0
+for t in test_extension test_vllm; do
+  echo "== $t (log: $OUT/$t.log)"
+  (cd "$HERE" && "$PY" "tests/$t.py") > "$OUT/$t.log" 2>&1
+  rc=$?
+  grep -E "^(test_|FAIL|ERROR|SKIP|SUMMARY|torch )|Error|error:" "$OUT/$t.log" | head -n 80
+  if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then
+    echo "---- last 60 lines of $t.log"
+    tail -n 60 "$OUT/$t.log"
+  fi
+  if [ $rc -ne 0 ] && [ $rc -ne 77 ]; then test_rc=1
+  elif [ $rc -eq 77 ] && [ $test_rc -eq 0 ]; then test_rc=77
+  fi
+done
 case $test_rc in
   0) echo "SUMMARY: build ok, tests PASSED" ;;
   77) echo "SUMMARY: build ok, tests SKIPPED (no torch or no CUDA device)" ;;

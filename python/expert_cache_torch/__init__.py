@@ -19,14 +19,17 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 
-__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ForwardView", "ExpertCacheError",
-           "host_empty", "to_host"]
+__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ModelExpertCache", "ForwardView",
+           "ExpertCacheError", "ExpertCacheValueError", "host_empty", "to_host"]
 
 _PAGE = 4096
 
 #: Raised for every error the library reports (a subclass of RuntimeError; the message is the
 #: library's Status message).
 ExpertCacheError = _C.ExpertCacheError
+#: Raised for bad arguments (ids out of range, wrong sizes, dtypes or names): a subclass of both
+#: ExpertCacheError and ValueError.
+ExpertCacheValueError = _C.ExpertCacheValueError
 
 
 def host_empty(shape, dtype):
@@ -155,15 +158,46 @@ class ExpertCache:
         self._resident_map = self._impl.resident_map()
         self._device = self._impl.device_provider
 
-    def prepare(self, topk_ids):
+    def prepare(self, topk_ids, *, name_experts=False):
         """Makes the experts in topk_ids (int32/int64, CPU or CUDA, any shape; negative = padding)
-        resident, on torch.cuda.current_stream(). Returns a ForwardView."""
+        resident, on torch.cuda.current_stream(). Returns a ForwardView. name_experts: a forward with
+        more unique experts than slots is refused with a message naming them (host-planned providers)."""
         if not isinstance(topk_ids, torch.Tensor):
             raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
-        has_counts, hits, misses, generation = self._impl.prepare(topk_ids)
+        has_counts, hits, misses, generation = self._impl.prepare(topk_ids, bool(name_experts))
         host_map = None if self._device else self._impl.expert_map_host()
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, host_map,
                            hits if has_counts else None, misses if has_counts else None, generation)
+
+    def prepare_unique(self, unique_ids):
+        """Host-planned providers: makes the experts of an explicit list resident, in its order
+        (ids in [0, num_experts), distinct, at most capacity of them). Returns a ForwardView."""
+        has_counts, hits, misses, generation = self._impl.prepare_unique(_id_list(unique_ids, "unique_ids"))
+        return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, self._impl.expert_map_host(),
+                           hits, misses, generation)
+
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1):
+        """Speculative fills of predicted experts (distinct ids in [0, num_experts), best first),
+        on the current stream, within max_bytes (None: up to every slot). A prefetched expert is
+        protected from eviction until `expires_after` further prepares have passed without using
+        it. CPU ids: every provider. CUDA ids: provider "device" plans them on the GPU (no
+        synchronisation, capturable); a host-planned provider reads them back (one synchronisation).
+        Returns {issued, evictions, skipped_resident, skipped_no_victim, bytes}."""
+        if not isinstance(predicted_ids, torch.Tensor):
+            predicted_ids = torch.tensor(_id_list(predicted_ids, "predicted_ids"), dtype=torch.int64)
+        if max_bytes is None:
+            max_bytes = self.capacity * self.bytes_per_expert
+        return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after))
+
+    def last_plan(self):
+        """Host-planned providers: the last prepare's misses and victims, as
+        {"fills": [(expert, slot)], "evictions": [(expert, slot)]}; both empty for "device"."""
+        return {"fills": self._impl.last_fills(), "evictions": self._impl.last_evictions()}
+
+    @property
+    def bytes_per_expert(self):
+        """Bytes one expert occupies in its slot, all tensors together."""
+        return sum(int(t[0].numel()) * t.element_size() for t in self.slot_tensors.values())
 
     def invalidate(self, expert_id):
         """Drops expert_id from the cache (its slot is refilled on next use), on the current stream."""
@@ -193,3 +227,105 @@ class ExpertCache:
     def __repr__(self):
         return (f"ExpertCache({self.layout!r}, provider={self.provider!r}, policy={self.policy!r}, "
                 f"staging={self.staging!r}, capacity={self.capacity}/{self.num_experts}, label={self.label!r})")
+
+
+
+class ModelExpertCache:
+    """One cache object for all MoE layers of a model (docs/python.md "Model-level cache"): one copy
+    stream, one event set, one registration of the host tensors.
+
+    host_tensors: {name: CPU tensor [L, E, ...]} per layout tensor (or [L*E, ...], or uint8 bytes),
+    layer-major, used in place as in ExpertCache. pool: "per_layer" (every layer its own
+    `capacity` slots, or layer_capacities[l], planned exactly as a separate cache of that layer)
+    or "global" (one pool of `capacity` slots shared by all layers, one planner over layer*E +
+    expert). policy: an eviction policy by name ("" = lru; docs/any_cache.md lists them; lrfu and
+    layershare see the layer split of a global pool). Host-planned: CUDA ids are read back once
+    per prepare, and prepare cannot be captured in a CUDA graph.
+
+    Views: layer l's view is valid until the next prepare()/invalidate() of layer l (per_layer), or
+    of ANY layer (global: any layer's forward may evict any layer's slots).
+    """
+
+    def __init__(self, layout, host_tensors, num_layers, num_experts, capacity, top_k=1, pool="per_layer", policy="",
+                 layer_capacities=None, label="model_expert_cache"):
+        if not hasattr(layout, "_args"):
+            raise TypeError(f"layout must be ect.DenseBf16, ect.Nvfp4Marlin or ect.ExplicitBytes, got {type(layout).__name__}")
+        if not isinstance(host_tensors, dict) or not all(isinstance(t, torch.Tensor) for t in host_tensors.values()):
+            raise TypeError("host_tensors must be a dict {name: torch.Tensor}")
+        name, hidden, intermediate, group_size, explicit = layout._args()
+        self.layout = layout
+        self._host_tensors = dict(host_tensors)
+        caps = [int(c) for c in layer_capacities] if layer_capacities is not None else []
+        self._impl = _C.ModelCache(name, hidden, intermediate, group_size, explicit, str(policy), str(pool),
+                                   int(num_layers), int(num_experts), int(capacity), caps, int(top_k), str(label),
+                                   self._host_tensors)
+        self.num_layers = int(num_layers)
+        self.num_experts = int(num_experts)
+        self.capacity = int(capacity)
+        self.top_k = int(top_k)
+        self.pool = str(pool)
+        self.label = str(label)
+        self.policy = self._impl.policy
+        #: Per layer: {name: CUDA tensor [slots of the layer's view, ...]} (global: the pool's slots).
+        self.layer_tensors = [self._impl.layer_tensors(layer) for layer in range(self.num_layers)]
+        self._expert_maps = [self._impl.expert_map(layer) for layer in range(self.num_layers)]
+        self._resident_maps = [self._impl.resident_map(layer) for layer in range(self.num_layers)]
+
+    def _layer(self, layer):
+        layer = int(layer)
+        if not 0 <= layer < self.num_layers:
+            raise ExpertCacheValueError(f"{self.label}: layer {layer} out of range [0, {self.num_layers})")
+        return layer
+
+    def _view(self, layer, counts):
+        hits, misses, generation = counts
+        return ForwardView(self.layer_tensors[layer], self._expert_maps[layer], self._resident_maps[layer],
+                           self._impl.expert_map_host(layer), hits, misses, generation)
+
+    def prepare(self, layer, topk_ids):
+        """Makes layer `layer`'s experts in topk_ids (int32/int64, CPU or CUDA, any shape; negative =
+        padding) resident, on torch.cuda.current_stream(). Returns that layer's ForwardView."""
+        layer = self._layer(layer)
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        return self._view(layer, self._impl.prepare(layer, topk_ids))
+
+    def prepare_unique(self, layer, unique_ids):
+        """An explicit unique list of layer `layer` (distinct, in [0, E)), in its order."""
+        layer = self._layer(layer)
+        return self._view(layer, self._impl.prepare_unique(layer, _id_list(unique_ids, "unique_ids")))
+
+    def invalidate(self, layer, expert_id):
+        """Drops layer `layer`'s expert (a no-op when absent), on the current stream."""
+        self._impl.invalidate(self._layer(layer), int(expert_id))
+
+    def stats(self):
+        """{"total": {...}, "per_layer": [{...} per layer]}: hits, misses, promotions, evictions,
+        invalidations, resident, capacity, prepare_calls, generation, last_copies, total_copies,
+        owner_changes, map_uploads, staging_stalls, faults, slot_bytes, host_bytes, hit_rate."""
+        return self._impl.stats()
+
+    def expert_map(self, layer):
+        return self._expert_maps[self._layer(layer)]
+
+    def resident_map(self, layer):
+        return self._resident_maps[self._layer(layer)]
+
+    def host_pointer(self, layer, name, expert):
+        """Debug: the host address the cache reads layer `layer`'s expert `expert` of tensor `name` from."""
+        return self._impl.host_pointer(self._layer(layer), str(name), int(expert))
+
+    def __repr__(self):
+        return (f"ModelExpertCache({self.layout!r}, pool={self.pool!r}, policy={self.policy!r}, "
+                f"layers={self.num_layers}, capacity={self.capacity}, experts={self.num_experts}, label={self.label!r})")
+
+def _id_list(ids, name):
+    """A list of Python ints from a tensor (read back if on a GPU), a list or a tuple."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ExpertCacheValueError(f"{name} must be int32 or int64 (got {ids.dtype})")
+        return [int(x) for x in ids.reshape(-1).tolist()]
+    try:
+        return [int(x) for x in ids]
+    except (TypeError, ValueError):
+        raise ExpertCacheValueError(f"{name} must be a tensor or a sequence of ints (got {type(ids).__name__})") from None

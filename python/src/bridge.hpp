@@ -301,6 +301,7 @@ class CacheBridge {
     if (!made.ok()) return made.status();
     b->cache_ = std::make_unique<AnyExpertCache<Runtime>>(std::move(made.value()));
     b->device_ = b->cache_->provider() == "device";
+    b->stamps_.assign(E, 0u);
 
     for (std::size_t t = 0; t < b->typed_.size(); ++t) {
       const std::size_t index = find_tensor(b->cache_->tensors(), b->typed_[t].name);
@@ -321,14 +322,19 @@ class CacheBridge {
 
   // Host ids (host providers). int32 or int64; negative ids are padding (as the planner treats
   // them), ids >= num_experts are refused before the cache is touched.
-  Result<PrepareResult> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept {
+  // name_experts: a forward with more unique experts than slots is refused with a message that
+  // names them and the capacity (the vLLM surface's error) instead of the planner's count.
+  Result<PrepareResult> prepare(std::span<const std::int32_t> ids, Stream stream, bool name_experts = false) noexcept {
     if (device_) return not_host("prepare with host ids");
     for (std::size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
     }
+    if (name_experts) {
+      if (Status s = check_fits(ids); !s) return s;
+    }
     return counts(cache_->prepare(ids, stream));
   }
-  Result<PrepareResult> prepare(std::span<const std::int64_t> ids, Stream stream) noexcept {
+  Result<PrepareResult> prepare(std::span<const std::int64_t> ids, Stream stream, bool name_experts = false) noexcept {
     if (device_) return not_host("prepare with host ids");
     try {
       ids32_.resize(ids.size());
@@ -339,7 +345,72 @@ class CacheBridge {
       if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
       ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
     }
+    if (name_experts) {
+      if (Status s = check_fits(std::span<const std::int32_t>(ids32_)); !s) return s;
+    }
     return counts(cache_->prepare(std::span<const std::int32_t>(ids32_), stream));
+  }
+
+  // An explicit unique list (vLLM's prepare(topk_ids, unique_ids)), processed in the given
+  // order: every id in [0, num_experts) (no padding here), no duplicates, at most capacity of
+  // them; refused before the cache is touched. Host providers only.
+  Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, Stream stream) noexcept {
+    if (device_) return not_host("prepare with unique_ids");
+    if (Status s = narrow_unique(unique_ids, "unique_ids"); !s) return s;
+    if (unique_ids.size() > static_cast<std::size_t>(config_.capacity)) {
+      return too_many(std::span<const std::int32_t>(ids32_));
+    }
+    return counts(cache_->prepare_unique(std::span<const std::int32_t>(ids32_), stream));
+  }
+
+  // Speculative fills of predicted experts in host memory (every provider; the device provider
+  // uploads and plans them on the device). Ids in [0, num_experts), distinct, at most
+  // num_experts of them; max_bytes >= 0 bounds the bytes copied (0: nothing).
+  Result<PrefetchView> prefetch(std::span<const std::int64_t> predicted, std::int64_t max_bytes,
+                                std::int64_t expires_after, Stream stream) noexcept {
+    if (Status s = prefetch_options(max_bytes, expires_after); !s) return s;
+    if (Status s = narrow_unique(predicted, "predicted ids"); !s) return s;
+    return cache_->prefetch(std::span<const std::int32_t>(ids32_), stream,
+                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after)});
+  }
+  // Predicted int32 ids in device memory (written by a kernel, e.g. inside a captured step):
+  // the device provider only; planned on the device.
+  Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int64_t n, std::int64_t max_bytes,
+                                       std::int64_t expires_after, Stream stream) noexcept {
+    if (!device_) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prefetch with CUDA ids needs provider 'device' (provider '%s' plans on the host: "
+                            "pass CPU ids)",
+                            config_.label.c_str(), config_.provider.c_str());
+    }
+    if (Status s = prefetch_options(max_bytes, expires_after); !s) return s;
+    if (n < 0 || n > config_.num_experts) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %lld device ids (accepted: 0..num_experts = %d)",
+                            config_.label.c_str(), static_cast<long long>(n), config_.num_experts);
+    }
+    if (device_ids == nullptr && n > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %lld ids from a null pointer",
+                            config_.label.c_str(), static_cast<long long>(n));
+    }
+    return cache_->prefetch_device(device_ids, static_cast<std::int32_t>(n), stream,
+                                   PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after)});
+  }
+
+  // The last accepted prepare's misses (expert, slot) and victims (expert, slot): host providers;
+  // empty for the device provider (its plan lives on the device).
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const {
+    std::vector<std::pair<std::int32_t, std::int32_t>> out;
+    if (const ForwardPlan* p = cache_->last_plan()) {
+      for (const SlotFill& f : p->fills) out.emplace_back(f.expert.value, f.slot.value);
+    }
+    return out;
+  }
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const {
+    std::vector<std::pair<std::int32_t, std::int32_t>> out;
+    if (const ForwardPlan* p = cache_->last_plan()) {
+      for (const SlotEviction& v : p->evictions) out.emplace_back(v.expert.value, v.slot.value);
+    }
+    return out;
   }
 
   // Device provider: n int32 ids in device memory (the router's output), planned on the device;
@@ -456,6 +527,86 @@ class CacheBridge {
     return Status::format(ErrorCode::invalid_argument, "%s: topk_ids[%zu] = %lld out of range (num_experts %d)",
                           config_.label.c_str(), i, static_cast<long long>(id), config_.num_experts);
   }
+  // The forward's distinct experts (ids already range-checked; negative = padding) must fit the
+  // slots: checked here so the message names them (the planner only counts them).
+  Status check_fits(std::span<const std::int32_t> ids) noexcept {
+    next_epoch();
+    std::size_t unique = 0;
+    for (const std::int32_t id : ids) {
+      if (id < 0 || stamps_[static_cast<std::size_t>(id)] == epoch_) continue;
+      stamps_[static_cast<std::size_t>(id)] = epoch_;
+      ++unique;
+    }
+    if (unique <= static_cast<std::size_t>(config_.capacity)) return {};
+    std::vector<std::int32_t> u;
+    try {
+      u.reserve(unique);
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prepare: out of host memory");
+    }
+    for (std::size_t e = 0; e < stamps_.size(); ++e) {
+      if (stamps_[e] == epoch_) u.push_back(static_cast<std::int32_t>(e));
+    }
+    return too_many(u);
+  }
+  Status too_many(std::span<const std::int32_t> unique) const noexcept {
+    std::string list;
+    try {
+      std::vector<std::int32_t> sorted(unique.begin(), unique.end());
+      std::sort(sorted.begin(), sorted.end());
+      const std::size_t shown = std::min<std::size_t>(sorted.size(), 32);
+      for (std::size_t i = 0; i < shown; ++i) list += (i ? ", " : "") + std::to_string(sorted[i]);
+      if (shown < sorted.size()) list += ", ... (" + std::to_string(sorted.size() - shown) + " more)";
+    } catch (...) {
+      list = "...";
+    }
+    // The list goes last: a Status message is bounded (message_capacity), and a long list is
+    // cut at its end, never the counts.
+    return Status::format(ErrorCode::too_many_experts,
+                          "%s: %zu unique experts in one forward, capacity %d slots (split it: run_with_expert_cache); "
+                          "experts [%s]",
+                          config_.label.c_str(), unique.size(), config_.capacity, list.c_str());
+  }
+  // ids32_ = `ids` narrowed, each in [0, num_experts) and distinct (a list, not a forward).
+  Status narrow_unique(std::span<const std::int64_t> ids, const char* what) noexcept {
+    try {
+      ids32_.resize(ids.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "out of host memory");
+    }
+    next_epoch();
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= config_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: %s[%zu] = %lld outside [0, %d)", config_.label.c_str(),
+                              what, i, static_cast<long long>(ids[i]), config_.num_experts);
+      }
+      auto& stamp = stamps_[static_cast<std::size_t>(ids[i])];
+      if (stamp == epoch_) {
+        return Status::format(ErrorCode::duplicate_expert, "%s: %s[%zu] = %lld appears twice (ids must be distinct)",
+                              config_.label.c_str(), what, i, static_cast<long long>(ids[i]));
+      }
+      stamp = epoch_;
+      ids32_[i] = static_cast<std::int32_t>(ids[i]);
+    }
+    return {};
+  }
+  Status prefetch_options(std::int64_t max_bytes, std::int64_t expires_after) const noexcept {
+    if (max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes = %lld (accepted: >= 0)",
+                            config_.label.c_str(), static_cast<long long>(max_bytes));
+    }
+    if (expires_after < 1 || expires_after > (std::int64_t{1} << 30)) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after = %lld (accepted: 1..2^30)",
+                            config_.label.c_str(), static_cast<long long>(expires_after));
+    }
+    return {};
+  }
+  void next_epoch() noexcept {
+    if (++epoch_ == 0) {  // wrapped: old stamps could alias the new epoch
+      std::fill(stamps_.begin(), stamps_.end(), 0u);
+      epoch_ = 1;
+    }
+  }
   static Result<PrepareResult> counts(const Result<ForwardView>& r) noexcept {
     if (!r.ok()) return r.status();
     PrepareResult p;
@@ -469,6 +620,8 @@ class CacheBridge {
   std::vector<detail::TypedTensor> typed_;  // names the cache's string_views point into
   std::vector<SlotDescriptor> slots_;
   std::vector<std::int32_t> ids32_;  // int64 ids narrowed (reused)
+  std::vector<std::uint32_t> stamps_;  // [num_experts]: seen in the current check (== epoch_)
+  std::uint32_t epoch_ = 0;
   bool device_ = false;
   std::unique_ptr<AnyExpertCache<Runtime>> cache_;  // last: destroyed before the names it views
 };
@@ -479,9 +632,19 @@ class CacheBridge {
 class CudaBridge {
  public:
   virtual ~CudaBridge() = default;
-  virtual Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept = 0;
-  virtual Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream,
+                                               bool name_experts) noexcept = 0;
+  virtual Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream,
+                                               bool name_experts) noexcept = 0;
   virtual Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept = 0;
+  virtual Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept = 0;
+  virtual Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
+                                             std::int64_t expires_after, void* stream) noexcept = 0;
+  virtual Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,
+                                               std::int64_t expires_after, void* stream) noexcept = 0;
+  [[nodiscard]] virtual std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const = 0;
+  [[nodiscard]] virtual std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const = 0;
+  [[nodiscard]] virtual std::span<const std::int32_t> resident_map_host() const noexcept = 0;
   virtual Status invalidate(std::int64_t expert, void* stream) noexcept = 0;
   [[nodiscard]] virtual std::vector<StatEntry> stats() const = 0;
   [[nodiscard]] virtual std::uint32_t device_errors() noexcept = 0;

@@ -4,10 +4,12 @@
 #include "expert_cache/any_cache_cuda.cuh"  // first: the CUDA staging list before make_expert_cache
 
 #include "bridge.hpp"
+#include "model_bridge.hpp"
 
 namespace expert_cache::inline v0::python {
 
 template class CacheBridge<CudaRuntime>;
+template class ModelBridge<CudaRuntime>;
 
 namespace {
 
@@ -22,14 +24,36 @@ class CudaBridgeImpl final : public CudaBridge {
   }
   ~CudaBridgeImpl() override { bridge_.reset(); }  // the cache before the runtime it uses
 
-  Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream) noexcept override {
-    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  Result<PrepareResult> prepare_host32(std::span<const std::int32_t> ids, void* stream,
+                                       bool name_experts) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream), name_experts);
   }
-  Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream) noexcept override {
-    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream));
+  Result<PrepareResult> prepare_host64(std::span<const std::int64_t> ids, void* stream,
+                                       bool name_experts) noexcept override {
+    return bridge_->prepare(ids, static_cast<cudaStream_t>(stream), name_experts);
   }
   Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept override {
     return bridge_->prepare_device(ids, n, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept override {
+    return bridge_->prepare_unique(unique_ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
+                                     std::int64_t expires_after, void* stream) noexcept override {
+    return bridge_->prefetch(ids, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,
+                                       std::int64_t expires_after, void* stream) noexcept override {
+    return bridge_->prefetch_device(ids, n, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+  }
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const override {
+    return bridge_->last_fills();
+  }
+  [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const override {
+    return bridge_->last_evictions();
+  }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept override {
+    return bridge_->resident_map_host();
   }
   Status invalidate(std::int64_t expert, void* stream) noexcept override {
     return bridge_->invalidate(expert, static_cast<cudaStream_t>(stream));
@@ -57,7 +81,56 @@ class CudaBridgeImpl final : public CudaBridge {
   std::unique_ptr<CacheBridge<CudaRuntime>> bridge_;
 };
 
+class CudaModelBridgeImpl final : public CudaModelBridge {
+ public:
+  static Result<std::unique_ptr<CudaModelBridge>> create(const ModelBridgeConfig& config,
+                                                         std::span<const HostTensorArg> host) {
+    std::unique_ptr<CudaModelBridgeImpl> self(new CudaModelBridgeImpl());
+    auto made = ModelBridge<CudaRuntime>::create(self->rt_, config, host);
+    if (!made.ok()) return made.status();
+    self->bridge_ = std::move(made.value());
+    return Result<std::unique_ptr<CudaModelBridge>>(std::unique_ptr<CudaModelBridge>(std::move(self)));
+  }
+  ~CudaModelBridgeImpl() override { bridge_.reset(); }  // the cache before the runtime it uses
+
+  Result<PrepareResult> prepare(std::int32_t layer, std::span<const std::int64_t> ids, void* stream) noexcept override {
+    return bridge_->prepare(layer, ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids,
+                                       void* stream) noexcept override {
+    return bridge_->prepare_unique(layer, ids, static_cast<cudaStream_t>(stream));
+  }
+  Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept override {
+    return bridge_->invalidate(layer, expert, static_cast<cudaStream_t>(stream));
+  }
+  [[nodiscard]] std::vector<std::vector<StatEntry>> stats() const override { return bridge_->stats(); }
+  [[nodiscard]] const std::vector<SlotDescriptor>& slots() const noexcept override { return bridge_->slots(); }
+  [[nodiscard]] const std::vector<LayerDescriptor>& layers() const noexcept override { return bridge_->layers(); }
+  [[nodiscard]] Result<std::vector<std::int32_t>> forward_map_host(std::int32_t layer) const override {
+    return bridge_->forward_map_host(layer);
+  }
+  [[nodiscard]] Result<std::uintptr_t> host_pointer(std::int32_t layer, std::size_t tensor,
+                                                    std::int64_t expert) const override {
+    return bridge_->host_pointer(layer, tensor, expert);
+  }
+  [[nodiscard]] std::string policy() const override { return std::string(bridge_->policy()); }
+
+ private:
+  CudaModelBridgeImpl() = default;
+  CudaRuntime rt_;
+  std::unique_ptr<ModelBridge<CudaRuntime>> bridge_;
+};
+
 }  // namespace
+
+Result<std::unique_ptr<CudaModelBridge>> make_cuda_model_bridge(const ModelBridgeConfig& config,
+                                                                std::span<const HostTensorArg> host) {
+  try {
+    return CudaModelBridgeImpl::create(config, host);
+  } catch (const std::exception& e) {
+    return Status(ErrorCode::runtime_failure, e.what());
+  }
+}
 
 Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config, std::span<const HostTensorArg> host) {
   try {

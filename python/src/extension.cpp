@@ -5,6 +5,8 @@
 // live in bridge.hpp (torch-free, tested on SimRuntime); the CUDA instantiation in
 // bridge_cuda.cu (nvcc, no torch headers).
 #include "bridge.hpp"
+#include "model_bridge.hpp"
+#include "vllm_bridge.hpp"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_runtime_api.h>
@@ -17,6 +19,7 @@
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace py = pybind11;
@@ -24,15 +27,40 @@ namespace ec = expert_cache::python;
 
 namespace {
 
-// Raised as expert_cache_torch.ExpertCacheError (a RuntimeError) with the library's message.
+// Raised as expert_cache_torch.ExpertCacheError (a RuntimeError) with the library's message;
+// bad arguments (wrong ids, sizes, names) as ExpertCacheValueError, a subclass of both
+// ExpertCacheError and ValueError (vLLM's providers raise ValueError for those).
 struct ExpertCacheError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct ExpertCacheValueError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
 [[noreturn]] void fail(const std::string& message) { throw ExpertCacheError(message); }
+[[noreturn]] void fail_value(const std::string& message) { throw ExpertCacheValueError(message); }
 
 void check(const expert_cache::Status& s) {
-  if (!s.ok()) fail(std::string(s.message()));
+  if (s.ok()) return;
+  switch (s.code()) {
+    case expert_cache::ErrorCode::invalid_argument:
+    case expert_cache::ErrorCode::invalid_capacity:
+    case expert_cache::ErrorCode::expert_out_of_range:
+    case expert_cache::ErrorCode::duplicate_expert:
+      fail_value(std::string(s.message()));
+    default:
+      fail(std::string(s.message()));  // too_many_experts (vLLM: RuntimeError), runtime failures, ...
+  }
+}
+
+py::dict prefetch_dict(const expert_cache::PrefetchView& v) {
+  py::dict d;
+  d["issued"] = v.issued;
+  d["evictions"] = v.evictions;
+  d["skipped_resident"] = v.skipped_resident;
+  d["skipped_no_victim"] = v.skipped_no_victim;
+  d["bytes"] = v.bytes;
+  return d;
 }
 
 ec::DType dtype_of(at::ScalarType t) {
@@ -90,9 +118,9 @@ class TorchCache {
     std::vector<at::Tensor> host;
     std::size_t pinned = 0;
     for (const auto& [name, t] : host_tensors) {
-      if (!t.defined()) fail(label + ": host tensor '" + name + "' is undefined");
-      if (t.device().type() != at::kCPU) fail(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
-      if (!t.is_contiguous()) fail(label + ": host tensor '" + name + "' must be contiguous");
+      if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
+      if (t.device().type() != at::kCPU) fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
+      if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
       if (t.is_pinned()) ++pinned;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
       args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
@@ -100,7 +128,7 @@ class TorchCache {
     }
     // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered again.
     if (pinned != 0 && pinned != host_tensors.size()) {
-      fail(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
     }
     c.host_registered = pinned != 0;
 
@@ -114,20 +142,73 @@ class TorchCache {
     label_ = label;
   }
 
-  // (has_counts, hits, misses, generation), on torch's current stream.
-  py::tuple prepare(const at::Tensor& ids) {
+  // (has_counts, hits, misses, generation), on torch's current stream. name_experts: a forward
+  // wider than the slots is refused naming its experts (the vLLM surface's message).
+  py::tuple prepare(const at::Tensor& ids, bool name_experts) {
     const std::string& label = label_;
-    if (!ids.defined()) fail(label + ": topk_ids is undefined");
+    if (!ids.defined()) fail_value(label + ": topk_ids is undefined");
     if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
-      fail(label + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+      fail_value(label + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
     }
-    if (!ids.is_contiguous()) fail(label + ": topk_ids must be contiguous");
-    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail(label + ": topk_ids must be a CPU or CUDA tensor");
-    const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids);
+    if (!ids.is_contiguous()) fail_value(label + ": topk_ids must be contiguous");
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label + ": topk_ids must be a CPU or CUDA tensor");
+    const expert_cache::Result<ec::PrepareResult> r = bridge_->device_provider() ? prepare_device(ids) : prepare_host(ids, name_experts);
     check(r.status());
     const ec::PrepareResult p = r.value();
     if (!p.has_counts) return py::make_tuple(false, py::none(), py::none(), p.generation);
     return py::make_tuple(true, p.hits, p.misses, p.generation);
+  }
+
+  // An explicit unique list (host providers), processed in its order.
+  py::tuple prepare_unique(const std::vector<std::int64_t>& unique_ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (!bridge_->device_provider() && capturing(stream.stream())) fail(not_capturable());
+    const auto r = bridge_->prepare_unique(unique_ids, static_cast<void*>(stream.stream()));
+    check(r.status());
+    const ec::PrepareResult p = r.value();
+    return py::make_tuple(true, p.hits, p.misses, p.generation);
+  }
+
+  // Speculative fills of predicted experts (int32/int64, distinct, in [0, E)). CPU ids: every
+  // provider (the device provider uploads them). CUDA ids: the device provider plans them on the
+  // device as they are (no synchronisation; capturable); a host-planned provider reads them back
+  // first (one synchronisation of the current stream).
+  py::dict prefetch(const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after) {
+    if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (ids.is_cuda() && bridge_->device_provider()) {
+      if (ids.device().index() != device_) {
+        fail_value(label_ + ": prefetch ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+      }
+      last_prefetch_ids_ = ids.reshape({-1}).to(at::kInt).contiguous();
+      const auto r = bridge_->prefetch_device(last_prefetch_ids_.data_ptr<std::int32_t>(), last_prefetch_ids_.numel(),
+                                              max_bytes, expires_after, static_cast<void*>(stream.stream()));
+      check(r.status());
+      return prefetch_dict(r.value());
+    }
+    if (ids.is_cuda() && capturing(stream.stream())) fail(not_capturable());
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": prefetch ids must be a CPU or CUDA tensor");
+    const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
+    const auto n = static_cast<std::size_t>(host.numel());
+    const auto r = bridge_->prefetch_host(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), max_bytes,
+                                          expires_after, static_cast<void*>(stream.stream()));
+    check(r.status());
+    return prefetch_dict(r.value());
+  }
+
+  // The last prepare's misses and victims as (expert, slot) pairs (host providers; empty for
+  // the device provider).
+  std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const { return bridge_->last_fills(); }
+  std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const { return bridge_->last_evictions(); }
+  py::object resident_map_host() {
+    if (bridge_->device_provider()) return py::none();
+    const auto m = bridge_->resident_map_host();
+    at::Tensor t = at::empty({static_cast<std::int64_t>(m.size())}, at::TensorOptions().dtype(at::kInt));
+    std::copy(m.begin(), m.end(), t.data_ptr<std::int32_t>());
+    return py::cast(t);
   }
 
   void invalidate(std::int64_t expert) {
@@ -200,9 +281,9 @@ class TorchCache {
   // Device provider: CUDA ids as they are, no synchronisation.
   expert_cache::Result<ec::PrepareResult> prepare_device(const at::Tensor& ids) {
     const c10::cuda::CUDAStream stream = current_stream();
-    if (!ids.is_cuda()) fail(label_ + ": provider 'device' takes CUDA topk_ids (the router's output); got a CPU tensor");
+    if (!ids.is_cuda()) fail_value(label_ + ": provider 'device' takes CUDA topk_ids (the router's output); got a CPU tensor");
     if (ids.device().index() != device_) {
-      fail(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+      fail_value(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
     }
     // int64 -> int32 on the current stream (one small kernel; allowed inside a capture). Kept
     // until the next prepare so the plan kernel reads live memory.
@@ -211,13 +292,9 @@ class TorchCache {
   }
 
   // Host-planned providers: CPU ids as they are; CUDA ids read back first (one synchronisation).
-  expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids) {
+  expert_cache::Result<ec::PrepareResult> prepare_host(const at::Tensor& ids, bool name_experts) {
     const c10::cuda::CUDAStream stream = current_stream();
-    if (capturing(stream.stream())) {
-      fail(label_ + ": provider '" + bridge_->provider() +
-           "' plans on the host and cannot be captured in a CUDA graph (a replay would repeat this forward's "
-           "plan); capture with provider 'device'");
-    }
+    if (capturing(stream.stream())) fail(not_capturable());
     at::Tensor host = ids;
     if (ids.is_cuda()) {
       // One copy into a reused pinned buffer on the current stream, then one synchronisation
@@ -232,9 +309,17 @@ class TorchCache {
     }
     const auto n = static_cast<std::size_t>(host.numel());
     if (host.scalar_type() == at::kInt) {
-      return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream());
+      return bridge_->prepare_host32(std::span<const std::int32_t>(host.data_ptr<std::int32_t>(), n), stream.stream(),
+                                     name_experts);
     }
-    return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream());
+    return bridge_->prepare_host64(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), stream.stream(),
+                                   name_experts);
+  }
+
+  std::string not_capturable() const {
+    return label_ + ": provider '" + bridge_->provider() +
+           "' plans on the host and cannot be captured in a CUDA graph (a replay would repeat this forward's "
+           "plan); capture with provider 'device'";
   }
 
   c10::cuda::CUDAStream current_stream() const {
@@ -258,16 +343,206 @@ class TorchCache {
   ec::CudaBridge* bridge_ = nullptr;  // owned_->bridge
   at::Tensor pinned_ids_;         // host-planned + CUDA ids: the pinned read-back buffer
   at::Tensor last_ids_;           // device provider: the ids the last plan reads
+  at::Tensor last_prefetch_ids_;  // device provider: the ids the last device prefetch reads
   c10::DeviceIndex device_ = 0;
   std::int64_t num_experts_ = 0;
   std::string label_ = "expert_cache";
+};
+
+// The model-level cache (model_bridge.hpp): one object for all MoE layers. Host tensors are
+// [L, E, ...] per layout tensor; ids are host-planned (CUDA ids read back once per prepare).
+struct OwnedModel {
+  std::vector<at::Tensor> host;
+  std::unique_ptr<ec::CudaModelBridge> bridge;
+};
+
+class TorchModelCache {
+ public:
+  TorchModelCache(const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+                  const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
+                  const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
+                  const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
+                  const std::map<std::string, at::Tensor>& host_tensors)
+      : label_(label) {
+    ec::ModelBridgeConfig c;
+    c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
+    c.policy = policy;
+    c.pool = pool;
+    c.num_layers = num_layers;
+    c.num_experts = num_experts;
+    c.capacity = capacity;
+    c.layer_capacities = layer_capacities;
+    c.top_k = top_k;
+    c.label = label;
+    std::vector<ec::HostTensorArg> args;
+    std::vector<at::Tensor> host;
+    std::size_t pinned = 0;
+    for (const auto& [name, t] : host_tensors) {
+      if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
+      if (t.device().type() != at::kCPU) {
+        fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
+      }
+      if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
+      if (t.is_pinned()) ++pinned;
+      std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
+      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
+      host.push_back(t);
+    }
+    if (pinned != 0 && pinned != host_tensors.size()) {
+      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+    }
+    c.host_registered = pinned != 0;
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();  // initialises CUDA
+    device_ = stream.device_index();
+    auto made = ec::make_cuda_model_bridge(c, args);
+    check(made.status());
+    owned_ = std::make_shared<OwnedModel>(OwnedModel{std::move(host), std::move(made.value())});
+    bridge_ = owned_->bridge.get();
+    num_experts_ = num_experts;
+    num_layers_ = num_layers;
+  }
+
+  // (hits, misses, generation) of layer `layer`'s forward, on torch's current stream.
+  py::tuple prepare(std::int32_t layer, const at::Tensor& ids) {
+    if (!ids.defined()) fail_value(label_ + ": topk_ids is undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": topk_ids must be a CPU or CUDA tensor");
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    // One copy into a pinned int64 buffer on the current stream, one synchronisation (CUDA ids).
+    at::Tensor host = ids.reshape({-1});
+    if (ids.is_cuda()) {
+      if (!pinned_ids_.defined() || pinned_ids_.numel() < ids.numel()) {
+        pinned_ids_ = at::empty({std::max<std::int64_t>(ids.numel(), 64)},
+                                at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
+      }
+      at::Tensor dst = pinned_ids_.narrow(0, 0, ids.numel());
+      dst.copy_(host, /*non_blocking=*/true);
+      stream.synchronize();
+      host = dst;
+    } else {
+      host = host.to(at::kLong).contiguous();
+    }
+    const auto r = bridge_->prepare(layer, std::span<const std::int64_t>(host.data_ptr<std::int64_t>(),
+                                                                         static_cast<std::size_t>(host.numel())),
+                                    static_cast<void*>(stream.stream()));
+    check(r.status());
+    return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
+  }
+  py::tuple prepare_unique(std::int32_t layer, const std::vector<std::int64_t>& unique_ids) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    const auto r = bridge_->prepare_unique(layer, unique_ids, static_cast<void*>(stream.stream()));
+    check(r.status());
+    return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
+  }
+  void invalidate(std::int32_t layer, std::int64_t expert) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    check(bridge_->invalidate(layer, expert, static_cast<void*>(stream.stream())));
+  }
+  // {"total": {...}, "per_layer": [{...}, ...]}
+  py::dict stats() {
+    const auto all = bridge_->stats();
+    const auto dict_of = [](const std::vector<ec::StatEntry>& v) {
+      py::dict d;
+      for (const ec::StatEntry& e : v) {
+        if (e.is_float) d[py::str(e.name)] = e.float_value;
+        else d[py::str(e.name)] = e.int_value;
+      }
+      return d;
+    };
+    py::dict out;
+    out["total"] = dict_of(all.front());
+    py::list layers;
+    for (std::size_t l = 1; l < all.size(); ++l) layers.append(dict_of(all[l]));
+    out["per_layer"] = layers;
+    return out;
+  }
+  // Layer `layer`'s slot tensors [capacity of its view, *slot shape] (global: the pool's).
+  py::dict layer_tensors(std::int32_t layer) {
+    const ec::LayerDescriptor& ld = layer_of(layer);
+    py::dict d;
+    const auto& slots = bridge_->slots();
+    for (std::size_t t = 0; t < slots.size(); ++t) {
+      const ec::SlotDescriptor& s = slots[t];
+      const auto elem = static_cast<std::int64_t>(ec::element_size(s.dtype));
+      std::vector<std::int64_t> sizes{ld.capacity};
+      sizes.insert(sizes.end(), s.shape.begin(), s.shape.end());
+      std::vector<std::int64_t> strides(sizes.size(), 1);
+      for (std::size_t i = sizes.size() - 1; i > 1; --i) strides[i - 1] = strides[i] * sizes[i];
+      if (s.slot_stride % static_cast<std::size_t>(elem) != 0) fail("slot stride is not a multiple of the element size");
+      strides[0] = static_cast<std::int64_t>(s.slot_stride) / elem;
+      d[py::str(s.name)] = alias(ld.slot_bases[t], sizes, strides, scalar_type_of(s.dtype));
+    }
+    return d;
+  }
+  at::Tensor expert_map(std::int32_t layer) { return alias(layer_of(layer).expert_map, {num_experts_}, {1}, at::kInt); }
+  at::Tensor resident_map(std::int32_t layer) {
+    return alias(layer_of(layer).resident_map, {num_experts_}, {1}, at::kInt);
+  }
+  at::Tensor expert_map_host(std::int32_t layer) {
+    auto r = bridge_->forward_map_host(layer);
+    check(r.status());
+    const std::vector<std::int32_t>& m = r.value();
+    at::Tensor t = at::empty({static_cast<std::int64_t>(m.size())}, at::TensorOptions().dtype(at::kInt));
+    std::copy(m.begin(), m.end(), t.data_ptr<std::int32_t>());
+    return t;
+  }
+  std::uintptr_t host_pointer(std::int32_t layer, const std::string& name, std::int64_t expert) {
+    const auto& slots = bridge_->slots();
+    std::size_t t = 0;
+    while (t < slots.size() && slots[t].name != name) ++t;
+    if (t == slots.size()) fail_value(label_ + ": host_pointer: unknown tensor '" + name + "'");
+    auto r = bridge_->host_pointer(layer, t, expert);
+    check(r.status());
+    return r.value();
+  }
+  std::string policy() const { return bridge_->policy(); }
+
+ private:
+  const ec::LayerDescriptor& layer_of(std::int32_t layer) const {
+    if (layer < 0 || layer >= num_layers_) {
+      fail_value(label_ + ": layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers_) + ")");
+    }
+    return bridge_->layers()[static_cast<std::size_t>(layer)];
+  }
+  c10::cuda::CUDAStream current_stream() const {
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    if (stream.device_index() != device_) {
+      fail("the current CUDA device is cuda:" + std::to_string(stream.device_index()) + ", the cache lives on cuda:" +
+           std::to_string(device_));
+    }
+    return stream;
+  }
+  at::Tensor alias(std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides, at::ScalarType t) {
+    std::shared_ptr<OwnedModel> keep = owned_;
+    return torch::from_blob(reinterpret_cast<void*>(p), sizes, strides, [keep](void*) {},
+                            at::TensorOptions().dtype(t).device(at::kCUDA, device_));
+  }
+
+  std::shared_ptr<OwnedModel> owned_;
+  ec::CudaModelBridge* bridge_ = nullptr;
+  at::Tensor pinned_ids_;
+  c10::DeviceIndex device_ = 0;
+  std::int64_t num_experts_ = 0;
+  std::int32_t num_layers_ = 0;
+  std::string label_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "expert_cache: GPU expert cache for MoE inference (use the expert_cache_torch package)";
-  py::register_exception<ExpertCacheError>(m, "ExpertCacheError", PyExc_RuntimeError);
+  auto& error = py::register_exception<ExpertCacheError>(m, "ExpertCacheError", PyExc_RuntimeError);
+  // A subclass of ExpertCacheError and ValueError: the bases as a tuple (PyErr_NewException takes one).
+  py::register_exception<ExpertCacheValueError>(m, "ExpertCacheValueError",
+                                                py::make_tuple(error, py::handle(PyExc_ValueError)));
   py::class_<TorchCache, std::shared_ptr<TorchCache>>(m, "Cache")
       .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
                        const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
@@ -282,7 +557,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("explicit_tensors"), py::arg("provider"), py::arg("policy"), py::arg("staging"), py::arg("storage"),
            py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
            py::arg("host_tensors"))
-      .def("prepare", &TorchCache::prepare, py::arg("topk_ids"))
+      .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
+      .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
+      .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"))
+      .def("last_fills", &TorchCache::last_fills)
+      .def("last_evictions", &TorchCache::last_evictions)
+      .def("resident_map_host", &TorchCache::resident_map_host)
       .def("invalidate", &TorchCache::invalidate, py::arg("expert"))
       .def("stats", &TorchCache::stats)
       .def("device_errors", &TorchCache::device_errors)
@@ -296,4 +576,88 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("staging", &TorchCache::staging)
       .def_property_readonly("storage", &TorchCache::storage)
       .def_property_readonly("device_provider", &TorchCache::device_provider);
+
+  py::class_<TorchModelCache, std::shared_ptr<TorchModelCache>>(m, "ModelCache")
+      .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
+                       const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
+                       const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
+                       const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
+                       const std::map<std::string, at::Tensor>& host_tensors) {
+             return std::make_shared<TorchModelCache>(layout, hidden, intermediate, group_size, explicit_tensors, policy,
+                                                      pool, num_layers, num_experts, capacity, layer_capacities, top_k,
+                                                      label, host_tensors);
+           }),
+           py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
+           py::arg("explicit_tensors"), py::arg("policy"), py::arg("pool"), py::arg("num_layers"),
+           py::arg("num_experts"), py::arg("capacity"), py::arg("layer_capacities"), py::arg("top_k"),
+           py::arg("label"), py::arg("host_tensors"))
+      .def("prepare", &TorchModelCache::prepare, py::arg("layer"), py::arg("topk_ids"))
+      .def("prepare_unique", &TorchModelCache::prepare_unique, py::arg("layer"), py::arg("unique_ids"))
+      .def("invalidate", &TorchModelCache::invalidate, py::arg("layer"), py::arg("expert"))
+      .def("stats", &TorchModelCache::stats)
+      .def("layer_tensors", &TorchModelCache::layer_tensors, py::arg("layer"))
+      .def("expert_map", &TorchModelCache::expert_map, py::arg("layer"))
+      .def("resident_map", &TorchModelCache::resident_map, py::arg("layer"))
+      .def("expert_map_host", &TorchModelCache::expert_map_host, py::arg("layer"))
+      .def("host_pointer", &TorchModelCache::host_pointer, py::arg("layer"), py::arg("name"), py::arg("expert"))
+      .def_property_readonly("policy", &TorchModelCache::policy);
+
+  // ---- the vLLM-surface providers' torch-free checks (vllm_bridge.hpp) ----
+  // records: (name, given, dtype, element size, shape) -> (E, capacity,
+  // [(name, slot name, dtype, bytes per expert, trailing shape)]).
+  m.def("validate_provider_sources",
+        [](std::int64_t capacity,
+           const std::vector<std::tuple<std::string, bool, std::string, std::size_t, std::vector<std::int64_t>>>& records,
+           const std::string& label) {
+          std::vector<ec::SourceArg> args;
+          for (const auto& [name, given, dtype, element_size, shape] : records) {
+            args.push_back(ec::SourceArg{name, given, dtype, element_size, shape});
+          }
+          auto r = ec::validate_provider_sources(capacity, args, label);
+          check(r.status());
+          py::list sources;
+          for (const ec::ProviderSource& s : r.value().sources) {
+            sources.append(py::make_tuple(s.name, s.slot_name, s.dtype, s.bytes_per_expert, s.trailing));
+          }
+          return py::make_tuple(r.value().num_experts, r.value().capacity, sources);
+        },
+        py::arg("capacity"), py::arg("records"), py::arg("label"));
+  m.def("provider_semantics",
+        [](const std::string& semantics, const std::string& policy) {
+          auto r = ec::provider_semantics(semantics, policy);
+          check(r.status());
+          return py::make_tuple(r.value().provider, r.value().policy);
+        },
+        py::arg("semantics"), py::arg("policy"));
+  // -> [(row_begin, row_end, unique ids, include_shared)]
+  m.def("plan_split",
+        [](const std::vector<std::int64_t>& ids, std::int32_t top_k, std::int32_t capacity, std::int32_t num_experts,
+           const std::string& split) {
+          auto r = ec::plan_split(ids, top_k, capacity, num_experts, split);
+          check(r.status());
+          py::list parts;
+          for (const ec::SplitPart& p : r.value()) {
+            parts.append(py::make_tuple(p.row_begin, p.row_end, p.unique_ids, p.include_shared));
+          }
+          return parts;
+        },
+        py::arg("ids"), py::arg("top_k"), py::arg("capacity"), py::arg("num_experts"), py::arg("split"));
+  py::class_<ec::ReferencePlanner, std::shared_ptr<ec::ReferencePlanner>>(m, "ReferencePlanner")
+      .def(py::init([](const std::string& policy, std::int32_t num_experts, std::int32_t capacity, std::int32_t top_k) {
+             auto r = ec::ReferencePlanner::create(policy, num_experts, capacity, top_k);
+             check(r.status());
+             return std::shared_ptr<ec::ReferencePlanner>(std::move(r.value()));
+           }),
+           py::arg("policy"), py::arg("num_experts"), py::arg("capacity"), py::arg("top_k") = 1)
+      // -> (hits, misses, fills [(expert, slot)], evictions [(expert, slot)])
+      .def("plan",
+           [](ec::ReferencePlanner& p, const std::vector<std::int32_t>& ids, bool unique) {
+             auto r = p.plan(ids, unique);
+             check(r.status());
+             return py::make_tuple(r.value().hits, r.value().misses, r.value().fills, r.value().evictions);
+           },
+           py::arg("ids"), py::arg("unique") = false)
+      .def("invalidate", [](ec::ReferencePlanner& p, std::int32_t e) { check(p.invalidate(e)); }, py::arg("expert"))
+      .def("forward_map", &ec::ReferencePlanner::forward_map)
+      .def("resident_map", &ec::ReferencePlanner::resident_map);
 }

@@ -1,0 +1,218 @@
+// ModelBridge (python/src/model_bridge.hpp: the model-level cache as the PyTorch extension drives
+// it) on SimRuntime: per-layer pools plan each layer exactly as the reference planner of that
+// layer, the global pool serves every layer from one set of slots, every layer's slots hold the
+// bytes of the experts its map names, the eviction policy is chosen by name, and bad config,
+// host tensors, layers and ids are refused with a specific message and nothing changed.
+#include <doctest/doctest.h>
+
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "expert_cache/runtime/sim_runtime.hpp"
+#include "model_bridge.hpp"
+#include "vllm_bridge.hpp"
+
+using namespace expert_cache;
+using namespace expert_cache::python;
+using Stream = SimRuntime::Stream;
+using Model = ModelBridge<SimRuntime>;
+
+namespace {
+
+SimRuntime::Options sim_options() {
+  return SimRuntime::Options{.memory_limit = std::size_t{1} << 28, .seed = 9, .max_races = 64, .max_streams = 64};
+}
+
+constexpr std::int32_t L = 3, E = 8;
+const std::vector<std::pair<std::string, std::size_t>> tensors = {{"w13", 80}, {"w2", 48}};
+
+// [L, E, bytes] per tensor, 64-byte aligned, distinct bytes per (layer, expert, tensor).
+struct ModelWeights {
+  struct alignas(64) Line {
+    std::byte b[64];
+  };
+  std::vector<std::vector<Line>> lines;
+  std::vector<HostTensorArg> args;
+  ModelWeights() {
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const std::size_t n = static_cast<std::size_t>(L * E) * tensors[t].second;
+      lines.emplace_back(n / 64 + 1);
+      auto* p = lines.back().data()->b;
+      for (std::size_t i = 0; i < n; ++i) p[i] = static_cast<std::byte>((t * 97 + i * 5 + i / 11) & 0xFF);
+      args.push_back(HostTensorArg{tensors[t].first, p, n, DType::uint8, {L, E, static_cast<std::int64_t>(tensors[t].second)}});
+    }
+  }
+};
+
+ModelBridgeConfig model_config(const char* pool, std::int32_t capacity, const char* policy = "") {
+  ModelBridgeConfig c;
+  c.layout.name = "explicit";
+  c.layout.tensors = tensors;
+  c.pool = pool;
+  c.policy = policy;
+  c.num_layers = L;
+  c.num_experts = E;
+  c.capacity = capacity;
+  c.top_k = 2;
+  c.label = "model";
+  return c;
+}
+
+// Layer l's slots hold, for every expert its device forward map names, that expert's bytes.
+void check_layer_slots(SimRuntime& rt, const Model& m, const ModelWeights& w, std::int32_t l) {
+  rt.drain();
+  const LayerDescriptor& ld = m.layers()[static_cast<std::size_t>(l)];
+  const auto* fmap = reinterpret_cast<const std::int32_t*>(ld.expert_map);
+  for (std::int32_t e = 0; e < E; ++e) {
+    const std::int32_t slot = fmap[e];
+    if (slot < 0) continue;
+    REQUIRE(slot < ld.capacity);
+    for (std::size_t t = 0; t < tensors.size(); ++t) {
+      const SlotDescriptor& d = m.slots()[t];
+      const auto* dev = reinterpret_cast<const std::byte*>(ld.slot_bases[t] + static_cast<std::size_t>(slot) * d.slot_stride);
+      const auto* host = static_cast<const std::byte*>(w.args[t].data) + static_cast<std::size_t>(l * E + e) * d.bytes_per_slot;
+      REQUIRE(std::equal(dev, dev + d.bytes_per_slot, host));
+    }
+  }
+}
+
+std::map<std::string, std::int64_t> as_map(const std::vector<StatEntry>& v) {
+  std::map<std::string, std::int64_t> m;
+  for (const StatEntry& e : v) {
+    if (!e.is_float) m[e.name] = e.int_value;
+  }
+  return m;
+}
+
+std::vector<std::int64_t> random_ids(std::mt19937& rng, std::int32_t unique_at_most) {
+  std::vector<std::int64_t> pool;
+  while (pool.size() < static_cast<std::size_t>(unique_at_most)) {
+    const auto e = static_cast<std::int64_t>(rng() % E);
+    if (std::find(pool.begin(), pool.end(), e) == pool.end()) pool.push_back(e);
+  }
+  std::vector<std::int64_t> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(rng() % 5 == 0 ? -1 : pool[rng() % pool.size()]);
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("ModelBridge per_layer: every layer plans as its own reference planner; slots hold the mapped bytes") {
+  for (const char* policy : {"lru", "lfru"}) {
+    CAPTURE(policy);
+    SimRuntime rt(sim_options());
+    const Stream s = rt.create_stream().value();
+    ModelWeights w;
+    auto made = Model::create(rt, model_config("per_layer", 3, policy), w.args);
+    REQUIRE(made.ok());
+    Model& m = *made.value();
+    CHECK(m.policy() == policy);
+    REQUIRE(m.layers().size() == L);
+    std::vector<std::unique_ptr<ReferencePlanner>> refs;
+    for (std::int32_t l = 0; l < L; ++l) refs.push_back(std::move(ReferencePlanner::create(policy, E, 3, 2).value()));
+    std::mt19937 rng(policy[1]);
+    for (int step = 0; step < 90; ++step) {
+      CAPTURE(step);
+      const auto l = static_cast<std::int32_t>(step % L);
+      const auto ids = random_ids(rng, 1 + static_cast<std::int32_t>(rng() % 3));
+      const std::vector<std::int32_t> ids32(ids.begin(), ids.end());
+      const auto got = m.prepare(l, ids, s);
+      REQUIRE(got.ok());
+      const auto exp = refs[static_cast<std::size_t>(l)]->plan(ids32, false);
+      REQUIRE(exp.ok());
+      CHECK(got.value().hits == exp.value().hits);
+      CHECK(got.value().misses == exp.value().misses);
+      CHECK(m.forward_map_host(l).value() == refs[static_cast<std::size_t>(l)]->forward_map());
+      check_layer_slots(rt, m, w, l);
+    }
+    const auto st = m.stats();
+    REQUIRE(st.size() == L + 1);
+    std::int64_t hits = 0;
+    for (std::int32_t l = 0; l < L; ++l) hits += as_map(st[static_cast<std::size_t>(l) + 1])["hits"];
+    CHECK(as_map(st[0])["hits"] == hits);
+    CHECK(as_map(st[0])["prepare_calls"] == 90);
+    CHECK(rt.race_count() == 0);
+  }
+}
+
+TEST_CASE("ModelBridge global: one pool for all layers; unique lists; invalidate") {
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  ModelWeights w;
+  auto made = Model::create(rt, model_config("global", 5, "layershare"), w.args);
+  REQUIRE(made.ok());
+  Model& m = *made.value();
+  CHECK(m.policy() == "layershare");
+  for (const LayerDescriptor& ld : m.layers()) {
+    CHECK(ld.capacity == 5);
+    CHECK(ld.slot_bases == m.layers()[0].slot_bases);  // the pool's slots, for every layer
+  }
+  std::mt19937 rng(3);
+  for (int step = 0; step < 60; ++step) {
+    const auto l = static_cast<std::int32_t>(rng() % L);
+    REQUIRE(m.prepare(l, random_ids(rng, 2), s).ok());
+    check_layer_slots(rt, m, w, l);
+  }
+  const auto u = m.prepare_unique(1, std::vector<std::int64_t>{7, 2}, s);
+  REQUIRE(u.ok());
+  check_layer_slots(rt, m, w, 1);
+  CHECK(m.forward_map_host(1).value()[7] >= 0);
+  REQUIRE(m.invalidate(1, 7, s).ok());
+  CHECK(as_map(m.stats()[2])["invalidations"] == 1);
+  CHECK(rt.race_count() == 0);
+}
+
+TEST_CASE("ModelBridge: bad config and host tensors are refused by name; refused calls change nothing") {
+  SimRuntime rt(sim_options());
+  ModelWeights w;
+  const auto refused = [](const Status& st, const std::string& expected) {
+    REQUIRE(!st.ok());
+    const std::string msg(st.message());
+    INFO("message: " << msg);
+    CHECK(msg.find(expected) != std::string::npos);
+  };
+  refused(Model::create(rt, model_config("shared", 3), w.args).status(), "model: unknown pool 'shared' (valid: per_layer, global)");
+  refused(Model::create(rt, model_config("per_layer", 3, "fifo"), w.args).status(),
+          "model: unknown eviction policy 'fifo' (valid: lru, lfru");
+  auto bad_layers = model_config("per_layer", 3);
+  bad_layers.num_layers = 0;
+  refused(Model::create(rt, bad_layers, w.args).status(), "num_layers 0");
+  refused(Model::create(rt, model_config("per_layer", 9), w.args).status(), "capacity");
+  auto short_args = w.args;
+  short_args[1].bytes -= 48;
+  refused(Model::create(rt, model_config("per_layer", 3), short_args).status(),
+          "host tensor 'w2' has 1104 bytes, expected exactly 1152 (3 layers * 8 experts * 48 bytes)");
+  refused(Model::create(rt, model_config("per_layer", 3), std::span(w.args).first(1)).status(), "host tensor 'w2' missing");
+  CHECK(rt.allocated_bytes() == 0);  // nothing allocated for a refused build
+
+  const Stream s = rt.create_stream().value();
+  auto made = Model::create(rt, model_config("per_layer", 3), w.args);
+  REQUIRE(made.ok());
+  Model& m = *made.value();
+  REQUIRE(m.prepare(0, std::vector<std::int64_t>{1, 2}, s).ok());
+  rt.drain();
+  const auto before = m.stats();
+  const auto map_before = m.forward_map_host(0).value();
+  const auto unchanged = [&](const Status& st, const std::string& expected) {
+    refused(st, expected);
+    rt.drain();
+    const auto after = m.stats();
+    REQUIRE(after.size() == before.size());
+    for (std::size_t i = 0; i < after.size(); ++i) CHECK(as_map(after[i]) == as_map(before[i]));
+    CHECK(m.forward_map_host(0).value() == map_before);
+    check_layer_slots(rt, m, w, 0);
+  };
+  using V = std::vector<std::int64_t>;
+  unchanged(m.prepare(3, V{1}, s).status(), "model: layer 3 out of range [0, 3)");
+  unchanged(m.prepare(-1, V{1}, s).status(), "layer -1 out of range");
+  unchanged(m.prepare(0, V{1, 8}, s).status(), "model: layer 0: topk_ids[1] = 8 out of range (num_experts 8)");
+  unchanged(m.prepare(0, V{1, 2, 3, 4}, s).status(), "4 unique experts");
+  unchanged(m.prepare_unique(0, V{1, 1}, s).status(), "unique_ids[1] = 1 appears twice");
+  unchanged(m.prepare_unique(0, V{-1}, s).status(), "unique_ids[0] = -1 outside [0, 8)");
+  unchanged(m.invalidate(0, 8, s), "invalidate(layer 0, expert 8): expert out of range [0, 8)");
+  unchanged(m.invalidate(5, 1, s), "layer 5 out of range");
+  refused(m.forward_map_host(4).status(), "layer 4 out of range");
+  CHECK(rt.race_count() == 0);
+}
