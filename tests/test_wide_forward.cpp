@@ -4,6 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
+#include <string>
+#include <string_view>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -39,11 +42,12 @@ struct WideFixture {
   std::uint64_t launched = 0;
 
   WideFixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::int32_t stream_slots,
-              std::int64_t max_wide_ids = default_max_wide_ids) {
+              std::int64_t max_wide_ids = default_max_wide_ids, std::function<void(std::string_view)> log_sink = {}) {
     for (int i = 0; i < 2; ++i) streams.push_back(rt.create_stream().value());
     CacheOptions o = quiet_options(experts, capacity, top_k);
     o.stream_slots = stream_slots;
     o.max_wide_ids = max_wide_ids;
+    o.log = std::move(log_sink);
     cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
     fill_host_pools(*cache);
   }
@@ -90,14 +94,14 @@ struct WideFixture {
   }
 
   Result<WideSummary> wide(const Ids& topk, Stream s, WideAdmission admission = WideAdmission::stream,
-                           std::vector<Ids>* rounds = nullptr) {
+                           std::vector<Ids>* rounds = nullptr, WideCopy copy = WideCopy::runs) {
     return cache->prepare_wide(
         topk, s,
         [&](const WideRound& r) noexcept {
           if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
           return read_round(r, s);
         },
-        WideOptions{admission});
+        WideOptions{admission, copy});
   }
 
   Status forward(const Ids& topk, Stream s) {
@@ -221,19 +225,125 @@ TEST_CASE_TEMPLATE("wide forward, admit admission: rounds of capacity/2 through 
   for (std::int32_t e : {15, 16, 17, 18, 19}) CHECK(f.cache->planner().is_resident(e));
 }
 
-TEST_CASE("wide forward: stream admission without stream slots is refused, nothing changes") {
-  WideFixture<RowWide> f(16, 4, 1, 0);
-  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
-  const auto before = f.cache->planner().snapshot();
-  int calls = 0;
-  auto r = f.cache->prepare_wide(all_experts(16), f.streams[0], [&](const WideRound&) noexcept {
-    ++calls;
-    return Status();
+TEST_CASE("wide forward: stream admission without stream slots falls back to admit, said once on the log") {
+  std::vector<std::string> lines;
+  WideFixture<RowWide> f(16, 4, 1, 0, default_max_wide_ids, [&](std::string_view l) {
+    if (l.find("prepare_wide") != std::string_view::npos) lines.emplace_back(l);
   });
-  REQUIRE_FALSE(r.ok());
-  CHECK(r.status().code() == ErrorCode::not_supported);
-  CHECK(calls == 0);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  std::vector<Ids> rounds;
+  auto r = f.wide(all_experts(16), f.streams[0], WideAdmission::stream, &rounds);
+  REQUIRE(r.ok());
+  CHECK(r.value().fell_back);
+  CHECK(r.value().admission == WideAdmission::admit);
+  CHECK(r.value().rounds == 8);  // groups of capacity / 2 = 2 through the pool
+  CHECK(r.value().streamed == 0);
+  CHECK(r.value().admitted + r.value().hits == 16);
+  REQUIRE(rounds.size() == 8);
+  CHECK(rounds[0] == Ids{0, 1});
+  f.check_clean();
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].find("stream_slots is 0") != std::string::npos);
+  // Said once per cache; a later fallback is still reported in the summary.
+  auto again = f.wide(Ids{5, 6}, f.streams[0]);
+  REQUIRE(again.ok());
+  CHECK(again.value().fell_back);
+  CHECK(lines.size() == 1);
+  f.check_clean();
+  // With stream slots the summary says stream, no fallback.
+  WideFixture<RowWide> g(16, 4, 1, 4);
+  auto s = g.wide(all_experts(16), g.streams[0]);
+  REQUIRE(s.ok());
+  CHECK_FALSE(s.value().fell_back);
+  CHECK(s.value().admission == WideAdmission::stream);
+  g.check_clean();
+}
+
+TEST_CASE("plan_stream_rounds: runs, span and the automatic choice under the copy cost") {
+  std::vector<detail::StreamRound> out;
+  const Ids misses{0, 1, 2, 4, 5, 7, 8, 9, 10, 20, 21};
+  SUBCASE("runs: half misses per round") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::runs, WideCopyCost{}, 1, 1000, out);
+    REQUIRE(out.size() == 3);
+    CHECK(out[0].begin == 0);
+    CHECK(out[0].end == 4);
+    CHECK(out[2].end == misses.size());
+    for (const auto& r : out) CHECK_FALSE(r.span);
+  }
+  SUBCASE("span: ids within half of the first") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::span, WideCopyCost{}, 1, 1000, out);
+    // [0,3]: 0 1 2 | [4,7]: 4 5 7 | [8,11]: 8 9 10 | [20,23]: 20 21
+    REQUIRE(out.size() == 4);
+    CHECK(out[0].end == 3);
+    CHECK(out[1].first == 4);
+    CHECK(out[1].end == 6);
+    CHECK(out[3].first == 20);
+    for (const auto& r : out) CHECK(r.span);
+  }
+  SUBCASE("automatic: small experts (copies dominate) take spans, large ones runs") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::automatic, WideCopyCost{}, 1, 1000, out);
+    CHECK(out[0].span);  // {0,1,2,4}: 2 runs of 1000 B vs a span wasting nothing: span
+    detail::plan_stream_rounds(misses, 4, WideCopy::automatic, WideCopyCost{}, 1, 1u << 21, out);
+    // 2 MiB experts: a wasted expert costs 38 us, more than a copy saved: no span wastes one.
+    for (const auto& r : out) {
+      if (r.span) CHECK(static_cast<std::size_t>(misses[r.end - 1] - r.first + 1) == r.end - r.begin);
+    }
+    const Ids gapless{8, 9, 10, 11, 12, 13, 14, 15};
+    detail::plan_stream_rounds(gapless, 4, WideCopy::automatic, WideCopyCost{}, 1, 1u << 21, out);
+    REQUIRE(out.size() == 2);  // one run per round either way
+  }
+  SUBCASE("no dense region: always runs") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::span, WideCopyCost{}, 0, 0, out);
+    for (const auto& r : out) CHECK_FALSE(r.span);
+  }
+}
+
+TEST_CASE_TEMPLATE("wide forward, span copies: bytes right, unneeded experts copied but never mapped", Cache, RowWide,
+                   WholeWide) {
+  WideFixture<Cache> f(32, 4, 1, 8);
+  REQUIRE(f.forward(Ids{5}, f.streams[0]).ok());  // 5 resident: inside a span, copied again, mapped to the pool
+  f.rt.drain();
+  const auto before = f.cache->planner().snapshot();
+  std::vector<Ids> rounds;
+  const Ids topk{0, 2, 3, 5, 6, 9, 10, 11, 12, 30};
+  auto r = f.cache->prepare_wide(
+      topk, f.streams[0],
+      [&](const WideRound& round) noexcept {
+        rounds.emplace_back(round.experts.begin(), round.experts.end());
+        return f.read_round(round, f.streams[0]);
+      },
+      WideOptions{WideAdmission::stream, WideCopy::span});
+  REQUIRE(r.ok());
+  // Misses 0 2 3 6 9 10 11 12 30 in halves of 4 ids: [0..3] {0,2,3}, [6..9] {6,9}, [10..13] {10,11,12}, [30].
+  CHECK(r.value().rounds == 4);
+  CHECK(r.value().span_rounds == 4);
+  CHECK(r.value().streamed == 9);
+  CHECK(r.value().hits == 1);
+  CHECK(r.value().wasted == 1 + 2 + 0 + 0);  // 1 | 7, 8
+  REQUIRE(rounds.size() == 4);
+  CHECK(rounds[0] == Ids{0, 2, 3, 5});
+  CHECK(rounds[1] == Ids{6, 9});
+  const std::uint64_t dense = detail::dense_copy_shape<CopyStream>(f.cache->storage()).second;
+  const std::uint64_t per_expert = total_bytes_per_expert(six_tensor_layout().tensors());
+  CHECK(r.value().bytes == 9 * per_expert + 3 * dense);
+  f.check_clean();  // every mapped byte right (read_round checks slots and map contents), no race
   CHECK(f.cache->planner().snapshot() == before);
+}
+
+TEST_CASE("wide forward, span copies: one copy per dense region per round") {
+  WideFixture<WholeWide> f(32, 4, 1, 8);
+  auto runs = f.cache->prepare_wide(Ids{0, 2, 4, 6}, f.streams[0], [&](const WideRound& round) noexcept {
+    return f.read_round(round, f.streams[0]);
+  }, WideOptions{WideAdmission::stream, WideCopy::runs});
+  REQUIRE(runs.ok());
+  CHECK(runs.value().copies == 4);  // four runs of one blob
+  auto span = f.cache->prepare_wide(Ids{0, 2, 4, 6}, f.streams[0], [&](const WideRound& round) noexcept {
+    return f.read_round(round, f.streams[0]);
+  }, WideOptions{WideAdmission::stream, WideCopy::span});
+  REQUIRE(span.ok());
+  CHECK(span.value().rounds == 2);  // [0..3] {0,2}, [4..7] {4,6}
+  CHECK(span.value().copies == 2);
+  CHECK(span.value().wasted == 2);
   f.check_clean();
 }
 
@@ -411,7 +521,8 @@ TEST_CASE("ordering: randomized schedules of wide and normal forwards keep the r
       if (kind < 4) {
         REQUIRE(f.forward(random_topk(rng, 1, 2, 16), s).ok());
       } else if (kind < 6) {
-        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::stream).ok());
+        const auto copy = static_cast<WideCopy>(rng() % 3);  // runs, span, automatic
+        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::stream, nullptr, copy).ok());
       } else if (kind < 8) {
         REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::admit).ok());
       } else {
