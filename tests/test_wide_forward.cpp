@@ -606,10 +606,15 @@ struct ModelWideFixture {
       }
     return read(layer, v.value(), ids, slots, s);
   }
-  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s) {
-    return cache->prepare_wide(layer, topk, s, [&](const WideRound& r) noexcept {
-      return read(layer, r.view, r.experts, r.slots, s);
-    });
+  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s, WideAdmission admission = WideAdmission::stream,
+                           std::vector<Ids>* rounds = nullptr) {
+    return cache->prepare_wide(
+        layer, topk, s,
+        [&](const WideRound& r) noexcept {
+          if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
+          return read(layer, r.view, r.experts, r.slots, s);
+        },
+        WideOptions{admission});
   }
   void check_clean() {
     rt.drain();
@@ -644,10 +649,61 @@ TEST_CASE("model cache wide forward: per-layer and global pools, every round rig
     CHECK(bad.status().code() == ErrorCode::invalid_argument);
     auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
     CHECK(out.status().code() == ErrorCode::expert_out_of_range);
-    auto admit = f.cache->prepare_wide(0, Ids{1}, f.streams[0], [](const WideRound&) noexcept { return Status(); },
-                                       WideOptions{WideAdmission::admit});
-    CHECK(admit.status().code() == ErrorCode::not_supported);
   }
+}
+
+TEST_CASE("model cache wide forward, admit admission: rounds of half the pool through the layer's planner") {
+  for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+    CAPTURE(to_string(pool));
+    // per_layer: 6 slots per layer (groups of 3); global: 8 slots (groups of 4).
+    ModelWideFixture f(pool, 3, 16, pool == ModelPool::global ? 8 : 6, 4);
+    REQUIRE(f.forward(0, Ids{3, 4}, f.streams[0]).ok());
+    std::vector<Ids> rounds;
+    auto r = f.wide(1, all_experts(16), f.streams[1], WideAdmission::admit, &rounds);
+    REQUIRE(r.ok());
+    const std::size_t group = pool == ModelPool::global ? 4 : 3;
+    CHECK(r.value().rounds == (16 + group - 1) / group);
+    CHECK(r.value().admission == WideAdmission::admit);
+    CHECK(r.value().admitted == 16);
+    CHECK(r.value().streamed == 0);
+    REQUIRE(rounds.size() == r.value().rounds);
+    CHECK(rounds[0] == Ids(all_experts(16).begin(), all_experts(16).begin() + static_cast<std::ptrdiff_t>(group)));
+    // The pool admitted the layer's experts: the last group is resident and hit.
+    const CacheStats l1 = f.cache->stats().per_layer[1];
+    CHECK(l1.misses == 16);
+    CHECK(l1.prepare_calls == r.value().rounds);
+    REQUIRE(f.forward(1, Ids{15}, f.streams[0]).ok());
+    CHECK(f.cache->stats().per_layer[1].hits == 1);
+    f.check_clean();
+    // Bad input: nothing changes.
+    const auto before = f.cache->planner(1).snapshot();
+    auto out = f.wide(1, Ids{1, 16}, f.streams[0], WideAdmission::admit);
+    CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    CHECK(f.cache->planner(1).snapshot() == before);
+    // A consumer failing in round 1: the pool as after rounds 0 and 1, the cache usable.
+    int calls = 0;
+    auto failed = f.cache->prepare_wide(2, all_experts(16), f.streams[0], [&](const WideRound& round) noexcept {
+      ++calls;
+      if (round.index == 1) return Status(ErrorCode::runtime_failure, "consumer failed");
+      return f.read(2, round.view, round.experts, round.slots, f.streams[0]);
+    }, WideOptions{WideAdmission::admit});
+    REQUIRE_FALSE(failed.ok());
+    CHECK(failed.status().message().find("round 1") != std::string_view::npos);
+    CHECK(calls == 2);
+    CHECK(f.cache->stats().per_layer[2].prepare_calls == 2);
+    REQUIRE(f.forward(2, Ids{0, 15}, f.streams[0]).ok());
+    f.check_clean();
+  }
+}
+
+TEST_CASE("model cache wide forward without stream slots: falls back to admit") {
+  ModelWideFixture f(ModelPool::per_layer, 2, 12, 4, 0);
+  auto r = f.wide(0, all_experts(12), f.streams[0]);
+  REQUIRE(r.ok());
+  CHECK(r.value().fell_back);
+  CHECK(r.value().admission == WideAdmission::admit);
+  CHECK(r.value().rounds == 6);
+  f.check_clean();
 }
 
 TEST_CASE("model cache wide forward: randomized schedules over layers and streams keep the detector silent") {
@@ -662,7 +718,8 @@ TEST_CASE("model cache wide forward: randomized schedules over layers and stream
         if (rng() % 2 == 0) {
           REQUIRE(f.forward(layer, random_topk(rng, 1, 2, 12), s).ok());
         } else {
-          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s).ok());
+          const auto admission = rng() % 3 == 0 ? WideAdmission::admit : WideAdmission::stream;
+          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s, admission).ok());
         }
         f.rt.run_random(rng(), rng() % 16);
       }
