@@ -476,6 +476,22 @@ TEST_CASE("negative (edge 10): without the buffer release a round's fill races t
   CHECK(races(std::type_identity<RowWide>{}) == 0);
   // Edge 3 orders each round's reader after its own fills, also inside a wide forward.
   CHECK(races(std::type_identity<WideCache<NoReadyWait>>{}) > 0);
+  // Span copies (every other expert: each span also writes the slot of an unneeded one).
+  const auto span_races = [](auto tag) {
+    using Cache = typename decltype(tag)::type;
+    WideFixture<Cache> f(24, 4, 1, 8);  // halves of 4 ids: {0, 2} per span, 1 wasted
+    Ids even;
+    for (std::int32_t e = 0; e < 24; e += 2) even.push_back(e);
+    auto r = f.wide(even, f.streams[0], WideAdmission::stream, nullptr, WideCopy::span);
+    REQUIRE(r.ok());
+    CHECK(r.value().span_rounds == r.value().rounds);
+    CHECK(r.value().wasted > 0);
+    f.rt.drain();
+    CHECK(f.log->runs == f.launched);
+    return f.rt.races().size();
+  };
+  CHECK(span_races(std::type_identity<WideCache<NoWideBufferRelease>>{}) > 0);
+  CHECK(span_races(std::type_identity<RowWide>{}) == 0);
 }
 
 TEST_CASE("scan resistance: the decode working set's hit rate after a wide forward equals what it was") {
@@ -667,7 +683,8 @@ TEST_CASE("model cache wide forward, admit admission: rounds of half the pool th
     CHECK(r.value().admitted == 16);
     CHECK(r.value().streamed == 0);
     REQUIRE(rounds.size() == r.value().rounds);
-    CHECK(rounds[0] == Ids(all_experts(16).begin(), all_experts(16).begin() + static_cast<std::ptrdiff_t>(group)));
+    const Ids all = all_experts(16);
+    CHECK(rounds[0] == Ids(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(group)));
     // The pool admitted the layer's experts: the last group is resident and hit.
     const CacheStats l1 = f.cache->stats().per_layer[1];
     CHECK(l1.misses == 16);

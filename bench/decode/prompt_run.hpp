@@ -143,7 +143,7 @@ class PromptBench {
                           work * pair_ns();
         t.compute_ns += ns;
         return rt_.launch(consumer_, {}, {}, ns);
-      }, WideOptions{admission});
+      }, wide_options(admission));
       if (!r.ok()) throw Error(r.status());
       t.rounds += r.value().rounds;
       t.copies += r.value().copies;
@@ -151,6 +151,16 @@ class PromptBench {
     }
     t.ttft_ns = now() - start;
     return t;
+  }
+
+  // The pools hold weights scaled down by sim_scale while the cost model charges the real bytes:
+  // the copy-shape choice (WideCopy::automatic) sees the link slowed by the same factor, so it
+  // chooses as it would for the real experts.
+  [[nodiscard]] WideOptions wide_options(WideAdmission admission) const noexcept {
+    WideOptions o;
+    o.admission = admission;
+    o.cost.link_bytes_per_ns /= static_cast<double>(std::max<std::int64_t>(1, a_.sim_scale));
+    return o;
   }
 
   [[nodiscard]] CacheStats totals() const {
