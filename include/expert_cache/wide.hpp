@@ -52,7 +52,8 @@ enum class WideAdmission : std::uint8_t {
 ///   span       a round is an id range of at most half the stream slots: ONE copy per dense
 ///              region of the whole range, unneeded and resident experts in it included (they
 ///              are copied, never mapped).
-///   automatic  per round, the cheaper of the two under WideCopyCost (per expert served).
+///   automatic  per round, the cheaper of the two under WideCopyCost (per expert served); a
+///              span without gaps is a run, so it is taken only when it skips gaps.
 enum class WideCopy : std::uint8_t { runs, span, automatic };
 
 [[nodiscard]] constexpr std::string_view to_string(WideCopy c) noexcept {
@@ -246,7 +247,9 @@ inline void plan_stream_rounds(std::span<const std::int32_t> misses, std::size_t
                             static_cast<double>(a_end - i);
       const double cost_b =
           (static_cast<double>(dense_regions) * per_copy + width * per_expert) / static_cast<double>(b_end - i);
-      if (mode == WideCopy::span || cost_b < cost_a) round = StreamRound{i, b_end, misses[i], true};
+      // A span without gaps is a run: automatic keeps the fuller runs round then.
+      const bool gaps = width > static_cast<double>(b_end - i);
+      if (mode == WideCopy::span || (gaps && cost_b < cost_a)) round = StreamRound{i, b_end, misses[i], true};
     }
     out.push_back(round);
     i = round.end;
