@@ -1,6 +1,7 @@
 // expert-cache-bench, CUDA build: the decode-loop benchmark MEASURED on a GPU (CudaRuntime
 // caches, the reference NVFP4 MoE consumer of device/moe_consumer.cuh), and the MODELLED
-// SimRuntime run of decode_bench.hpp when no device is usable (or with --runtime sim).
+// SimRuntime run of decode_bench.hpp when no device is usable (or with --runtime sim). The
+// --prompt mode's measured tables: decode/prompt_measured.cuh (included at the end).
 //
 // Per configuration the 48 layers' host pools (41.5 GB pinned for the default model) are
 // allocated and filled with synthetic NVFP4-Marlin bytes (a hash of layer, expert, tensor and
@@ -926,6 +927,8 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
 }  // namespace
 }  // namespace expert_cache::bench
 
+#include "decode/prompt_measured.cuh"  // uses the helpers above
+
 int main(int argc, char** argv) {
   using namespace expert_cache::bench;
   try {
@@ -942,6 +945,7 @@ int main(int argc, char** argv) {
       return true;
     };
     gpu.run = run_measured;
+    gpu.prompt = run_prompt_measured;
     return bench_main(argc, argv, gpu);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "expert-cache-bench: internal error: %s\n", e.what());

@@ -4,6 +4,9 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
+#include <string>
+#include <string_view>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -39,11 +42,12 @@ struct WideFixture {
   std::uint64_t launched = 0;
 
   WideFixture(std::int32_t experts, std::int32_t capacity, std::int32_t top_k, std::int32_t stream_slots,
-              std::int64_t max_wide_ids = default_max_wide_ids) {
+              std::int64_t max_wide_ids = default_max_wide_ids, std::function<void(std::string_view)> log_sink = {}) {
     for (int i = 0; i < 2; ++i) streams.push_back(rt.create_stream().value());
     CacheOptions o = quiet_options(experts, capacity, top_k);
     o.stream_slots = stream_slots;
     o.max_wide_ids = max_wide_ids;
+    o.log = std::move(log_sink);
     cache = std::make_unique<Cache>(rt, o, six_tensor_layout());
     fill_host_pools(*cache);
   }
@@ -90,14 +94,14 @@ struct WideFixture {
   }
 
   Result<WideSummary> wide(const Ids& topk, Stream s, WideAdmission admission = WideAdmission::stream,
-                           std::vector<Ids>* rounds = nullptr) {
+                           std::vector<Ids>* rounds = nullptr, WideCopy copy = WideCopy::runs) {
     return cache->prepare_wide(
         topk, s,
         [&](const WideRound& r) noexcept {
           if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
           return read_round(r, s);
         },
-        WideOptions{admission});
+        WideOptions{admission, copy});
   }
 
   Status forward(const Ids& topk, Stream s) {
@@ -221,19 +225,128 @@ TEST_CASE_TEMPLATE("wide forward, admit admission: rounds of capacity/2 through 
   for (std::int32_t e : {15, 16, 17, 18, 19}) CHECK(f.cache->planner().is_resident(e));
 }
 
-TEST_CASE("wide forward: stream admission without stream slots is refused, nothing changes") {
-  WideFixture<RowWide> f(16, 4, 1, 0);
-  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
-  const auto before = f.cache->planner().snapshot();
-  int calls = 0;
-  auto r = f.cache->prepare_wide(all_experts(16), f.streams[0], [&](const WideRound&) noexcept {
-    ++calls;
-    return Status();
+TEST_CASE("wide forward: stream admission without stream slots falls back to admit, said once on the log") {
+  std::vector<std::string> lines;
+  WideFixture<RowWide> f(16, 4, 1, 0, default_max_wide_ids, [&](std::string_view l) {
+    if (l.find("prepare_wide") != std::string_view::npos) lines.emplace_back(l);
   });
-  REQUIRE_FALSE(r.ok());
-  CHECK(r.status().code() == ErrorCode::not_supported);
-  CHECK(calls == 0);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  std::vector<Ids> rounds;
+  auto r = f.wide(all_experts(16), f.streams[0], WideAdmission::stream, &rounds);
+  REQUIRE(r.ok());
+  CHECK(r.value().fell_back);
+  CHECK(r.value().admission == WideAdmission::admit);
+  CHECK(r.value().rounds == 8);  // groups of capacity / 2 = 2 through the pool
+  CHECK(r.value().streamed == 0);
+  CHECK(r.value().admitted + r.value().hits == 16);
+  REQUIRE(rounds.size() == 8);
+  CHECK(rounds[0] == Ids{0, 1});
+  f.check_clean();
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].find("stream_slots is 0") != std::string::npos);
+  // Said once per cache; a later fallback is still reported in the summary.
+  auto again = f.wide(Ids{5, 6}, f.streams[0]);
+  REQUIRE(again.ok());
+  CHECK(again.value().fell_back);
+  CHECK(lines.size() == 1);
+  f.check_clean();
+  // With stream slots the summary says stream, no fallback.
+  WideFixture<RowWide> g(16, 4, 1, 4);
+  auto s = g.wide(all_experts(16), g.streams[0]);
+  REQUIRE(s.ok());
+  CHECK_FALSE(s.value().fell_back);
+  CHECK(s.value().admission == WideAdmission::stream);
+  g.check_clean();
+}
+
+TEST_CASE("plan_stream_rounds: runs, span and the automatic choice under the copy cost") {
+  std::vector<detail::StreamRound> out;
+  const Ids misses{0, 1, 2, 4, 5, 7, 8, 9, 10, 20, 21};
+  SUBCASE("runs: half misses per round") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::runs, WideCopyCost{}, 1, 1000, out);
+    REQUIRE(out.size() == 3);
+    CHECK(out[0].begin == 0);
+    CHECK(out[0].end == 4);
+    CHECK(out[2].end == misses.size());
+    for (const auto& r : out) CHECK_FALSE(r.span);
+  }
+  SUBCASE("span: ids within half of the first") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::span, WideCopyCost{}, 1, 1000, out);
+    // [0,3]: 0 1 2 | [4,7]: 4 5 7 | [8,11]: 8 9 10 | [20,23]: 20 21
+    REQUIRE(out.size() == 4);
+    CHECK(out[0].end == 3);
+    CHECK(out[1].first == 4);
+    CHECK(out[1].end == 6);
+    CHECK(out[3].first == 20);
+    for (const auto& r : out) CHECK(r.span);
+  }
+  SUBCASE("automatic: small experts (copies dominate) take spans, large ones runs") {
+    const Ids even{0, 2, 4, 6, 8, 10};
+    detail::plan_stream_rounds(even, 4, WideCopy::automatic, WideCopyCost{}, 1, 1000, out);
+    REQUIRE(out.size() == 3);
+    CHECK(out[0].span);  // {0,2}: one copy of 3 x 1000 B beats 4 copies of {0,2,4,6} per expert served
+    CHECK(out[0].end == 2);
+    detail::plan_stream_rounds(misses, 4, WideCopy::automatic, WideCopyCost{}, 1, 1000, out);
+    CHECK_FALSE(out[0].span);  // {0,1,2} (the only span from 0) has no gap: a run, the fuller runs round wins
+    detail::plan_stream_rounds(misses, 4, WideCopy::automatic, WideCopyCost{}, 1, 1u << 21, out);
+    // 2 MiB experts: a wasted expert costs 38 us, more than a copy saved: no span.
+    for (const auto& r : out) CHECK_FALSE(r.span);
+    const Ids gapless{8, 9, 10, 11, 12, 13, 14, 15};
+    detail::plan_stream_rounds(gapless, 4, WideCopy::automatic, WideCopyCost{}, 1, 1u << 21, out);
+    REQUIRE(out.size() == 2);  // one run per round either way
+  }
+  SUBCASE("no dense region: always runs") {
+    detail::plan_stream_rounds(misses, 4, WideCopy::span, WideCopyCost{}, 0, 0, out);
+    for (const auto& r : out) CHECK_FALSE(r.span);
+  }
+}
+
+TEST_CASE_TEMPLATE("wide forward, span copies: bytes right, unneeded experts copied but never mapped", Cache, RowWide,
+                   WholeWide) {
+  WideFixture<Cache> f(32, 4, 1, 8);
+  REQUIRE(f.forward(Ids{5}, f.streams[0]).ok());  // 5 resident: inside a span, copied again, mapped to the pool
+  f.rt.drain();
+  const auto before = f.cache->planner().snapshot();
+  std::vector<Ids> rounds;
+  const Ids topk{0, 2, 3, 5, 6, 9, 10, 11, 12, 30};
+  auto r = f.cache->prepare_wide(
+      topk, f.streams[0],
+      [&](const WideRound& round) noexcept {
+        rounds.emplace_back(round.experts.begin(), round.experts.end());
+        return f.read_round(round, f.streams[0]);
+      },
+      WideOptions{WideAdmission::stream, WideCopy::span});
+  REQUIRE(r.ok());
+  // Misses 0 2 3 6 9 10 11 12 30 in halves of 4 ids: [0..3] {0,2,3}, [6..9] {6,9}, [10..13] {10,11,12}, [30].
+  CHECK(r.value().rounds == 4);
+  CHECK(r.value().span_rounds == 4);
+  CHECK(r.value().streamed == 9);
+  CHECK(r.value().hits == 1);
+  CHECK(r.value().wasted == 1 + 2 + 0 + 0);  // 1 | 7, 8
+  REQUIRE(rounds.size() == 4);
+  CHECK(rounds[0] == Ids{0, 2, 3, 5});
+  CHECK(rounds[1] == Ids{6, 9});
+  const std::uint64_t dense = detail::dense_copy_shape<CopyStream>(f.cache->storage()).second;
+  const std::uint64_t per_expert = total_bytes_per_expert(six_tensor_layout().tensors());
+  CHECK(r.value().bytes == 9 * per_expert + 3 * dense);
+  f.check_clean();  // every mapped byte right (read_round checks slots and map contents), no race
   CHECK(f.cache->planner().snapshot() == before);
+}
+
+TEST_CASE("wide forward, span copies: one copy per dense region per round") {
+  WideFixture<WholeWide> f(32, 4, 1, 8);
+  auto runs = f.cache->prepare_wide(Ids{0, 2, 4, 6}, f.streams[0], [&](const WideRound& round) noexcept {
+    return f.read_round(round, f.streams[0]);
+  }, WideOptions{WideAdmission::stream, WideCopy::runs});
+  REQUIRE(runs.ok());
+  CHECK(runs.value().copies == 4);  // four runs of one blob
+  auto span = f.cache->prepare_wide(Ids{0, 2, 4, 6}, f.streams[0], [&](const WideRound& round) noexcept {
+    return f.read_round(round, f.streams[0]);
+  }, WideOptions{WideAdmission::stream, WideCopy::span});
+  REQUIRE(span.ok());
+  CHECK(span.value().rounds == 2);  // [0..3] {0,2}, [4..7] {4,6}
+  CHECK(span.value().copies == 2);
+  CHECK(span.value().wasted == 2);
   f.check_clean();
 }
 
@@ -366,6 +479,22 @@ TEST_CASE("negative (edge 10): without the buffer release a round's fill races t
   CHECK(races(std::type_identity<RowWide>{}) == 0);
   // Edge 3 orders each round's reader after its own fills, also inside a wide forward.
   CHECK(races(std::type_identity<WideCache<NoReadyWait>>{}) > 0);
+  // Span copies (every other expert: each span also writes the slot of an unneeded one).
+  const auto span_races = [](auto tag) {
+    using Cache = typename decltype(tag)::type;
+    WideFixture<Cache> f(24, 4, 1, 8);  // halves of 4 ids: {0, 2} per span, 1 wasted
+    Ids even;
+    for (std::int32_t e = 0; e < 24; e += 2) even.push_back(e);
+    auto r = f.wide(even, f.streams[0], WideAdmission::stream, nullptr, WideCopy::span);
+    REQUIRE(r.ok());
+    CHECK(r.value().span_rounds == r.value().rounds);
+    CHECK(r.value().wasted > 0);
+    f.rt.drain();
+    CHECK(f.log->runs == f.launched);
+    return f.rt.races().size();
+  };
+  CHECK(span_races(std::type_identity<WideCache<NoWideBufferRelease>>{}) > 0);
+  CHECK(span_races(std::type_identity<RowWide>{}) == 0);
 }
 
 TEST_CASE("scan resistance: the decode working set's hit rate after a wide forward equals what it was") {
@@ -411,7 +540,8 @@ TEST_CASE("ordering: randomized schedules of wide and normal forwards keep the r
       if (kind < 4) {
         REQUIRE(f.forward(random_topk(rng, 1, 2, 16), s).ok());
       } else if (kind < 6) {
-        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::stream).ok());
+        const auto copy = static_cast<WideCopy>(rng() % 3);  // runs, span, automatic
+        REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::stream, nullptr, copy).ok());
       } else if (kind < 8) {
         REQUIRE(f.wide(random_topk(rng, 8, 2, 16), s, WideAdmission::admit).ok());
       } else {
@@ -495,10 +625,15 @@ struct ModelWideFixture {
       }
     return read(layer, v.value(), ids, slots, s);
   }
-  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s) {
-    return cache->prepare_wide(layer, topk, s, [&](const WideRound& r) noexcept {
-      return read(layer, r.view, r.experts, r.slots, s);
-    });
+  Result<WideSummary> wide(std::int32_t layer, const Ids& topk, Stream s, WideAdmission admission = WideAdmission::stream,
+                           std::vector<Ids>* rounds = nullptr) {
+    return cache->prepare_wide(
+        layer, topk, s,
+        [&](const WideRound& r) noexcept {
+          if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
+          return read(layer, r.view, r.experts, r.slots, s);
+        },
+        WideOptions{admission});
   }
   void check_clean() {
     rt.drain();
@@ -533,10 +668,62 @@ TEST_CASE("model cache wide forward: per-layer and global pools, every round rig
     CHECK(bad.status().code() == ErrorCode::invalid_argument);
     auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
     CHECK(out.status().code() == ErrorCode::expert_out_of_range);
-    auto admit = f.cache->prepare_wide(0, Ids{1}, f.streams[0], [](const WideRound&) noexcept { return Status(); },
-                                       WideOptions{WideAdmission::admit});
-    CHECK(admit.status().code() == ErrorCode::not_supported);
   }
+}
+
+TEST_CASE("model cache wide forward, admit admission: rounds of half the pool through the layer's planner") {
+  for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+    CAPTURE(to_string(pool));
+    // per_layer: 6 slots per layer (groups of 3); global: 8 slots (groups of 4).
+    ModelWideFixture f(pool, 3, 16, pool == ModelPool::global ? 8 : 6, 4);
+    REQUIRE(f.forward(0, Ids{3, 4}, f.streams[0]).ok());
+    std::vector<Ids> rounds;
+    auto r = f.wide(1, all_experts(16), f.streams[1], WideAdmission::admit, &rounds);
+    REQUIRE(r.ok());
+    const std::size_t group = pool == ModelPool::global ? 4 : 3;
+    CHECK(r.value().rounds == (16 + group - 1) / group);
+    CHECK(r.value().admission == WideAdmission::admit);
+    CHECK(r.value().admitted == 16);
+    CHECK(r.value().streamed == 0);
+    REQUIRE(rounds.size() == r.value().rounds);
+    const Ids all = all_experts(16);
+    CHECK(rounds[0] == Ids(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(group)));
+    // The pool admitted the layer's experts: the last group is resident and hit.
+    const CacheStats l1 = f.cache->stats().per_layer[1];
+    CHECK(l1.misses == 16);
+    CHECK(l1.prepare_calls == r.value().rounds);
+    REQUIRE(f.forward(1, Ids{15}, f.streams[0]).ok());
+    CHECK(f.cache->stats().per_layer[1].hits == 1);
+    f.check_clean();
+    // Bad input: nothing changes.
+    const auto before = f.cache->planner(1).snapshot();
+    auto out = f.wide(1, Ids{1, 16}, f.streams[0], WideAdmission::admit);
+    CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    CHECK(f.cache->planner(1).snapshot() == before);
+    // A consumer failing in round 1: the pool as after rounds 0 and 1, the cache usable.
+    int calls = 0;
+    auto failed = f.cache->prepare_wide(2, all_experts(16), f.streams[0], [&](const WideRound& round) noexcept {
+      ++calls;
+      if (round.index == 1) return Status(ErrorCode::runtime_failure, "consumer failed");
+      return f.read(2, round.view, round.experts, round.slots, f.streams[0]);
+    }, WideOptions{WideAdmission::admit});
+    REQUIRE_FALSE(failed.ok());
+    CHECK(failed.status().message().find("round 1") != std::string_view::npos);
+    CHECK(calls == 2);
+    CHECK(f.cache->stats().per_layer[2].prepare_calls == 2);
+    REQUIRE(f.forward(2, Ids{0, 15}, f.streams[0]).ok());
+    f.check_clean();
+  }
+}
+
+TEST_CASE("model cache wide forward without stream slots: falls back to admit") {
+  ModelWideFixture f(ModelPool::per_layer, 2, 12, 4, 0);
+  auto r = f.wide(0, all_experts(12), f.streams[0]);
+  REQUIRE(r.ok());
+  CHECK(r.value().fell_back);
+  CHECK(r.value().admission == WideAdmission::admit);
+  CHECK(r.value().rounds == 6);
+  f.check_clean();
 }
 
 TEST_CASE("model cache wide forward: randomized schedules over layers and streams keep the detector silent") {
@@ -551,7 +738,8 @@ TEST_CASE("model cache wide forward: randomized schedules over layers and stream
         if (rng() % 2 == 0) {
           REQUIRE(f.forward(layer, random_topk(rng, 1, 2, 12), s).ok());
         } else {
-          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s).ok());
+          const auto admission = rng() % 3 == 0 ? WideAdmission::admit : WideAdmission::stream;
+          REQUIRE(f.wide(layer, random_topk(rng, 6, 2, 12), s, admission).ok());
         }
         f.rt.run_random(rng(), rng() % 16);
       }

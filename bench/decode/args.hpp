@@ -59,6 +59,7 @@ struct BenchArgs {
   // --prompt: prompt lengths (tokens) of the TTFT mode (prompt_run.hpp); empty = the decode run.
   std::vector<std::int32_t> prompts;
   std::int32_t prompt_every = 0;  // --prompt-every K: the mixed run, one prompt every K decode tokens
+  std::int32_t stream_slots = 0;  // --stream-slots N: per layer for the prompt mode (0: recommended_stream_slots)
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -109,11 +110,12 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      (co-activation table), prev (previous token), hint:R (EMULATED engine\n"
                "                      hints of recall R in (0, 1], drawn from the routing's future)\n"
                "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
-               "prompts (MODELLED; docs/benchmarks.md \"Prompts\")\n"
+               "prompts (measured on a GPU, else MODELLED; docs/benchmarks.md \"Prompts\")\n"
                "  --prompt LIST       TTFT of prompts of these lengths (e.g. 128,512,2048,8192), each served as one\n"
                "                      wide forward per layer, next to the streaming bound and an all-resident prefill\n"
                "  --prompt-every K    also the mixed run: one prompt (the last length) every K decode tokens over\n"
                "                      --steps tokens, decode tok/s and hit rate, scan resistant vs admit-everything\n"
+               "  --stream-slots N    stream slots per layer of the prompt mode (default recommended_stream_slots)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
                "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
                "output\n"
@@ -262,6 +264,8 @@ inline BenchArgs parse_args(int argc, char** argv) {
       if (a.prompts.empty()) throw UsageError{"--prompt needs at least one prompt length"};
     } else if (arg == "--prompt-every") {
       a.prompt_every = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 20));
+    } else if (arg == "--stream-slots") {
+      a.stream_slots = static_cast<std::int32_t>(parse_int(arg, value(), 2, 1 << 20));
     } else {
       throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
     }

@@ -25,6 +25,7 @@ struct GpuHooks {
   bool built = false;
   std::function<bool(std::string& why)> device_available;
   std::function<Report(const Model&, const Routing&, const BenchArgs&, Progress&)> run;
+  std::function<int(const Model&, const BenchArgs&)> prompt;  // --prompt measured (exit code)
 };
 
 inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
@@ -88,9 +89,9 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     return exit_usage;
   }
 
-  if (!args.prompts.empty()) {  // the prompt mode is modelled only (prompt_run.hpp)
+  if (!args.prompts.empty()) {  // measured on a GPU (prompt_measured.cuh), else modelled (prompt_run.hpp)
     try {
-      if (args.prompt_every > 0 && args.prompts.empty()) throw UsageError{"--prompt-every needs --prompt"};
+      if (use_gpu && gpu.prompt) return gpu.prompt(model, args);
       return run_prompt_mode(model, args);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "expert-cache-bench: prompt run failed: %s\n", e.what());

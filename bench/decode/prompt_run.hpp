@@ -5,7 +5,8 @@
 // provider: per-layer whole-expert caches (expert-major blobs, Lfru, copy stream) with the
 // recommended stream slots. Per layer the host first waits for the consumer stream (a
 // host-planned cache needs the router's ids on the host), then prepare_wide; each round's
-// consumer is one modelled kernel. Host-only.
+// consumer is one modelled kernel. Host-only. On a CUDA build with a device the tables are
+// measured instead (prompt_measured.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +26,11 @@ namespace expert_cache::bench {
 // launch (consumer_fixed_ns), the round's expert weights read once from HBM, and per
 // (token, expert) pair 6 * hidden * intermediate flops at prompt_flops_per_ns.
 inline constexpr double prompt_flops_per_ns = 400e3;  // 400 TFLOP/s effective (NVFP4 peak is far higher)
+
+// Stream slots per layer of the prompt mode: --stream-slots, else the recommended size.
+inline std::int32_t prompt_stream_slots(const Model& m, const BenchArgs& a) noexcept {
+  return std::min(m.experts, a.stream_slots > 0 ? a.stream_slots : recommended_stream_slots(m.capacity, m.top_k));
+}
 
 struct PromptRouting {
   std::vector<std::vector<std::int32_t>> ids;  // per layer: tokens * top_k ids
@@ -64,7 +70,7 @@ class PromptBench {
       o.num_experts = m.experts;
       o.capacity = m.capacity;
       o.top_k = m.top_k;
-      o.stream_slots = std::min(m.experts, recommended_stream_slots(m.capacity, m.top_k));
+      o.stream_slots = prompt_stream_slots(m, a);
       o.log = {};
       caches_.push_back(std::make_unique<Cache>(rt_, o, layout));
       fill_sim_pools(*caches_.back(), rt_, l, real);
@@ -137,7 +143,7 @@ class PromptBench {
                           work * pair_ns();
         t.compute_ns += ns;
         return rt_.launch(consumer_, {}, {}, ns);
-      }, WideOptions{admission});
+      }, wide_options(admission));
       if (!r.ok()) throw Error(r.status());
       t.rounds += r.value().rounds;
       t.copies += r.value().copies;
@@ -145,6 +151,16 @@ class PromptBench {
     }
     t.ttft_ns = now() - start;
     return t;
+  }
+
+  // The pools hold weights scaled down by sim_scale while the cost model charges the real bytes:
+  // the copy-shape choice (WideCopy::automatic) sees the link slowed by the same factor, so it
+  // chooses as it would for the real experts.
+  [[nodiscard]] WideOptions wide_options(WideAdmission admission) const noexcept {
+    WideOptions o;
+    o.admission = admission;
+    o.cost.link_bytes_per_ns /= static_cast<double>(std::max<std::int64_t>(1, a_.sim_scale));
+    return o;
   }
 
   [[nodiscard]] CacheStats totals() const {
@@ -179,7 +195,7 @@ inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB, host-planned whole-expert "
               "cache (Lfru, copy stream) with %d stream slots per layer\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
-              std::min(m.experts, recommended_stream_slots(m.capacity, m.top_k)));
+              prompt_stream_slots(m, a));
   std::printf("\nTTFT (one wide forward per layer after %d decode warm-up steps; bound = non-resident bytes / %.1f GB/s)\n",
               a.warmup, costs.pcie_bytes_per_ns);
   std::printf("%8s %10s %10s %10s %8s %12s %12s %8s %8s\n", "tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s",

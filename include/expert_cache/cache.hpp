@@ -157,8 +157,10 @@ struct CacheOptions {
   /// workspace covers capacity + stream_slots slots.
   StorageMemory memory{};
   /// Extra GPU slots after the pool's `capacity` for wide forwards with WideAdmission::stream
-  /// (wide.hpp): two halves of stream_slots / 2, used alternately, never admitted. 0: such
-  /// forwards are refused (not_supported); recommended_stream_slots() gives a default size.
+  /// (wide.hpp): two halves of stream_slots / 2, used alternately, never admitted. 0 (the
+  /// default, so a decode-only cache spends no memory on them): such forwards are served with
+  /// WideAdmission::admit instead (WideSummary::fell_back, one line on `log`), which works but
+  /// evicts the decode working set; recommended_stream_slots() gives the size to configure.
   std::int32_t stream_slots = 0;
   /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
   std::int64_t max_wide_ids = default_max_wide_ids;
@@ -206,6 +208,7 @@ class ExpertCacheWithEdges {
     wide_round_.reserve(experts);
     wide_slots_.reserve(experts);
     wide_fills_.reserve(experts);
+    wide_plan_.reserve(experts + 1);
     wide_map_.assign(experts, absent_slot);
     if (options_.log) {
       const CacheStats s = stats();
@@ -316,9 +319,11 @@ class ExpertCacheWithEdges {
   /// runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
   /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as
   /// prepare_unique() calls would (round r + 1 may not evict round r's experts).
+  /// Stream admission on a cache without stream slots (CacheOptions::stream_slots < 2) is
+  /// served as admit (WideSummary::fell_back). options.copy picks how a round's missing experts
+  /// are copied (WideCopy: runs, one span of ids, or the cheaper under options.cost).
   /// Errors before anything changes: too_many_experts (more than max_wide_ids ids),
-  /// expert_out_of_range, not_supported (stream admission without stream_slots),
-  /// capture_unsupported (`stream` is capturing), a staging policy's precheck. A consumer that
+  /// expert_out_of_range, capture_unsupported (`stream` is capturing), a staging policy's precheck. A consumer that
   /// fails ends the forward with its Status (context: the round); a runtime failure drops what
   /// the failing round was filling (admit: as prepare() does). Either way no round is half
   /// published: stream admission leaves the pool as it was; admit leaves it as after the rounds
@@ -330,13 +335,10 @@ class ExpertCacheWithEdges {
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
                                    WideOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_wide");
-    const bool streaming = options.admission == WideAdmission::stream;
-    if (streaming && options_.stream_slots < 2) {
-      return Status::format(ErrorCode::not_supported,
-                            "prepare_wide with WideAdmission::stream needs CacheOptions::stream_slots >= 2 (this cache "
-                            "has %d); configure them or pass WideAdmission::admit",
-                            options_.stream_slots);
-    }
+    // Without stream slots the forward still works: through the pool (admit), which is not scan
+    // resistant; said once on the cache's log (silent without one) and in the summary.
+    const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
+    const bool streaming = options.admission == WideAdmission::stream && !fell_back;
     if constexpr (requires { staging_.precheck(*rt_, stream); }) {
       if (Status s = staging_.precheck(*rt_, stream); !s) return s;
     }
@@ -357,8 +359,22 @@ class ExpertCacheWithEdges {
     }
     WideSummary summary;
     summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.admission = streaming ? WideAdmission::stream : WideAdmission::admit;
+    summary.fell_back = fell_back;
+    if (fell_back && !wide_fallback_logged_ && options_.log) {
+      wide_fallback_logged_ = true;
+      try {
+        options_.log(options_.label +
+                     ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan resistant): "
+                     "CacheOptions::stream_slots is " +
+                     std::to_string(options_.stream_slots) + "; recommended_stream_slots() gives " +
+                     std::to_string(recommended_stream_slots(options_.capacity, options_.top_k)));
+      } catch (...) {  // a failing log sink does not fail the forward
+      }
+    }
     last_copies_ = 0;
-    Status s = streaming ? wide_stream_rounds(stream, consumer, summary) : wide_admit_rounds(stream, consumer, summary);
+    Status s = streaming ? wide_stream_rounds(stream, consumer, summary, options)
+                         : wide_admit_rounds(stream, consumer, summary);
     total_copies_ += summary.copies;
     last_copies_ = summary.copies;
     wide_bytes_ += summary.bytes;
@@ -505,10 +521,11 @@ class ExpertCacheWithEdges {
     return core_.upload_map(wide_map_.data(), const_cast<std::int32_t*>(view_.expert_map), stream);
   }
 
-  // WideAdmission::stream. Round 0: the resident experts (pool slots) and the first half's
-  // worth of missing ones; round r: the r-th chunk of missing experts, in stream half r % 2.
+  // WideAdmission::stream. Round 0: the resident experts (pool slots) and the first round's
+  // missing ones; round r: the r-th round of missing experts (plan_stream_rounds: `half` of them,
+  // or a span of at most `half` ids), in stream half r % 2.
   template <class Consumer>
-  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary) noexcept {
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary, const WideOptions& options) noexcept {
     const auto resident = planner_.resident_map();
     wide_hits_.clear();
     wide_misses_.clear();
@@ -516,7 +533,9 @@ class ExpertCacheWithEdges {
       (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
     }
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
-    const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
+    const auto [dense_regions, dense_bytes] = detail::dense_copy_shape<StagingPolicy>(storage_);
+    detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
+    const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     // Edge 9 for the pool's speculative fills this forward reads.
@@ -527,11 +546,13 @@ class ExpertCacheWithEdges {
       }
     }
     const auto chunk = [&](std::size_t r) {
-      const std::size_t b = std::min(wide_misses_.size(), r * half);
-      return std::span<const std::int32_t>(wide_misses_).subspan(b, std::min(wide_misses_.size(), b + half) - b);
+      if (r >= wide_plan_.size()) return std::span<const std::int32_t>();
+      return std::span<const std::int32_t>(wide_misses_).subspan(wide_plan_[r].begin, wide_plan_[r].end - wide_plan_[r].begin);
     };
     const auto stream_slot = [&](std::size_t r, std::size_t i) {
-      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + i);
+      const detail::StreamRound& p = wide_plan_[r];
+      const std::size_t k = p.span ? static_cast<std::size_t>(wide_misses_[p.begin + i] - p.first) : i;
+      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + k);
     };
     const auto fill_round = [&](std::size_t r) noexcept -> Status {
       const auto c = chunk(r);
@@ -539,14 +560,25 @@ class ExpertCacheWithEdges {
       for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
       if (wide_fills_.empty() && !resident_dirty_) return {};
       const bool upload = resident_dirty_;
+      const bool span = !c.empty() && wide_plan_[r].span;
+      const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
-        return detail::issue_coalesced(staging_, *rt_, f, storage_, std::span<const SlotFill>(wide_fills_),
-                                       summary.copies);
+        const std::span<const SlotFill> fills(wide_fills_);
+        if (span) {
+          const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
+          return detail::issue_span(staging_, *rt_, f, storage_, first, width, fills, summary.copies);
+        }
+        return detail::issue_coalesced(staging_, *rt_, f, storage_, fills, summary.copies);
       });
       if (s && upload) resident_dirty_ = false;
       if (s) {
         summary.streamed += static_cast<std::uint32_t>(c.size());
         summary.bytes += c.size() * bytes_per_expert;
+        if (span) {
+          ++summary.span_rounds;
+          summary.wasted += static_cast<std::uint32_t>(width - c.size());
+          summary.bytes += (width - c.size()) * dense_bytes;
+        }
       }
       return s;
     };
@@ -795,6 +827,8 @@ class ExpertCacheWithEdges {
   std::vector<std::uint8_t> wide_seen_;
   std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
   std::vector<SlotFill> wide_fills_;
+  std::vector<detail::StreamRound> wide_plan_;
+  bool wide_fallback_logged_ = false;
   std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0, wide_bytes_ = 0;
 };
 

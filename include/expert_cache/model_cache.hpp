@@ -224,22 +224,17 @@ class ModelExpertCache {
   // A wide forward of layer `layer` (ExpertCache::prepare_wide, same contract per layer): the
   // rounds' views are the layer's (its map range, its slot tensors: a stream slot's id in the
   // layer's map is relative to the layer's first slot like the pool's). WideAdmission::stream
-  // only (the model's stream slots); WideAdmission::admit is refused (not_supported) here: use
-  // the per-layer ExpertCache for the admit-everything baseline.
+  // goes through the model's stream slots; WideAdmission::admit (and stream admission on a cache
+  // without stream slots, WideSummary::fell_back) through the layer's pool (admit_wide).
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int32_t> topk_ids, Stream stream,
                                    Consumer&& consumer, WideOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare_wide");
     if (Status s = check_layer(layer, "prepare_wide"); !s) return s;
-    if (options.admission != WideAdmission::stream) {
-      return Status(ErrorCode::not_supported, "ModelExpertCache::prepare_wide serves WideAdmission::stream only");
-    }
-    if (options_.stream_slots < 2) {
-      return Status::format(ErrorCode::not_supported,
-                            "prepare_wide needs ModelCacheOptions::stream_slots >= 2 (this cache has %d)",
-                            options_.stream_slots);
-    }
+    // Without stream slots: admit, as ExpertCache::prepare_wide (WideSummary::fell_back).
+    const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
+    if (options.admission == WideAdmission::admit || fell_back) return admit_wide(layer, topk_ids, stream, consumer, fell_back);
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
     if constexpr (requires { staging.precheck(*rt_, stream); }) {
@@ -594,6 +589,80 @@ class ModelExpertCache {
 
   // Plans layer l's forward into plan_. Global mode: the ids are checked against [0, E) and
   // keyed l*E + e first (ids_ grows only when a longer id list arrives).
+  // WideAdmission::admit for layer `layer`: ascending groups of half the layer's capacity (the
+  // pool's in global mode), each through prepare_unique's path (plan, fills ordered after the
+  // previous round's consumer like any prepare, forward map), then the round's consumer. A
+  // round's fills therefore wait for the previous round's consumer (no overlap): the
+  // admit-everything baseline, not the fast path. A failure leaves the pool as after the rounds
+  // prepared so far (a runtime failure drops the failing round's fills, as prepare() does).
+  template <class Consumer>
+  Result<WideSummary> admit_wide(std::int32_t layer, std::span<const std::int32_t> topk_ids, Stream stream,
+                                 Consumer& consumer, bool fell_back) noexcept {
+    const auto l = static_cast<std::size_t>(layer);
+    StagingPolicy& staging = stagings_[global() ? 0 : l];
+    if constexpr (requires { staging.precheck(*rt_, stream); }) {
+      if (Status s = staging.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
+    }
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+        !s) {
+      return s.with_context("prepare_wide of layer %d", layer);
+    }
+    const std::int32_t pool = global() ? options_.capacity : capacities_[l];
+    const std::size_t group = static_cast<std::size_t>(std::max(1, pool / 2));
+    const std::size_t n = wide_unique_.size();
+    const std::size_t rounds = std::max<std::size_t>(1, (n + group - 1) / group);
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(n);
+    summary.admission = WideAdmission::admit;
+    summary.fell_back = fell_back;
+    std::uint64_t copies = 0;
+    for (std::size_t r = 0; r < rounds; ++r) {
+      const std::size_t b = std::min(n, r * group);
+      const auto ids = std::span<const std::int32_t>(wide_unique_).subspan(b, std::min(n, b + group) - b);
+      Result<ForwardView> v = prepare_impl<true>(layer, ids, stream);
+      if (!v.ok()) {
+        layer_counters_[l].last_copies = copies;
+        return v.status().with_context("prepare_wide (admit) of layer %d: round %zu of %zu", layer, r, rounds);
+      }
+      copies += layer_counters_[l].last_copies;
+      summary.hits += v.value().hits;
+      summary.admitted += v.value().misses;
+      summary.bytes += v.value().misses * bytes_per_expert;
+      const auto map = forward_map_host(layer);
+      wide_round_.assign(ids.begin(), ids.end());
+      wide_slots_.clear();
+      for (const std::int32_t e : wide_round_) wide_slots_.push_back(map[static_cast<std::size_t>(e)]);
+      WideRound round;
+      round.view = v.value();
+      round.experts = wide_round_;
+      round.slots = wide_slots_;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      Status cs;
+      try {
+        cs = consumer(round);
+        if (!cs) cs = cs.with_context("wide forward of layer %d: the consumer of round %zu of %zu failed", layer, r, rounds);
+      } catch (...) {
+        cs = Status::format(ErrorCode::runtime_failure, "wide forward of layer %d: the consumer of round %zu threw", layer, r);
+      }
+      if (!cs) {
+        layer_counters_[l].last_copies = copies;
+        return cs;
+      }
+      ++summary.rounds;
+    }
+    summary.copies = copies;
+    layer_counters_[l].last_copies = copies;
+    last_copies_ = copies;
+    return summary;
+  }
+
   template <bool Unique>
   Status plan(std::size_t l, std::span<const std::int32_t> ids) noexcept {
     if (!global()) return Unique ? planners_[l].plan_unique(ids, plan_) : planners_[l].plan_topk(ids, plan_);

@@ -27,6 +27,7 @@
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
@@ -45,9 +46,35 @@ enum class WideAdmission : std::uint8_t {
   return a == WideAdmission::stream ? "stream" : "admit";
 }
 
+/// How stream admission copies a round's missing experts (dense storages with a coalescing
+/// staging policy; otherwise always `runs`).
+///   runs       every run of consecutive missing ids is one copy per dense region.
+///   span       a round is an id range of at most half the stream slots: ONE copy per dense
+///              region of the whole range, unneeded and resident experts in it included (they
+///              are copied, never mapped).
+///   automatic  per round, the cheaper of the two under WideCopyCost (per expert served); a
+///              span without gaps is a run, so it is taken only when it skips gaps.
+enum class WideCopy : std::uint8_t { runs, span, automatic };
+
+[[nodiscard]] constexpr std::string_view to_string(WideCopy c) noexcept {
+  return c == WideCopy::runs ? "runs" : c == WideCopy::span ? "span" : "automatic";
+}
+
+/// Cost model of one host->device copy of n bytes: overhead_ns + n / link_bytes_per_ns. The
+/// defaults are the H200's copy-size curve (docs/hardware_limits.md: 64 KiB at 11 GB/s, 1 MiB
+/// at 43, 4 MiB at 50 against a 55.2 GB/s ceiling: about 5 us of fixed cost per copy). A span
+/// wins when the bytes it wastes cost less than the copies it saves: wasted bytes <
+/// saved copies x 5 us x 55 GB/s = saved copies x 275 KB.
+struct WideCopyCost {
+  double copy_overhead_ns = 5000.0;
+  double link_bytes_per_ns = 55.0;
+};
+
 /// Options of one prepare_wide() call.
 struct WideOptions {
   WideAdmission admission = WideAdmission::stream;
+  WideCopy copy = WideCopy::automatic;
+  WideCopyCost cost{};
 };
 
 /// What a wide forward did (returned by prepare_wide once every round's consumer succeeded).
@@ -58,7 +85,11 @@ struct WideSummary {
   std::uint32_t streamed = 0;   ///< stream admission: experts copied into stream slots
   std::uint32_t admitted = 0;   ///< admit admission: experts copied into the pool
   std::uint64_t copies = 0;     ///< copy operations enqueued (a coalesced run counts once per region)
-  std::uint64_t bytes = 0;      ///< bytes copied
+  std::uint64_t bytes = 0;      ///< bytes copied (span copies: the unneeded experts in the span too)
+  std::uint32_t span_rounds = 0;  ///< stream admission: rounds copied as one span (WideCopy)
+  std::uint32_t wasted = 0;     ///< experts copied by spans that no round maps (unneeded or resident)
+  WideAdmission admission = WideAdmission::stream;  ///< the admission that served the forward
+  bool fell_back = false;       ///< stream admission asked for without stream slots: served by admit
 };
 
 /// Recommended stream slots for a cache of `capacity` slots and top-k `top_k`: two halves of
@@ -130,6 +161,98 @@ Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const S
       copies += fills.size() * sparse.regions.count;
     }
     return {};
+  }
+}
+
+// A span round (StreamRound::span): ONE copy per dense region of the `width` experts from
+// `first` (expert first.expert into slot first.slot onwards), then the non-dense regions of
+// the round's `fills` one by one. Only for coalescing staging policies (plan_stream_rounds is
+// given no dense regions otherwise).
+template <class Staging, class R, class Storage>
+Status issue_span(Staging& staging, R& rt, typename R::Stream fill, const Storage& storage, SlotFill first,
+                  std::size_t width, std::span<const SlotFill> fills, std::uint64_t& copies) noexcept {
+  if constexpr (!coalescing_staging<Staging>) {
+    (void)first;
+    (void)width;
+    copies += fills.size() * storage.copy_regions().count;
+    return staging.issue(rt, fill, storage, fills);
+  } else {
+    RunCopyRegions dense, sparse;
+    for (const CopyRegion& r : storage.copy_regions()) {
+      (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
+    }
+    if (dense.regions.count != 0) {
+      for (std::size_t i = 0; i < dense.regions.count; ++i) dense.regions.regions[i].bytes *= width;
+      if (Status s = staging.issue(rt, fill, dense, std::span<const SlotFill>(&first, 1)); !s) return s;
+      copies += dense.regions.count;
+    }
+    if (sparse.regions.count != 0) {
+      if (Status s = staging.issue(rt, fill, sparse, fills); !s) return s;
+      copies += fills.size() * sparse.regions.count;
+    }
+    return {};
+  }
+}
+
+// Dense copy regions per expert of a storage, and their bytes (what a span copies per expert);
+// zero regions where the staging policy does not coalesce.
+template <class Staging, class Storage>
+[[nodiscard]] std::pair<std::size_t, std::uint64_t> dense_copy_shape(const Storage& storage) noexcept {
+  std::size_t n = 0;
+  std::uint64_t bytes = 0;
+  if constexpr (coalescing_staging<Staging>) {
+    for (const CopyRegion& r : storage.copy_regions()) {
+      if (dense_region(r)) {
+        ++n;
+        bytes += r.bytes;
+      }
+    }
+  }
+  return {n, bytes};
+}
+
+// One round of stream admission: misses [begin, end) of the forward's ascending missing list.
+// span: copied as the id range [first, misses[end - 1]] into consecutive stream slots (slot of
+// expert e = the half's first slot + e - first); else each expert k of the round in slot k.
+struct StreamRound {
+  std::size_t begin = 0, end = 0;
+  std::int32_t first = 0;
+  bool span = false;
+};
+
+// Splits the ascending `misses` into rounds of at most `half` stream slots each. dense_regions
+// / dense_bytes: the dense copy regions per expert (0: spans impossible, every round `runs`).
+// `out` has room for misses.size() + 1 rounds (reserved by the owner: no allocation).
+inline void plan_stream_rounds(std::span<const std::int32_t> misses, std::size_t half, WideCopy mode,
+                               const WideCopyCost& cost, std::size_t dense_regions, std::uint64_t dense_bytes,
+                               std::vector<StreamRound>& out) noexcept {
+  out.clear();
+  const std::size_t n = misses.size();
+  const double per_copy = cost.copy_overhead_ns;
+  const double per_expert = cost.link_bytes_per_ns > 0 ? static_cast<double>(dense_bytes) / cost.link_bytes_per_ns : 0.0;
+  std::size_t i = 0;
+  while (i < n) {
+    // runs: the next `half` misses, one copy per dense region and run.
+    const std::size_t a_end = std::min(n, i + half);
+    std::size_t a_runs = 1;
+    for (std::size_t k = i + 1; k < a_end; ++k) a_runs += misses[k] != misses[k - 1] + 1 ? 1 : 0;
+    StreamRound round{i, a_end, misses[i], false};
+    if (mode != WideCopy::runs && dense_regions != 0) {
+      // span: the misses within `half` ids of the first one, one copy per dense region.
+      std::size_t b_end = i + 1;
+      while (b_end < n && static_cast<std::size_t>(misses[b_end] - misses[i]) < half) ++b_end;
+      const auto width = static_cast<double>(misses[b_end - 1] - misses[i] + 1);
+      const double cost_a = (static_cast<double>(a_runs * dense_regions) * per_copy +
+                             static_cast<double>(a_end - i) * per_expert) /
+                            static_cast<double>(a_end - i);
+      const double cost_b =
+          (static_cast<double>(dense_regions) * per_copy + width * per_expert) / static_cast<double>(b_end - i);
+      // A span without gaps is a run: automatic keeps the fuller runs round then.
+      const bool gaps = width > static_cast<double>(b_end - i);
+      if (mode == WideCopy::span || (gaps && cost_b < cost_a)) round = StreamRound{i, b_end, misses[i], true};
+    }
+    out.push_back(round);
+    i = round.end;
   }
 }
 

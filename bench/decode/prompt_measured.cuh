@@ -1,0 +1,614 @@
+#pragma once
+// expert-cache-bench --prompt, MEASURED on a GPU: time to first token (TTFT) of whole prompts,
+// each served as ONE prepare_wide per layer on CudaRuntime caches over real pinned host pools,
+// with the decode benchmark's NVFP4 consumer kernels (device/moe_consumer.cuh) doing each
+// round's work; and the mixed run (one prompt every K decode tokens). Part of
+// expert_cache_bench.cu: included there after its helpers (check_cuda, DeviceBuffer,
+// PinnedBuffer, synth_fill, parallel_experts, measure_pcie_ceiling), not a public header.
+//
+// Many tokens per expert: the consumer computes one (token, expert) pair per MoeConsumer
+// "token" (top-1), with a round's pairs sorted by expert so that consecutive blocks read the
+// same expert's weights (from L2 after the first). Per round: the pair list (built on the host,
+// read by a kernel from mapped pinned memory, so no copy-engine traffic queues behind the
+// fills), a gather of the pairs' input rows, MoeConsumer::run in chunks of at most
+// `chunk_pairs`, and a scatter of each pair's output to its own row; after the layer's rounds a
+// reduction sums every token's top-k rows in a fixed order. The sums therefore do not depend
+// on how the rounds split the experts: every configuration's last-layer output must be
+// bit-identical to the all-resident prefill's (same kernels, same bytes), else the run fails.
+//
+// Per prompt length, after --warmup decode steps from an emptied cache: the all-resident
+// prefill (every expert on the device, one round per layer), then stream admission with each
+// WideCopy (runs, span, automatic; the pool is not changed, so they see the same residents), a
+// fill-only pass (the rounds with a consumer that enqueues nothing: the transfer pipeline
+// alone, whose bytes / time is the rounds' achieved link rate), and admit admission last.
+// Compute is the sum of the rounds' consumer times (events around each round's work, which
+// starts after the round's fill: edge 3). The streaming bound is the non-resident experts'
+// bytes over the same-run pinned ceiling (one large cudaMemcpyAsync timed with events).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "expert_cache/cuda.hpp"
+#include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/expert_cache.hpp"
+#include "expert_cache/tools/trace_generator.hpp"
+#include "prompt_run.hpp"
+
+namespace expert_cache::bench {
+namespace prompt_gpu {
+
+// One (token, expert) pair of a round, as the host writes it into mapped pinned memory.
+struct PairRec {
+  std::int32_t src;     // token
+  std::int32_t expert;  // routed expert
+  std::int32_t pair;    // token * top_k + j
+  float weight;         // top-k weight
+};
+
+__global__ void input_kernel(float* x, std::size_t n) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 31)) * 0xbf58476d1ce4e5b9ULL;
+    x[i] = static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;  // [-1, 1)
+  }
+}
+
+__global__ void load_pairs_kernel(const PairRec* rec, std::int32_t n, std::int32_t* ids, float* w, std::int32_t* src,
+                                  std::int32_t* pair) {
+  const std::int32_t i = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i >= n) return;
+  const PairRec r = rec[i];
+  ids[i] = r.expert;
+  w[i] = r.weight;
+  src[i] = r.src;
+  pair[i] = r.pair;
+}
+
+// xv[v] = x[src[v]] (rows of `hidden` floats, hidden % 4 == 0).
+__global__ void gather_rows_kernel(const float* x, const std::int32_t* src, std::int64_t hidden, float* xv) {
+  const auto v = static_cast<std::int64_t>(blockIdx.x);
+  const auto* in = reinterpret_cast<const float4*>(x + static_cast<std::int64_t>(src[v]) * hidden);
+  auto* out = reinterpret_cast<float4*>(xv + v * hidden);
+  for (std::int64_t k = threadIdx.x; k < hidden / 4; k += blockDim.x) out[k] = in[k];
+}
+
+// pair_out[pair[v]] = outv[v].
+__global__ void scatter_rows_kernel(const float* outv, const std::int32_t* pair, std::int64_t hidden, float* pair_out) {
+  const auto v = static_cast<std::int64_t>(blockIdx.x);
+  const auto* in = reinterpret_cast<const float4*>(outv + v * hidden);
+  auto* out = reinterpret_cast<float4*>(pair_out + static_cast<std::int64_t>(pair[v]) * hidden);
+  for (std::int64_t k = threadIdx.x; k < hidden / 4; k += blockDim.x) out[k] = in[k];
+}
+
+// The layer's ids from mapped host memory into device memory (read once, coalesced).
+__global__ void load_ids_kernel(const std::int32_t* host, std::size_t n, std::int32_t* ids) {
+  const std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (i < n) ids[i] = host[i];
+}
+
+// out[t] = sum over j in order of pair_out[t * top_k + j] (pairs with id < 0 contribute 0).
+__global__ void reduce_pairs_kernel(const float* pair_out, const std::int32_t* ids, std::int32_t top_k,
+                                    std::int64_t hidden, float* out) {
+  const auto t = static_cast<std::int64_t>(blockIdx.x);
+  for (std::int64_t k = threadIdx.x; k < hidden; k += blockDim.x) {
+    float sum = 0.0f;
+    for (std::int32_t j = 0; j < top_k; ++j) {
+      const std::int64_t p = t * top_k + j;
+      if (ids[p] >= 0) sum += pair_out[p * hidden + k];
+    }
+    out[t * hidden + k] = sum;
+  }
+}
+
+// A prompt's routing: per layer tokens * top_k ids (-1 padded) and top-k weights (1 / top_k).
+struct Prompt {
+  std::int32_t tokens = 0;
+  std::vector<std::vector<std::int32_t>> ids;
+};
+
+inline Prompt make_prompt(const Model& m, const BenchArgs& a, std::int32_t tokens, std::uint64_t seed) {
+  GeneratorSpec spec;
+  spec.layers = m.layers;
+  spec.experts = m.experts;
+  spec.top_k = m.top_k;
+  spec.steps = tokens;
+  spec.zipf_s = a.zipf;
+  spec.sticky = a.sticky;
+  spec.seed = seed;
+  const Trace t = generate_trace(spec);
+  Prompt p;
+  p.tokens = tokens;
+  const auto k = static_cast<std::size_t>(m.top_k);
+  p.ids.assign(static_cast<std::size_t>(m.layers), std::vector<std::int32_t>(static_cast<std::size_t>(tokens) * k, -1));
+  for (std::size_t f = 0; f < t.forwards.size(); ++f) {
+    const auto e = t.experts(f);
+    auto& dst = p.ids[static_cast<std::size_t>(t.forwards[f].layer)];
+    const auto at = static_cast<std::size_t>(t.forwards[f].step) * k;
+    for (std::size_t j = 0; j < std::min(k, e.size()); ++j) dst[at + j] = e[j];
+  }
+  return p;
+}
+
+struct PromptTimes {
+  double ttft_ns = 0, compute_ns = 0, bound_ns = 0, bytes = 0;
+  std::uint64_t rounds = 0, copies = 0, span_rounds = 0, wasted = 0, missing = 0;
+};
+
+enum class PromptMode { wide, fill_only, resident };
+
+// Every expert of every layer on the device (tensor-major arrays, slot = expert): the
+// all-resident prefill's weights, filled with the same synthetic bytes as the host pools.
+class ResidentWeights {
+ public:
+  ResidentWeights(const Model& m) : tensors_(m.layout.tensors()), experts_(m.experts) {
+    const auto E = static_cast<std::size_t>(m.experts);
+    std::size_t layer_bytes = 0;
+    for (const auto& t : tensors_) layer_bytes += t.bytes_per_expert * E;
+    PinnedBuffer stage(layer_bytes);
+    arrays_.resize(static_cast<std::size_t>(m.layers));
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      std::array<std::size_t, num_expert_tensors> offs{};
+      std::size_t off = 0;
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        offs[t] = off;
+        off += tensors_[t].bytes_per_expert * E;
+      }
+      parallel_experts(1, m.experts, [&](std::int32_t, std::int32_t e) {
+        for (std::size_t t = 0; t < num_expert_tensors; ++t)
+          synth_fill(stage.as<unsigned char>() + offs[t] + static_cast<std::size_t>(e) * tensors_[t].bytes_per_expert,
+                     tensors_[t].bytes_per_expert, l, e, t);
+      });
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        auto& arr = arrays_[static_cast<std::size_t>(l)][t];
+        arr = std::make_unique<DeviceBuffer>(std::max<std::size_t>(1, tensors_[t].bytes_per_expert * E));
+        if (tensors_[t].bytes_per_expert != 0)
+          check_cuda(cudaMemcpy(arr->p, stage.as<unsigned char>() + offs[t], tensors_[t].bytes_per_expert * E,
+                                cudaMemcpyHostToDevice),
+                     "cudaMemcpy(resident weights)");
+      }
+    }
+    identity_ = DeviceBuffer(E * sizeof(std::int32_t));
+    std::vector<std::int32_t> ident(E);
+    for (std::size_t e = 0; e < E; ++e) ident[e] = static_cast<std::int32_t>(e);
+    check_cuda(cudaMemcpy(identity_.p, ident.data(), E * sizeof(std::int32_t), cudaMemcpyHostToDevice), "cudaMemcpy(map)");
+  }
+  [[nodiscard]] device::MoeWeights weights(std::int32_t l) const {
+    device::MoeWeights w;
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      w.base[t] = arrays_[static_cast<std::size_t>(l)][t]->as<const unsigned char>();
+      w.stride[t] = tensors_[t].bytes_per_expert;
+    }
+    w.expert_map = identity_.as<const std::int32_t>();
+    w.num_experts = experts_;
+    return w;
+  }
+
+ private:
+  ExpertTensorBytes tensors_;
+  std::int32_t experts_;
+  std::vector<std::array<std::unique_ptr<DeviceBuffer>, num_expert_tensors>> arrays_;
+  DeviceBuffer identity_;
+};
+
+// The per-layer caches of one host-planned provider and the prompt / decode drivers.
+template <class Cache>
+class PromptRunner {
+ public:
+  static constexpr std::int32_t chunk_pairs = 16384;  // MoeConsumer tokens per run (workspace ~0.7 GB)
+
+  PromptRunner(const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer, std::int32_t stream_slots,
+               std::int32_t max_tokens, const ResidentWeights& resident)
+      : m_(m),
+        consumer_(consumer),
+        resident_(resident),
+        hidden_(m.layout.hidden),
+        max_pairs_(static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(m.top_k)),
+        prompt_moe_(m.layout, chunk_pairs, 1),
+        decode_moe_(m.layout, 1, m.top_k) {
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      CacheOptions o;
+      o.num_experts = m.experts;
+      o.capacity = m.capacity;
+      o.top_k = m.top_k;
+      o.stream_slots = stream_slots;
+      o.log = {};
+      caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
+    }
+    const ExpertTensorBytes tensors = m.layout.tensors();
+    parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
+      auto& st = caches_[static_cast<std::size_t>(l)]->storage();
+      for (std::size_t t = 0; t < num_expert_tensors; ++t)
+        synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
+    });
+    const auto H = static_cast<std::size_t>(hidden_);
+    x_ = DeviceBuffer(static_cast<std::size_t>(max_tokens) * H * sizeof(float));
+    input_kernel<<<1024, 256, 0, consumer_>>>(x_.as<float>(), static_cast<std::size_t>(max_tokens) * H);
+    check_cuda(cudaGetLastError(), "input_kernel");
+    xv_ = DeviceBuffer(chunk_pairs * H * sizeof(float));
+    outv_ = DeviceBuffer(chunk_pairs * H * sizeof(float));
+    pair_out_ = DeviceBuffer(max_pairs_ * H * sizeof(float));
+    out_ = DeviceBuffer(static_cast<std::size_t>(max_tokens) * H * sizeof(float));
+    ids_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
+    w_v_ = DeviceBuffer(max_pairs_ * sizeof(float));
+    src_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
+    pair_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
+    ids_dev_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
+    check_cuda(cudaHostAlloc(&mapped_, max_pairs_ * (sizeof(PairRec) + sizeof(std::int32_t)), cudaHostAllocMapped),
+               "cudaHostAlloc(mapped pair lists)");
+    recs_ = static_cast<PairRec*>(mapped_);
+    layer_ids_ = reinterpret_cast<std::int32_t*>(recs_ + max_pairs_);
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&recs_dev_), recs_, 0), "cudaHostGetDevicePointer");
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&layer_ids_dev_), layer_ids_, 0),
+               "cudaHostGetDevicePointer");
+    // Decode: batch 1, the decode generator's routing, weights 1 / top_k.
+    const auto K = static_cast<std::size_t>(m.top_k);
+    x_dec_ = DeviceBuffer(H * sizeof(float));
+    input_kernel<<<8, 256, 0, consumer_>>>(x_dec_.as<float>(), H);
+    check_cuda(cudaGetLastError(), "input_kernel");
+    out_dec_ = DeviceBuffer(H * sizeof(float));
+    dec_ids_ = DeviceBuffer(K * sizeof(std::int32_t));
+    dec_w_ = DeviceBuffer(K * sizeof(float));
+    const std::vector<float> w(K, 1.0f / static_cast<float>(K));
+    check_cuda(cudaMemcpy(dec_w_.p, w.data(), K * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(decode weights)");
+    dec_stage_ = std::make_unique<PinnedBuffer>(K * sizeof(std::int32_t));
+    GeneratorSpec spec;
+    spec.layers = m.layers;
+    spec.experts = m.experts;
+    spec.top_k = m.top_k;
+    spec.steps = 4096;
+    spec.zipf_s = a.zipf;
+    spec.sticky = a.sticky;
+    spec.seed = a.seed;
+    decode_ = generate_trace(spec);
+    counts_.assign(static_cast<std::size_t>(m.experts) + 1, 0);
+    for (int i = 0; i < 4096; ++i) {  // two per round; more are made when a prompt needs them
+      cudaEvent_t e = nullptr;
+      check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+      events_.push_back(e);
+    }
+    order_.resize(max_pairs_);
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+  }
+  ~PromptRunner() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (mapped_) cudaFreeHost(mapped_);
+  }
+  PromptRunner(const PromptRunner&) = delete;
+  PromptRunner& operator=(const PromptRunner&) = delete;
+
+  // Every cache emptied (invalidate), so each measurement starts from the same state.
+  void reset() {
+    for (auto& c : caches_) {
+      for (std::int32_t e = 0; e < m_.experts; ++e) {
+        if (c->planner().is_resident(e)) {
+          if (Status s = c->invalidate(e, consumer_); !s) throw Error(s);
+        }
+      }
+    }
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    step_ = 0;
+  }
+
+  // One decode step (batch 1): per layer the router read-back (sync), prepare, the consumer.
+  // Returns its wall time (ns), ending with the step's last kernel.
+  double decode_step() {
+    const auto t0 = Clock::now();
+    const auto K = static_cast<std::size_t>(m_.top_k);
+    for (std::int32_t l = 0; l < m_.layers; ++l) {
+      check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+      const auto ids = decode_.experts(static_cast<std::size_t>(step_ % 4096) * static_cast<std::size_t>(m_.layers) +
+                                       static_cast<std::size_t>(l));
+      auto* stage = dec_stage_->as<std::int32_t>();
+      std::fill(stage, stage + K, -1);
+      std::copy_n(ids.begin(), std::min(K, ids.size()), stage);
+      check_cuda(cudaMemcpyAsync(dec_ids_.p, stage, K * sizeof(std::int32_t), cudaMemcpyHostToDevice, consumer_),
+                 "cudaMemcpyAsync(decode ids)");
+      Result<ForwardView> v = caches_[static_cast<std::size_t>(l)]->prepare(std::span<const std::int32_t>(stage, K), consumer_);
+      if (!v.ok()) throw Error(v.status());
+      if (Status s = decode_moe_.run(device::moe_weights_from_view(v.value(), m_.experts), dec_ids_.as<std::int32_t>(),
+                                     dec_w_.as<float>(), x_dec_.as<float>(), out_dec_.as<float>(), 1, consumer_);
+          !s)
+        throw Error(s);
+    }
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    ++step_;
+    return ns_since(t0);
+  }
+
+  // One prompt: per layer the router read-back (sync), then one wide forward (or the
+  // all-resident round), then the pair reduction.
+  PromptTimes prompt(const Prompt& p, PromptMode mode, WideOptions options) {
+    PromptTimes t;
+    const auto K = static_cast<std::size_t>(m_.top_k);
+    const std::size_t pairs = static_cast<std::size_t>(p.tokens) * K;
+    if (pairs > max_pairs_) throw Error(ErrorCode::invalid_argument, "prompt longer than the runner's buffers");
+    std::size_t ev = 0;
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    const auto t0 = Clock::now();
+    for (std::int32_t l = 0; l < m_.layers; ++l) {
+      check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");  // the router read-back
+      const std::vector<std::int32_t>& ids = p.ids[static_cast<std::size_t>(l)];
+      bucket(ids);
+      std::copy(ids.begin(), ids.end(), layer_ids_);
+      std::size_t off = 0;
+      const auto consume = [&](const device::MoeWeights& w, std::span<const std::int32_t> experts) -> Status {
+        if (ev + 2 > events_.size()) {
+          for (int i = 0; i < 256; ++i) {
+            cudaEvent_t e = nullptr;
+            if (cudaError_t err = cudaEventCreate(&e); err != cudaSuccess) return cuda_status(err, "cudaEventCreate");
+            events_.push_back(e);
+          }
+        }
+        if (cudaError_t err = cudaEventRecord(events_[ev], consumer_); err != cudaSuccess)
+          return cuda_status(err, "cudaEventRecord");
+        std::size_t n = 0;
+        for (const std::int32_t e : experts) {
+          for (std::uint32_t i = counts_[static_cast<std::size_t>(e)]; i < counts_[static_cast<std::size_t>(e) + 1]; ++i) {
+            const std::uint32_t q = order_[i];
+            recs_[off + n++] = PairRec{static_cast<std::int32_t>(q / K), e, static_cast<std::int32_t>(q),
+                                       1.0f / static_cast<float>(K)};
+          }
+        }
+        if (Status s = enqueue_pairs(w, off, n); !s) return s;
+        off += n;
+        if (cudaError_t err = cudaEventRecord(events_[ev + 1], consumer_); err != cudaSuccess)
+          return cuda_status(err, "cudaEventRecord");
+        ev += 2;
+        return {};
+      };
+      if (mode == PromptMode::resident) {
+        for (std::int32_t e = 0; e < m_.experts; ++e) unique_[static_cast<std::size_t>(e)] = e;
+        if (Status s = consume(resident_.weights(l), std::span<const std::int32_t>(unique_.data(), unique_.size())); !s)
+          throw Error(s);
+      } else {
+        Cache& cache = *caches_[static_cast<std::size_t>(l)];
+        Result<WideSummary> r = cache.prepare_wide(
+            ids, consumer_,
+            [&](const WideRound& round) -> Status {
+              if (mode == PromptMode::fill_only) return {};
+              return consume(device::moe_weights_from_view(round.view, m_.experts), round.experts);
+            },
+            options);
+        if (!r.ok()) throw Error(r.status());
+        const WideSummary& s = r.value();
+        t.rounds += s.rounds;
+        t.copies += s.copies;
+        t.span_rounds += s.span_rounds;
+        t.wasted += s.wasted;
+        t.bytes += static_cast<double>(s.bytes);
+        t.missing += s.unique - s.hits;
+      }
+      if (mode != PromptMode::fill_only) {
+        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+                                                                                           ids_dev_.as<std::int32_t>());
+        check_cuda(cudaGetLastError(), "load_ids_kernel");
+        reduce_pairs_kernel<<<static_cast<unsigned>(p.tokens), 256, 0, consumer_>>>(
+            pair_out_.as<float>(), ids_dev_.as<std::int32_t>(), m_.top_k, hidden_, out_.as<float>());
+        check_cuda(cudaGetLastError(), "reduce_pairs_kernel");
+      }
+    }
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    t.ttft_ns = ns_since(t0);
+    for (std::size_t i = 0; i + 1 < ev; i += 2) {
+      float ms = 0;
+      check_cuda(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]), "cudaEventElapsedTime");
+      t.compute_ns += static_cast<double>(ms) * 1e6;
+    }
+    return t;
+  }
+
+  // The last layer's output rows of the last prompt ([tokens, hidden]).
+  [[nodiscard]] std::vector<float> output(std::int32_t tokens) const {
+    std::vector<float> out(static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_));
+    check_cuda(cudaMemcpy(out.data(), out_.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy(out)");
+    return out;
+  }
+
+  [[nodiscard]] std::pair<std::uint64_t, std::uint64_t> hits_misses() const {
+    std::uint64_t h = 0, m = 0;
+    for (const auto& c : caches_) {
+      const CacheStats s = c->stats();
+      h += s.hits;
+      m += s.misses;
+    }
+    return {h, m};
+  }
+
+ private:
+  // Counting sort of the layer's pairs by expert: the pairs of expert e are
+  // order_[counts_[e] .. counts_[e + 1]).
+  void bucket(const std::vector<std::int32_t>& ids) {
+    std::fill(counts_.begin(), counts_.end(), 0u);
+    for (const std::int32_t e : ids)
+      if (e >= 0) ++counts_[static_cast<std::size_t>(e) + 1];
+    for (std::size_t e = 1; e < counts_.size(); ++e) counts_[e] += counts_[e - 1];
+    cursor_.assign(counts_.begin(), counts_.end() - 1);
+    for (std::size_t q = 0; q < ids.size(); ++q)
+      if (ids[q] >= 0) order_[cursor_[static_cast<std::size_t>(ids[q])]++] = static_cast<std::uint32_t>(q);
+    unique_.resize(static_cast<std::size_t>(m_.experts));
+  }
+
+  // The pairs recs_[off, off + n): load, then per chunk gather, consumer, scatter.
+  Status enqueue_pairs(const device::MoeWeights& w, std::size_t off, std::size_t n) noexcept {
+    if (n == 0) return {};
+    load_pairs_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, consumer_>>>(
+        recs_dev_ + off, static_cast<std::int32_t>(n), ids_v_.as<std::int32_t>() + off, w_v_.as<float>() + off,
+        src_v_.as<std::int32_t>() + off, pair_v_.as<std::int32_t>() + off);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_pairs_kernel");
+    for (std::size_t c = 0; c < n; c += chunk_pairs) {
+      const std::size_t nc = std::min<std::size_t>(chunk_pairs, n - c);
+      gather_rows_kernel<<<static_cast<unsigned>(nc), 128, 0, consumer_>>>(x_.as<float>(), src_v_.as<std::int32_t>() + off + c,
+                                                                           hidden_, xv_.as<float>());
+      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "gather_rows_kernel");
+      if (Status s = prompt_moe_.run(w, ids_v_.as<std::int32_t>() + off + c, w_v_.as<float>() + off + c, xv_.as<float>(),
+                                     outv_.as<float>(), static_cast<int>(nc), consumer_);
+          !s)
+        return s;
+      scatter_rows_kernel<<<static_cast<unsigned>(nc), 128, 0, consumer_>>>(outv_.as<float>(),
+                                                                            pair_v_.as<std::int32_t>() + off + c, hidden_,
+                                                                            pair_out_.as<float>());
+      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "scatter_rows_kernel");
+    }
+    return {};
+  }
+
+  const Model& m_;
+  cudaStream_t consumer_;
+  const ResidentWeights& resident_;
+  std::int64_t hidden_;
+  std::size_t max_pairs_;
+  device::MoeConsumer prompt_moe_;
+  device::MoeConsumer decode_moe_;
+  std::vector<std::unique_ptr<Cache>> caches_;
+  DeviceBuffer x_, xv_, outv_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_;
+  void* mapped_ = nullptr;
+  PairRec* recs_ = nullptr;
+  PairRec* recs_dev_ = nullptr;
+  std::int32_t* layer_ids_ = nullptr;
+  std::int32_t* layer_ids_dev_ = nullptr;
+  DeviceBuffer x_dec_, out_dec_, dec_ids_, dec_w_;
+  std::unique_ptr<PinnedBuffer> dec_stage_;
+  Trace decode_;
+  std::int64_t step_ = 0;
+  std::vector<std::uint32_t> counts_, cursor_, order_;
+  std::vector<std::int32_t> unique_;
+  std::vector<cudaEvent_t> events_;
+};
+
+inline bool same_bytes(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+template <class Cache>
+int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer,
+                 double ceiling, const ResidentWeights& resident) {
+  const std::int32_t stream_slots = prompt_stream_slots(m, a);
+  const std::int32_t max_tokens = *std::max_element(a.prompts.begin(), a.prompts.end());
+  std::fprintf(stderr, "expert-cache-bench --prompt: %s: allocating and filling pinned host pools\n", name);
+  PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident);
+  const double eb = static_cast<double>(m.expert_bytes());
+  std::printf("\n%s: %d stream slots per layer; TTFT after %d decode warm-up steps from an emptied cache "
+              "(bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
+              name, stream_slots, a.warmup, ceiling * 1e-9);
+  std::printf("%7s %-9s %9s %9s %7s %7s %9s %7s %7s %10s %10s %7s %7s %6s %6s %s\n", "tokens", "copy", "ttft_ms",
+              "bound_ms", "bnd/tt", "GB/s", "fill_ms", "fillGB", "fill/c", "compute_ms", "resid_ms", "rounds", "copies",
+              "spans", "waste", "output");
+  int failures = 0;
+  for (const std::int32_t tokens : a.prompts) {
+    const Prompt p = make_prompt(m, a, tokens, a.seed + 7919);
+    b.reset();
+    for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
+    const PromptTimes res = b.prompt(p, PromptMode::resident, {});
+    const std::vector<float> ref = b.output(tokens);
+    const PromptTimes fill = b.prompt(p, PromptMode::fill_only, WideOptions{});
+    const auto row = [&](const char* copy, const PromptTimes& t, bool checked) {
+      const std::vector<float> out = b.output(tokens);
+      const bool ok = same_bytes(out, ref);
+      if (!ok) ++failures;
+      const double bound = static_cast<double>(t.missing) * eb / ceiling * 1e9;
+      std::printf("%7d %-9s %9.2f %9.2f %7.3f %7.1f %9.2f %7.1f %7.3f %10.2f %10.2f %7llu %7llu %6llu %6llu %s\n", tokens,
+                  copy, t.ttft_ns / 1e6, bound / 1e6, t.ttft_ns > 0 ? bound / t.ttft_ns : 0.0,
+                  t.ttft_ns > 0 ? t.bytes / t.ttft_ns : 0.0, fill.ttft_ns / 1e6,
+                  fill.ttft_ns > 0 ? fill.bytes / fill.ttft_ns : 0.0,
+                  fill.ttft_ns > 0 ? fill.bytes / fill.ttft_ns / (ceiling * 1e-9) : 0.0, t.compute_ns / 1e6,
+                  res.ttft_ns / 1e6, static_cast<unsigned long long>(t.rounds),
+                  static_cast<unsigned long long>(t.copies), static_cast<unsigned long long>(t.span_rounds),
+                  static_cast<unsigned long long>(t.wasted),
+                  !checked ? "-" : ok ? "bit-identical to resident" : "DIFFERS from resident");
+    };
+    for (const WideCopy copy : {WideCopy::runs, WideCopy::span, WideCopy::automatic}) {
+      WideOptions o;
+      o.copy = copy;
+      const PromptTimes t = b.prompt(p, PromptMode::wide, o);
+      row(std::string(to_string(copy)).c_str(), t, true);
+    }
+    WideOptions admit;
+    admit.admission = WideAdmission::admit;
+    row("admit", b.prompt(p, PromptMode::wide, admit), true);
+  }
+  std::printf("(fill_ms: the stream rounds with an empty consumer, automatic copies: the transfer pipeline alone; "
+              "fillGB: its bytes / time; fill/c: that over the ceiling; compute_ms: the sum of the rounds' consumer "
+              "times; resid_ms: the all-resident prefill)\n");
+  if (a.prompt_every > 0) {
+    const std::int32_t tokens = a.prompts.back();
+    std::printf("\n%s mixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", name,
+                tokens, a.prompt_every, a.steps);
+    std::printf("%-24s %12s %14s\n", "admission", "decode_tok/s", "decode_hit_rate");
+    for (int mode = 0; mode < 3; ++mode) {
+      b.reset();
+      for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
+      double decode_ns = 0;
+      std::uint64_t hits = 0, misses = 0;
+      std::uint64_t seed = a.seed + 104729;
+      for (std::int32_t s = 0; s < a.steps; ++s) {
+        if (mode > 0 && s % a.prompt_every == 0) {
+          WideOptions o;
+          o.admission = mode == 1 ? WideAdmission::stream : WideAdmission::admit;
+          (void)b.prompt(make_prompt(m, a, tokens, seed++), PromptMode::wide, o);
+        }
+        const auto [h0, m0] = b.hits_misses();
+        decode_ns += b.decode_step();
+        const auto [h1, m1] = b.hits_misses();
+        hits += h1 - h0;
+        misses += m1 - m0;
+      }
+      const char* label = mode == 0 ? "decode only" : mode == 1 ? "stream (scan resistant)" : "admit (reference)";
+      std::printf("%-24s %12.1f %14.4f\n", label, decode_ns > 0 ? a.steps / (decode_ns / 1e9) : 0.0,
+                  hits + misses > 0 ? static_cast<double>(hits) / static_cast<double>(hits + misses) : 0.0);
+    }
+  }
+  return failures;
+}
+
+}  // namespace prompt_gpu
+
+// The --prompt tables, MEASURED. Returns the process exit code.
+inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
+  using namespace prompt_gpu;
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  cudaStream_t consumer = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&consumer, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  struct StreamGuard {
+    cudaStream_t s;
+    ~StreamGuard() { cudaStreamDestroy(s); }
+  } guard{consumer};
+  const double ceiling = measure_pcie_ceiling(consumer);
+  std::printf("expert-cache-bench --prompt: MEASURED on CUDA: %s (sm_%d%d); pinned host->device ceiling %.1f GB/s "
+              "(same run)\n",
+              prop.name, prop.major, prop.minor, ceiling * 1e-9);
+  std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB; consumer: "
+              "device/moe_consumer.cuh, one (token, expert) pair per consumer token, pairs sorted by expert\n",
+              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20));
+  std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
+  const ResidentWeights resident(m);
+  CudaRuntime rt;
+  // Default: the whole-expert provider (the best host-planned one for whole-expert fills);
+  // --provider row (or row,cached) adds or selects the row cache.
+  const bool all = a.providers.size() == provider_names().size();
+  const auto want = [&](const char* p) { return std::find(a.providers.begin(), a.providers.end(), p) != a.providers.end(); };
+  int failures = 0;
+  if (all || want("cached")) {
+    failures += run_provider<ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Nvfp4Marlin, CudaRuntime>>(
+        "cached (whole-expert, Lfru, copy_stream)", m, a, rt, consumer, ceiling, resident);
+  }
+  if (!all && want("row")) {
+    failures += run_provider<ExpertCache<TensorMajorStorage, Lru, CopyStream, Nvfp4Marlin, CudaRuntime>>(
+        "row (tensor-major, Lru, copy_stream)", m, a, rt, consumer, ceiling, resident);
+  }
+  if (failures != 0) {
+    std::printf("%d configuration(s) DIFFER from the all-resident prefill\n", failures);
+    return exit_failure;
+  }
+  return exit_ok;
+}
+
+}  // namespace expert_cache::bench
