@@ -12,11 +12,20 @@
 // for one runtime (CudaRuntime in a CUDA engine, SimRuntime in tests), its streams are that
 // runtime's streams (cudaStream_t) and it never switches at run time; erasing the stream too
 // would cost a cast per call and let a SimRuntime stream reach a CUDA cache. What a config
-// file picks (provider, policy, staging, storage, the layout's sizes) is erased: one vtable per
-// combination, instantiated by the factory.
+// file picks (provider, policy, staging, storage, the layout's sizes) is erased, each choice
+// behind its own interface so that it costs once, not once per combination: the provider kind
+// behind a virtual interface (AnyCacheBase, one model per kind), the eviction policy and the
+// staging policy as values (AnyPolicy, AnyStaging) inside the static cache. The factory
+// instantiates one host cache and one device cache per storage.
 //
 // Cost: prepare() is one virtual call into the static cache's prepare() (no allocation; the
-// returned ForwardView is the static one's). bench/bench_planner.cpp measures it (docs/benchmarks.md).
+// returned ForwardView is the static one's) planning with AnyPolicy, which tells the held
+// policy a forward's hits under one dispatch. bench/bench_planner.cpp measures it
+// (docs/benchmarks.md).
+//
+// Compiled mode (docs/any_cache.md): with EXPERT_CACHE_SEPARATE_COMPILATION defined, the
+// SimRuntime factory (and, in any_cache_cuda.cuh, the CudaRuntime one) is only declared here and
+// instantiated once, in expert_cache/compiled/any_cache_sim.cpp (any_cache_cuda.cu).
 //
 // Names (docs/any_cache.md):
 //   provider  row (default: tensor_major + lru + copy_stream, the row provider)
