@@ -3,19 +3,21 @@
 # one's wall time, CPU time (user + sys) and peak memory (/usr/bin/time -v). docs/any_cache.md
 # ("What a build costs") has the numbers.
 #
-#   bench/compile_time.sh [--runs N] [--cxx CXX] [--opt FLAGS] [--cuda] [--tests] [TU...]
+#   bench/compile_time.sh [--runs N] [--cxx CXX] [--opt FLAGS] [--cuda] [--tests] [--before DIR] [TU...]
 #
 # Default TUs (bench/compile_time/): a static WholeExpertCache<SimRuntime, DenseBf16> program,
 # the same program choosing its provider at run time with make_expert_cache (header-only), the
 # same user TU in the compiled mode (EXPERT_CACHE_SEPARATE_COMPILATION) and the compiled mode's
 # one instantiation unit (include/expert_cache/compiled/any_cache_sim.cpp). --cuda adds their
 # CudaRuntime twins with nvcc; --tests adds every tests/test_*.cpp (as tests/run.sh's builds compile
-# them: -O1, and again with ASan + UBSan). Each TU is compiled --runs times (default 2: the
+# them: -O1, and again with ASan + UBSan); --before DIR the header-only probes against another
+# checkout's headers (DIR/include, e.g. a `git worktree` of an earlier commit) in the same run.
+# Each TU is compiled --runs times (default 2: the
 # build machine is shared; the table prints the minimum and the median of the runs).
 # Nothing is written outside a temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-runs=2; cxx=${CXX:-g++}; opt=-O2; cuda=0; tests=0; extra=()
+runs=2; cxx=${CXX:-g++}; opt=-O2; cuda=0; tests=0; before=; extra=()
 while [ $# -gt 0 ]; do
   case $1 in
     --runs) runs=$2; shift 2 ;;
@@ -23,6 +25,7 @@ while [ $# -gt 0 ]; do
     --opt) opt=$2; shift 2 ;;
     --cuda) cuda=1; shift ;;
     --tests) tests=1; shift ;;
+    --before) before=$(cd "$2" && pwd); shift 2 ;;
     -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
     *) extra+=("$1"); shift ;;
   esac
@@ -40,6 +43,12 @@ jobs=(
   "make_expert_cache, compiled mode: user TU|$cxx|$opt $sep|bench/compile_time/any_cache.cpp"
   "make_expert_cache, compiled mode: the instantiation unit|$cxx|$opt $sep|include/expert_cache/compiled/any_cache_sim.cpp"
 )
+if [ -n "$before" ]; then
+  jobs+=(
+    "before: static WholeExpertCache (SimRuntime)|$cxx|$opt -I$before/include|bench/compile_time/static_cache.cpp"
+    "before: make_expert_cache, header-only (SimRuntime)|$cxx|$opt -I$before/include|bench/compile_time/any_cache.cpp"
+  )
+fi
 if [ $cuda = 1 ]; then
   cu="-std=c++20 -arch=sm_90 --expt-relaxed-constexpr $opt"
   jobs+=(
@@ -48,6 +57,9 @@ if [ $cuda = 1 ]; then
     "make_expert_cache, compiled mode: user TU (nvcc)|$nvcc|$cu $sep|bench/compile_time/any_cache_cuda.cu"
     "make_expert_cache, compiled mode: the instantiation unit (nvcc)|$nvcc|$cu $sep|include/expert_cache/compiled/any_cache_cuda.cu"
   )
+  if [ -n "$before" ]; then
+    jobs+=("before: make_expert_cache, header-only (CudaRuntime, nvcc)|$nvcc|$cu -I$before/include|bench/compile_time/any_cache_cuda.cu")
+  fi
 fi
 if [ $tests = 1 ]; then
   for t in tests/test_*.cpp; do
