@@ -168,6 +168,27 @@ TEST_CASE("AnyPolicy::make: unknown and offline-only names are refused, naming t
   }
   CHECK(AnyPolicy::index_of("layershare") == std::optional<std::size_t>(7));
   CHECK(!AnyPolicy::index_of("belady").has_value());
+  // Shapes no planner accepts are refused before any allocation (an absurd count included).
+  struct Bad {
+    CacheShape shape;
+    ErrorCode code;
+  };
+  for (const Bad& b : {Bad{{0, 0}, ErrorCode::invalid_argument}, Bad{{-5, 2}, ErrorCode::invalid_argument},
+                       Bad{{8, 0}, ErrorCode::invalid_capacity}, Bad{{8, 9}, ErrorCode::invalid_capacity},
+                       Bad{{INT32_MIN, INT32_MAX}, ErrorCode::invalid_argument}}) {
+    CAPTURE(b.shape.num_experts);
+    CAPTURE(b.shape.capacity);
+    const Result<AnyPolicy> made = AnyPolicy::make("lrfu", b.shape, pool);
+    REQUIRE(!made.ok());
+    CHECK(made.status().code() == b.code);
+  }
+}
+
+TEST_CASE("AnyStaging: an index past the list is refused") {
+  using Staging = AnyStaging<Inline, CopyStream>;
+  CHECK_THROWS_AS(Staging(2), Error);
+  CHECK(Staging(1).held_name() == "copy_stream");
+  CHECK(Staging().held_name() == "inline");
 }
 
 TEST_CASE("AnyStaging: holds the staging picked by index; fills run where the held policy runs them") {

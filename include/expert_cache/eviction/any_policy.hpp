@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -102,8 +103,9 @@ class AnyPolicy {
         forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
 
   // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
-  // `pool`. Unknown names are invalid_argument (listing the valid ones); a policy constructor's
-  // Error comes back as its Status. Nothing is kept for a refused name.
+  // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
+  // accepts is refused as the planner refuses it (before anything is allocated), a policy
+  // constructor's Error comes back as its Status.
   [[nodiscard]] static Result<AnyPolicy> make(std::string_view policy_name, CacheShape shape,
                                               const PoolLayout& pool = {}) {
     const std::optional<std::size_t> index = index_of(policy_name);
@@ -112,6 +114,13 @@ class AnyPolicy {
                             static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
                             name_list().text);
     }
+    if (shape.num_experts <= 0) {
+      return Status::format(ErrorCode::invalid_argument, "num_experts must be positive, got %d", shape.num_experts);
+    }
+    if (shape.capacity <= 0 || shape.capacity > shape.num_experts) {
+      return Status::format(ErrorCode::invalid_capacity, "capacity must be in [1, num_experts=%d], got %d",
+                            shape.num_experts, shape.capacity);
+    }
     try {
       return make_at(*index, shape, pool, std::make_index_sequence<std::variant_size_v<Variant>>{});
     } catch (const Error& e) {  // the message without the "code: " prefix Error adds
@@ -119,6 +128,8 @@ class AnyPolicy {
       const std::string_view code = to_string(e.code());
       if (m.size() > code.size() + 2 && m.substr(0, code.size()) == code) m.remove_prefix(code.size() + 2);
       return Status(e.code(), m);
+    } catch (const std::bad_alloc&) {
+      return Status(ErrorCode::runtime_failure, "AnyPolicy::make: out of host memory");
     }
   }
 

@@ -12,6 +12,7 @@
 // one. Host-only (Gather comes from a CUDA translation unit's list: any_cache_cuda.cuh).
 #include <cstddef>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
@@ -34,8 +35,16 @@ class AnyStaging {
   static constexpr std::size_t size = sizeof...(Stagings);
 
   AnyStaging() = default;
-  // Holds the index-th listed policy, default-constructed (index < size).
-  explicit AnyStaging(std::size_t index) { emplace_at(index, std::make_index_sequence<size>{}); }
+  // Holds the index-th listed policy, default-constructed. Throws Error(invalid_argument) for
+  // an index past the list (the factory passes only the index of a name it found).
+  explicit AnyStaging(std::size_t index) {
+    if (index >= size) {
+      throw Error(ErrorCode::invalid_argument,
+                  "AnyStaging: staging index " + std::to_string(index) + " outside the " + std::to_string(size) +
+                      " listed policies");
+    }
+    emplace_at(index, std::make_index_sequence<size>{});
+  }
 
   [[nodiscard]] std::size_t index() const noexcept { return staging_.index(); }
   [[nodiscard]] std::string_view held_name() const noexcept {
