@@ -12,11 +12,20 @@
 // for one runtime (CudaRuntime in a CUDA engine, SimRuntime in tests), its streams are that
 // runtime's streams (cudaStream_t) and it never switches at run time; erasing the stream too
 // would cost a cast per call and let a SimRuntime stream reach a CUDA cache. What a config
-// file picks (provider, policy, staging, storage, the layout's sizes) is erased: one vtable per
-// combination, instantiated by the factory.
+// file picks (provider, policy, staging, storage, the layout's sizes) is erased, each choice
+// behind its own interface so that it costs once, not once per combination: the provider kind
+// behind a virtual interface (AnyCacheBase, one model per kind), the eviction policy and the
+// staging policy as values (AnyPolicy, AnyStaging) inside the static cache. The factory
+// instantiates one host cache and one device cache per storage.
 //
 // Cost: prepare() is one virtual call into the static cache's prepare() (no allocation; the
-// returned ForwardView is the static one's). bench/bench_planner.cpp measures it (docs/benchmarks.md).
+// returned ForwardView is the static one's) planning with AnyPolicy, which tells the held
+// policy a forward's hits under one dispatch. bench/bench_planner.cpp measures it
+// (docs/benchmarks.md).
+//
+// Compiled mode (docs/any_cache.md): with EXPERT_CACHE_SEPARATE_COMPILATION defined, the
+// SimRuntime factory (and, in any_cache_cuda.cuh, the CudaRuntime one) is only declared here and
+// instantiated once, in expert_cache/compiled/any_cache_sim.cpp (any_cache_cuda.cu).
 //
 // Names (docs/any_cache.md):
 //   provider  row (default: tensor_major + lru + copy_stream, the row provider)
@@ -57,10 +66,11 @@
 #include "expert_cache/cache.hpp"
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/device_cache.hpp"
-#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/eviction/any_policy.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/split.hpp"
+#include "expert_cache/staging/any_staging.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
@@ -114,7 +124,6 @@ struct StorageTag {
   static constexpr std::string_view name = S<RuntimeArchetype>::name;
 };
 
-using AnyPolicies = TypeList<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
 using AnyStorages =
     TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>, StorageTag<ExpertMajorHostStorage>>;
 
@@ -431,14 +440,30 @@ inline Status status_of(const Error& e) noexcept {
   return Status(e.code(), m);
 }
 
-template <class P>
-P make_any_policy(CacheShape shape, const PoolLayout& pool) {
-  if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
-    return P(shape, pool);
-  } else {
-    return P(shape);
-  }
+template <class List>
+struct AnyStagingOf;
+template <class... Gs>
+struct AnyStagingOf<TypeList<Gs...>> {
+  using type = AnyStaging<Gs...>;
+};
+
+// One host-planned cache type per storage: the eviction policy and the staging policy are
+// values (AnyPolicy, AnyStaging), so the policies and stagings do not multiply the
+// instantiations (each is compiled once, in its erased type).
+template <class Runtime>
+using AnyStagingFor = typename AnyStagingOf<typename AnyCacheStagings<Runtime>::type>::type;
+template <class Runtime, class S>
+using AnyHostCache = ExpertCache<S::template type, AnyPolicy, AnyStagingFor<Runtime>, ExplicitLayout, Runtime>;
+
+template <class Runtime, class S>
+std::unique_ptr<AnyCacheBase<Runtime>> make_host_model(Runtime& rt, const CacheOptions& options,
+                                                       const ExplicitLayout& layout, AnyPolicy policy,
+                                                       std::size_t staging) {
+  using Cache = AnyHostCache<Runtime, S>;
+  return std::make_unique<HostCacheModel<Runtime, Cache>>(rt, options, layout, std::move(policy),
+                                                          AnyStagingFor<Runtime>(staging));
 }
+
 
 }  // namespace detail
 
@@ -448,7 +473,7 @@ template <allocating_runtime Runtime>
 Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
   using Base = detail::AnyCacheBase<Runtime>;
   using Stagings = typename AnyCacheStagings<Runtime>::type;
-  constexpr auto policy_names = detail::names_of(detail::AnyPolicies{});
+  constexpr auto policy_names = AnyPolicy::names;
   constexpr auto staging_names = detail::names_of(Stagings{});
   constexpr auto storage_names = detail::names_of(detail::AnyStorages{});
   const auto clip = [](const std::string& s) { return static_cast<int>(std::min<std::size_t>(s.size(), 40)); };
@@ -547,20 +572,20 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
             return Status(ErrorCode::internal, "device provider without executor");
           }
         }
-        return detail::visit_type<Made>(detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
-          return detail::visit_type<Made>(Stagings{}, *staging, [&]<class G>() -> Made {
-            if constexpr (staging_policy_for<G, Runtime, S::template type>) {
-              using Cache = ExpertCache<S::template type, P, G, ExplicitLayout, Runtime>;
-              const CacheShape shape =
-                  ForwardPlanner<P>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
-              return std::unique_ptr<Base>(std::make_unique<detail::HostCacheModel<Runtime, Cache>>(
-                  rt, inner, layout, detail::make_any_policy<P>(shape, config.pool)));
-            } else {
-              return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
-                                    static_cast<int>(G::name.size()), G::name.data());
-            }
-          });
+        const CacheShape shape =
+            ForwardPlanner<AnyPolicy>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
+        Result<AnyPolicy> made_policy = AnyPolicy::make(policy_name, shape, config.pool);
+        if (!made_policy.ok()) return made_policy.status();
+        const Status runnable = detail::visit_type<Status>(Stagings{}, *staging, [&]<class G>() -> Status {
+          if constexpr (staging_policy_for<G, Runtime, S::template type>) {
+            return {};
+          } else {
+            return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
+                                  static_cast<int>(G::name.size()), G::name.data());
+          }
         });
+        if (!runnable) return runnable;
+        return detail::make_host_model<Runtime, S>(rt, inner, layout, std::move(made_policy.value()), *staging);
       });
     } catch (const Error& e) {
       return detail::status_of(e);
@@ -594,3 +619,14 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 }
 
 }  // namespace expert_cache::inline v0
+
+// Compiled mode (docs/any_cache.md): the SimRuntime factory is instantiated once, in
+// expert_cache/compiled/any_cache_sim.cpp, not in every translation unit that calls it.
+#if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
+#include "expert_cache/runtime/sim_runtime.hpp"
+
+namespace expert_cache::inline v0 {
+extern template Result<AnyExpertCache<SimRuntime>> make_expert_cache<SimRuntime>(SimRuntime& rt,
+                                                                                 const AnyCacheConfig& config);
+}  // namespace expert_cache::inline v0
+#endif

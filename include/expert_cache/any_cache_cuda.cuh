@@ -22,4 +22,10 @@ struct AnyCacheStagings<CudaRuntime> {
   using type = detail::TypeList<Inline, CopyStream, Batched, Gather>;
 };
 
+// Compiled mode (docs/any_cache.md): instantiated once, in expert_cache/compiled/any_cache_cuda.cu.
+#if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
+extern template Result<AnyExpertCache<CudaRuntime>> make_expert_cache<CudaRuntime>(CudaRuntime& rt,
+                                                                                   const AnyCacheConfig& config);
+#endif
+
 }  // namespace expert_cache::inline v0

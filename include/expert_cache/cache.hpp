@@ -184,17 +184,20 @@ class ExpertCacheWithEdges {
   using ScaleLayout = Layout;  // the earlier name
 
   /// Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
-  /// layout that does not validate, sizes that cannot be allocated).
-  ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy)
+  /// layout that does not validate, sizes that cannot be allocated). `staging`: a staging
+  /// policy value (AnyStaging holds the one picked at run time; the others are stateless or
+  /// start empty).
+  ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy,
+                       StagingPolicy staging = StagingPolicy{})
       : rt_(&rt),
         options_(std::move(options)),
         layout_(validated(layout)),
         planner_(CacheShape{options_.num_experts, options_.capacity}, options_.top_k, std::move(policy)),
         storage_(rt, storage_shape(planner_.shape(), options_), layout_.tensors(), options_.memory),
-        core_(rt, StagingPolicy::uses_copy_stream, static_cast<std::size_t>(options_.num_experts),
-              ring_size(options_)),
+        core_(rt, uses_copy_stream_of(staging), static_cast<std::size_t>(options_.num_experts), ring_size(options_)),
         resident_device_(rt, map_bytes(), MemoryKind::device),
-        forward_device_(rt, map_bytes(), MemoryKind::device) {
+        forward_device_(rt, map_bytes(), MemoryKind::device),
+        staging_(std::move(staging)) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
     forward_shadow_.assign(static_cast<std::size_t>(options_.num_experts), absent_slot);

@@ -90,6 +90,17 @@ constexpr FreeSlotOrder free_slot_order_of() noexcept {
   }
 }
 
+// The same for a policy value: a policy type that holds one of several policies (AnyPolicy)
+// reports the held one's order through dynamic_free_slot_order().
+template <class P>
+constexpr FreeSlotOrder free_slot_order_of(const P& policy) noexcept {
+  if constexpr (requires { { policy.dynamic_free_slot_order() } -> std::same_as<FreeSlotOrder>; }) {
+    return policy.dynamic_free_slot_order();
+  } else {
+    return free_slot_order_of<P>();
+  }
+}
+
 // ---- fills (what the planner hands a staging policy) ---------------------------------------
 
 struct SlotFill {
@@ -181,6 +192,17 @@ concept staging_policy_for = allocating_runtime<R> && requires(S& s, R& rt, type
   { S::uses_copy_stream } -> std::convertible_to<bool>;
   { s.issue(rt, st, storage, f) } noexcept -> std::same_as<Status>;
 };
+
+// Whether a staging policy value issues on the cache-owned copy stream: its static
+// uses_copy_stream, or, for a type that holds one of several policies (AnyStaging), the held one's.
+template <class S>
+constexpr bool uses_copy_stream_of(const S& staging) noexcept {
+  if constexpr (requires { { staging.dynamic_uses_copy_stream() } -> std::same_as<bool>; }) {
+    return staging.dynamic_uses_copy_stream();
+  } else {
+    return S::uses_copy_stream;
+  }
+}
 
 namespace detail {
 // The smallest allocating, batching runtime: declarations only, for concept checks in

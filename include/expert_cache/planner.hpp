@@ -93,7 +93,7 @@ class ForwardPlanner {
         spec_live_(static_cast<std::size_t>(shape.capacity)) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
-      free_slots_.push_back(free_slot_order_of<Policy>() == FreeSlotOrder::lowest_first
+      free_slots_.push_back(free_slot_order_of(policy_) == FreeSlotOrder::lowest_first
                                 ? shape.capacity - 1 - i
                                 : i);
     }

@@ -46,6 +46,14 @@ run cmake -S "$src/examples/cmake" -B "$tmp/cmake-build" -DCMAKE_PREFIX_PATH="$p
   "${cuda_root[@]}" -DCMAKE_BUILD_TYPE=Release
 run cmake --build "$tmp/cmake-build"
 run "$tmp/cmake-build/host_example"; cat "$tmp/last.log"
+# The run-time-selected cache both ways; the compiled one's user object only declares the factory.
+run "$tmp/cmake-build/any_header_only_example" row; cat "$tmp/last.log"
+run "$tmp/cmake-build/any_compiled_example" cached s3fifo; cat "$tmp/last.log"
+any_obj=$(find "$tmp/cmake-build/CMakeFiles/any_compiled_example.dir" -name 'any_main.cpp.o' | head -1)
+if command -v nm >/dev/null 2>&1; then
+  nm -C "$any_obj" | grep -q ' U .*make_expert_cache<expert_cache::v0::SimRuntime>' \
+    || { echo "FAIL: the compiled-mode consumer instantiated make_expert_cache itself"; exit 1; }
+fi
 if [ "$cuda" = enabled ]; then run "$tmp/cmake-build/cuda_example"; cat "$tmp/last.log"; fi
 # The package's include directory is the destdir tree's, not the source tree's.
 grep -q -- "$prefix/include" "$tmp/cmake-build/CMakeFiles/host_example.dir/flags.make" \
@@ -59,5 +67,6 @@ run env PKG_CONFIG_PATH="$pcdir" "$meson" setup "$tmp/meson-build" "$src/tests/c
   -Dwith_cuda=$with_cuda_meson
 run "$meson" compile -C "$tmp/meson-build"
 run "$tmp/meson-build/consumer_host"; cat "$tmp/last.log"
+run "$tmp/meson-build/consumer_any_compiled"; cat "$tmp/last.log"
 if [ "$cuda" = enabled ]; then run "$tmp/meson-build/consumer_cuda"; cat "$tmp/last.log"; fi
 echo "ok: installed to a fresh destdir; CMake and pkg-config consumers built and ran (cuda $cuda)"

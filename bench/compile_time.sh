@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# What a user's build pays for the library: compiles translation units by hand and prints each
+# one's wall time, CPU time (user + sys) and peak memory (/usr/bin/time -v). docs/any_cache.md
+# ("What a build costs") has the numbers.
+#
+#   bench/compile_time.sh [--runs N] [--cxx CXX] [--opt FLAGS] [--cuda] [--tests] [--before DIR] [TU...]
+#
+# Default TUs (bench/compile_time/): a static WholeExpertCache<SimRuntime, DenseBf16> program,
+# the same program choosing its provider at run time with make_expert_cache (header-only), the
+# same user TU in the compiled mode (EXPERT_CACHE_SEPARATE_COMPILATION) and the compiled mode's
+# one instantiation unit (include/expert_cache/compiled/any_cache_sim.cpp). --cuda adds their
+# CudaRuntime twins with nvcc; --tests adds every tests/test_*.cpp (as tests/run.sh's builds compile
+# them: -O1, and again with ASan + UBSan); --before DIR the header-only probes against another
+# checkout's headers (DIR/include, e.g. a `git worktree` of an earlier commit) in the same run.
+# Each TU is compiled --runs times (default 2: the
+# build machine is shared; the table prints the minimum and the median of the runs).
+# Nothing is written outside a temporary directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=2; cxx=${CXX:-g++}; opt=-O2; cuda=0; tests=0; before=; extra=()
+while [ $# -gt 0 ]; do
+  case $1 in
+    --runs) runs=$2; shift 2 ;;
+    --cxx) cxx=$2; shift 2 ;;
+    --opt) opt=$2; shift 2 ;;
+    --cuda) cuda=1; shift ;;
+    --tests) tests=1; shift ;;
+    --before) before=$(cd "$2" && pwd); shift 2 ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) extra+=("$1"); shift ;;
+  esac
+done
+[ -x /usr/bin/time ] || { echo "compile_time.sh: needs GNU time at /usr/bin/time (apt-get install time)" >&2; exit 2; }
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/expert_cache_ctime_XXXXXX")
+trap 'rm -rf "$tmp"' EXIT
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+sep="-DEXPERT_CACHE_SEPARATE_COMPILATION"
+
+# name|compiler|flags|source
+jobs=(
+  "static WholeExpertCache (SimRuntime)|$cxx|$opt|bench/compile_time/static_cache.cpp"
+  "make_expert_cache, header-only (SimRuntime)|$cxx|$opt|bench/compile_time/any_cache.cpp"
+  "make_expert_cache, compiled mode: user TU|$cxx|$opt $sep|bench/compile_time/any_cache.cpp"
+  "make_expert_cache, compiled mode: the instantiation unit|$cxx|$opt $sep|include/expert_cache/compiled/any_cache_sim.cpp"
+)
+if [ -n "$before" ]; then
+  jobs+=(
+    "before: static WholeExpertCache (SimRuntime)|$cxx|$opt -I$before/include|bench/compile_time/static_cache.cpp"
+    "before: make_expert_cache, header-only (SimRuntime)|$cxx|$opt -I$before/include|bench/compile_time/any_cache.cpp"
+  )
+fi
+if [ $cuda = 1 ]; then
+  cu="-std=c++20 -arch=sm_90 --expt-relaxed-constexpr $opt"
+  jobs+=(
+    "static WholeExpertCache (CudaRuntime, nvcc)|$nvcc|$cu|bench/compile_time/static_cache_cuda.cu"
+    "make_expert_cache, header-only (CudaRuntime, nvcc)|$nvcc|$cu|bench/compile_time/any_cache_cuda.cu"
+    "make_expert_cache, compiled mode: user TU (nvcc)|$nvcc|$cu $sep|bench/compile_time/any_cache_cuda.cu"
+    "make_expert_cache, compiled mode: the instantiation unit (nvcc)|$nvcc|$cu $sep|include/expert_cache/compiled/any_cache_cuda.cu"
+  )
+  if [ -n "$before" ]; then
+    jobs+=("before: make_expert_cache, header-only (CudaRuntime, nvcc)|$nvcc|$cu -I$before/include|bench/compile_time/any_cache_cuda.cu")
+  fi
+fi
+if [ $tests = 1 ]; then
+  for t in tests/test_*.cpp; do
+    inc="-Itests"; [ "$t" = tests/test_python_bridge.cpp ] && inc="-Itests -Ipython/src"
+    jobs+=("$t -O1 (compiled mode)|$cxx|-O1 $inc $sep|$t")
+    jobs+=("$t -O1 ASan+UBSan (header-only)|$cxx|-O1 -fsanitize=address,undefined $inc|$t")
+  done
+fi
+for t in "${extra[@]}"; do jobs+=("$t|$cxx|$opt -Itests|$t"); done
+
+printf '%-62s %9s %9s %9s %9s\n' "translation unit" "wall min" "wall med" "cpu med" "peak GB"
+for job in "${jobs[@]}"; do
+  IFS='|' read -r name comp flags src <<<"$job"
+  walls=(); cpus=(); peak=0
+  for ((r = 0; r < runs; ++r)); do
+    if [ "${comp##*/}" = nvcc ]; then std=(); else std=(-std=c++20); fi
+    # shellcheck disable=SC2086
+    if ! /usr/bin/time -v -o "$tmp/time.txt" "$comp" "${std[@]}" $flags -Iinclude -c "$src" -o "$tmp/out.o" 2>"$tmp/err.txt"; then
+      echo "compile failed: $name ($src)"; tail -20 "$tmp/err.txt"; exit 1
+    fi
+    wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {n = split($2, p, ":"); s = 0; for (i = 1; i <= n; ++i) s = s * 60 + p[i]; print s}' "$tmp/time.txt")
+    cpu=$(awk -F': ' '/User time/ {u = $2} /System time/ {s = $2} END {print u + s}' "$tmp/time.txt")
+    kb=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$tmp/time.txt")
+    walls+=("$wall"); cpus+=("$cpu"); [ "$kb" -gt "$peak" ] && peak=$kb
+  done
+  stats=$(printf '%s\n' "${walls[@]}" | sort -g | awk '{v[NR] = $1} END {printf "%.1f %.1f", v[1], (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
+  cpu_med=$(printf '%s\n' "${cpus[@]}" | sort -g | awk '{v[NR] = $1} END {printf "%.1f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}')
+  read -r wmin wmed <<<"$stats"
+  printf '%-62s %8ss %8ss %8ss %9.2f\n' "$name" "$wmin" "$wmed" "$cpu_med" "$(echo "$peak" | awk '{print $1 / 1048576}')"
+done
+echo "($runs runs each; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); $($cxx --version | head -1))"

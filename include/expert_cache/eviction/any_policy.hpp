@@ -1,0 +1,275 @@
+#pragma once
+// AnyPolicy: one eviction_policy type holding any of the library's online policies, picked at
+// run time by name. The run-time-selected cache (any_cache.hpp) plans with it, so a cache is
+// instantiated once per storage and staging choice instead of once per policy as well: the
+// policies' own code is compiled once, in this class.
+//
+// Dispatch is a switch over a closed list (std::variant), not a virtual call: the planner calls
+// the policy once per unique id of every forward, and a switch on a constant index is predicted
+// and lets each policy's small on_hit be inlined where a virtual call could not. A policy added
+// to the library becomes selectable by adding it to AnyPolicy::Variant and `names` below.
+//
+// The free-slot order (Lfru hands out the highest slot first, as vLLM's cached provider) is the
+// held policy's, reported per instance (free_slot_order_of(policy), concepts.hpp). Host-only.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/eviction/arc.hpp"
+#include "expert_cache/eviction/fixed_vector.hpp"
+#include "expert_cache/eviction/layer_share.hpp"
+#include "expert_cache/eviction/lfru.hpp"
+#include "expert_cache/eviction/lrfu.hpp"
+#include "expert_cache/eviction/lru.hpp"
+#include "expert_cache/eviction/pool_layout.hpp"
+#include "expert_cache/eviction/s3fifo.hpp"
+#include "expert_cache/eviction/sieve.hpp"
+#include "expert_cache/eviction/wtinylfu.hpp"
+#include "expert_cache/status.hpp"
+
+namespace expert_cache::inline v0 {
+
+class AnyPolicy {
+ public:
+  // Belady is not here: it needs the future trace (make_policy<Belady>, the replay tool).
+  using Variant = std::variant<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
+  static constexpr std::array<std::string_view, std::variant_size_v<Variant>> names = {
+      Lru::name, Lfru::name, Sieve::name, S3Fifo::name, Arc::name, WTinyLfu::name, Lrfu::name, LayerShare::name};
+  // The planner's name for error messages; held_name() is the held policy's.
+  static constexpr std::string_view name = "any";
+
+ private:
+  // A switch over the index (the same code std::visit generates for a short list, spelled out
+  // so that no exception path is left for valueless_by_exception: the variant is never left
+  // valueless, as no alternative's move throws).
+  template <class F>
+  decltype(auto) visit(F&& f) {
+    return visit_at(*held_, std::forward<F>(f));
+  }
+  template <class F>
+  decltype(auto) visit(F&& f) const {
+    return visit_at(*held_, std::forward<F>(f));
+  }
+  template <class V, class F>
+  static decltype(auto) visit_at(V& v, F&& f) {
+    switch (v.index()) {
+      case 0: return f(*std::get_if<0>(&v));
+      case 1: return f(*std::get_if<1>(&v));
+      case 2: return f(*std::get_if<2>(&v));
+      case 3: return f(*std::get_if<3>(&v));
+      case 4: return f(*std::get_if<4>(&v));
+      case 5: return f(*std::get_if<5>(&v));
+      case 6: return f(*std::get_if<6>(&v));
+      default: return f(*std::get_if<7>(&v));
+    }
+  }
+  static_assert(std::variant_size_v<Variant> == 8, "visit_at: one case per alternative");
+
+  template <std::size_t I>
+  static void begin_forward_as(AnyPolicy& self, std::span<const ExpertId> ids) noexcept {
+    auto& p = *std::get_if<I>(self.held_.get());
+    self.replay_hits(p);
+    if constexpr (has_begin_forward<std::variant_alternative_t<I, Variant>>) p.begin_forward(ids);
+    // The hits before the forward's first miss are told now (all of an all-hit forward's).
+    std::size_t i = 0;
+    for (; i < ids.size() && self.resident_[ids[i].index()] != 0; ++i) p.on_hit(ids[i]);
+    self.forward_.assign(ids.begin() + static_cast<std::ptrdiff_t>(i), ids.end());
+    self.replayed_ = 0;
+  }
+  using BeginForward = void (*)(AnyPolicy&, std::span<const ExpertId>) noexcept;
+  template <std::size_t... I>
+  static constexpr std::array<BeginForward, sizeof...(I)> begin_table(std::index_sequence<I...>) noexcept {
+    return {&begin_forward_as<I>...};
+  }
+
+ public:
+  // Holds `policy`, a policy for `shape` that has seen no call yet.
+  template <class P>
+    requires(!std::is_same_v<std::remove_cvref_t<P>, AnyPolicy> && std::is_constructible_v<Variant, P &&>)
+  AnyPolicy(P&& policy, CacheShape shape)
+      : held_(std::make_unique<Variant>(std::forward<P>(policy))),
+        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
+        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
+
+  // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
+  // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
+  // accepts is refused as the planner refuses it (before anything is allocated), a policy
+  // constructor's Error comes back as its Status.
+  [[nodiscard]] static Result<AnyPolicy> make(std::string_view policy_name, CacheShape shape,
+                                              const PoolLayout& pool = {}) {
+    const std::optional<std::size_t> index = index_of(policy_name);
+    if (!index) {
+      return Status::format(ErrorCode::invalid_argument, "unknown eviction policy '%.*s' (valid: %s)",
+                            static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
+                            name_list().text);
+    }
+    if (shape.num_experts <= 0) {
+      return Status::format(ErrorCode::invalid_argument, "num_experts must be positive, got %d", shape.num_experts);
+    }
+    if (shape.capacity <= 0 || shape.capacity > shape.num_experts) {
+      return Status::format(ErrorCode::invalid_capacity, "capacity must be in [1, num_experts=%d], got %d",
+                            shape.num_experts, shape.capacity);
+    }
+    try {
+      return make_at(*index, shape, pool, std::make_index_sequence<std::variant_size_v<Variant>>{});
+    } catch (const Error& e) {  // the message without the "code: " prefix Error adds
+      std::string_view m = e.what();
+      const std::string_view code = to_string(e.code());
+      if (m.size() > code.size() + 2 && m.substr(0, code.size()) == code) m.remove_prefix(code.size() + 2);
+      return Status(e.code(), m);
+    } catch (const std::bad_alloc&) {
+      return Status(ErrorCode::runtime_failure, "AnyPolicy::make: out of host memory");
+    }
+  }
+
+  [[nodiscard]] static constexpr std::optional<std::size_t> index_of(std::string_view policy_name) noexcept {
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      if (names[i] == policy_name) return i;
+    }
+    return std::nullopt;
+  }
+
+  // Hits are the hot path (an all-hit forward makes nothing but them), so on_hit does nothing:
+  // a forward's hits are known without it. An id that is resident when the forward begins is a
+  // hit (the planner never evicts an id of the forward being planned), any other a miss,
+  // inserted in its turn. begin_forward tells the held policy the hits before the first miss
+  // at once (all of them for an all-hit forward: one dispatch per forward) and keeps the rest of
+  // the ids; the hits among those are told, in order, before the held policy is asked or told
+  // anything else (choose_victim, on_insert, on_remove, the next begin_forward, ==, held<P>()).
+  // It sees exactly the call sequence a static policy sees. Residency is tracked here from
+  // on_insert / on_remove (the planner reports every change through them).
+  void on_hit(ExpertId) noexcept {}
+  // One indirect call per forward into the held policy's own begin_forward_as<P> (a table, not
+  // the switch: eight policies' hit loops inlined into the planner's forward would crowd it).
+  void begin_forward(std::span<const ExpertId> ids) noexcept {
+    static constexpr auto table = begin_table(std::make_index_sequence<std::variant_size_v<Variant>>{});
+    table[held_->index()](*this, ids);
+  }
+  // The miss-path calls stay out of line: one copy of the eight policies' code per program, not
+  // one per call site (a miss costs a copy, which dwarfs the call).
+  [[gnu::noinline]] void on_insert(ExpertId e) noexcept {
+    visit([&](auto& p) noexcept {
+      replay_hits(p);
+      p.on_insert(e);
+    });
+    if (replayed_ < forward_.size() && forward_[replayed_] == e) ++replayed_;  // this forward's miss
+    resident_[e.index()] = 1;
+  }
+  [[gnu::noinline]] void on_remove(ExpertId e) noexcept {
+    visit([&](auto& p) noexcept {
+      replay_hits(p);
+      p.on_remove(e);
+    });
+    resident_[e.index()] = 0;
+  }
+  // Not const: some policies update their state while looking (LayerShare, Lrfu).
+  [[gnu::noinline]] [[nodiscard]] ExpertId choose_victim(const ForwardSet& needed) noexcept {
+    return visit([&](auto& p) noexcept {
+      replay_hits(p);
+      return p.choose_victim(needed);
+    });
+  }
+  [[nodiscard]] FreeSlotOrder dynamic_free_slot_order() const noexcept {
+    return visit([](const auto& p) noexcept { return free_slot_order_of<std::remove_cvref_t<decltype(p)>>(); });
+  }
+
+  [[nodiscard]] std::string_view held_name() const noexcept { return names[held_->index()]; }
+  [[nodiscard]] std::size_t index() const noexcept { return held_->index(); }
+
+  // A value like the policies it holds (copies are deep); the held policy lives on the heap so
+  // that the planner holding an AnyPolicy stays as compact as one holding Lru (the largest
+  // policies are several hundred bytes, and the planner's hot members come after its policy).
+  AnyPolicy(const AnyPolicy& o)
+      : held_(std::make_unique<Variant>(*o.held_)), resident_(o.resident_), forward_(o.forward_), replayed_(o.replayed_) {}
+  AnyPolicy& operator=(const AnyPolicy& o) {
+    if (this != &o) *this = AnyPolicy(o);
+    return *this;
+  }
+  AnyPolicy(AnyPolicy&&) noexcept = default;
+  AnyPolicy& operator=(AnyPolicy&&) noexcept = default;
+  ~AnyPolicy() = default;
+  // A copy of the held policy with every recorded hit applied (tests compare it with a static
+  // one); nullopt when another policy is held.
+  template <class P>
+  [[nodiscard]] std::optional<P> held() const {
+    AnyPolicy copy = *this;
+    copy.flush();
+    if (const P* p = std::get_if<P>(copy.held_.get())) return *p;
+    return std::nullopt;
+  }
+  // Tells the held policy the hits it has not been told yet.
+  void flush() noexcept {
+    visit([&](auto& p) noexcept { replay_hits(p); });
+  }
+
+  // The same held policy in the same state once told every hit (on copies: equality is for tests
+  // and snapshots, never the hot path).
+  friend bool operator==(const AnyPolicy& a, const AnyPolicy& b) {
+    AnyPolicy x = a, y = b;
+    x.flush();
+    y.flush();
+    return *x.held_ == *y.held_;
+  }
+
+ private:
+
+  template <std::size_t... I>
+  static AnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
+    std::optional<AnyPolicy> out;
+    ((I == index ? (void)out.emplace(build<std::variant_alternative_t<I, Variant>>(shape, pool), shape) : void()), ...);
+    return std::move(*out);
+  }
+  template <class P>
+  static P build(CacheShape shape, const PoolLayout& pool) {
+    if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
+      return P(shape, pool);
+    } else {
+      return P(shape);
+    }
+  }
+
+  struct NameList {
+    char text[120] = {};
+  };
+  static NameList name_list() noexcept {
+    NameList out;
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      for (std::string_view part : {i == 0 ? std::string_view() : std::string_view(", "), names[i]}) {
+        for (char c : part) {
+          if (at + 1 < sizeof out.text) out.text[at++] = c;
+        }
+      }
+    }
+    return out;
+  }
+
+
+  // The forward's hits not yet told: from replayed_ up to its next miss (an id not resident yet;
+  // once the forward is done every id of it is resident, so all of them).
+  template <class P>
+  void replay_hits(P& p) noexcept {
+    while (replayed_ < forward_.size() && resident_[forward_[replayed_].index()] != 0) p.on_hit(forward_[replayed_++]);
+  }
+
+  std::unique_ptr<Variant> held_;         // never null but after a move
+  std::vector<std::uint8_t> resident_;    // per expert: 1 while resident (from on_insert / on_remove)
+  detail::FixedVector<ExpertId> forward_; // the current forward's unique ids, in processing order
+  std::size_t replayed_ = 0;              // forward_[0, replayed_) were told (hit or insert)
+};
+
+static_assert(eviction_policy<AnyPolicy>);
+static_assert(has_begin_forward<AnyPolicy>);
+
+}  // namespace expert_cache::inline v0

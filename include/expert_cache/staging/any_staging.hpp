@@ -1,0 +1,106 @@
+#pragma once
+// AnyStaging<Stagings...>: one staging-policy type holding any of the listed staging policies,
+// picked at run time. The run-time-selected cache (any_cache.hpp) issues its fills through it,
+// so a cache is instantiated once per storage instead of once per storage and staging.
+//
+// Where fills run is the held policy's: the cache asks uses_copy_stream_of(staging)
+// (concepts.hpp), which reads dynamic_uses_copy_stream(); the static uses_copy_stream the
+// concept names is the first alternative's (what a default-constructed AnyStaging holds).
+// precheck and issue dispatch with a switch over the held index (a prepare calls precheck once;
+// issue only when it has fills). A listed policy the runtime cannot run (Batched without
+// copy_batch_async, Gather off CUDA) is refused with not_supported; the factory never selects
+// one. Host-only (Gather comes from a CUDA translation unit's list: any_cache_cuda.cuh).
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
+
+#include "expert_cache/concepts.hpp"
+#include "expert_cache/status.hpp"
+
+namespace expert_cache::inline v0 {
+
+template <class... Stagings>
+class AnyStaging {
+  static_assert(sizeof... (Stagings) >= 1 && sizeof...(Stagings) <= 8, "AnyStaging: one to eight policies");
+  using Variant = std::variant<Stagings...>;
+  using First = std::variant_alternative_t<0, Variant>;
+
+ public:
+  static constexpr std::string_view name = "any";
+  static constexpr bool uses_copy_stream = First::uses_copy_stream;
+  static constexpr std::size_t size = sizeof...(Stagings);
+
+  AnyStaging() = default;
+  // Holds the index-th listed policy, default-constructed. Throws Error(invalid_argument) for
+  // an index past the list (the factory passes only the index of a name it found).
+  explicit AnyStaging(std::size_t index) {
+    if (index >= size) {
+      throw Error(ErrorCode::invalid_argument,
+                  "AnyStaging: staging index " + std::to_string(index) + " outside the " + std::to_string(size) +
+                      " listed policies");
+    }
+    emplace_at(index, std::make_index_sequence<size>{});
+  }
+
+  [[nodiscard]] std::size_t index() const noexcept { return staging_.index(); }
+  [[nodiscard]] std::string_view held_name() const noexcept {
+    return visit_at(staging_, [](const auto& g) noexcept { return std::string_view(std::remove_cvref_t<decltype(g)>::name); });
+  }
+  [[nodiscard]] bool dynamic_uses_copy_stream() const noexcept {
+    return visit_at(staging_, [](const auto& g) noexcept { return bool(std::remove_cvref_t<decltype(g)>::uses_copy_stream); });
+  }
+
+  template <class R>
+  Status precheck(R& rt, typename R::Stream caller) noexcept {
+    return visit_at(staging_, [&](auto& g) noexcept -> Status {
+      if constexpr (requires { g.precheck(rt, caller); }) {
+        return g.precheck(rt, caller);
+      } else {
+        Status ok;  // default-initialised: `return {}` would zero the whole message buffer on every prepare
+        return ok;
+      }
+    });
+  }
+
+  // Out of line: called only with fills, whose copies dwarf the call.
+  template <class R, class Storage>
+  [[gnu::noinline]] Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    return visit_at(staging_, [&](auto& g) noexcept -> Status {
+      if constexpr (requires { g.issue(rt, stream, storage, fills); }) {
+        return g.issue(rt, stream, storage, fills);
+      } else {
+        return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
+                              static_cast<int>(std::remove_cvref_t<decltype(g)>::name.size()),
+                              std::remove_cvref_t<decltype(g)>::name.data());
+      }
+    });
+  }
+
+ private:
+  template <std::size_t... I>
+  void emplace_at(std::size_t index, std::index_sequence<I...>) {
+    ((I == index ? (void)staging_.template emplace<I>() : void()), ...);
+  }
+  // A switch over the held index (see AnyPolicy): predicted, and the held policy's code inlined.
+  template <class V, class F>
+  static decltype(auto) visit_at(V& v, F&& f) {
+    return visit_from<0>(v, f);
+  }
+  template <std::size_t I, class V, class F>
+  static decltype(auto) visit_from(V& v, F& f) {
+    if constexpr (I + 1 == size) {
+      return f(*std::get_if<I>(&v));
+    } else {
+      if (v.index() == I) return f(*std::get_if<I>(&v));
+      return visit_from<I + 1>(v, f);
+    }
+  }
+
+  Variant staging_;
+};
+
+}  // namespace expert_cache::inline v0
