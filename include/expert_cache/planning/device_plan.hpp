@@ -182,6 +182,13 @@ struct DevicePlanState {
   PlanSpan<std::uint32_t> slot_needed;  // [C]
   PlanSpan<std::uint32_t> slot_ready;   // [C]
   PlanSpan<std::uint32_t> fill_arrivals;  // [C]
+  // Finer readiness (edge D4c): when the overlapped fill copies a first part of every expert
+  // (PlanFillParams::first_part_items: the copy regions a consumer's first pass reads) before
+  // the rest, slot_ready_first[s] is stored (release) once slot s's first part landed, and
+  // fill_arrivals_first counts the blocks done with fill i's first part. Without a split both
+  // words are stored together after the whole expert. Grow like slot_ready.
+  PlanSpan<std::uint32_t> slot_ready_first;     // [C]
+  PlanSpan<std::uint32_t> fill_arrivals_first;  // [C]
   // slot_spec_left[s]: forwards left before the unused speculative fill in slot s expires
   // (0 = the slot holds no live speculative fill).
   PlanSpan<std::uint32_t> slot_spec_left;  // [C]
@@ -339,6 +346,8 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.slot_needed = c.take<std::uint32_t>(capacity);
   s.slot_ready = c.take<std::uint32_t>(capacity);
   s.fill_arrivals = c.take<std::uint32_t>(capacity);
+  s.slot_ready_first = c.take<std::uint32_t>(capacity);
+  s.fill_arrivals_first = c.take<std::uint32_t>(capacity);
   s.slot_spec_left = c.take<std::uint32_t>(capacity);
   s.slot_freq = c.take<std::uint64_t>(capacity);
   s.slot_order = c.take<std::uint64_t>(capacity);
@@ -370,7 +379,8 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
   }
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
          s.fills.size == c && s.evictions.size == c && s.slot_needed.size == c && s.slot_ready.size == c &&
-         s.fill_arrivals.size == c && s.slot_spec_left.size == c && s.slot_freq.size == c && s.slot_order.size == c;
+         s.fill_arrivals.size == c && s.slot_ready_first.size == c && s.fill_arrivals_first.size == c &&
+         s.slot_spec_left.size == c && s.slot_freq.size == c && s.slot_order.size == c;
 }
 
 // Wrap-safe "sequence `have` has reached `want`" (uint32 sequence values; correct while fewer
@@ -387,6 +397,9 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool slot_seq_reached(std::uint32_t have, std
 struct SlotReadiness {
   const std::uint32_t* ready = nullptr;
   const std::uint32_t* needed = nullptr;
+  // The first part's word (edge D4c): a reader of only the copy regions the fill copies first
+  // may wait on it instead of `ready`. Null: wait on `ready` for every part.
+  const std::uint32_t* ready_first = nullptr;
   std::uint32_t* error_word = nullptr;
   std::int32_t capacity = 0;
   std::uint64_t timeout_ns = 0;
@@ -397,6 +410,7 @@ EXPERT_CACHE_HOST_DEVICE inline SlotReadiness slot_readiness_of(const DevicePlan
   SlotReadiness r;
   r.ready = s.slot_ready.data;
   r.needed = s.slot_needed.data;
+  r.ready_first = s.slot_ready_first.data;
   r.error_word = s.error_word;
   r.capacity = s.capacity;
   return r;
@@ -450,6 +464,8 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.slot_needed[i] = 0;
     s.slot_ready[i] = 0;
     s.fill_arrivals[i] = 0;
+    s.slot_ready_first[i] = 0;
+    s.fill_arrivals_first[i] = 0;
     s.slot_spec_left[i] = 0;
   }
   if (r == 0) {
