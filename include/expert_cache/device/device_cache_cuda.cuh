@@ -88,7 +88,7 @@ class BasicCudaPlanExecutor {
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_fill_kernel");
     }
-    // Overlap on sm_90: the plan too is launched programmatically (edge D5: it waits for the
+    // Overlap on sm_90: the plan too is launched programmatically (edge D6: it waits for the
     // kernel before it, the router, inside), so its launch overlaps that kernel's tail.
     EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s, fill_pdl_)));
     planned = true;

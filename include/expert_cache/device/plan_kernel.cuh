@@ -618,7 +618,7 @@ inline cudaError_t launch_maybe_programmatic(const void* kernel, unsigned grid, 
 // Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads. `programmatic`
 // (sm_90, plan_fill_ready_pdl_supported()): launched with programmatic stream serialization,
 // scheduled while the kernel before it runs; the plan waits for that kernel before it reads
-// (edge D5 of docs/design.md). `test_skip_wait` (tests only, one-warp kernel): without that wait.
+// (edge D6 of docs/design.md). `test_skip_wait` (tests only, one-warp kernel): without that wait.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                        std::int32_t* sanitized, cudaStream_t stream, bool programmatic = false,

@@ -665,10 +665,11 @@ struct VictimChunk {
 // overflow note at the top). All threads of the block call it; the state was checked by the caller.
 //
 // The score policies reuse the recency tick for in-forward protection (the forward's hits get
-// ticks >= tick0 before any victim is searched) and search one victim at a time, block arg-min of
-// ScoreKey over the other residents; each victim's tick is then set to ~0 by the thread that owns
-// its slot in the strided search (slot % threads), the only thread that reads it in later
-// searches, so no barrier is needed to exclude it. DeviceLfru's scores change with the clock,
+// ticks >= tick0 before any victim is searched) and take one victim per block arg-min of
+// ScoreKey over the other residents (VictimChunk: keys loaded once, in registers); each victim is
+// then voided by the thread that owns its slot in the strided search (slot % threads), the only
+// thread that reads it in later searches, so no barrier is needed to exclude it (when the keys
+// are reloaded per victim, its tick in memory is set to ~0 instead). DeviceLfru's scores change with the clock,
 // which a forward advances by one per id, so victim j is scored at the clock of its miss
 // (position p in the group: tick0 + p - 1, Lfru's clock before that insert). DeviceCrf's clock
 // ticks once per group, so its keys are fixed during the group.
