@@ -829,12 +829,12 @@ __global__ void late_router_kernel(std::int32_t* ids, std::int32_t n, std::int32
 }
 }  // namespace
 
-// Edge D5 (docs/design.md): a plan launched programmatically after the kernel that writes its
+// Edge D6 (docs/design.md): a plan launched programmatically after the kernel that writes its
 // ids (launch_plan_forward's `programmatic`) waits for that kernel (griddepcontrol.wait) before
 // it reads them. The router triggers at its start and writes the ids 40 us later; after every
 // step the forward map must hold exactly that step's ids. The test kernel without the wait
 // (plan_test_skip_wait) must get some step wrong, which shows the check can fail.
-TEST_CASE("device plan kernel: a programmatically launched plan waits for the kernel that writes its ids (edge D5)") {
+TEST_CASE("device plan kernel: a programmatically launched plan waits for the kernel that writes its ids (edge D6)") {
   if (!device::plan_fill_ready_pdl_supported()) {
     MESSAGE("no programmatic dependent launch on this device: nothing to order");
     return;
