@@ -12,7 +12,12 @@
 //   plan/<policy>/misses:k        the same for each device policy (lru, lfru, crf; plan/misses:k
 //                                 is lru): the hot ids have the higher frequency and CRF, so the
 //                                 score policies also miss exactly the k cold ids per layer
+//   plan_pdl/<policy>/misses:k    the same, every plan launched programmatically after the one
+//                                 before it (launch overlapped; the plan waits inside)
+//   plan_device_stats/lru/misses:k  plan/lru with the stats mirror in device memory instead of
+//                                 mapped host memory (the cost of the mirror's PCIe stores)
 //   fill/fused/<policy>/misses:k  the fused node for each device policy
+//   fill/fused_pdl/misses:k       fill/fused with programmatic launches
 //   router_only                   the router node alone (subtract from plan/* if wanted)
 //   fill/<nodes>/misses:k         router + 48 x (plan -> fill) [two_nodes] or 48 x plan_forward_fill
 //                                 [fused]: k misses per layer of the NVFP4 Marlin expert (hidden
@@ -146,10 +151,30 @@ struct World {
     return gbps[gbps.size() / 2];
   }
 
+  // From the authoritative counters in the state block (device memory): every variant has them.
   std::uint64_t misses_layer0(std::size_t policy) {
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    return policy_states[policy][0].stats().misses;
+    DevicePlanStats st;
+    BENCH_CUDA(cudaMemcpy(&st, policy_states[policy][0].state().counters, sizeof st, cudaMemcpyDeviceToHost));
+    return st.misses;
   }
+
+  // The plan_device_stats variant: the same states with the stats mirror and error word in
+  // device memory instead of mapped host memory (what the mirror's PCIe stores cost).
+  DevicePlanState device_stats_view(std::size_t policy, std::int32_t layer) {
+    if (mirror == nullptr) {
+      BENCH_CUDA(cudaMalloc(&mirror, sizeof(DevicePlanStats) * 3 * kLayers));
+      BENCH_CUDA(cudaMalloc(&mirror_error, sizeof(std::uint32_t) * 3 * kLayers));
+      BENCH_CUDA(cudaMemset(mirror, 0, sizeof(DevicePlanStats) * 3 * kLayers));
+      BENCH_CUDA(cudaMemset(mirror_error, 0, sizeof(std::uint32_t) * 3 * kLayers));
+    }
+    DevicePlanState s = policy_states[policy][static_cast<std::size_t>(layer)].state();
+    s.stats = mirror + policy * kLayers + static_cast<std::size_t>(layer);
+    s.error_word = mirror_error + policy * kLayers + static_cast<std::size_t>(layer);
+    return s;
+  }
+  DevicePlanStats* mirror = nullptr;
+  std::uint32_t* mirror_error = nullptr;
 };
 
 World& world() {
@@ -157,24 +182,33 @@ World& world() {
   return w;
 }
 
-enum class Graph { router_only, plan, fill_two_nodes, fill_fused };
+// plan_pdl / fill_fused_pdl: every planning node launched programmatically after the one
+// before it (its launch overlaps that kernel; it waits for it inside). plan_device_stats: the
+// stats mirror in device memory.
+enum class Graph { router_only, plan, plan_pdl, plan_device_stats, fill_two_nodes, fill_fused, fill_fused_pdl };
 
 template <class Policy>
 cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
   const auto p = static_cast<std::size_t>(Policy::kind);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
+  if (kind == Graph::plan_device_stats) (void)w.device_stats_view(p, 0);  // allocates: not under capture
   BENCH_CUDA(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeGlobal));
   router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
   BENCH_CUDA(cudaGetLastError());
   for (std::int32_t l = 0; kind != Graph::router_only && l < kLayers; ++l) {
-    const DevicePlanState& s = w.policy_states[p][static_cast<std::size_t>(l)].state();
+    const DevicePlanState s = kind == Graph::plan_device_stats
+                                  ? w.device_stats_view(p, l)
+                                  : w.policy_states[p][static_cast<std::size_t>(l)].state();
     const device::PlanFillParams& fill = w.policy_fills[p][static_cast<std::size_t>(l)];
     std::int32_t* layer_ids = w.ids + l * kTopK;
-    if (kind == Graph::fill_fused) {
-      BENCH_CUDA((device::launch_plan_forward_fill<4, Policy>(s, layer_ids, kTopK, nullptr, fill, w.stream)));
+    if (kind == Graph::fill_fused || kind == Graph::fill_fused_pdl) {
+      BENCH_CUDA((device::launch_plan_forward_fill<4, Policy>(s, layer_ids, kTopK, nullptr, fill, w.stream,
+                                                              device::plan_fill_max_blocks, 0,
+                                                              kind == Graph::fill_fused_pdl)));
     } else {
-      BENCH_CUDA((device::launch_plan_forward<device::plan_block_threads, Policy>(s, layer_ids, kTopK, nullptr, w.stream)));
+      BENCH_CUDA((device::launch_plan_forward<device::plan_block_threads, Policy>(s, layer_ids, kTopK, nullptr, w.stream,
+                                                                                  kind == Graph::plan_pdl)));
       if (kind == Graph::fill_two_nodes) BENCH_CUDA(device::launch_plan_fill(fill, w.stream));
     }
   }
@@ -209,7 +243,7 @@ void run_graph(benchmark::State& state, Graph kind, std::int32_t k, int replays_
   const double per_replay_s = total_s / static_cast<double>(std::max<std::int64_t>(replays, 1));
   state.counters["us_per_layer"] = per_replay_s * 1e6 / kLayers;
   if (kind != Graph::router_only) state.counters["misses_per_layer"] = misses / static_cast<double>(std::max<std::int64_t>(replays, 1));
-  if (kind == Graph::fill_two_nodes || kind == Graph::fill_fused) {
+  if (kind == Graph::fill_two_nodes || kind == Graph::fill_fused || kind == Graph::fill_fused_pdl) {
     const double bytes = static_cast<double>(kLayers) * k * static_cast<double>(expert_bytes());
     state.counters["GBps"] = bytes / per_replay_s * 1e-9;
     state.counters["ratio_of_pinned"] = bytes / per_replay_s * 1e-9 / w.ceiling_gbps;
@@ -246,6 +280,20 @@ void BM_plan_policy(benchmark::State& state) {
   run_graph<Policy>(state, Graph::plan, k, 20, k > 0 ? 260 / k + 5 : 5);
 }
 template <class Policy>
+void BM_plan_pdl(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::plan_pdl, k, 20, k > 0 ? 260 / k + 5 : 5);
+}
+template <class Policy>
+void BM_plan_device_stats(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::plan_device_stats, k, 20, k > 0 ? 260 / k + 5 : 5);
+}
+void BM_fill_fused_pdl(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph(state, Graph::fill_fused_pdl, k, 3, 220 / k + 3);
+}
+template <class Policy>
 void BM_fill_fused_policy(benchmark::State& state) {
   const auto k = static_cast<std::int32_t>(state.range(0));
   run_graph<Policy>(state, Graph::fill_fused, k, 3, 220 / k + 3);
@@ -263,6 +311,16 @@ BENCHMARK(BM_plan_policy<DeviceLfru>)->Name("plan/lfru")->ArgName("misses")->Arg
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_plan_policy<DeviceCrf>)->Name("plan/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_pdl<DeviceLru>)->Name("plan_pdl/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_pdl<DeviceLfru>)->Name("plan_pdl/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_pdl<DeviceCrf>)->Name("plan_pdl/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_plan_device_stats<DeviceLru>)->Name("plan_device_stats/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+    ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_fill_fused_pdl)->Name("fill/fused_pdl")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+    ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fill_fused_policy<DeviceLfru>)->Name("fill/fused/lfru")->ArgName("misses")->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fill_fused_policy<DeviceCrf>)->Name("fill/fused/crf")->ArgName("misses")->Arg(1)->Arg(8)

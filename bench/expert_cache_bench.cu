@@ -539,6 +539,9 @@ RunResult run_cached_staging(const Model& m, const Routing& routing, const Bench
 __global__ void router_kernel(const std::int32_t* ids_table, const float* w_table, const std::uint32_t* counter,
                               std::int32_t steps, std::int32_t layers, std::int32_t layer, std::int32_t n,
                               std::int32_t* ids, float* weights) {
+  // A router that lets its dependents launch at once, as an engine's may: a plan launched
+  // programmatically after it (overlap on sm_90) is scheduled while it runs and waits for it.
+  device::detail::griddep_launch_dependents();
   const std::uint32_t step = *counter % static_cast<std::uint32_t>(steps);
   const std::size_t at = (static_cast<std::size_t>(step) * static_cast<std::size_t>(layers) + static_cast<std::size_t>(layer)) *
                          static_cast<std::size_t>(n);
@@ -573,13 +576,20 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
 // prepare, a side stream forks from the consumer stream, a kernel copies layer l+1's list of
 // the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
 // layer l's consumer; prepare(l+1) joins the side stream (edge 2).
+// budget (a --budget staging, or empty): the row leaves a stage out or doubles it (see
+// budget_router_staging and the others in decode/args.hpp); its outputs are not checked.
 template <class Policy>
 RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                           Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
-                          bool fill_only) {
+                          bool fill_only, const std::string& budget = "") {
   using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>;
-  const char* const device_staging =
-      fill_only ? device_fill_only_staging : (overlap ? device_overlap_staging : bench::device_staging);
+  const bool router_only = budget == budget_router_staging, plan_only = budget == budget_plan_staging;
+  const bool plan_x2 = budget == budget_plan_x2_staging, consumer_x2 = budget == budget_consumer_x2_staging;
+  fill_only = fill_only || plan_x2;  // plan_x2 is fill_only with a second plan
+  const std::string device_staging_text =
+      !budget.empty() ? budget
+                      : (fill_only ? device_fill_only_staging : (overlap ? device_overlap_staging : bench::device_staging));
+  const char* const device_staging = device_staging_text.c_str();
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
@@ -591,6 +601,8 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.capacity = m.capacity;
     o.max_ids = n;
     o.overlap = overlap;
+    // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
+    o.ready_first_regions = overlap ? device::MoeConsumer::first_pass_regions : 0u;
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   const ExpertTensorBytes tensors = m.layout.tensors();
@@ -600,6 +612,14 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
       synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
   });
   const std::int32_t rounds = caches[0]->max_groups(n);
+  // budget:plan_x2: per layer a shadow plan state planned with the same ids just before the
+  // cache's own plan (the same decisions, so the same misses: a second plan of the same cost).
+  std::vector<device::DevicePlanStorage> shadows;
+  if (plan_x2) {
+    shadows.resize(static_cast<std::size_t>(m.layers));
+    for (auto& sh : shadows) check_cuda(sh.template create<Policy>(m.experts, m.capacity, ctx.consumer), "shadow plan state");
+    check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize(shadow plan states)");
+  }
 
   // Lookahead lists: [steps][layers][list_length], -1 padded (the last layer's is empty).
   Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
@@ -669,6 +689,18 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                                                  routing.steps, m.layers, l, n, l_ids, l_w);
       check_cuda(cudaGetLastError(), "router_kernel");
       Cache& cache = *caches[static_cast<std::size_t>(l)];
+      if (router_only) continue;
+      if (plan_only) {  // the plan alone, on the cache's state: no fill, no consumer
+        check_cuda((device::launch_plan_forward<device::plan_block_threads, Policy>(cache.plan_state(), l_ids, n, nullptr,
+                                                                                    ctx.consumer)),
+                   "launch_plan_forward (budget)");
+        continue;
+      }
+      if (plan_x2) {
+        check_cuda((device::launch_plan_forward<device::plan_block_threads, Policy>(
+                       shadows[static_cast<std::size_t>(l)].state(), l_ids, n, nullptr, ctx.consumer)),
+                   "launch_plan_forward (shadow)");
+      }
       for (std::int32_t g = 0; g < rounds; ++g) {
         Result<ForwardView> view = g == 0 ? cache.prepare(l_ids, n, ctx.consumer) : cache.prepare_group(g, ctx.consumer);
         if (!view.ok()) throw Error(view.status());
@@ -690,6 +722,12 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                                      ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
             !st)
           throw Error(st);
+        if (consumer_x2) {  // the same consumer again (same inputs, same output)
+          if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(),
+                                       l_w, ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
+              !st)
+            throw Error(st);
+        }
         if (g > 0) {
           add_round_kernel<<<static_cast<unsigned>((act + 255) / 256), 256, 0, ctx.consumer>>>(out, part.as<float>(),
                                                                                               static_cast<std::int32_t>(act));
@@ -783,6 +821,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   r.host_syncs += stalls - stalls0;
   // Bytes moved: the misses and every speculative fill (used or wasted).
   r.pcie_bytes = static_cast<double>(r.misses + r.speculative_issued) * static_cast<double>(m.expert_bytes());
+  if (!budget.empty()) return r;  // described once, with the table (budget_notes)
   if (fill_only) {
     notes.emplace_back("device/fill_only: no consumer in the graph (router, plan and fills): the time a perfectly hidden "
                        "consumer would leave; outputs not checked");
@@ -831,14 +870,60 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
 // --device-policy: the device provider's planning policy (one per run).
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      Progress& progress, std::vector<std::string>& notes, bool overlap = false,
-                     const std::string& prefetch = "", bool fill_only = false) {
+                     const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "") {
   if (a.device_policy == "lfru") {
-    return run_device_with<DeviceLfru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
+    return run_device_with<DeviceLfru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
   }
   if (a.device_policy == "crf") {
-    return run_device_with<DeviceCrf>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
+    return run_device_with<DeviceCrf>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
   }
-  return run_device_with<DeviceLru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only);
+  return run_device_with<DeviceLru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
+}
+
+// --budget: the per-layer time budget of the device step from the rows that leave a stage out
+// or double it (same run). Each line is a difference of two rows' time per layer.
+void budget_notes(const Model& m, const Report& rep, std::vector<std::string>& notes) {
+  auto us_per_layer = [&](const char* staging) -> double {
+    for (const RunResult& r : rep.runs) {
+      if (r.provider == "device" && r.staging == staging && !r.is_lookahead_row() && r.tokens_per_second() > 0)
+        return 1e6 * m.batch / r.tokens_per_second() / m.layers;
+    }
+    return -1;
+  };
+  const double router = us_per_layer(budget_router_staging), plan = us_per_layer(budget_plan_staging);
+  const double fill = us_per_layer(device_fill_only_staging), plan2 = us_per_layer(budget_plan_x2_staging);
+  const double graph = us_per_layer(bench::device_staging), overlap = us_per_layer(device_overlap_staging);
+  const double cons2 = us_per_layer(budget_consumer_x2_staging);
+  if (router < 0 || plan < 0 || fill < 0 || plan2 < 0 || graph < 0 || cons2 < 0) return;
+  double bytes = 0;  // the fills' bytes per layer (the graph row's misses)
+  for (const RunResult& r : rep.runs) {
+    if (r.provider == "device" && r.staging == bench::device_staging && !r.is_lookahead_row() && r.tokens > 0)
+      bytes = r.pcie_bytes / (static_cast<double>(r.tokens) / m.batch) / m.layers;
+  }
+  const double at_ceiling = rep.pcie_ceiling_bytes_per_s > 0 ? 1e6 * bytes / rep.pcie_ceiling_bytes_per_s : 0;
+  char buf[512];
+  std::snprintf(buf, sizeof buf,
+                "budget (us per layer; batch %d): router %.2f | plan %.2f (router+plan - router) | fill %.2f "
+                "(fill_only - router+plan), of which %.2f is the layer's %.0f KB at the pinned ceiling and %.2f "
+                "launch gap, ramp-up and tail | consumer after the fill %.2f (graph - fill_only)",
+                m.batch, router, plan - router, fill - plan, at_ceiling, bytes / 1024, fill - plan - at_ceiling,
+                graph - fill);
+  notes.emplace_back(buf);
+  std::snprintf(buf, sizeof buf,
+                "budget (us per layer): a second plan adds %.2f (plan_x2 - fill_only); a second consumer adds %.2f "
+                "(consumer_x2 - graph)%s",
+                plan2 - fill, cons2 - graph, overlap > 0 ? "" : "; add --overlap for the overlapped row");
+  notes.emplace_back(buf);
+  if (overlap > 0) {
+    std::snprintf(buf, sizeof buf,
+                  "budget (us per layer): overlap %.2f, %.2f below graph; its consumer tail after the fill is %.2f "
+                  "(overlap - fill_only)",
+                  overlap, graph - overlap, overlap - fill);
+    notes.emplace_back(buf);
+  }
+  notes.emplace_back("budget rows (device/budget:*): router only; router + plan (no fill, no consumer); plan_x2 = "
+                     "fill_only with a second plan of the same ids on a shadow state; consumer_x2 = the full step "
+                     "with the consumer run twice. Outputs not checked.");
 }
 
 Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, Progress& progress) {
@@ -879,7 +964,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     } else if (cfg.provider == "device") {
       rep.runs.push_back(
           run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging, cfg.prefetch,
-                     cfg.staging == device_fill_only_staging));
+                     cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : ""));
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
     } else {
@@ -921,6 +1006,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     }
     rep.notes.emplace_back(buf);
   }
+  if (a.budget) budget_notes(m, rep, rep.notes);
   return rep;
 }
 

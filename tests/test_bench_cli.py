@@ -83,6 +83,8 @@ def case_bad_args():
     expect_usage_error(["--staging", "gather"], "needs the CUDA runtime")
     expect_usage_error(["--device-policy", "lfru"], "needs the CUDA runtime")
     expect_usage_error(["--device-policy", "opt"], "is not lru, lfru or crf")
+    expect_usage_error(["--budget", "--runtime", "sim"], "--budget needs the CUDA runtime")
+    expect_usage_error(["--budget", "--provider", "row"], "--budget needs the device provider")
     expect_usage_error(["--runtime", "gpu"], "--runtime")
     expect_usage_error(["--trace", os.path.join(h.TMP, "missing.trace")], "cannot open trace file")
     expect_usage_error(["--trace", write("bad.trace", "0 0 1 2\n1 0 x\n")], "line 2")

@@ -594,6 +594,18 @@ TEST_CASE("device cache: rejected calls leave the cache unchanged and enqueue no
   bad.capacity = 4;
   bad.max_ids = 0;
   CHECK_THROWS_AS(Fixture<>::Dev(f.rt, bad, six_tensor_layout()), Error);
+  // A first fill part naming a copy region the storage lacks (six regions: bits 0-5).
+  bad.max_ids = 4;
+  bad.ready_first_regions = 1u << 6;
+  try {
+    Fixture<>::Dev d(f.rt, bad, six_tensor_layout());
+    FAIL("ready_first_regions past the regions accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::invalid_argument);
+    CHECK(std::string(e.what()).find("ready_first_regions") != std::string::npos);
+  }
+  bad.ready_first_regions = 0b10101;  // W13's regions: accepted
+  CHECK_NOTHROW(Fixture<>::Dev(f.rt, bad, six_tensor_layout()));
 }
 
 TEST_CASE("device cache: a fill that could not be enqueued is recovered (its experts dropped, refetched later)") {

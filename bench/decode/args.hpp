@@ -46,6 +46,9 @@ struct BenchArgs {
   bool staging_given = false;
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
   bool fill_only = false;  // the device provider also without its consumer (a timing decomposition)
+  // The device provider's per-layer time budget: rows that leave a stage out or double it
+  // (budget_stagings), and the table derived from them (measured only).
+  bool budget = false;
   std::string device_policy = "lru";  // the device provider's planning policy: lru, lfru or crf (measured only)
   // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
@@ -104,6 +107,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      (docs/policies.md); measured on a GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
                "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
+               "  --budget            the device provider's time per layer: rows with a stage left out or doubled\n"
+               "                      (router only, router+plan, fill_only, plan doubled, consumer doubled) and\n"
+               "                      the per-layer table they give; measured on a GPU only (implies --fill-only)\n"
                "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
                "                      the device rows: after layer L's prepare, prefetch layer L+1's predicted\n"
                "                      experts (device: on a side stream inside the captured step): none, coact\n"
@@ -246,6 +252,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--fill-only") {
       no_value();
       a.fill_only = true;
+    } else if (arg == "--budget") {
+      no_value();
+      a.budget = true;
+      a.fill_only = true;
     } else if (arg == "--prefetch") {
       for (const std::string_view item : split_commas(value())) {
         const Result<PrefetchSpec> spec = parse_prefetch_spec(item);
@@ -281,6 +291,14 @@ inline BenchArgs parse_args(int argc, char** argv) {
 inline constexpr const char* device_staging = "graph";
 inline constexpr const char* device_overlap_staging = "overlap";
 inline constexpr const char* device_fill_only_staging = "fill_only";
+// --budget rows of the device provider (stages left out or doubled; outputs unchecked):
+// router kernels only; router + plan (no fill, no consumer); fill_only with a second plan of the
+// same ids on a shadow state in front of each layer's; the full step with the consumer twice.
+inline constexpr const char* budget_router_staging = "budget:router";
+inline constexpr const char* budget_plan_staging = "budget:router+plan";
+inline constexpr const char* budget_plan_x2_staging = "budget:plan_x2";
+inline constexpr const char* budget_consumer_x2_staging = "budget:consumer_x2";
+inline bool budget_staging(const std::string& s) { return s.rfind("budget:", 0) == 0; }
 // With --prefetch, the host-planned copy_stream rows are the lookahead baseline (prefetch
 // "none") and each predictor adds a row after them ("coact", "prev", "hint:R").
 inline constexpr const char* prefetch_staging = "copy_stream";
@@ -307,7 +325,13 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
     if (p == "device") {
       // With --prefetch every device row has a lookahead twin per predictor (prefetch() on the
       // device from a side stream of the captured step; measured runs only).
+      if (a.budget) {
+        out.push_back({p, budget_router_staging, ""});
+        out.push_back({p, budget_plan_staging, ""});
+        out.push_back({p, budget_plan_x2_staging, ""});
+      }
       if (a.fill_only) out.push_back({p, device_fill_only_staging, ""});
+      if (a.budget) out.push_back({p, budget_consumer_x2_staging, ""});
       std::vector<std::string> rows{device_staging};
       if (a.overlap) rows.emplace_back(device_overlap_staging);
       for (const std::string& s : rows) {

@@ -59,9 +59,10 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       throw UsageError{"--device-policy " + args.device_policy + " needs the CUDA runtime (a GPU): the modelled run plans LRU"};
     }
     if (args.fill_only) {
+      const char* flag = args.budget ? "--budget" : "--fill-only";
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())
-        throw UsageError{"--fill-only needs the device provider (--provider device or all)"};
-      if (!use_gpu) throw UsageError{"--fill-only needs the CUDA runtime (a GPU)"};
+        throw UsageError{std::string(flag) + " needs the device provider (--provider device or all)"};
+      if (!use_gpu) throw UsageError{std::string(flag) + " needs the CUDA runtime (a GPU)"};
     }
     if (!args.prefetch.empty() || args.prefetch_budget) {
       if (args.prefetch.empty()) throw UsageError{"--prefetch-budget needs --prefetch"};

@@ -83,6 +83,18 @@ struct DeviceCacheOptions {
   // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
   std::uint32_t test_fill_delay_ns = 0;
   std::int32_t test_fill_delay_index = 0;
+  // Overlap, CUDA: copy regions (bit r = the storage's copy region r; TensorMajorStorage: one per
+  // non-empty tensor, in tensor order) that every fill of a step copies first, each slot's part
+  // then published on its own ready word (SlotReadiness::ready_first, edge D4c), so a consumer
+  // whose first pass reads only them starts on a missing expert before the rest lands (the
+  // NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
+  // refused at construction (ErrorCode::invalid_argument).
+  std::uint32_t ready_first_regions = 0;
+  // Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
+  // fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
+  // ready word BEFORE copying it (the edge removed, to show a test can see it).
+  std::int32_t test_fill_delay_part = 0;
+  bool test_publish_first_early = false;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -163,6 +175,13 @@ class BasicSimPlanExecutor {
         words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
         regions_(regions) {
+    // As the CUDA executor: a first part naming regions the storage lacks is refused (the model
+    // itself copies whole experts, so it has no other use for the mask).
+    if (regions.count < 32 && (options.ready_first_regions >> regions.count) != 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: ready_first_regions 0x%x names copy regions past the storage's %zu",
+                                 options.label.c_str(), options.ready_first_regions, regions.count));
+    }
     auto* w = reinterpret_cast<MappedWords*>(words_.data());
     state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
     // Fresh memory, nothing enqueued yet: the reset runs on the host (declared as a host write).
@@ -330,6 +349,8 @@ class BasicSimPlanExecutor {
     add(acc, state_.slot_needed);
     add(acc, state_.slot_ready);
     add(acc, state_.fill_arrivals);
+    add(acc, state_.slot_ready_first);
+    add(acc, state_.fill_arrivals_first);
     add(acc, state_.slot_spec_left);
     acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
     acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
@@ -350,6 +371,7 @@ class BasicSimPlanExecutor {
       const std::size_t words = static_cast<std::size_t>(state_.capacity) * sizeof(std::uint32_t);
       acc.push_back({state_.slot_needed.data, words, AccessMode::read});
       acc.push_back({state_.slot_ready.data, words, AccessMode::write});
+      acc.push_back({state_.slot_ready_first.data, words, AccessMode::write});
     }
     acc.insert(acc.end(), pools_.begin(), pools_.end());
     acc.insert(acc.end(), slots_.begin(), slots_.end());
@@ -366,7 +388,7 @@ class BasicSimPlanExecutor {
           std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
                       r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
         }
-        if (publish_ready) st.slot_ready[f.slot] = st.slot_needed[f.slot];
+        if (publish_ready) st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = st.slot_needed[f.slot];
       }
     });
   }
@@ -384,6 +406,7 @@ class BasicSimPlanExecutor {
       acc.push_back({st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read});
       acc.push_back({st.slot_needed.data + j, sizeof(std::uint32_t), AccessMode::read});
       acc.push_back({st.slot_ready.data + j, sizeof(std::uint32_t), AccessMode::write});
+      acc.push_back({st.slot_ready_first.data + j, sizeof(std::uint32_t), AccessMode::write});
       acc.insert(acc.end(), pools_.begin(), pools_.end());
       for (const CopyRegion& r : regions_) {
         if (r.bytes != 0) acc.push_back({r.slot_base + static_cast<std::size_t>(j) * r.slot_stride, r.bytes, AccessMode::write});
@@ -399,7 +422,8 @@ class BasicSimPlanExecutor {
                 std::memcpy(r.slot_base + static_cast<std::size_t>(j) * r.slot_stride,
                             r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
               }
-              st.slot_ready[j] = st.slot_needed[j];  // the release store (after the bytes)
+              // The release stores (after the bytes; the model has no first part of its own).
+              st.slot_ready_first[j] = st.slot_ready[j] = st.slot_needed[j];
             }
           });
           !r) {

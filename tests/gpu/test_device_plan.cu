@@ -810,3 +810,63 @@ TEST_CASE("device plan kernels (DeviceLfru) equal ForwardPlanner<Lfru> after eve
 TEST_CASE("device plan kernels (DeviceCrf) equal ForwardPlanner<Crf> after every group and prefetch") {
   policy_kernel_trace<DeviceCrf, Crf>(950);
 }
+
+namespace {
+// Triggers its dependents at once, then writes step *counter's ids after `delay_ns`: a plan
+// launched programmatically after it is running while the ids are still the previous step's.
+__global__ void late_router_kernel(std::int32_t* ids, std::int32_t n, std::int32_t experts, std::uint64_t* counter,
+                                   std::uint64_t delay_ns) {
+  device::detail::griddep_launch_dependents();
+  const std::uint64_t until = device::global_timer_ns() + delay_ns;
+  while (device::global_timer_ns() < until) __nanosleep(1000);
+  const std::uint64_t step = *counter;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n; i += static_cast<std::int32_t>(blockDim.x)) {
+    ids[i] = static_cast<std::int32_t>((step * static_cast<std::uint64_t>(n) + static_cast<std::uint64_t>(i)) %
+                                       static_cast<std::uint64_t>(experts));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *counter = step + 1;
+}
+}  // namespace
+
+// Edge D6 (docs/design.md): a plan launched programmatically after the kernel that writes its
+// ids (launch_plan_forward's `programmatic`) waits for that kernel (griddepcontrol.wait) before
+// it reads them. The router triggers at its start and writes the ids 40 us later; after every
+// step the forward map must hold exactly that step's ids. The test kernel without the wait
+// (plan_test_skip_wait) must get some step wrong, which shows the check can fail.
+TEST_CASE("device plan kernel: a programmatically launched plan waits for the kernel that writes its ids (edge D6)") {
+  if (!device::plan_fill_ready_pdl_supported()) {
+    MESSAGE("no programmatic dependent launch on this device: nothing to order");
+    return;
+  }
+  constexpr std::int32_t E = 64, C = 16, top_k = 8;
+  Stream stream;
+  device::DevicePlanStorage st;
+  CUDA_OK(st.create(E, C, stream.s));
+  const DevicePlanState& s = st.state();
+  DeviceBuffer<std::int32_t> d_ids(top_k);
+  DeviceBuffer<std::uint64_t> d_step(1);
+  CUDA_OK(cudaMemset(d_step.p, 0, sizeof(std::uint64_t)));
+  CUDA_OK(cudaMemset(d_ids.p, 0xff, sizeof(std::int32_t) * top_k));  // -1: padding
+  CUDA_OK(cudaStreamSynchronize(stream.s));
+  Mirror m;
+  auto run = [&](bool skip_wait, std::int32_t steps) {
+    std::int32_t wrong = 0;
+    for (std::int32_t step = 0; step < steps; ++step) {
+      std::uint64_t at = 0;
+      CUDA_OK(cudaMemcpy(&at, d_step.p, sizeof at, cudaMemcpyDeviceToHost));
+      late_router_kernel<<<1, 32, 0, stream.s>>>(d_ids.p, top_k, E, d_step.p, 40000);
+      CUDA_OK(cudaGetLastError());
+      CUDA_OK(device::launch_plan_forward(s, d_ids.p, top_k, nullptr, stream.s, true, skip_wait));
+      m.read(st, stream.s);
+      std::vector<std::int32_t> want(static_cast<std::size_t>(E), 0);
+      for (std::int32_t i = 0; i < top_k; ++i) want[static_cast<std::size_t>((at * top_k + static_cast<std::uint64_t>(i)) % E)] = 1;
+      bool same = true;
+      for (std::int32_t e = 0; e < E; ++e) same = same && ((m.view.forward_map[e] >= 0) == (want[static_cast<std::size_t>(e)] != 0));
+      wrong += same ? 0 : 1;
+    }
+    return wrong;
+  };
+  CHECK(run(false, 50) == 0);
+  CHECK(run(true, 20) > 0);  // without the wait the plan reads the previous step's ids
+}

@@ -408,7 +408,15 @@ namespace {
 using DevCache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
 
 // A device-planned cache of `L` (E = 16, C = 4, up to 4 ids), its host pools filled.
-std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns) {
+// Parts (edge D4c): `first_regions` copied and published first, the delay on part `delay_part`,
+// `early`: the first part's ready word stored before its bytes (test kernel).
+struct FillParts {
+  std::uint32_t first_regions = 0;
+  std::int32_t delay_part = 0;
+  bool early = false;
+};
+std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns,
+                                            FillParts parts = {}) {
   DeviceCacheOptions o;
   o.num_experts = static_cast<std::int32_t>(L.experts);
   o.capacity = 4;
@@ -416,6 +424,9 @@ std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, boo
   o.overlap = overlap;
   o.test_fill_delay_ns = delay_ns;
   o.test_fill_delay_index = 0;
+  o.ready_first_regions = parts.first_regions;
+  o.test_fill_delay_part = parts.delay_part;
+  o.test_publish_first_early = parts.early;
   auto cache = std::make_unique<DevCache>(rt, o, L.layout);
   const ExpertTensorBytes b = L.layout.tensors();
   for (std::int64_t e = 0; e < L.experts; ++e)
@@ -528,8 +539,8 @@ struct SlowedFill {
   // A fresh overlapped cache with the slowed fill: step A (every wait; checked against the
   // all-resident run), then step B eagerly or as a captured graph with `waits`. Returns step B's
   // output; the cache stays in `ov` for the caller's checks.
-  std::vector<float> step_b(std::unique_ptr<DevCache>& ov, bool graph, Waits waits) {
-    ov = make_device_cache(rt, L, true, delay_ns);
+  std::vector<float> step_b(std::unique_ptr<DevCache>& ov, bool graph, Waits waits, FillParts parts = {}) {
+    ov = make_device_cache(rt, L, true, delay_ns, parts);
     REQUIRE(ov->readiness().enabled());
     CHECK(same_bits(device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream), ref_a));
     return graph ? graph_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, waits)
@@ -642,6 +653,46 @@ TEST_CASE("moe consumer + overlapped device cache (edge D4b): moe_w2 waits per p
       CHECK_MESSAGE(step_a, "moe_w2 without the wait should read exactly the previous run's activations of pair 3");
       f.check_recovered(*ov);
     }
+  }
+}
+
+// Edge D4c: the fill copies every missing expert's W13 tensors (MoeConsumer::first_pass_regions)
+// first and publishes them on ready_first; moe_w13 waits on that word, moe_w2 on the whole
+// expert's. With fill 0 (expert 9) slowed in its W13 part, then in its W2 part: bit-identical to
+// the non-overlapped run (a moe_w2 that waited only for the W13 part would read expert 3's W2
+// bytes in the second case). In a captured graph, the test fill that stores the W13 word before
+// copying the W13 part (the edge removed) must make moe_w13 read expert 3's bytes.
+TEST_CASE("moe consumer + overlapped device cache (edge D4c): W13 parts first on their own ready word; removing the order reads stale bytes") {
+  const Layer L = make_layer(256, 128, 16, 71);
+  SlowedFill f(L);
+  const std::uint32_t w13 = device::MoeConsumer::first_pass_regions;
+  for (const bool graph : {false, true}) {
+    CAPTURE(graph);
+    for (const std::int32_t part : {0, 1}) {
+      CAPTURE(part);
+      std::unique_ptr<DevCache> ov;
+      const std::vector<float> got = f.step_b(ov, graph, Waits::all, FillParts{w13, part, false});
+      const device::PlanFillParams& fp = ov->executor().fill_params();
+      CHECK(fp.first_part_items > 0);
+      CHECK(fp.first_part_items < fp.items_per_fill);
+      CHECK_MESSAGE(same_bits(got, f.plain_b), "parted fill: the consumer read a part before its ready word");
+      SlowedFill::check_no_errors(*ov);
+      // Both words of every resident slot reached its tag.
+      std::vector<std::uint32_t> first(4), whole(4), needed(4);
+      const DevicePlanState& s = ov->plan_state();
+      REQUIRE_CUDA_OK(cudaMemcpy(first.data(), s.slot_ready_first.data, 16, cudaMemcpyDeviceToHost));
+      REQUIRE_CUDA_OK(cudaMemcpy(whole.data(), s.slot_ready.data, 16, cudaMemcpyDeviceToHost));
+      REQUIRE_CUDA_OK(cudaMemcpy(needed.data(), s.slot_needed.data, 16, cudaMemcpyDeviceToHost));
+      CHECK(first == needed);
+      CHECK(whole == needed);
+    }
+    if (!graph) continue;  // eagerly the consumer follows the fill grid (see the edge D4 case)
+    std::unique_ptr<DevCache> ov;
+    const std::vector<float> got = f.step_b(ov, graph, Waits::all, FillParts{w13, 0, true});
+    CHECK_MESSAGE(!same_bits(got, f.ref_b),
+                  "D4c INCONCLUSIVE: with the W13 word stored before its bytes the consumer still read expert 9's W13 "
+                  "(programmatic dependent launch inactive?), so this run cannot show that the word orders the read");
+    f.check_recovered(*ov);
   }
 }
 

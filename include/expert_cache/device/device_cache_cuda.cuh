@@ -59,14 +59,17 @@ class BasicCudaPlanExecutor {
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
         fused_(options.fused_plan_fill),
         overlap_(options.overlap),
-        debug_{options.test_fill_delay_ns, options.test_fill_delay_index},
-        use_debug_(options.test_fill_delay_ns != 0),
+        debug_{options.test_fill_delay_ns, options.test_fill_delay_index, options.test_fill_delay_part,
+               options.test_publish_first_early},
+        use_debug_(options.test_fill_delay_ns != 0 || options.test_publish_first_early),
         fill_pdl_(options.overlap && plan_fill_ready_pdl_supported()) {
+    check_first_part(regions, options);
     RuntimeStream<CudaRuntime> init(rt);
     throw_on(storage_.template create<Policy>(num_experts, capacity, init.get()), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
     throw_on(resolve_mapped_regions(mapped), "resolve_mapped_regions (pools must be mapped pinned memory)");
-    throw_on(make_plan_fill_params(mapped, storage_.state(), fill_), "make_plan_fill_params");
+    throw_on(make_plan_fill_params(mapped, storage_.state(), fill_, options.ready_first_regions),
+             "make_plan_fill_params");
     throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
   }
   BasicCudaPlanExecutor(const BasicCudaPlanExecutor&) = delete;
@@ -85,7 +88,9 @@ class BasicCudaPlanExecutor {
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_fill_kernel");
     }
-    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s)));
+    // Overlap on sm_90: the plan too is launched programmatically (edge D6: it waits for the
+    // kernel before it, the router, inside), so its launch overlaps that kernel's tail.
+    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s, fill_pdl_)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
     return fill(s);
@@ -157,6 +162,14 @@ class BasicCudaPlanExecutor {
     return rt_->after_enqueue(s, "plan_fill_kernel");
   }
 
+  // ready_first_regions names regions the storage has (checked before anything is enqueued).
+  static void check_first_part(const CopyRegions& regions, const DeviceCacheOptions& o) {
+    if (regions.count < 32 && (o.ready_first_regions >> regions.count) != 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: ready_first_regions 0x%x names copy regions past the storage's %zu",
+                                 o.label.c_str(), o.ready_first_regions, regions.count));
+    }
+  }
   static void throw_on(cudaError_t err, const char* what) {
     if (err != cudaSuccess) throw Error(cuda_status(err, what));
   }

@@ -255,10 +255,12 @@ __device__ __forceinline__ uint2 load_slot8(const unsigned char* p) {
 }
 // Before a block reads `slot`: one thread waits for its ready word, the barrier orders the
 // block's loads after that acquire. Uniform per block (the slot depends on blockIdx.z only).
-template <bool Wait>
+// FirstPart: the block reads only W13's tensors (w13, w13_scale, w13_scale_2), which a fill
+// given first_pass_regions copies first and publishes on ready_first (edge D4c).
+template <bool Wait, bool FirstPart = false>
 __device__ __forceinline__ void await_slot(const SlotReadiness& ready, std::int32_t slot) {
   if constexpr (Wait) {
-    if (threadIdx.x == 0) (void)wait_slot_ready(ready, slot);
+    if (threadIdx.x == 0) (void)wait_slot_ready(ready, slot, FirstPart);
     __syncthreads();
   }
 }
@@ -469,7 +471,7 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   }
   const std::int32_t slot = slot_of(w, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
-  await_slot<w13_waits_for_slot(Mode)>(ready, slot);
+  await_slot<w13_waits_for_slot(Mode), true>(ready, slot);
 
   const long long size_n = 2LL * padded;
   const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
@@ -664,6 +666,12 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
 // x and out [tokens, hidden] fp32.
 class MoeConsumer {
  public:
+  // The copy regions of a TensorMajorStorage of this layout (one per tensor, in ExpertTensor
+  // order: all six are non-empty) that moe_w13 reads: w13, w13_scale, w13_scale_2. Given as
+  // DeviceCacheOptions::ready_first_regions, the overlapped fill copies them first for every
+  // missing expert and moe_w13 waits only for them (edge D4c).
+  static constexpr std::uint32_t first_pass_regions = (1u << 0) | (1u << 2) | (1u << 4);
+
   MoeConsumer(const Nvfp4Marlin& layout, int max_tokens, int top_k) : layout_(layout), max_tokens_(max_tokens), top_k_(top_k) {
     throw_if_error(layout.validate());
     if (max_tokens < 1 || top_k < 1) throw Error(ErrorCode::invalid_argument, "MoeConsumer: max_tokens and top_k must be >= 1");

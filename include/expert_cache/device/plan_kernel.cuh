@@ -226,7 +226,10 @@ namespace detail {
 // start, so an overlapped fill launched programmatically after them (launch_plan_fill_ready with
 // `programmatic`) is scheduled while the plan runs; the fill waits (griddepcontrol.wait: the plan
 // grid completed, its writes visible) before it touches memory. A dependent launched without the
-// attribute ignores the trigger.
+// attribute ignores the trigger. The planning kernels themselves wait right after the trigger, so
+// they may be launched programmatically too (launch_plan_forward's `programmatic`): the launch of
+// a plan then overlaps the kernel before it (the router; in a graph of plans, the previous
+// layer's plan), and only the wait's release is left on the chain, not a node launch.
 // (the two instructions: device/griddep.cuh)
 }  // namespace detail
 
@@ -250,16 +253,21 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
+  detail::griddep_wait();
   plan_forward<Policy>(b, s, ids, n_ids, sanitized);
 }
 
 // The same on one warp (small forwards: n_ids <= plan_small_ids; correct for any n_ids).
-template <int Unused = 0, device_plan_policy Policy = DeviceLru>
+// Mode plan_test_skip_wait (tests only) leaves out the wait for the preceding kernel, so that a
+// programmatically launched plan reads ids the kernel before it has not written yet.
+inline constexpr int plan_test_skip_wait = 1;
+template <int Mode = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
   detail::griddep_launch_dependents();
+  if constexpr (Mode != plan_test_skip_wait) detail::griddep_wait();
   plan_forward<Policy>(b, s, ids, n_ids, sanitized);
 }
 
@@ -269,6 +277,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const Devi
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
+  detail::griddep_wait();
   plan_group<Policy>(b, s, group);
 }
 
@@ -290,6 +299,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
                          std::uint32_t expires_after) {
   WarpBlock b;
   detail::griddep_launch_dependents();
+  detail::griddep_wait();
   plan_prefetch<Policy>(b, s, ids, n_ids, max_fills, expires_after);
 }
 
@@ -311,14 +321,23 @@ struct PlanFillParams {
   const std::uint32_t* slot_needed = nullptr;
   std::uint32_t* slot_ready = nullptr;
   std::uint32_t* fill_arrivals = nullptr;
+  std::uint32_t* slot_ready_first = nullptr;
+  std::uint32_t* fill_arrivals_first = nullptr;
+  // Items of a fill's first part (edge D4c): the regions make_plan_fill_params was told to
+  // copy first, placed at the front of `regions`. 0: one part (the whole expert).
+  std::uint32_t first_part_items = 0;
 };
 
 // Test-only knob of the overlapped fill (compiled in only by plan_fill_ready_kernel<Ilp, true>):
-// every block waits `delay_ns` before it copies fill `delay_fill`, so a consumer that did not
-// wait for that slot's ready word would read the slot's previous bytes.
+// every block waits `delay_ns` before it copies part `delay_part` of fill `delay_fill`, so a
+// consumer that did not wait for that part's ready word would read the slot's previous bytes.
+// `publish_first_early` stores the first part's ready word before the part is copied: the
+// edge D4c removed, so a test can show that it sees the difference.
 struct PlanFillDebug {
   std::uint32_t delay_ns = 0;
   std::int32_t delay_fill = -1;
+  std::int32_t delay_part = 0;
+  bool publish_first_early = false;
 };
 
 namespace detail {
@@ -361,6 +380,12 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads) plan_fill_kernel(c
 }
 
 // The overlapped fill (see the top of this file). Grid as plan_fill_kernel's.
+//
+// With a first part (first_part_items, edge D4c) the copy runs in the consumer's order: the
+// first part of every fill, in list order, each published on slot_ready_first, then the rest of
+// every fill, each published on slot_ready. A consumer whose first pass reads only the first
+// part (the NVFP4 MoE's W13 GEMM) then starts on the k-th missing expert once k first parts
+// landed, and after the last byte only its second pass over the last expert is left.
 template <int Ilp = 4, bool Debug = false>
 EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     plan_fill_ready_kernel(const __grid_constant__ PlanFillParams p, const PlanFillDebug debug) {
@@ -374,37 +399,61 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
   // The plan kernel completed (stream order, or the wait above): plain loads.
   std::int32_t n = p.scalars->fill_count;
   n = n < 0 ? 0 : (n > p.capacity ? p.capacity : n);
-  for (std::int32_t i = 0; i < n; ++i) {
-    if constexpr (Debug) {
-      if (i == debug.delay_fill && debug.delay_ns != 0) {
-        const std::uint64_t until = global_timer_ns() + debug.delay_ns;
-        while (global_timer_ns() < until) __nanosleep(1000);
+  const bool split = p.first_part_items > 0 && p.first_part_items < p.items_per_fill;
+  for (std::int32_t part = 0; part < (split ? 2 : 1); ++part) {
+    const std::uint32_t lo = split && part == 1 ? p.first_part_items : 0u;
+    const std::uint32_t hi = split && part == 0 ? p.first_part_items : p.items_per_fill;
+    // Whole experts (no split) and second parts end on slot_ready (and, without a split, on
+    // slot_ready_first too); first parts on slot_ready_first.
+    const bool first_word = !split || part == 0, whole_word = !split || part == 1;
+    std::uint32_t* arrivals_of = split && part == 0 ? p.fill_arrivals_first : p.fill_arrivals;
+    for (std::int32_t i = 0; i < n; ++i) {
+      if constexpr (Debug) {
+        if (debug.publish_first_early && first_word && threadIdx.x == 0 && blockIdx.x == 0) {
+          const PlanEntry f = p.fills[i];
+          if (f.slot >= 0 && f.slot < p.capacity) {
+            cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device>(p.slot_ready_first[f.slot])
+                .store(p.slot_needed[f.slot], cuda::memory_order_release);
+          }
+        }
+        if (i == debug.delay_fill && (!split || part == debug.delay_part) && debug.delay_ns != 0) {
+          const std::uint64_t until = global_timer_ns() + debug.delay_ns;
+          while (global_timer_ns() < until) __nanosleep(1000);
+        }
       }
-    }
-    // Fill i, shared by all blocks (grid-stride over its items): fills become ready in list
-    // order, the first one after about 1/n of the step's bytes.
-    const std::uint64_t base = static_cast<std::uint64_t>(i) * p.items_per_fill;
-    detail::copy_items<Ilp>(p.items_per_fill, [&p, base](std::uint64_t idx, int4& v, int4*& dst16) {
-      return detail::locate_plan_item(p, base + idx, v, dst16);
-    });
-    // Publication (PTX memory model): every thread of the block issued its stores of fill i
-    // above; bar.sync orders them before thread 0's next operations (CTA-scope
-    // synchronisation, part of causality order); thread 0's fence.acq_rel.gpu + acq_rel RMW
-    // at device scope then releases them cumulatively to whoever acquires the counter. The
-    // last block's RMW reads the release sequence of every earlier arrival (acquire), so all
-    // blocks' stores of fill i precede its release store of the ready word, which the
-    // consumer acquires before its barrier and its loads of the slot. (The pattern of
-    // cooperative groups' grid barrier.)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> arrivals(p.fill_arrivals[i]);
-      if (arrivals.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1) {
-        arrivals.store(0u, cuda::memory_order_relaxed);  // every block arrived: ready for the next launch
-        const PlanEntry f = p.fills[i];
-        if (f.slot >= 0 && f.slot < p.capacity) {
-          cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device>(p.slot_ready[f.slot])
-              .store(p.slot_needed[f.slot], cuda::memory_order_release);
+      // Fill i's part, shared by all blocks (grid-stride over its items): parts become ready in
+      // list order, the first one after about 1/n of the part's bytes.
+      const std::uint64_t base = static_cast<std::uint64_t>(i) * p.items_per_fill + lo;
+      detail::copy_items<Ilp>(hi - lo, [&p, base](std::uint64_t idx, int4& v, int4*& dst16) {
+        return detail::locate_plan_item(p, base + idx, v, dst16);
+      });
+      // Publication (PTX memory model): every thread of the block issued its stores of fill i
+      // above; bar.sync orders them before thread 0's next operations (CTA-scope
+      // synchronisation, part of causality order); thread 0's fence.acq_rel.gpu + acq_rel RMW
+      // at device scope then releases them cumulatively to whoever acquires the counter. The
+      // last block's RMW reads the release sequence of every earlier arrival (acquire), so all
+      // blocks' stores of fill i precede its release store of the ready word, which the
+      // consumer acquires before its barrier and its loads of the slot. (The pattern of
+      // cooperative groups' grid barrier.) Each part has its own counter: a block may arrive
+      // for fill i's second part before the last block arrived for its first.
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> arrivals(arrivals_of[i]);
+        if (arrivals.fetch_add(1u, cuda::memory_order_acq_rel) == gridDim.x - 1) {
+          arrivals.store(0u, cuda::memory_order_relaxed);  // every block arrived: ready for the next launch
+          const PlanEntry f = p.fills[i];
+          if (f.slot >= 0 && f.slot < p.capacity) {
+            const std::uint32_t tag = p.slot_needed[f.slot];
+            if (first_word) {
+              cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device>(p.slot_ready_first[f.slot])
+                  .store(tag, cuda::memory_order_release);
+            }
+            if (whole_word) {
+              cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device>(p.slot_ready[f.slot])
+                  .store(tag, cuda::memory_order_release);
+            }
+          }
         }
       }
     }
@@ -426,6 +475,9 @@ struct PlanFusedParams {
 template <int Ilp = 4, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
     plan_forward_fill_kernel(const __grid_constant__ PlanFusedParams p) {
+  // Launched programmatically (launch_plan_forward_fill's `programmatic`): the kernel before it
+  // completed, its writes (the ids) visible, before any block reads; a no-op otherwise.
+  detail::griddep_wait();
   DevicePlanScalars* sc = p.state.scalars;
   cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(sc->fill_ready);
   cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> done(sc->fill_done);
@@ -478,11 +530,25 @@ inline cudaError_t resolve_mapped_regions(CopyRegions& regions) noexcept {
 // Builds the fill kernel's parameters for a state and its storage's copy regions.
 // cudaErrorInvalidValue: more than max_copy_regions, a null base, a region wider than its
 // stride, or more than 2^31 work items per fill.
-inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const DevicePlanState& s,
-                                         PlanFillParams& out) noexcept {
+//
+// `first_part_regions` (bit r = regions[r]; the overlapped fill only, edge D4c): the regions
+// every fill copies and publishes first; they are moved to the front of the parameters' region
+// list (order within each part kept). 0, or every region: one part. A bit at or past
+// regions.count: cudaErrorInvalidValue.
+inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const DevicePlanState& s, PlanFillParams& out,
+                                         std::uint32_t first_part_regions = 0) noexcept {
   if (regions.count > max_copy_regions || !plan_view_ok(s)) return cudaErrorInvalidValue;
+  if (regions.count < 32 && (first_part_regions >> regions.count) != 0) return cudaErrorInvalidValue;
   PlanFillParams p;
-  p.regions = regions;
+  std::size_t first_count = 0, at = 0;
+  p.regions.count = regions.count;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t i = 0; i < regions.count; ++i) {
+      const bool first = ((first_part_regions >> i) & 1u) != 0;
+      if (first == (pass == 0)) p.regions.regions[at++] = regions.regions[i];
+    }
+    if (pass == 0) first_count = at;
+  }
   p.num_experts = s.num_experts;
   p.capacity = s.capacity;
   p.fills = s.fills.data;
@@ -490,9 +556,11 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   p.slot_needed = s.slot_needed.data;
   p.slot_ready = s.slot_ready.data;
   p.fill_arrivals = s.fill_arrivals.data;
+  p.slot_ready_first = s.slot_ready_first.data;
+  p.fill_arrivals_first = s.fill_arrivals_first.data;
   std::uint64_t items = 0;
   for (std::size_t i = 0; i < regions.count; ++i) {
-    const CopyRegion& r = regions.regions[i];
+    const CopyRegion& r = p.regions.regions[i];
     if (r.bytes > 0 && (r.host_base == nullptr || r.slot_base == nullptr || r.bytes > r.host_stride ||
                         r.bytes > r.slot_stride)) {
       return cudaErrorInvalidValue;
@@ -509,6 +577,8 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   }
   p.item_begin[regions.count] = static_cast<std::uint32_t>(items);
   p.items_per_fill = static_cast<std::uint32_t>(items);
+  // Every region in one part, or none in the first: no split.
+  p.first_part_items = first_count > 0 && first_count < regions.count ? p.item_begin[first_count] : 0u;
   out = p;
   return cudaSuccess;
 }
@@ -520,17 +590,47 @@ inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stre
                           stream);
 }
 
-// Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads.
+namespace detail {
+// A launch with programmatic stream serialization when `programmatic` (sm_90: the kernel waits
+// for its predecessor itself); refused with the attribute, retried in plain stream order.
+inline cudaError_t launch_maybe_programmatic(const void* kernel, unsigned grid, unsigned block, void** args,
+                                             cudaStream_t stream, bool programmatic) noexcept {
+  if (!programmatic) return cudaLaunchKernel(kernel, dim3(grid), dim3(block), args, 0, stream);
+  cudaLaunchAttribute attr[1] = {};
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(block);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t err = cudaLaunchKernelExC(&cfg, kernel, args);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    cfg.numAttrs = 0;
+    err = cudaLaunchKernelExC(&cfg, kernel, args);
+  }
+  return err;
+}
+}  // namespace detail
+
+// Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads. `programmatic`
+// (sm_90, plan_fill_ready_pdl_supported()): launched with programmatic stream serialization,
+// scheduled while the kernel before it runs; the plan waits for that kernel before it reads
+// (edge D6 of docs/design.md). `test_skip_wait` (tests only, one-warp kernel): without that wait.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
-                                       std::int32_t* sanitized, cudaStream_t stream) noexcept {
+                                       std::int32_t* sanitized, cudaStream_t stream, bool programmatic = false,
+                                       bool test_skip_wait = false) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &sanitized};
   if (n_ids >= 0 && n_ids <= plan_small_ids) {
-    return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_warp_kernel<0, Policy>), dim3(1), dim3(32), args,
-                            0, stream);
+    const void* k = test_skip_wait ? reinterpret_cast<const void*>(&plan_forward_warp_kernel<plan_test_skip_wait, Policy>)
+                                   : reinterpret_cast<const void*>(&plan_forward_warp_kernel<0, Policy>);
+    return detail::launch_maybe_programmatic(k, 1, 32, args, stream, programmatic);
   }
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_kernel<Threads, Policy>), dim3(1), dim3(Threads), args, 0,
-                          stream);
+  return detail::launch_maybe_programmatic(reinterpret_cast<const void*>(&plan_forward_kernel<Threads, Policy>), 1,
+                                           Threads, args, stream, programmatic);
 }
 
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
@@ -577,7 +677,10 @@ inline cudaError_t launch_plan_fill(const PlanFillParams& p, cudaStream_t stream
 template <int Ilp = 4>
 inline cudaError_t launch_plan_fill_ready(const PlanFillParams& p, cudaStream_t stream, const PlanFillDebug* debug = nullptr,
                                           int max_blocks = plan_fill_max_blocks, bool programmatic = false) noexcept {
-  if (p.slot_ready == nullptr || p.slot_needed == nullptr || p.fill_arrivals == nullptr) return cudaErrorInvalidValue;
+  if (p.slot_ready == nullptr || p.slot_needed == nullptr || p.fill_arrivals == nullptr || p.slot_ready_first == nullptr ||
+      p.fill_arrivals_first == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   const std::uint64_t worst = static_cast<std::uint64_t>(p.capacity) * p.items_per_fill;
   const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
   std::uint64_t blocks = (worst + per_block - 1) / per_block;
@@ -632,7 +735,7 @@ template <int Ilp = 4, device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
                                             std::int32_t* sanitized, const PlanFillParams& fill, cudaStream_t stream,
                                             int max_blocks = plan_fill_max_blocks,
-                                            std::uint32_t debug_plan_delay_ns = 0) noexcept {
+                                            std::uint32_t debug_plan_delay_ns = 0, bool programmatic = false) noexcept {
   if (!plan_view_ok(s) || fill.scalars != s.scalars || fill.fills != s.fills.data) return cudaErrorInvalidValue;
   PlanFusedParams p;
   p.state = s;
@@ -658,8 +761,8 @@ inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std:
   if (blocks > resident) blocks = resident;
   if (blocks < 1) blocks = 1;
   void* args[] = {&p};
-  return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>),
-                          dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
+  return detail::launch_maybe_programmatic(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>),
+                                           static_cast<unsigned>(blocks), plan_fill_threads, args, stream, programmatic);
 }
 
 // Owns one state on the device: the array block (cudaMalloc) and the stats + error word in

@@ -61,12 +61,15 @@ __device__ __forceinline__ bool bounded_spin(Done done, std::uint64_t timeout_ns
 // after the acquire (causality through bar.sync), and reads the slot with coherent loads
 // (ld.global.cg: never the non-coherent path, whose contract is memory that no one writes
 // while the kernel runs).
-__device__ __forceinline__ bool wait_slot_ready(const SlotReadiness& r, std::int32_t slot) {
+// `first_part`: the reader reads only the fill's first part (edge D4c): it waits on
+// ready_first when the view has it.
+__device__ __forceinline__ bool wait_slot_ready(const SlotReadiness& r, std::int32_t slot, bool first_part = false) {
   if (!r.enabled() || slot < 0 || slot >= r.capacity) return true;
   // Written by the plan kernel, which completed before the fill kernel started (this kernel
   // started after that): ordered; read past L1 all the same.
   const std::uint32_t want = __ldcg(r.needed + slot);
-  cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(const_cast<std::uint32_t&>(r.ready[slot]));
+  const std::uint32_t* word = first_part && r.ready_first != nullptr ? r.ready_first : r.ready;
+  cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(const_cast<std::uint32_t&>(word[slot]));
   return bounded_spin([&] { return slot_seq_reached(ready.load(cuda::memory_order_acquire), want); }, r.timeout_ns,
                       r.error_word);
 }

@@ -182,6 +182,13 @@ struct DevicePlanState {
   PlanSpan<std::uint32_t> slot_needed;  // [C]
   PlanSpan<std::uint32_t> slot_ready;   // [C]
   PlanSpan<std::uint32_t> fill_arrivals;  // [C]
+  // Finer readiness (edge D4c): when the overlapped fill copies a first part of every expert
+  // (PlanFillParams::first_part_items: the copy regions a consumer's first pass reads) before
+  // the rest, slot_ready_first[s] is stored (release) once slot s's first part landed, and
+  // fill_arrivals_first counts the blocks done with fill i's first part. Without a split both
+  // words are stored together after the whole expert. Grow like slot_ready.
+  PlanSpan<std::uint32_t> slot_ready_first;     // [C]
+  PlanSpan<std::uint32_t> fill_arrivals_first;  // [C]
   // slot_spec_left[s]: forwards left before the unused speculative fill in slot s expires
   // (0 = the slot holds no live speculative fill).
   PlanSpan<std::uint32_t> slot_spec_left;  // [C]
@@ -288,6 +295,8 @@ static_assert(plan_block<SequentialBlock>);
 inline constexpr std::int32_t plan_padding_id = -1;
 // Forwards of at most this many ids take the register-sort small path (a power of two).
 inline constexpr std::int32_t plan_small_ids = 16;
+// Slots per thread whose victim keys a group step keeps in registers (a warp: 256 slots).
+inline constexpr std::int32_t plan_victim_regs = 8;
 
 // Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
@@ -337,6 +346,8 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.slot_needed = c.take<std::uint32_t>(capacity);
   s.slot_ready = c.take<std::uint32_t>(capacity);
   s.fill_arrivals = c.take<std::uint32_t>(capacity);
+  s.slot_ready_first = c.take<std::uint32_t>(capacity);
+  s.fill_arrivals_first = c.take<std::uint32_t>(capacity);
   s.slot_spec_left = c.take<std::uint32_t>(capacity);
   s.slot_freq = c.take<std::uint64_t>(capacity);
   s.slot_order = c.take<std::uint64_t>(capacity);
@@ -368,7 +379,8 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
   }
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
          s.fills.size == c && s.evictions.size == c && s.slot_needed.size == c && s.slot_ready.size == c &&
-         s.fill_arrivals.size == c && s.slot_spec_left.size == c && s.slot_freq.size == c && s.slot_order.size == c;
+         s.fill_arrivals.size == c && s.slot_ready_first.size == c && s.fill_arrivals_first.size == c &&
+         s.slot_spec_left.size == c && s.slot_freq.size == c && s.slot_order.size == c;
 }
 
 // Wrap-safe "sequence `have` has reached `want`" (uint32 sequence values; correct while fewer
@@ -385,6 +397,9 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool slot_seq_reached(std::uint32_t have, std
 struct SlotReadiness {
   const std::uint32_t* ready = nullptr;
   const std::uint32_t* needed = nullptr;
+  // The first part's word (edge D4c): a reader of only the copy regions the fill copies first
+  // may wait on it instead of `ready`. Null: wait on `ready` for every part.
+  const std::uint32_t* ready_first = nullptr;
   std::uint32_t* error_word = nullptr;
   std::int32_t capacity = 0;
   std::uint64_t timeout_ns = 0;
@@ -395,6 +410,7 @@ EXPERT_CACHE_HOST_DEVICE inline SlotReadiness slot_readiness_of(const DevicePlan
   SlotReadiness r;
   r.ready = s.slot_ready.data;
   r.needed = s.slot_needed.data;
+  r.ready_first = s.slot_ready_first.data;
   r.error_word = s.error_word;
   r.capacity = s.capacity;
   return r;
@@ -448,6 +464,8 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.slot_needed[i] = 0;
     s.slot_ready[i] = 0;
     s.fill_arrivals[i] = 0;
+    s.slot_ready_first[i] = 0;
+    s.fill_arrivals_first[i] = 0;
     s.slot_spec_left[i] = 0;
   }
   if (r == 0) {
@@ -503,6 +521,11 @@ EXPERT_CACHE_HOST_DEVICE std::int32_t age_speculative(Block& b, const DevicePlan
 struct GroupInput {
   std::int32_t unique = 0, groups = 0, prev = 0, free = 0;
   std::uint64_t tick0 = 0;
+  // Scalars only rank 0 advances, after the step's last barrier: read up front, together.
+  std::uint32_t seq0 = 0;   // fill_seq
+  std::int32_t live0 = 0;   // spec_live
+  std::uint32_t clock = 0;  // crf_clock
+  std::uint64_t decay = 0;  // crf_decay
   DevicePlanStats before{}, now{};
   bool forward = false;  // called by plan_forward (group 0 of a new forward), not plan_group
 };
@@ -530,16 +553,20 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t double_bits(double x) noexcept {
 // nearest on both sides; the explicit intrinsic keeps nvcc from approximating). Below clock 2^25
 // Lfru compares by cross-multiplication instead, which orders exactly like these doubles
 // (eviction/lfru.hpp says why), so one comparison serves both of its paths.
-EXPERT_CACHE_HOST_DEVICE inline ScoreKey lfru_key(const DevicePlanState& s, std::int32_t slot, std::uint64_t clock,
-                                                  std::uint64_t last) noexcept {
-  const double f = static_cast<double>(s.slot_freq[slot]);
+EXPERT_CACHE_HOST_DEVICE inline ScoreKey lfru_key_of(std::uint64_t freq, std::uint64_t order, std::int32_t slot,
+                                                     std::uint64_t clock, std::uint64_t last) noexcept {
+  const double f = static_cast<double>(freq);
   const double a = static_cast<double>(clock - last + 1);
 #if defined(__CUDA_ARCH__)
   const double q = __ddiv_rn(f, a);
 #else
   const double q = f / a;
 #endif
-  return ScoreKey{double_bits(q), s.slot_order[slot], slot};
+  return ScoreKey{double_bits(q), order, slot};
+}
+EXPERT_CACHE_HOST_DEVICE inline ScoreKey lfru_key(const DevicePlanState& s, std::int32_t slot, std::uint64_t clock,
+                                                  std::uint64_t last) noexcept {
+  return lfru_key_of(s.slot_freq[slot], s.slot_order[slot], slot, clock, last);
 }
 
 // Crf's victim key of resident `owner` (in `slot`) at clock `clk`: CRF + prior bias, then id.
@@ -556,15 +583,93 @@ EXPERT_CACHE_HOST_DEVICE inline void crf_touch(const DevicePlanState& s, std::in
   s.expert_last[e] = clk;
 }
 
+// One thread's share of a victim search: its strided slots first + rank + k * threads,
+// k < plan_victim_regs, with what their keys need, loaded together (every load of the chunk in
+// flight at once: one memory round trip per chunk, not one per slot). LRU keys are (tick, slot);
+// DeviceCrf's are fixed during a group and computed here once; DeviceLfru's depend on the clock
+// of each victim's miss, so its raw words are kept and scored per victim.
+struct VictimChunk {
+  std::int32_t owner[plan_victim_regs];
+  std::uint64_t tick[plan_victim_regs];
+  std::uint64_t score[plan_victim_regs];  // DeviceLfru: request count; DeviceCrf: CRF + bias
+  std::uint64_t tie[plan_victim_regs];    // DeviceLfru: insertion tick; DeviceCrf: the owner
+
+  template <device_plan_policy Policy>
+  EXPERT_CACHE_HOST_DEVICE void load(const DevicePlanState& s, std::int32_t first, std::int32_t rank, std::int32_t nt,
+                                     std::uint64_t tick0, std::uint32_t clk, std::uint64_t decay) noexcept {
+    const std::int32_t C = s.capacity, E = s.num_experts;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+      const std::int32_t slot = first + rank + k * nt;
+      const bool in = slot < C;
+      owner[k] = in ? s.slot_owner[slot] : -1;
+      tick[k] = in ? s.slot_tick[slot] : ~std::uint64_t{0};
+      if constexpr (Policy::kind == DevicePolicyKind::lfru) {
+        score[k] = in ? s.slot_freq[slot] : 0;
+        tie[k] = in ? s.slot_order[slot] : 0;
+      }
+    }
+    if constexpr (Policy::kind == DevicePolicyKind::crf) {
+      EXPERT_CACHE_PLAN_UNROLL
+      for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        const std::int32_t o = owner[k];
+        const bool candidate = o >= 0 && o < E && tick[k] < tick0;
+        const ScoreKey key = candidate ? crf_key(s, first + rank + k * nt, o, clk, decay) : ScoreKey{};
+        score[k] = key.score;
+        tie[k] = key.tie;
+      }
+    }
+  }
+  // The smallest LRU key above `last` (owner >= 0).
+  EXPERT_CACHE_HOST_DEVICE PlanKey best_lru(PlanKey last, std::int32_t rank, std::int32_t nt,
+                                            std::int32_t first) const noexcept {
+    PlanKey best;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+      const PlanKey key{tick[k], first + rank + k * nt};
+      if (owner[k] >= 0 && last < key && key < best) best = key;
+    }
+    return best;
+  }
+  // The smallest score key among candidates (owner in [0, E), not of this group).
+  template <device_plan_policy Policy>
+  EXPERT_CACHE_HOST_DEVICE ScoreKey best_score(std::uint64_t clock, std::uint64_t tick0, std::int32_t E,
+                                               std::int32_t rank, std::int32_t nt, std::int32_t first) const noexcept {
+    ScoreKey best;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+      if (owner[k] < 0 || owner[k] >= E || tick[k] >= tick0) continue;
+      const std::int32_t slot = first + rank + k * nt;
+      const ScoreKey key = Policy::kind == DevicePolicyKind::lfru ? lfru_key_of(score[k], tie[k], slot, clock, tick[k])
+                                                                   : ScoreKey{score[k], tie[k], slot};
+      if (key < best) best = key;
+    }
+    return best;
+  }
+  // Slot `slot` (one of this thread's, first chunk) is a victim: its owner, and its key voided.
+  EXPERT_CACHE_HOST_DEVICE std::int32_t take(std::int32_t slot, std::int32_t rank, std::int32_t nt) noexcept {
+    std::int32_t o = -1;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+      if (rank + k * nt == slot) {
+        o = owner[k];
+        tick[k] = ~std::uint64_t{0};
+      }
+    }
+    return o;
+  }
+};
+
 // Plans group g: ids src.id(g*C + i), i < n, in ascending order, with
 // ForwardPlanner<host policy>::plan_unique's decisions. g >= groups is an empty group (see the
 // overflow note at the top). All threads of the block call it; the state was checked by the caller.
 //
 // The score policies reuse the recency tick for in-forward protection (the forward's hits get
-// ticks >= tick0 before any victim is searched) and search one victim at a time, block arg-min of
-// ScoreKey over the other residents; each victim's tick is then set to ~0 by the thread that owns
-// its slot in the strided search (slot % threads), the only thread that reads it in later
-// searches, so no barrier is needed to exclude it. DeviceLfru's scores change with the clock,
+// ticks >= tick0 before any victim is searched) and take one victim per block arg-min of
+// ScoreKey over the other residents (VictimChunk: keys loaded once, in registers); each victim is
+// then voided by the thread that owns its slot in the strided search (slot % threads), the only
+// thread that reads it in later searches, so no barrier is needed to exclude it (when the keys
+// are reloaded per victim, its tick in memory is set to ~0 instead). DeviceLfru's scores change with the clock,
 // which a forward advances by one per id, so victim j is scored at the clock of its miss
 // (position p in the group: tick0 + p - 1, Lfru's clock before that insert). DeviceCrf's clock
 // ticks once per group, so its keys are fixed during the group.
@@ -579,11 +684,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   DevicePlanScalars& sc = *s.scalars;
   const std::int32_t prev = in.prev, unique = in.unique, groups = in.groups, free = in.free;
   const std::uint64_t tick0 = in.tick0;
-  // Read before the barrier below; rank 0 advances them only after that barrier.
-  const std::uint32_t seq0 = sc.fill_seq;
-  const std::int32_t live0 = sc.spec_live;  // live speculative fills (0: their code is skipped)
-  const std::uint32_t clk = sc.crf_clock + 1u;  // DeviceCrf: this group's clock
-  const std::uint64_t decay = sc.crf_decay;
+  const std::uint32_t seq0 = in.seq0;
+  const std::int32_t live0 = in.live0;  // live speculative fills (0: their code is skipped)
+  const std::uint32_t clk = in.clock + 1u;  // DeviceCrf: this group's clock
+  const std::uint64_t decay = in.decay;
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
@@ -616,8 +720,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // Classify. Hits take their new tick now, so that every resident of this group is younger
   // than every other resident before the victim search (in-forward protection by ordering).
   // Misses are compacted in ascending order into the fill list; `slot` temporarily holds the
-  // expert's position in the group (its tick offset) until the slot is known.
+  // expert's position in the group (its tick offset) until the slot is known. A thread keeps
+  // its miss of the first round (every miss when n <= threads: batch-1 decode) in registers,
+  // with the free slot it will take loaded at once, so that applying it reads nothing back.
   std::int32_t misses = 0, used = 0;
+  std::int32_t my_e = -1, my_pos = -1, my_o = -1, my_free_slot = -1, first_round = 0;
   for (std::int32_t base = 0; base < n; base += nt) {
     const std::int32_t i = base + rank;
     std::int32_t miss = 0, e = -1;
@@ -642,92 +749,131 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     }
     std::int32_t total = 0;
     const std::int32_t offset = b.exclusive_sum(miss, total);
-    if (miss) s.fills[misses + offset] = PlanEntry{e, i};
+    if (miss) {
+      s.fills[misses + offset] = PlanEntry{e, i};
+      if (base == 0) {
+        my_e = e;
+        my_pos = i;
+        my_o = offset;
+        if (offset < free) my_free_slot = s.free_stack[free - 1 - offset];  // the r-th pop (free <= C)
+      }
+    }
+    if (base == 0) first_round = total;
     misses += total;
   }
   const std::int32_t from_free = min_i32(misses, free);
   const std::int32_t victims = misses - from_free;
-  if (victims > 0) b.sync();  // hit ticks visible to every thread (uniform: `victims` is)
 
-  // Victims: the `victims` smallest (tick, slot) keys among residents, one block arg-min each,
-  // each strictly above the previous one. Only evicting forwards pay this (the all-hit decode
-  // step and misses served from free slots skip it); O(victims * C / threads).
-  // Both words of a key are loaded unconditionally (independent loads, issued together); the
-  // victims' experts are looked up once after the search, not one dependent load per victim.
-  if constexpr (lru) {
+  // Victims: the `victims` smallest keys among the other residents, in order. One pass: every
+  // thread loads the keys of its strided slots once (all loads in flight together; in registers
+  // when capacity <= plan_victim_regs * threads, else reloaded chunk by chunk per victim), then
+  // one block arg-min per victim over registers, each victim excluded from the next search
+  // (LRU: strictly above the previous key; score policies: its register key voided). The thread
+  // whose strided slots hold a victim records it and clears its resident entry at once; the
+  // thread of the miss that takes it keeps its slot. Only evicting groups pay this.
+  std::int32_t my_victim_slot = -1, evicted_unused = 0;
+  const bool in_regs = C <= plan_victim_regs * nt;  // uniform
+  if (victims > 0) {
+    b.sync();  // hit ticks (and, for n > threads, the fill list) visible to every thread
+    const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
+    VictimChunk chunk;
+    if (in_regs) chunk.template load<Policy>(s, 0, rank, nt, tick0, clk, decay);
     PlanKey last{0, -1};
     for (std::int32_t j = 0; j < victims; ++j) {
-      PlanKey best;
-      for (std::int32_t slot = rank; slot < C; slot += nt) {
-        const std::int32_t owner = s.slot_owner[slot];
-        const PlanKey key{s.slot_tick[slot], slot};
-        if (owner >= 0 && last < key && key < best) best = key;
+      std::int32_t found = -1;
+      if constexpr (lru) {
+        PlanKey best;
+        if (in_regs) {
+          best = chunk.best_lru(last, rank, nt, 0);
+        } else {
+          for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
+            VictimChunk m;
+            m.template load<Policy>(s, first, rank, nt, tick0, clk, decay);
+            const PlanKey k = m.best_lru(last, rank, nt, first);
+            if (k < best) best = k;
+          }
+        }
+        best = b.min_key(best);
+        // Not found, or a resident of this group: only a corrupted state gets here (the host
+        // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
+        if (best.slot < 0 || best.slot >= C || best.tick >= tick0) {
+          if (rank == 0) publish_stats(b, s, in.before, in.now);
+          return plan_fail(b, s, plan_error_bad_state);
+        }
+        found = best.slot;
+        last = best;
+      } else {
+        // Lfru's clock before the insert of this victim's miss (its position in the group).
+        std::uint64_t clock_j = 0;
+        if constexpr (lfru) {
+          const std::int32_t o = from_free + j;
+          const std::int32_t pos = n <= nt ? b.sum(my_o == o ? my_pos : 0) : s.fills[o].slot;
+          clock_j = tick0 + static_cast<std::uint64_t>(pos) - 1u;
+        }
+        ScoreKey best;
+        if (in_regs) {
+          best = chunk.template best_score<Policy>(clock_j, tick0, E, rank, nt, 0);
+        } else {
+          for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
+            VictimChunk m;
+            m.template load<Policy>(s, first, rank, nt, tick0, clk, decay);
+            const ScoreKey k = m.template best_score<Policy>(clock_j, tick0, E, rank, nt, first);
+            if (k < best) best = k;
+          }
+        }
+        best = b.min_score(best);
+        if (best.slot < 0 || best.slot >= C) {  // no candidate: a corrupted state only
+          if (rank == 0) publish_stats(b, s, in.before, in.now);
+          return plan_fail(b, s, plan_error_bad_state);
+        }
+        found = best.slot;
       }
-      best = b.min_key(best);
-      // Not found, or a resident of this group: only a corrupted state gets here (the host
-      // planner reports the same as ErrorCode::internal). Uniform: every thread has `best`.
-      if (best.slot < 0 || best.slot >= C || best.tick >= tick0) {
-        if (rank == 0) publish_stats(b, s, in.before, in.now);
-        return plan_fail(b, s, plan_error_bad_state);
+      if (found % nt == rank) {  // its strided slots hold the victim: this thread evicts it
+        std::int32_t owner = -1;
+        if (in_regs) {
+          owner = chunk.take(found, rank, nt);
+        } else {
+          owner = s.slot_owner[found];
+          if constexpr (!lru) s.slot_tick[found] = ~std::uint64_t{0};  // out of later reloads
+        }
+        s.evictions[j] = PlanEntry{owner, found};
+        if (owner >= 0 && owner < E) s.resident_map[owner] = -1;
+        if (live0 > 0 && s.slot_spec_left[found] != 0) {  // an unused speculative fill evicted: wasted
+          s.slot_spec_left[found] = 0;
+          ++evicted_unused;
+        }
       }
-      if (rank == 0) s.evictions[j].slot = best.slot;
-      last = best;
-    }
-  } else {
-    for (std::int32_t j = 0; j < victims; ++j) {
-      // Lfru's clock before the insert of this victim's miss (fills[].slot holds its position).
-      const std::uint64_t clock_j =
-          lfru ? tick0 + static_cast<std::uint64_t>(s.fills[from_free + j].slot) - 1u : 0u;
-      ScoreKey best;
-      for (std::int32_t slot = rank; slot < C; slot += nt) {
-        const std::int32_t owner = s.slot_owner[slot];
-        const std::uint64_t t = s.slot_tick[slot];
-        if (owner < 0 || owner >= E || t >= tick0) continue;  // free, or this group's (or a victim)
-        const ScoreKey key = lfru ? lfru_key(s, slot, clock_j, t) : crf_key(s, slot, owner, clk, decay);
-        if (key < best) best = key;
-      }
-      best = b.min_score(best);
-      if (best.slot < 0 || best.slot >= C) {  // no candidate: a corrupted state only
-        if (rank == 0) publish_stats(b, s, in.before, in.now);
-        return plan_fail(b, s, plan_error_bad_state);
-      }
-      if (best.slot % nt == rank) s.slot_tick[best.slot] = ~std::uint64_t{0};
-      if (rank == 0) s.evictions[j].slot = best.slot;
+      if (j == my_j) my_victim_slot = found;
     }
   }
-  if (rank == 0) {
-    for (std::int32_t j = 0; j < victims; ++j) s.evictions[j].expert = s.slot_owner[s.evictions[j].slot];
-  }
-  if (misses > 0) b.sync();  // the fill list (and the eviction list) visible to every thread
 
   // Apply: the r-th miss pops the free stack while it lasts (top first, like the host's
-  // pop_back), then takes the r - from_free-th victim's slot.
-  std::int32_t evicted_unused = 0;
-  for (std::int32_t r = rank; r < misses; r += nt) {
-    const PlanEntry f = s.fills[r];
-    std::int32_t slot;
-    if (r < from_free) {
-      slot = s.free_stack[free - 1 - r];
-    } else {
-      const PlanEntry v = s.evictions[r - from_free];
-      if (v.expert >= 0 && v.expert < E) s.resident_map[v.expert] = -1;
-      slot = v.slot;
-      if (live0 > 0 && slot >= 0 && slot < C && s.slot_spec_left[slot] != 0) {  // an unused fill evicted: wasted
-        s.slot_spec_left[slot] = 0;
-        ++evicted_unused;
-      }
-    }
-    if (slot < 0 || slot >= C || f.expert < 0 || f.expert >= E) continue;  // corrupted free stack only
+  // pop_back), then takes the r - from_free-th victim's slot. First-round misses from
+  // registers (no barrier needed: nothing below reads what another thread wrote above, and
+  // with the victims in registers nobody stores their old ticks); later rounds' misses
+  // (n > threads) from the lists, after a barrier.
+  auto apply = [&](std::int32_t r, std::int32_t e, std::int32_t pos, std::int32_t slot) {
+    if (slot < 0 || slot >= C || e < 0 || e >= E) return;  // corrupted free stack only
     s.fills[r].slot = slot;
-    s.resident_map[f.expert] = slot;
-    s.forward_map[f.expert] = slot;
-    s.slot_owner[slot] = f.expert;
-    s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+    s.resident_map[e] = slot;
+    s.forward_map[e] = slot;
+    s.slot_owner[slot] = e;
+    s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(pos);
     if constexpr (lfru) {
       s.slot_freq[slot] = 1;
-      s.slot_order[slot] = tick0 + static_cast<std::uint64_t>(f.slot);
+      s.slot_order[slot] = tick0 + static_cast<std::uint64_t>(pos);
     }
     s.slot_needed[slot] = seq0 + static_cast<std::uint32_t>(r) + 1u;  // edge D4: this fill's value
+  };
+  if (victims > 0 && !in_regs) b.sync();  // the victims' void ticks land before the new ones
+  if (my_o >= 0) apply(my_o, my_e, my_pos, my_o < from_free ? my_free_slot : my_victim_slot);
+  if (n > nt) {  // uniform
+    b.sync();  // the fill list and the eviction list visible to every thread
+    for (std::int32_t r = first_round + rank; r < misses; r += nt) {
+      const PlanEntry f = s.fills[r];
+      const std::int32_t slot = r < from_free ? s.free_stack[free - 1 - r] : s.evictions[r - from_free].slot;
+      apply(r, f.expert, f.slot, slot);
+    }
   }
   std::int32_t spec_used = 0, spec_wasted = 0;
   if (live0 > 0) {  // uniform
@@ -872,6 +1018,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
   in.groups = sc.group_count;
   in.free = sc.free_count;
   in.tick0 = sc.tick;
+  in.seq0 = sc.fill_seq;
+  in.live0 = sc.spec_live;
+  in.clock = sc.crf_clock;
+  in.decay = sc.crf_decay;
   if (b.thread_rank() == 0) in.before = in.now = *s.counters;
   detail::plan_group_from<Policy>(b, s, g, in, detail::StateSource{&s});
 }
@@ -952,6 +1102,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   in.prev = sc.prev_count;
   in.free = sc.free_count;
   in.tick0 = sc.tick;
+  in.seq0 = sc.fill_seq;
+  in.live0 = sc.spec_live;
+  in.clock = sc.crf_clock;
+  in.decay = sc.crf_decay;
   if (rank == 0) in.before = in.now = *s.counters;
   const std::int32_t prev_mine = rank < C ? s.prev_forward[rank] : -1;
   detail::SmallIds sorted;
