@@ -17,6 +17,7 @@
 
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
+#include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "support/device_plan_support.hpp"
@@ -29,6 +30,10 @@ namespace {
 
 template <class D>
 struct HostOf;
+template <>
+struct HostOf<DeviceLru> {
+  using type = Lru;
+};
 template <>
 struct HostOf<DeviceLfru> {
   using type = Lfru;
@@ -58,6 +63,9 @@ void check_policy(const Lfru& h, const DevicePlanState& s) {
   const auto ho = h.insertion_order();
   CHECK(dev_order == Ids(ho.begin(), ho.end()));
 }
+// LRU's recency order has no host-side mirror to compare; its parity (victims, maps, counters)
+// is tests/test_device_plan.cpp's, and this file uses it for the budget case only.
+void check_policy(const Lru&, const DevicePlanState&) {}
 void check_policy(const Crf& h, const DevicePlanState& s) {
   REQUIRE(s.scalars->crf_clock == h.clock());
   for (std::int32_t e = 0; e < s.num_experts; ++e) {
@@ -224,11 +232,16 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
           for (int k = static_cast<int>(rng() % 3); k > 0; --k) {
             Ids pred;
             const auto n = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(2 * c.top_k + 2));
+            // One rng() call per statement: the order of the draws is the program's, not the compiler's
+            // (operands of % and function arguments are unsequenced).
             for (std::int32_t i = 0; i < n; ++i) {
-              pred.push_back(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(rng() % 3 == 0 ? c.E : std::max(1, c.E / 8))));
+              const std::uint64_t draw = rng();
+              const std::uint64_t wide = rng() % 3;
+              pred.push_back(static_cast<std::int32_t>(draw % static_cast<std::uint64_t>(wide == 0 ? c.E : std::max(1, c.E / 8))));
             }
-            p.prefetch(pred, static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.top_k + 2)),
-                       static_cast<std::uint32_t>(1 + rng() % 3));
+            const auto max_fills = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.top_k + 2));
+            const auto expires = static_cast<std::uint32_t>(1 + rng() % 3);
+            p.prefetch(pred, max_fills, expires);
             no_victim += static_cast<std::uint64_t>(p.dev.state().scalars->prefetch_skipped_no_victim);
           }
         }
@@ -275,6 +288,22 @@ TEST_CASE("device LFRU equals Lfru on its double path (clock >= 2^25)") {
 TEST_CASE("device Crf equals ForwardPlanner<Crf> step by step (forwards, groups, invalidations, prefetch)") {
   random_parity<DeviceCrf>([](CacheShape s) { return Crf(s); }, 404, false);
   random_parity<DeviceCrf>([](CacheShape s) { return Crf(s); }, 505, true);
+}
+
+// A budget above the capacity: the list fills every slot, then its last id finds no victim (all
+// slots hold this call's fills) and is counted as skipped, by the host and the device alike.
+template <class D>
+void prefetch_budget_above_capacity() {
+  Pair<D> p(32, 4, 2, typename HostOf<D>::type(CacheShape{32, 4}));
+  p.prefetch(Ids{1, 2, 3, 24, 0}, 5, 1);
+  CHECK(p.dev.state().scalars->fill_count == 4);
+  CHECK(p.dev.state().scalars->prefetch_skipped_no_victim == 1);
+}
+
+TEST_CASE("device policies: a prefetch budget above the capacity counts the ids left without a victim") {
+  prefetch_budget_above_capacity<DeviceLru>();
+  prefetch_budget_above_capacity<DeviceLfru>();
+  prefetch_budget_above_capacity<DeviceCrf>();
 }
 
 TEST_CASE("device Crf with a prior bias (pins and weights) equals Crf with the same bias") {

@@ -1219,7 +1219,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   std::int32_t free = sc.free_count;
   const std::uint32_t seq0 = sc.fill_seq;
   const std::int32_t live0 = sc.spec_live;
-  if (max_fills > C) max_fills = C;
+  // max_fills is not clamped to C: every fill is protected once made, so at most C happen, and
+  // a budget above C must end in the no-victim count as the host planner's does.
 
   std::int32_t bad = 0;
   for (std::int32_t i = rank; i < n_ids; i += nt) {
