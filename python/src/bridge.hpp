@@ -469,6 +469,11 @@ class CacheBridge {
             i("speculative_used", s.speculative_used),
             i("speculative_wasted", s.speculative_wasted),
             i("speculative_bytes", s.speculative_bytes),
+            i("wide_forwards", s.wide_forwards),
+            i("wide_rounds", s.wide_rounds),
+            i("wide_hits", s.wide_hits),
+            i("wide_streamed", s.wide_streamed),
+            i("wide_bytes", s.wide_bytes),
             i("slot_bytes", s.slot_bytes),
             i("host_bytes", s.host_bytes),
             StatEntry{"hit_rate", 0, s.hit_rate(), true}};

@@ -67,7 +67,8 @@ class ModelCacheModel final : public ModelCacheBase<Runtime> {
  public:
   using Stream = typename Runtime::Stream;
   template <class... Args>
-  explicit ModelCacheModel(Args&&... args) : cache_(std::forward<Args>(args)...) {}
+  explicit ModelCacheModel(std::string_view policy, Args&&... args)
+      : policy_(policy), cache_(std::forward<Args>(args)...) {}
   Result<ForwardView> prepare(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept override {
     return cache_.prepare(layer, ids, s);
   }
@@ -89,9 +90,10 @@ class ModelCacheModel final : public ModelCacheBase<Runtime> {
   [[nodiscard]] std::byte* host_tensor(std::int32_t layer, std::size_t t, std::int32_t expert) const noexcept override {
     return cache_.host_tensor(layer, t, expert);
   }
-  [[nodiscard]] std::string_view policy() const noexcept override { return Cache::Policy::name; }
+  [[nodiscard]] std::string_view policy() const noexcept override { return policy_; }
 
  private:
+  std::string_view policy_;  // a static name (AnyPolicy::names)
   Cache cache_;
 };
 
@@ -128,9 +130,9 @@ class ModelBridge {
                             label.c_str(), static_cast<int>(std::min<std::size_t>(config.pool.size(), 40)),
                             config.pool.c_str());
     }
-    constexpr auto policy_names = ::expert_cache::detail::names_of(::expert_cache::detail::AnyPolicies{});
+    constexpr auto policy_names = AnyPolicy::names;
     const std::string_view policy_name = config.policy.empty() ? std::string_view("lru") : std::string_view(config.policy);
-    const std::optional<std::size_t> policy = ::expert_cache::detail::index_of(policy_names, policy_name);
+    const std::optional<std::size_t> policy = AnyPolicy::index_of(policy_name);
     if (!policy) {
       return Status::format(ErrorCode::invalid_argument, "%s: unknown eviction policy '%.*s' (valid: %s)", label.c_str(),
                             static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
@@ -208,11 +210,16 @@ class ModelBridge {
     const ExplicitLayout layout{tensors};
     using Made = Result<std::unique_ptr<detail::ModelCacheBase<Runtime>>>;
     try {
-      Made made = ::expert_cache::detail::visit_type<Made>(::expert_cache::detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
-        using Cache = ModelExpertCache<TensorMajorStorage, P, CopyStream, ExplicitLayout, Runtime>;
-        return std::unique_ptr<detail::ModelCacheBase<Runtime>>(
-            std::make_unique<detail::ModelCacheModel<Runtime, Cache>>(rt, o, layout));
-      });
+      // One model cache type: the policy is a value (AnyPolicy), built per planner by name.
+      using Cache = ModelExpertCache<TensorMajorStorage, AnyPolicy, CopyStream, ExplicitLayout, Runtime>;
+      const std::string_view held = policy_names[*policy];
+      const auto make_policy = [held](CacheShape shape, PoolLayout pool_layout) -> AnyPolicy {
+        Result<AnyPolicy> p = AnyPolicy::make(held, shape, pool_layout);
+        if (!p.ok()) throw Error(p.status().code(), std::string(p.status().message()));
+        return std::move(p.value());
+      };
+      Made made = std::unique_ptr<detail::ModelCacheBase<Runtime>>(
+          std::make_unique<detail::ModelCacheModel<Runtime, Cache>>(held, rt, o, layout, make_policy));
       if (!made.ok()) return made.status();
       b->cache_ = std::move(made.value());
     } catch (const Error& e) {
