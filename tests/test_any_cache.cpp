@@ -470,6 +470,9 @@ TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, 
                    ErrorCode::invalid_argument, {"sieve", "lru", "lfru", "crf"}});
   cases.push_back({"device with an unknown policy", with([](auto& c) { c.provider = "device"; c.policy = "fifo"; c.max_ids = 8; }),
                    ErrorCode::invalid_argument, {"fifo", "lru", "lfru", "crf"}});
+  cases.push_back({"device lfru on expert_major",
+                   with([](auto& c) { c.provider = "device"; c.policy = "lfru"; c.storage = "expert_major"; c.max_ids = 8; }),
+                   ErrorCode::invalid_argument, {"lfru", "tensor_major only", "expert_major"}});
   cases.push_back({"device with stream slots",
                    with([](auto& c) { c.provider = "device"; c.max_ids = 8; c.options.stream_slots = 4; }),
                    ErrorCode::invalid_argument, {"stream_slots"}});

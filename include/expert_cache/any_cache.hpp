@@ -35,7 +35,8 @@
 //             device (DeviceExpertCache: planned on the device, staging inline only; ids passed
 //                     to prepare() are DEVICE memory; needs the runtime's plan executor)
 //   policy    lru lfru sieve s3fifo arc wtinylfu lrfu layershare crf   (belady: offline only, refused)
-//             device provider: lru lfru crf (DeviceLru / DeviceLfru / DeviceCrf)
+//             device provider: lru lfru crf (DeviceLru / DeviceLfru / DeviceCrf; lfru and crf
+//             on storage tensor_major only)
 //   staging   inline copy_stream batched   (+ gather with CudaRuntime: include any_cache_cuda.cuh)
 //   storage   tensor_major expert_major expert_major_host
 // An empty policy/staging/storage takes the provider's default. Unknown names, impossible
@@ -615,6 +616,14 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
                             static_cast<int>(staging_name.size()), staging_name.data(),
                             detail::NameListText(device_policy_names).text, detail::NameListText(storage_names).text);
     }
+    if (policy_name != "lru" && storage_name != "tensor_major") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "provider 'device' plans with policy '%.*s' on storage tensor_major only (got '%.*s'; "
+                            "policy lru takes every storage: %s)",
+                            static_cast<int>(policy_name.size()), policy_name.data(),
+                            static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
+                            detail::NameListText(storage_names).text);
+    }
     if (config.options.stream_slots != 0) {
       return Status::format(ErrorCode::invalid_argument,
                             "provider 'device' has no stream slots (got stream_slots %d; its prepare_wide serves "
@@ -658,8 +667,15 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
             o.memory = inner.memory;
             const std::size_t p = *detail::index_of(device_policy_names, policy_name);
             return detail::visit_type<Made>(detail::AnyDevicePolicies{}, p, [&]<class P>() -> Made {
-              using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime, P>;
-              return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
+              // lfru / crf: tensor_major only (checked above), so the factory instantiates five
+              // device caches, not nine (docs/any_cache.md "What a build costs").
+              if constexpr (std::is_same_v<P, DeviceLru> ||
+                            std::is_same_v<typename S::template type<Runtime>, TensorMajorStorage<Runtime>>) {
+                using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime, P>;
+                return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
+              } else {
+                return Status(ErrorCode::internal, "device policy without its storage");
+              }
             });
           } else {
             return Status(ErrorCode::internal, "device provider without executor");
