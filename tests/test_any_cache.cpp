@@ -439,7 +439,8 @@ TEST_CASE("AnyExpertCache: prefetch_device is the device provider's; host provid
 }
 
 TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, with nothing allocated") {
-  constexpr std::array<std::string_view, 8> policies = {"lru", "lfru", "sieve", "s3fifo", "arc", "wtinylfu", "lrfu", "layershare"};
+  constexpr std::array<std::string_view, 9> policies = {"lru",      "lfru", "sieve",      "s3fifo", "arc",
+                                                        "wtinylfu", "lrfu", "layershare", "crf"};
   struct Bad {
     const char* what;
     AnyCacheConfig config;
@@ -466,7 +467,15 @@ TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, 
                    {"CUDA", "inline", "copy_stream", "batched"}});
   cases.push_back({"storage", with([](auto& c) { c.storage = "blob"; }), ErrorCode::invalid_argument, {"tensor_major", "expert_major"}});
   cases.push_back({"device with a policy", with([](auto& c) { c.provider = "device"; c.policy = "sieve"; c.max_ids = 8; }),
-                   ErrorCode::invalid_argument, {"lru", "inline", "tensor_major", "expert_major"}});
+                   ErrorCode::invalid_argument, {"sieve", "lru", "lfru", "crf"}});
+  cases.push_back({"device with an unknown policy", with([](auto& c) { c.provider = "device"; c.policy = "fifo"; c.max_ids = 8; }),
+                   ErrorCode::invalid_argument, {"fifo", "lru", "lfru", "crf"}});
+  cases.push_back({"device lfru on expert_major",
+                   with([](auto& c) { c.provider = "device"; c.policy = "lfru"; c.storage = "expert_major"; c.max_ids = 8; }),
+                   ErrorCode::invalid_argument, {"lfru", "tensor_major only", "expert_major"}});
+  cases.push_back({"device with stream slots",
+                   with([](auto& c) { c.provider = "device"; c.max_ids = 8; c.options.stream_slots = 4; }),
+                   ErrorCode::invalid_argument, {"stream_slots"}});
   cases.push_back({"device with a staging", with([](auto& c) { c.provider = "device"; c.staging = "copy_stream"; c.max_ids = 8; }),
                    ErrorCode::invalid_argument, {"lru", "inline"}});
   cases.push_back({"device without max_ids", with([](auto& c) { c.provider = "device"; }), ErrorCode::invalid_argument, {"max_ids"}});

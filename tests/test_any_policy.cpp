@@ -116,7 +116,8 @@ TEST_CASE("AnyPolicy: every online policy, chosen by name, plans exactly as the 
   SUBCASE("wtinylfu") { run_same<WTinyLfu>(6); }
   SUBCASE("lrfu") { run_same<Lrfu>(7); }
   SUBCASE("layershare") { run_same<LayerShare>(8); }
-  CHECK(AnyPolicy::names.size() == 8);
+  SUBCASE("crf") { run_same<Crf>(9); }
+  CHECK(AnyPolicy::names.size() == 9);
 }
 
 TEST_CASE("AnyPolicy: the held policy's free-slot order (lfru hands out the highest slot first)") {

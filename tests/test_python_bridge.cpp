@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <stdexcept>
 #include <random>
 #include <string>
 #include <vector>
@@ -439,9 +441,9 @@ TEST_CASE("CacheBridge: results equal the static caches on the same ids; slots h
     CHECK(get("total_copies") == static_cast<std::int64_t>(rstats.total_copies));
     CHECK(get("slot_bytes") == static_cast<std::int64_t>(rstats.slot_bytes));
     CHECK(get("host_bytes") == static_cast<std::int64_t>(rstats.host_bytes));
-    // Every CacheStats field (21, all 8 bytes: a new field fails here; add it to CacheBridge::stats()) + hit_rate.
-    static_assert(sizeof(CacheStats) == 21 * sizeof(std::uint64_t), "CacheStats changed: update CacheBridge::stats()");
-    CHECK(bstats.size() == 22);
+    // Every CacheStats field (26, all 8 bytes: a new field fails here; add it to CacheBridge::stats()) + hit_rate.
+    static_assert(sizeof(CacheStats) == 26 * sizeof(std::uint64_t), "CacheStats changed: update CacheBridge::stats()");
+    CHECK(bstats.size() == 27);
     CHECK(bstats.back().name == "hit_rate");
     CHECK(bstats.back().float_value == doctest::Approx(rstats.hit_rate()));
     CHECK(rstats.hits > 0);
@@ -523,4 +525,177 @@ TEST_CASE("CacheBridge: the device provider plans device ids (SimRuntime), as De
   }
   CHECK(rstats.hits > 0);
   CHECK(rb.races().empty());
+}
+
+namespace {
+
+// What the extension would see of one wide round, and a kernel-like reader of its slots.
+struct WideSeen {
+  std::vector<std::vector<std::int32_t>> experts;
+  std::shared_ptr<std::uint64_t> mismatches = std::make_shared<std::uint64_t>(0);
+  std::shared_ptr<std::uint64_t> reads = std::make_shared<std::uint64_t>(0);
+};
+
+Status read_wide_round(SimRuntime& rt, Stream s, const Bridge& b, const WideRoundInfo& info, HostWeights& w,
+                       WideSeen& seen) {
+  seen.experts.emplace_back(info.experts.begin(), info.experts.end());
+  std::vector<Access> acc;
+  std::vector<std::pair<std::int32_t, std::int32_t>> pairs;  // (expert, slot)
+  for (std::size_t k = 0; k < info.experts.size(); ++k) {
+    pairs.emplace_back(info.experts[k], info.slots[k]);
+    for (std::size_t t = 0; t < b.slots().size(); ++t) {
+      const SlotDescriptor& d = b.slots()[t];
+      acc.push_back({reinterpret_cast<const std::byte*>(info.slot_bases[t] + static_cast<std::size_t>(info.slots[k]) * d.slot_stride),
+                     d.bytes_per_slot, AccessMode::read});
+    }
+  }
+  const auto n = static_cast<std::size_t>(b.config().num_experts);
+  acc.push_back({reinterpret_cast<const std::int32_t*>(info.expert_map), n * sizeof(std::int32_t), AccessMode::read});
+  std::vector<SlotDescriptor> descs = b.slots();
+  std::vector<std::uintptr_t> bases = info.slot_bases;
+  std::vector<const std::byte*> host;
+  for (std::size_t t = 0; t < descs.size(); ++t) host.push_back(w.data(t));
+  const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
+  return rt.launch(s, acc, [pairs, descs, bases, host, map, mismatches = seen.mismatches, reads = seen.reads] {
+    for (const auto& [e, slot] : pairs) {
+      ++*reads;
+      if (map[e] != slot) ++*mismatches;
+      for (std::size_t t = 0; t < descs.size(); ++t) {
+        const auto* dev = reinterpret_cast<const std::byte*>(bases[t] + static_cast<std::size_t>(slot) * descs[t].slot_stride);
+        const std::byte* src = host[t] + static_cast<std::size_t>(e) * descs[t].bytes_per_slot;
+        if (!std::equal(dev, dev + descs[t].bytes_per_slot, src)) ++*mismatches;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TEST_CASE("CacheBridge::prepare_wide: rounds over the stream slots, as the extension wraps them; bad input changes nothing") {
+  constexpr std::int32_t E = 16, C = 4, K = 2, stream_slots = 4;
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  BridgeConfig c = dense_config("row", E, C, K);
+  c.stream_slots = stream_slots;
+  auto made = Bridge::create(rt, c, w.args);
+  REQUIRE(made.ok());
+  Bridge& b = *made.value();
+  for (const SlotDescriptor& d : b.slots()) CHECK(d.capacity == C + stream_slots);  // the stream slots follow the pool
+  REQUIRE(b.prepare(std::vector<std::int64_t>{1, 2}, s).ok());
+  REQUIRE(b.prepare(std::vector<std::int64_t>{3, -1}, s).ok());
+  const std::vector<std::int64_t> prompt = {0, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, -1, 1, 2, 3, 4, 4};
+  WideSeen seen;
+  auto r = b.prepare_wide(prompt, s, [&](const WideRoundInfo& info) {
+    CHECK(info.slot_count == C + stream_slots);
+    CHECK(info.expert_map == b.expert_map_device());    // the persistent forward map the extension wraps
+    CHECK(info.resident_map == b.resident_map_device());
+    REQUIRE(info.slot_bases.size() == b.slots().size());
+    for (std::size_t t = 0; t < b.slots().size(); ++t) CHECK(info.slot_bases[t] == b.slots()[t].base);
+    REQUIRE(info.experts.size() == info.slots.size());
+    return read_wide_round(rt, s, b, info, w, seen);
+  });
+  REQUIRE(r.ok());
+  rt.drain();
+  CHECK(r.value().admission == WideAdmission::stream);
+  CHECK(r.value().unique == E);
+  CHECK(r.value().hits == 3);  // 1, 2, 3 resident from the decode forwards
+  CHECK(r.value().streamed == E - 3);
+  CHECK(r.value().rounds == seen.experts.size());
+  CHECK(r.value().rounds >= 4);
+  std::vector<std::int32_t> all;
+  for (const auto& round : seen.experts) all.insert(all.end(), round.begin(), round.end());
+  std::sort(all.begin(), all.end());
+  std::vector<std::int32_t> want(E);
+  for (std::int32_t e = 0; e < E; ++e) want[static_cast<std::size_t>(e)] = e;
+  CHECK(all == want);
+  CHECK(*seen.reads == E);
+  CHECK(*seen.mismatches == 0);
+  CHECK(rt.races().empty());
+  bool found = false;
+  for (const StatEntry& e : b.stats()) {
+    if (std::string(e.name) == "wide_streamed") {
+      found = true;
+      CHECK(e.int_value == E - 3);
+    }
+  }
+  CHECK(found);
+
+  // Refused before the cache is touched: nothing changes, the consumer never runs.
+  int calls = 0;
+  const auto count = [&](const WideRoundInfo&) {
+    ++calls;
+    return Status();
+  };
+  const Snapshot before = snapshot(rt, b);
+  const auto bad_id = b.prepare_wide(std::vector<std::int64_t>{0, 3, E}, s, count);
+  CHECK(bad_id.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(bad_id.status().message()).find("topk_ids[2] = 16 out of range") != std::string::npos);
+  const auto bad_admission = b.prepare_wide(prompt, s, count, "scan");
+  CHECK(std::string(bad_admission.status().message()).find("valid: stream, admit") != std::string::npos);
+  const auto bad_copy = b.prepare_wide(prompt, s, count, "stream", "all");
+  CHECK(std::string(bad_copy.status().message()).find("valid: automatic, runs, span") != std::string::npos);
+  std::int32_t dummy = 0;
+  const auto device_ids = b.prepare_wide_device(&dummy, 1, s, count);
+  CHECK(std::string(device_ids.status().message()).find("needs provider 'device'") != std::string::npos);
+  CHECK(calls == 0);
+  CHECK(snapshot(rt, b) == before);
+
+  // A consumer that fails or throws ends the forward with its message; the pool is unchanged.
+  const auto failed = b.prepare_wide(prompt, s, [](const WideRoundInfo& info) {
+    return info.index == 1 ? Status(ErrorCode::runtime_failure, "kernel launch failed") : Status();
+  });
+  CHECK(std::string(failed.status().message()).find("kernel launch failed") != std::string::npos);
+  const auto threw = b.prepare_wide(prompt, s, [](const WideRoundInfo&) -> Status { throw std::runtime_error("python raised"); });
+  CHECK(threw.status().code() == ErrorCode::runtime_failure);
+  CHECK(std::string(threw.status().message()).find("python raised") != std::string::npos);
+  rt.drain();
+  CHECK(std::ranges::equal(b.resident_map_host(), before.resident_host));
+}
+
+TEST_CASE("CacheBridge::prepare_wide_device: the device provider's rounds (prepare + prepare_group), device ids") {
+  constexpr std::int32_t E = 14, C = 4, max_ids = 16;
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  for (const char* policy : {"lru", "lfru", "crf"}) {
+    CAPTURE(policy);
+    BridgeConfig c = dense_config("device", E, C, 1);
+    c.max_ids = max_ids;
+    c.policy = policy;
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    Bridge& b = *made.value();
+    CHECK(b.policy() == policy);
+    RuntimeBuffer<SimRuntime> ids(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
+    const std::vector<std::int32_t> host = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 12, -1, 0};  // 12 unique: 3 groups
+    rt.host_access(ids.data(), host.size() * sizeof(std::int32_t), AccessMode::write);
+    std::memcpy(ids.data(), host.data(), host.size() * sizeof(std::int32_t));
+    const auto* dev = reinterpret_cast<const std::int32_t*>(ids.data());
+    auto mapped = std::make_shared<std::vector<std::int32_t>>();
+    std::uint32_t rounds = 0;
+    auto r = b.prepare_wide_device(dev, static_cast<std::int64_t>(host.size()), s, [&](const WideRoundInfo& info) {
+      ++rounds;
+      CHECK(info.experts.empty());
+      CHECK(info.slot_count == C);
+      const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
+      const Access a{map, E * sizeof(std::int32_t), AccessMode::read};
+      return rt.launch(s, std::span<const Access>(&a, 1), [map, mapped, n = E] {
+        for (std::int32_t e = 0; e < n; ++e) {
+          if (map[e] >= 0) mapped->push_back(e);
+        }
+      });
+    });
+    REQUIRE(r.ok());
+    rt.drain();
+    CHECK(r.value().rounds == rounds);
+    CHECK(rounds >= 3);
+    std::sort(mapped->begin(), mapped->end());
+    CHECK(*mapped == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13});
+    const auto big = b.prepare_wide_device(dev, max_ids + 1, s, [](const WideRoundInfo&) { return Status(); });
+    CHECK(std::string(big.status().message()).find("0..max_ids = 16") != std::string::npos);
+    const auto host_ids = b.prepare_wide(std::vector<std::int64_t>{1}, s, [](const WideRoundInfo&) { return Status(); });
+    CHECK(std::string(host_ids.status().message()).find("takes device ids") != std::string::npos);
+    CHECK(rt.races().empty());
+  }
 }

@@ -326,7 +326,7 @@ TEST_CASE_TEMPLATE("wide forward, span copies: bytes right, unneeded experts cop
   REQUIRE(rounds.size() == 4);
   CHECK(rounds[0] == Ids{0, 2, 3, 5});
   CHECK(rounds[1] == Ids{6, 9});
-  const std::uint64_t dense = detail::dense_copy_shape<CopyStream>(f.cache->storage()).second;
+  const std::uint64_t dense = detail::dense_copy_shape(CopyStream{}, f.cache->storage()).second;
   const std::uint64_t per_expert = total_bytes_per_expert(six_tensor_layout().tensors());
   CHECK(r.value().bytes == 9 * per_expert + 3 * dense);
   f.check_clean();  // every mapped byte right (read_round checks slots and map contents), no race

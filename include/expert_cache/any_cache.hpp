@@ -4,7 +4,8 @@
 //
 //   Result<AnyExpertCache<Runtime>> make_expert_cache(runtime, AnyCacheConfig)
 //
-// and used like ExpertCache: prepare / prepare_unique / invalidate / stats, the same ForwardView.
+// and used like ExpertCache: prepare / prepare_unique / prepare_wide / invalidate / stats, the same
+// ForwardView.
 // The static templates (ExpertCache, RowCache, WholeExpertCache, DeviceExpertCache) stay the
 // primary API; this is a thin wrapper that owns one of them behind one virtual call.
 //
@@ -31,9 +32,11 @@
 //   provider  row (default: tensor_major + lru + copy_stream, the row provider)
 //             cached (expert_major + lfru + copy_stream: vLLM's cached provider's hit/miss
 //                     semantics, one transfer per miss; staging "inline" for its inline copies)
-//             device (DeviceExpertCache: planned on the device, lru + inline only; ids passed
+//             device (DeviceExpertCache: planned on the device, staging inline only; ids passed
 //                     to prepare() are DEVICE memory; needs the runtime's plan executor)
-//   policy    lru lfru sieve s3fifo arc wtinylfu lrfu layershare   (belady: offline only, refused)
+//   policy    lru lfru sieve s3fifo arc wtinylfu lrfu layershare crf   (belady: offline only, refused)
+//             device provider: lru lfru crf (DeviceLru / DeviceLfru / DeviceCrf; lfru and crf
+//             on storage tensor_major only)
 //   staging   inline copy_stream batched   (+ gather with CudaRuntime: include any_cache_cuda.cuh)
 //   storage   tensor_major expert_major expert_major_host
 // An empty policy/staging/storage takes the provider's default. Unknown names, impossible
@@ -74,6 +77,7 @@
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -126,6 +130,11 @@ struct StorageTag {
 
 using AnyStorages =
     TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>, StorageTag<ExpertMajorHostStorage>>;
+
+// The device provider's policies (one DeviceExpertCache type each, per storage), by P::name.
+using AnyDevicePolicies = TypeList<DeviceLru, DeviceLfru, DeviceCrf>;
+inline constexpr std::array<std::string_view, 3> any_device_policy_names = {DeviceLru::name, DeviceLfru::name,
+                                                                            DeviceCrf::name};
 
 }  // namespace detail
 
@@ -183,7 +192,14 @@ R visit_type(TypeList<Ts...>, std::size_t i, F&& f) {
   return std::move(*out);
 }
 
-// The erased interface: one vtable per (provider, policy, staging, storage) combination.
+// A non-owning reference to prepare_wide's consumer: one indirect call per round, no allocation.
+struct WideConsumerRef {
+  void* object = nullptr;
+  Status (*call)(void*, const WideRound&) = nullptr;
+  Status operator()(const WideRound& round) const { return call(object, round); }
+};
+
+// The erased interface: one vtable per provider kind and storage (and device policy).
 template <class Runtime>
 class AnyCacheBase {
  public:
@@ -192,6 +208,8 @@ class AnyCacheBase {
   virtual Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
   virtual Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
   virtual Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept = 0;
+  virtual Result<WideSummary> prepare_wide(std::span<const std::int32_t> ids, Stream stream, WideConsumerRef consumer,
+                                           WideOptions options) noexcept = 0;
   virtual Status invalidate(std::int32_t expert, Stream stream) noexcept = 0;
   virtual Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
                                         PrefetchOptions options) noexcept = 0;
@@ -259,6 +277,10 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
                   "prepare_group is the device provider's overflow round; host providers split with "
                   "plan_expert_groups / plan_token_chunks and prepare_unique");
   }
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> ids, Stream stream, WideConsumerRef consumer,
+                                   WideOptions options) noexcept final {
+    return this->cache_.prepare_wide(ids, stream, consumer, options);
+  }
   Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
                                 PrefetchOptions options) noexcept final {
     return this->cache_.prefetch(ids, stream, options);
@@ -305,6 +327,41 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   }
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
     return this->cache_.prepare_group(group, stream);
+  }
+  // A wide forward on the device planner: prepare, then prepare_group 1..max_groups(n) - 1, the
+  // consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the sorted
+  // unique list; a group the forward does not have is an empty round). The groups go through the
+  // pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
+  // consumer of group g was enqueued, on the same stream). The host never sees the ids, so a
+  // round's experts/slots spans are empty and the summary counts rounds only; the device counts
+  // the forward in stats() (overflows) and flags plan_error_overflow in the error word when it
+  // needed more than one group.
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> device_ids, Stream stream, WideConsumerRef consumer,
+                                   WideOptions options) noexcept final {
+    if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {
+      return Status::format(ErrorCode::invalid_argument, "prepare_wide of %zu ids (device provider: at most max_ids)",
+                            device_ids.size());
+    }
+    const auto n = static_cast<std::int32_t>(device_ids.size());
+    Result<ForwardView> view = this->cache_.prepare(device_ids.data(), n, stream);
+    if (!view.ok()) return view.status().with_context("prepare_wide");
+    const auto rounds = static_cast<std::uint32_t>(std::max<std::int32_t>(1, this->cache_.max_groups(n)));
+    WideSummary summary;
+    summary.admission = WideAdmission::admit;
+    summary.fell_back = options.admission == WideAdmission::stream;
+    for (std::uint32_t g = 0; g < rounds; ++g) {
+      if (g > 0) {
+        view = this->cache_.prepare_group(static_cast<std::int32_t>(g), stream);
+        if (!view.ok()) return view.status().with_context("prepare_wide: round %u of %u", g, rounds);
+      }
+      WideRound round;
+      round.view = view.value();
+      round.index = g;
+      round.rounds = rounds;
+      if (Status s = consumer(round); !s) return s.with_context("prepare_wide: round %u of %u", g, rounds);
+      ++summary.rounds;
+    }
+    return summary;
   }
   // Host ids (validated, uploaded, planned on the device), unlike prepare's span.
   Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
@@ -354,6 +411,23 @@ class AnyExpertCache {
   // Device provider only: overflow group g >= 1 of the last prepare (DeviceExpertCache).
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
     return impl_->prepare_group(group, stream);
+  }
+  // A forward of any width in rounds (wide.hpp): `consumer(const WideRound&)` returns a Status
+  // and enqueues each round's work on `stream`. Host providers: ExpertCache::prepare_wide (ids in
+  // host memory; stream admission needs options.stream_slots >= 2, else admit, fell_back).
+  // Device provider: ids in DEVICE memory (at most max_ids), served as admit through prepare +
+  // prepare_group, not overlapped (DeviceCacheModel::prepare_wide). The consumer must not call
+  // into this cache.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    using C = std::remove_reference_t<Consumer>;
+    const detail::WideConsumerRef ref{const_cast<void*>(static_cast<const void*>(std::addressof(consumer))),
+                                      [](void* object, const WideRound& round) -> Status {
+                                        return (*static_cast<C*>(object))(round);
+                                      }};
+    return impl_->prepare_wide(ids, stream, ref, options);
   }
   Status invalidate(std::int32_t expert, Stream stream) noexcept { return impl_->invalidate(expert, stream); }
   // Speculative fills of predicted ids in HOST memory, as ExpertCache::prefetch (every
@@ -492,6 +566,17 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   const std::string_view staging_name = config.staging.empty() ? default_staging[*provider] : std::string_view(config.staging);
   const std::string_view storage_name = config.storage.empty() ? default_storage[*provider] : std::string_view(config.storage);
 
+  // The device provider plans with a device policy (DeviceExpertCache's Policy, one type each).
+  constexpr auto device_policy_names = detail::any_device_policy_names;
+  if (device) {
+    if (!detail::index_of(device_policy_names, policy_name)) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "provider 'device' plans on the device with policy lru, lfru or crf (got '%.*s'; "
+                            "valid: %s)",
+                            static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
+                            detail::NameListText(device_policy_names).text);
+    }
+  }
   const std::optional<std::size_t> policy = detail::index_of(policy_names, policy_name);
   if (!policy) {
     if (policy_name == "belady" || policy_name == "opt") {
@@ -524,12 +609,26 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
                           detail::NameListText(storage_names).text);
   }
   if (device) {
-    if (policy_name != "lru" || staging_name != "inline") {
+    if (staging_name != "inline") {
       return Status::format(ErrorCode::invalid_argument,
-                            "provider 'device' plans with lru and fills inline (got policy '%.*s', staging '%.*s'; "
-                            "valid: policy lru, staging inline, storage %s)",
-                            static_cast<int>(policy_name.size()), policy_name.data(), static_cast<int>(staging_name.size()),
-                            staging_name.data(), detail::NameListText(storage_names).text);
+                            "provider 'device' fills inline (got staging '%.*s'; valid: staging inline, policy %s, "
+                            "storage %s)",
+                            static_cast<int>(staging_name.size()), staging_name.data(),
+                            detail::NameListText(device_policy_names).text, detail::NameListText(storage_names).text);
+    }
+    if (policy_name != "lru" && storage_name != "tensor_major") {
+      return Status::format(ErrorCode::invalid_argument,
+                            "provider 'device' plans with policy '%.*s' on storage tensor_major only (got '%.*s'; "
+                            "policy lru takes every storage: %s)",
+                            static_cast<int>(policy_name.size()), policy_name.data(),
+                            static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
+                            detail::NameListText(storage_names).text);
+    }
+    if (config.options.stream_slots != 0) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "provider 'device' has no stream slots (got stream_slots %d; its prepare_wide serves "
+                            "rounds through the pool): use 0",
+                            config.options.stream_slots);
     }
     if (!has_device_plan_executor<Runtime>) {
       return Status(ErrorCode::not_supported,
@@ -559,7 +658,6 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
       return detail::visit_type<Made>(detail::AnyStorages{}, *storage, [&]<class S>() -> Made {
         if (device) {
           if constexpr (has_device_plan_executor<Runtime>) {
-            using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime>;
             DeviceCacheOptions o;
             o.num_experts = inner.num_experts;
             o.capacity = inner.capacity;
@@ -567,7 +665,18 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
             o.fused_plan_fill = config.fused_plan_fill;
             o.label = inner.label;
             o.memory = inner.memory;
-            return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
+            const std::size_t p = *detail::index_of(device_policy_names, policy_name);
+            return detail::visit_type<Made>(detail::AnyDevicePolicies{}, p, [&]<class P>() -> Made {
+              // lfru / crf: tensor_major only (checked above), so the factory instantiates five
+              // device caches, not nine (docs/any_cache.md "What a build costs").
+              if constexpr (std::is_same_v<P, DeviceLru> ||
+                            std::is_same_v<typename S::template type<Runtime>, TensorMajorStorage<Runtime>>) {
+                using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime, P>;
+                return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
+              } else {
+                return Status(ErrorCode::internal, "device policy without its storage");
+              }
+            });
           } else {
             return Status(ErrorCode::internal, "device provider without executor");
           }

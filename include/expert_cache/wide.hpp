@@ -22,6 +22,7 @@
 //
 // Host-only vocabulary plus the helpers both caches share.
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -123,8 +124,32 @@ struct RunCopyRegions {
 // Staging policies whose issue() is plain copies of the regions it is given (copy_staging.hpp):
 // they accept a RunCopyRegions. Others (Gather caches per-storage state) get per-expert fills.
 template <class Staging>
-inline constexpr bool coalescing_staging =
-    std::is_same_v<Staging, CopyStream> || std::is_same_v<Staging, Inline> || std::is_same_v<Staging, Batched>;
+struct StaticCoalescing
+    : std::bool_constant<std::is_same_v<Staging, CopyStream> || std::is_same_v<Staging, Inline> ||
+                         std::is_same_v<Staging, Batched>> {};
+
+// A staging policy that holds one of several at run time (AnyStaging) answers for the held one:
+// held_has<Trait>() is Trait of the held policy.
+template <class Staging>
+concept run_time_staging = requires(const Staging& s) {
+  { s.template held_has<StaticCoalescing>() } -> std::convertible_to<bool>;
+};
+
+// May `Staging` coalesce (compile time: the code paths exist), and does this instance (run time).
+template <class Staging>
+inline constexpr bool coalescing_staging = StaticCoalescing<Staging>::value || run_time_staging<Staging>;
+
+template <class Staging>
+[[nodiscard]] bool coalesces(const Staging& staging) noexcept {
+  if constexpr (StaticCoalescing<Staging>::value) {
+    return true;
+  } else if constexpr (run_time_staging<Staging>) {
+    return staging.template held_has<StaticCoalescing>();
+  } else {
+    (void)staging;
+    return false;
+  }
+}
 
 // Issues `fills` (slots consecutive where experts are: the stream slots of one round) with every
 // run of consecutive experts in consecutive slots as one copy per dense region; non-dense regions
@@ -137,6 +162,10 @@ Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const S
     copies += fills.size() * all.count;
     return staging.issue(rt, fill, storage, fills);
   } else {
+    if (!coalesces(staging)) {
+      copies += fills.size() * all.count;
+      return staging.issue(rt, fill, storage, fills);
+    }
     RunCopyRegions dense, sparse;
     for (const CopyRegion& r : all) {
       (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
@@ -177,6 +206,12 @@ Status issue_span(Staging& staging, R& rt, typename R::Stream fill, const Storag
     copies += fills.size() * storage.copy_regions().count;
     return staging.issue(rt, fill, storage, fills);
   } else {
+    if (!coalesces(staging)) {  // never planned (dense_copy_shape gives 0 regions): per-expert fills
+      (void)first;
+      (void)width;
+      copies += fills.size() * storage.copy_regions().count;
+      return staging.issue(rt, fill, storage, fills);
+    }
     RunCopyRegions dense, sparse;
     for (const CopyRegion& r : storage.copy_regions()) {
       (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
@@ -195,12 +230,13 @@ Status issue_span(Staging& staging, R& rt, typename R::Stream fill, const Storag
 }
 
 // Dense copy regions per expert of a storage, and their bytes (what a span copies per expert);
-// zero regions where the staging policy does not coalesce.
+// zero regions where the staging policy (the held one, for a run-time choice) does not coalesce.
 template <class Staging, class Storage>
-[[nodiscard]] std::pair<std::size_t, std::uint64_t> dense_copy_shape(const Storage& storage) noexcept {
+[[nodiscard]] std::pair<std::size_t, std::uint64_t> dense_copy_shape(const Staging& staging,
+                                                                     const Storage& storage) noexcept {
   std::size_t n = 0;
   std::uint64_t bytes = 0;
-  if constexpr (coalescing_staging<Staging>) {
+  if (coalesces(staging)) {
     for (const CopyRegion& r : storage.copy_regions()) {
       if (dense_region(r)) {
         ++n;

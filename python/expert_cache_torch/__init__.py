@@ -19,7 +19,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 
-__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ModelExpertCache", "ForwardView",
+__all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ModelExpertCache", "ForwardView", "WideRound",
            "ExpertCacheError", "ExpertCacheValueError", "host_empty", "to_host"]
 
 _PAGE = 4096
@@ -121,6 +121,39 @@ class ForwardView:
         return f"ForwardView(generation={self.generation}, hits={self.hits}, misses={self.misses})"
 
 
+class WideRound:
+    """One round of a wide forward (prepare_wide), handed to the consumer. tensors: {name: CUDA tensor
+    [slot_count, ...]} over the slot arrays (the pool, then the stream slots); expert_map: int32 [E] on
+    the GPU, this round's experts -> slot, -1 for every other expert. experts / slots: the round's
+    experts (ascending) and their slots as Python lists (empty for provider "device", whose plan stays
+    on the GPU). Valid for work the consumer enqueues on the current stream during its call."""
+
+    __slots__ = ("index", "rounds", "streamed", "experts", "slots", "tensors", "expert_map")
+
+    def __init__(self, index, rounds, streamed, experts, slots, tensors, expert_map):
+        self.index = index
+        self.rounds = rounds
+        self.streamed = streamed
+        self.experts = experts
+        self.slots = slots
+        self.tensors = tensors
+        self.expert_map = expert_map
+
+    @property
+    def include_shared(self):
+        """True for round 0 only: where work that is not per expert (shared experts) belongs."""
+        return self.index == 0
+
+    def __repr__(self):
+        return f"WideRound({self.index + 1}/{self.rounds}, experts={len(self.experts)}, streamed={self.streamed})"
+
+
+def _wide(run, consumer):
+    if not callable(consumer):
+        raise TypeError(f"consumer must be callable (called with one WideRound per round), got {type(consumer).__name__}")
+    return run(lambda t: consumer(WideRound(*t)))
+
+
 class ExpertCache:
     """A fixed pool of `capacity` GPU slots over `num_experts` experts whose weights stay in the
     caller's host tensors (registered in place at their exact size, never copied).
@@ -130,10 +163,12 @@ class ExpertCache:
     keeps references to them. provider: "row" | "cached" | "device"; policy / staging / storage: ""
     for the provider's default (storage must be "tensor_major" with caller tensors, the default).
     max_ids: provider "device" only, the largest number of ids one prepare() takes (tokens * top_k).
+    stream_slots: host providers, extra GPU slots after the pool for prepare_wide's scan-resistant
+    streaming (0: wide forwards go through the pool); slot_tensors then have capacity + stream_slots rows.
     """
 
     def __init__(self, layout, host_tensors, num_experts, capacity, top_k=1, provider="row", policy="",
-                 staging="", storage="", max_ids=0, label="expert_cache"):
+                 staging="", storage="", max_ids=0, label="expert_cache", stream_slots=0):
         if not hasattr(layout, "_args"):
             raise TypeError(f"layout must be ect.DenseBf16, ect.Nvfp4Marlin or ect.ExplicitBytes, got {type(layout).__name__}")
         if not isinstance(host_tensors, dict) or not all(isinstance(t, torch.Tensor) for t in host_tensors.values()):
@@ -143,10 +178,11 @@ class ExpertCache:
         self._host_tensors = dict(host_tensors)  # kept alive with the cache
         self._impl = _C.Cache(name, hidden, intermediate, group_size, explicit, str(provider), str(policy),
                               str(staging), str(storage), int(num_experts), int(capacity), int(top_k), int(max_ids),
-                              str(label), self._host_tensors)
+                              str(label), self._host_tensors, int(stream_slots))
         self.num_experts = int(num_experts)
         self.capacity = int(capacity)
         self.top_k = int(top_k)
+        self.stream_slots = int(stream_slots)
         self.label = str(label)
         self.provider = self._impl.provider
         self.policy = self._impl.policy
@@ -168,6 +204,21 @@ class ExpertCache:
         host_map = None if self._device else self._impl.expert_map_host()
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, host_map,
                            hits if has_counts else None, misses if has_counts else None, generation)
+
+    def prepare_wide(self, topk_ids, consumer, *, admission="stream", copy="automatic"):
+        """A forward of any width (a whole prompt) in rounds, on torch.cuda.current_stream():
+        consumer(round) is called once per round with a WideRound and enqueues that round's work;
+        the rounds' experts are disjoint and together the forward's, so accumulating every round's
+        expert outputs computes the forward. Host providers: CPU or CUDA ids (CUDA ids are read back
+        once); admission "stream" (default) copies missing experts into the stream slots and leaves
+        the pool as it was (needs stream_slots >= 2, else it is served as "admit": through the pool);
+        copy "automatic" | "runs" | "span". Provider "device": CUDA ids (at most max_ids), rounds of
+        prepare + prepare_group through the pool, not overlapped. Returns the summary dict (rounds,
+        unique, hits, streamed, admitted, copies, bytes, span_rounds, wasted, admission, fell_back).
+        An exception in the consumer ends the forward and propagates."""
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        return _wide(lambda fn: self._impl.prepare_wide(topk_ids, fn, str(admission), str(copy)), consumer)
 
     def prepare_unique(self, unique_ids):
         """Host-planned providers: makes the experts of an explicit list resident, in its order
@@ -247,7 +298,7 @@ class ModelExpertCache:
     """
 
     def __init__(self, layout, host_tensors, num_layers, num_experts, capacity, top_k=1, pool="per_layer", policy="",
-                 layer_capacities=None, label="model_expert_cache"):
+                 layer_capacities=None, label="model_expert_cache", stream_slots=0):
         if not hasattr(layout, "_args"):
             raise TypeError(f"layout must be ect.DenseBf16, ect.Nvfp4Marlin or ect.ExplicitBytes, got {type(layout).__name__}")
         if not isinstance(host_tensors, dict) or not all(isinstance(t, torch.Tensor) for t in host_tensors.values()):
@@ -258,7 +309,8 @@ class ModelExpertCache:
         caps = [int(c) for c in layer_capacities] if layer_capacities is not None else []
         self._impl = _C.ModelCache(name, hidden, intermediate, group_size, explicit, str(policy), str(pool),
                                    int(num_layers), int(num_experts), int(capacity), caps, int(top_k), str(label),
-                                   self._host_tensors)
+                                   self._host_tensors, int(stream_slots))
+        self.stream_slots = int(stream_slots)
         self.num_layers = int(num_layers)
         self.num_experts = int(num_experts)
         self.capacity = int(capacity)
@@ -289,6 +341,14 @@ class ModelExpertCache:
         if not isinstance(topk_ids, torch.Tensor):
             raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
         return self._view(layer, self._impl.prepare(layer, topk_ids))
+
+    def prepare_wide(self, layer, topk_ids, consumer, *, admission="stream", copy="automatic"):
+        """A wide forward of layer `layer` in rounds (ExpertCache.prepare_wide; CUDA ids are read back
+        once). stream_slots (constructor) are shared by all layers. Returns the summary dict."""
+        layer = self._layer(layer)
+        if not isinstance(topk_ids, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+        return _wide(lambda fn: self._impl.prepare_wide(layer, topk_ids, fn, str(admission), str(copy)), consumer)
 
     def prepare_unique(self, layer, unique_ids):
         """An explicit unique list of layer `layer` (distinct, in [0, E)), in its order."""

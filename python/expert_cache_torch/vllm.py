@@ -94,14 +94,16 @@ class ExpertCacheProvider:
     semantics: "lfru" | "row" | "device" (module docstring). policy: another eviction policy by
     name for "lfru"/"row" (docs/any_cache.md; then not the reference semantics); "device" takes
     only its own. split: "token" | "expert", used by run_with_expert_cache. max_ids: "device"
-    only, the largest topk_ids.numel() of one prepare (required there).
+    only, the largest topk_ids.numel() of one prepare (required there). stream_slots: host
+    semantics, extra slots the expert split streams wide forwards through (the cache's
+    prepare_wide, scan resistant; 0: its rounds go through the pool).
     """
 
     semantics = "lfru"
 
     def __init__(self, capacity, w13_weight, w2_weight, w13_scale=None, w2_scale=None, split="token", *,
                  w13_scale_2=None, w2_scale_2=None, semantics=None, policy=None, max_ids=None, device=None,
-                 label="expert_cache"):
+                 label="expert_cache", stream_slots=0):
         semantics = self.semantics if semantics is None else str(semantics)
         given = dict(zip(_SOURCES, (w13_weight, w2_weight, w13_scale, w2_scale, w13_scale_2, w2_scale_2)))
         records = [_record(name, t) for name, t in given.items()]
@@ -144,7 +146,8 @@ class ExpertCacheProvider:
         with torch.cuda.device(device):
             self._cache = ExpertCache(ExplicitBytes(layout), host_tensors=host_bytes, num_experts=num_experts,
                                       capacity=capacity, top_k=1, provider=provider, policy=policy,
-                                      max_ids=int(max_ids) if provider == "device" else 0, label=str(label))
+                                      max_ids=int(max_ids) if provider == "device" else 0, label=str(label),
+                                      stream_slots=int(stream_slots))
         self.device = device
         self.capacity = capacity
         self.num_experts = num_experts
@@ -160,7 +163,7 @@ class ExpertCacheProvider:
         for name, slot_name, _dtype, _nbytes, trailing in sources:
             raw = self._cache.slot_tensors[slot_name]             # uint8 [C, bytes], slot stride from the storage
             typed = raw.view(given[name].dtype)                   # [C, elements], same slot stride
-            shape = [capacity] + [int(x) for x in trailing]
+            shape = [int(raw.shape[0])] + [int(x) for x in trailing]   # capacity (+ stream slots)
             self._buf[slot_name] = typed.as_strided(shape, [typed.stride(0)] + _contiguous_strides(trailing))
 
     # ---- slot buffers (read-only: the cache writes them) ----
@@ -340,31 +343,60 @@ def run_with_expert_cache(provider, topk_ids, run, split=None):
 
 
 def _serve_wide_forward(provider, topk_ids, run, split):
-    # Token / expert split planned on the host (one read-back of the ids). The one place a
-    # wide-forward path of the library (rounds inside one prepare) plugs in.
+    # A forward that fits: one prepare. Wider ones: the token split (planned on the host, one
+    # read-back of the ids, exact), or the expert split as the library's wide forward
+    # (ExpertCache.prepare_wide: rounds of disjoint experts, the next round's copies overlapping
+    # this round's run; "device": prepare + prepare_group rounds on the GPU), partial outputs
+    # summed in float32.
     if topk_ids.dim() != 2:
         raise ExpertCacheValueError(f"{provider.label}: run_with_expert_cache takes topk_ids [tokens, top_k], got "
                                     f"shape {list(topk_ids.shape)}")
     rows = int(topk_ids.shape[0])
-    if provider._device_planned and split == "expert":
-        raise ExpertCacheError(f"{provider.label}: semantics 'device' serves wide forwards with the token split "
-                               f"(split='token')")
     if rows == 0:
         return run(provider.prepare(topk_ids), slice(0, 0), True)
+    if split == "expert":
+        return _serve_expert_rounds(provider, topk_ids, run, rows)
     parts = provider._plan(topk_ids, split)
     if len(parts) == 1:
         unique = None if provider._device_planned else parts[0][2]
         return run(provider.prepare(topk_ids, unique, _checked=True), slice(0, rows), True)
-    if split == "token":
-        outs = []
-        for begin, end, unique, _ in parts:
-            ids = topk_ids[begin:end]
-            result = provider.prepare(ids) if provider._device_planned else provider.prepare(ids, unique, _checked=True)
-            outs.append(run(result, slice(begin, end), True))
-        return torch.cat(outs, dim=0)
-    acc, dtype = None, None
-    for _, _, unique, include_shared in parts:
-        part = run(provider.prepare(topk_ids, unique, _checked=True), slice(0, rows), include_shared)
-        dtype = part.dtype
-        acc = part.float() if acc is None else acc + part.float()
-    return acc.to(dtype)
+    outs = []
+    for begin, end, unique, _ in parts:
+        ids = topk_ids[begin:end]
+        result = provider.prepare(ids) if provider._device_planned else provider.prepare(ids, unique, _checked=True)
+        outs.append(run(result, slice(begin, end), True))
+    return torch.cat(outs, dim=0)
+
+
+def _serve_expert_rounds(provider, topk_ids, run, rows):
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ExpertCacheValueError(f"{provider.label}: topk_ids must be int32 or int64 (got {topk_ids.dtype})")
+    if not provider._device_planned and torch.cuda.is_current_stream_capturing():
+        raise ExpertCacheError(f"{provider.label}: semantics {provider.semantics!r} plans on the host and cannot be "
+                               f"captured in a CUDA graph")
+    topk_ids = topk_ids.contiguous()
+    valid = topk_ids >= 0
+    clamped = topk_ids.clamp(0, provider.num_experts - 1).long()
+    state = {"acc": None, "dtype": None}
+
+    def consume(wide_round):
+        # The round's expert map names its experts only: the other (token, k) pairs map to -1,
+        # which the fused-MoE kernel skips, so each round adds its experts' share.
+        emap = wide_round.expert_map if topk_ids.is_cuda else wide_round.expert_map.cpu()
+        slots = emap[clamped]
+        remapped = torch.where(valid, slots, torch.full_like(slots, -1)).to(topk_ids.dtype)
+        result = ExpertWeightResult(w1=provider._buf["w13"], w2=provider._buf["w2"],
+                                    w1_scale=provider._buf.get("w13_scale"), w2_scale=provider._buf.get("w2_scale"),
+                                    w13_scale_2=provider._buf.get("w13_scale_2"),
+                                    w2_scale_2=provider._buf.get("w2_scale_2"), expert_map=wide_round.expert_map,
+                                    topk_ids=remapped, hits=None, misses=None, generation=None)
+        part = run(result, slice(0, rows), wide_round.include_shared)
+        state["dtype"] = part.dtype
+        state["acc"] = part.float() if state["acc"] is None else state["acc"] + part.float()
+
+    ids = topk_ids
+    if provider._device_planned and not ids.is_cuda:
+        raise ExpertCacheValueError(f"{provider.label}: semantics 'device' takes CUDA topk_ids, got a tensor on "
+                                    f"{ids.device}")
+    provider._cache.prepare_wide(ids, consume)
+    return state["acc"].to(state["dtype"])

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <functional>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -74,6 +75,7 @@ struct BridgeConfig {
   std::int32_t capacity = 0;
   std::int32_t top_k = 1;
   std::int32_t max_ids = 0;      // device provider: largest prepare (tokens * top_k)
+  std::int32_t stream_slots = 0; // host providers: slots after `capacity` for wide forwards (wide.hpp)
   std::string label = "expert_cache";
   bool host_registered = false;  // the host tensors are pinned already (torch pin_memory())
 };
@@ -100,6 +102,62 @@ struct SlotDescriptor {
   DType dtype = DType::uint8;
   std::vector<std::int64_t> shape;  // one slot
 };
+
+// One round of a wide forward (prepare_wide) as the extension hands it on: the round's slot
+// arrays (one base per slots() descriptor, `slot_count` slots each: the pool and, for stream
+// admission, the stream slots after it) and forward map, valid for work enqueued on the call's
+// stream during the round; experts/slots: the round's experts and their slots (host providers;
+// empty for the device provider, whose plan stays on the device).
+struct WideRoundInfo {
+  std::uint32_t index = 0;
+  std::uint32_t rounds = 0;
+  std::uint32_t streamed = 0;
+  std::span<const std::int32_t> experts;
+  std::span<const std::int32_t> slots;
+  std::vector<std::uintptr_t> slot_bases;
+  std::int32_t slot_count = 0;
+  std::uintptr_t expert_map = 0;
+  std::uintptr_t resident_map = 0;
+};
+using WideConsumerFn = std::function<Status(const WideRoundInfo&)>;
+
+// WideOptions from names: admission "stream" (default) | "admit"; copy "automatic" (default) |
+// "runs" | "span".
+inline Result<WideOptions> wide_options_of(std::string_view admission, std::string_view copy) noexcept {
+  WideOptions o;
+  if (admission.empty() || admission == "stream") {
+    o.admission = WideAdmission::stream;
+  } else if (admission == "admit") {
+    o.admission = WideAdmission::admit;
+  } else {
+    return Status::format(ErrorCode::invalid_argument, "unknown wide admission '%.*s' (valid: stream, admit)",
+                          static_cast<int>(std::min<std::size_t>(admission.size(), 40)), admission.data());
+  }
+  if (copy.empty() || copy == "automatic") {
+    o.copy = WideCopy::automatic;
+  } else if (copy == "runs") {
+    o.copy = WideCopy::runs;
+  } else if (copy == "span") {
+    o.copy = WideCopy::span;
+  } else {
+    return Status::format(ErrorCode::invalid_argument, "unknown wide copy '%.*s' (valid: automatic, runs, span)",
+                          static_cast<int>(std::min<std::size_t>(copy.size(), 40)), copy.data());
+  }
+  return o;
+}
+
+namespace detail {
+// Calls `consumer` for one round; an exception (the extension's converter failing) is a Status.
+inline Status call_wide_consumer(const WideConsumerFn& consumer, const WideRoundInfo& info) noexcept {
+  try {
+    return consumer(info);
+  } catch (const std::exception& e) {
+    return Status(ErrorCode::runtime_failure, e.what());
+  } catch (...) {
+    return Status(ErrorCode::runtime_failure, "the wide consumer threw");
+  }
+}
+}  // namespace detail
 
 struct PrepareResult {
   bool has_counts = true;  // false for the device provider (counts live on the device)
@@ -278,6 +336,7 @@ class CacheBridge {
     c.staging = config.staging;
     c.storage = storage;
     c.max_ids = config.max_ids;
+    c.options.stream_slots = config.stream_slots;
     c.options.num_experts = config.num_experts;
     c.options.capacity = config.capacity;
     c.options.top_k = config.top_k;
@@ -312,7 +371,7 @@ class CacheBridge {
       d.base = reinterpret_cast<std::uintptr_t>(st.base);
       d.slot_stride = st.slot_stride;
       d.bytes_per_slot = st.bytes;
-      d.capacity = config.capacity;
+      d.capacity = config.capacity + (b->device_ ? 0 : config.stream_slots);  // the stream slots follow the pool
       d.dtype = b->typed_[t].dtype;
       d.shape = b->typed_[t].shape;
       b->slots_.push_back(std::move(d));
@@ -437,6 +496,50 @@ class CacheBridge {
     return p;
   }
 
+  // A forward of any width in rounds (AnyExpertCache::prepare_wide): host ids, host providers.
+  // Ids >= num_experts are refused (negative = padding) before the cache is touched; `consumer`
+  // is called once per round and enqueues the round's work on `stream`.
+  Result<WideSummary> prepare_wide(std::span<const std::int64_t> ids, Stream stream, const WideConsumerFn& consumer,
+                                   std::string_view admission = {}, std::string_view copy = {}) noexcept {
+    if (device_) return not_host("prepare_wide with host ids");
+    Result<WideOptions> options = wide_options_of(admission, copy);
+    if (!options.ok()) return options.status().with_context("%s", config_.label.c_str());
+    try {
+      ids32_.resize(ids.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prepare_wide: out of host memory");
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= config_.num_experts) return out_of_range(i, ids[i]);
+      ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
+    }
+    return wide(std::span<const std::int32_t>(ids32_), stream, consumer, options.value());
+  }
+  // The device provider: n int32 ids in device memory (at most max_ids), served in rounds of
+  // prepare + prepare_group (not overlapped, through the pool).
+  Result<WideSummary> prepare_wide_device(const std::int32_t* device_ids, std::int64_t n, Stream stream,
+                                          const WideConsumerFn& consumer, std::string_view admission = {},
+                                          std::string_view copy = {}) noexcept {
+    if (!device_) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare_wide with CUDA ids needs provider 'device' (provider '%s' plans on the host: "
+                            "pass host ids)",
+                            config_.label.c_str(), config_.provider.c_str());
+    }
+    Result<WideOptions> options = wide_options_of(admission, copy);
+    if (!options.ok()) return options.status().with_context("%s", config_.label.c_str());
+    if (n < 0 || n > config_.max_ids) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare_wide of %lld ids (device provider: 0..max_ids = %d)",
+                            config_.label.c_str(), static_cast<long long>(n), config_.max_ids);
+    }
+    if (device_ids == nullptr && n > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare_wide of %lld ids from a null pointer",
+                            config_.label.c_str(), static_cast<long long>(n));
+    }
+    return wide(std::span<const std::int32_t>(device_ids, static_cast<std::size_t>(n)), stream, consumer,
+                options.value());
+  }
+
   Status invalidate(std::int64_t expert, Stream stream) noexcept {
     if (expert < 0 || expert >= config_.num_experts) {
       return Status::format(ErrorCode::invalid_argument, "%s: invalidate(%lld): expert out of range [0, %d)",
@@ -469,6 +572,11 @@ class CacheBridge {
             i("speculative_used", s.speculative_used),
             i("speculative_wasted", s.speculative_wasted),
             i("speculative_bytes", s.speculative_bytes),
+            i("wide_forwards", s.wide_forwards),
+            i("wide_rounds", s.wide_rounds),
+            i("wide_hits", s.wide_hits),
+            i("wide_streamed", s.wide_streamed),
+            i("wide_bytes", s.wide_bytes),
             i("slot_bytes", s.slot_bytes),
             i("host_bytes", s.host_bytes),
             StatEntry{"hit_rate", 0, s.hit_rate(), true}};
@@ -607,6 +715,40 @@ class CacheBridge {
       epoch_ = 1;
     }
   }
+  Result<WideSummary> wide(std::span<const std::int32_t> ids, Stream stream, const WideConsumerFn& consumer,
+                           const WideOptions& options) noexcept {
+    // Every slot a round's map may name: the pool, then (host providers) the stream slots.
+    const std::int32_t slot_count = config_.capacity + (device_ ? 0 : config_.stream_slots);
+    WideRoundInfo info;
+    try {
+      info.slot_bases.resize(slots_.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prepare_wide: out of host memory");
+    }
+    return cache_->prepare_wide(
+        ids, stream,
+        [&](const WideRound& round) -> Status {
+          info.index = round.index;
+          info.rounds = round.rounds;
+          info.streamed = round.streamed;
+          info.experts = round.experts;
+          info.slots = round.slots;
+          info.slot_count = slot_count;
+          for (std::size_t t = 0; t < slots_.size(); ++t) {
+            info.slot_bases[t] = reinterpret_cast<std::uintptr_t>(round.view.tensors[slots_[t].index].base);
+          }
+          info.expert_map = reinterpret_cast<std::uintptr_t>(round.view.expert_map);
+          info.resident_map = reinterpret_cast<std::uintptr_t>(round.view.resident_map);
+          for (const std::int32_t slot : round.slots) {
+            if (slot < 0 || slot >= slot_count) {
+              return Status::format(ErrorCode::internal, "%s: prepare_wide round %u maps slot %d outside [0, %d)",
+                                    config_.label.c_str(), round.index, slot, slot_count);
+            }
+          }
+          return detail::call_wide_consumer(consumer, info);
+        },
+        options);
+  }
   static Result<PrepareResult> counts(const Result<ForwardView>& r) noexcept {
     if (!r.ok()) return r.status();
     PrepareResult p;
@@ -638,6 +780,12 @@ class CudaBridge {
                                                bool name_experts) noexcept = 0;
   virtual Result<PrepareResult> prepare_device(const std::int32_t* ids, std::int64_t n, void* stream) noexcept = 0;
   virtual Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept = 0;
+  virtual Result<WideSummary> prepare_wide_host64(std::span<const std::int64_t> ids, void* stream,
+                                                  const WideConsumerFn& consumer, std::string_view admission,
+                                                  std::string_view copy) noexcept = 0;
+  virtual Result<WideSummary> prepare_wide_device(const std::int32_t* ids, std::int64_t n, void* stream,
+                                                  const WideConsumerFn& consumer, std::string_view admission,
+                                                  std::string_view copy) noexcept = 0;
   virtual Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
                                              std::int64_t expires_after, void* stream) noexcept = 0;
   virtual Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,

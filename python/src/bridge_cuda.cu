@@ -38,6 +38,15 @@ class CudaBridgeImpl final : public CudaBridge {
   Result<PrepareResult> prepare_unique(std::span<const std::int64_t> unique_ids, void* stream) noexcept override {
     return bridge_->prepare_unique(unique_ids, static_cast<cudaStream_t>(stream));
   }
+  Result<WideSummary> prepare_wide_host64(std::span<const std::int64_t> ids, void* stream, const WideConsumerFn& consumer,
+                                          std::string_view admission, std::string_view copy) noexcept override {
+    return bridge_->prepare_wide(ids, static_cast<cudaStream_t>(stream), consumer, admission, copy);
+  }
+  Result<WideSummary> prepare_wide_device(const std::int32_t* ids, std::int64_t n, void* stream,
+                                          const WideConsumerFn& consumer, std::string_view admission,
+                                          std::string_view copy) noexcept override {
+    return bridge_->prepare_wide_device(ids, n, static_cast<cudaStream_t>(stream), consumer, admission, copy);
+  }
   Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
                                      std::int64_t expires_after, void* stream) noexcept override {
     return bridge_->prefetch(ids, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
@@ -99,6 +108,11 @@ class CudaModelBridgeImpl final : public CudaModelBridge {
   Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids,
                                        void* stream) noexcept override {
     return bridge_->prepare_unique(layer, ids, static_cast<cudaStream_t>(stream));
+  }
+  Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int64_t> ids, void* stream,
+                                   const WideConsumerFn& consumer, std::string_view admission,
+                                   std::string_view copy) noexcept override {
+    return bridge_->prepare_wide(layer, ids, static_cast<cudaStream_t>(stream), consumer, admission, copy);
   }
   Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept override {
     return bridge_->invalidate(layer, expert, static_cast<cudaStream_t>(stream));

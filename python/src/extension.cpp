@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -82,6 +83,72 @@ at::ScalarType scalar_type_of(ec::DType d) {
   }
 }
 
+py::dict wide_summary_dict(const expert_cache::WideSummary& w) {
+  py::dict d;
+  d["rounds"] = w.rounds;
+  d["unique"] = w.unique;
+  d["hits"] = w.hits;
+  d["streamed"] = w.streamed;
+  d["admitted"] = w.admitted;
+  d["copies"] = w.copies;
+  d["bytes"] = w.bytes;
+  d["span_rounds"] = w.span_rounds;
+  d["wasted"] = w.wasted;
+  d["admission"] = std::string(expert_cache::to_string(w.admission));
+  d["fell_back"] = w.fell_back;
+  return d;
+}
+
+// Runs a wide forward whose rounds call the Python `consumer` with the round object `make(info)`
+// returns. A Python exception in the consumer ends the forward (the library's error path: no
+// round half-published) and is re-raised as it was once the library returned.
+template <class Run, class Make>
+py::dict run_wide(Run&& run, Make&& make, const py::object& consumer) {
+  std::optional<py::error_already_set> raised;
+  const ec::WideConsumerFn fn = [&](const ec::WideRoundInfo& info) -> expert_cache::Status {
+    try {
+      consumer(make(info));
+      return {};
+    } catch (py::error_already_set& e) {
+      raised.emplace(std::move(e));
+      return expert_cache::Status(expert_cache::ErrorCode::runtime_failure, "the wide consumer raised");
+    }
+  };
+  const expert_cache::Result<expert_cache::WideSummary> r = run(fn);
+  if (raised) throw std::move(*raised);
+  check(r.status());
+  return wide_summary_dict(r.value());
+}
+
+// {name: CUDA tensor [slot_count, *slot shape]} over one round's slot arrays (the pool, then the
+// stream slots), aliasing cache memory through `alias`.
+template <class Alias>
+py::dict round_tensors(const std::vector<ec::SlotDescriptor>& slots, const ec::WideRoundInfo& info, Alias&& alias) {
+  py::dict d;
+  for (std::size_t t = 0; t < slots.size(); ++t) {
+    const ec::SlotDescriptor& s = slots[t];
+    const auto elem = static_cast<std::int64_t>(ec::element_size(s.dtype));
+    std::vector<std::int64_t> sizes{info.slot_count};
+    sizes.insert(sizes.end(), s.shape.begin(), s.shape.end());
+    std::vector<std::int64_t> strides(sizes.size(), 1);
+    for (std::size_t i = sizes.size() - 1; i > 1; --i) strides[i - 1] = strides[i] * sizes[i];
+    strides[0] = static_cast<std::int64_t>(s.slot_stride) / elem;
+    d[py::str(s.name)] = alias(info.slot_bases[t], sizes, strides, scalar_type_of(s.dtype));
+  }
+  return d;
+}
+
+// The round as Python sees it: a tuple (index, rounds, streamed, experts, slots, tensors,
+// expert_map) that expert_cache_torch wraps in a WideRound.
+template <class Alias>
+py::tuple round_tuple(const std::vector<ec::SlotDescriptor>& slots, const ec::WideRoundInfo& info, std::int64_t experts,
+                      Alias&& alias) {
+  std::vector<std::int32_t> ids(info.experts.begin(), info.experts.end());
+  std::vector<std::int32_t> where(info.slots.begin(), info.slots.end());
+  return py::make_tuple(info.index, info.rounds, info.streamed, ids, where, round_tensors(slots, info, alias),
+                        alias(info.expert_map, {experts}, {1}, at::kInt));
+}
+
 bool capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) fail("cudaStreamIsCapturing failed");
@@ -101,8 +168,9 @@ class TorchCache {
              const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
              const std::string& policy, const std::string& staging, const std::string& storage, std::int32_t num_experts,
              std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids, const std::string& label,
-             const std::map<std::string, at::Tensor>& host_tensors) {
+             const std::map<std::string, at::Tensor>& host_tensors, std::int32_t stream_slots) {
     ec::BridgeConfig c;
+    c.stream_slots = stream_slots;
     c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
     c.provider = provider;
     c.policy = policy;
@@ -238,6 +306,49 @@ class TorchCache {
     return bridge_->device_errors();
   }
 
+  // A wide forward (ExpertCache::prepare_wide): host providers take CPU or CUDA ids (CUDA ids
+  // are read back once), the device provider CUDA ids as they are; `consumer(round)` per round.
+  py::dict prepare_wide(const at::Tensor& ids, const py::object& consumer, const std::string& admission,
+                        const std::string& copy) {
+    if (!ids.defined()) fail_value(label_ + ": topk_ids is undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) fail(label_ + ": prepare_wide cannot be captured in a CUDA graph");
+    const auto make = [&](const ec::WideRoundInfo& info) {
+      return round_tuple(bridge_->slots(), info, num_experts_,
+                         [&](std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides,
+                             at::ScalarType t) { return alias(p, std::move(sizes), std::move(strides), t); });
+    };
+    if (bridge_->device_provider()) {
+      if (!ids.is_cuda()) fail_value(label_ + ": provider 'device' takes CUDA topk_ids; got a CPU tensor");
+      if (ids.device().index() != device_) {
+        fail_value(label_ + ": topk_ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
+      }
+      last_ids_ = ids.scalar_type() == at::kInt ? ids.reshape({-1}).contiguous() : ids.reshape({-1}).to(at::kInt);
+      return run_wide(
+          [&](const ec::WideConsumerFn& fn) {
+            return bridge_->prepare_wide_device(last_ids_.data_ptr<std::int32_t>(), last_ids_.numel(), stream.stream(),
+                                                fn, admission, copy);
+          },
+          make, consumer);
+    }
+    at::Tensor host = ids.reshape({-1});
+    if (ids.is_cuda()) {
+      host = host.to(at::TensorOptions().dtype(at::kLong).device(at::kCPU));  // one synchronisation
+    } else {
+      host = host.to(at::kLong).contiguous();
+    }
+    return run_wide(
+        [&](const ec::WideConsumerFn& fn) {
+          return bridge_->prepare_wide_host64(
+              std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), static_cast<std::size_t>(host.numel())),
+              stream.stream(), fn, admission, copy);
+        },
+        make, consumer);
+  }
+
   // Aliases of the slot arrays: [capacity, *slot shape], slot stride from the storage.
   py::dict slot_tensors() {
     py::dict d;
@@ -362,9 +473,10 @@ class TorchModelCache {
                   const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
                   const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
                   const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
-                  const std::map<std::string, at::Tensor>& host_tensors)
+                  const std::map<std::string, at::Tensor>& host_tensors, std::int32_t stream_slots)
       : label_(label) {
     ec::ModelBridgeConfig c;
+    c.stream_slots = stream_slots;
     c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
     c.policy = policy;
     c.pool = pool;
@@ -432,6 +544,29 @@ class TorchModelCache {
                                     static_cast<void*>(stream.stream()));
     check(r.status());
     return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
+  }
+  // A wide forward of layer `layer` (ModelExpertCache::prepare_wide); CUDA ids read back once.
+  py::dict prepare_wide(std::int32_t layer, const at::Tensor& ids, const py::object& consumer,
+                        const std::string& admission, const std::string& copy) {
+    if (!ids.defined()) fail_value(label_ + ": topk_ids is undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) fail(label_ + ": prepare_wide cannot be captured in a CUDA graph");
+    const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().dtype(at::kLong).device(at::kCPU)).contiguous();
+    return run_wide(
+        [&](const ec::WideConsumerFn& fn) {
+          return bridge_->prepare_wide(
+              layer, std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), static_cast<std::size_t>(host.numel())),
+              stream.stream(), fn, admission, copy);
+        },
+        [&](const ec::WideRoundInfo& info) {
+          return round_tuple(bridge_->slots(), info, num_experts_,
+                             [&](std::uintptr_t p, std::vector<std::int64_t> sizes, std::vector<std::int64_t> strides,
+                                 at::ScalarType t) { return alias(p, std::move(sizes), std::move(strides), t); });
+        },
+        consumer);
   }
   py::tuple prepare_unique(std::int32_t layer, const std::vector<std::int64_t>& unique_ids) {
     const c10::cuda::CUDAStream stream = current_stream();
@@ -548,15 +683,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
                        const std::string& policy, const std::string& staging, const std::string& storage,
                        std::int32_t num_experts, std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids,
-                       const std::string& label, const std::map<std::string, at::Tensor>& host_tensors) {
+                       const std::string& label, const std::map<std::string, at::Tensor>& host_tensors,
+                       std::int32_t stream_slots) {
              return std::make_shared<TorchCache>(layout, hidden, intermediate, group_size, explicit_tensors, provider,
                                                  policy, staging, storage, num_experts, capacity, top_k, max_ids, label,
-                                                 host_tensors);
+                                                 host_tensors, stream_slots);
            }),
            py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
            py::arg("explicit_tensors"), py::arg("provider"), py::arg("policy"), py::arg("staging"), py::arg("storage"),
            py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
-           py::arg("host_tensors"))
+           py::arg("host_tensors"), py::arg("stream_slots") = 0)
+      .def("prepare_wide", &TorchCache::prepare_wide, py::arg("topk_ids"), py::arg("consumer"),
+           py::arg("admission") = "stream", py::arg("copy") = "automatic")
       .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
       .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
       .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"))
@@ -582,16 +720,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& policy,
                        const std::string& pool, std::int32_t num_layers, std::int32_t num_experts, std::int32_t capacity,
                        const std::vector<std::int32_t>& layer_capacities, std::int32_t top_k, const std::string& label,
-                       const std::map<std::string, at::Tensor>& host_tensors) {
+                       const std::map<std::string, at::Tensor>& host_tensors, std::int32_t stream_slots) {
              return std::make_shared<TorchModelCache>(layout, hidden, intermediate, group_size, explicit_tensors, policy,
                                                       pool, num_layers, num_experts, capacity, layer_capacities, top_k,
-                                                      label, host_tensors);
+                                                      label, host_tensors, stream_slots);
            }),
            py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
            py::arg("explicit_tensors"), py::arg("policy"), py::arg("pool"), py::arg("num_layers"),
            py::arg("num_experts"), py::arg("capacity"), py::arg("layer_capacities"), py::arg("top_k"),
-           py::arg("label"), py::arg("host_tensors"))
+           py::arg("label"), py::arg("host_tensors"), py::arg("stream_slots") = 0)
       .def("prepare", &TorchModelCache::prepare, py::arg("layer"), py::arg("topk_ids"))
+      .def("prepare_wide", &TorchModelCache::prepare_wide, py::arg("layer"), py::arg("topk_ids"), py::arg("consumer"),
+           py::arg("admission") = "stream", py::arg("copy") = "automatic")
       .def("prepare_unique", &TorchModelCache::prepare_unique, py::arg("layer"), py::arg("unique_ids"))
       .def("invalidate", &TorchModelCache::invalidate, py::arg("layer"), py::arg("expert"))
       .def("stats", &TorchModelCache::stats)

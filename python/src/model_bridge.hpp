@@ -31,6 +31,7 @@ struct ModelBridgeConfig {
   std::int32_t capacity = 0;     // per layer (per_layer) or of the pool (global)
   std::vector<std::int32_t> layer_capacities;  // per_layer only, optional
   std::int32_t top_k = 1;
+  std::int32_t stream_slots = 0;  // slots after the pool(s) for wide forwards (ModelCacheOptions::stream_slots)
   std::string label = "model_expert_cache";
   bool host_registered = false;
 };
@@ -52,6 +53,9 @@ class ModelCacheBase {
   virtual ~ModelCacheBase() = default;
   virtual Result<ForwardView> prepare(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept = 0;
   virtual Result<ForwardView> prepare_unique(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept = 0;
+  virtual Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int32_t> ids, Stream s,
+                                           ::expert_cache::detail::WideConsumerRef consumer,
+                                           WideOptions options) noexcept = 0;
   virtual Status invalidate(std::int32_t layer, std::int32_t expert, Stream s) noexcept = 0;
   [[nodiscard]] virtual ModelCacheStats stats() const = 0;
   [[nodiscard]] virtual Result<ForwardView> layer_view(std::int32_t layer) const noexcept = 0;
@@ -67,12 +71,17 @@ class ModelCacheModel final : public ModelCacheBase<Runtime> {
  public:
   using Stream = typename Runtime::Stream;
   template <class... Args>
-  explicit ModelCacheModel(Args&&... args) : cache_(std::forward<Args>(args)...) {}
+  explicit ModelCacheModel(std::string_view policy, Args&&... args)
+      : policy_(policy), cache_(std::forward<Args>(args)...) {}
   Result<ForwardView> prepare(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept override {
     return cache_.prepare(layer, ids, s);
   }
   Result<ForwardView> prepare_unique(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept override {
     return cache_.prepare_unique(layer, ids, s);
+  }
+  Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int32_t> ids, Stream s,
+                                   ::expert_cache::detail::WideConsumerRef consumer, WideOptions options) noexcept override {
+    return cache_.prepare_wide(layer, ids, s, consumer, options);
   }
   Status invalidate(std::int32_t layer, std::int32_t expert, Stream s) noexcept override {
     return cache_.invalidate(layer, expert, s);
@@ -89,9 +98,10 @@ class ModelCacheModel final : public ModelCacheBase<Runtime> {
   [[nodiscard]] std::byte* host_tensor(std::int32_t layer, std::size_t t, std::int32_t expert) const noexcept override {
     return cache_.host_tensor(layer, t, expert);
   }
-  [[nodiscard]] std::string_view policy() const noexcept override { return Cache::Policy::name; }
+  [[nodiscard]] std::string_view policy() const noexcept override { return policy_; }
 
  private:
+  std::string_view policy_;  // a static name (AnyPolicy::names)
   Cache cache_;
 };
 
@@ -128,9 +138,9 @@ class ModelBridge {
                             label.c_str(), static_cast<int>(std::min<std::size_t>(config.pool.size(), 40)),
                             config.pool.c_str());
     }
-    constexpr auto policy_names = ::expert_cache::detail::names_of(::expert_cache::detail::AnyPolicies{});
+    constexpr auto policy_names = AnyPolicy::names;
     const std::string_view policy_name = config.policy.empty() ? std::string_view("lru") : std::string_view(config.policy);
-    const std::optional<std::size_t> policy = ::expert_cache::detail::index_of(policy_names, policy_name);
+    const std::optional<std::size_t> policy = AnyPolicy::index_of(policy_name);
     if (!policy) {
       return Status::format(ErrorCode::invalid_argument, "%s: unknown eviction policy '%.*s' (valid: %s)", label.c_str(),
                             static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
@@ -197,6 +207,7 @@ class ModelBridge {
     o.capacity = config.capacity;
     o.layer_capacities = config.layer_capacities;
     o.top_k = config.top_k;
+    o.stream_slots = config.stream_slots;
     o.pool = pool;
     o.label = label;
     ExpertTensorBytes tensors{};
@@ -208,11 +219,16 @@ class ModelBridge {
     const ExplicitLayout layout{tensors};
     using Made = Result<std::unique_ptr<detail::ModelCacheBase<Runtime>>>;
     try {
-      Made made = ::expert_cache::detail::visit_type<Made>(::expert_cache::detail::AnyPolicies{}, *policy, [&]<class P>() -> Made {
-        using Cache = ModelExpertCache<TensorMajorStorage, P, CopyStream, ExplicitLayout, Runtime>;
-        return std::unique_ptr<detail::ModelCacheBase<Runtime>>(
-            std::make_unique<detail::ModelCacheModel<Runtime, Cache>>(rt, o, layout));
-      });
+      // One model cache type: the policy is a value (AnyPolicy), built per planner by name.
+      using Cache = ModelExpertCache<TensorMajorStorage, AnyPolicy, CopyStream, ExplicitLayout, Runtime>;
+      const std::string_view held = policy_names[*policy];
+      const auto make_policy = [held](CacheShape shape, PoolLayout pool_layout) -> AnyPolicy {
+        Result<AnyPolicy> p = AnyPolicy::make(held, shape, pool_layout);
+        if (!p.ok()) throw Error(p.status().code(), std::string(p.status().message()));
+        return std::move(p.value());
+      };
+      Made made = std::unique_ptr<detail::ModelCacheBase<Runtime>>(
+          std::make_unique<detail::ModelCacheModel<Runtime, Cache>>(held, rt, o, layout, make_policy));
       if (!made.ok()) return made.status();
       b->cache_ = std::move(made.value());
     } catch (const Error& e) {
@@ -266,6 +282,49 @@ class ModelBridge {
       ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
     }
     return counts(cache_->prepare(layer, std::span<const std::int32_t>(ids32_), stream));
+  }
+  // A wide forward of layer `layer` (ModelExpertCache::prepare_wide): ids as prepare() takes
+  // them, `consumer` once per round (WideRoundInfo: the layer's slot arrays, slot_count slots).
+  Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int64_t> ids, Stream stream,
+                                   const WideConsumerFn& consumer, std::string_view admission = {},
+                                   std::string_view copy = {}) noexcept {
+    if (Status s = check_layer(layer); !s) return s;
+    Result<WideOptions> options = wide_options_of(admission, copy);
+    if (!options.ok()) return options.status().with_context("%s", config_.label.c_str());
+    WideRoundInfo info;
+    try {
+      ids32_.resize(ids.size());
+      info.slot_bases.resize(slots_.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prepare_wide: out of host memory");
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= config_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: layer %d: topk_ids[%zu] = %lld out of range (num_experts %d)",
+                              config_.label.c_str(), layer, i, static_cast<long long>(ids[i]), config_.num_experts);
+      }
+      ids32_[i] = ids[i] < 0 ? -1 : static_cast<std::int32_t>(ids[i]);
+    }
+    const auto fn = [&](const WideRound& round) -> Status {
+      info.index = round.index;
+      info.rounds = round.rounds;
+      info.streamed = round.streamed;
+      info.experts = round.experts;
+      info.slots = round.slots;
+      // The layer's view indexes its own slots, then the stream slots after every layer's.
+      info.slot_count = layers_[static_cast<std::size_t>(layer)].capacity;
+      for (const std::int32_t slot : round.slots) info.slot_count = std::max(info.slot_count, slot + 1);
+      for (std::size_t t = 0; t < slots_.size(); ++t) {
+        info.slot_bases[t] = reinterpret_cast<std::uintptr_t>(round.view.tensors[t].base);
+      }
+      info.expert_map = reinterpret_cast<std::uintptr_t>(round.view.expert_map);
+      info.resident_map = reinterpret_cast<std::uintptr_t>(round.view.resident_map);
+      return ::expert_cache::v0::python::detail::call_wide_consumer(consumer, info);
+    };
+    const ::expert_cache::detail::WideConsumerRef ref{
+        const_cast<void*>(static_cast<const void*>(&fn)),
+        [](void* object, const WideRound& round) -> Status { return (*static_cast<decltype(fn)*>(object))(round); }};
+    return cache_->prepare_wide(layer, std::span<const std::int32_t>(ids32_), stream, ref, options.value());
   }
   // An explicit unique list of layer `layer` (distinct, in [0, E)), in its order.
   Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids, Stream stream) noexcept {
@@ -386,6 +445,9 @@ class CudaModelBridge {
   virtual Result<PrepareResult> prepare(std::int32_t layer, std::span<const std::int64_t> ids, void* stream) noexcept = 0;
   virtual Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids,
                                                void* stream) noexcept = 0;
+  virtual Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int64_t> ids, void* stream,
+                                           const WideConsumerFn& consumer, std::string_view admission,
+                                           std::string_view copy) noexcept = 0;
   virtual Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept = 0;
   [[nodiscard]] virtual std::vector<std::vector<StatEntry>> stats() const = 0;
   [[nodiscard]] virtual const std::vector<SlotDescriptor>& slots() const noexcept = 0;

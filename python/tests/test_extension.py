@@ -163,6 +163,49 @@ class ExtensionTest(unittest.TestCase):
                         self.assertGreater(s["evictions"], 0)
                         self.assertEqual(s["prepare_calls"], 32)
 
+    def test_prepare_wide(self):
+        """A prompt wider than the cache in rounds: every round's map names disjoint experts whose
+        slots (pool or stream slots) hold their weights; together they are the prompt's experts;
+        stream admission leaves the pool as it was; a consumer's exception propagates."""
+        for provider, stream_slots in (("row", 4), ("row", 0), ("cached", 4), ("device", 0)):
+            with self.subTest(provider=provider, stream_slots=stream_slots):
+                w13, w2 = dense_weights(9)
+                cache = make_cache(w13, w2, provider, stream_slots=stream_slots)
+                cache.prepare(torch.tensor([[0, 1]]).cuda() if provider == "device" else torch.tensor([[0, 1]]))
+                torch.cuda.synchronize()
+                resident_before = cache.resident_map.cpu().clone()
+                ids = torch.arange(E).reshape(-1, TOP_K)
+                seen = []
+
+                def consume(r):
+                    self.assertEqual(r.include_shared, r.index == 0)
+                    torch.cuda.synchronize()  # test only: read the round's map and slots now
+                    emap = r.expert_map.cpu()
+                    mapped = [e for e in range(E) if int(emap[e]) >= 0]
+                    if provider != "device":
+                        self.assertEqual(mapped, r.experts)
+                    for e in mapped:
+                        s = int(emap[e])
+                        self.assertTrue(torch.equal(r.tensors["w13"][s].cpu(), w13[e]), f"round {r.index}: expert {e}")
+                        self.assertTrue(torch.equal(r.tensors["w2"][s].cpu(), w2[e]))
+                    seen.extend(mapped)
+
+                summary = cache.prepare_wide(ids.cuda() if provider == "device" else ids, consume)
+                self.assertEqual(sorted(seen), list(range(E)))
+                self.assertEqual(summary["rounds"], max(1, summary["rounds"]))
+                self.assertGreater(summary["rounds"], 1)
+                if stream_slots:
+                    self.assertEqual(summary["admission"], "stream")
+                    self.assertTrue(torch.equal(cache.resident_map.cpu(), resident_before))
+                else:
+                    self.assertEqual(summary["admission"], "admit")
+
+                def boom(r):
+                    raise KeyError("consumer failed")
+
+                with self.assertRaises(KeyError):
+                    cache.prepare_wide(ids.cuda() if provider == "device" else ids, boom)
+
     def test_prepare_device_provider(self):
         for dtype in (torch.int32, torch.int64):
             with self.subTest(dtype=dtype):

@@ -27,6 +27,7 @@
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/arc.hpp"
+#include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/fixed_vector.hpp"
 #include "expert_cache/eviction/layer_share.hpp"
 #include "expert_cache/eviction/lfru.hpp"
@@ -43,9 +44,10 @@ namespace expert_cache::inline v0 {
 class AnyPolicy {
  public:
   // Belady is not here: it needs the future trace (make_policy<Belady>, the replay tool).
-  using Variant = std::variant<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare>;
+  using Variant = std::variant<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Crf>;
   static constexpr std::array<std::string_view, std::variant_size_v<Variant>> names = {
-      Lru::name, Lfru::name, Sieve::name, S3Fifo::name, Arc::name, WTinyLfu::name, Lrfu::name, LayerShare::name};
+      Lru::name, Lfru::name, Sieve::name, S3Fifo::name, Arc::name, WTinyLfu::name, Lrfu::name, LayerShare::name,
+      Crf::name};
   // The planner's name for error messages; held_name() is the held policy's.
   static constexpr std::string_view name = "any";
 
@@ -71,10 +73,11 @@ class AnyPolicy {
       case 4: return f(*std::get_if<4>(&v));
       case 5: return f(*std::get_if<5>(&v));
       case 6: return f(*std::get_if<6>(&v));
-      default: return f(*std::get_if<7>(&v));
+      case 7: return f(*std::get_if<7>(&v));
+      default: return f(*std::get_if<8>(&v));
     }
   }
-  static_assert(std::variant_size_v<Variant> == 8, "visit_at: one case per alternative");
+  static_assert(std::variant_size_v<Variant> == 9, "visit_at: one case per alternative");
 
   template <std::size_t I>
   static void begin_forward_as(AnyPolicy& self, std::span<const ExpertId> ids) noexcept {
@@ -151,12 +154,12 @@ class AnyPolicy {
   // on_insert / on_remove (the planner reports every change through them).
   void on_hit(ExpertId) noexcept {}
   // One indirect call per forward into the held policy's own begin_forward_as<P> (a table, not
-  // the switch: eight policies' hit loops inlined into the planner's forward would crowd it).
+  // the switch: nine policies' hit loops inlined into the planner's forward would crowd it).
   void begin_forward(std::span<const ExpertId> ids) noexcept {
     static constexpr auto table = begin_table(std::make_index_sequence<std::variant_size_v<Variant>>{});
     table[held_->index()](*this, ids);
   }
-  // The miss-path calls stay out of line: one copy of the eight policies' code per program, not
+  // The miss-path calls stay out of line: one copy of the nine policies' code per program, not
   // one per call site (a miss costs a copy, which dwarfs the call).
   [[gnu::noinline]] void on_insert(ExpertId e) noexcept {
     visit([&](auto& p) noexcept {

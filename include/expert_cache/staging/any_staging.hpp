@@ -50,6 +50,11 @@ class AnyStaging {
   [[nodiscard]] std::string_view held_name() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return std::string_view(std::remove_cvref_t<decltype(g)>::name); });
   }
+  // Trait<held policy>::value: e.g. whether the held policy coalesces runs of copies (wide.hpp).
+  template <template <class> class Trait>
+  [[nodiscard]] bool held_has() const noexcept {
+    return visit_at(staging_, [](const auto& g) noexcept { return bool(Trait<std::remove_cvref_t<decltype(g)>>::value); });
+  }
   [[nodiscard]] bool dynamic_uses_copy_stream() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return bool(std::remove_cvref_t<decltype(g)>::uses_copy_stream); });
   }
