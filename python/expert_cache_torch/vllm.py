@@ -93,7 +93,7 @@ class ExpertCacheProvider:
 
     semantics: "lfru" | "row" | "device" (module docstring). policy: another eviction policy by
     name for "lfru"/"row" (docs/any_cache.md; then not the reference semantics); "device" takes
-    only its own. split: "token" | "expert", used by run_with_expert_cache. max_ids: "device"
+    a device policy: "lru" (its default), "lfru" or "crf". split: "token" | "expert", used by run_with_expert_cache. max_ids: "device"
     only, the largest topk_ids.numel() of one prepare (required there). stream_slots: host
     semantics, extra slots the expert split streams wide forwards through (the cache's
     prepare_wide, scan resistant; 0: its rounds go through the pool).

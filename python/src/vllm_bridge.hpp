@@ -192,7 +192,7 @@ struct ProviderChoice {
 // exactly"); "row": the row provider (Lru with in-forward protection, slot 0 first); "device":
 // planned on the GPU from CUDA ids (Lru; CUDA-graph capturable). `policy` ("" = the semantics'
 // own) swaps the eviction policy of "lfru"/"row" by name (any AnyExpertCache policy; the
-// factory refuses unknown ones) and is refused for "device" unless it names the device policy.
+// factory refuses unknown ones); for "device" it names a device policy (lru, lfru or crf).
 inline Result<ProviderChoice> provider_semantics(std::string_view semantics, std::string_view policy = {}) {
   ProviderChoice c;
   if (semantics == "lfru") {

@@ -37,7 +37,8 @@ E, C, TOP_K = 16, 6, 2
 EXPECTED_STATS = {"hits", "misses", "promotions", "evictions", "invalidations", "resident", "capacity",
                   "prepare_calls", "generation", "last_copies", "total_copies", "owner_changes", "map_uploads",
                   "staging_stalls", "faults", "speculative_issued", "speculative_used", "speculative_wasted",
-                  "speculative_bytes", "slot_bytes", "host_bytes", "hit_rate"}
+                  "speculative_bytes", "slot_bytes", "host_bytes", "hit_rate", "wide_forwards", "wide_rounds",
+                  "wide_hits", "wide_streamed", "wide_bytes"}
 
 
 def page_aligned(shape, dtype):

@@ -323,8 +323,8 @@ class VllmProviderTest(unittest.TestCase):
              "unknown semantics 'lru'"),
             (lambda: ev.ExpertCacheProvider(C, src["w13_weight"], src["w2_weight"], semantics="row", policy="fifo"),
              ValueError, "unknown eviction policy 'fifo' (valid: lru, lfru"),
-            (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16, policy="lfru"),
-             ValueError, "provider 'device' plans with lru"),
+            (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16, policy="s3fifo"),
+             ValueError, "provider 'device' plans on the device with policy lru, lfru or crf"),
             (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"]), ValueError, "needs max_ids"),
             (lambda: build(w13="weights"), TypeError, "w13_weight must be a torch.Tensor"),
         ]
@@ -575,7 +575,7 @@ class PrefetchModelPolicyTest(unittest.TestCase):
         c = ect.ExpertCache(layout, host, num_experts=E, capacity=C, provider="device", policy="lru", max_ids=8)
         self.assertEqual(c.policy, "lru")
         del c
-        for provider, policy, text in (("device", "lfru", "provider 'device' plans with lru"),
+        for provider, policy, text in (("device", "s3fifo", "provider 'device' plans on the device with policy lru, lfru or crf"),
                                        ("device", "nope", "unknown eviction policy 'nope' (valid: lru, lfru"),
                                        ("row", "belady", "offline-only")):
             with self.assertRaises(ValueError) as cm:
