@@ -542,7 +542,11 @@ struct SlowedFill {
   std::vector<float> step_b(std::unique_ptr<DevCache>& ov, bool graph, Waits waits, FillParts parts = {}) {
     ov = make_device_cache(rt, L, true, delay_ns, parts);
     REQUIRE(ov->readiness().enabled());
-    CHECK(same_bits(device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream), ref_a));
+    const std::vector<float> got_a = device_step(*ov, moe, a, d_ids, d_w, d_x, d_out, stream);
+    // The test fill that publishes a part before its bytes (parts.early) is wrong by design on
+    // every step whose consumer can start before the fill ends (programmatic launches on sm_90
+    // included), step A too: only the correct fills' step A is checked.
+    if (!parts.early) CHECK(same_bits(got_a, ref_a));
     return graph ? graph_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, waits)
                  : device_step(*ov, moe, b, d_ids, d_w, d_x, d_out, stream, waits);
   }
