@@ -8,21 +8,32 @@
 #error "expert_cache/any_cache_cuda.cuh needs nvcc (host code: expert_cache/any_cache.hpp)"
 #endif
 
+//
+// Compiled mode (docs/any_cache.md, EXPERT_CACHE_SEPARATE_COMPILATION): a user translation unit
+// only declares make_expert_cache<CudaRuntime>, so this header then brings neither the gather
+// kernel nor the device planner's kernels (compiling those for the device is most of what it
+// costs under nvcc); include staging/gather.cuh or device/device_cache_cuda.cuh where you use
+// them directly. The instantiation unit (compiled/any_cache_cuda.cu) defines
+// EXPERT_CACHE_ANY_CACHE_INSTANTIATION and gets everything.
+
 #include "expert_cache/runtime/cuda_runtime.hpp"
+#if !defined(EXPERT_CACHE_SEPARATE_COMPILATION) || defined(EXPERT_CACHE_ANY_CACHE_INSTANTIATION)
 #include "expert_cache/staging/gather.cuh"
 #if __has_include("expert_cache/device/device_cache_cuda.cuh")
 #include "expert_cache/device/device_cache_cuda.cuh"
+#endif
 #endif
 #include "expert_cache/any_cache.hpp"
 
 namespace expert_cache::inline v0 {
 
+#if !defined(EXPERT_CACHE_SEPARATE_COMPILATION) || defined(EXPERT_CACHE_ANY_CACHE_INSTANTIATION)
 template <>
 struct AnyCacheStagings<CudaRuntime> {
   using type = detail::TypeList<Inline, CopyStream, Batched, Gather>;
 };
+#endif
 
-// Compiled mode (docs/any_cache.md): instantiated once, in expert_cache/compiled/any_cache_cuda.cu.
 #if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
 extern template Result<AnyExpertCache<CudaRuntime>> make_expert_cache<CudaRuntime>(CudaRuntime& rt,
                                                                                    const AnyCacheConfig& config);
