@@ -116,6 +116,7 @@ __device__ __forceinline__ void mma_krow(float (&acc)[4][row_groups][4], uint4 q
 }
 
 // Input rows as terms: xt[v][kt][term][a_frag_index(kk)], kt = K-row of 16.
+template <int = 0>  // a template: defined in every unit that includes the header
 EXPERT_CACHE_KERNEL void split_x(const float* x, const std::int32_t* src, int hidden, int rows, unsigned short* xt) {
   const int v = static_cast<int>(blockIdx.x);
   if (v >= rows) return;
@@ -161,6 +162,7 @@ __device__ __forceinline__ void tile_product(const unsigned char* wbase, const u
 }
 
 // h[v][2Np]: C1 * g13' * unbias * 2^49 for the tile's rows. Grid (2Np / 64, tiles).
+template <int = 0>
 EXPERT_CACHE_KERNEL void __launch_bounds__(threads) w13(MoeWeights w, const GroupedTile* tiles, int rows, int hidden,
                                                          int padded, float gscale, const unsigned short* xt, float* h) {
   const GroupedTile tile = tiles[blockIdx.y];
@@ -189,6 +191,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) w13(MoeWeights w, const Grou
 }
 
 // at[v][kt][term][16]: silu(gate) * up as terms. Grid rows.
+template <int = 0>
 EXPERT_CACHE_KERNEL void act(const float* h, int rows, int padded, unsigned short* at) {
   const int v = static_cast<int>(blockIdx.x);
   if (v >= rows) return;
@@ -205,6 +208,7 @@ EXPERT_CACHE_KERNEL void act(const float* h, int rows, int padded, unsigned shor
 }
 
 // out[dst[v]][K] = coef[v] * C3 * g2' * unbias * 2^49; rows of an absent expert: 0. Grid (K / 64, tiles).
+template <int = 0>
 EXPERT_CACHE_KERNEL void __launch_bounds__(threads) w2(MoeWeights w, const GroupedTile* tiles, int rows, int hidden,
                                                         int padded, float gscale, const unsigned short* at,
                                                         const float* coef, const std::int32_t* dst, float* out) {
@@ -279,11 +283,11 @@ class GroupedMoe {
     }
     if (rows == 0 || num_tiles == 0) return {};
     using namespace grouped_detail;
-    split_x<<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, src, hidden_, rows, xt_);
-    w13<<<dim3(static_cast<unsigned>(2 * padded_ / 64), static_cast<unsigned>(num_tiles)), threads, 0, stream>>>(
+    split_x<><<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, src, hidden_, rows, xt_);
+    w13<><<<dim3(static_cast<unsigned>(2 * padded_ / 64), static_cast<unsigned>(num_tiles)), threads, 0, stream>>>(
         w, tiles, rows, hidden_, padded_, gscale_, xt_, h_);
-    act<<<static_cast<unsigned>(rows), 256, 0, stream>>>(h_, rows, padded_, at_);
-    grouped_detail::w2<<<dim3(static_cast<unsigned>(hidden_ / 64), static_cast<unsigned>(num_tiles)), threads, 0, stream>>>(
+    act<><<<static_cast<unsigned>(rows), 256, 0, stream>>>(h_, rows, padded_, at_);
+    grouped_detail::w2<><<<dim3(static_cast<unsigned>(hidden_ / 64), static_cast<unsigned>(num_tiles)), threads, 0, stream>>>(
         w, tiles, rows, hidden_, padded_, gscale_, at_, coef, dst, out);
     return cuda_status(cudaGetLastError(), "GroupedMoe::run: launch");
   }
