@@ -21,7 +21,7 @@ status=0
 note() { echo "== $*" | tee -a "$out/summary.txt"; }
 git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
 
-gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_device_plan
+gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_moe_grouped tests/test_gpu_device_plan
            tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda
            tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda examples/quickstart_cuda)
 subset=${GPU_TESTS:-}

@@ -1,20 +1,20 @@
 #pragma once
 // expert-cache-bench --prompt, MEASURED on a GPU: time to first token (TTFT) of whole prompts,
 // each served as ONE prepare_wide per layer on CudaRuntime caches over real pinned host pools,
-// with the decode benchmark's NVFP4 consumer kernels (device/moe_consumer.cuh) doing each
-// round's work; and the mixed run (one prompt every K decode tokens). Part of
+// with the grouped NVFP4 consumer (device/moe_grouped.cuh) doing each round's work; and the
+// mixed run (one prompt every K decode tokens; its decode steps use device/moe_consumer.cuh). Part of
 // expert_cache_bench.cu: included there after its helpers (check_cuda, DeviceBuffer,
 // PinnedBuffer, synth_fill, parallel_experts, measure_pcie_ceiling), not a public header.
 //
-// Many tokens per expert: the consumer computes one (token, expert) pair per MoeConsumer
-// "token" (top-1), with a round's pairs sorted by expert so that consecutive blocks read the
-// same expert's weights (from L2 after the first). Per round: the pair list (built on the host,
-// read by a kernel from mapped pinned memory, so no copy-engine traffic queues behind the
-// fills), a gather of the pairs' input rows, MoeConsumer::run in chunks of at most
-// `chunk_pairs`, and a scatter of each pair's output to its own row; after the layer's rounds a
-// reduction sums every token's top-k rows in a fixed order. The sums therefore do not depend
-// on how the rounds split the experts: every configuration's last-layer output must be
-// bit-identical to the all-resident prefill's (same kernels, same bytes), else the run fails.
+// Many tokens per expert: a round's (token, expert) pairs sorted by expert are the rows of
+// GroupedMoe::run, each expert's rows in tiles of up to 64, so each expert's weights are read
+// once per 64 rows. Per round: the pair and tile lists (built on the host, read by kernels from
+// mapped pinned memory, so no copy-engine traffic queues behind the fills), then GroupedMoe::run
+// in chunks of at most `chunk_pairs` rows cut at expert boundaries, each row's output going to
+// its own pair row; after the layer's rounds a reduction sums every token's top-k rows in a
+// fixed order. A row's result depends only on its expert's tile (same rows, same order), not on
+// the round: every configuration's last-layer output must be bit-identical to the all-resident
+// prefill's (same kernels, same bytes), else the run fails.
 //
 // Per prompt length, after --warmup decode steps from an emptied cache: the all-resident
 // prefill (every expert on the device, one round per layer), then stream admission with each
@@ -37,6 +37,7 @@
 
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/device/moe_grouped.cuh"
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "prompt_run.hpp"
@@ -70,22 +71,6 @@ __global__ void load_pairs_kernel(const PairRec* rec, std::int32_t n, std::int32
   w[i] = r.weight;
   src[i] = r.src;
   pair[i] = r.pair;
-}
-
-// xv[v] = x[src[v]] (rows of `hidden` floats, hidden % 4 == 0).
-__global__ void gather_rows_kernel(const float* x, const std::int32_t* src, std::int64_t hidden, float* xv) {
-  const auto v = static_cast<std::int64_t>(blockIdx.x);
-  const auto* in = reinterpret_cast<const float4*>(x + static_cast<std::int64_t>(src[v]) * hidden);
-  auto* out = reinterpret_cast<float4*>(xv + v * hidden);
-  for (std::int64_t k = threadIdx.x; k < hidden / 4; k += blockDim.x) out[k] = in[k];
-}
-
-// pair_out[pair[v]] = outv[v].
-__global__ void scatter_rows_kernel(const float* outv, const std::int32_t* pair, std::int64_t hidden, float* pair_out) {
-  const auto v = static_cast<std::int64_t>(blockIdx.x);
-  const auto* in = reinterpret_cast<const float4*>(outv + v * hidden);
-  auto* out = reinterpret_cast<float4*>(pair_out + static_cast<std::int64_t>(pair[v]) * hidden);
-  for (std::int64_t k = threadIdx.x; k < hidden / 4; k += blockDim.x) out[k] = in[k];
 }
 
 // The layer's ids from mapped host memory into device memory (read once, coalesced).
@@ -202,7 +187,7 @@ class ResidentWeights {
 template <class Cache>
 class PromptRunner {
  public:
-  static constexpr std::int32_t chunk_pairs = 16384;  // MoeConsumer tokens per run (workspace ~0.7 GB)
+  static constexpr std::int32_t chunk_pairs = 16384;  // GroupedMoe rows per run (workspace ~19 KB per row)
 
   PromptRunner(const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer, std::int32_t stream_slots,
                std::int32_t max_tokens, const ResidentWeights& resident)
@@ -211,7 +196,7 @@ class PromptRunner {
         resident_(resident),
         hidden_(m.layout.hidden),
         max_pairs_(static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(m.top_k)),
-        prompt_moe_(m.layout, chunk_pairs, 1),
+        prompt_moe_(m.layout, chunk_pairs, chunk_pairs),
         decode_moe_(m.layout, 1, m.top_k) {
     for (std::int32_t l = 0; l < m.layers; ++l) {
       CacheOptions o;
@@ -232,8 +217,6 @@ class PromptRunner {
     x_ = DeviceBuffer(static_cast<std::size_t>(max_tokens) * H * sizeof(float));
     input_kernel<<<1024, 256, 0, consumer_>>>(x_.as<float>(), static_cast<std::size_t>(max_tokens) * H);
     check_cuda(cudaGetLastError(), "input_kernel");
-    xv_ = DeviceBuffer(chunk_pairs * H * sizeof(float));
-    outv_ = DeviceBuffer(chunk_pairs * H * sizeof(float));
     pair_out_ = DeviceBuffer(max_pairs_ * H * sizeof(float));
     out_ = DeviceBuffer(static_cast<std::size_t>(max_tokens) * H * sizeof(float));
     ids_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
@@ -241,13 +224,17 @@ class PromptRunner {
     src_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
     pair_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
     ids_dev_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
-    check_cuda(cudaHostAlloc(&mapped_, max_pairs_ * (sizeof(PairRec) + sizeof(std::int32_t)), cudaHostAllocMapped),
+    // Pair records, tiles (at most one per pair) and the layer's ids.
+    check_cuda(cudaHostAlloc(&mapped_, max_pairs_ * (sizeof(PairRec) + sizeof(device::GroupedTile) + sizeof(std::int32_t)),
+                             cudaHostAllocMapped),
                "cudaHostAlloc(mapped pair lists)");
     recs_ = static_cast<PairRec*>(mapped_);
-    layer_ids_ = reinterpret_cast<std::int32_t*>(recs_ + max_pairs_);
+    tiles_ = reinterpret_cast<device::GroupedTile*>(recs_ + max_pairs_);
+    layer_ids_ = reinterpret_cast<std::int32_t*>(tiles_ + max_pairs_);
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&recs_dev_), recs_, 0), "cudaHostGetDevicePointer");
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&layer_ids_dev_), layer_ids_, 0),
                "cudaHostGetDevicePointer");
+    check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&tiles_dev_), tiles_, 0), "cudaHostGetDevicePointer");
     // Decode: batch 1, the decode generator's routing, weights 1 / top_k.
     const auto K = static_cast<std::size_t>(m.top_k);
     x_dec_ = DeviceBuffer(H * sizeof(float));
@@ -338,7 +325,7 @@ class PromptRunner {
       const std::vector<std::int32_t>& ids = p.ids[static_cast<std::size_t>(l)];
       bucket(ids);
       std::copy(ids.begin(), ids.end(), layer_ids_);
-      std::size_t off = 0;
+      std::size_t off = 0, tile_off = 0;
       const auto consume = [&](const device::MoeWeights& w, std::span<const std::int32_t> experts) -> Status {
         if (ev + 2 > events_.size()) {
           for (int i = 0; i < 256; ++i) {
@@ -349,15 +336,29 @@ class PromptRunner {
         }
         if (cudaError_t err = cudaEventRecord(events_[ev], consumer_); err != cudaSuccess)
           return cuda_status(err, "cudaEventRecord");
-        std::size_t n = 0;
+        // Chunks of at most chunk_pairs rows, cut at expert boundaries (an expert has at most
+        // one row per token, so at most max_tokens <= chunk_pairs rows).
+        std::size_t n = 0, chunk = 0, chunk_tiles = tile_off;
         for (const std::int32_t e : experts) {
-          for (std::uint32_t i = counts_[static_cast<std::size_t>(e)]; i < counts_[static_cast<std::size_t>(e) + 1]; ++i) {
+          const std::uint32_t b = counts_[static_cast<std::size_t>(e)], c = counts_[static_cast<std::size_t>(e) + 1] - b;
+          if (n - chunk + c > static_cast<std::size_t>(chunk_pairs) && n > chunk) {
+            if (Status s = enqueue_rows(w, off + chunk, n - chunk, chunk_tiles, tile_off - chunk_tiles); !s) return s;
+            chunk = n;
+            chunk_tiles = tile_off;
+          }
+          for (std::uint32_t i = 0; i < c; i += device::grouped_tile_rows) {
+            tiles_[tile_off++] = device::GroupedTile{e, static_cast<std::int32_t>(n - chunk + i),
+                                                     static_cast<std::int32_t>(std::min<std::uint32_t>(device::grouped_tile_rows, c - i)), 0};
+          }
+          for (std::uint32_t i = b; i < b + c; ++i) {
             const std::uint32_t q = order_[i];
             recs_[off + n++] = PairRec{static_cast<std::int32_t>(q / K), e, static_cast<std::int32_t>(q),
                                        1.0f / static_cast<float>(K)};
           }
         }
-        if (Status s = enqueue_pairs(w, off, n); !s) return s;
+        if (n > chunk) {
+          if (Status s = enqueue_rows(w, off + chunk, n - chunk, chunk_tiles, tile_off - chunk_tiles); !s) return s;
+        }
         off += n;
         if (cudaError_t err = cudaEventRecord(events_[ev + 1], consumer_); err != cudaSuccess)
           return cuda_status(err, "cudaEventRecord");
@@ -436,28 +437,18 @@ class PromptRunner {
     unique_.resize(static_cast<std::size_t>(m_.experts));
   }
 
-  // The pairs recs_[off, off + n): load, then per chunk gather, consumer, scatter.
-  Status enqueue_pairs(const device::MoeWeights& w, std::size_t off, std::size_t n) noexcept {
+  // The rows recs_[off, off + n) with the tiles tiles_[tile_off, tile_off + tiles): load, then
+  // the grouped consumer (each row's output into its pair's row of pair_out_).
+  Status enqueue_rows(const device::MoeWeights& w, std::size_t off, std::size_t n, std::size_t tile_off,
+                      std::size_t tiles) noexcept {
     if (n == 0) return {};
     load_pairs_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, consumer_>>>(
         recs_dev_ + off, static_cast<std::int32_t>(n), ids_v_.as<std::int32_t>() + off, w_v_.as<float>() + off,
         src_v_.as<std::int32_t>() + off, pair_v_.as<std::int32_t>() + off);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_pairs_kernel");
-    for (std::size_t c = 0; c < n; c += chunk_pairs) {
-      const std::size_t nc = std::min<std::size_t>(chunk_pairs, n - c);
-      gather_rows_kernel<<<static_cast<unsigned>(nc), 128, 0, consumer_>>>(x_.as<float>(), src_v_.as<std::int32_t>() + off + c,
-                                                                           hidden_, xv_.as<float>());
-      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "gather_rows_kernel");
-      if (Status s = prompt_moe_.run(w, ids_v_.as<std::int32_t>() + off + c, w_v_.as<float>() + off + c, xv_.as<float>(),
-                                     outv_.as<float>(), static_cast<int>(nc), consumer_);
-          !s)
-        return s;
-      scatter_rows_kernel<<<static_cast<unsigned>(nc), 128, 0, consumer_>>>(outv_.as<float>(),
-                                                                            pair_v_.as<std::int32_t>() + off + c, hidden_,
-                                                                            pair_out_.as<float>());
-      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "scatter_rows_kernel");
-    }
-    return {};
+    return prompt_moe_.run(w, tiles_dev_ + tile_off, static_cast<int>(tiles), src_v_.as<std::int32_t>() + off,
+                           pair_v_.as<std::int32_t>() + off, w_v_.as<float>() + off, x_.as<float>(), pair_out_.as<float>(),
+                           static_cast<int>(n), consumer_);
   }
 
   const Model& m_;
@@ -465,13 +456,15 @@ class PromptRunner {
   const ResidentWeights& resident_;
   std::int64_t hidden_;
   std::size_t max_pairs_;
-  device::MoeConsumer prompt_moe_;
+  device::GroupedMoe prompt_moe_;
   device::MoeConsumer decode_moe_;
   std::vector<std::unique_ptr<Cache>> caches_;
-  DeviceBuffer x_, xv_, outv_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_;
+  DeviceBuffer x_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_;
   void* mapped_ = nullptr;
   PairRec* recs_ = nullptr;
   PairRec* recs_dev_ = nullptr;
+  device::GroupedTile* tiles_ = nullptr;
+  device::GroupedTile* tiles_dev_ = nullptr;
   std::int32_t* layer_ids_ = nullptr;
   std::int32_t* layer_ids_dev_ = nullptr;
   DeviceBuffer x_dec_, out_dec_, dec_ids_, dec_w_;
@@ -586,8 +579,9 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
               "(same run)\n",
               prop.name, prop.major, prop.minor, ceiling * 1e-9);
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB; consumer: "
-              "device/moe_consumer.cuh, one (token, expert) pair per consumer token, pairs sorted by expert\n",
-              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20));
+              "device/moe_grouped.cuh, each expert's (token, expert) rows in tiles of up to %d\n",
+              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
+              device::grouped_tile_rows);
   std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
   const ResidentWeights resident(m);
   CudaRuntime rt;

@@ -197,6 +197,7 @@ class ExpertCacheWithEdges {
         core_(rt, uses_copy_stream_of(staging), static_cast<std::size_t>(options_.num_experts), ring_size(options_)),
         resident_device_(rt, map_bytes(), MemoryKind::device),
         forward_device_(rt, map_bytes(), MemoryKind::device),
+        wide_device_(rt, map_bytes(), MemoryKind::device),
         staging_(std::move(staging)) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
@@ -518,10 +519,18 @@ class ExpertCacheWithEdges {
     }
   }
 
-  // Uploads the round's forward map (wide_map_ holds exactly the round's experts) on `stream`,
-  // after the previous round's consumer there (stream order).
-  Status upload_round_map(Stream stream) noexcept {
-    return core_.upload_map(wide_map_.data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+  // The device forward map of wide round r: two buffers used alternately, like the stream-slot
+  // halves, so round r + 1's map is written while round r's consumer reads the other one.
+  [[nodiscard]] std::int32_t* round_map_device(std::size_t r) noexcept {
+    return reinterpret_cast<std::int32_t*>(r % 2 == 0 ? forward_device_.data() : wide_device_.data());
+  }
+  // Uploads `map` as round r's forward map on the fill stream `f`, inside the round's
+  // wide_fill: ordered after the consumer that last read the buffer (edge 10) and before the
+  // round's `ready` (edge 3). On the consumer stream it would be a host->device copy queued in
+  // the copy engine behind the next round's fill, which serialises every consumer behind the
+  // following fill (docs/design.md "Wide forwards").
+  Status upload_round_map(const std::int32_t* map, std::size_t r, Stream f) noexcept {
+    return core_.upload_map(map, round_map_device(r), f);
   }
 
   // WideAdmission::stream. Round 0: the resident experts (pool slots) and the first round's
@@ -561,11 +570,21 @@ class ExpertCacheWithEdges {
       const auto c = chunk(r);
       wide_fills_.clear();
       for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
-      if (wide_fills_.empty() && !resident_dirty_) return {};
       const bool upload = resident_dirty_;
       const bool span = !c.empty() && wide_plan_[r].span;
       const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
+        // The round's map (round 0: the pool hits too), then its copies.
+        if (r == 0) {
+          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+        }
+        for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+        Status m = upload_round_map(wide_map_.data(), r, f);
+        if (r == 0) {
+          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        }
+        for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        if (!m) return m;
         const std::span<const SlotFill> fills(wide_fills_);
         if (span) {
           const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
@@ -590,18 +609,21 @@ class ExpertCacheWithEdges {
       // The round's experts (ascending) and map entries.
       const auto c = chunk(r);
       wide_round_.clear();
+      wide_slots_.clear();
       if (r == 0) {
         std::merge(wide_hits_.begin(), wide_hits_.end(), c.begin(), c.end(), std::back_inserter(wide_round_));
-        for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+        std::size_t k = 0;  // c's index of the next streamed expert (wide_round_ is ascending)
+        for (const std::int32_t e : wide_round_) {
+          const std::int32_t pool = resident[static_cast<std::size_t>(e)];
+          wide_slots_.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
+        }
       } else {
         wide_round_.assign(c.begin(), c.end());
+        for (std::size_t i = 0; i < c.size(); ++i) wide_slots_.push_back(stream_slot(r, i));
       }
-      for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
-      wide_slots_.clear();
-      for (const std::int32_t e : wide_round_) wide_slots_.push_back(wide_map_[static_cast<std::size_t>(e)]);
+      // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
+      // next on the fill stream, overlaps round r's consumer.
       s = core_.wide_acquire(stream);
-      if (s) s = upload_round_map(stream);
-      for (const std::int32_t e : wide_round_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
       if (s && r + 1 < rounds) s = fill_round(r + 1);
       if (!s) {
         ++faults_;
@@ -611,6 +633,7 @@ class ExpertCacheWithEdges {
       }
       WideRound round;
       round.view = view_;
+      round.view.expert_map = round_map_device(r);
       round.view.hits = r == 0 ? static_cast<std::uint32_t>(wide_hits_.size()) : 0;
       round.view.misses = static_cast<std::uint32_t>(c.size());
       round.experts = wide_round_;
@@ -653,13 +676,13 @@ class ExpertCacheWithEdges {
       next_misses = plan_.misses;
       for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
       if (!plan_.fills.empty()) resident_dirty_ = true;
-      Status s = Status();
-      if (resident_dirty_) {
-        s = core_.wide_fill(stream, r % 2, resident_upload(), [&](Stream f) noexcept {
-          return staging_.issue(*rt_, f, storage_, std::span<const SlotFill>(plan_.fills));
-        });
-        if (s) resident_dirty_ = false;
-      }
+      // Always a wide_fill: the round's map goes on the fill stream even when nothing is copied.
+      const bool upload = resident_dirty_;
+      Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
+        if (Status m = upload_round_map(planner_.forward_map().data(), r, f); !m) return m;
+        return staging_.issue(*rt_, f, storage_, std::span<const SlotFill>(plan_.fills));
+      });
+      if (s && upload) resident_dirty_ = false;
       if (s) {
         const auto map = planner_.forward_map();
         for (const ExpertId e : plan_.unique) {
@@ -684,9 +707,6 @@ class ExpertCacheWithEdges {
       if (s) s = core_.wide_acquire(stream);
       if (s) {
         const auto map = planner_.forward_map();
-        std::copy(map.begin(), map.end(), wide_map_.begin());
-        s = upload_round_map(stream);
-        std::fill(wide_map_.begin(), wide_map_.end(), absent_slot);
         const auto experts = ids(r);
         wide_round_.assign(experts.begin(), experts.end());
         wide_slots_.clear();
@@ -699,6 +719,7 @@ class ExpertCacheWithEdges {
       }
       WideRound round;
       round.view = view_;
+      round.view.expert_map = round_map_device(r);
       round.view.hits = round_hits;
       round.view.misses = round_misses;
       round.view.generation = planner_.counters().generation;
@@ -814,6 +835,7 @@ class ExpertCacheWithEdges {
   OrderingCore<Runtime, Edges> core_;
   RuntimeBuffer<Runtime> resident_device_;
   RuntimeBuffer<Runtime> forward_device_;
+  RuntimeBuffer<Runtime> wide_device_;  // the odd wide rounds' forward map (round_map_device)
   std::vector<std::int32_t> forward_shadow_;  // what the last uncaptured forward-map upload wrote
   bool forward_shadow_valid_ = false;
   StagingPolicy staging_{};

@@ -144,6 +144,7 @@ class ModelExpertCache {
               global() ? 1 : static_cast<std::size_t>(options_.num_layers)),
         resident_device_(rt, model_map_bytes(), MemoryKind::device),
         forward_device_(rt, model_map_bytes(), MemoryKind::device),
+        wide_device_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device),
         stagings_(std::make_unique<StagingPolicy[]>(global() ? 1 : layers())) {
     const std::size_t L = layers();
     const std::size_t E = experts();
@@ -284,8 +285,18 @@ class ModelExpertCache {
         wide_fills_.push_back({ExpertId(key(l, c[i])), SlotId(stream_slot(r, i))});
       }
       const bool upload = global() ? any_dirty() : resident_dirty_[l] != 0;
-      if (wide_fills_.empty() && !upload) return {};
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload(l) : MapUpload{}, [&](Stream f) noexcept {
+        // The round's map on the fill stream before its copies (ExpertCache::upload_round_map).
+        if (r == 0) {
+          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+        }
+        for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+        Status m = core_.upload_map(wide_map_.data(), round_map_device(l, r), f, experts());
+        if (r == 0) {
+          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        }
+        for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        if (!m) return m;
         const std::span<const SlotFill> fills(wide_fills_);
         if (global()) return detail::issue_coalesced(staging, *rt_, f, storage_, fills, summary.copies);
         return detail::issue_coalesced(staging, *rt_, f, regions_[l], fills, summary.copies);
@@ -301,22 +312,25 @@ class ModelExpertCache {
     for (std::size_t r = 0; s && r < rounds; ++r) {
       const auto c = chunk(r);
       wide_round_.clear();
+      wide_slots_.clear();
       if (r == 0) {
         std::merge(wide_hits_.begin(), wide_hits_.end(), c.begin(), c.end(), std::back_inserter(wide_round_));
-        for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+        std::size_t k = 0;  // c's index of the next streamed expert (wide_round_ is ascending)
+        for (const std::int32_t e : wide_round_) {
+          const std::int32_t pool = resident[static_cast<std::size_t>(e)];
+          wide_slots_.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
+        }
       } else {
         wide_round_.assign(c.begin(), c.end());
+        for (std::size_t i = 0; i < c.size(); ++i) wide_slots_.push_back(stream_slot(r, i));
       }
-      for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
-      wide_slots_.clear();
-      for (const std::int32_t e : wide_round_) wide_slots_.push_back(wide_map_[static_cast<std::size_t>(e)]);
+      // Only round r's fill (its map included) is waited for: round r + 1's overlaps the consumer.
       s = core_.wide_acquire(stream);
-      if (s) s = core_.upload_map(wide_map_.data(), forward_device(l), stream, experts());
-      for (const std::int32_t e : wide_round_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
       if (s && r + 1 < rounds) s = fill_round(r + 1);
       if (!s) break;
       WideRound round;
       round.view = views_[l];
+      round.view.expert_map = round_map_device(l, r);
       round.view.hits = r == 0 ? summary.hits : 0;
       round.view.misses = static_cast<std::uint32_t>(c.size());
       round.experts = wide_round_;
@@ -509,6 +523,12 @@ class ModelExpertCache {
   }
   [[nodiscard]] std::int32_t* forward_device(std::size_t l) const noexcept {
     return reinterpret_cast<std::int32_t*>(forward_device_.data()) + l * experts();
+  }
+  // Wide round r's forward map of layer l: the layer's forward map and one shared buffer,
+  // alternately (as ExpertCache::round_map_device; the shared one is ordered across layers by
+  // edge 10's cross-forward wait in wide_begin).
+  [[nodiscard]] std::int32_t* round_map_device(std::size_t l, std::size_t r) const noexcept {
+    return r % 2 == 0 ? forward_device(l) : reinterpret_cast<std::int32_t*>(wide_device_.data());
   }
 
   static ModelCacheOptions validated(ModelCacheOptions o) {
@@ -811,6 +831,7 @@ class ModelExpertCache {
   OrderingCore<Runtime> core_;            // the model's one copy stream and event set
   RuntimeBuffer<Runtime> resident_device_;  // [L][E]
   RuntimeBuffer<Runtime> forward_device_;   // [L][E]
+  RuntimeBuffer<Runtime> wide_device_;      // [E]: the odd wide rounds' forward map (any layer)
   std::unique_ptr<StagingPolicy[]> stagings_;  // per layer (a staging may cache per-storage state), or one
   std::vector<std::int32_t> slot_offsets_;     // first slot of each layer (per_layer mode)
   std::vector<detail::LayerCopyRegions> regions_;  // per layer (per_layer mode)
