@@ -306,7 +306,9 @@ def make_modules(torch):
             acc = torch.zeros(t * k, hidden, dtype=torch.float32, device=hidden_states.device)
             wflat = top_k_weights.reshape(-1)
             served = []
-            pool_before = self.cache.resident_map.cpu() if self.validate_maps else None
+            check_pool = self.validate_maps and self.admission == "stream"
+            pool_before = self.cache.resident_map.cpu() if check_pool else None
+            stats_before = self.cache.stats() if check_pool else None
 
             def consumer(rnd):
                 if rnd.experts:   # host-planned: the round's experts (ascending) and slots
@@ -333,11 +335,17 @@ def make_modules(torch):
             if sorted(served) != sorted(pos):
                 raise CheckFailed(f"layer {self.layer}: the wide forward's rounds served experts {sorted(served)}, "
                                   f"the forward routes {sorted(pos)} (summary {dict(summary)})")
-            if pool_before is not None and summary.get("admission") == "stream":
+            if check_pool and summary.get("admission") == "stream":
+                # Scan resistance: the pool, its policy's counters and the hit/miss counts as before.
                 after = self.cache.resident_map.cpu()
                 if not torch.equal(pool_before, after):
                     raise CheckFailed(f"layer {self.layer}: stream admission changed the pool: resident map "
                                       f"{pool_before.tolist()} -> {after.tolist()}")
+                stats_after = self.cache.stats()
+                moved = {key: (stats_before[key], stats_after[key]) for key in ("hits", "misses", "evictions")
+                         if stats_before.get(key) != stats_after.get(key)}
+                if moved:
+                    raise CheckFailed(f"layer {self.layer}: stream admission changed the pool's counters {moved}")
             return combine(acc, t, k, hidden_states.dtype)
 
     return ResidentExperts, CachedExperts
