@@ -84,15 +84,15 @@ python)
   else note "torch mixtral check: FAILED"; status=1; fi
   tail -40 "$out/torch_mixtral_check.txt"
   if [ "${MIXTRAL_BENCH:-1}" = 1 ]; then
-    # The defaults (8 experts, top-2, 4 slots), then a harder routing (32 experts, top-4, 8 slots) with the
-    # device-planned provider too.
+    # The defaults (8 experts, top-2, 4 slots), then a harder routing (32 experts, top-4, 8 slots); every
+    # provider, the prompt as one wide forward (TTFT) and decode tok/s.
     PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 examples/torch/mixtral_offload.py --provider all \
       --json "$out/mixtral.json" >"$out/mixtral.txt" 2>&1 || { note "mixtral_offload --provider all failed"; status=1; }
-    tail -12 "$out/mixtral.txt"
+    tail -16 "$out/mixtral.txt"
     PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 examples/torch/mixtral_offload.py --provider row,cached,device \
       --experts 32 --top-k 4 --capacity 8 --json "$out/mixtral_e32.json" >"$out/mixtral_e32.txt" 2>&1 \
       || { note "mixtral_offload --experts 32 failed"; status=1; }
-    tail -14 "$out/mixtral_e32.txt"
+    tail -16 "$out/mixtral_e32.txt"
   fi
   ;;
 *) echo "usage: bench/gpu_suite.sh test|bench|python [OUT]"; exit 2 ;;

@@ -336,7 +336,7 @@ TEST_CASE("AnyExpertCache::prepare_wide, device provider: rounds = prepare + pre
       // The static reference: what a captured graph does (prepare, then every provisioned group).
       const auto rounds = static_cast<std::uint32_t>(ref.max_groups(n));
       for (std::uint32_t g = 0; g < rounds; ++g) {
-        auto v = g == 0 ? ref.prepare(reinterpret_cast<const std::int32_t*>(ids_s.data()), n, ss)
+        auto v = g == 0 ? ref.prepare(reinterpret_cast<const std::int32_t*>(ids_s.data()), n, ss, DeviceForward::in_rounds)
                         : ref.prepare_group(static_cast<std::int32_t>(g), ss);
         REQUIRE(v.ok());
         WideRound w;
@@ -365,6 +365,80 @@ TEST_CASE("AnyExpertCache::prepare_wide, device provider: rounds = prepare + pre
   run.template operator()<DeviceLru>("lru");
   run.template operator()<DeviceLfru>("lfru");
   run.template operator()<DeviceCrf>("crf");
+}
+
+TEST_CASE("prepare_wide, device provider: a forward served in rounds is counted, not flagged as an overflow") {
+  constexpr std::int32_t E = 16, C = 4, max_ids = 16;
+  const Ids wide{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};  // 12 unique experts of C = 4: three groups
+  Ids bad_id = wide;
+  bad_id[5] = 99;  // dropped and flagged as plan_error_bad_id
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  RuntimeBuffer<SimRuntime> buf(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
+  const auto load = [&](const Ids& ids) {
+    rt.host_access(buf.data(), ids.size() * sizeof(std::int32_t), AccessMode::write);
+    std::memcpy(buf.data(), ids.data(), ids.size() * sizeof(std::int32_t));
+    return std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(buf.data()), ids.size());
+  };
+  const auto settle = [&] {
+    rt.drain();
+    REQUIRE(rt.synchronize(s).ok());
+  };
+
+  SUBCASE("AnyExpertCache") {
+    AnyCacheConfig c = config_of("device", "lru", "", "", E, C, 1, 0);
+    c.max_ids = max_ids;
+    auto made = make_expert_cache(rt, c);
+    REQUIRE(made.ok());
+    AnySim any = std::move(made.value());
+    fill_any(any);
+    auto seen = std::make_shared<std::vector<RoundSeen>>();
+    const auto consumer = [&](const WideRound& w) { return read_round(rt, w, s, E, C, seen); };
+    auto r = any.prepare_wide(load(wide), s, consumer);
+    REQUIRE(r.ok());
+    CHECK(r.value().rounds == 3);
+    settle();
+    check_rounds_cover(*seen, wide, false);
+    for (const RoundSeen& x : *seen) CHECK(x.bytes_ok);
+    CHECK(any.take_errors() == 0u);
+    // A plain prepare of the same forward serves group 0 only: still an error.
+    REQUIRE(any.prepare(load(wide), s).ok());
+    settle();
+    CHECK(any.take_errors() == plan_error_overflow);
+    // Only the overflow is the wide path's to quiet: a bad id in a wide forward is reported.
+    seen->clear();
+    REQUIRE(any.prepare_wide(load(bad_id), s, consumer).ok());
+    settle();
+    Ids kept = bad_id;
+    kept[5] = -1;  // what the planner keeps of it
+    check_rounds_cover(*seen, kept, false);
+    CHECK(any.take_errors() == plan_error_bad_id);
+    // The declaration belongs to one forward: the next plain prepare reports its overflow again.
+    REQUIRE(any.prepare(load(wide), s).ok());
+    settle();
+    CHECK(any.take_errors() == plan_error_overflow);
+    CHECK(rt.races().empty());
+  }
+  SUBCASE("DeviceExpertCache: in_rounds counts the overflow in device_stats(), single also flags it") {
+    DeviceCacheOptions o;
+    o.num_experts = E;
+    o.capacity = C;
+    o.max_ids = max_ids;
+    DeviceExpertCache<TensorMajorStorage, ExplicitLayout, SimRuntime> cache(rt, o, six_tensor_layout());
+    fill_host_pools(cache);
+    const auto n = static_cast<std::int32_t>(wide.size());
+    REQUIRE(cache.prepare(load(wide).data(), n, s, DeviceForward::in_rounds).ok());
+    for (std::int32_t g = 1; g < cache.max_groups(n); ++g) REQUIRE(cache.prepare_group(g, s).ok());
+    settle();
+    CHECK(cache.device_stats().overflows == 1);
+    CHECK(cache.device_stats().overflow_groups == 2);
+    CHECK(cache.take_errors() == 0u);
+    REQUIRE(cache.prepare(load(wide).data(), n, s).ok());
+    settle();
+    CHECK(cache.device_stats().overflows == 2);
+    CHECK(cache.take_errors() == plan_error_overflow);
+    CHECK(rt.races().empty());
+  }
 }
 
 TEST_CASE("AnyExpertCache::prepare_wide: bad input is refused before the consumer runs; nothing changes") {

@@ -4,18 +4,22 @@
 Builds MixtralForCausalLM from a small MixtralConfig (random weights, no download), bf16 on CUDA, and
 replaces every layer's `mlp.experts` by one of two modules that run the SAME torch ops:
 
-  ResidentExperts  all expert weights on the GPU ([E, 2N, K] / [E, K, N]); gathers each (token, k)'s
-                   expert with index_select from the full tensors.
-  CachedExperts    expert weights in host memory, one ect.ExpertCache per layer with capacity < E;
-                   prepare(top_k_index) makes this forward's experts resident, slot = expert_map[ids]
-                   (a device gather) and the same index_select runs over the slot tensors.
+  ResidentExperts  all expert weights on the GPU ([E, 2N, K] / [E, K, N]).
+  CachedExperts    expert weights in host memory, one ect.ExpertCache per layer with capacity < E.
 
-Both then do the same batched matmuls in the same order and dtype, so the generated tokens and logits
-must be bit-identical (torch.equal) to the all-resident run. ResidentExperts itself is checked against
-the model's stock MixtralExperts on the first forward with a stated bf16 tolerance (the stock module
-runs different kernels). Usage (docs/torch_example.md):
+A generation feeds the whole prompt as ONE forward (TTFT: that forward to the first new token), then
+decodes one token per forward. Prompt forward: per expert, the expert's GEMMs over the rows routed to
+it; CachedExperts serves it with ONE prepare_wide() per layer (host providers: missing experts stream
+through stream slots, the pool stays as it was; device provider: prepare + prepare_group rounds) and
+its consumer runs each round's experts from the round's slots. Decode: prepare(top_k_index) and a
+batched gather of each (token, k)'s expert (index_select over the full tensors or the slot tensors).
+Both variants do the same GEMMs in the same shapes and dtype and combine the experts' outputs in the
+same fixed order, so the generated tokens, the prompt's logits and every decode logit must be
+bit-identical (torch.equal) to the all-resident run. ResidentExperts itself is checked against the
+model's stock MixtralExperts (one prompt and one decode forward) with a stated bf16 tolerance (the
+stock module runs different kernels). Usage (docs/torch_example.md):
 
-  python examples/torch/mixtral_offload.py --tokens 64 --capacity 4 --provider row
+  python examples/torch/mixtral_offload.py --tokens 64 --capacity 4 --provider all --json out.json
   python examples/torch/mixtral_offload.py --check          # small, fast run; exit 0 pass, 77 skip, 1 fail
 
 Exit codes: 0 every assertion passed; 1 an assertion or the run failed; 77 torch, CUDA, transformers or
@@ -41,7 +45,7 @@ EXIT_OK, EXIT_FAIL, EXIT_SKIP = 0, 1, 77
 STOCK_REL_TOL = 2e-2
 STOCK_ABS_TOL = 1e-6
 
-# Providers this example runs through the cache ("all" = the two host-planned ones).
+# Providers this example runs through the cache ("all" = every one).
 PROVIDERS = ("row", "cached", "device")
 
 # Defaults of a normal run and of --check (a smaller model, same assertions).
@@ -73,11 +77,14 @@ def require(cond, what):
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=None, help="new tokens per greedy generation (>= 1; default 64)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="new tokens per greedy generation (>= 2: the prompt forward's, then decode; default 64)")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (fixed, from the seed)")
     p.add_argument("--capacity", type=int, default=4, help="GPU slots per layer (top_k <= capacity <= experts)")
     p.add_argument("--provider", default="all",
-                   help="row | cached | device | all (= row,cached); a comma list is accepted")
+                   help="row | cached | device | all (= row,cached,device); a comma list is accepted")
+    p.add_argument("--stream-slots", type=int, default=None,
+                   help="host providers: stream slots for the prompt's wide forward (default 2*max(top_k, capacity/16))")
     p.add_argument("--policy", default="", help="eviction policy name ('' = the provider's default)")
     p.add_argument("--staging", default="", help="staging policy name ('' = the provider's default)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --check 4)")
@@ -104,13 +111,19 @@ def parse_args(argv):
         a.validate_maps = True
     names = [s.strip() for s in a.provider.split(",") if s.strip()]
     if names == ["all"]:
-        names = ["row", "cached"]
+        names = list(PROVIDERS)
     bad = [n for n in names if n not in PROVIDERS]
     if not names or bad:
         p.error(f"--provider: unknown {bad or a.provider!r}; choose from {', '.join(PROVIDERS)} or all")
     a.providers = list(dict.fromkeys(names))
-    if a.tokens < 1 or a.prompt_len < 1 or a.repeats < 1 or a.layers < 1:
-        p.error("--tokens, --prompt-len, --repeats and --layers must be >= 1")
+    if a.tokens < 2:
+        p.error("--tokens must be >= 2 (the first comes from the prompt forward, the others are decode forwards)")
+    if a.prompt_len < 2 or a.repeats < 1 or a.layers < 1:
+        p.error("--prompt-len must be >= 2 (a prompt forward of several tokens), --repeats and --layers >= 1")
+    if a.stream_slots is None:
+        a.stream_slots = 2 * max(a.top_k, a.capacity // 16)   # the library's recommended_stream_slots
+    if a.stream_slots < 2:
+        p.error(f"--stream-slots {a.stream_slots} must be >= 2 (two halves: a round's copies overlap the previous one)")
     if not (1 <= a.top_k <= a.experts):
         p.error(f"--top-k {a.top_k} must be in [1, --experts {a.experts}]")
     if not (a.top_k <= a.capacity <= a.experts):
@@ -157,10 +170,12 @@ def import_stack():
 
 def make_modules(torch):
     nn = torch.nn
+    F = torch.nn.functional
 
     def expert_math(x, top_k_weights, w13, w2, act_fn):
-        """x [T, K]; w13 [T*k, 2N, K], w2 [T*k, K, N] (row t*k + j is token t's j-th expert);
-        top_k_weights [T, k]. Returns [T, K] in x's dtype. The one code path of both variants."""
+        """Decode (one token). x [T, K]; w13 [T*k, 2N, K], w2 [T*k, K, N] (row t*k + j is token t's
+        j-th expert); top_k_weights [T, k]. Returns [T, K] in x's dtype. The one code path of both
+        variants for a single-token forward."""
         t, hidden = x.shape
         k = top_k_weights.shape[1]
         xk = x.unsqueeze(1).expand(t, k, hidden).reshape(t * k, 1, hidden)      # [T*k, 1, K]
@@ -171,8 +186,44 @@ def make_modules(torch):
         out = (y.float() * top_k_weights.float().unsqueeze(-1)).sum(dim=1)      # fp32 sum over k
         return out.to(x.dtype)
 
+    # A forward of several tokens (the prompt) runs per expert, as the stock block's loop: each
+    # expert's GEMMs over the rows routed to it. Bit-identity with the cache's rounds rests on three
+    # things, none of them the order of the rounds: (1) an expert's rows are the same positions in
+    # the same order in both variants (routed_positions, from the ids alone), so its GEMMs have the
+    # same shapes and inputs; (2) its weights are copied into a fresh tensor first (clone), so
+    # cuBLAS sees the same shapes, strides and allocator alignment whether they came from the
+    # resident parameter or a cache slot; (3) an expert writes its weighted rows into their own
+    # (token, k) rows of an fp32 buffer (index_copy_, no accumulation), and the k rows of a token
+    # are summed once after every expert ran, in k order (as expert_math does). The rounds of a
+    # wide forward are disjoint and cover the forward's experts, but are not globally ascending
+    # (stream admission serves the pool's hits in round 0): with (3) any order gives the same bits.
+
+    def routed_positions(top_k_index, num_experts):
+        """{expert: LongTensor of the flat positions t*k + j routed to it, ascending}; one sync."""
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts).tolist()
+        require(len(counts) == num_experts, f"router ids outside [0, {num_experts}): counts {counts}")
+        pos, start = {}, 0
+        for e, c in enumerate(counts):
+            if c:
+                pos[e] = order[start:start + c]
+            start += c
+        return pos
+
+    def expert_rows(x, pos, k, w13, w2, weights_flat, act_fn, acc):
+        """One expert over its rows: acc[pos] = (down(act(gate) * up) of x[pos // k]) * weight, fp32."""
+        xs = x.index_select(0, torch.div(pos, k, rounding_mode="floor"))         # [n, K]
+        gate, up = F.linear(xs, w13.clone()).chunk(2, dim=-1)                    # [n, N] each
+        y = F.linear(act_fn(gate) * up, w2.clone())                              # [n, K]
+        acc.index_copy_(0, pos, y.float() * weights_flat.index_select(0, pos).float().unsqueeze(-1))
+
+    def combine(acc, t, k, dtype):
+        return acc.view(t, k, -1).sum(dim=1).to(dtype)                          # fp32 sum over k
+
     class ResidentExperts(nn.Module):
-        """Every expert's weights on the GPU; optionally compares its first call with the stock module."""
+        """Every expert's weights on the GPU; optionally compares its first call of each kind
+        (prompt, decode) with the stock module."""
 
         def __init__(self, layer, gate_up, down, act_fn, stock=None):
             super().__init__()
@@ -181,39 +232,56 @@ def make_modules(torch):
             self.w2 = down          # [E, K, N]
             self.act_fn = act_fn
             self._stock = [stock]   # a list: not registered as a submodule
-            self.stock_check = None  # dict after the first checked call
+            self.stock_check = {}   # kind ("prompt" / "decode") -> dict, after the first checked call
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
-            flat = top_k_index.flatten()
-            w13 = self.w13.index_select(0, flat)
-            w2 = self.w2.index_select(0, flat)
-            out = expert_math(hidden_states, top_k_weights, w13, w2, self.act_fn)
+            t = hidden_states.shape[0]
+            if t == 1:
+                flat = top_k_index.flatten()
+                w13 = self.w13.index_select(0, flat)
+                w2 = self.w2.index_select(0, flat)
+                out = expert_math(hidden_states, top_k_weights, w13, w2, self.act_fn)
+            else:
+                k = top_k_index.shape[1]
+                pos = routed_positions(top_k_index, self.w13.shape[0])
+                acc = torch.zeros(t * k, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+                wflat = top_k_weights.reshape(-1)
+                for e in sorted(pos):
+                    expert_rows(hidden_states, pos[e], k, self.w13[e], self.w2[e], wflat, self.act_fn, acc)
+                out = combine(acc, t, k, hidden_states.dtype)
             stock = self._stock[0]
-            if stock is not None and self.stock_check is None:
+            kind = "decode" if t == 1 else "prompt"
+            if stock is not None and kind not in self.stock_check:
                 ref = stock(hidden_states, top_k_index, top_k_weights)
                 diff = (out.float() - ref.float()).abs()
                 scale = ref.float().abs().max().item()
                 err = diff.max().item()
                 bound = STOCK_REL_TOL * scale + STOCK_ABS_TOL
-                self.stock_check = dict(layer=self.layer, tokens=int(hidden_states.shape[0]),
-                                        max_abs_diff=err, mean_abs_diff=diff.mean().item(),
-                                        max_abs_stock=scale, bound=bound, ok=bool(err <= bound),
-                                        out_dtype=str(ref.dtype))
+                self.stock_check[kind] = dict(layer=self.layer, kind=kind, tokens=int(t),
+                                              max_abs_diff=err, mean_abs_diff=diff.mean().item(),
+                                              max_abs_stock=scale, bound=bound, ok=bool(err <= bound),
+                                              out_dtype=str(ref.dtype))
             return out
 
     class CachedExperts(nn.Module):
-        """Expert weights in host memory behind an ect.ExpertCache; the GEMMs read the slot tensors."""
+        """Expert weights in host memory behind an ect.ExpertCache; the GEMMs read the slot tensors.
+        One token: prepare() + the decode math. Several (the prompt): ONE prepare_wide() whose
+        consumer runs the per-expert math of each round's experts from the round's slots."""
 
-        def __init__(self, layer, cache, act_fn, validate_maps):
+        def __init__(self, layer, cache, act_fn, validate_maps, admission):
             super().__init__()
             self.layer = layer
             self.cache = cache
             self.act_fn = act_fn
             self.validate_maps = validate_maps
-            self.prepare_s = 0.0     # time inside prepare(), perf_counter
+            self.admission = admission   # prepare_wide admission: "stream" (host) or "admit" (device)
+            self.prepare_s = 0.0         # time inside prepare() of single-token forwards, perf_counter
             self.forwards = 0
+            self.wide = []               # prepare_wide summaries since the last reset
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
+            if hidden_states.shape[0] > 1:
+                return self.forward_wide(hidden_states, top_k_index, top_k_weights)
             t0 = time.perf_counter()
             view = self.cache.prepare(top_k_index)
             self.prepare_s += time.perf_counter() - t0
@@ -229,6 +297,56 @@ def make_modules(torch):
             w13 = view.tensors["w13"].index_select(0, flat)
             w2 = view.tensors["w2"].index_select(0, flat)
             return expert_math(hidden_states, top_k_weights, w13, w2, self.act_fn)
+
+        def forward_wide(self, hidden_states, top_k_index, top_k_weights):
+            t, hidden = hidden_states.shape
+            k = top_k_index.shape[1]
+            num_experts = self.cache.num_experts
+            pos = routed_positions(top_k_index, num_experts)
+            acc = torch.zeros(t * k, hidden, dtype=torch.float32, device=hidden_states.device)
+            wflat = top_k_weights.reshape(-1)
+            served = []
+            check_pool = self.validate_maps and self.admission == "stream"
+            pool_before = self.cache.resident_map.cpu() if check_pool else None
+            stats_before = self.cache.stats() if check_pool else None
+
+            def consumer(rnd):
+                if rnd.experts:   # host-planned: the round's experts (ascending) and slots
+                    pairs = list(zip(rnd.experts, rnd.slots))
+                    if self.validate_maps:
+                        m = rnd.expert_map.tolist()
+                        named = [(e, s) for e, s in enumerate(m) if s >= 0]
+                        if named != pairs:
+                            raise CheckFailed(f"layer {self.layer}: round {rnd.index} map names {named}, "
+                                              f"the round lists {pairs}")
+                else:             # provider "device": the plan stays on the GPU; read this round's map
+                    pairs = [(e, s) for e, s in enumerate(rnd.expert_map.tolist()) if s >= 0]
+                w13, w2 = rnd.tensors["w13"], rnd.tensors["w2"]
+                for e, s in pairs:
+                    p = pos.get(e)
+                    if p is None:
+                        raise CheckFailed(f"layer {self.layer}: round {rnd.index} maps expert {e}, which this "
+                                          f"forward does not route (routed: {sorted(pos)})")
+                    expert_rows(hidden_states, p, k, w13[s], w2[s], wflat, self.act_fn, acc)
+                    served.append(e)
+
+            summary = self.cache.prepare_wide(top_k_index, consumer, admission=self.admission)
+            self.wide.append(dict(summary))
+            if sorted(served) != sorted(pos):
+                raise CheckFailed(f"layer {self.layer}: the wide forward's rounds served experts {sorted(served)}, "
+                                  f"the forward routes {sorted(pos)} (summary {dict(summary)})")
+            if check_pool and summary.get("admission") == "stream":
+                # Scan resistance: the pool, its policy's counters and the hit/miss counts as before.
+                after = self.cache.resident_map.cpu()
+                if not torch.equal(pool_before, after):
+                    raise CheckFailed(f"layer {self.layer}: stream admission changed the pool: resident map "
+                                      f"{pool_before.tolist()} -> {after.tolist()}")
+                stats_after = self.cache.stats()
+                moved = {key: (stats_before[key], stats_after[key]) for key in ("hits", "misses", "evictions")
+                         if stats_before.get(key) != stats_after.get(key)}
+                if moved:
+                    raise CheckFailed(f"layer {self.layer}: stream admission changed the pool's counters {moved}")
+            return combine(acc, t, k, hidden_states.dtype)
 
     return ResidentExperts, CachedExperts
 
@@ -302,22 +420,28 @@ def set_experts(mlps, modules):
 # --------------------------------------------------------------------------------------------
 
 def greedy(torch, model, prompt, n_new, timers):
-    """Feeds the prompt one token per forward (so every forward routes top_k experts per layer,
-    which a cache of capacity >= top_k can always hold), then generates n_new tokens greedily.
-    The timed window is the n_new forwards that produce the new tokens (the first one consumes the
-    last prompt token). Returns (tokens [n_new] cpu, logits [n_new, V] cuda, seconds, prepare_s)."""
-    past = None
+    """Feeds the whole prompt as ONE forward (every prompt token at once: the cache serves it
+    through prepare_wide), takes the first new token from its last position, then generates the
+    other n_new - 1 tokens one forward each. TTFT is the prompt forward up to the first token's
+    argmax, between two torch.cuda.synchronize(); the decode window is the n_new - 1 forwards
+    after it. Returns dict(tokens [n_new] cpu, logits [n_new, V] cuda, prompt_logits [P, V] cuda,
+    ttft_s, decode_s, prepare_s (single-token prepares), wide [summaries of the prompt forward])."""
     with torch.no_grad():
-        for i in range(prompt.shape[1] - 1):
-            out = model(input_ids=prompt[:, i:i + 1], past_key_values=past, use_cache=True)
-            past = out.past_key_values
         for m in timers:
             m.prepare_s = 0.0
-        cur = prompt[:, -1:]
-        tokens, logits = [], []
+            m.wide = []
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(n_new):
+        out = model(input_ids=prompt, use_cache=True)
+        prompt_logits = out.logits[0]
+        cur = prompt_logits[-1:].argmax(dim=-1, keepdim=True)           # [1, 1]
+        torch.cuda.synchronize()
+        ttft_s = time.perf_counter() - t0
+        past = out.past_key_values
+        wide = [w for m in timers for w in m.wide]
+        tokens, logits = [cur], [prompt_logits[-1:]]
+        t1 = time.perf_counter()
+        for _ in range(n_new - 1):
             out = model(input_ids=cur, past_key_values=past, use_cache=True)
             past = out.past_key_values
             last = out.logits[:, -1, :]
@@ -325,9 +449,24 @@ def greedy(torch, model, prompt, n_new, timers):
             logits.append(last)
             tokens.append(cur)
         torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
+        decode_s = time.perf_counter() - t1
     prepare_s = sum(m.prepare_s for m in timers)
-    return torch.cat(tokens, dim=1).flatten().cpu(), torch.cat(logits, dim=0), seconds, prepare_s
+    return dict(tokens=torch.cat(tokens, dim=1).flatten().cpu(), logits=torch.cat(logits, dim=0),
+                prompt_logits=prompt_logits, ttft_s=ttft_s, decode_s=decode_s, prepare_s=prepare_s, wide=wide)
+
+
+WIDE_KEYS = ("rounds", "unique", "hits", "streamed", "admitted", "copies", "bytes")
+
+
+def wide_total(summaries):
+    """The prompt forward's prepare_wide summaries summed over layers (None without a cache)."""
+    if not summaries:
+        return None
+    total = {key: sum(int(w.get(key, 0)) for w in summaries) for key in WIDE_KEYS}
+    total["layers"] = len(summaries)
+    total["admission"] = sorted({str(w.get("admission")) for w in summaries})
+    total["fell_back"] = any(bool(w.get("fell_back")) for w in summaries)
+    return total
 
 
 def stats_sum(caches):
@@ -349,44 +488,58 @@ def hit_rate(hits, misses):
 
 def run_variant(torch, model, prompt, a, timers, caches, ref):
     """Warm-up + a.repeats timed generations. Every generation is compared with `ref` (the first
-    all-resident generation) when given. Returns the variant's result dict."""
+    all-resident generation) when given. Returns (the variant's result dict, the first generation)."""
     runs = []
+    decode_tokens = a.tokens - 1
     for r in range(a.repeats + 1):
         before = stats_sum(caches)[0] if caches else {}
-        toks, lgts, seconds, prep = greedy(torch, model, prompt, a.tokens, timers)
+        g = greedy(torch, model, prompt, a.tokens, timers)
         after = stats_sum(caches)[0] if caches else {}
         hits = after.get("hits", 0) - before.get("hits", 0)
         misses = after.get("misses", 0) - before.get("misses", 0)
-        entry = dict(run=r, warmup=(r == 0), seconds=seconds, tokens_per_s=a.tokens / seconds,
-                     prepare_s=prep, prepare_share=prep / seconds, hits=hits, misses=misses,
-                     hit_rate=hit_rate(hits, misses))
+        entry = dict(run=r, warmup=(r == 0), ttft_ms=1e3 * g["ttft_s"], decode_s=g["decode_s"],
+                     tokens_per_s=decode_tokens / g["decode_s"], prepare_s=g["prepare_s"],
+                     prepare_share=g["prepare_s"] / g["decode_s"], hits=hits, misses=misses,
+                     hit_rate=hit_rate(hits, misses), prompt_wide=wide_total(g["wide"]))
         if ref is None:
-            ref = (toks, lgts)
-        entry["tokens_equal"] = bool(torch.equal(toks, ref[0]))
-        entry["logits_equal"] = bool(lgts.dtype == ref[1].dtype and torch.equal(lgts, ref[1]))
-        entry["max_abs_logit_diff"] = float((lgts.float() - ref[1].float()).abs().max().item())
+            ref = g
+        entry["tokens_equal"] = bool(torch.equal(g["tokens"], ref["tokens"]))
+        entry["logits_equal"] = bool(g["logits"].dtype == ref["logits"].dtype and torch.equal(g["logits"], ref["logits"]))
+        entry["prompt_logits_equal"] = bool(g["prompt_logits"].dtype == ref["prompt_logits"].dtype
+                                            and torch.equal(g["prompt_logits"], ref["prompt_logits"]))
+        entry["max_abs_logit_diff"] = float((g["logits"].float() - ref["logits"].float()).abs().max().item())
+        entry["max_abs_prompt_logit_diff"] = float(
+            (g["prompt_logits"].float() - ref["prompt_logits"].float()).abs().max().item())
         if not entry["tokens_equal"]:
-            first = int((toks != ref[0]).nonzero()[0].item())
-            entry["first_token_mismatch"] = first
+            entry["first_token_mismatch"] = int((g["tokens"] != ref["tokens"]).nonzero()[0].item())
         runs.append(entry)
-        log(f"    run {r}{' (warm-up)' if r == 0 else ''}: {entry['tokens_per_s']:.1f} tok/s, "
-            f"prepare {1e3 * prep / a.tokens:.3f} ms/token ({100 * entry['prepare_share']:.1f}%), "
-            f"hits {hits} misses {misses}, tokens equal {entry['tokens_equal']}, "
-            f"logits bit-identical {entry['logits_equal']} (max |diff| {entry['max_abs_logit_diff']:.3g})")
+        pw = entry["prompt_wide"]
+        wide_txt = "" if pw is None else (f", prompt forward: {pw['rounds']} rounds over {pw['layers']} layers, "
+                                          f"{pw['hits']} pool hits, {pw['streamed']} streamed, {pw['admitted']} admitted")
+        log(f"    run {r}{' (warm-up)' if r == 0 else ''}: TTFT {entry['ttft_ms']:.2f} ms{wide_txt}; decode "
+            f"{entry['tokens_per_s']:.1f} tok/s, prepare {1e3 * g['prepare_s'] / decode_tokens:.3f} ms/token "
+            f"({100 * entry['prepare_share']:.1f}%), hits {hits} misses {misses}, tokens equal {entry['tokens_equal']}, "
+            f"logits bit-identical {entry['logits_equal']} (max |diff| {entry['max_abs_logit_diff']:.3g}), prompt "
+            f"logits bit-identical {entry['prompt_logits_equal']} (max |diff| {entry['max_abs_prompt_logit_diff']:.3g})")
     timed = runs[1:]
     hits = sum(x["hits"] for x in timed)
     misses = sum(x["misses"] for x in timed)
     result = dict(
+        ttft_ms=statistics.median(x["ttft_ms"] for x in timed),
+        cold_ttft_ms=runs[0]["ttft_ms"],
         tokens_per_s=statistics.median(x["tokens_per_s"] for x in timed),
-        ms_per_token=1e3 * statistics.median(x["seconds"] for x in timed) / a.tokens,
-        prepare_ms_per_token=1e3 * statistics.median(x["prepare_s"] for x in timed) / a.tokens,
+        ms_per_token=1e3 * statistics.median(x["decode_s"] for x in timed) / decode_tokens,
+        prepare_ms_per_token=1e3 * statistics.median(x["prepare_s"] for x in timed) / decode_tokens,
         prepare_share=statistics.median(x["prepare_share"] for x in timed),
         hits=hits, misses=misses, hit_rate=hit_rate(hits, misses),
         cold_hits=runs[0]["hits"], cold_misses=runs[0]["misses"],
         cold_hit_rate=hit_rate(runs[0]["hits"], runs[0]["misses"]),
+        prompt_wide=timed[-1]["prompt_wide"], cold_prompt_wide=runs[0]["prompt_wide"],
         tokens_equal=all(x["tokens_equal"] for x in runs),
         logits_equal=all(x["logits_equal"] for x in runs),
+        prompt_logits_equal=all(x["prompt_logits_equal"] for x in runs),
         max_abs_logit_diff=max(x["max_abs_logit_diff"] for x in runs),
+        max_abs_prompt_logit_diff=max(x["max_abs_prompt_logit_diff"] for x in runs),
         runs=runs)
     return result, ref
 
@@ -402,26 +555,34 @@ def fmt_rate(x):
 def print_table(a, results):
     log("")
     log(f"Mixtral {a.layers} layers, hidden {a.hidden}, intermediate {a.intermediate}, {a.experts} experts, "
-        f"top-{a.top_k}, capacity {a.capacity}/layer, {a.tokens} new tokens, prompt {a.prompt_len}, "
-        f"median of {a.repeats} timed runs after a warm-up")
-    head = ("variant", "hit rate", "cold hit rate", "tokens/s", "ms/token", "prepare ms/token", "cache share",
-            "tokens", "logits")
+        f"top-{a.top_k}, capacity {a.capacity}/layer (+{a.stream_slots} stream slots, host providers), prompt "
+        f"{a.prompt_len} tokens as one forward, {a.tokens} new tokens, median of {a.repeats} timed runs after a warm-up")
+    head = ("variant", "TTFT ms", "cold TTFT ms", "decode tok/s", "ms/token", "prepare ms/token", "cache share",
+            "hit rate", "cold hit rate", "prompt rounds", "tokens", "logits")
     rows = []
     for name, r in results.items():
-        rows.append((name, fmt_rate(r.get("hit_rate")), fmt_rate(r.get("cold_hit_rate")),
-                     f"{r['tokens_per_s']:.1f}", f"{r['ms_per_token']:.3f}",
-                     f"{r['prepare_ms_per_token']:.3f}", f"{100 * r['prepare_share']:.1f}%",
+        pw = r.get("prompt_wide")
+        rows.append((name, f"{r['ttft_ms']:.2f}", f"{r['cold_ttft_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
+                     f"{r['ms_per_token']:.3f}", f"{r['prepare_ms_per_token']:.3f}", f"{100 * r['prepare_share']:.1f}%",
+                     fmt_rate(r.get("hit_rate")), fmt_rate(r.get("cold_hit_rate")),
+                     "-" if pw is None else str(pw["rounds"]),
                      "same" if r["tokens_equal"] else "DIFFERENT",
-                     "bit-identical" if r["logits_equal"] else f"max|diff| {r['max_abs_logit_diff']:.3g}"))
+                     "bit-identical" if r["logits_equal"] and r["prompt_logits_equal"]
+                     else f"max|diff| {max(r['max_abs_logit_diff'], r['max_abs_prompt_logit_diff']):.3g}"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
     log(line(head))
     log("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         log(line(row))
+    log("TTFT: the prompt forward (all prompt tokens at once; through prepare_wide for the cached variants) up to "
+        "the first new token, between two torch.cuda.synchronize() (perf_counter); cold: the warm-up run from "
+        "empty caches. decode tok/s: the other new tokens, one forward each.")
     log("hit rate: hits / (hits + misses) from cache.stats() summed over layers, timed runs (the cache stays warm "
-        "between runs); cold: the warm-up run from empty caches.")
-    log("cache share: time inside prepare() (perf_counter) / wall time of the generation. The host-planned "
+        "between runs); host providers count decode prepares only (stream admission reads the pool without "
+        "counting), the device provider also the prompt forward's rounds. prompt rounds: prepare_wide rounds of "
+        "one prompt forward, summed over layers.")
+    log("cache share: time inside prepare() (perf_counter) / wall time of the decode forwards. The host-planned "
         "providers (row, cached) include their one id read-back synchronisation per prepare(), which also "
         "waits for the GPU work queued before it.")
 
@@ -487,13 +648,15 @@ def run(a, report):
     log(f"prompt ({a.prompt_len} tokens): {prompt.flatten().tolist()}")
     failures = report["failures"]
 
-    # 1. ResidentExperts against the stock MixtralExperts: one forward over the whole prompt.
+    # 1. ResidentExperts against the stock MixtralExperts: one forward over the whole prompt (the
+    #    per-expert path) and one of its first token alone (the decode path).
     with torch.no_grad():
         ref_logits = model(input_ids=prompt, use_cache=False).logits
         checkers = [ResidentExperts(i, s.gate_up_proj, s.down_proj, s.act_fn, stock=s) for i, s in enumerate(stock)]
         set_experts(mlps, checkers)
         our_logits = model(input_ids=prompt, use_cache=False).logits
-    checks = [c.stock_check for c in checkers]
+        model(input_ids=prompt[:, :1], use_cache=False)
+    checks = [c.stock_check.get(kind) for c in checkers for kind in ("prompt", "decode")]
     report["stock_check"] = dict(rel_tol=STOCK_REL_TOL, abs_tol=STOCK_ABS_TOL, layers=checks,
                                  logits_max_abs_diff=float((our_logits.float() - ref_logits.float()).abs().max()),
                                  logits_max_abs=float(ref_logits.float().abs().max()),
@@ -501,13 +664,14 @@ def run(a, report):
     log(f"stock check (tolerance max|diff| <= {STOCK_REL_TOL} * max|stock| + {STOCK_ABS_TOL}):")
     for c in checks:
         if c is None:
-            failures.append("stock check: a layer's experts were never called")
+            failures.append("stock check: a layer's experts were never called for a prompt or a decode forward")
             continue
-        log(f"  layer {c['layer']}: {c['tokens']} tokens, max|diff| {c['max_abs_diff']:.4g} "
+        log(f"  layer {c['layer']} {c['kind']}: {c['tokens']} tokens, max|diff| {c['max_abs_diff']:.4g} "
             f"(mean {c['mean_abs_diff']:.3g}) vs max|stock| {c['max_abs_stock']:.4g}, bound {c['bound']:.4g}: "
             f"{'ok' if c['ok'] else 'FAIL'}")
         if not c["ok"]:
-            failures.append(f"stock check layer {c['layer']}: max|diff| {c['max_abs_diff']:.4g} > {c['bound']:.4g}")
+            failures.append(f"stock check layer {c['layer']} {c['kind']}: max|diff| {c['max_abs_diff']:.4g} > "
+                            f"{c['bound']:.4g}")
     sc = report["stock_check"]
     log(f"  model logits over the prompt (informational): max|diff| {sc['logits_max_abs_diff']:.4g} of "
         f"max|logit| {sc['logits_max_abs']:.4g}, argmax agreement {100 * sc['argmax_agree']:.1f}%")
@@ -522,7 +686,7 @@ def run(a, report):
     results["resident"].update(hit_rate=None, cold_hit_rate=None)
     require(results["resident"]["tokens_equal"] and results["resident"]["logits_equal"],
             "the all-resident model is not deterministic across runs: bit-identity cannot be tested")
-    log(f"  tokens: {ref[0].tolist()}")
+    log(f"  tokens: {ref['tokens'].tolist()}")
 
     # 3. Expert weights to host memory; drop the GPU copies.
     host = [(s.gate_up_proj.detach().to("cpu").contiguous(), s.down_proj.detach().to("cpu").contiguous())
@@ -557,7 +721,10 @@ def run(a, report):
                     layout, host_tensors={"w13": gu, "w2": dn}, num_experts=a.experts, capacity=a.capacity,
                     top_k=a.top_k, provider=provider, policy=a.policy, staging=a.staging,
                     storage="tensor_major" if provider == "cached" else "",
-                    max_ids=a.top_k if provider == "device" else 0, label=f"layer{i}"))
+                    # device: one prepare_wide takes the whole prompt's ids; host: the prompt's
+                    # missing experts stream through stream_slots, the pool stays as it was.
+                    max_ids=a.prompt_len * a.top_k if provider == "device" else 0,
+                    stream_slots=0 if provider == "device" else a.stream_slots, label=f"layer{i}"))
             except Exception as e:
                 # Every provider registers the same host tensors in turn: the previous provider's
                 # caches must be gone (unregistered) by now.
@@ -568,13 +735,21 @@ def run(a, report):
         log(f"variant {provider}: {len(caches)} caches, capacity {caches[0].capacity}/{caches[0].num_experts}, "
             f"provider {caches[0].provider}, slot tensors "
             + ", ".join(f"{k} {tuple(t.shape)} {t.dtype} {t.device}" for k, t in st.items()))
-        require(tuple(st["w13"].shape) == (a.capacity, 2 * a.intermediate, a.hidden)
-                and tuple(st["w2"].shape) == (a.capacity, a.hidden, a.intermediate)
+        slots = a.capacity + (0 if provider == "device" else a.stream_slots)
+        require(tuple(st["w13"].shape) == (slots, 2 * a.intermediate, a.hidden)
+                and tuple(st["w2"].shape) == (slots, a.hidden, a.intermediate)
                 and st["w13"].dtype == torch.bfloat16,
-                f"{provider}: slot tensors have unexpected shapes/dtype")
-        modules = [CachedExperts(i, c, act_fn, a.validate_maps) for i, c in enumerate(caches)]
+                f"{provider}: slot tensors have unexpected shapes/dtype (expected {slots} slots)")
+        admission = "admit" if provider == "device" else "stream"
+        modules = [CachedExperts(i, c, act_fn, a.validate_maps, admission) for i, c in enumerate(caches)]
         set_experts(mlps, modules)
         res, _ = run_variant(torch, model, prompt, a, modules, caches, ref)
+        if provider == "device":
+            # A wide forward served in rounds is no error; bad ids or a timeout would be.
+            errors = [c.device_errors() for c in caches]
+            res["device_errors"] = errors
+            if any(errors):
+                failures.append(f"device: error words after the runs {errors} (0x2 overflow, 0x1 bad id)")
         total, per_layer = stats_sum(caches)
         res["stats_total"] = total
         res["per_layer_hit_rate"] = [hit_rate(s.get("hits", 0), s.get("misses", 0)) for s in per_layer]
@@ -588,6 +763,15 @@ def run(a, report):
         if not res["logits_equal"]:
             failures.append(f"{provider}: logits not bit-identical to the all-resident run "
                             f"(max |diff| {res['max_abs_logit_diff']:.4g})")
+        if not res["prompt_logits_equal"]:
+            failures.append(f"{provider}: the prompt forward's logits not bit-identical to the all-resident one "
+                            f"(max |diff| {res['max_abs_prompt_logit_diff']:.4g})")
+        pw = res["cold_prompt_wide"]
+        if pw is None or pw["layers"] != a.layers or pw["rounds"] < a.layers:
+            failures.append(f"{provider}: the prompt forward did not go through prepare_wide in every layer ({pw})")
+        elif provider != "device" and (pw["fell_back"] or pw["admission"] != ["stream"]
+                                       or pw["streamed"] + pw["hits"] != pw["unique"]):
+            failures.append(f"{provider}: the prompt was not served by stream admission ({pw})")
         # Capacity < experts and empty caches at the start: a host-planned cache must miss. (The
         # device provider's stats may not count hits/misses; its bit-identity is the check.)
         if provider != "device" and total.get("misses", 0) == 0:
@@ -608,7 +792,7 @@ def run(a, report):
             log("  - " + f)
         return EXIT_FAIL
     report["passed"] = True
-    log("PASS: every provider generated the all-resident tokens with bit-identical logits")
+    log("PASS: every provider generated the all-resident tokens with bit-identical logits (prompt forward and decode)")
     return EXIT_OK
 
 

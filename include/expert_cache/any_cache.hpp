@@ -334,8 +334,9 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   // pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
   // consumer of group g was enqueued, on the same stream). The host never sees the ids, so a
   // round's experts/slots spans are empty and the summary counts rounds only; the device counts
-  // the forward in stats() (overflows) and flags plan_error_overflow in the error word when it
-  // needed more than one group.
+  // the forward in stats() (overflows) but, every group being served here, does not flag
+  // plan_error_overflow (DeviceForward::in_rounds): a legitimate wide forward leaves the error
+  // word clear, while a plain prepare() of the same ids still reports the overflow.
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> device_ids, Stream stream, WideConsumerRef consumer,
                                    WideOptions options) noexcept final {
     if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {
@@ -343,7 +344,7 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
                             device_ids.size());
     }
     const auto n = static_cast<std::int32_t>(device_ids.size());
-    Result<ForwardView> view = this->cache_.prepare(device_ids.data(), n, stream);
+    Result<ForwardView> view = this->cache_.prepare(device_ids.data(), n, stream, DeviceForward::in_rounds);
     if (!view.ok()) return view.status().with_context("prepare_wide");
     const auto rounds = static_cast<std::uint32_t>(std::max<std::int32_t>(1, this->cache_.max_groups(n)));
     WideSummary summary;

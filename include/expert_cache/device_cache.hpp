@@ -102,14 +102,21 @@ struct DeviceCacheOptions {
   StorageMemory memory{};
 };
 
+// How DeviceExpertCache::prepare's caller serves a forward with more unique experts than slots.
+enum class DeviceForward : std::uint8_t {
+  single,     // one round: an overflow is an error the error word reports (plan_error_overflow)
+  in_rounds,  // the caller runs prepare_group for every further group: the overflow is planned
+};
+
 // What an executor does for the cache, on the stream the core hands it. `plan_enqueued` tells
 // the cache whether the state may have changed (a failure after it leaves slots unfilled).
 template <class X>
 concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s, const std::int32_t* ids,
-                                        std::int32_t n, bool& planned) {
+                                        std::int32_t n, bool& planned, bool in_rounds) {
   { cx.state() } -> std::same_as<const DevicePlanState&>;
   { cx.sanitized_ids() } -> std::same_as<std::int32_t*>;
-  { x.plan_forward_fill(s, ids, n, planned) } -> std::same_as<Status>;
+  // in_rounds: the caller serves every group of this forward (DeviceForward::in_rounds).
+  { x.plan_forward_fill(s, ids, n, planned, in_rounds) } -> std::same_as<Status>;
   { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
   { x.invalidate(s, n) } -> std::same_as<Status>;
   { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
@@ -224,13 +231,14 @@ class BasicSimPlanExecutor {
   [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
   [[nodiscard]] std::size_t device_bytes() const noexcept { return block_.size() + sanitized_.size(); }
 
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
     planned = false;
     std::vector<Access> acc;
     if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
     if (n > 0) acc.push_back({sanitized_ids(), static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::write});
     add_state_accesses(acc);
-    const DevicePlanState st = state_;
+    DevicePlanState st = state_;
+    st.forward_in_rounds = in_rounds;
     std::int32_t* out = sanitized_ids();
     rt_->set_next_label("device plan_forward");
     if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
@@ -518,7 +526,11 @@ class DeviceExpertCacheWithEdges {
   // nothing was enqueued when the input or the stream was rejected; a runtime failure after
   // the plan was enqueued makes the next call drop the planned experts first (their slots may
   // not hold their bytes).
-  Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream) noexcept {
+  // mode DeviceForward::in_rounds: the caller serves every group of this forward (prepare_group
+  // 1..max_groups(n_ids) - 1 after it, a wide forward), so an overflow is counted in stats()
+  // but not flagged in the error word; single (default): an overflow flags plan_error_overflow.
+  Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                              DeviceForward mode = DeviceForward::single) noexcept {
     if (n_ids < 0 || n_ids > options_.max_ids) {
       return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids (accepted: 0..%d, max_ids)",
                             options_.label.c_str(), n_ids, options_.max_ids);
@@ -529,7 +541,7 @@ class DeviceExpertCacheWithEdges {
     }
     if (Status s = check_stream(stream, "prepare"); !s) return s;
     Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
-      return exec_.plan_forward_fill(f, device_ids, n_ids, planned);
+      return exec_.plan_forward_fill(f, device_ids, n_ids, planned, mode == DeviceForward::in_rounds);
     });
     if (!s) return s.with_context("%s: prepare(%d ids)", options_.label.c_str(), n_ids);
     ++prepare_calls_;

@@ -428,11 +428,16 @@ class VllmProviderTest(unittest.TestCase):
                 narrow = topk_ids[:1]
                 ev.run_with_expert_cache(p, narrow, lambda r, rows, sh: seen.append(rows) or torch.zeros(1, hidden))
                 self.assertEqual(len(seen), 1)
-                if semantics == "device" and split == "token":
+                if semantics == "device":
+                    # Either split served every expert: no error, the expert split's rounds (the device
+                    # planner's overflow groups, served by prepare_wide) included.
                     p.check_device_errors()
                 if semantics == "device" and split == "expert":
-                    # The expert split's rounds are the device planner's overflow groups: flagged by design.
-                    self.assertEqual(p.cache.device_errors() & ~0x2, 0)
+                    # A plain prepare of the same wide forward serves its first group only: still reported.
+                    p.prepare(topk_ids)
+                    with self.assertRaises(ect.ExpertCacheError) as cm:
+                        p.check_device_errors()
+                    self.assertIn("error word 0x2", str(cm.exception))
 
     def test_device_semantics_cuda_graph(self):
         src = nvfp4_sources(8)

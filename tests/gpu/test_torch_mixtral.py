@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""GPU test: examples/torch/mixtral_offload.py in --check mode, once per provider (row, cached).
+"""GPU test: examples/torch/mixtral_offload.py in --check mode, once per provider (row, cached, device).
 
 Each run builds a small random-weight transformers Mixtral, generates greedily with every expert
 resident, then with the expert weights in host memory behind expert_cache_torch (capacity below
-the number of experts), and must reproduce the resident tokens and bit-identical logits. This test
-also reads the run's JSON and checks it independently of the example's own verdict.
+the number of experts). Every generation feeds the prompt as ONE forward (through prepare_wide for
+the cached variants) and must reproduce the resident tokens, the prompt forward's logits and every
+decode logit bit for bit; TTFT and decode tok/s must be reported. This test also reads the run's JSON
+and checks it independently of the example's own verdict.
 
 Exit codes: 0 all runs passed; 77 (skip) when the example skipped for every provider (no torch,
 CUDA device, transformers or extension: the reason is printed); 1 otherwise.
@@ -18,7 +20,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_EXAMPLE = os.path.join(HERE, "..", "..", "examples", "torch", "mixtral_offload.py")
-PROVIDERS = ("row", "cached")
+PROVIDERS = ("row", "cached", "device")
 TIMEOUT_S = 900
 REPEATS = 3  # the example's --check default; the JSON must list REPEATS + 1 runs per variant
 
@@ -37,7 +39,10 @@ def check_report(provider, report):
     need("resident" in results and provider in results, f"results lack resident/{provider}: {sorted(results)}")
     sc = report.get("stock_check", {})
     layers = sc.get("layers") or []
-    need(len(layers) == report.get("args", {}).get("layers"), f"stock check covers {len(layers)} layers")
+    args = report.get("args", {})
+    # One prompt (per-expert path) and one decode check per layer.
+    need(len(layers) == 2 * args.get("layers", -1), f"stock check has {len(layers)} entries for {args.get('layers')} layers")
+    need(sorted({c.get("kind") for c in layers if c}) == ["decode", "prompt"], "stock check lacks a prompt or decode entry")
     need(all(c and c.get("ok") and c["max_abs_diff"] <= c["bound"] for c in layers),
          f"stock check failed: {layers}")
     need(report.get("gpu_mib_released", 0) >= 0.95 * report.get("expert_host_mib", float("inf")),
@@ -46,17 +51,39 @@ def check_report(provider, report):
     if r:
         runs = r.get("runs", [])
         need(len(runs) == REPEATS + 1, f"{provider}: {len(runs)} runs, expected {REPEATS + 1}")
-        need(all(x.get("tokens_equal") and x.get("logits_equal") for x in runs),
+        need(all(x.get("tokens_equal") and x.get("logits_equal") and x.get("prompt_logits_equal") for x in runs),
              f"{provider}: a run differs from the all-resident one: "
-             f"{[(x.get('run'), x.get('tokens_equal'), x.get('max_abs_logit_diff')) for x in runs]}")
-        need(all(x.get("max_abs_logit_diff") == 0.0 for x in runs), f"{provider}: nonzero logit difference")
+             f"{[(x.get('run'), x.get('tokens_equal'), x.get('max_abs_logit_diff'), x.get('max_abs_prompt_logit_diff')) for x in runs]}")
+        need(all(x.get("max_abs_logit_diff") == 0.0 and x.get("max_abs_prompt_logit_diff") == 0.0 for x in runs),
+             f"{provider}: nonzero logit difference")
+        # The prompt went through the wide path, in every layer, every run.
+        for x in runs:
+            pw = x.get("prompt_wide") or {}
+            need(pw.get("layers") == args.get("layers") and pw.get("rounds", 0) >= args.get("layers", 1)
+                 and pw.get("unique", 0) > 0, f"{provider}: run {x.get('run')}: prompt forward not wide: {pw}")
+            if provider == "device":
+                need(pw.get("admission") == ["admit"], f"{provider}: run {x.get('run')}: admission {pw.get('admission')}")
+            else:
+                need(pw.get("admission") == ["stream"] and not pw.get("fell_back")
+                     and pw.get("hits", 0) + pw.get("streamed", 0) == pw.get("unique"),
+                     f"{provider}: run {x.get('run')}: not served by stream admission: {pw}")
+            need(x.get("ttft_ms", 0) > 0, f"{provider}: run {x.get('run')}: TTFT {x.get('ttft_ms')}")
+        # Cold: empty pools, a prompt routing more experts than the pool holds in some layer.
+        cold = runs[0].get("prompt_wide") or {} if runs else {}
+        if provider != "device":
+            need(cold.get("streamed", 0) > 0, f"{provider}: the cold prompt forward streamed nothing: {cold}")
+        else:
+            need(r.get("device_errors") is not None and not any(r["device_errors"]),
+                 f"device: error words {r.get('device_errors')} after wide forwards")
+        for key in ("ttft_ms", "cold_ttft_ms"):
+            need(r.get(key, 0) > 0, f"{provider}: {key} {r.get(key)}")
         need(r.get("misses", 0) > 0 or r.get("cold_misses", 0) > 0, f"{provider}: the cache never missed")
         hr = r.get("hit_rate")
         need(hr is not None and 0.0 <= hr <= 1.0, f"{provider}: hit rate {hr} not in [0, 1]")
         need(r.get("cold_misses", 0) >= report["args"]["capacity"],
              f"{provider}: {r.get('cold_misses')} cold misses, at least capacity ({report['args']['capacity']}) "
              "expected from empty caches")
-        need(r.get("tokens_per_s", 0) > 0, f"{provider}: tokens/s {r.get('tokens_per_s')}")
+        need(r.get("tokens_per_s", 0) > 0, f"{provider}: decode tokens/s {r.get('tokens_per_s')}")
         need(0.0 < r.get("prepare_share", 0) < 1.0, f"{provider}: cache share {r.get('prepare_share')} not in (0, 1)")
     return problems
 

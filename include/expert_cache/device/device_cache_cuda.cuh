@@ -80,17 +80,21 @@ class BasicCudaPlanExecutor {
   [[nodiscard]] std::size_t device_bytes() const noexcept { return storage_.bytes() + sanitized_.size(); }
   [[nodiscard]] const PlanFillParams& fill_params() const noexcept { return fill_; }
 
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned) noexcept {
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
     planned = false;
+    // The launch's own copy of the state carries the flag (a kernel argument): the stored
+    // state, and every other launch, keep forward_in_rounds false.
+    DevicePlanState st = state();
+    st.forward_in_rounds = in_rounds;
     if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
-      EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(state(), ids, n, sanitized_ids(), fill_, s)));
+      EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(st, ids, n, sanitized_ids(), fill_, s)));
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_fill_kernel");
     }
     // Overlap on sm_90: the plan too is launched programmatically (edge D6: it waits for the
     // kernel before it, the router, inside), so its launch overlaps that kernel's tail.
-    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(state(), ids, n, sanitized_ids(), s, fill_pdl_)));
+    EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(st, ids, n, sanitized_ids(), s, fill_pdl_)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_forward_kernel"); !st) return st;
     return fill(s);

@@ -29,7 +29,8 @@
 // a round with g >= group_count is empty: it clears the forward map and writes an empty fill
 // list, so its consumer computes nothing and the result is still correct. Overflowing forwards
 // are counted (stats.overflows, stats.overflow_groups) and flagged in the error word: never
-// silent, never wrong.
+// silent, never wrong. A forward whose caller declared it served in rounds
+// (DevicePlanState::forward_in_rounds: prepare_wide plans every group) is counted, not flagged.
 //
 // Ids: -1 is padding (ignored, like the host). Any other id outside [0, E) — INT32_MIN, -7,
 // E, INT32_MAX: values a broken router writes, not padding — is counted in stats.bad_ids, flags
@@ -110,7 +111,7 @@ struct DevicePlanStats {
 // Bits of the sticky error word (OR-ed by the device, read and cleared by the host).
 enum PlanErrorBit : std::uint32_t {
   plan_error_bad_id = 1u << 0,        // an id outside [0, E) other than -1 was dropped
-  plan_error_overflow = 1u << 1,      // a forward needed more than one group
+  plan_error_overflow = 1u << 1,      // a forward needed more than one group (not one served in rounds)
   plan_error_bad_state = 1u << 2,     // the state view or its scalars are inconsistent: nothing planned
   plan_error_bad_argument = 1u << 3,  // n_ids < 0, null ids with n_ids > 0, or group < 0
   // A kernel's bounded spin-wait gave up (about 1.5 s): the fused fill's wait for the plan, or
@@ -205,6 +206,10 @@ struct DevicePlanState {
   DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
   DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
   std::uint32_t* error_word = nullptr;
+  // Set (in the copy of the state one plan_forward launch takes) by a caller that serves every
+  // group of that forward itself (prepare + prepare_group rounds, a wide forward): its overflow
+  // is planned work, counted in the stats but not raised as plan_error_overflow.
+  bool forward_in_rounds = false;
 };
 
 // Ordering key of a resident: (tick, slot). Ticks of residents are distinct; the slot only
@@ -923,7 +928,7 @@ EXPERT_CACHE_HOST_DEVICE void note_forward(Block& b, const DevicePlanState& s, s
   if (groups > 1) {
     now.overflows += 1;
     now.overflow_groups += static_cast<std::uint64_t>(groups - 1);
-    flags |= plan_error_overflow;
+    if (!s.forward_in_rounds) flags |= plan_error_overflow;
   }
   if (flags != 0) b.flags_or(*s.error_word, flags);
 }
