@@ -581,7 +581,7 @@ class PrefetchModelPolicyTest(unittest.TestCase):
         self.assertEqual(c.policy, "lru")
         del c
         for provider, policy, text in (("device", "s3fifo", "provider 'device' plans on the device with policy lru, lfru or crf"),
-                                       ("device", "nope", "unknown eviction policy 'nope' (valid: lru, lfru"),
+                                       ("row", "nope", "unknown eviction policy 'nope' (valid: lru, lfru"),
                                        ("row", "belady", "offline-only")):
             with self.assertRaises(ValueError) as cm:
                 ect.ExpertCache(layout, host, num_experts=E, capacity=C, provider=provider, policy=policy, max_ids=8)
