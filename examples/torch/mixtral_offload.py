@@ -307,7 +307,8 @@ def make_modules(torch):
             wflat = top_k_weights.reshape(-1)
             served = []
             check_pool = self.validate_maps and self.admission == "stream"
-            pool_before = self.cache.resident_map.cpu() if check_pool else None
+            # The planner's map, not the device copy: a cache that never prepared has uploaded nothing yet.
+            pool_before = self.cache.resident_map_host() if check_pool else None
             stats_before = self.cache.stats() if check_pool else None
 
             def consumer(rnd):
@@ -337,7 +338,7 @@ def make_modules(torch):
                                   f"the forward routes {sorted(pos)} (summary {dict(summary)})")
             if check_pool and summary.get("admission") == "stream":
                 # Scan resistance: the pool, its policy's counters and the hit/miss counts as before.
-                after = self.cache.resident_map.cpu()
+                after = self.cache.resident_map_host()
                 if not torch.equal(pool_before, after):
                     raise CheckFailed(f"layer {self.layer}: stream admission changed the pool: resident map "
                                       f"{pool_before.tolist()} -> {after.tolist()}")

@@ -240,6 +240,12 @@ class ExpertCache:
             max_bytes = self.capacity * self.bytes_per_expert
         return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after))
 
+    def resident_map_host(self):
+        """Host-planned providers: the planner's resident map (int32 [E] CPU tensor, expert -> pool
+        slot, -1 absent), the state the next prepare() uploads; None for "device". Unlike
+        `resident_map` (the device copy, uploaded by a prepare), it is defined before the first one."""
+        return self._impl.resident_map_host()
+
     def last_plan(self):
         """Host-planned providers: the last prepare's misses and victims, as
         {"fills": [(expert, slot)], "evictions": [(expert, slot)]}; both empty for "device"."""
