@@ -311,19 +311,7 @@ class ModelExpertCache {
     Status s = fill_round(0);
     for (std::size_t r = 0; s && r < rounds; ++r) {
       const auto c = chunk(r);
-      wide_round_.clear();
-      wide_slots_.clear();
-      if (r == 0) {
-        std::merge(wide_hits_.begin(), wide_hits_.end(), c.begin(), c.end(), std::back_inserter(wide_round_));
-        std::size_t k = 0;  // c's index of the next streamed expert (wide_round_ is ascending)
-        for (const std::int32_t e : wide_round_) {
-          const std::int32_t pool = resident[static_cast<std::size_t>(e)];
-          wide_slots_.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
-        }
-      } else {
-        wide_round_.assign(c.begin(), c.end());
-        for (std::size_t i = 0; i < c.size(); ++i) wide_slots_.push_back(stream_slot(r, i));
-      }
+      detail::compose_wide_round(r, wide_hits_, c, resident, stream_slot, wide_round_, wide_slots_);
       // Only round r's fill (its map included) is waited for: round r + 1's overlaps the consumer.
       s = core_.wide_acquire(stream);
       if (s && r + 1 < rounds) s = fill_round(r + 1);

@@ -23,6 +23,7 @@
 // Host-only vocabulary plus the helpers both caches share.
 #include <algorithm>
 #include <concepts>
+#include <iterator>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -35,6 +36,7 @@
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
+#include "expert_cache/types.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -318,6 +320,29 @@ inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_ex
     }
   }
   return {};
+}
+
+// Round r's experts (ascending) and their slots, as both caches' stream admission serves them:
+// round 0 also carries the forward's hits, read from their pool slots; each streamed expert of
+// `streamed` (the round's ascending misses) takes stream_slot(r, its index in `streamed`). The
+// outputs are cleared and refilled (reserved by the owner: no allocation).
+template <class StreamSlot>
+void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::span<const std::int32_t> streamed,
+                        std::span<const std::int32_t> resident, StreamSlot&& stream_slot,
+                        std::vector<std::int32_t>& experts, std::vector<std::int32_t>& slots) {
+  experts.clear();
+  slots.clear();
+  if (r == 0) {
+    std::merge(hits.begin(), hits.end(), streamed.begin(), streamed.end(), std::back_inserter(experts));
+    std::size_t k = 0;  // streamed's index of the next streamed expert (experts is ascending)
+    for (const std::int32_t e : experts) {
+      const std::int32_t pool = resident[static_cast<std::size_t>(e)];
+      slots.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
+    }
+  } else {
+    experts.assign(streamed.begin(), streamed.end());
+    for (std::size_t i = 0; i < streamed.size(); ++i) slots.push_back(stream_slot(r, i));
+  }
 }
 
 }  // namespace detail
