@@ -588,11 +588,15 @@ TEST_CASE("CacheBridge::prepare_wide: rounds over the stream slots, as the exten
   WideSeen seen;
   auto r = b.prepare_wide(prompt, s, [&](const WideRoundInfo& info) {
     CHECK(info.slot_count == C + stream_slots);
-    // The round's own map (two buffers alternate, each written on the fill stream with its round's
-    // copies), not the persistent forward map: the extension wraps it per round, and
-    // read_wide_round reads every expert's slot through it.
-    CHECK(info.expert_map != 0);
-    CHECK(info.expert_map != b.expert_map_device());
+    // The round's own map: two buffers alternate (even rounds the persistent forward map, odd
+    // rounds a second one), each written on the fill stream with its round's copies. The extension
+    // wraps it per round, and read_wide_round reads every expert's slot through it.
+    if (info.index % 2 == 0) {
+      CHECK(info.expert_map == b.expert_map_device());
+    } else {
+      CHECK(info.expert_map != 0);
+      CHECK(info.expert_map != b.expert_map_device());
+    }
     CHECK(info.resident_map == b.resident_map_device());
     REQUIRE(info.slot_bases.size() == b.slots().size());
     for (std::size_t t = 0; t < b.slots().size(); ++t) CHECK(info.slot_bases[t] == b.slots()[t].base);

@@ -545,7 +545,10 @@ class ExpertCacheWithEdges {
       (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
     }
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
-    const auto [dense_regions, dense_bytes] = detail::dense_copy_shape(staging_, storage_);
+    // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
+    const std::pair<std::size_t, std::uint64_t> dense_shape = detail::dense_copy_shape(staging_, storage_);
+    const std::size_t dense_regions = dense_shape.first;
+    const std::uint64_t dense_bytes = dense_shape.second;
     detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
     const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
