@@ -152,15 +152,21 @@ TEST_CASE_TEMPLATE("wide forward, stream admission: every round's bytes and map;
   std::vector<Ids> rounds;
   auto r = f.wide(all_experts(32), f.streams[0], WideAdmission::stream, &rounds);
   REQUIRE(r.ok());
-  // 29 missing experts in halves of 2: 15 rounds; round 0 has the 3 residents + 2 streamed.
+  // 29 missing experts in halves of 2: 15 rounds. The 3 residents (one id each) are spread over
+  // rounds 0..13 by their rows (split_wide_hits: midpoints 1/6, 3/6, 5/6 of 14 rounds -> rounds
+  // 2, 7 and 11); the last round carries only its miss.
   CHECK(r.value().rounds == 15);
   CHECK(r.value().unique == 32);
   CHECK(r.value().hits == 3);
   CHECK(r.value().streamed == 29);
   CHECK(r.value().admitted == 0);
   REQUIRE(rounds.size() == 15);
-  CHECK(rounds[0] == Ids{0, 1, 3, 9, 20});
+  CHECK(rounds[0] == Ids{0, 1});
   CHECK(rounds[1] == Ids{2, 4});
+  CHECK(rounds[2] == Ids{3, 5, 6});
+  CHECK(rounds[7] == Ids{9, 16, 17});
+  CHECK(rounds[11] == Ids{20, 25, 26});
+  CHECK(rounds[14] == Ids{31});
   Ids seen;
   for (const Ids& ids : rounds) seen.insert(seen.end(), ids.begin(), ids.end());
   std::sort(seen.begin(), seen.end());
@@ -178,6 +184,56 @@ TEST_CASE_TEMPLATE("wide forward, stream admission: every round's bytes and map;
   CHECK(s1.wide_bytes == 29 * total_bytes_per_expert(six_tensor_layout().tensors()));
   // The cache stays usable: a normal forward after it.
   REQUIRE(f.forward(Ids{3, 31}, f.streams[1]).ok());
+  f.check_clean();
+}
+
+TEST_CASE("split_wide_hits: hits spread over every round but the last, in equal shares of their rows") {
+  std::vector<std::size_t> begin;
+  std::vector<std::uint32_t> rows(8, 0);
+  const Ids hits{1, 2, 3, 4};
+  rows[1] = rows[2] = rows[3] = 1;
+  rows[4] = 5;
+  SUBCASE("one round: every hit in it") {
+    detail::split_wide_hits(hits, rows, 1, begin);
+    CHECK(begin == std::vector<std::size_t>{0, 4});
+  }
+  SUBCASE("three rounds: two carriers of 4 rows each; the popular expert alone in round 1") {
+    // midpoints 0.5, 1.5, 2.5 and 5.5 of 8 rows: rounds 0, 0, 0, 1
+    detail::split_wide_hits(hits, rows, 3, begin);
+    CHECK(begin == std::vector<std::size_t>{0, 3, 4, 4});
+  }
+  SUBCASE("equal rows: equal counts, contiguous and ascending; the last round empty") {
+    const Ids many{0, 1, 2, 3, 4, 5};
+    std::vector<std::uint32_t> ones(8, 2);
+    detail::split_wide_hits(many, ones, 4, begin);
+    CHECK(begin == std::vector<std::size_t>{0, 2, 4, 6, 6});
+  }
+  SUBCASE("an expert counted 0 weighs 1; no hits gives empty rounds") {
+    std::vector<std::uint32_t> zero(8, 0);
+    detail::split_wide_hits(hits, zero, 3, begin);
+    CHECK(begin == std::vector<std::size_t>{0, 2, 4, 4});
+    detail::split_wide_hits(Ids{}, zero, 3, begin);
+    CHECK(begin == std::vector<std::size_t>{0, 0, 0, 0});
+  }
+}
+
+TEST_CASE("wide forward, stream admission: a popular resident is computed in an early round, never the last") {
+  WideFixture<WholeWide> f(32, 8, 2, 4);
+  REQUIRE(f.forward(Ids{30, 31}, f.streams[0]).ok());  // residents 30, 31
+  f.rt.drain();
+  // Expert 31 named by many rows, the rest once: 30 missing -> 15 rounds; both residents are the
+  // highest ids yet land in the rounds a later fill hides (not in the last round, as an
+  // id-ordered split would put them).
+  Ids ids = all_experts(32);
+  for (int i = 0; i < 40; ++i) ids.push_back(31);
+  std::vector<Ids> rounds;
+  auto r = f.wide(ids, f.streams[0], WideAdmission::stream, &rounds);
+  REQUIRE(r.ok());
+  REQUIRE(rounds.size() == 15);
+  // rows: 30 -> 1, 31 -> 41; midpoints 0.5 / 42 and 21.5 / 42 of 14 carriers: rounds 0 and 7.
+  CHECK(rounds[0] == Ids{0, 1, 30});
+  CHECK(rounds[7] == Ids{14, 15, 31});
+  CHECK(rounds[14] == Ids{28, 29});
   f.check_clean();
 }
 
@@ -324,8 +380,9 @@ TEST_CASE_TEMPLATE("wide forward, span copies: bytes right, unneeded experts cop
   CHECK(r.value().hits == 1);
   CHECK(r.value().wasted == 1 + 2 + 0 + 0);  // 1 | 7, 8
   REQUIRE(rounds.size() == 4);
-  CHECK(rounds[0] == Ids{0, 2, 3, 5});
-  CHECK(rounds[1] == Ids{6, 9});
+  // The resident 5 (one row; carriers rounds 0..2, midpoint 1/2 -> round 1) read from its pool slot.
+  CHECK(rounds[0] == Ids{0, 2, 3});
+  CHECK(rounds[1] == Ids{5, 6, 9});
   const std::uint64_t dense = detail::dense_copy_shape(CopyStream{}, f.cache->storage()).second;
   const std::uint64_t per_expert = total_bytes_per_expert(six_tensor_layout().tensors());
   CHECK(r.value().bytes == 9 * per_expert + 3 * dense);

@@ -213,6 +213,8 @@ class ExpertCacheWithEdges {
     wide_slots_.reserve(experts);
     wide_fills_.reserve(experts);
     wide_plan_.reserve(experts + 1);
+    wide_hit_begin_.reserve(experts + 2);
+    wide_rows_.assign(experts, 0);
     wide_map_.assign(experts, absent_slot);
     if (options_.log) {
       const CacheStats s = stats();
@@ -318,8 +320,9 @@ class ExpertCacheWithEdges {
   /// `stream`. Round r + 1's copies are enqueued on the fill stream before round r's consumer
   /// runs, so they overlap it; a buffer is refilled only after the consumer of the round that
   /// read it (edge 10). The host never waits for the device (beyond the staging guard, edge 8).
-  /// WideAdmission::stream (default): resident experts are read in round 0 without touching
-  /// the planner or the policy; the others stream through the stream slots in ascending order,
+  /// WideAdmission::stream (default): resident experts are read from their pool slots without
+  /// touching the planner or the policy, spread over the rounds (every round but the last gets an
+  /// equal share of their rows, so each consumer has work while the next fill streams); the others stream through the stream slots in ascending order,
   /// runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
   /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as
   /// prepare_unique() calls would (round r + 1 may not evict round r's experts).
@@ -377,7 +380,7 @@ class ExpertCacheWithEdges {
       }
     }
     last_copies_ = 0;
-    Status s = streaming ? wide_stream_rounds(stream, consumer, summary, options)
+    Status s = streaming ? wide_stream_rounds(topk_ids, stream, consumer, summary, options)
                          : wide_admit_rounds(stream, consumer, summary);
     total_copies_ += summary.copies;
     last_copies_ = summary.copies;
@@ -533,11 +536,12 @@ class ExpertCacheWithEdges {
     return core_.upload_map(map, round_map_device(r), f);
   }
 
-  // WideAdmission::stream. Round 0: the resident experts (pool slots) and the first round's
-  // missing ones; round r: the r-th round of missing experts (plan_stream_rounds: `half` of them,
-  // or a span of at most `half` ids), in stream half r % 2.
+  // WideAdmission::stream. Round r: the r-th round of missing experts (plan_stream_rounds: `half`
+  // of them, or a span of at most `half` ids), in stream half r % 2, and its share of the
+  // resident experts, read from their pool slots (split_wide_hits).
   template <class Consumer>
-  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary, const WideOptions& options) noexcept {
+  Status wide_stream_rounds(std::span<const std::int32_t> ids, Stream stream, Consumer& consumer, WideSummary& summary,
+                            const WideOptions& options) noexcept {
     const auto resident = planner_.resident_map();
     wide_hits_.clear();
     wide_misses_.clear();
@@ -551,6 +555,12 @@ class ExpertCacheWithEdges {
     const std::uint64_t dense_bytes = dense_shape.second;
     detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
     const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
+    detail::count_wide_rows(ids, wide_rows_);
+    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
+    detail::clear_wide_rows(wide_unique_, wide_rows_);
+    const auto hits_of = [&](std::size_t r) {
+      return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
+    };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     // Edge 9 for the pool's speculative fills this forward reads.
@@ -577,15 +587,11 @@ class ExpertCacheWithEdges {
       const bool span = !c.empty() && wide_plan_[r].span;
       const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
-        // The round's map (round 0: the pool hits too), then its copies.
-        if (r == 0) {
-          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
-        }
+        // The round's map (its pool hits too), then its copies.
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
         for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
         Status m = upload_round_map(wide_map_.data(), r, f);
-        if (r == 0) {
-          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        }
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
         for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
         if (!m) return m;
         const std::span<const SlotFill> fills(wide_fills_);
@@ -611,7 +617,7 @@ class ExpertCacheWithEdges {
     for (std::size_t r = 0; s && r < rounds; ++r) {
       // The round's experts (ascending) and map entries.
       const auto c = chunk(r);
-      detail::compose_wide_round(r, wide_hits_, c, resident, stream_slot, wide_round_, wide_slots_);
+      detail::compose_wide_round(r, hits_of(r), c, resident, stream_slot, wide_round_, wide_slots_);
       // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
       // next on the fill stream, overlaps round r's consumer.
       s = core_.wide_acquire(stream);
@@ -625,7 +631,7 @@ class ExpertCacheWithEdges {
       WideRound round;
       round.view = view_;
       round.view.expert_map = round_map_device(r);
-      round.view.hits = r == 0 ? static_cast<std::uint32_t>(wide_hits_.size()) : 0;
+      round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
       round.view.misses = static_cast<std::uint32_t>(c.size());
       round.experts = wide_round_;
       round.slots = wide_slots_;
@@ -634,7 +640,7 @@ class ExpertCacheWithEdges {
       round.streamed = static_cast<std::uint32_t>(c.size());
       if (Status cs = call_consumer(consumer, round); !cs) return cs;
       ++summary.rounds;
-      if (r == 0) wide_hits_count_ += wide_hits_.size();
+      wide_hits_count_ += hits_of(r).size();
       wide_streamed_count_ += c.size();
       s = core_.wide_release(stream, r % 2);
       if (!s) {
@@ -842,6 +848,8 @@ class ExpertCacheWithEdges {
   // Wide forwards: scratch sized at construction (num_experts entries each), and counters.
   std::vector<std::uint8_t> wide_seen_;
   std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
+  std::vector<std::uint32_t> wide_rows_;       // per expert: its ids in the wide forward (zero between forwards)
+  std::vector<std::size_t> wide_hit_begin_;    // round r's hits: [begin[r], begin[r + 1]) of wide_hits_
   std::vector<SlotFill> wide_fills_;
   std::vector<detail::StreamRound> wide_plan_;
   bool wide_fallback_logged_ = false;

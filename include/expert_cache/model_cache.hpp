@@ -180,6 +180,8 @@ class ModelExpertCache {
     ids_.reserve(static_cast<std::size_t>(total_slots()) * static_cast<std::size_t>(options_.top_k));
     wide_seen_.assign(E, 0);
     for (auto* v : {&wide_unique_, &wide_hits_, &wide_misses_, &wide_round_, &wide_slots_}) v->reserve(E);
+    wide_hit_begin_.reserve(E + 2);
+    wide_rows_.assign(E, 0);
     wide_fills_.reserve(E);
     wide_map_.assign(E, absent_slot);
     if (options_.log) {
@@ -268,6 +270,12 @@ class ModelExpertCache {
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
     const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
+    detail::count_wide_rows(topk_ids, wide_rows_);
+    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
+    detail::clear_wide_rows(wide_unique_, wide_rows_);
+    const auto hits_of = [&](std::size_t r) {
+      return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
+    };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     // A stream slot as the layer's maps name it (relative to the layer's first slot).
     const std::int32_t stream_base = total_slots() - slot_offsets_[l];
@@ -287,14 +295,10 @@ class ModelExpertCache {
       const bool upload = global() ? any_dirty() : resident_dirty_[l] != 0;
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload(l) : MapUpload{}, [&](Stream f) noexcept {
         // The round's map on the fill stream before its copies (ExpertCache::upload_round_map).
-        if (r == 0) {
-          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
-        }
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
         for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
         Status m = core_.upload_map(wide_map_.data(), round_map_device(l, r), f, experts());
-        if (r == 0) {
-          for (const std::int32_t e : wide_hits_) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        }
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
         for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
         if (!m) return m;
         const std::span<const SlotFill> fills(wide_fills_);
@@ -311,7 +315,7 @@ class ModelExpertCache {
     Status s = fill_round(0);
     for (std::size_t r = 0; s && r < rounds; ++r) {
       const auto c = chunk(r);
-      detail::compose_wide_round(r, wide_hits_, c, resident, stream_slot, wide_round_, wide_slots_);
+      detail::compose_wide_round(r, hits_of(r), c, resident, stream_slot, wide_round_, wide_slots_);
       // Only round r's fill (its map included) is waited for: round r + 1's overlaps the consumer.
       s = core_.wide_acquire(stream);
       if (s && r + 1 < rounds) s = fill_round(r + 1);
@@ -319,7 +323,7 @@ class ModelExpertCache {
       WideRound round;
       round.view = views_[l];
       round.view.expert_map = round_map_device(l, r);
-      round.view.hits = r == 0 ? summary.hits : 0;
+      round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
       round.view.misses = static_cast<std::uint32_t>(c.size());
       round.experts = wide_round_;
       round.slots = wide_slots_;
@@ -832,6 +836,8 @@ class ModelExpertCache {
   // Wide forwards: scratch of E entries each, sized at construction.
   std::vector<std::uint8_t> wide_seen_;
   std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
+  std::vector<std::uint32_t> wide_rows_;     // per expert: its ids in the wide forward (zero between forwards)
+  std::vector<std::size_t> wide_hit_begin_;  // round r's hits: [begin[r], begin[r + 1]) of wide_hits_
   std::vector<SlotFill> wide_fills_;
   ForwardPlan plan_;
   std::size_t copies_per_fill_ = 0;

@@ -12,7 +12,8 @@
 //
 // Two admissions (WideAdmission):
 //   stream  (default, scan resistant) experts already resident are read from their pool slots
-//           (a pure read: the planner, the policy and the hit/miss counters stay as they were);
+//           (a pure read: the planner, the policy and the hit/miss counters stay as they were),
+//           spread over the rounds so each consumer has work while the next fill streams;
 //           the others are copied into the cache's stream slots (CacheOptions::stream_slots,
 //           appended to the same slot storage so one expert map indexes both), two halves used
 //           alternately, never admitted. A run of consecutive expert ids goes to consecutive
@@ -322,9 +323,39 @@ inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_ex
   return {};
 }
 
+// Which rounds of a stream-admitted wide forward read which hits: round r reads hits
+// [begin[r], begin[r + 1]) of the ascending `hits` from their pool slots. A round's consumer runs
+// while the next round's fill streams, and a hit needs no copy, so the hits are what keeps the
+// consumer busy while the link works: they are spread over the rounds a later fill can hide
+// (0 .. R - 2), in equal shares of their rows (the forward's ids naming them, so a popular expert
+// weighs what its compute weighs), and the last round, whose consumer nothing overlaps, carries
+// only its misses. With every hit in round 0 instead, round 0's consumer ran alone for most of
+// the layer while the link, with one free stream half, idled. With one round every hit is in it.
+// `rows[e]`: e's ids in the forward (an expert counted 0 weighs 1). `begin` gets rounds + 1
+// entries (reserved by the owner: no allocation).
+inline void split_wide_hits(std::span<const std::int32_t> hits, std::span<const std::uint32_t> rows, std::size_t rounds,
+                            std::vector<std::size_t>& begin) noexcept {
+  begin.clear();
+  const std::size_t carriers = rounds > 1 ? rounds - 1 : 1;
+  const auto weight = [&](std::int32_t e) { return std::max<std::uint64_t>(1, rows[static_cast<std::size_t>(e)]); };
+  std::uint64_t total = 0;
+  for (const std::int32_t e : hits) total += weight(e);
+  begin.push_back(0);
+  std::uint64_t before = 0;
+  for (std::size_t i = 0; i < hits.size(); ++i) {
+    const std::uint64_t w = weight(hits[i]);
+    // The round of the hit's midpoint (2 * before + w) / (2 * total) of the way through the
+    // hits' rows; non-decreasing in i, so each round's hits are a contiguous ascending range.
+    const std::size_t r = std::min<std::size_t>(carriers - 1, static_cast<std::size_t>((2 * before + w) * carriers / (2 * total)));
+    while (begin.size() <= r) begin.push_back(i);
+    before += w;
+  }
+  while (begin.size() <= rounds) begin.push_back(hits.size());
+}
+
 // Round r's experts (ascending) and their slots, as both caches' stream admission serves them:
-// round 0 also carries the forward's hits, read from their pool slots; each streamed expert of
-// `streamed` (the round's ascending misses) takes stream_slot(r, its index in `streamed`). The
+// `hits` (round r's share, split_wide_hits) are read from their pool slots; each streamed expert
+// of `streamed` (the round's ascending misses) takes stream_slot(r, its index in `streamed`). The
 // outputs are cleared and refilled (reserved by the owner: no allocation).
 template <class StreamSlot>
 void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::span<const std::int32_t> streamed,
@@ -332,17 +363,23 @@ void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::
                         std::vector<std::int32_t>& experts, std::vector<std::int32_t>& slots) {
   experts.clear();
   slots.clear();
-  if (r == 0) {
-    std::merge(hits.begin(), hits.end(), streamed.begin(), streamed.end(), std::back_inserter(experts));
-    std::size_t k = 0;  // streamed's index of the next streamed expert (experts is ascending)
-    for (const std::int32_t e : experts) {
-      const std::int32_t pool = resident[static_cast<std::size_t>(e)];
-      slots.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
-    }
-  } else {
-    experts.assign(streamed.begin(), streamed.end());
-    for (std::size_t i = 0; i < streamed.size(); ++i) slots.push_back(stream_slot(r, i));
+  std::merge(hits.begin(), hits.end(), streamed.begin(), streamed.end(), std::back_inserter(experts));
+  std::size_t k = 0;  // streamed's index of the next streamed expert (experts is ascending)
+  for (const std::int32_t e : experts) {
+    const std::int32_t pool = resident[static_cast<std::size_t>(e)];
+    slots.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
   }
+}
+
+// Counts each expert's ids into `rows` (sized num_experts, zero outside the forward; the ids
+// were validated by wide_unique). clear_wide_rows zeroes the forward's entries again.
+inline void count_wide_rows(std::span<const std::int32_t> ids, std::vector<std::uint32_t>& rows) noexcept {
+  for (const std::int32_t id : ids) {
+    if (id >= 0) ++rows[static_cast<std::size_t>(id)];
+  }
+}
+inline void clear_wide_rows(std::span<const std::int32_t> unique, std::vector<std::uint32_t>& rows) noexcept {
+  for (const std::int32_t e : unique) rows[static_cast<std::size_t>(e)] = 0;
 }
 
 }  // namespace detail
