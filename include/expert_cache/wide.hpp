@@ -329,8 +329,9 @@ inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_ex
 // consumer busy while the link works: they are spread over the rounds a later fill can hide
 // (0 .. R - 2), in equal shares of their rows (the forward's ids naming them, so a popular expert
 // weighs what its compute weighs), and the last round, whose consumer nothing overlaps, carries
-// only its misses. With every hit in round 0 instead, round 0's consumer ran alone for most of
-// the layer while the link, with one free stream half, idled. With one round every hit is in it.
+// only its misses. With every hit in round 0 instead, round 0's consumer could hold most of the
+// layer's compute while only one further fill (one free stream half) ran. With one round every
+// hit is in it.
 // `rows[e]`: e's ids in the forward (an expert counted 0 weighs 1). `begin` gets rounds + 1
 // entries (reserved by the owner: no allocation).
 inline void split_wide_hits(std::span<const std::int32_t> hits, std::span<const std::uint32_t> rows, std::size_t rounds,
