@@ -248,7 +248,8 @@ void check_scenario(const Layer& L, const ResidentLayer& res, const HostCopies& 
   // (3) one pass.
   SlotPool one(L, before, map);
   const device::MoeHostSource src = host.source(L, d_flags.get());
-  REQUIRE(moe.check_host_source(src).ok());
+  const Status checked = moe.check_host_source(src);
+  REQUIRE_MESSAGE(checked.ok(), std::string(checked.message()));
   const Status ran = moe.run_one_pass(one.weights, src, d_ids.get(), d_w.get(), d_x.get(), out_one.get(), sc.tokens, stream);
   REQUIRE_MESSAGE(ran.ok(), std::string(ran.message()));
   REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
@@ -378,7 +379,8 @@ TEST_CASE("moe consumer one pass: bad input is refused before any launch; output
   DevArray<float> d_out(sentinel);
   device::MoeConsumer moe(L.layout, 1, 2);
   const device::MoeHostSource good = host.source(L, d_flags.get());
-  REQUIRE(moe.check_host_source(good).ok());
+  const Status checked = moe.check_host_source(good);
+  REQUIRE_MESSAGE(checked.ok(), std::string(checked.message()));
 
   auto refused = [&](const device::MoeWeights& w, const device::MoeHostSource& h, int tokens, const char* needle) {
     CAPTURE(needle);

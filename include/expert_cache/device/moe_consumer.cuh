@@ -63,6 +63,14 @@
 // Blocks are launched in pair order, not resident-first: at decode sizes every block of
 // moe_w13 is resident at once, so the spinning ones do not hold back the resident ones.
 //
+// One pass (opt-in, MoeConsumer::run_one_pass; compute from host): the caller names the experts
+// whose slots do not hold them yet (MoeHostSource: per-expert flags and the experts' mapped host
+// copies). Their pairs' blocks load their share of the weights, scales and g' from host memory
+// instead of the slot, compute as usual, and the expert's first pair stores those bytes into
+// the slot: no separate fill, and the slot is complete once the consumer completed (edge D7).
+// Separate kernel entry points (moe_w13_one_pass, moe_w2_one_pass); today's kernels are
+// unchanged. Bit-identical to filling first (the same bytes, the same arithmetic and order).
+//
 // Limits: inputs and activations below 2^63 in magnitude (they are pre-scaled by 2^62); scale
 // bytes 1-7 (never produced by the repack) go through bf16 subnormals in the MMA.
 #if !defined(__CUDACC__)
