@@ -310,6 +310,21 @@ __device__ __forceinline__ bool first_pair_of_expert(const std::int32_t* ids, in
   return __syncthreads_or(earlier) == 0;
 }
 
+// The missing flag of pair p's expert (0 for an invalid id; always 0 without the one-pass mode).
+// Called right after slot_of: volatile, so that the load is issued next to the map's (both need
+// only ids[p]) rather than after the first use of the slot, one round trip later.
+template <int Host>
+__device__ __forceinline__ std::int32_t missing_flag(const MoeHostSource& host, std::int32_t num_experts,
+                                                     const std::int32_t* ids, int p) {
+  std::int32_t flag = 0;
+  if constexpr (Host != host_none) {
+    const std::int32_t e = ids[p];
+    if (e >= 0 && e < num_experts)
+      asm volatile("ld.global.u32 %0, [%1];" : "=r"(flag) : "l"(host.missing + e));
+  }
+  return flag;
+}
+
 // A pair's source in the one-pass mode: block-uniform. from_host: the pair's expert is missing
 // (its bytes are read from `host`); writer: this pair's blocks also store them into the slot.
 struct PairSource {
@@ -318,13 +333,12 @@ struct PairSource {
   bool writer = false;
 };
 template <int Host>
-__device__ __forceinline__ PairSource pair_source(const MoeHostSource& host, const std::int32_t* ids, int p,
-                                                  std::int32_t slot) {
+__device__ __forceinline__ PairSource pair_source(const std::int32_t* ids, int p, std::int32_t slot, std::int32_t flag) {
   PairSource src;
   if constexpr (Host != host_none) {
-    if (slot >= 0) {  // then ids[p] is a valid expert (slot_of)
+    if (slot >= 0 && flag != 0) {  // slot >= 0: ids[p] is a valid expert (slot_of)
       src.expert = ids[p];
-      src.from_host = host.missing[src.expert] != 0;
+      src.from_host = true;
     }
     if (src.from_host) src.writer = first_pair_of_expert(ids, p, src.expert);
   }
@@ -564,9 +578,10 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
     xv[i] = idx < 16 * w13_rows && kt0 + idx / 16 < rows ? x[static_cast<long long>(m) * hidden + 16LL * kt0 + idx] : 0.0f;
   }
   const std::int32_t slot = slot_of(w, ids, p);
+  const std::int32_t flag = missing_flag<Host>(host, w.num_experts, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
   await_slot<w13_waits_for_slot(Mode), true>(ready, slot);
-  const PairSource src = pair_source<Host>(host, ids, p, slot);
+  const PairSource src = pair_source<Host>(ids, p, slot, flag);
 
   const long long size_n = 2LL * padded;
   const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
@@ -713,11 +728,12 @@ __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int3
   // Before the wait, only what no kernel since moe_w13's own wait can write: ids, the map and
   // the slot buffers. This is the overlap with moe_w13: these weights are loaded while it runs.
   const std::int32_t slot = slot_of(w, ids, p);
+  const std::int32_t flag = missing_flag<Host>(host, w.num_experts, ids, p);
   uint4 q[rows_per_warp];
   uint2 s[rows_per_warp];
   float g2 = 0.0f;
   if (slot >= 0) await_slot<w2_waits_for_slot(Mode)>(ready, slot);
-  const PairSource src = pair_source<Host>(host, ids, p, slot);
+  const PairSource src = pair_source<Host>(ids, p, slot, flag);
   std::uint32_t g2_host = 0;  // the missing expert's g2' bits
   if (slot >= 0 && !src.from_host) {
     const unsigned char* wp = w.base[1] + static_cast<unsigned long long>(slot) * w.stride[1] + nt * 512LL + lane * 16;
