@@ -944,13 +944,13 @@ class MoeConsumer {
   // each missing expert's slot holds exactly its host bytes (six tensors, as a fill leaves them).
   //
   // Contract: `w`'s slot buffers are writable device memory; a missing expert's map entry is the
-  // slot a fill would have filled, used by no other expert of the run; `host` and its `missing`
-  // flags are device-accessible and written before the consumer's first kernel starts; an
-  // expert flagged missing that no pair of the run routes to, or that the map drops (-1), is
-  // neither read nor written. Readiness words are not touched: this mode replaces the fill, so
-  // it takes no SlotReadiness (an overlapped cache's fill would write the same slots). The
-  // caller tells its cache nothing: whatever marks the slot resident (a plan's map) is the
-  // caller's, and the slot is complete when this run's second kernel completes.
+  // slot a fill would have filled, used by no other expert of the run and by no other work
+  // while the consumer runs; `host` and its `missing` flags are device-accessible and written
+  // before the consumer's first kernel starts; an expert flagged missing that no pair of the run
+  // routes to, or that the map drops (-1), is neither read nor written. Readiness words are not
+  // touched: this mode replaces the fill, so it takes no SlotReadiness (an overlapped cache's
+  // fill would write the same slots). The map that names the slot is the caller's (a plan that
+  // does not fill); the slot is complete when this run's second kernel completes.
   // Ordering (docs/design.md, edge D7): the slot writes come after every earlier kernel on
   // `stream` (moe_w13's griddepcontrol.wait precedes its first load and store, and moe_w2 is
   // scheduled only after every moe_w13 block passed it) and before every later one (stream
