@@ -63,6 +63,14 @@
 // Blocks are launched in pair order, not resident-first: at decode sizes every block of
 // moe_w13 is resident at once, so the spinning ones do not hold back the resident ones.
 //
+// One pass (opt-in, MoeConsumer::run_one_pass; compute from host): the caller names the experts
+// whose slots do not hold them yet (MoeHostSource: per-expert flags and the experts' mapped host
+// copies). Their pairs' blocks load their share of the weights, scales and g' from host memory
+// instead of the slot, compute as usual, and the expert's first pair stores those bytes into
+// the slot: no separate fill, and the slot is complete once the consumer completed (edge D7).
+// Separate kernel entry points (moe_w13_one_pass, moe_w2_one_pass); today's kernels are
+// unchanged. Bit-identical to filling first (the same bytes, the same arithmetic and order).
+//
 // Limits: inputs and activations below 2^63 in magnitude (they are pre-scaled by 2^62); scale
 // bytes 1-7 (never produced by the repack) go through bf16 subnormals in the MMA.
 #if !defined(__CUDACC__)
@@ -96,6 +104,19 @@ struct MoeWeights {
   unsigned long long stride[num_expert_tensors] = {};  // bytes from slot s to s + 1
   const std::int32_t* expert_map = nullptr;             // [num_experts]: slot or -1
   std::int32_t num_experts = 0;
+};
+
+// The one-pass mode's source of the missing experts (MoeConsumer::run_one_pass): the experts'
+// host copies, expert-major per tensor as a cache's host storage lays them out (tensor t of
+// expert e at base[t] + e * stride[t]), as DEVICE addresses (mapped pinned host memory:
+// cudaHostGetDevicePointer of a cudaHostAlloc(Mapped) / cudaHostRegister(Mapped) buffer; device
+// memory works too), and which experts this run reads from there: missing[e] != 0 (device
+// memory, [num_experts], written before the consumer's first kernel starts). A missing expert
+// must have its slot in the map (the slot a fill would have filled); that slot is written.
+struct MoeHostSource {
+  const unsigned char* base[num_expert_tensors] = {};
+  unsigned long long stride[num_expert_tensors] = {};  // bytes from expert e to e + 1
+  const std::int32_t* missing = nullptr;                // [num_experts]: non-zero = read from host, write the slot
 };
 
 template <class View>
@@ -253,6 +274,85 @@ __device__ __forceinline__ uint2 load_slot8(const unsigned char* p) {
     return load_cg8(p);
   }
 }
+// The one-pass mode (MoeConsumer::run_one_pass): host_none is today's kernels; host_one_pass
+// reads missing experts from host memory and writes them into their slots; (tests only)
+// host_test_skip_start_wait is host_one_pass without moe_w13's griddepcontrol.wait at its
+// start, to show that this wait is what orders the slot writes after the previous kernel's
+// reads (edge D7).
+inline constexpr int host_none = 0;
+inline constexpr int host_one_pass = 1;
+inline constexpr int host_test_skip_start_wait = 2;
+
+// Host (mapped) memory is read once per run: streamed, as the gather fill reads it (__ldcs).
+// volatile keeps moe_w2's loads ahead of its griddep_wait, like load_stream16.
+__device__ __forceinline__ uint4 load_host16(const unsigned char* p) {
+  uint4 v;
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 load_host8(const unsigned char* p) {
+  uint2 v;
+  asm volatile("ld.global.cs.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ std::uint32_t load_host4(const unsigned char* p) {
+  std::uint32_t v;
+  asm volatile("ld.global.cs.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Whether pair p is the first pair of the run (lowest index) whose id is expert e: that pair's
+// blocks write the expert's slot, so that several pairs of one missing expert (batch > 1) do
+// not write it twice. Every thread of the block must call it (block-uniform arguments).
+__device__ __forceinline__ bool first_pair_of_expert(const std::int32_t* ids, int p, std::int32_t e) {
+  int earlier = 0;
+  for (int q = static_cast<int>(threadIdx.x); q < p; q += static_cast<int>(blockDim.x)) earlier |= ids[q] == e ? 1 : 0;
+  return __syncthreads_or(earlier) == 0;
+}
+
+// The missing flag of pair p's expert (0 for an invalid id; always 0 without the one-pass mode).
+// Called right after slot_of: volatile, so that the load is issued next to the map's (both need
+// only ids[p]) rather than after the first use of the slot, one round trip later.
+template <int Host>
+__device__ __forceinline__ std::int32_t missing_flag(const MoeHostSource& host, std::int32_t num_experts,
+                                                     const std::int32_t* ids, int p) {
+  std::int32_t flag = 0;
+  if constexpr (Host != host_none) {
+    const std::int32_t e = ids[p];
+    if (e >= 0 && e < num_experts)
+      asm volatile("ld.global.u32 %0, [%1];" : "=r"(flag) : "l"(host.missing + e));
+  }
+  return flag;
+}
+
+// A pair's source in the one-pass mode: block-uniform. from_host: the pair's expert is missing
+// (its bytes are read from `host`); writer: this pair's blocks also store them into the slot.
+struct PairSource {
+  std::int32_t expert = -1;
+  bool from_host = false;
+  bool writer = false;
+};
+template <int Host>
+__device__ __forceinline__ PairSource pair_source(const std::int32_t* ids, int p, std::int32_t slot, std::int32_t flag) {
+  PairSource src;
+  if constexpr (Host != host_none) {
+    if (slot >= 0 && flag != 0) {  // slot >= 0: ids[p] is a valid expert (slot_of)
+      src.expert = ids[p];
+      src.from_host = true;
+    }
+    if (src.from_host) src.writer = first_pair_of_expert(ids, p, src.expert);
+  }
+  return src;
+}
+__device__ __forceinline__ const unsigned char* host_row(const MoeHostSource& host, int tensor, std::int32_t expert) {
+  return host.base[tensor] + static_cast<unsigned long long>(expert) * host.stride[tensor];
+}
+// The slot row the one-pass mode writes (MoeWeights holds read-only views of the slot buffers;
+// run_one_pass documents that they must be writable).
+__device__ __forceinline__ unsigned char* slot_row_rw(const MoeWeights& w, int tensor, std::int32_t slot) {
+  return const_cast<unsigned char*>(w.base[tensor]) + static_cast<unsigned long long>(slot) * w.stride[tensor];
+}
+
 // Before a block reads `slot`: one thread waits for its ready word, the barrier orders the
 // block's loads after that acquire. Uniform per block (the slot depends on blockIdx.z only).
 // FirstPart: the block reads only W13's tensors (w13, w13_scale, w13_scale_2), which a fill
@@ -443,13 +543,21 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
 // fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
 // A template (Mode: ready_none / ready_wait / ready_test_skip_wait) so that every translation
 // unit may define it; moe_w13<> is today's kernel.
-template <int Mode>
+// Host != host_none (the one-pass mode, with Mode == ready_none): a pair whose expert is missing
+// loads its weights, scales and g' from `host` instead of the slot, computes with them exactly as
+// with the slot's bytes, and, in the expert's writer pair, stores what it loaded into the slot at
+// the same offsets. The blocks of a pair together load every byte of W13, w13_scale (each block
+// its 16 K-rows of its gate and up tiles) once; g1' is loaded by every block (threads 0-63, for
+// the last block's use) and stored by block (0, 0).
+template <int Mode, int Host = host_none>
 __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int32_t* ids, const float* x, int hidden,
                                              int top_k, int rows, int padded, float gscale, float* partial,
                                              unsigned* counters, unsigned short* act, const SlotReadiness& ready,
-                                             const PairProgress& progress) {
-  if constexpr (Mode == ready_none) {
-    griddep_wait();  // ids, x and the slot buffers may come from the previous kernel
+                                             const PairProgress& progress, const MoeHostSource& host = {}) {
+  if constexpr (Mode == ready_none && Host != host_test_skip_start_wait) {
+    // ids, x and the slot buffers may come from the previous kernel. One-pass: also every
+    // earlier kernel's reads of a slot this run writes are over (edge D7).
+    griddep_wait();
   }
   // ready_none: only after the wait (moe_w2 reads slot buffers before its own); with
   // readiness moe_w2 waits for each slot's ready word itself.
@@ -470,8 +578,10 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
     xv[i] = idx < 16 * w13_rows && kt0 + idx / 16 < rows ? x[static_cast<long long>(m) * hidden + 16LL * kt0 + idx] : 0.0f;
   }
   const std::int32_t slot = slot_of(w, ids, p);
+  const std::int32_t flag = missing_flag<Host>(host, w.num_experts, ids, p);
   if (slot < 0) return;  // never read: moe_w2 skips absent pairs
   await_slot<w13_waits_for_slot(Mode), true>(ready, slot);
+  const PairSource src = pair_source<Host>(ids, p, slot, flag);
 
   const long long size_n = 2LL * padded;
   const int sel = warp / w13_row_groups, rg = warp % w13_row_groups;
@@ -480,15 +590,32 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   const unsigned char* sp = w.base[2] + static_cast<unsigned long long>(slot) * w.stride[2] + nt * 64 + 8 * g;
   uint4 q[rows_per_warp];
   uint2 s[rows_per_warp];
+  std::uint32_t g1_host = 0;  // the missing expert's g1' bits (threads 0-63: the last block's reduction threads)
+  if (!src.from_host) {
 #pragma unroll
-  for (int i = 0; i < rows_per_warp; ++i) {
-    const int kt = kt0 + rg * rows_per_warp + i;
-    q[i] = make_uint4(0u, 0u, 0u, 0u);
-    s[i] = make_uint2(0u, 0u);
-    if (kt < rows) {
-      q[i] = load_slot16<Mode>(wp + kt * 8 * size_n);
-      s[i] = load_slot8<Mode>(sp + kt * size_n);
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const int kt = kt0 + rg * rows_per_warp + i;
+      q[i] = make_uint4(0u, 0u, 0u, 0u);
+      s[i] = make_uint2(0u, 0u);
+      if (kt < rows) {
+        q[i] = load_slot16<Mode>(wp + kt * 8 * size_n);
+        s[i] = load_slot8<Mode>(sp + kt * size_n);
+      }
     }
+  } else if constexpr (Host != host_none) {
+    const unsigned char* hwp = host_row(host, 0, src.expert) + nt * 512 + lane * 16;
+    const unsigned char* hsp = host_row(host, 2, src.expert) + nt * 64 + 8 * g;
+#pragma unroll
+    for (int i = 0; i < rows_per_warp; ++i) {
+      const int kt = kt0 + rg * rows_per_warp + i;
+      q[i] = make_uint4(0u, 0u, 0u, 0u);
+      s[i] = make_uint2(0u, 0u);
+      if (kt < rows) {
+        q[i] = load_host16(hwp + kt * 8 * size_n);
+        s[i] = load_host8(hsp + kt * size_n);
+      }
+    }
+    if (tid < 64) g1_host = load_host4(host_row(host, 4, src.expert));
   }
 
   __shared__ __align__(16) unsigned short a_s[w13_rows][terms][16];
@@ -505,6 +632,22 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   }
   __syncthreads();
 
+  if constexpr (Host != host_none) {
+    if (src.writer) {  // the bytes loaded from host, into the slot at the same offsets
+      // (here, where q and s are live anyway: after the MMAs they would be held for the stores)
+      unsigned char* dwp = slot_row_rw(w, 0, slot) + nt * 512 + lane * 16;
+      unsigned char* dsp = slot_row_rw(w, 2, slot) + nt * 64 + 8 * g;
+#pragma unroll
+      for (int i = 0; i < rows_per_warp; ++i) {
+        const int kt = kt0 + rg * rows_per_warp + i;
+        if (kt < rows) {
+          *reinterpret_cast<uint4*>(dwp + kt * 8 * size_n) = q[i];
+          if (t == 0) *reinterpret_cast<uint2*>(dsp + kt * size_n) = s[i];  // lanes t = 1-3 loaded the same 8 bytes
+        }
+      }
+      if (j == 0 && split == 0 && tid == 0) *reinterpret_cast<std::uint32_t*>(slot_row_rw(w, 4, slot)) = g1_host;
+    }
+  }
   float acc[4][4] = {};
 #pragma unroll
   for (int i = 0; i < rows_per_warp; ++i) {
@@ -522,7 +665,13 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   if (!arrive_last(&counters[static_cast<long long>(p) * tiles + j], static_cast<unsigned>(splits))) return;
 
   if (tid < 64) {
-    const float gs = global_of<Mode>(w, 4, slot) * gscale;
+    float g1 = 0.0f;
+    if constexpr (Host != host_none) {
+      g1 = src.from_host ? __uint_as_float(g1_host) : global_of<Mode>(w, 4, slot);
+    } else {
+      g1 = global_of<Mode>(w, 4, slot);
+    }
+    const float gs = g1 * gscale;
     float gate = 0.0f, up = 0.0f;
 #pragma unroll 8
     for (int i = 0; i < splits; ++i) {
@@ -561,11 +710,14 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
 // C3 of the 64-column tile nt over K-rows [32 split, 32 split + 32) times topk_weight * g2'
 // (0 for absent pairs), then, in the last block of (token, nt), out = the sum over the token's
 // pairs and splits in order. Grid (K / 64, splits, pairs). A template for the same reason.
-template <int Mode>
+// Host != host_none (one-pass): as in moe_w13, a missing expert's W2, w2_scale and g2' come from
+// `host`, and its writer pair stores them into the slot (g2' by block (0, 0)). The loads are
+// issued before the wait for moe_w13, like the slot loads; the stores right before the MMAs.
+template <int Mode, int Host = host_none>
 __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights,
                                             int hidden, int top_k, int rows, float gscale, const unsigned short* act,
                                             float* partial, unsigned* counters, float* out, const SlotReadiness& ready,
-                                            const PairProgress& progress) {
+                                            const PairProgress& progress, const MoeHostSource& host = {}) {
   const int nt = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
   const int p = static_cast<int>(blockIdx.z);
@@ -576,11 +728,14 @@ __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int3
   // Before the wait, only what no kernel since moe_w13's own wait can write: ids, the map and
   // the slot buffers. This is the overlap with moe_w13: these weights are loaded while it runs.
   const std::int32_t slot = slot_of(w, ids, p);
+  const std::int32_t flag = missing_flag<Host>(host, w.num_experts, ids, p);
   uint4 q[rows_per_warp];
   uint2 s[rows_per_warp];
   float g2 = 0.0f;
   if (slot >= 0) await_slot<w2_waits_for_slot(Mode)>(ready, slot);
-  if (slot >= 0) {
+  const PairSource src = pair_source<Host>(ids, p, slot, flag);
+  std::uint32_t g2_host = 0;  // the missing expert's g2' bits
+  if (slot >= 0 && !src.from_host) {
     const unsigned char* wp = w.base[1] + static_cast<unsigned long long>(slot) * w.stride[1] + nt * 512LL + lane * 16;
     const unsigned char* sp = w.base[3] + static_cast<unsigned long long>(slot) * w.stride[3] + nt * 64LL + 8 * g;
 #pragma unroll
@@ -594,6 +749,23 @@ __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int3
       }
     }
     g2 = global_of<Mode>(w, 5, slot) * gscale;
+  } else if constexpr (Host != host_none) {
+    if (src.from_host) {
+      const unsigned char* hwp = host_row(host, 1, src.expert) + nt * 512LL + lane * 16;
+      const unsigned char* hsp = host_row(host, 3, src.expert) + nt * 64LL + 8 * g;
+#pragma unroll
+      for (int i = 0; i < rows_per_warp; ++i) {
+        const int kt = kt0 + i;
+        q[i] = make_uint4(0u, 0u, 0u, 0u);
+        s[i] = make_uint2(0u, 0u);
+        if (kt < rows) {
+          q[i] = load_host16(hwp + static_cast<long long>(kt) * 8 * hidden);
+          s[i] = load_host8(hsp + static_cast<long long>(kt) * hidden);
+        }
+      }
+      g2_host = load_host4(host_row(host, 5, src.expert));
+      g2 = __uint_as_float(g2_host) * gscale;
+    }
   }
   griddep_launch_dependents();
   if constexpr (Mode == ready_none || Mode == ready_test_skip_wait) {
@@ -621,6 +793,21 @@ __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int3
       a[i] = make_uint2(0u, 0u);
       if (g < terms && kt < rows)
         a[i] = __ldcg(reinterpret_cast<const uint2*>(act + (static_cast<long long>(p) * rows + kt) * (terms * 16) + 16 * g) + t);
+    }
+    if constexpr (Host != host_none) {
+      if (src.writer) {  // the bytes loaded from host, into the slot at the same offsets
+        unsigned char* dwp = slot_row_rw(w, 1, slot) + nt * 512LL + lane * 16;
+        unsigned char* dsp = slot_row_rw(w, 3, slot) + nt * 64LL + 8 * g;
+#pragma unroll
+        for (int i = 0; i < rows_per_warp; ++i) {
+          const int kt = kt0 + i;
+          if (kt < rows) {
+            *reinterpret_cast<uint4*>(dwp + static_cast<long long>(kt) * 8 * hidden) = q[i];
+            if (t == 0) *reinterpret_cast<uint2*>(dsp + static_cast<long long>(kt) * hidden) = s[i];
+          }
+        }
+        if (nt == 0 && split == 0 && tid == 0) *reinterpret_cast<std::uint32_t*>(slot_row_rw(w, 5, slot)) = g2_host;
+      }
     }
     float acc[4][4] = {};
 #pragma unroll
@@ -658,6 +845,29 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
     if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) griddep_wait();
   }
 }
+
+// The one-pass kernels (MoeConsumer::run_one_pass; Host = host_one_pass or
+// host_test_skip_start_wait): their own entry points, so that today's kernels keep their
+// parameters. Stream-ordered like moe_w13<> / moe_w2<> (no readiness).
+template <int Host>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
+    moe_w13_one_pass(MoeWeights w, MoeHostSource host, const std::int32_t* ids, const float* x, int hidden, int top_k,
+                     int rows, int padded, float gscale, float* partial, unsigned* counters, unsigned short* act) {
+  moe_w13_body<ready_none, Host>(w, ids, x, hidden, top_k, rows, padded, gscale, partial, counters, act, SlotReadiness{},
+                                 PairProgress{}, host);
+}
+template <int Host>
+EXPERT_CACHE_KERNEL void __launch_bounds__(threads)
+    moe_w2_one_pass(MoeWeights w, MoeHostSource host, const std::int32_t* ids, const float* topk_weights, int hidden,
+                    int top_k, int rows, float gscale, const unsigned short* act, float* partial, unsigned* counters,
+                    float* out) {
+  moe_w2_body<ready_none, Host>(w, ids, topk_weights, hidden, top_k, rows, gscale, act, partial, counters, out,
+                                SlotReadiness{}, PairProgress{}, host);
+}
+
+// Bytes per load (and store) of tensor t in the kernels: the alignment its base and strides need.
+// (Nvfp4Marlin has exactly the six default tensors.)
+inline constexpr unsigned long long tensor_access_bytes[num_default_expert_tensors] = {16, 16, 8, 8, 4, 4};
 
 }  // namespace moe_detail
 
@@ -723,10 +933,144 @@ class MoeConsumer {
     return run_mode<moe_detail::ready_wait>(w, ids, topk_weights, x, out, tokens, stream, ready);
   }
 
+  // One-pass mode (compute from host; opt-in, run() is unchanged). Like run() without
+  // readiness, except for the pairs whose expert e has host.missing[e] != 0 (a "missing" expert:
+  // its slot does not hold it yet). Those read e's bytes (weights, block scales, g') from `host`
+  // (mapped host memory, read over the link by the SMs) instead of the slot and compute with
+  // them as usual; the first pair of e in this run (lowest pair index: one writer when e appears
+  // in several pairs, batch > 1; every pair of e reads from host) stores every byte it read into
+  // e's slot at the same offsets. Fill and compute in one pass: the output is bit-identical to
+  // filling the missing experts' slots and then calling run(), and once the consumer completed
+  // each missing expert's slot holds exactly its host bytes (six tensors, as a fill leaves them).
+  //
+  // Contract: `w`'s slot buffers are writable device memory; a missing expert's map entry is the
+  // slot a fill would have filled, used by no other expert of the run and by no other work
+  // while the consumer runs; `host` and its `missing` flags are device-accessible and written
+  // before the consumer's first kernel starts; an expert flagged missing that no pair of the run
+  // routes to, or that the map drops (-1), is neither read nor written. Readiness words are not
+  // touched: this mode replaces the fill, so it takes no SlotReadiness (an overlapped cache's
+  // fill would write the same slots). The map that names the slot is the caller's (a plan that
+  // does not fill); the slot is complete when this run's second kernel completes.
+  // Ordering (docs/design.md, edge D7): the slot writes come after every earlier kernel on
+  // `stream` (moe_w13's griddepcontrol.wait precedes its first load and store, and moe_w2 is
+  // scheduled only after every moe_w13 block passed it) and before every later one (stream
+  // order: moe_w2, which waits for moe_w13, completes last).
+  // Bad input (checked here, before any launch; nothing is enqueued): tokens out of range, a
+  // null `missing`, a null host or slot base of a tensor the layout has, a stride shorter than
+  // the tensor, a base or stride not aligned to the kernels' access width (16 bytes for the
+  // weights, 8 for the block scales, 4 for g'), a null map. check_host_source() also checks that
+  // the host addresses are device addresses (call it once, outside stream capture).
+  // Tests only: test_skip_start_wait drops moe_w13's griddepcontrol.wait (edge D7 removed).
+  [[nodiscard]] Status run_one_pass(const MoeWeights& w, const MoeHostSource& host, const std::int32_t* ids,
+                                    const float* topk_weights, const float* x, float* out, int tokens, cudaStream_t stream,
+                                    bool test_skip_start_wait = false) const noexcept {
+    if (tokens < 1 || tokens > max_tokens_) {
+      return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: tokens %d outside [1, %d]", tokens,
+                            max_tokens_);
+    }
+    if (Status st = one_pass_inputs_status(w, host); !st) return st;
+    if (test_skip_start_wait)
+      return run_one_pass_mode<moe_detail::host_test_skip_start_wait>(w, host, ids, topk_weights, x, out, tokens, stream);
+    return run_one_pass_mode<moe_detail::host_one_pass>(w, host, ids, topk_weights, x, out, tokens, stream);
+  }
+
+  // The checks of run_one_pass's `host`, plus: every host base is a device address (mapped pinned
+  // host memory given by its device pointer, or device / managed memory; pageable memory and a
+  // host pointer whose device address differs are refused), and so is `missing`. Uses
+  // cudaPointerGetAttributes: call it once at setup, not under stream capture.
+  [[nodiscard]] Status check_host_source(const MoeHostSource& host) const noexcept {
+    if (Status st = host_source_status(host); !st) return st;
+    const ExpertTensorBytes b = layout_.tensors();
+    constexpr std::size_t n = num_default_expert_tensors;
+    for (std::size_t t = 0; t <= n; ++t) {  // the six tensors, then `missing`
+      const void* p = t < n ? static_cast<const void*>(host.base[t]) : static_cast<const void*>(host.missing);
+      if (t < n && b[t].bytes_per_expert == 0) continue;
+      const char* what = t < n ? b[t].name.data() : "missing";
+      cudaPointerAttributes a{};
+      if (const cudaError_t err = cudaPointerGetAttributes(&a, p); err != cudaSuccess) {
+        (void)cudaGetLastError();
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::check_host_source: %s: cudaPointerGetAttributes: %s",
+                              what, cudaGetErrorString(err));
+      }
+      if (a.type == cudaMemoryTypeUnregistered) {
+        return Status::format(ErrorCode::invalid_argument,
+                              "MoeConsumer::check_host_source: %s is pageable host memory: the kernels read it "
+                              "directly; pin and map it (cudaHostAlloc / cudaHostRegister, Mapped) and pass its device pointer",
+                              what);
+      }
+      if (a.devicePointer != p) {
+        return Status::format(ErrorCode::invalid_argument,
+                              "MoeConsumer::check_host_source: %s is not a device address (its device pointer differs: "
+                              "pass cudaHostGetDevicePointer's)",
+                              what);
+      }
+    }
+    return {};
+  }
+
   [[nodiscard]] int top_k() const noexcept { return top_k_; }
   [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
 
  private:
+  [[nodiscard]] Status host_source_status(const MoeHostSource& host) const noexcept {
+    if (host.missing == nullptr)
+      return Status(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host.missing is null (the missing experts' flags)");
+    const ExpertTensorBytes b = layout_.tensors();
+    for (std::size_t t = 0; t < num_default_expert_tensors; ++t) {
+      if (b[t].bytes_per_expert == 0) continue;
+      const unsigned long long align = moe_detail::tensor_access_bytes[t];
+      if (host.base[t] == nullptr)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host base of %s is null", b[t].name.data());
+      if (host.stride[t] < b[t].bytes_per_expert)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host stride of %s is %llu, below its %zu bytes",
+                              b[t].name.data(), host.stride[t], b[t].bytes_per_expert);
+      if (reinterpret_cast<std::uintptr_t>(host.base[t]) % align != 0 || host.stride[t] % align != 0)
+        return Status::format(ErrorCode::invalid_argument,
+                              "MoeConsumer::run_one_pass: host base or stride of %s not a multiple of %llu bytes", b[t].name.data(), align);
+    }
+    return {};
+  }
+
+  [[nodiscard]] Status one_pass_inputs_status(const MoeWeights& w, const MoeHostSource& host) const noexcept {
+    if (Status st = host_source_status(host); !st) return st;
+    if (w.expert_map == nullptr || w.num_experts < 1)
+      return Status(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: the weights have no expert map");
+    const ExpertTensorBytes b = layout_.tensors();
+    for (std::size_t t = 0; t < num_default_expert_tensors; ++t) {
+      if (b[t].bytes_per_expert == 0) continue;
+      const unsigned long long align = moe_detail::tensor_access_bytes[t];
+      if (w.base[t] == nullptr)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: slot base of %s is null", b[t].name.data());
+      if (w.stride[t] < b[t].bytes_per_expert)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: slot stride of %s is %llu, below its %zu bytes",
+                              b[t].name.data(), w.stride[t], b[t].bytes_per_expert);
+      if (reinterpret_cast<std::uintptr_t>(w.base[t]) % align != 0 || w.stride[t] % align != 0)
+        return Status::format(ErrorCode::invalid_argument,
+                              "MoeConsumer::run_one_pass: slot base or stride of %s not a multiple of %llu bytes", b[t].name.data(), align);
+    }
+    return {};
+  }
+
+  template <int Host>
+  [[nodiscard]] Status run_one_pass_mode(const MoeWeights& w, const MoeHostSource& host, const std::int32_t* ids,
+                                         const float* topk_weights, const float* x, float* out, int tokens,
+                                         cudaStream_t stream) const noexcept {
+    const unsigned pairs = static_cast<unsigned>(tokens * top_k_);
+    const int padded = static_cast<int>(layout_.padded_intermediate());
+    const int hidden = static_cast<int>(layout_.hidden);
+    const float gscale = unbias_ * moe_detail::out_scale;
+    cudaError_t err = launch(moe_detail::moe_w13_one_pass<Host>,
+                             dim3(static_cast<unsigned>(padded / 64), static_cast<unsigned>(splits1_), pairs), stream, w, host,
+                             ids, x, hidden, top_k_, rows1_, padded, gscale, part1_, counters_, act_);
+    if (err == cudaSuccess) {
+      err = launch(moe_detail::moe_w2_one_pass<Host>, dim3(static_cast<unsigned>(hidden / 64), static_cast<unsigned>(splits2_), pairs),
+                   stream, w, host, ids, topk_weights, hidden, top_k_, rows2_, gscale, static_cast<const unsigned short*>(act_),
+                   part2_, counters_ + counters1_, out);
+    }
+    if (err == cudaSuccess) err = cudaGetLastError();
+    return cuda_status(err, "MoeConsumer::run_one_pass: launch");
+  }
+
   template <int Mode>
   [[nodiscard]] Status run_mode(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,
                                 float* out, int tokens, cudaStream_t stream, const SlotReadiness& ready) const noexcept {
