@@ -21,12 +21,12 @@ status=0
 note() { echo "== $*" | tee -a "$out/summary.txt"; }
 git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
 
-gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_moe_grouped tests/test_gpu_device_plan
+gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_moe_consumer_host tests/test_gpu_moe_grouped tests/test_gpu_device_plan
            tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda
            tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda examples/quickstart_cuda)
 subset=${GPU_TESTS:-}
 if [ -n "$subset" ]; then read -r -a gpu_tests <<< "$subset"; fi
-gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging)
+gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging bench/bench_consumer_host)
 
 if [ "$phase" != python ] && [ ! -f "$build/build.ninja" ]; then
   meson setup "$build" -Dcuda=enabled -Dgpu_arch=sm_90 -Dtests=enabled -Dbenchmarks=enabled >"$out/setup.log" 2>&1 \
@@ -73,7 +73,11 @@ bench)
   "$build/bench/bench_staging" --benchmark_filter='fill/' --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
     --benchmark_counters_tabular=true --benchmark_out="$out/bench_staging.json" --benchmark_out_format=json \
     >"$out/bench_staging.txt" 2>&1 || { note "bench_staging failed"; status=1; }
-  grep -E "_median" "$out/bench_device_plan.txt" "$out/bench_staging.txt" | head -80
+  # Compute from host: fill-then-consume against the one-pass consumer, per layer of a 48-layer graph.
+  "$build/bench/bench_consumer_host" --benchmark_repetitions=3 --benchmark_report_aggregates_only=true \
+    --benchmark_counters_tabular=true --benchmark_out="$out/bench_consumer_host.json" --benchmark_out_format=json \
+    >"$out/bench_consumer_host.txt" 2>&1 || { note "bench_consumer_host failed"; status=1; }
+  grep -E "_median" "$out/bench_device_plan.txt" "$out/bench_staging.txt" "$out/bench_consumer_host.txt" | head -100
   ;;
 python)
   py_out="$out/python"; mkdir -p "$py_out"
