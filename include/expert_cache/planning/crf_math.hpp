@@ -88,6 +88,9 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at_table(const std::uint64_t* 
   return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow_table(table, now - last));
 }
 
+// A bias that keeps an expert over every unbiased one (CRF < 2^40 always: d^age sums to < 1/(1-d)).
+inline constexpr std::uint64_t crf_pin_bias = std::uint64_t{1} << 62;
+
 // Saturating add: a victim key is CRF + prior bias; a pinning bias is near UINT64_MAX.
 EXPERT_CACHE_HOST_DEVICE constexpr std::uint64_t crf_add_sat(std::uint64_t a, std::uint64_t b) noexcept {
   return a + b < a ? ~std::uint64_t{0} : a + b;
