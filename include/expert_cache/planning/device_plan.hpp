@@ -553,6 +553,10 @@ struct StateSource {
   EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t, std::int32_t e) const noexcept {
     return s->resident_map[e];
   }
+  // DeviceCrf: expert e's CRF decayed to clock clk (before this request adds one).
+  EXPERT_CACHE_HOST_DEVICE std::uint64_t crf_now(std::int32_t, std::int32_t e, std::uint32_t clk) const noexcept {
+    return crf_at_table(s->crf_pow.data, s->expert_crf[e], s->expert_last[e], clk);
+  }
 };
 
 // The bits of a positive double, ordered like its value.
@@ -764,7 +768,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
       if constexpr (crf) {
-        if (e >= 0 && e < E) crf_touch(s, e, clk);  // hits and misses alike (ids are unique)
+        if (e >= 0 && e < E) {  // Crf::touch, hits and misses alike (ids are unique)
+          s.expert_crf[e] = src.crf_now(begin + i, e, clk) + crf_one;
+          s.expert_last[e] = clk;
+        }
       }
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
@@ -1018,6 +1025,9 @@ struct SmallSource {
   const SmallIds* ids;
   std::int32_t rank;
   std::int32_t prev_mine, id_mine, slot_mine;
+  // DeviceCrf: id_mine's CRF and last request, and the power-table word of its age's low bits.
+  std::uint64_t crf_mine = 0, power_mine = 0;
+  std::uint32_t last_mine = 0;
   EXPERT_CACHE_HOST_DEVICE std::int32_t prev(std::int32_t i) const noexcept {
     return i == rank ? prev_mine : s->prev_forward[i];
   }
@@ -1026,6 +1036,10 @@ struct SmallSource {
   }
   EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t k, std::int32_t e) const noexcept {
     return k == rank ? slot_mine : s->resident_map[e];
+  }
+  EXPERT_CACHE_HOST_DEVICE std::uint64_t crf_now(std::int32_t k, std::int32_t e, std::uint32_t clk) const noexcept {
+    if (k != rank) return crf_at_table(s->crf_pow.data, s->expert_crf[e], s->expert_last[e], clk);
+    return crf_mine == 0 ? 0 : crf_mul_q32(crf_mine, crf_pow_high_bits(s->crf_pow.data, power_mine, clk - last_mine));
   }
 };
 
@@ -1156,6 +1170,16 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   const std::int32_t n0 = detail::min_i32(C, unique);
   const std::int32_t id_mine = rank < n0 ? sorted.unique_at(rank) : -1;
   const std::int32_t slot_mine = rank < n0 ? s.resident_map[id_mine] : -2;
+  detail::SmallSource src{&s, &sorted, rank, prev_mine, id_mine, slot_mine};
+  if constexpr (Policy::kind == DevicePolicyKind::crf) {
+    // The CRF update of this thread's id, loaded now (nothing before the group step writes it),
+    // the table word as soon as its age is known: both round trips overlap the work below.
+    if (rank < n0) {
+      src.crf_mine = s.expert_crf[id_mine];
+      src.last_mine = s.expert_last[id_mine];
+      src.power_mine = s.crf_pow[static_cast<std::int32_t>((in.clock + 1u - src.last_mine) & crf_pow_table_mask)];
+    }
+  }
 
   if (sanitized != nullptr) {
     b.sync();  // sanitized may alias ids: every thread has read them
@@ -1168,7 +1192,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   }
   for (std::int32_t t = rank; t < unique; t += nt) s.unique[t] = t == rank && t < n0 ? id_mine : sorted.unique_at(t);
   if (rank == 0) detail::note_forward(b, s, unique, groups, bad, 0u, in.now);
-  detail::plan_group_from<Policy>(b, s, 0, in, detail::SmallSource{&s, &sorted, rank, prev_mine, id_mine, slot_mine});
+  detail::plan_group_from<Policy>(b, s, 0, in, src);
 }
 
 // Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
