@@ -630,29 +630,30 @@ struct VictimChunk {
     if constexpr (Policy::kind == DevicePolicyKind::crf) {
       // Three passes, so that each pass's loads are all in flight together and no multiply
       // stands between them: the owners' CRF, last request and bias; then one power-table word
-      // per age; then one multiply per key. A non-candidate keeps tie = ~0 and loads nothing.
+      // per age; then one multiply per key. Until the last pass `tie` holds the CRF and `score`
+      // the bias (fewer live registers: the fused plan + fill kernel plans in 128 per thread).
       std::uint32_t age[plan_victim_regs];
-      std::uint64_t bias[plan_victim_regs], power[plan_victim_regs];
-      constexpr std::uint64_t none = ~std::uint64_t{0};
+      std::uint64_t power[plan_victim_regs];
+      auto candidate = [&](std::int32_t k) { return owner[k] >= 0 && owner[k] < E && tick[k] < tick0; };
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        const bool c = candidate(k);
         const std::int32_t o = owner[k];
-        const bool candidate = o >= 0 && o < E && tick[k] < tick0;
-        score[k] = candidate ? s.expert_crf[o] : 0;  // as of its last request
-        age[k] = candidate ? clk - s.expert_last[o] : 0u;
-        bias[k] = candidate ? s.expert_bias[o] : 0;
-        tie[k] = candidate ? static_cast<std::uint64_t>(o) : none;
+        tie[k] = c ? s.expert_crf[o] : 0;  // as of its last request
+        age[k] = c ? clk - s.expert_last[o] : 0u;
+        score[k] = c ? s.expert_bias[o] : 0;
       }
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
-        power[k] = tie[k] != none && score[k] != 0 ? s.crf_pow[static_cast<std::int32_t>(age[k] & crf_pow_table_mask)] : 0;
+        power[k] = tie[k] != 0 ? s.crf_pow[static_cast<std::int32_t>(age[k] & crf_pow_table_mask)] : 0;
       }
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
         // crf_at_table, with the table word already loaded (age >= the table: rare, a loop).
-        const std::uint64_t crf =
-            score[k] == 0 ? 0 : crf_mul_q32(score[k], crf_pow_high_bits(s.crf_pow.data, power[k], age[k]));
-        score[k] = tie[k] != none ? crf_add_sat(crf, bias[k]) : none;
+        const std::uint64_t crf = tie[k] == 0 ? 0 : crf_mul_q32(tie[k], crf_pow_high_bits(s.crf_pow.data, power[k], age[k]));
+        const bool c = candidate(k);
+        score[k] = c ? crf_add_sat(crf, score[k]) : ~std::uint64_t{0};
+        tie[k] = c ? static_cast<std::uint64_t>(owner[k]) : ~std::uint64_t{0};
       }
     }
   }
