@@ -757,11 +757,11 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   RunResult r;
   r.provider = "device";
   r.staging = device_staging;
-  if (a.device_policy != "lru") notes.emplace_back("device provider planned with the " + a.device_policy + " policy");
   r.prefetch = prefetch;
   r.modelled = false;
   const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
-  const std::string key = std::string("device/") + device_staging + (lookahead.active() ? "+" + prefetch : "");
+  const std::string key = provider_label("device", device_policy_labelled(a) ? a.device_policy : std::string()) + "/" +
+                          device_staging + (lookahead.active() ? "+" + prefetch : "");
   auto& snaps = ctx.snapshots[key];
   snaps.clear();
   std::uint64_t hits0 = 0, misses0 = 0, stalls0 = 0, syncs0 = 0;
@@ -962,9 +962,10 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {
-      rep.runs.push_back(
-          run_device(m, routing, a, ctx, rt, progress, rep.notes, cfg.staging == device_overlap_staging, cfg.prefetch,
-                     cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : ""));
+      rep.runs.push_back(run_device(m, routing, with_device_policy(a, cfg), ctx, rt, progress, rep.notes,
+                                    cfg.staging == device_overlap_staging, cfg.prefetch,
+                                    cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : ""));
+      rep.runs.back().device_policy = cfg.device_policy;
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
     } else {

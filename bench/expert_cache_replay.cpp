@@ -66,6 +66,8 @@ void print_help(std::ostream& out) {
          "                        crf+prior / crf+pin take the counts as a bias (docs/policies.md)\n"
          "  --prior-weight W      crf+prior's bias: W x the expert's calibrated CRF (default 1)\n"
          "  --prior-pin P         crf+pin pins the most requested P x capacity experts (default 0.25)\n"
+         "  --crf-half-life H     half-life of crf, crf+prior and crf+pin in forwards (default 8, the\n"
+         "                        device planner's)\n"
          "  --json                print JSON instead of a table\n"
          "  --per-layer           per-layer breakdown against OPT (most useful with --scope global:\n"
          "                        which layers lose the most hits); JSON gains per_layer arrays\n"
@@ -113,6 +115,7 @@ struct Args {
   std::uint64_t expert_bytes = 0;
   double calibrate = 0.0;
   double prior_weight = 1.0;
+  double crf_half_life = 8.0;
   double prior_pin = 0.25;
   bool json = false;
   bool per_layer = false;
@@ -181,7 +184,7 @@ Args parse_args(int argc, char** argv) {
       const std::int32_t n = parse_int_arg("--expert-bytes", value());
       if (n < 1) throw UsageError{"--expert-bytes: " + std::to_string(n) + " is below 1"};
       a.expert_bytes = static_cast<std::uint64_t>(n);
-    } else if (arg == "--calibrate" || arg == "--prior-weight" || arg == "--prior-pin") {
+    } else if (arg == "--calibrate" || arg == "--prior-weight" || arg == "--prior-pin" || arg == "--crf-half-life") {
       const std::string v(value());
       char* end = nullptr;
       const double x = std::strtod(v.c_str(), &end);
@@ -194,6 +197,9 @@ Args parse_args(int argc, char** argv) {
       } else if (arg == "--prior-weight") {
         if (x < 0.0) throw UsageError{"--prior-weight: " + v + " is negative"};
         a.prior_weight = x;
+      } else if (arg == "--crf-half-life") {
+        if (!(x > 0.0)) throw UsageError{"--crf-half-life: " + v + " is not above 0"};
+        a.crf_half_life = x;
       } else {
         if (x < 0.0 || x > 1.0) throw UsageError{"--prior-pin: " + v + " is not in [0, 1]"};
         a.prior_pin = x;
@@ -566,6 +572,7 @@ int run(int argc, char** argv) {
   options.calibrate = args.calibrate;
   options.prior_weight = args.prior_weight;
   options.prior_pin = args.prior_pin;
+  options.crf_half_life = args.crf_half_life;
   const bool tty = stderr_is_tty();
   const bool show_progress = args.progress || tty;
   if (show_progress) {

@@ -61,6 +61,40 @@ def case_smoke():
     b = doc["benchmarks"][0]
     expect(b["check_failures"] == 0 and b["host_syncs_per_token"] == 0 and b["iterations"] == 8
            and b["misses_per_token"] > 0, "device run counters", b)
+    # --device-policy all: one device row per policy in one run, on the same routing. Each plans
+    # with its own policy: LRU decides like the row provider (Lru), LFRU like the cached provider
+    # (Lfru); CRF has no host-planned twin here, but must differ from LRU on this routing.
+    rc, out, err = run("--runtime", "sim", "--steps", "24", "--warmup", "24", "--layers", "4", "--capacity", "40",
+                       "--provider", "row,cached,device", "--staging", "inline", "--device-policy", "all",
+                       "--json", out_json)
+    expect(rc == 0, "--device-policy all exits 0", out, err)
+    table = out.split("provider")[1]
+    for label in ("device:lru", "device:lfru", "device:crf"):
+        expect(table.count(label + " ") == 1, f"one {label} row", out)
+    expect("LRU planner's measured cost for every policy" in out, "the modelled plan cost is named", out)
+    with open(out_json, encoding="utf-8") as f:
+        doc = json.load(f)
+    by_name = {b["name"]: b for b in doc["benchmarks"]}
+    expect(sorted(by_name) == ["decode/cached/inline", "decode/device:crf/graph", "decode/device:lfru/graph",
+                               "decode/device:lru/graph", "decode/row/inline"], "one benchmark per policy", sorted(by_name))
+    lru, lfru, crf = (by_name[f"decode/device:{p}/graph"] for p in ("lru", "lfru", "crf"))
+    row, cached = by_name["decode/row/inline"], by_name["decode/cached/inline"]
+    expect(lru["device_policy"] == "lru" and crf["device_policy"] == "crf", "device_policy field", lru, crf)
+    expect(lru["misses_per_token"] == row["misses_per_token"], "device:lru decides like the row provider's Lru", lru, row)
+    expect(lfru["misses_per_token"] == cached["misses_per_token"], "device:lfru decides like the cached provider's Lfru",
+           lfru, cached)
+    expect(lru["misses_per_token"] != lfru["misses_per_token"] and crf["misses_per_token"] != lru["misses_per_token"],
+           "the policies decide differently on this routing", lru, lfru, crf)
+    for b in (lru, lfru, crf):
+        expect(b["check_failures"] == 0 and b["host_syncs_per_token"] == 0, f"{b['name']} checks", b)
+    # A comma list: those policies, in that order.
+    rc, out, err = run("--runtime", "sim", "--steps", "2", "--warmup", "2", "--layers", "2", "--provider", "device",
+                       "--device-policy", "crf,lfru,crf", "--json", out_json)
+    expect(rc == 0, "--device-policy crf,lfru exits 0", out, err)
+    with open(out_json, encoding="utf-8") as f:
+        doc = json.load(f)
+    expect([b["name"] for b in doc["benchmarks"]] == ["decode/device:crf/graph", "decode/device:lfru/graph"],
+           "a comma list, duplicates dropped", doc)
     # A trace file, batch 2, one provider and staging.
     trace = write("t.trace", "".join(f"{s} {l} {(s + l) % 6} {(s * 3 + l) % 6 + 6}\n" for s in range(12) for l in range(3)))
     rc, out, err = run("--runtime", "sim", "--trace", trace, "--capacity", "6", "--batch", "2", "--steps", "3",
@@ -81,8 +115,9 @@ def case_bad_args():
     expect_usage_error(["--provider", "bogus"], "unknown provider 'bogus'")
     expect_usage_error(["--staging", "fast"], "unknown staging 'fast'")
     expect_usage_error(["--staging", "gather"], "needs the CUDA runtime")
-    expect_usage_error(["--device-policy", "lfru"], "needs the CUDA runtime")
-    expect_usage_error(["--device-policy", "opt"], "is not lru, lfru or crf")
+    expect_usage_error(["--device-policy", "opt"], "is not lru, lfru, crf or all")
+    expect_usage_error(["--device-policy", "lru,bogus"], "'bogus' is not lru, lfru, crf or all")
+    expect_usage_error(["--device-policy", "lru,"], "an empty name in 'lru,'")
     expect_usage_error(["--budget", "--runtime", "sim"], "--budget needs the CUDA runtime")
     expect_usage_error(["--budget", "--provider", "row"], "--budget needs the device provider")
     expect_usage_error(["--runtime", "gpu"], "--runtime")

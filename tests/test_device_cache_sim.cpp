@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
+#include <limits>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -20,6 +22,7 @@
 #include "expert_cache/device_cache.hpp"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
+#include "expert_cache/planner.hpp"
 #include "support/caller_memory.hpp"
 #include "support/removed_edges.hpp"
 #include "support/sim_cache_harness.hpp"
@@ -927,4 +930,150 @@ TEST_CASE("device prefetch: rejected calls leave the cache unchanged and enqueue
   CHECK(f.dev->plan_state().scalars->prefetch_skipped_no_victim == 1);
   CHECK(f.dev->device_stats().bad_ids == 0);
   f.check_clean();
+}
+
+namespace {
+using HostCrfRef = ExpertCache<TensorMajorStorage, Crf, Inline, ExplicitLayout, SimRuntime>;
+template <class Edges = OrderingEdges>
+using CrfFixture = Fixture<Edges, TensorMajorStorage, HostCrfRef, DeviceCrf>;
+
+std::vector<std::uint64_t> bias_table(const DevicePlanState& s) {
+  return std::vector<std::uint64_t>(s.expert_bias.data, s.expert_bias.data + s.num_experts);
+}
+}  // namespace
+
+TEST_CASE("set_prior: DeviceCrf plans with the uploaded prior exactly as Crf with the same bias") {
+  CrfFixture<> f(16, 5, 7);
+  // CRF units: a pin, weights of a few requests, fractions, zero.
+  std::vector<double> prior(16, 0.0);
+  prior[3] = 1e12;  // >= 2^30: pinned
+  prior[7] = 2.5;
+  prior[9] = 0.75;
+  prior[12] = 4.0;
+  REQUIRE(f.dev->set_prior(prior, f.streams[1]).ok());
+  f.settle();
+  std::vector<std::uint64_t> q32(16, 0);
+  for (std::size_t e = 0; e < 16; ++e) {
+    q32[e] = prior[e] >= 1073741824.0 ? crf_pin_bias : static_cast<std::uint64_t>(std::llround(prior[e] * 4294967296.0));
+  }
+  CHECK(bias_table(f.dev->plan_state()) == q32);
+  CHECK(q32[9] == 3221225472u);  // 0.75 in Q32
+  f.check_clean();
+
+  // The decisions: a host Crf with the same bias, forward by forward; the fixture's own host
+  // reference plans without a prior, and must part from the device somewhere (the prior acts).
+  ForwardPlanner<Crf> biased(CacheShape{16, 5}, 3, Crf(CacheShape{16, 5}, CrfParams{}, q32));
+  std::mt19937_64 rng(31);
+  ForwardPlan plan;
+  std::uint64_t differs_from_unbiased = 0;
+  for (int step = 0; step < 80; ++step) {
+    std::set<std::int32_t> row;
+    while (row.size() < 3) row.insert(static_cast<std::int32_t>(rng() % 16));
+    const Ids ids(row.begin(), row.end());
+    (void)f.step(step % 3 == 0 ? 2 : 0, ids);
+    f.settle();
+    REQUIRE(biased.plan_topk(ids, plan));
+    const std::int32_t* dr = f.dev->resident_map_device();
+    REQUIRE(Ids(dr, dr + 16) == Ids(biased.resident_map().begin(), biased.resident_map().end()));
+    const auto hr = f.host->resident_map_host();
+    if (!std::equal(hr.begin(), hr.end(), dr)) ++differs_from_unbiased;
+  }
+  CHECK(f.dev->resident_map_device()[3] >= 0);  // pinned: requested once, never evicted since
+  CHECK(differs_from_unbiased > 10);
+  f.check_clean();
+}
+
+TEST_CASE("set_prior: refused tables and policies leave the cache exactly as it was and enqueue nothing") {
+  CrfFixture<> f(12, 4);
+  const std::vector<double> first(12, 1.5);
+  REQUIRE(f.dev->set_prior(first, f.streams[0]).ok());
+  (void)f.step(0, {1, 2, 3});
+  f.settle();
+  const std::vector<std::uint64_t> table = bias_table(f.dev->plan_state());
+  const DevicePlanStats dev_before = f.dev->device_stats();
+  const CacheStats before = f.dev->stats();
+  const auto calls = f.rt.counters();
+  const Ids resident(f.dev->resident_map_device(), f.dev->resident_map_device() + 12);
+  auto code_of = [&](std::vector<double> bias, Stream s = Stream{}) {
+    if (s == Stream{}) s = f.streams[1];
+    const Status st = f.dev->set_prior(bias, s);
+    return st.ok() ? ErrorCode::ok : st.code();
+  };
+  std::vector<double> good(12, 0.5);
+  CHECK(code_of(std::vector<double>(11, 0.5)) == ErrorCode::invalid_argument);  // length
+  CHECK(code_of(std::vector<double>(13, 0.5)) == ErrorCode::invalid_argument);
+  CHECK(code_of({}) == ErrorCode::invalid_argument);
+  for (const double badv : {-1.0, -1e-300, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    std::vector<double> b = good;
+    b[11] = badv;  // the last entry: the whole table is checked before anything is written
+    CHECK(code_of(b) == ErrorCode::invalid_argument);
+  }
+  const Status named = f.dev->set_prior(std::vector<double>{0, 0, 0, 0, 0, -2.0, 0, 0, 0, 0, 0, 0}, f.streams[1]);
+  CHECK(std::string(named.message()).find("expert 5") != std::string::npos);
+  CHECK(code_of(good, Stream{999}) != ErrorCode::ok);  // a stream the runtime refuses
+  CHECK(f.dev->set_prior_q32(std::vector<std::uint64_t>(11, 0), f.streams[1]).code() == ErrorCode::invalid_argument);
+  CHECK(f.rt.counters() == calls);
+  CHECK(bias_table(f.dev->plan_state()) == table);
+  CHECK(f.dev->device_stats() == dev_before);
+  CHECK(f.dev->stats().generation == before.generation);
+  CHECK(f.dev->stats().faults == 0);
+  CHECK(Ids(f.dev->resident_map_device(), f.dev->resident_map_device() + 12) == resident);
+  // The accepted halves: -0.0 is a zero bias; the Q32 form takes PopularityTable's tables as they are.
+  good[0] = -0.0;
+  REQUIRE(f.dev->set_prior(good, f.streams[1]).ok());
+  f.settle();
+  CHECK(bias_table(f.dev->plan_state()) == std::vector<std::uint64_t>{0, crf_one / 2, crf_one / 2, crf_one / 2, crf_one / 2,
+                                                                      crf_one / 2, crf_one / 2, crf_one / 2, crf_one / 2,
+                                                                      crf_one / 2, crf_one / 2, crf_one / 2});
+  std::vector<std::uint64_t> pins(12, 0);
+  pins[4] = crf_pin_bias;
+  REQUIRE(f.dev->set_prior_q32(pins, f.streams[2]).ok());
+  f.settle();
+  CHECK(bias_table(f.dev->plan_state()) == pins);
+  f.check_clean();
+
+  // A policy that ranks without a prior refuses it (nothing enqueued, nothing written).
+  Fixture<> lru(12, 4);
+  const auto lru_calls = lru.rt.counters();
+  const Status st = lru.dev->set_prior(good, lru.streams[0]);
+  CHECK(st.code() == ErrorCode::not_supported);
+  CHECK(std::string(st.message()).find("lru") != std::string::npos);
+  CHECK(lru.rt.counters() == lru_calls);
+  CHECK(bias_table(lru.dev->plan_state()) == std::vector<std::uint64_t>(12, 0));
+}
+
+// The upload is a write of the plan state that plans read: ordered after the plans already
+// enqueued on other streams (edge 6, as invalidate) and before the next plan on any stream (edge 2).
+TEST_CASE("negative (edge 6, set_prior): without invalidate ordering, the upload races the owner's pending plan") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2});
+    REQUIRE(f.dev->set_prior(std::vector<double>(12, 1.0), f.streams[1]).ok());  // rewrites what stream 0's plan reads
+    f.settle();
+  };
+  CrfFixture<NoInvalidateOrder> without(12, 4);
+  run(without);
+  REQUIRE(without.rt.race_count() > 0);
+  MESSAGE(without.rt.races()[0].description);
+  CrfFixture<> with(12, 4);
+  run(with);
+  with.check_clean();
+  CHECK(bias_table(with.dev->plan_state()) == std::vector<std::uint64_t>(12, crf_one));
+}
+
+TEST_CASE("negative (edge 2, set_prior): without the last-writer release, the next plan races the upload") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2});
+    f.rt.drain();
+    REQUIRE(f.dev->set_prior(std::vector<double>(12, 2.0), f.streams[2]).ok());  // last writer: stream 2
+    (void)f.step(1, {1, 2, 3, 4});  // stream 1's plan reads the bias: it must wait for stream 2
+    f.settle();
+  };
+  CrfFixture<NoLastFillRelease> without(12, 4);
+  run(without);
+  REQUIRE(without.rt.race_count() > 0);
+  MESSAGE(without.rt.races()[0].description);
+  CrfFixture<> with(12, 4);
+  run(with);
+  with.check_clean();
+  with.check_equal(true);  // uniform bias: the same decisions as the host Crf without one
 }

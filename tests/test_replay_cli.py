@@ -267,6 +267,19 @@ def case_calibrate():
     expect_usage_error(["--trace", path, "--prior-pin", "2"], "not in [0, 1]")
     expect_usage_error(["--trace", path, "--prior-weight", "-1"], "is negative")
     expect_usage_error(["--trace", path, "--calibrate", "0.5", "--prefetch", "coact"], "cannot be combined")
+    # --crf-half-life: the CRF rows change with it (8 is the default), the others do not.
+    def misses(*extra):
+        rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru,crf,crf+prior", "--json",
+                           "--calibrate", "0.5", *extra)
+        expect(rc == 0, f"--crf-half-life run {extra}", out, err)
+        return {x["policy"]: x["misses"] for x in json.loads(out)["results"]}
+    default, eight, one = misses(), misses("--crf-half-life", "8"), misses("--crf-half-life", "1")
+    expect(default == eight, "half-life 8 is the default", default, eight)
+    expect(one["lru"] == default["lru"] and one["crf"] != default["crf"] and one["crf+prior"] != default["crf+prior"],
+           "the half-life changes the CRF rows only", one, default)
+    expect_usage_error(["--trace", path, "--crf-half-life", "0"], "is not above 0")
+    expect_usage_error(["--trace", path, "--crf-half-life", "-2"], "is not above 0")
+    expect_usage_error(["--trace", path, "--crf-half-life", "inf"], "not a number")
 
 
 CASES = {

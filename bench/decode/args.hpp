@@ -49,7 +49,11 @@ struct BenchArgs {
   // The device provider's per-layer time budget: rows that leave a stage out or double it
   // (budget_stagings), and the table derived from them (measured only).
   bool budget = false;
-  std::string device_policy = "lru";  // the device provider's planning policy: lru, lfru or crf (measured only)
+  // The device provider's planning policies (lru, lfru, crf; "all" = the three), one row each in
+  // one run, with the same routing. device_policy is the one a device run plans with (set per
+  // row by with_device_policy).
+  std::vector<std::string> device_policies{"lru"};
+  std::string device_policy = "lru";
   // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
   std::vector<std::string> prefetch;
@@ -103,8 +107,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
-               "  --device-policy P   the device provider's planning policy: lru (default), lfru or crf\n"
-               "                      (docs/policies.md); measured on a GPU only\n"
+               "  --device-policy P,... the device provider's planning policy: lru (default), lfru, crf, a comma\n"
+               "                      list, or all (docs/policies.md); one device row per policy, same routing\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
                "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
                "  --budget            the device provider's time per layer: rows with a stage left out or doubled\n"
@@ -246,9 +250,21 @@ inline BenchArgs parse_args(int argc, char** argv) {
       no_value();
       a.overlap = true;
     } else if (arg == "--device-policy") {
-      const std::string p(value());
-      if (p != "lru" && p != "lfru" && p != "crf") throw UsageError{"--device-policy: '" + p + "' is not lru, lfru or crf"};
-      a.device_policy = p;
+      const std::string_view list = value();
+      a.device_policies.clear();
+      for (const std::string_view item : split_commas(list)) {
+        const std::string p(item);
+        if (p.empty()) throw UsageError{"--device-policy: an empty name in '" + std::string(list) + "' (lru, lfru, crf or all)"};
+        if (p == "all") {
+          a.device_policies = {"lru", "lfru", "crf"};
+          break;
+        }
+        if (p != "lru" && p != "lfru" && p != "crf")
+          throw UsageError{"--device-policy: '" + p + "' is not lru, lfru, crf or all"};
+        if (std::find(a.device_policies.begin(), a.device_policies.end(), p) == a.device_policies.end())
+          a.device_policies.push_back(p);
+      }
+      a.device_policy = a.device_policies.front();
     } else if (arg == "--fill-only") {
       no_value();
       a.fill_only = true;
@@ -306,14 +322,31 @@ struct RunConfig {
   std::string provider;
   std::string staging;
   std::string prefetch;  // "" (no --prefetch), "none", or a predictor name
+  // The device provider's planning policy; empty for the others. Named in the row's label
+  // (device:lfru) unless the run plans LRU only, the default.
+  std::string device_policy = {};
 };
+
+// The rows of a run name the device policy unless it is the default LRU alone.
+inline bool device_policy_labelled(const BenchArgs& a) {
+  return !(a.device_policies.size() == 1 && a.device_policies.front() == "lru");
+}
+inline std::string provider_label(const std::string& provider, const std::string& device_policy) {
+  return device_policy.empty() ? provider : provider + ":" + device_policy;
+}
+// The arguments one device row runs with: its policy as the policy.
+inline BenchArgs with_device_policy(const BenchArgs& a, const RunConfig& c) {
+  BenchArgs out = a;
+  if (c.provider == "device" && !c.device_policy.empty()) out.device_policy = c.device_policy;
+  return out;
+}
 
 inline bool prefetch_provider(const std::string& p) { return p == "row" || p == "cached"; }
 
 // "resident", "cached/copy_stream", "cached/copy_stream+coact" (progress lines).
 inline std::string run_label(const RunConfig& c) {
   if (c.provider == "resident") return "resident";
-  std::string s = c.provider + "/" + c.staging;
+  std::string s = provider_label(c.provider, c.device_policy) + "/" + c.staging;
   if (!c.prefetch.empty() && c.prefetch != "none") s += "+" + c.prefetch;
   return s;
 }
@@ -323,21 +356,25 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
   for (const std::string& p : a.providers) {
     if (p == "resident") continue;
     if (p == "device") {
+      // Every row once per device policy (--device-policy), the policies one after the other.
       // With --prefetch every device row has a lookahead twin per predictor (prefetch() on the
       // device from a side stream of the captured step; measured runs only).
-      if (a.budget) {
-        out.push_back({p, budget_router_staging, ""});
-        out.push_back({p, budget_plan_staging, ""});
-        out.push_back({p, budget_plan_x2_staging, ""});
-      }
-      if (a.fill_only) out.push_back({p, device_fill_only_staging, ""});
-      if (a.budget) out.push_back({p, budget_consumer_x2_staging, ""});
-      std::vector<std::string> rows{device_staging};
-      if (a.overlap) rows.emplace_back(device_overlap_staging);
-      for (const std::string& s : rows) {
-        out.push_back({p, s, a.prefetch.empty() ? "" : "none"});
-        for (const std::string& spec : a.prefetch)
-          if (spec != "none") out.push_back({p, s, spec});
+      for (const std::string& policy : a.device_policies) {
+        const std::string dp = device_policy_labelled(a) ? policy : std::string();
+        if (a.budget) {
+          out.push_back({p, budget_router_staging, "", dp});
+          out.push_back({p, budget_plan_staging, "", dp});
+          out.push_back({p, budget_plan_x2_staging, "", dp});
+        }
+        if (a.fill_only) out.push_back({p, device_fill_only_staging, "", dp});
+        if (a.budget) out.push_back({p, budget_consumer_x2_staging, "", dp});
+        std::vector<std::string> rows{device_staging};
+        if (a.overlap) rows.emplace_back(device_overlap_staging);
+        for (const std::string& s : rows) {
+          out.push_back({p, s, a.prefetch.empty() ? "" : "none", dp});
+          for (const std::string& spec : a.prefetch)
+            if (spec != "none") out.push_back({p, s, spec, dp});
+        }
       }
       continue;
     }

@@ -73,7 +73,7 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
   for (std::size_t i = 0; i < rep.runs.size(); ++i) {
     const RunResult& r = rep.runs[i];
     std::string name =
-        r.provider == "resident" ? std::string("decode/resident") : "decode/" + r.provider + "/" + r.staging;
+        r.provider == "resident" ? std::string("decode/resident") : "decode/" + r.label() + "/" + r.staging;
     if (r.is_lookahead_row()) name += "/prefetch:" + r.prefetch;
     const double ms_per_token = r.seconds_per_token() * 1e3;
     const auto vr = rep.vs_resident(r);
@@ -83,7 +83,8 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
         << ", \"iterations\": " << r.tokens << ", \"real_time\": " << json_number(ms_per_token)
         << ", \"cpu_time\": " << json_number(ms_per_token) << ", \"time_unit\": \"ms\""
         << ", \"label\": " << json_string(mode_label(r.modelled)) << ", \"provider\": " << json_string(r.provider)
-        << ", \"staging\": " << json_string(r.staging) << ", \"tokens_per_second\": " << json_number(r.tokens_per_second())
+        << ", \"staging\": " << json_string(r.staging)
+        << (r.device_policy.empty() ? std::string() : ", \"device_policy\": " + json_string(r.device_policy)) << ", \"tokens_per_second\": " << json_number(r.tokens_per_second())
         << ", \"hit_rate\": " << json_number(r.hit_rate()) << ", \"misses_per_token\": " << json_number(r.misses_per_token())
         << ", \"pcie_bytes_per_token\": " << json_number(r.pcie_bytes_per_token())
         << ", \"copies_per_token\": "

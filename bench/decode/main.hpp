@@ -55,9 +55,6 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (!use_gpu)
         throw UsageError{"--overlap needs the CUDA runtime (a GPU): the modelled run has no model of the overlap"};
     }
-    if (args.device_policy != "lru" && !use_gpu) {
-      throw UsageError{"--device-policy " + args.device_policy + " needs the CUDA runtime (a GPU): the modelled run plans LRU"};
-    }
     if (args.fill_only) {
       const char* flag = args.budget ? "--budget" : "--fill-only";
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())

@@ -1,8 +1,10 @@
 #pragma once
 // expert-cache-bench: the device provider's MODELLED run. DeviceExpertCache (TensorMajorStorage,
-// device LRU = the row provider's Lru decisions) on ModelledSim, through the library's own
-// SimRuntime executor (SimPlanExecutor: the shared planning code as simulated launches that
-// declare what they touch). Per step, as on the GPU, and enqueued the same way every step (the
+// one device policy per row: DeviceLru = the row provider's Lru decisions, DeviceLfru = the cached
+// provider's Lfru, DeviceCrf = Crf) on ModelledSim, through the library's own SimRuntime executor
+// (BasicSimPlanExecutor<Policy>: the very planning code the GPU runs, as simulated launches that
+// declare what they touch). Hits, misses and bytes are therefore each policy's own; the plan's
+// modelled time is the LRU planner's measured cost for every policy (SimCosts). Per step, as on the GPU, and enqueued the same way every step (the
 // ops never name the step: what a replayed graph does):
 //   graph launch (host cost once per step) -> per layer: router stand-in (reads the device step
 //   counter and writes the layer's ids from the routing buffer, uploaded once before timing) ->
@@ -28,6 +30,7 @@ namespace expert_cache::bench {
 // executor completes the plan op right away (drain: a valid schedule, the host time does not
 // move), reads the fill count and the evictions the plan made, and charges the victim search
 // and the transfer to a zero-access op that follows the library's fill op on the same stream.
+template <device_plan_policy Policy>
 class ModelledPlanExecutor {
  public:
   using Stream = ModelledSim::Stream;
@@ -101,7 +104,7 @@ class ModelledPlanExecutor {
   }
 
   ModelledSim* rt_;
-  SimPlanExecutor inner_;
+  BasicSimPlanExecutor<Policy> inner_;
   CopyRegions regions_;
   double real_fill_bytes_ = -1;  // real bytes of one expert's fill; < 0 until the first fill
   std::uint64_t evictions_seen_ = 0;
@@ -112,15 +115,18 @@ class ModelledPlanExecutor {
 namespace expert_cache::inline v0 {
 template <>
 struct DevicePlanExecutorFor<bench::ModelledSim> {
-  using type = bench::ModelledPlanExecutor;
+  using type = bench::ModelledPlanExecutor<DeviceLru>;
+  template <device_plan_policy Policy>
+  using with_policy = bench::ModelledPlanExecutor<Policy>;
 };
 }  // namespace expert_cache::inline v0
 
 namespace expert_cache::bench {
 
-inline RunResult run_sim_device(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
-                                Progress& progress) {
-  using Cache = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, ModelledSim>;
+template <device_plan_policy Policy>
+RunResult run_sim_device_with(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
+                              Progress& progress) {
+  using Cache = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, ModelledSim, Policy>;
   ModelledSim rt(costs);
   const auto consumer = rt.create_stream().value();
   rt.sim().set_stream_name(consumer, "consumer");
@@ -291,6 +297,14 @@ inline RunResult run_sim_device(const Model& m, const Routing& routing, const Be
   r.copies = rt.copies() - copies0;
   r.check_failures = check_failures + rt.sim().race_count();
   return r;
+}
+
+// The policy of a.device_policy (lru, lfru, crf; the arguments were validated).
+inline RunResult run_sim_device(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
+                                Progress& progress) {
+  if (a.device_policy == "lfru") return run_sim_device_with<DeviceLfru>(m, routing, a, costs, progress);
+  if (a.device_policy == "crf") return run_sim_device_with<DeviceCrf>(m, routing, a, costs, progress);
+  return run_sim_device_with<DeviceLru>(m, routing, a, costs, progress);
 }
 
 }  // namespace expert_cache::bench

@@ -3,6 +3,7 @@
 // model (ModelledSim forwards each call with its own cost); weights are stored scaled down and
 // charged for the bytes they stand for. The device provider's run is in modelled_device.hpp.
 // Host-only.
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -492,7 +493,8 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
       rep.runs.push_back(run_sim<void>(m, routing, a, costs, "resident", "-", progress));
     } else if (cfg.provider == "device") {
       if (!cfg.prefetch.empty() && cfg.prefetch != "none") continue;  // device lookahead: measured runs only
-      rep.runs.push_back(run_sim_device(m, routing, a, costs, progress));
+      rep.runs.push_back(run_sim_device(m, routing, with_device_policy(a, cfg), costs, progress));
+      rep.runs.back().device_policy = cfg.device_policy;
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_sim_staging<TensorMajorStorage, Lru>(m, routing, a, costs, cfg, progress));
     } else {
@@ -500,6 +502,12 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
     }
   }
   progress.finish();
+  if (device_policy_labelled(a) && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end()) {
+    rep.notes.emplace_back(
+        "device policies: each row plans with its own policy (the planning code the GPU runs), so its hits, misses "
+        "and bytes are that policy's; its plan time is modelled with the LRU planner's measured cost for every "
+        "policy (bench_device_plan measures each policy's)");
+  }
   return rep;
 }
 

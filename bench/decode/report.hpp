@@ -14,6 +14,9 @@ namespace expert_cache::bench {
 struct RunResult {
   std::string provider;  // row | cached | resident
   std::string staging;   // inline | copy_stream | batched | gather | "-"
+  std::string device_policy;  // the device provider's policy when the run names it (lru, lfru, crf), else empty
+  // "device:crf" when the policy is named, else the provider.
+  [[nodiscard]] std::string label() const { return device_policy.empty() ? provider : provider + ":" + device_policy; }
   bool modelled = true;
   std::int64_t tokens = 0;          // measured tokens
   std::int64_t prepares = 0;        // measured prepare() calls
@@ -72,7 +75,8 @@ struct Report {
   // same provider and staging in this run (nullptr when that row is missing).
   [[nodiscard]] const RunResult* lookahead_baseline(const RunResult& r) const noexcept {
     for (const RunResult& b : runs)
-      if (b.prefetch == "none" && b.provider == r.provider && b.staging == r.staging) return &b;
+      if (b.prefetch == "none" && b.provider == r.provider && b.device_policy == r.device_policy && b.staging == r.staging)
+        return &b;
     return nullptr;
   }
   [[nodiscard]] double needed_bytes_per_token(const RunResult& r) const noexcept {
@@ -117,13 +121,13 @@ inline void print_lookahead_table(std::FILE* out, const Report& rep) {
                "\nlookahead (after layer L's prepare and consumer, cache[L+1].prefetch() of the predicted experts;\n"
                "budget %d experts per layer and token; the predictor ranks max(budget, widest forward) experts)\n",
                rep.prefetch_budget);
-  std::fprintf(out, "%-9s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
+  std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
                "tok/s", "hit%", "spec_iss", "spec_use", "spec_wst", "MB/tok", "MB/tok", "vs_pcie", "vs_pcie");
-  std::fprintf(out, "%-9s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "", "", "", "", "", "/tok", "/tok", "/tok",
+  std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "", "", "", "", "", "/tok", "/tok", "/tok",
                "(moved)", "(needed)", "(moved)", "(needed)");
   for (const RunResult& r : rep.runs) {
     if (r.prefetch.empty()) continue;
-    std::fprintf(out, "%-9s %-12s %-34s %9.2f %6.1f%% %8.2f %8.2f %8.2f %9.2f %9.2f %8.3f %8.3f\n", r.provider.c_str(),
+    std::fprintf(out, "%-11s %-12s %-34s %9.2f %6.1f%% %8.2f %8.2f %8.2f %9.2f %9.2f %8.3f %8.3f\n", r.label().c_str(),
                  r.staging.c_str(), prefetch_label(r.prefetch).c_str(), r.tokens_per_second(), 100.0 * r.hit_rate(),
                  r.per_token(r.speculative_issued), r.per_token(r.speculative_used), r.per_token(r.speculative_wasted),
                  r.pcie_bytes_per_token() / 1e6, rep.needed_bytes_per_token(r) / 1e6, rep.vs_pcie(r),
@@ -150,10 +154,10 @@ inline void print_table(std::FILE* out, const Report& rep) {
                rep.warmup, rep.steps);
   std::fprintf(out, "pinned-copy ceiling (same run): %.1f GB/s%s\n\n", rep.pcie_ceiling_bytes_per_s * 1e-9,
                rep.modelled ? " (modelled)" : "");
-  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "provider", "staging", "tok/s", "vs_res",
+  std::fprintf(out, "%-11s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "provider", "staging", "tok/s", "vs_res",
                "vs_pcie", "hit%", "miss/tok", "MB/tok", rep.modelled ? "prep_us*" : "prep_us", "prep_us", "cold_ms",
                "syncs");
-  std::fprintf(out, "%-9s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "", "", "", "", "", "", "", "(PCIe)",
+  std::fprintf(out, "%-11s %-12s %9s %8s %8s %7s %8s %9s %9s %9s %9s %9s\n", "", "", "", "", "", "", "", "(PCIe)",
                rep.modelled ? "(model)" : "(real)", rep.modelled ? "(realCPU)" : "", "", "/tok");
   for (const RunResult& r : rep.runs) {
     if (r.is_lookahead_row()) continue;  // in the lookahead table below
@@ -174,7 +178,7 @@ inline void print_table(std::FILE* out, const Report& rep) {
       std::snprintf(prep1, sizeof prep1, "%.1f", prep_real);
       std::snprintf(prep2, sizeof prep2, " ");
     }
-    std::fprintf(out, "%-9s %-12s %9.2f %8s %8.3f %6.1f%% %8.2f %9.2f %9s %9s %9.2f %9.2f\n", r.provider.c_str(),
+    std::fprintf(out, "%-11s %-12s %9.2f %8s %8.3f %6.1f%% %8.2f %9.2f %9s %9s %9.2f %9.2f\n", r.label().c_str(),
                  r.staging.c_str(), r.tokens_per_second(), vs_res, rep.vs_pcie(r), 100.0 * r.hit_rate(),
                  r.misses_per_token(), r.pcie_bytes_per_token() / 1e6, prep1, prep2, r.cold_start_ns * 1e-6,
                  r.host_syncs_per_token());
@@ -194,7 +198,7 @@ inline void print_table(std::FILE* out, const Report& rep) {
   for (const std::string& n : rep.notes) std::fprintf(out, "%s\n", n.c_str());
   for (const RunResult& r : rep.runs) {
     if (r.output_checked && r.check_failures != 0) {
-      std::fprintf(out, "CHECK FAILED: %s/%s: %llu consumer checks failed\n", r.provider.c_str(), r.staging.c_str(),
+      std::fprintf(out, "CHECK FAILED: %s/%s: %llu consumer checks failed\n", r.label().c_str(), r.staging.c_str(),
                    static_cast<unsigned long long>(r.check_failures));
     }
   }

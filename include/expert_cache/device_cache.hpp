@@ -14,6 +14,8 @@
 //     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
 //                                    forward had fewer groups: a graph provisions max_groups)
 //     invalidate(e, X)               a device invalidate, ordered like any write
+//     set_prior(bias, X)             DeviceCrf's frequency prior (one bias per expert), uploaded
+//                                    on X, ordered like invalidate
 //     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
 //     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
 //     stats(), device_stats()        from the device stats (mapped memory) + host counters
@@ -43,6 +45,7 @@
 // device/device_cache_cuda.cuh (the kernels of device/plan_kernel.cuh).
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -360,6 +363,13 @@ class BasicSimPlanExecutor {
     add(acc, state_.slot_ready_first);
     add(acc, state_.fill_arrivals_first);
     add(acc, state_.slot_spec_left);
+    // The policies' state: every plan step may read and write it (a prior's bias is read).
+    add(acc, state_.slot_freq);
+    add(acc, state_.slot_order);
+    add(acc, state_.expert_crf);
+    add(acc, state_.expert_bias);
+    add(acc, state_.expert_last);
+    add(acc, state_.crf_pow);
     acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
     acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
   }
@@ -581,6 +591,45 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
+  // DeviceCrf's frequency prior (docs/policies.md, "Frequency priors"): one bias per expert in
+  // CRF units (1.0 = what one request adds to an expert's CRF), added to the expert's CRF when
+  // victims are ranked; 2^30 or more pins the expert (crf_pin_bias). Replaces the whole table.
+  // Uploaded on `stream` through the core's staging ring and ordered like invalidate(): after
+  // every plan already enqueued, which read the old table (edges 1 and 6 of docs/design.md), and
+  // before the next call on any stream (edge 2: this stream is then the last writer). Capturable.
+  // Errors, nothing enqueued and the cache as it was: a policy that ranks without a prior
+  // (DeviceLru, DeviceLfru: not_supported), not one entry per expert, an entry that is negative,
+  // NaN or infinite, a stream the runtime refuses.
+  Status set_prior(std::span<const double> bias, Stream stream) noexcept {
+    if (Status s = check_prior_shape(bias.size(), "set_prior"); !s) return s;
+    for (std::size_t e = 0; e < bias.size(); ++e) {
+      if (!std::isfinite(bias[e]) || bias[e] < 0.0) {
+        return Status::format(ErrorCode::invalid_argument,
+                              "%s: set_prior: the bias of expert %zu is %g (need a finite value >= 0)",
+                              options_.label.c_str(), e, bias[e]);
+      }
+    }
+    std::vector<std::uint64_t> q32;
+    try {
+      q32.resize(bias.size());
+    } catch (...) {
+      return Status::format(ErrorCode::runtime_failure, "%s: set_prior: no host memory for the table", options_.label.c_str());
+    }
+    constexpr double pin = static_cast<double>(crf_pin_bias) / static_cast<double>(crf_one);  // 2^30
+    for (std::size_t e = 0; e < bias.size(); ++e) {
+      q32[e] = bias[e] >= pin ? crf_pin_bias
+                              : static_cast<std::uint64_t>(std::llround(bias[e] * static_cast<double>(crf_one)));
+    }
+    return upload_prior(q32.data(), stream, "set_prior");
+  }
+
+  // The same from a table in the planner's Q32 (as PopularityTable::weighted_bias and
+  // pinned_bias return it: crf_one = 1.0, crf_pin_bias pins). Errors as set_prior's.
+  Status set_prior_q32(std::span<const std::uint64_t> bias, Stream stream) noexcept {
+    if (Status s = check_prior_shape(bias.size(), "set_prior_q32"); !s) return s;
+    return upload_prior(bias.data(), stream, "set_prior_q32");
+  }
+
   // Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
   // on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
   // plan_prefetch): `device_ids` holds n_ids predicted ids in device memory, best first (-1 is
@@ -744,6 +793,34 @@ class DeviceExpertCacheWithEdges {
     }
     const std::uint64_t fills = bytes_per_expert_ == 0 ? 0 : static_cast<std::uint64_t>(o.max_bytes) / bytes_per_expert_;
     return static_cast<std::int32_t>(std::min<std::uint64_t>(fills, static_cast<std::uint64_t>(options_.capacity)));
+  }
+
+  Status check_prior_shape(std::size_t entries, const char* what) const noexcept {
+    if constexpr (Policy::kind != DevicePolicyKind::crf) {
+      return Status::format(ErrorCode::not_supported, "%s: %s: the device policy %s ranks without a prior (DeviceCrf takes one)",
+                            options_.label.c_str(), what, Policy::name);
+    }
+    if (entries != static_cast<std::size_t>(options_.num_experts)) {
+      return Status::format(ErrorCode::invalid_argument, "%s: %s got %zu entries for %d experts (need one per expert)",
+                            options_.label.c_str(), what, entries, options_.num_experts);
+    }
+    return {};
+  }
+
+  // The Q32 table into the plan state's bias array, as two map uploads of E int32 words each
+  // (the core's staging buffers hold E words; the table is 2E), inside one ordered write.
+  Status upload_prior(const std::uint64_t* q32, Stream stream, const char* what) noexcept {
+    if (Status s = check_stream(stream, what); !s) return s;
+    const auto words = static_cast<std::size_t>(options_.num_experts);
+    const auto* src = reinterpret_cast<const std::int32_t*>(q32);
+    auto* dst = reinterpret_cast<std::int32_t*>(exec_.state().expert_bias.data);
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept {
+      if (Status u = core_.upload_map(src, dst, f, words); !u) return u;
+      return core_.upload_map(src + words, dst + words, f, words);
+    });
+    if (!s) return s.with_context("%s: %s", options_.label.c_str(), what);
+    ++generation_;
+    return {};
   }
 
   // A stream the runtime does not know is refused before anything is enqueued.

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include "expert_cache/device/device_cache_cuda.cuh"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
+#include "expert_cache/planner.hpp"
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;
@@ -549,4 +551,82 @@ TEST_CASE("device cache (DeviceCrf) == host-planned Crf cache: eager (fused), gr
   run_eager<R>(Config{4, 64, 12, 16, std::max(100, steps_requested() / 2), true});
   run_graph<R>(Config{2, 64, 12, 40, std::max(100, steps_requested() / 2), false});
   run_graph<R>(Config{4, 64, 12, 8, std::max(100, steps_requested() / 2), true, 6});
+}
+
+// DeviceExpertCache::set_prior on the GPU: the table lands in the device plan state (eagerly and
+// from a replayed graph), a refused table changes nothing, and the device then plans exactly as
+// the host Crf with the same bias (resident map after every forward, CRF state included).
+TEST_CASE("device cache (DeviceCrf): set_prior uploads the prior in stream order; plans equal Crf with that bias") {
+  constexpr std::int32_t E = 32, C = 6, n = 3;
+  using CrfDev = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, CudaRuntime, DeviceCrf>;
+  DeviceCacheOptions o;
+  o.num_experts = E;
+  o.capacity = C;
+  o.max_ids = 8;
+  CrfDev dev(cuda_runtime(), o, test_layout());
+  fill_pools(dev, E);
+  cudaStream_t x = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  const DevicePlanState& st = dev.plan_state();
+  auto table = [&] {
+    std::vector<std::uint64_t> t(E);
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(x));
+    REQUIRE_CUDA_OK(cudaMemcpy(t.data(), st.expert_bias.data, E * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+    return t;
+  };
+  std::vector<double> prior(E, 0.0);
+  prior[1] = 1e9;  // pinned
+  prior[5] = 3.0;
+  prior[9] = 0.5;
+  std::vector<std::uint64_t> q32(E, 0);
+  q32[1] = crf_pin_bias;
+  q32[5] = 3 * crf_one;
+  q32[9] = crf_one / 2;
+  // From a captured graph first (the host table may change after the capture: the staging
+  // buffer holds the graph's copy), then eagerly.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(x, cudaStreamCaptureModeGlobal));
+  const Status captured = dev.set_prior(std::vector<double>(E, 2.0), x);
+  REQUIRE_CUDA_OK(cudaStreamEndCapture(x, &graph));
+  REQUIRE_MESSAGE(captured.ok(), std::string(captured.message()));
+  REQUIRE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  REQUIRE_CUDA_OK(cudaGraphLaunch(exec, x));
+  CHECK(table() == std::vector<std::uint64_t>(E, 2 * crf_one));
+  REQUIRE(dev.set_prior(prior, x).ok());
+  CHECK(table() == q32);
+  // Refused: nothing enqueued, the table as it was.
+  CHECK(dev.set_prior(std::vector<double>(E - 1, 1.0), x).code() == ErrorCode::invalid_argument);
+  std::vector<double> nan_prior = prior;
+  nan_prior[E - 1] = std::nan("");
+  CHECK(dev.set_prior(nan_prior, x).code() == ErrorCode::invalid_argument);
+  CHECK(table() == q32);
+
+  ForwardPlanner<Crf> host(CacheShape{E, C}, n, Crf(CacheShape{E, C}, CrfParams{}, q32));
+  ForwardPlan plan;
+  DeviceBuffer<std::int32_t> d_ids(n);
+  std::mt19937_64 rng(17);
+  std::vector<std::int32_t> res(E);
+  std::vector<std::uint64_t> crf(E);
+  for (int step = 0; step < 300; ++step) {
+    CAPTURE(step);
+    std::set<std::int32_t> row;
+    if (step == 0) row.insert(1);
+    while (static_cast<std::int32_t>(row.size()) < n) row.insert(static_cast<std::int32_t>(rng() % E));
+    const Ids ids(row.begin(), row.end());
+    REQUIRE_CUDA_OK(cudaMemcpyAsync(d_ids.get(), ids.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice, x));
+    REQUIRE(dev.prepare(d_ids.get(), n, x).ok());
+    REQUIRE(host.plan_topk(ids, plan));
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(x));
+    REQUIRE_CUDA_OK(cudaMemcpy(res.data(), dev.resident_map_device(), E * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    REQUIRE(res == Ids(host.resident_map().begin(), host.resident_map().end()));
+    REQUIRE_CUDA_OK(cudaMemcpy(crf.data(), st.expert_crf.data, E * sizeof(std::uint64_t), cudaMemcpyDeviceToHost));
+    for (std::int32_t e = 0; e < E; ++e) REQUIRE(crf[static_cast<std::size_t>(e)] == host.policy().crf_q32(ExpertId(e)));
+  }
+  CHECK(res[1] >= 0);  // pinned since step 0
+  CHECK(dev.device_stats().evictions > 100);
+  CHECK(dev.take_errors() == 0u);
+  REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(x));
 }

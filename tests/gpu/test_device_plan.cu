@@ -811,6 +811,65 @@ TEST_CASE("device plan kernels (DeviceCrf) equal ForwardPlanner<Crf> after every
   policy_kernel_trace<DeviceCrf, Crf>(950);
 }
 
+// DeviceCrf's power table on the GPU (planning/crf_math.hpp): six experts with a prior bias sit
+// idle through 260-3000 forwards of slow churn and are then evicted by fast churn, so their keys
+// and CRFs take the high-bit path of crf_decay_pow_table (__umul64hi). Every forward alternates
+// the one-warp kernel (its ids) and the block kernel (the same ids padded past plan_small_ids);
+// fills, evictions and every expert's CRF must equal the host Crf with the same bias.
+TEST_CASE("device plan kernels (DeviceCrf): residents idle past the power table, with a prior, equal Crf") {
+  constexpr std::int32_t E = 96, C = 24, top_k = 6, biased = 6;
+  std::vector<std::uint64_t> bias(E, 0);
+  for (std::int32_t e = 0; e < biased; ++e) bias[static_cast<std::size_t>(e)] = crf_one / 20 * static_cast<std::uint64_t>(13 + e);
+  Stream stream;
+  device::DevicePlanStorage st;
+  CUDA_OK(st.create<DeviceCrf>(E, C, stream.s));
+  CUDA_OK(st.set_bias(bias.data(), E, stream.s));
+  const DevicePlanState& s = st.state();
+  ForwardPlanner<Crf> host(CacheShape{E, C}, top_k, Crf(CacheShape{E, C}, CrfParams{}, bias));
+  std::vector<Ids> forwards;
+  std::int32_t cold = 0;
+  auto next_cold = [&] { return biased + (cold++ % (E - biased)); };
+  for (const std::int32_t slow : {300, 700, 260, 3000}) {
+    Ids all_biased;
+    for (std::int32_t e = 0; e < biased; ++e) all_biased.push_back(e);
+    forwards.push_back(all_biased);
+    for (std::int32_t i = 0; i < slow; ++i) forwards.push_back({next_cold(), next_cold()});
+    for (std::int32_t i = 0; i < 8; ++i) {
+      Ids f;
+      for (std::int32_t j = 0; j < top_k; ++j) f.push_back(next_cold());
+      forwards.push_back(f);
+    }
+  }
+  DeviceBuffer<std::int32_t> d_ids(32);
+  ForwardPlan plan;
+  Mirror m;
+  std::uint64_t old_victims = 0;
+  for (std::size_t step = 0; step < forwards.size(); ++step) {
+    CAPTURE(step);
+    Ids ids = forwards[step];
+    std::sort(ids.begin(), ids.end());
+    Ids sent = ids;
+    if (step % 2 == 1) sent.resize(20, -1);  // the block kernel's general path
+    CUDA_OK(cudaMemcpyAsync(d_ids.p, sent.data(), sent.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream.s));
+    CUDA_OK((device::launch_plan_forward<device::plan_block_threads, DeviceCrf>(s, d_ids.p, static_cast<std::int32_t>(sent.size()),
+                                                                                nullptr, stream.s)));
+    REQUIRE(host.plan_topk(ids, plan));
+    m.read(st, stream.s);
+    check_group(host, plan, *m.view.scalars, m.view.fills.data, m.view.evictions.data, m.view.forward_map.data);
+    check_residency(host, m.view);
+    for (std::int32_t e = 0; e < E; ++e) {
+      REQUIRE(m.view.expert_crf[e] == host.policy().crf_q32(ExpertId(e)));
+      REQUIRE(m.view.expert_last[e] == host.policy().last(ExpertId(e)));
+    }
+    for (const auto& v : plan.evictions) {
+      if (host.policy().clock() - host.policy().last(v.expert) >= crf_pow_table_size) ++old_victims;
+    }
+  }
+  MESSAGE("victims idle for ", crf_pow_table_size, " forwards or more: ", old_victims);
+  CHECK(old_victims >= 10);
+  CHECK((st.error_word() & (plan_error_bad_state | plan_error_bad_argument)) == 0u);
+}
+
 namespace {
 // Triggers its dependents at once, then writes step *counter's ids after `delay_ns`: a plan
 // launched programmatically after it is running while the ids are still the previous step's.

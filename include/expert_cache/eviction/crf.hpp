@@ -100,9 +100,6 @@ class Crf {
   std::uint32_t clock_ = 0;
 };
 
-// A bias that keeps an expert over every unbiased one (CRF < 2^40 always: d^age sums to < 1/(1-d)).
-inline constexpr std::uint64_t crf_pin_bias = std::uint64_t{1} << 62;
-
 static_assert(eviction_policy<Crf>);
 static_assert(has_begin_forward<Crf>);
 

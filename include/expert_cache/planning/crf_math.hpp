@@ -49,6 +49,48 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at(std::uint64_t crf, std::uin
   return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow(d, now - last));
 }
 
+// d^age from a table of its first powers: table[a] = crf_decay_pow(d, a) for a < crf_pow_table_size.
+// The result equals crf_decay_pow(d, age) bit for bit: square-and-multiply multiplies the result by
+// d^(2^k) for each set bit k of age in ascending k, so the table entry of the low bits is the
+// product of their factors, and the high bits continue the same product with the same squarings
+// (d^(2^bits) = table[size / 2]^2, truncated as the loop truncates it). A planner looks up one
+// word per resident instead of a chain of about log2(age) dependent 64-bit multiplies; ages of
+// crf_pow_table_size forwards or more (a resident unused that long) take the loop for the high bits.
+inline constexpr std::uint32_t crf_pow_table_bits = 8;
+inline constexpr std::uint32_t crf_pow_table_size = 1u << crf_pow_table_bits;
+inline constexpr std::uint32_t crf_pow_table_mask = crf_pow_table_size - 1u;
+
+// The factors of age's bits at or above crf_pow_table_bits, applied to `low` = table[age & mask].
+// `table` is read only when such bits exist.
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_pow_high_bits(const std::uint64_t* table, std::uint64_t low,
+                                                                 std::uint32_t age) noexcept {
+  std::uint32_t high = age >> crf_pow_table_bits;
+  if (high == 0 || low == 0) return low;
+  const std::uint64_t half = table[crf_pow_table_size / 2];
+  std::uint64_t result = low, base = crf_mul_q32(half, half);
+  while (high != 0 && result != 0) {
+    if ((high & 1u) != 0) result = crf_mul_q32(result, base);
+    base = crf_mul_q32(base, base);
+    high >>= 1;
+    if (base == 0 && high != 0) return 0;
+  }
+  return result;
+}
+
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow_table(const std::uint64_t* table,
+                                                                  std::uint32_t age) noexcept {
+  return crf_pow_high_bits(table, table[age & crf_pow_table_mask], age);
+}
+
+// crf_at with the power from the table (the same value).
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at_table(const std::uint64_t* table, std::uint64_t crf,
+                                                           std::uint32_t last, std::uint32_t now) noexcept {
+  return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow_table(table, now - last));
+}
+
+// A bias that keeps an expert over every unbiased one (CRF < 2^40 always: d^age sums to < 1/(1-d)).
+inline constexpr std::uint64_t crf_pin_bias = std::uint64_t{1} << 62;
+
 // Saturating add: a victim key is CRF + prior bias; a pinning bias is near UINT64_MAX.
 EXPERT_CACHE_HOST_DEVICE constexpr std::uint64_t crf_add_sat(std::uint64_t a, std::uint64_t b) noexcept {
   return a + b < a ? ~std::uint64_t{0} : a + b;

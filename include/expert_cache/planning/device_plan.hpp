@@ -153,7 +153,8 @@ struct DevicePlanScalars {
   std::int32_t prefetch_skipped_resident = 0;
   std::int32_t prefetch_skipped_no_victim = 0;
   // DeviceCrf only: forwards (planned groups) seen, and the decay per forward in Q32
-  // (planning/crf_math.hpp; Crf's CrfParams::decay_q32).
+  // (planning/crf_math.hpp; Crf's CrfParams::decay_q32). The planner reads the decay through its
+  // powers (DevicePlanState::crf_pow, filled from this value by reset_plan_state).
   std::uint32_t crf_clock = 0;
   std::uint64_t crf_decay = crf_default_decay_q32;
 };
@@ -202,6 +203,9 @@ struct DevicePlanState {
   PlanSpan<std::uint64_t> expert_crf;   // [E]
   PlanSpan<std::uint64_t> expert_bias;  // [E] 0 = no prior (plan_set_bias)
   PlanSpan<std::uint32_t> expert_last;  // [E]
+  // crf_pow[a] = crf_decay_pow(crf_decay, a), a < crf_pow_table_size: DeviceCrf decays a CRF with
+  // one lookup (crf_decay_pow_table) instead of a chain of multiplies per resident.
+  PlanSpan<std::uint64_t> crf_pow;      // [crf_pow_table_size]
   DevicePlanScalars* scalars = nullptr;
   DevicePlanStats* counters = nullptr;  // authoritative counters (in the block)
   DevicePlanStats* stats = nullptr;     // their published mirror (mapped host memory on the GPU)
@@ -359,6 +363,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.expert_crf = c.take<std::uint64_t>(num_experts);
   s.expert_bias = c.take<std::uint64_t>(num_experts);
   s.expert_last = c.take<std::uint32_t>(num_experts);
+  s.crf_pow = c.take<std::uint64_t>(static_cast<std::int32_t>(crf_pow_table_size));
   s.stats = stats;
   s.error_word = error_word;
   return s;
@@ -367,7 +372,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
 EXPERT_CACHE_HOST_DEVICE inline std::size_t plan_state_bytes(std::int32_t num_experts, std::int32_t capacity) noexcept {
   if (num_experts <= 0 || capacity <= 0) return 0;
   const DevicePlanState s = bind_plan_state(nullptr, num_experts, capacity, nullptr, nullptr);
-  const auto end = reinterpret_cast<std::uintptr_t>(s.expert_last.data + num_experts);
+  const auto end = reinterpret_cast<std::uintptr_t>(s.crf_pow.data + s.crf_pow.size);
   return static_cast<std::size_t>(end);
 }
 
@@ -379,7 +384,8 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
     return false;
   }
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e ||
-      s.expert_crf.size != e || s.expert_bias.size != e || s.expert_last.size != e) {
+      s.expert_crf.size != e || s.expert_bias.size != e || s.expert_last.size != e ||
+      s.crf_pow.size != static_cast<std::int32_t>(crf_pow_table_size)) {
     return false;
   }
   return s.slot_owner.size == c && s.slot_tick.size == c && s.free_stack.size == c && s.prev_forward.size == c &&
@@ -443,7 +449,8 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t min_i32(std::int32_t a, std::int
 
 // Empty cache: nothing resident, free stack [C-1, ..., 0] (slot 0 popped first, like
 // ForwardPlanner<Lru>, whose free_slot_order is lowest_first; [0, ..., C-1] for a policy that
-// hands out C-1 first, like Lfru), counters, error word, policy state and prior biases zero.
+// hands out C-1 first, like Lfru), counters, error word, policy state and prior biases zero,
+// DeviceCrf's power table for the reset decay.
 template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& s) noexcept {
   const std::int32_t r = b.thread_rank(), n = b.size();
@@ -455,6 +462,10 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.expert_crf[e] = 0;
     s.expert_bias[e] = 0;
     s.expert_last[e] = 0;
+  }
+  const std::uint64_t decay = DevicePlanScalars{}.crf_decay;
+  for (std::int32_t a = r; a < s.crf_pow.size; a += n) {
+    s.crf_pow[a] = crf_decay_pow(decay, static_cast<std::uint32_t>(a));
   }
   const std::int32_t c = s.capacity;
   for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
@@ -530,7 +541,6 @@ struct GroupInput {
   std::uint32_t seq0 = 0;   // fill_seq
   std::int32_t live0 = 0;   // spec_live
   std::uint32_t clock = 0;  // crf_clock
-  std::uint64_t decay = 0;  // crf_decay
   DevicePlanStats before{}, now{};
   bool forward = false;  // called by plan_forward (group 0 of a new forward), not plan_group
 };
@@ -542,6 +552,10 @@ struct StateSource {
   EXPERT_CACHE_HOST_DEVICE std::int32_t id(std::int32_t k) const noexcept { return s->unique[k]; }
   EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t, std::int32_t e) const noexcept {
     return s->resident_map[e];
+  }
+  // DeviceCrf: expert e's CRF decayed to clock clk (before this request adds one).
+  EXPERT_CACHE_HOST_DEVICE std::uint64_t crf_now(std::int32_t, std::int32_t e, std::uint32_t clk) const noexcept {
+    return crf_at_table(s->crf_pow.data, s->expert_crf[e], s->expert_last[e], clk);
   }
 };
 
@@ -576,15 +590,14 @@ EXPERT_CACHE_HOST_DEVICE inline ScoreKey lfru_key(const DevicePlanState& s, std:
 
 // Crf's victim key of resident `owner` (in `slot`) at clock `clk`: CRF + prior bias, then id.
 EXPERT_CACHE_HOST_DEVICE inline ScoreKey crf_key(const DevicePlanState& s, std::int32_t slot, std::int32_t owner,
-                                                 std::uint32_t clk, std::uint64_t d) noexcept {
-  const std::uint64_t crf = crf_at(s.expert_crf[owner], s.expert_last[owner], clk, d);
+                                                 std::uint32_t clk) noexcept {
+  const std::uint64_t crf = crf_at_table(s.crf_pow.data, s.expert_crf[owner], s.expert_last[owner], clk);
   return ScoreKey{crf_add_sat(crf, s.expert_bias[owner]), static_cast<std::uint64_t>(owner), slot};
 }
 
 // Crf::touch: one request of expert e at clock clk.
-EXPERT_CACHE_HOST_DEVICE inline void crf_touch(const DevicePlanState& s, std::int32_t e, std::uint32_t clk,
-                                               std::uint64_t d) noexcept {
-  s.expert_crf[e] = crf_at(s.expert_crf[e], s.expert_last[e], clk, d) + crf_one;
+EXPERT_CACHE_HOST_DEVICE inline void crf_touch(const DevicePlanState& s, std::int32_t e, std::uint32_t clk) noexcept {
+  s.expert_crf[e] = crf_at_table(s.crf_pow.data, s.expert_crf[e], s.expert_last[e], clk) + crf_one;
   s.expert_last[e] = clk;
 }
 
@@ -601,7 +614,7 @@ struct VictimChunk {
 
   template <device_plan_policy Policy>
   EXPERT_CACHE_HOST_DEVICE void load(const DevicePlanState& s, std::int32_t first, std::int32_t rank, std::int32_t nt,
-                                     std::uint64_t tick0, std::uint32_t clk, std::uint64_t decay) noexcept {
+                                     std::uint64_t tick0, std::uint32_t clk) noexcept {
     const std::int32_t C = s.capacity, E = s.num_experts;
     EXPERT_CACHE_PLAN_UNROLL
     for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
@@ -615,13 +628,32 @@ struct VictimChunk {
       }
     }
     if constexpr (Policy::kind == DevicePolicyKind::crf) {
+      // Three passes, so that each pass's loads are all in flight together and no multiply
+      // stands between them: the owners' CRF, last request and bias; then one power-table word
+      // per age; then one multiply per key. Until the last pass `tie` holds the CRF and `score`
+      // the bias (fewer live registers: the fused plan + fill kernel plans in 128 per thread).
+      std::uint32_t age[plan_victim_regs];
+      std::uint64_t power[plan_victim_regs];
+      auto candidate = [&](std::int32_t k) { return owner[k] >= 0 && owner[k] < E && tick[k] < tick0; };
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        const bool c = candidate(k);
         const std::int32_t o = owner[k];
-        const bool candidate = o >= 0 && o < E && tick[k] < tick0;
-        const ScoreKey key = candidate ? crf_key(s, first + rank + k * nt, o, clk, decay) : ScoreKey{};
-        score[k] = key.score;
-        tie[k] = key.tie;
+        tie[k] = c ? s.expert_crf[o] : 0;  // as of its last request
+        age[k] = c ? clk - s.expert_last[o] : 0u;
+        score[k] = c ? s.expert_bias[o] : 0;
+      }
+      EXPERT_CACHE_PLAN_UNROLL
+      for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        power[k] = tie[k] != 0 ? s.crf_pow[static_cast<std::int32_t>(age[k] & crf_pow_table_mask)] : 0;
+      }
+      EXPERT_CACHE_PLAN_UNROLL
+      for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        // crf_at_table, with the table word already loaded (age >= the table: rare, a loop).
+        const std::uint64_t crf = tie[k] == 0 ? 0 : crf_mul_q32(tie[k], crf_pow_high_bits(s.crf_pow.data, power[k], age[k]));
+        const bool c = candidate(k);
+        score[k] = c ? crf_add_sat(crf, score[k]) : ~std::uint64_t{0};
+        tie[k] = c ? static_cast<std::uint64_t>(owner[k]) : ~std::uint64_t{0};
       }
     }
   }
@@ -692,7 +724,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   const std::uint32_t seq0 = in.seq0;
   const std::int32_t live0 = in.live0;  // live speculative fills (0: their code is skipped)
   const std::uint32_t clk = in.clock + 1u;  // DeviceCrf: this group's clock
-  const std::uint64_t decay = in.decay;
 
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
@@ -738,7 +769,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
       if constexpr (crf) {
-        if (e >= 0 && e < E) crf_touch(s, e, clk, decay);  // hits and misses alike (ids are unique)
+        if (e >= 0 && e < E) {  // Crf::touch, hits and misses alike (ids are unique)
+          s.expert_crf[e] = src.crf_now(begin + i, e, clk) + crf_one;
+          s.expert_last[e] = clk;
+        }
       }
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
@@ -782,7 +816,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     b.sync();  // hit ticks (and, for n > threads, the fill list) visible to every thread
     const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
     VictimChunk chunk;
-    if (in_regs) chunk.template load<Policy>(s, 0, rank, nt, tick0, clk, decay);
+    if (in_regs) chunk.template load<Policy>(s, 0, rank, nt, tick0, clk);
     PlanKey last{0, -1};
     for (std::int32_t j = 0; j < victims; ++j) {
       std::int32_t found = -1;
@@ -793,7 +827,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
         } else {
           for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
             VictimChunk m;
-            m.template load<Policy>(s, first, rank, nt, tick0, clk, decay);
+            m.template load<Policy>(s, first, rank, nt, tick0, clk);
             const PlanKey k = m.best_lru(last, rank, nt, first);
             if (k < best) best = k;
           }
@@ -821,7 +855,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
         } else {
           for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
             VictimChunk m;
-            m.template load<Policy>(s, first, rank, nt, tick0, clk, decay);
+            m.template load<Policy>(s, first, rank, nt, tick0, clk);
             const ScoreKey k = m.template best_score<Policy>(clock_j, tick0, E, rank, nt, first);
             if (k < best) best = k;
           }
@@ -992,6 +1026,9 @@ struct SmallSource {
   const SmallIds* ids;
   std::int32_t rank;
   std::int32_t prev_mine, id_mine, slot_mine;
+  // DeviceCrf: id_mine's CRF and last request, and the power-table word of its age's low bits.
+  std::uint64_t crf_mine = 0, power_mine = 0;
+  std::uint32_t last_mine = 0;
   EXPERT_CACHE_HOST_DEVICE std::int32_t prev(std::int32_t i) const noexcept {
     return i == rank ? prev_mine : s->prev_forward[i];
   }
@@ -1000,6 +1037,10 @@ struct SmallSource {
   }
   EXPERT_CACHE_HOST_DEVICE std::int32_t slot_of(std::int32_t k, std::int32_t e) const noexcept {
     return k == rank ? slot_mine : s->resident_map[e];
+  }
+  EXPERT_CACHE_HOST_DEVICE std::uint64_t crf_now(std::int32_t k, std::int32_t e, std::uint32_t clk) const noexcept {
+    if (k != rank) return crf_at_table(s->crf_pow.data, s->expert_crf[e], s->expert_last[e], clk);
+    return crf_mine == 0 ? 0 : crf_mul_q32(crf_mine, crf_pow_high_bits(s->crf_pow.data, power_mine, clk - last_mine));
   }
 };
 
@@ -1026,7 +1067,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
   in.seq0 = sc.fill_seq;
   in.live0 = sc.spec_live;
   in.clock = sc.crf_clock;
-  in.decay = sc.crf_decay;
   if (b.thread_rank() == 0) in.before = in.now = *s.counters;
   detail::plan_group_from<Policy>(b, s, g, in, detail::StateSource{&s});
 }
@@ -1110,7 +1150,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   in.seq0 = sc.fill_seq;
   in.live0 = sc.spec_live;
   in.clock = sc.crf_clock;
-  in.decay = sc.crf_decay;
   if (rank == 0) in.before = in.now = *s.counters;
   const std::int32_t prev_mine = rank < C ? s.prev_forward[rank] : -1;
   detail::SmallIds sorted;
@@ -1132,6 +1171,16 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   const std::int32_t n0 = detail::min_i32(C, unique);
   const std::int32_t id_mine = rank < n0 ? sorted.unique_at(rank) : -1;
   const std::int32_t slot_mine = rank < n0 ? s.resident_map[id_mine] : -2;
+  detail::SmallSource src{&s, &sorted, rank, prev_mine, id_mine, slot_mine};
+  if constexpr (Policy::kind == DevicePolicyKind::crf) {
+    // The CRF update of this thread's id, loaded now (nothing before the group step writes it),
+    // the table word as soon as its age is known: both round trips overlap the work below.
+    if (rank < n0) {
+      src.crf_mine = s.expert_crf[id_mine];
+      src.last_mine = s.expert_last[id_mine];
+      src.power_mine = s.crf_pow[static_cast<std::int32_t>((in.clock + 1u - src.last_mine) & crf_pow_table_mask)];
+    }
+  }
 
   if (sanitized != nullptr) {
     b.sync();  // sanitized may alias ids: every thread has read them
@@ -1144,7 +1193,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   }
   for (std::int32_t t = rank; t < unique; t += nt) s.unique[t] = t == rank && t < n0 ? id_mine : sorted.unique_at(t);
   if (rank == 0) detail::note_forward(b, s, unique, groups, bad, 0u, in.now);
-  detail::plan_group_from<Policy>(b, s, 0, in, detail::SmallSource{&s, &sorted, rank, prev_mine, id_mine, slot_mine});
+  detail::plan_group_from<Policy>(b, s, 0, in, src);
 }
 
 // Plans one forward from top-k routing ids (any length; duplicates allowed; -1 padding; other
@@ -1239,6 +1288,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   // published by the barrier that ends it).
   std::int32_t fills = 0, victims = 0, skipped_resident = 0, next = 0;
   bool no_victim = false;
+  const bool in_regs = C <= plan_victim_regs * nt;  // uniform
+  detail::VictimChunk chunk;
+  bool loaded = false;
   for (; next < n_ids; ++next) {
     const std::int32_t e = ids[next];
     if (e < 0 || e >= E) continue;  // padding or a bad id (counted above)
@@ -1255,7 +1307,41 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
       --free;
     } else {
       std::int32_t found = -1;
-      if constexpr (Policy::kind == DevicePolicyKind::lru) {
+      if (in_regs) {
+        // Keys from registers, loaded at the first search of this call: nothing a search reads
+        // there changes within the call (CRF and bias of residents, the clock; a slot that takes
+        // a fill is excluded by its speculative count from then on). What does change, the
+        // speculative counts and the marks, is read from memory at every search.
+        if (!loaded) {  // uniform
+          chunk.template load<Policy>(s, 0, rank, nt, protect, sc.crf_clock);
+          loaded = true;
+        }
+        if constexpr (Policy::kind == DevicePolicyKind::lru) {
+          PlanKey best;
+          EXPERT_CACHE_PLAN_UNROLL
+          for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+            const std::int32_t slot = rank + k * nt, owner = chunk.owner[k];
+            if (owner < 0 || owner >= E || chunk.tick[k] >= protect) continue;
+            if (s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
+            const PlanKey key{chunk.tick[k], slot};
+            if (key < best) best = key;
+          }
+          found = b.min_key(best).slot;
+        } else {
+          ScoreKey best;
+          EXPERT_CACHE_PLAN_UNROLL
+          for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+            const std::int32_t slot = rank + k * nt, owner = chunk.owner[k];
+            if (owner < 0 || owner >= E || chunk.tick[k] >= protect) continue;
+            if (s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
+            const ScoreKey key = Policy::kind == DevicePolicyKind::lfru
+                                     ? detail::lfru_key_of(chunk.score[k], chunk.tie[k], slot, tick - 1u, chunk.tick[k])
+                                     : ScoreKey{chunk.score[k], chunk.tie[k], slot};
+            if (key < best) best = key;
+          }
+          found = b.min_score(best).slot;
+        }
+      } else if constexpr (Policy::kind == DevicePolicyKind::lru) {
         PlanKey best;
         for (std::int32_t slot = rank; slot < C; slot += nt) {
           const std::int32_t owner = s.slot_owner[slot];
@@ -1275,7 +1361,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
           if (t >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
           const ScoreKey key = Policy::kind == DevicePolicyKind::lfru
                                    ? detail::lfru_key(s, slot, tick - 1u, t)
-                                   : detail::crf_key(s, slot, owner, sc.crf_clock, sc.crf_decay);
+                                   : detail::crf_key(s, slot, owner, sc.crf_clock);
           if (key < best) best = key;
         }
         found = b.min_score(best).slot;
@@ -1305,7 +1391,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
         s.slot_freq[target] = 1;
         s.slot_order[target] = tick;
       } else if constexpr (Policy::kind == DevicePolicyKind::crf) {
-        detail::crf_touch(s, e, sc.crf_clock, sc.crf_decay);  // Crf::on_insert (no clock tick)
+        detail::crf_touch(s, e, sc.crf_clock);  // Crf::on_insert (no clock tick)
       }
       s.slot_spec_left[target] = expires_after;
       s.slot_needed[target] = seq0 + static_cast<std::uint32_t>(fills) + 1u;  // edge D4, as a miss

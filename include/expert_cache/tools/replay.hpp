@@ -9,6 +9,7 @@
 // Either way a forward is one (step, layer) of the trace, and forwards are replayed in
 // trace order.
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <functional>
@@ -58,6 +59,8 @@ struct CacheStream {
   std::optional<PopularityTable> popularity;
   double prior_weight = 1.0;
   double prior_pin = 0.25;
+  // The CRF policies' decay per forward (crf, crf+prior, crf+pin; ReplayOptions::crf_half_life).
+  std::uint64_t crf_decay_q32 = crf_default_decay_q32;
 
   [[nodiscard]] std::size_t size() const noexcept { return source.size(); }
   [[nodiscard]] std::span<const std::int32_t> forward(std::size_t i) const noexcept {
@@ -144,11 +147,14 @@ P make_replay_policy(CacheShape shape, const CacheStream& stream, std::shared_pt
     std::vector<std::uint64_t> bias;
     if (stream.popularity) {
       bias = P::prior_kind == PriorKind::weighted
-                 ? stream.popularity->weighted_bias(stream.prior_weight)
+                 ? stream.popularity->weighted_bias(stream.prior_weight, stream.crf_decay_q32)
                  : stream.popularity->pinned_bias(
                        static_cast<std::int32_t>(std::lround(stream.prior_pin * static_cast<double>(shape.capacity))));
     }
-    return P(shape, CrfParams{}, bias);
+    return P(shape, CrfParams{stream.crf_decay_q32}, bias);
+  } else if constexpr (std::same_as<P, Crf>) {
+    (void)future;
+    return Crf(shape, CrfParams{stream.crf_decay_q32});
   } else if constexpr (std::constructible_from<P, std::shared_ptr<const BeladyFuture>, CacheShape>) {
     if (!future) future = make_belady_future(stream);
     return P(future, shape);
@@ -231,7 +237,17 @@ struct ReplayOptions {
   double calibrate = 0.0;
   double prior_weight = 1.0;
   double prior_pin = 0.25;
+  // The CRF policies' half-life in forwards (> 0; 8 = Crf's default and the only one the device
+  // planner, DeviceCrf, runs): decay 2^(-1/h) rounded to Q32.
+  double crf_half_life = 8.0;
 };
+
+// 2^(-1/h) in Q32, for a half-life h > 0 (0 when h is not positive and finite; at least 1).
+[[nodiscard]] inline std::uint64_t crf_decay_q32_for(double half_life) noexcept {
+  if (!(half_life > 0.0) || !std::isfinite(half_life)) return 0;
+  const double d = std::round(std::exp2(-1.0 / half_life) * static_cast<double>(crf_one));
+  return std::clamp<std::uint64_t>(static_cast<std::uint64_t>(d), 1, crf_one - 1);
+}
 
 struct ReplayCounts {
   std::uint64_t hits = 0;
@@ -402,10 +418,11 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     detail::ReplayCaches caches{std::move(streams_r).value(), {}, trace.layers().size()};
     caches.futures.resize(caches.streams.size());
     if (!(options.calibrate >= 0.0 && options.calibrate < 1.0) || !(options.prior_weight >= 0.0) ||
-        !(options.prior_pin >= 0.0 && options.prior_pin <= 1.0)) {
+        !(options.prior_pin >= 0.0 && options.prior_pin <= 1.0) || crf_decay_q32_for(options.crf_half_life) == 0) {
       return Status(ErrorCode::invalid_argument,
-                    "calibrate must be in [0, 1), prior_weight >= 0 and prior_pin in [0, 1]");
+                    "calibrate must be in [0, 1), prior_weight >= 0, prior_pin in [0, 1] and crf_half_life > 0");
     }
+    for (CacheStream& st : caches.streams) st.crf_decay_q32 = crf_decay_q32_for(options.crf_half_life);
     std::optional<std::int32_t> split_step;
     std::uint64_t calibration_forwards = 0, replayed_accesses = 0;
     if (options.calibrate > 0.0) {
@@ -427,6 +444,7 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
         rest.popularity.emplace(st.num_experts);
         rest.prior_weight = options.prior_weight;
         rest.prior_pin = options.prior_pin;
+        rest.crf_decay_q32 = st.crf_decay_q32;
         for (std::size_t i = 0; i < st.size(); ++i) {
           const auto f = st.forward(i);
           if (trace.forwards[st.source[i]].step < *split_step) {
