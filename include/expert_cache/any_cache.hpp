@@ -15,9 +15,10 @@
 // would cost a cast per call and let a SimRuntime stream reach a CUDA cache. What a config
 // file picks (provider, policy, staging, storage, the layout's sizes) is erased, each choice
 // behind its own interface so that it costs once, not once per combination: the provider kind
-// behind a virtual interface (AnyCacheBase, one model per kind), the eviction policy and the
-// staging policy as values (AnyPolicy, AnyStaging) inside the static cache. The factory
-// instantiates one host cache and one device cache per storage.
+// behind a virtual interface (AnyCacheBase, one model per kind); the eviction policy, the
+// staging policy, the storage arrangement and the device policy as values inside the static
+// cache (AnyPolicy, AnyStaging, detail::AnyArrangementStorage, detail::AnyDevicePlanExecutor).
+// The factory instantiates one host cache and one device cache.
 //
 // Cost: prepare() is one virtual call into the static cache's prepare() (no allocation; the
 // returned ForwardView is the static one's) planning with AnyPolicy, which tells the held
