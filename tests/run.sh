@@ -43,19 +43,21 @@ step() {  # step NAME LOG CMD...: runs a build step; a failure counts as one fai
 }
 mkdir -p build-logs
 
+# The three parts overlap where one leaves a core idle: the main build's tests (a few long
+# programs: the install and subproject consumers, test_cache_sim) run while the sanitizer build
+# compiles and the fuzz smoke runs; each part's results are printed and counted in order.
 echo "== main build (cuda=$cuda)"
 rm -rf build-test build-asan
 # Compiling the template-heavy tests is most of this script's time. Both builds are at -O0 (a
 # test translation unit compiles in about 60% of its -O1 time); the few programs that need the
 # optimiser to run in seconds, or to warn as an engine's build would, ask for -O1 themselves
 # (tests/meson.build: test_cache_sim's 10^5 random schedules take 86 s at -O0).
+main_built=0
 if step "configure" build-logs/setup.log meson setup build-test -Dcuda=$cuda "${cuda_flags[@]}" -Dtests=enabled -Dbenchmarks=enabled -Doptimization=0 \
    && step "compile" build-logs/compile.log meson compile -C build-test; then
-  meson test -C build-test --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test.log | grep -vE '^\s*$' | tail -60
-  count build-logs/test.log
+  main_built=1
 fi
 
-echo "== host suite under ASan + UBSan"
 # Only the doctest suites and the example (suite 'sanitize'): the benchmark programs are large
 # and already run (unsanitized) as smoke tests in the main build. Both builds take
 # make_expert_cache from its compiled unit (-Dany_cache=compiled, the default: instantiating it in
@@ -65,17 +67,39 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=
 sanitize_targets=$(cd tests && ls test_*.cpp | sed 's/\.cpp$//; s/^/tests\//')
 # The examples registered in the 'sanitize' suite (examples/meson.build).
 sanitize_examples="examples/sim_decode examples/quickstart_sim"
-if step "configure (sanitizers)" build-logs/setup-asan.log meson setup build-asan -Dcuda=disabled -Dtests=enabled \
-     -Dbenchmarks=disabled -Dbuildtype=plain -Doptimization=0 -Db_sanitize=address,undefined \
-   && step "compile (sanitizers)" build-logs/compile-asan.log meson compile -C build-asan $sanitize_targets $sanitize_examples; then
-  EXPERT_CACHE_SCHEDULES=${EXPERT_CACHE_ASAN_SCHEDULES:-10000} meson test -C build-asan --no-rebuild --suite sanitize \
-    --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
-  count build-logs/test-asan.log
+build_asan() {  # exit status 1: configure failed, 2: compile failed (logs in build-logs/)
+  meson setup build-asan -Dcuda=disabled -Dtests=enabled -Dbenchmarks=disabled -Dbuildtype=plain -Doptimization=0 \
+    -Db_sanitize=address,undefined >build-logs/setup-asan.log 2>&1 || return 1
+  # shellcheck disable=SC2086
+  meson compile -C build-asan -j 2 $sanitize_targets $sanitize_examples >build-logs/compile-asan.log 2>&1 || return 2
+}
+build_asan &
+asan_build_pid=$!
+fuzz_pid=
+if [ -x tests/fuzz/run.sh ]; then
+  tests/fuzz/run.sh "${EXPERT_CACHE_FUZZ_SECONDS:-30}" >build-logs/fuzz.log 2>&1 &
+  fuzz_pid=$!
 fi
 
-if [ -x tests/fuzz/run.sh ]; then
+if [ $main_built = 1 ]; then
+  meson test -C build-test --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test.log | grep -vE '^\s*$' | tail -60
+  count build-logs/test.log
+fi
+
+echo "== host suite under ASan + UBSan"
+wait $asan_build_pid
+case $? in
+  0)
+    EXPERT_CACHE_SCHEDULES=${EXPERT_CACHE_ASAN_SCHEDULES:-10000} meson test -C build-asan --no-rebuild --suite sanitize \
+      --print-errorlogs --num-processes 2 2>&1 | tee build-logs/test-asan.log | tail -12
+    count build-logs/test-asan.log ;;
+  1) echo "== configure (sanitizers) failed; log tail:"; tail -40 build-logs/setup-asan.log; failed=$((failed + 1)) ;;
+  *) echo "== compile (sanitizers) failed; log tail:"; tail -40 build-logs/compile-asan.log; failed=$((failed + 1)) ;;
+esac
+
+if [ -n "$fuzz_pid" ]; then
   echo "== fuzz smoke"
-  if tests/fuzz/run.sh "${EXPERT_CACHE_FUZZ_SECONDS:-30}" >build-logs/fuzz.log 2>&1; then
+  if wait $fuzz_pid; then
     passed=$((passed + 1)); tail -3 build-logs/fuzz.log
   else
     failed=$((failed + 1)); echo "fuzz smoke failed:"; tail -40 build-logs/fuzz.log
