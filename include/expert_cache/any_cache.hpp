@@ -188,6 +188,8 @@ template <class Variant, std::size_t I = 0, class... Args>
 Variant emplace_alternative(std::size_t which, Args&... args) {
   if constexpr (I + 1 < std::variant_size_v<Variant>) {
     if (which != I) return emplace_alternative<Variant, I + 1>(which, args...);
+  } else if (which != I) {
+    throw Error(ErrorCode::internal, "make_expert_cache: choice " + std::to_string(which) + " outside the erased list");
   }
   return Variant(std::in_place_index<I>, args...);
 }
