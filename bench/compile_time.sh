@@ -10,7 +10,7 @@
 # same user TU in the compiled mode (EXPERT_CACHE_SEPARATE_COMPILATION) and the compiled mode's
 # one instantiation unit (include/expert_cache/compiled/any_cache_sim.cpp). --cuda adds their
 # CudaRuntime twins with nvcc; --tests adds every tests/test_*.cpp (as tests/run.sh's builds compile
-# them: -O1, and again with ASan + UBSan); --before DIR the header-only probes against another
+# them: -O0 or -O1, and again at -O0 with ASan + UBSan); --before DIR the header-only probes against another
 # checkout's headers (DIR/include, e.g. a `git worktree` of an earlier commit) in the same run.
 # Each TU is compiled --runs times (default 2: the
 # build machine is shared; the table prints the minimum and the median of the runs).
@@ -63,9 +63,13 @@ if [ $cuda = 1 ]; then
 fi
 if [ $tests = 1 ]; then
   for t in tests/test_*.cpp; do
-    inc="-Itests"; [ "$t" = tests/test_python_bridge.cpp ] && inc="-Itests -Ipython/src"
-    jobs+=("$t -O1 (compiled mode)|$cxx|-O1 $inc $sep|$t")
-    jobs+=("$t -O1 ASan+UBSan (header-only)|$cxx|-O1 -fsanitize=address,undefined $inc|$t")
+    inc="-Itests"
+    case $t in tests/test_python_bridge.cpp | tests/test_vllm_bridge.cpp | tests/test_model_bridge.cpp) inc="-Itests -Ipython/src" ;; esac
+    # tests/meson.build's optimized_tests get -O1 in the main build.
+    o=-O0
+    case $t in tests/test_cache_sim.cpp | tests/test_device_cache_sim.cpp | tests/test_model_cache.cpp) o=-O1 ;; esac
+    jobs+=("$t $o (compiled mode)|$cxx|$o $inc $sep|$t")
+    jobs+=("$t -O0 ASan+UBSan (compiled mode)|$cxx|-O0 -fsanitize=address,undefined $inc $sep|$t")
   done
 fi
 for t in "${extra[@]}"; do jobs+=("$t|$cxx|$opt -Itests|$t"); done

@@ -561,3 +561,59 @@ TEST_CASE("AnyExpertCache: the view's pointers are the cache's; prepare allocate
   CHECK(count(any, ra, sa, false) == count(ref, rs, ss, false));
   CHECK(count(any, ra, sa, true) == count(ref, rs, ss, true));
 }
+
+// The factory names the storage arrangement and the device policy for the one construction it
+// runs (detail::AnyChoiceScope); outside it the erased storage and device executor refuse to be
+// built, before allocating anything, and inside it they build the chosen one.
+TEST_CASE("make_expert_cache: the erased storage and device executor take the factory's choice, and only there") {
+  constexpr std::int32_t E = 16, C = 4;
+  SimRuntime rt(sim_options());
+  const ExpertTensorBytes tensors = six_tensor_layout().tensors();
+  const auto refused_outside = [&](const char* when) {
+    INFO(when);
+    const std::size_t before = rt.allocated_bytes();
+    try {
+      detail::AnyArrangementStorage<SimRuntime> s(rt, CacheShape{E, C}, tensors);
+      FAIL("the erased storage was built outside make_expert_cache");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::internal);
+      CHECK(std::string(e.what()).find("make_expert_cache") != std::string::npos);
+    }
+    DeviceCacheOptions o;
+    o.num_experts = E;
+    o.capacity = C;
+    o.max_ids = 8;
+    try {
+      detail::AnyDevicePlanExecutor<SimRuntime> x(rt, E, C, 8, CopyRegions{}, o);
+      FAIL("the erased device executor was built outside make_expert_cache");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::internal);
+    }
+    CHECK(rt.allocated_bytes() == before);
+  };
+  refused_outside("before any factory call");
+  {
+    AnyCacheConfig c = config_of("device", "crf", "", "tensor_major", E, C, 1);
+    c.max_ids = 8;
+    auto made = make_expert_cache(rt, c);
+    REQUIRE(made.ok());
+    CHECK(made.value().policy() == "crf");
+  }
+  refused_outside("after a factory call");
+
+  // Inside a scope the storage is the chosen arrangement: tensor-major has a copy region per
+  // present tensor, expert-major one (the whole blob), expert-major-host one per tensor again
+  // but strided by the blob on the host.
+  for (std::size_t arrangement = 0; arrangement < 3; ++arrangement) {
+    detail::AnyChoice choice;
+    choice.storage = arrangement;
+    const detail::AnyChoiceScope scope(choice);
+    detail::AnyArrangementStorage<SimRuntime> s(rt, CacheShape{E, C}, tensors);
+    const std::size_t present = static_cast<std::size_t>(
+        std::count_if(tensors.begin(), tensors.end(), [](const TensorBytes& t) { return t.bytes_per_expert != 0; }));
+    CHECK(s.copy_regions().count == (arrangement == 1 ? 1 : present));
+    const std::size_t blob = ExpertMajorStorage<SimRuntime>::blob_layout(tensors).blob_bytes;
+    CHECK(s.copy_regions().regions[0].host_stride == (arrangement == 0 ? tensors[0].bytes_per_expert : blob));
+    CHECK(s.host_tensor(0, 1) - s.host_tensor(0, 0) == static_cast<std::ptrdiff_t>(s.copy_regions().regions[0].host_stride));
+  }
+}

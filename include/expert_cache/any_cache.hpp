@@ -15,9 +15,10 @@
 // would cost a cast per call and let a SimRuntime stream reach a CUDA cache. What a config
 // file picks (provider, policy, staging, storage, the layout's sizes) is erased, each choice
 // behind its own interface so that it costs once, not once per combination: the provider kind
-// behind a virtual interface (AnyCacheBase, one model per kind), the eviction policy and the
-// staging policy as values (AnyPolicy, AnyStaging) inside the static cache. The factory
-// instantiates one host cache and one device cache per storage.
+// behind a virtual interface (AnyCacheBase, one model per kind); the eviction policy, the
+// staging policy, the storage arrangement and the device policy as values inside the static
+// cache (AnyPolicy, AnyStaging, detail::AnyArrangementStorage, detail::AnyDevicePlanExecutor).
+// The factory instantiates one host cache and one device cache.
 //
 // Cost: prepare() is one virtual call into the static cache's prepare() (no allocation; the
 // returned ForwardView is the static one's) planning with AnyPolicy, which tells the held
@@ -64,6 +65,7 @@
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "expert_cache/cache.hpp"
@@ -131,12 +133,196 @@ struct StorageTag {
 using AnyStorages =
     TypeList<StorageTag<TensorMajorStorage>, StorageTag<ExpertMajorStorage>, StorageTag<ExpertMajorHostStorage>>;
 
-// The device provider's policies (one DeviceExpertCache type each, per storage), by P::name.
+// The device provider's policies, by P::name.
 using AnyDevicePolicies = TypeList<DeviceLru, DeviceLfru, DeviceCrf>;
 inline constexpr std::array<std::string_view, 3> any_device_policy_names = {DeviceLru::name, DeviceLfru::name,
                                                                             DeviceCrf::name};
 
+// ---- storage and device policy chosen at run time --------------------------------------------
+// The factory builds ONE host cache type and ONE device cache type: the storage arrangement and
+// the device policy are run-time values inside them (AnyArrangementStorage, AnyDevicePlanExecutor),
+// as the eviction and staging policies are (AnyPolicy, AnyStaging). Each instantiation of a static
+// cache costs seconds of -O2 per translation unit, and the storages and device policies change
+// only how the slots are laid out (copy regions) and what the plan code runs, not the caches'
+// own code.
+//
+// The static caches construct their storage from (rt, shape, tensors, memory) and their plan
+// executor from (rt, sizes, copy regions, options): neither constructor has a parameter for a
+// choice made at run time. make_expert_cache names the choice for the one construction it runs,
+// on its own thread (AnyChoiceScope); the erased storage and executor read it in their
+// constructors and refuse to be built outside the factory.
+struct AnyChoice {
+  std::size_t storage = 0;        // index into AnyStorages
+  std::size_t device_policy = 0;  // index into AnyDevicePolicies
+};
+inline thread_local const AnyChoice* any_choice_pending = nullptr;
+
+class AnyChoiceScope {
+ public:
+  explicit AnyChoiceScope(const AnyChoice& choice) noexcept : outer_(std::exchange(any_choice_pending, &choice)) {}
+  ~AnyChoiceScope() { any_choice_pending = outer_; }
+  AnyChoiceScope(const AnyChoiceScope&) = delete;
+  AnyChoiceScope& operator=(const AnyChoiceScope&) = delete;
+
+ private:
+  const AnyChoice* outer_;
+};
+
+inline const AnyChoice& pending_any_choice(const char* what) {
+  if (any_choice_pending == nullptr) {
+    throw Error(ErrorCode::internal, std::string(what) + " is built by make_expert_cache only (no choice pending)");
+  }
+  return *any_choice_pending;
+}
+
+template <class R, class List>
+struct StorageVariantOf;
+template <class R, class... Tags>
+struct StorageVariantOf<R, TypeList<Tags...>> {
+  using type = std::variant<typename Tags::template type<R>...>;
+};
+
+// Constructs alternative `which` of a variant in place (the variant is returned as a prvalue, so
+// the alternative is never moved: neither storages nor executors need to be movable).
+template <class Variant, std::size_t I = 0, class... Args>
+Variant emplace_alternative(std::size_t which, Args&... args) {
+  if constexpr (I + 1 < std::variant_size_v<Variant>) {
+    if (which != I) return emplace_alternative<Variant, I + 1>(which, args...);
+  } else if (which != I) {
+    throw Error(ErrorCode::internal, "make_expert_cache: choice " + std::to_string(which) + " outside the erased list");
+  }
+  return Variant(std::in_place_index<I>, args...);
+}
+
+// Calls f on the held alternative (an index switch: no bad_variant_access path).
+template <std::size_t I = 0, class Variant, class F>
+decltype(auto) with_alternative(Variant& v, F&& f) {
+  if constexpr (I + 1 < std::variant_size_v<std::remove_const_t<Variant>>) {
+    if (v.index() != I) return with_alternative<I + 1>(v, std::forward<F>(f));
+  }
+  return f(*std::get_if<I>(&v));
+}
+
+// A storage whose arrangement (tensor_major, expert_major, expert_major_host) is chosen at run
+// time: it holds the chosen static storage, built with the same arguments, and answers the
+// storage accessors the caches and staging policies use from copies taken at construction (the
+// copy regions and slot tensors never change), so a fill reads the regions as it does from the
+// static storage, with no dispatch.
+template <allocating_runtime R>
+class AnyArrangementStorage {
+ public:
+  // The chosen arrangement's name is AnyExpertCache::storage(); the factory never lets the
+  // static cache log this one.
+  static constexpr std::string_view name = "any_arrangement";
+
+  AnyArrangementStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
+      : held_(emplace_alternative<Held>(pending_any_choice("AnyArrangementStorage").storage, rt, shape, tensors,
+                                        memory)) {
+    with_alternative(held_, [&](const auto& s) {
+      regions_ = s.copy_regions();
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) slot_tensors_[t] = s.slot_tensor(t);
+      host_bytes_ = s.host_bytes();
+      slot_bytes_ = s.slot_bytes();
+    });
+  }
+
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
+  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept { return slot_tensors_[t]; }
+  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept {
+    return with_alternative(held_, [](const auto& s) -> const ExpertTensorBytes& { return s.tensors(); });
+  }
+  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
+    return with_alternative(held_, [&](const auto& s) { return s.host_tensor(t, expert); });
+  }
+  [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
+  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+
+ private:
+  using Held = typename StorageVariantOf<R, AnyStorages>::type;
+  Held held_;
+  CopyRegions regions_{};
+  std::array<SlotTensor, max_expert_tensors> slot_tensors_{};
+  std::size_t host_bytes_ = 0;
+  std::size_t slot_bytes_ = 0;
+};
+
+// DeviceExpertCache's policy parameter for a policy chosen at run time: the cache's executor is
+// then AnyDevicePlanExecutor (below), which holds the chosen policy's own executor, and every plan
+// runs that policy's code. These members only satisfy device_plan_policy; no plan reads them.
+struct AnyDevicePolicy {
+  static constexpr DevicePolicyKind kind = DevicePolicyKind::lru;
+  static constexpr const char* name = "any";
+  static constexpr bool free_highest_first = false;
+};
+
+template <class Runtime, class List>
+struct DeviceExecutorVariantOf;
+template <class Runtime, class... Ps>
+struct DeviceExecutorVariantOf<Runtime, TypeList<Ps...>> {
+  using type = std::variant<typename DevicePlanExecutorOf<Runtime, Ps>::type...>;
+};
+
+// The runtime's plan executor for the device policy chosen at run time: one call forwarded per
+// step (a plan is a kernel launch or a simulated op; the switch is noise beside it).
+template <class Runtime>
+class AnyDevicePlanExecutor {
+ public:
+  using Stream = typename Runtime::Stream;
+
+  AnyDevicePlanExecutor(Runtime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                        const CopyRegions& regions, const DeviceCacheOptions& options)
+      : held_(emplace_alternative<Held>(pending_any_choice("AnyDevicePlanExecutor").device_policy, rt, num_experts,
+                                        capacity, max_ids, regions, options)) {}
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept {
+    return with_alternative(held_, [](const auto& x) -> const DevicePlanState& { return x.state(); });
+  }
+  [[nodiscard]] std::int32_t* sanitized_ids() const noexcept {
+    return with_alternative(held_, [](const auto& x) { return x.sanitized_ids(); });
+  }
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.plan_forward_fill(s, ids, n, planned, in_rounds); });
+  }
+  Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.plan_group_fill(s, g, planned); });
+  }
+  Status invalidate(Stream s, std::int32_t expert) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.invalidate(s, expert); });
+  }
+  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
+                  bool& planned) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.prefetch(s, ids, n, max_fills, expires_after, planned); });
+  }
+  Status drop_fills(Stream s) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.drop_fills(s); });
+  }
+  Status join_fills() noexcept {
+    return with_alternative(held_, [](auto& x) { return x.join_fills(); });
+  }
+  [[nodiscard]] bool overlap() const noexcept {
+    return with_alternative(held_, [](const auto& x) { return x.overlap(); });
+  }
+  [[nodiscard]] DevicePlanStats stats() const noexcept {
+    return with_alternative(held_, [](const auto& x) { return x.stats(); });
+  }
+  std::uint32_t take_error_word() noexcept {
+    return with_alternative(held_, [](auto& x) { return x.take_error_word(); });
+  }
+  [[nodiscard]] std::size_t device_bytes() const noexcept {
+    return with_alternative(held_, [](const auto& x) { return x.device_bytes(); });
+  }
+
+ private:
+  using Held = typename DeviceExecutorVariantOf<Runtime, AnyDevicePolicies>::type;
+  Held held_;
+};
+
 }  // namespace detail
+
+template <class Runtime>
+struct DevicePlanExecutorOf<Runtime, detail::AnyDevicePolicy> {
+  using type = detail::AnyDevicePlanExecutor<Runtime>;
+};
 
 // The staging policies make_expert_cache<Runtime> offers. any_cache_cuda.cuh specialises it
 // for CudaRuntime (adds Gather); a policy a runtime cannot run is refused with not_supported.
@@ -522,23 +708,16 @@ struct AnyStagingOf<TypeList<Gs...>> {
   using type = AnyStaging<Gs...>;
 };
 
-// One host-planned cache type per storage: the eviction policy and the staging policy are
-// values (AnyPolicy, AnyStaging), so the policies and stagings do not multiply the
-// instantiations (each is compiled once, in its erased type).
+// The one host-planned cache type: the storage arrangement, the eviction policy and the
+// staging policy are values (AnyArrangementStorage, AnyPolicy, AnyStaging), so none of them
+// multiplies the instantiations (each choice is compiled once, in its erased type).
 template <class Runtime>
 using AnyStagingFor = typename AnyStagingOf<typename AnyCacheStagings<Runtime>::type>::type;
-template <class Runtime, class S>
-using AnyHostCache = ExpertCache<S::template type, AnyPolicy, AnyStagingFor<Runtime>, ExplicitLayout, Runtime>;
-
-template <class Runtime, class S>
-std::unique_ptr<AnyCacheBase<Runtime>> make_host_model(Runtime& rt, const CacheOptions& options,
-                                                       const ExplicitLayout& layout, AnyPolicy policy,
-                                                       std::size_t staging) {
-  using Cache = AnyHostCache<Runtime, S>;
-  return std::make_unique<HostCacheModel<Runtime, Cache>>(rt, options, layout, std::move(policy),
-                                                          AnyStagingFor<Runtime>(staging));
-}
-
+template <class Runtime>
+using AnyHostCache = ExpertCache<AnyArrangementStorage, AnyPolicy, AnyStagingFor<Runtime>, ExplicitLayout, Runtime>;
+// The one device-planned cache type (storage arrangement and device policy as values).
+template <class Runtime>
+using AnyDeviceCache = DeviceExpertCache<AnyArrangementStorage, ExplicitLayout, Runtime, AnyDevicePolicy>;
 
 }  // namespace detail
 
@@ -656,47 +835,42 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   // Constructed, never assigned: nvcc flags an assignment of a [[nodiscard]] class (#2810).
   const auto build = [&]() -> Made {
     try {
-      return detail::visit_type<Made>(detail::AnyStorages{}, *storage, [&]<class S>() -> Made {
-        if (device) {
-          if constexpr (has_device_plan_executor<Runtime>) {
-            DeviceCacheOptions o;
-            o.num_experts = inner.num_experts;
-            o.capacity = inner.capacity;
-            o.max_ids = config.max_ids;
-            o.fused_plan_fill = config.fused_plan_fill;
-            o.label = inner.label;
-            o.memory = inner.memory;
-            const std::size_t p = *detail::index_of(device_policy_names, policy_name);
-            return detail::visit_type<Made>(detail::AnyDevicePolicies{}, p, [&]<class P>() -> Made {
-              // lfru / crf: tensor_major only (checked above), so the factory instantiates five
-              // device caches, not nine (docs/any_cache.md "What a build costs").
-              if constexpr (std::is_same_v<P, DeviceLru> ||
-                            std::is_same_v<typename S::template type<Runtime>, TensorMajorStorage<Runtime>>) {
-                using Cache = DeviceExpertCache<S::template type, ExplicitLayout, Runtime, P>;
-                return std::unique_ptr<Base>(std::make_unique<detail::DeviceCacheModel<Runtime, Cache>>(rt, o, layout));
-              } else {
-                return Status(ErrorCode::internal, "device policy without its storage");
-              }
-            });
-          } else {
-            return Status(ErrorCode::internal, "device provider without executor");
-          }
+      detail::AnyChoice choice;
+      choice.storage = *storage;
+      if (device) {
+        if constexpr (has_device_plan_executor<Runtime>) {
+          DeviceCacheOptions o;
+          o.num_experts = inner.num_experts;
+          o.capacity = inner.capacity;
+          o.max_ids = config.max_ids;
+          o.fused_plan_fill = config.fused_plan_fill;
+          o.label = inner.label;
+          o.memory = inner.memory;
+          choice.device_policy = *detail::index_of(device_policy_names, policy_name);
+          const detail::AnyChoiceScope scope(choice);
+          using Model = detail::DeviceCacheModel<Runtime, detail::AnyDeviceCache<Runtime>>;
+          return std::unique_ptr<Base>(std::make_unique<Model>(rt, o, layout));
+        } else {
+          return Status(ErrorCode::internal, "device provider without executor");
         }
-        const CacheShape shape =
-            ForwardPlanner<AnyPolicy>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
-        Result<AnyPolicy> made_policy = AnyPolicy::make(policy_name, shape, config.pool);
-        if (!made_policy.ok()) return made_policy.status();
-        const Status runnable = detail::visit_type<Status>(Stagings{}, *staging, [&]<class G>() -> Status {
-          if constexpr (staging_policy_for<G, Runtime, S::template type>) {
-            return {};
-          } else {
-            return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
-                                  static_cast<int>(G::name.size()), G::name.data());
-          }
-        });
-        if (!runnable) return runnable;
-        return detail::make_host_model<Runtime, S>(rt, inner, layout, std::move(made_policy.value()), *staging);
+      }
+      const CacheShape shape =
+          ForwardPlanner<AnyPolicy>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
+      Result<AnyPolicy> made_policy = AnyPolicy::make(policy_name, shape, config.pool);
+      if (!made_policy.ok()) return made_policy.status();
+      const Status runnable = detail::visit_type<Status>(Stagings{}, *staging, [&]<class G>() -> Status {
+        if constexpr (staging_policy_for<G, Runtime, detail::AnyArrangementStorage>) {
+          return {};
+        } else {
+          return Status::format(ErrorCode::not_supported, "staging '%.*s' cannot run on this runtime",
+                                static_cast<int>(G::name.size()), G::name.data());
+        }
       });
+      if (!runnable) return runnable;
+      const detail::AnyChoiceScope scope(choice);
+      using Model = detail::HostCacheModel<Runtime, detail::AnyHostCache<Runtime>>;
+      return std::unique_ptr<Base>(std::make_unique<Model>(rt, inner, layout, std::move(made_policy.value()),
+                                                           detail::AnyStagingFor<Runtime>(*staging)));
     } catch (const Error& e) {
       return detail::status_of(e);
     } catch (const std::bad_alloc&) {
