@@ -575,7 +575,7 @@ TEST_CASE("device cache (DeviceCrf): set_prior uploads the prior in stream order
     return t;
   };
   std::vector<double> prior(E, 0.0);
-  prior[1] = 1e9;  // pinned
+  prior[1] = 2e9;  // pinned: at or above 2^30 (crf_pin_bias / crf_one)
   prior[5] = 3.0;
   prior[9] = 0.5;
   std::vector<std::uint64_t> q32(E, 0);
