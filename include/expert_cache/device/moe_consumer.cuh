@@ -1012,43 +1012,39 @@ class MoeConsumer {
   [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
 
  private:
-  [[nodiscard]] Status host_source_status(const MoeHostSource& host) const noexcept {
-    if (host.missing == nullptr)
-      return Status(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host.missing is null (the missing experts' flags)");
+  // Every tensor the layout has: a non-null base, a stride of at least its bytes, both aligned to
+  // the kernels' access width. `which` names the side ("host" or "slot") in the error.
+  [[nodiscard]] Status tensor_region_status(const unsigned char* const (&base)[num_expert_tensors],
+                                            const unsigned long long (&stride)[num_expert_tensors],
+                                            const char* which) const noexcept {
     const ExpertTensorBytes b = layout_.tensors();
     for (std::size_t t = 0; t < num_default_expert_tensors; ++t) {
       if (b[t].bytes_per_expert == 0) continue;
       const unsigned long long align = moe_detail::tensor_access_bytes[t];
-      if (host.base[t] == nullptr)
-        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host base of %s is null", b[t].name.data());
-      if (host.stride[t] < b[t].bytes_per_expert)
-        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host stride of %s is %llu, below its %zu bytes",
-                              b[t].name.data(), host.stride[t], b[t].bytes_per_expert);
-      if (reinterpret_cast<std::uintptr_t>(host.base[t]) % align != 0 || host.stride[t] % align != 0)
+      if (base[t] == nullptr)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: %s base of %s is null", which, b[t].name.data());
+      if (stride[t] < b[t].bytes_per_expert)
+        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: %s stride of %s is %llu, below its %zu bytes",
+                              which, b[t].name.data(), stride[t], b[t].bytes_per_expert);
+      if (reinterpret_cast<std::uintptr_t>(base[t]) % align != 0 || stride[t] % align != 0)
         return Status::format(ErrorCode::invalid_argument,
-                              "MoeConsumer::run_one_pass: host base or stride of %s not a multiple of %llu bytes", b[t].name.data(), align);
+                              "MoeConsumer::run_one_pass: %s base or stride of %s not a multiple of %llu bytes", which,
+                              b[t].name.data(), align);
     }
     return {};
+  }
+
+  [[nodiscard]] Status host_source_status(const MoeHostSource& host) const noexcept {
+    if (host.missing == nullptr)
+      return Status(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: host.missing is null (the missing experts' flags)");
+    return tensor_region_status(host.base, host.stride, "host");
   }
 
   [[nodiscard]] Status one_pass_inputs_status(const MoeWeights& w, const MoeHostSource& host) const noexcept {
     if (Status st = host_source_status(host); !st) return st;
     if (w.expert_map == nullptr || w.num_experts < 1)
       return Status(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: the weights have no expert map");
-    const ExpertTensorBytes b = layout_.tensors();
-    for (std::size_t t = 0; t < num_default_expert_tensors; ++t) {
-      if (b[t].bytes_per_expert == 0) continue;
-      const unsigned long long align = moe_detail::tensor_access_bytes[t];
-      if (w.base[t] == nullptr)
-        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: slot base of %s is null", b[t].name.data());
-      if (w.stride[t] < b[t].bytes_per_expert)
-        return Status::format(ErrorCode::invalid_argument, "MoeConsumer::run_one_pass: slot stride of %s is %llu, below its %zu bytes",
-                              b[t].name.data(), w.stride[t], b[t].bytes_per_expert);
-      if (reinterpret_cast<std::uintptr_t>(w.base[t]) % align != 0 || w.stride[t] % align != 0)
-        return Status::format(ErrorCode::invalid_argument,
-                              "MoeConsumer::run_one_pass: slot base or stride of %s not a multiple of %llu bytes", b[t].name.data(), align);
-    }
-    return {};
+    return tensor_region_status(w.base, w.stride, "slot");
   }
 
   template <int Host>
