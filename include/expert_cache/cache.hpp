@@ -555,9 +555,7 @@ class ExpertCacheWithEdges {
     const std::uint64_t dense_bytes = dense_shape.second;
     detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
     const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
-    detail::count_wide_rows(ids, wide_rows_);
-    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
-    detail::clear_wide_rows(wide_unique_, wide_rows_);
+    detail::split_wide_hits_of(ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
     const auto hits_of = [&](std::size_t r) {
       return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
     };

@@ -270,9 +270,7 @@ class ModelExpertCache {
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
     const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
-    detail::count_wide_rows(topk_ids, wide_rows_);
-    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
-    detail::clear_wide_rows(wide_unique_, wide_rows_);
+    detail::split_wide_hits_of(topk_ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
     const auto hits_of = [&](std::size_t r) {
       return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
     };

@@ -372,14 +372,16 @@ void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::
   }
 }
 
-// Counts each expert's ids into `rows` (sized num_experts, zero outside the forward; the ids
-// were validated by wide_unique). clear_wide_rows zeroes the forward's entries again.
-inline void count_wide_rows(std::span<const std::int32_t> ids, std::vector<std::uint32_t>& rows) noexcept {
+// split_wide_hits with the rows counted from the forward's ids (validated by wide_unique): `rows`
+// is sized num_experts and zero on entry and on return (only the forward's `unique` entries are
+// touched).
+inline void split_wide_hits_of(std::span<const std::int32_t> ids, std::span<const std::int32_t> unique,
+                               std::span<const std::int32_t> hits, std::size_t rounds, std::vector<std::uint32_t>& rows,
+                               std::vector<std::size_t>& begin) noexcept {
   for (const std::int32_t id : ids) {
     if (id >= 0) ++rows[static_cast<std::size_t>(id)];
   }
-}
-inline void clear_wide_rows(std::span<const std::int32_t> unique, std::vector<std::uint32_t>& rows) noexcept {
+  split_wide_hits(hits, rows, rounds, begin);
   for (const std::int32_t e : unique) rows[static_cast<std::size_t>(e)] = 0;
 }
 
