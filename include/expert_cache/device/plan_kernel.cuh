@@ -690,26 +690,8 @@ inline cudaError_t launch_plan_fill_ready(const PlanFillParams& p, cudaStream_t 
   void* args[] = {const_cast<PlanFillParams*>(&p), &d};
   const void* kernel = debug != nullptr ? reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, true>)
                                         : reinterpret_cast<const void*>(&plan_fill_ready_kernel<Ilp, false>);
-  if (!programmatic) {
-    return cudaLaunchKernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(plan_fill_threads), args, 0, stream);
-  }
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(plan_fill_threads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t err = cudaLaunchKernelExC(&cfg, kernel, args);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    cfg.numAttrs = 0;
-    err = cudaLaunchKernelExC(&cfg, kernel, args);
-  }
-  return err;
+  return detail::launch_maybe_programmatic(kernel, static_cast<unsigned>(blocks), plan_fill_threads, args, stream,
+                                           programmatic);
 }
 
 // Whether launch_plan_fill_ready may use `programmatic`: an sm_90+ device and fill kernels whose
