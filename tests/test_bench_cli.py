@@ -133,6 +133,7 @@ def case_bad_args():
     expect_usage_error(["--json"], "needs a value")
     expect_usage_error(["--frobnicate"], "unknown argument")
     expect_usage_error(["--prompt", "128", "--stream-slots", "1"], "--stream-slots")
+    expect_usage_error(["--prompt", "128", "--prompt-lists", "pinned"], "--prompt-lists")
     rc, out, err = run("--help")
     expect(rc == 0 and "--provider" in out and "--staging" in out and "--trace" in out, "--help", out, err)
     expect("row, cached, device, resident" in out, "--help names the device provider", out)

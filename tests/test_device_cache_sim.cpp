@@ -104,7 +104,8 @@ struct Fixture {
   bool overlap = false;
   std::int32_t skip_wait_slot = -1;  // overlap: the consumer does not wait for this slot's ready word
 
-  Fixture(std::int32_t e, std::int32_t c, std::uint64_t seed = 1, bool with_overlap = false)
+  Fixture(std::int32_t e, std::int32_t c, std::uint64_t seed = 1, bool with_overlap = false,
+          std::uint64_t crf_decay = crf_default_decay_q32)
       : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}),
         experts(e),
         capacity(c),
@@ -119,6 +120,7 @@ struct Fixture {
     o.capacity = c;
     o.max_ids = max_ids;
     o.overlap = with_overlap;
+    o.crf_decay_q32 = crf_decay;
     dev = std::make_unique<Dev>(rt, o, six_tensor_layout());
     host = std::make_unique<Host>(host_rt, quiet_options(e, c, 1), six_tensor_layout());
     host_stream = host_rt.create_stream().value();
@@ -597,6 +599,14 @@ TEST_CASE("device cache: rejected calls leave the cache unchanged and enqueue no
   bad.capacity = 4;
   bad.max_ids = 0;
   CHECK_THROWS_AS(Fixture<>::Dev(f.rt, bad, six_tensor_layout()), Error);
+  // DeviceCrf's decay must be below 1.0 and above 0 in Q32.
+  bad.max_ids = 4;
+  for (const std::uint64_t decay : {std::uint64_t{0}, crf_one, crf_one + 5}) {
+    bad.crf_decay_q32 = decay;
+    CHECK_THROWS_WITH_AS(Fixture<>::Dev(f.rt, bad, six_tensor_layout()), doctest::Contains("crf_decay_q32"), Error);
+  }
+  bad.crf_decay_q32 = crf_default_decay_q32;
+  bad.max_ids = 0;
   // A first fill part naming a copy region the storage lacks (six regions: bits 0-5).
   bad.max_ids = 4;
   bad.ready_first_regions = 1u << 6;
@@ -981,6 +991,40 @@ TEST_CASE("set_prior: DeviceCrf plans with the uploaded prior exactly as Crf wit
   CHECK(f.dev->resident_map_device()[3] >= 0);  // pinned: requested once, never evicted since
   CHECK(differs_from_unbiased > 10);
   f.check_clean();
+}
+
+TEST_CASE("DeviceCrf with another half-life plans exactly as Crf with the same decay") {
+  for (const double half_life : {2.0, 16.0, 32.0}) {
+    CAPTURE(half_life);
+    const std::uint64_t decay = crf_decay_for_half_life(half_life);
+    REQUIRE(decay != crf_default_decay_q32);
+    CrfFixture<> f(16, 5, 11, false, decay);
+    f.settle();
+    const DevicePlanState& s = f.dev->plan_state();
+    CHECK(s.scalars->crf_decay == decay);
+    for (std::uint32_t a = 0; a < crf_pow_table_size; a += 37) CHECK(s.crf_pow[static_cast<std::int32_t>(a)] == crf_decay_pow(decay, a));
+    // The decisions: a host Crf with the same decay, forward by forward. The fixture's own host
+    // reference decays at the default half-life (8) and must part from the device somewhere.
+    ForwardPlanner<Crf> same(CacheShape{16, 5}, 3, Crf(CacheShape{16, 5}, CrfParams{decay}));
+    std::mt19937_64 rng(47);
+    ForwardPlan plan;
+    std::uint64_t differs_from_default = 0;
+    for (int step = 0; step < 150; ++step) {
+      std::set<std::int32_t> row;
+      // Skewed draws (half from experts 0..3), so frequency and recency disagree often.
+      while (row.size() < 3) row.insert(static_cast<std::int32_t>(rng() % 2 == 0 ? rng() % 4 : rng() % 16));
+      const Ids ids(row.begin(), row.end());
+      (void)f.step(step % 3 == 0 ? 2 : 0, ids);
+      f.settle();
+      REQUIRE(same.plan_topk(ids, plan));
+      const std::int32_t* dr = f.dev->resident_map_device();
+      REQUIRE(Ids(dr, dr + 16) == Ids(same.resident_map().begin(), same.resident_map().end()));
+      const auto hr = f.host->resident_map_host();
+      if (!std::equal(hr.begin(), hr.end(), dr)) ++differs_from_default;
+    }
+    CHECK(differs_from_default > 0);
+    f.check_clean();
+  }
 }
 
 TEST_CASE("set_prior: refused tables and policies leave the cache exactly as it was and enqueue nothing") {

@@ -84,9 +84,10 @@ struct Pair {
   std::int64_t bad = 0, forwards = 0, prefetches = 0;
   bool forward_cleared = false;
 
-  Pair(std::int32_t E, std::int32_t C, std::int32_t top_k, H policy) : host(CacheShape{E, C}, top_k, std::move(policy)), dev(E, C) {
+  Pair(std::int32_t E, std::int32_t C, std::int32_t top_k, H policy, std::uint64_t crf_decay = crf_default_decay_q32)
+      : host(CacheShape{E, C}, top_k, std::move(policy)), dev(E, C) {
     SequentialBlock b;
-    reset_plan_state<D>(b, dev.state());
+    reset_plan_state<D>(b, dev.state(), crf_decay);
   }
 
   void check_maps() {
@@ -212,7 +213,8 @@ constexpr Config configs[] = {
 // Random forwards (small and general path, overflow groups, padding, bad ids), invalidations and
 // prefetches; `policy` builds each run's host policy (fresh state).
 template <class D, class MakePolicy>
-void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, std::uint64_t clock0 = 0) {
+void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, std::uint64_t clock0 = 0,
+                   std::uint64_t crf_decay = crf_default_decay_q32) {
   std::uint64_t evictions = 0, overflows = 0, spec_used = 0, spec_wasted = 0, no_victim = 0;
   for (const Config& c : configs) {
     for (int rep = 0; rep < 2; ++rep) {
@@ -220,7 +222,7 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
       CAPTURE(c.C);
       CAPTURE(rep);
       std::mt19937_64 rng(seed++);
-      Pair<D> p(c.E, c.C, c.top_k, policy(CacheShape{c.E, c.C}));
+      Pair<D> p(c.E, c.C, c.top_k, policy(CacheShape{c.E, c.C}), crf_decay);
       if (clock0 != 0) p.dev.state().scalars->tick = clock0 + 1;  // Lfru's clock = tick - 1
       const std::int32_t max_groups = plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, c.C);
       for (int step = 0; step < 120; ++step) {
@@ -288,6 +290,14 @@ TEST_CASE("device LFRU equals Lfru on its double path (clock >= 2^25)") {
 TEST_CASE("device Crf equals ForwardPlanner<Crf> step by step (forwards, groups, invalidations, prefetch)") {
   random_parity<DeviceCrf>([](CacheShape s) { return Crf(s); }, 404, false);
   random_parity<DeviceCrf>([](CacheShape s) { return Crf(s); }, 505, true);
+}
+
+TEST_CASE("device Crf equals ForwardPlanner<Crf> at other half-lives (the state's decay, Crf's CrfParams)") {
+  for (const double half_life : {1.0, 3.0, 16.0, 32.0, 1000.0}) {
+    CAPTURE(half_life);
+    const std::uint64_t decay = crf_decay_for_half_life(half_life);
+    random_parity<DeviceCrf>([decay](CacheShape s) { return Crf(s, CrfParams{decay}); }, 606, half_life == 16.0, 0, decay);
+  }
 }
 
 // A budget above the capacity: the list fills every slot, then its last id finds no victim (all

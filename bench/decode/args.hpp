@@ -67,6 +67,9 @@ struct BenchArgs {
   std::vector<std::int32_t> prompts;
   std::int32_t prompt_every = 0;  // --prompt-every K: the mixed run, one prompt every K decode tokens
   std::int32_t stream_slots = 0;  // --stream-slots N: per layer for the prompt mode (0: recommended_stream_slots)
+  // --prompt-lists: how a round's pair and tile lists reach the consumer's kernels: copied into
+  // device memory on the consumer stream (true), or read by the kernels from mapped host memory.
+  bool prompt_lists_copied = true;
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -126,6 +129,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --prompt-every K    also the mixed run: one prompt (the last length) every K decode tokens over\n"
                "                      --steps tokens, decode tok/s and hit rate, scan resistant vs admit-everything\n"
                "  --stream-slots N    stream slots per layer of the prompt mode (default recommended_stream_slots)\n"
+               "  --prompt-lists L    copy (default: a round's pair and tile lists copied to device memory on the\n"
+               "                      consumer stream) or mapped (read by the kernels from mapped host memory)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
                "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
                "output\n"
@@ -292,6 +297,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
       a.prompt_every = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 20));
     } else if (arg == "--stream-slots") {
       a.stream_slots = static_cast<std::int32_t>(parse_int(arg, value(), 2, 1 << 20));
+    } else if (arg == "--prompt-lists") {
+      const std::string_view v = value();
+      if (v != "copy" && v != "mapped") throw UsageError{"--prompt-lists: '" + std::string(v) + "' (valid: copy, mapped)"};
+      a.prompt_lists_copied = v == "copy";
     } else {
       throw UsageError{"unknown argument '" + std::string(arg) + "' (see --help)"};
     }

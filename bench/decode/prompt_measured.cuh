@@ -8,8 +8,11 @@
 //
 // Many tokens per expert: a round's (token, expert) pairs sorted by expert are the rows of
 // GroupedMoe::run, each expert's rows in tiles of up to 64, so each expert's weights are read
-// once per 64 rows. Per round: the pair and tile lists (built on the host, read by kernels from
-// mapped pinned memory, so no copy-engine traffic queues behind the fills), then GroupedMoe::run
+// once per 64 rows. Per round: the pair and tile lists (built on the host in pinned memory and
+// copied to device memory on the consumer stream: a small copy there is not queued behind the
+// fill stream's copies, while a kernel that reads mapped host memory while the fills saturate the
+// link waits about 12 us per dependent read on the H200; --prompt-lists mapped keeps the mapped
+// reads for comparison), then GroupedMoe::run
 // in chunks of at most `chunk_pairs` rows cut at expert boundaries, each row's output going to
 // its own pair row; after the layer's rounds a reduction sums every token's top-k rows in a
 // fixed order. A row's result depends only on its expert's tile (same rows, same order), not on
@@ -224,6 +227,9 @@ class PromptRunner {
     src_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
     pair_v_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
     ids_dev_ = DeviceBuffer(max_pairs_ * sizeof(std::int32_t));
+    recs_copy_ = DeviceBuffer(max_pairs_ * sizeof(PairRec));
+    tiles_copy_ = DeviceBuffer(max_pairs_ * sizeof(device::GroupedTile));
+    lists_copied_ = a.prompt_lists_copied;
     // Pair records, tiles (at most one per pair) and the layer's ids.
     check_cuda(cudaHostAlloc(&mapped_, max_pairs_ * (sizeof(PairRec) + sizeof(device::GroupedTile) + sizeof(std::int32_t)),
                              cudaHostAllocMapped),
@@ -442,11 +448,27 @@ class PromptRunner {
   Status enqueue_rows(const device::MoeWeights& w, std::size_t off, std::size_t n, std::size_t tile_off,
                       std::size_t tiles) noexcept {
     if (n == 0) return {};
+    const PairRec* recs = recs_dev_ + off;
+    const device::GroupedTile* tile_list = tiles_dev_ + tile_off;
+    if (lists_copied_) {
+      // Disjoint ranges per call within a layer; the host waits for the consumer stream before
+      // the next layer writes the same ranges again.
+      recs = recs_copy_.as<PairRec>() + off;
+      tile_list = tiles_copy_.as<device::GroupedTile>() + tile_off;
+      if (cudaError_t err = cudaMemcpyAsync(const_cast<PairRec*>(recs), recs_ + off, n * sizeof(PairRec),
+                                            cudaMemcpyHostToDevice, consumer_);
+          err != cudaSuccess)
+        return cuda_status(err, "cudaMemcpyAsync(pair list)");
+      if (cudaError_t err = cudaMemcpyAsync(const_cast<device::GroupedTile*>(tile_list), tiles_ + tile_off,
+                                            tiles * sizeof(device::GroupedTile), cudaMemcpyHostToDevice, consumer_);
+          err != cudaSuccess)
+        return cuda_status(err, "cudaMemcpyAsync(tile list)");
+    }
     load_pairs_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, consumer_>>>(
-        recs_dev_ + off, static_cast<std::int32_t>(n), ids_v_.as<std::int32_t>() + off, w_v_.as<float>() + off,
+        recs, static_cast<std::int32_t>(n), ids_v_.as<std::int32_t>() + off, w_v_.as<float>() + off,
         src_v_.as<std::int32_t>() + off, pair_v_.as<std::int32_t>() + off);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_pairs_kernel");
-    return prompt_moe_.run(w, tiles_dev_ + tile_off, static_cast<int>(tiles), src_v_.as<std::int32_t>() + off,
+    return prompt_moe_.run(w, tile_list, static_cast<int>(tiles), src_v_.as<std::int32_t>() + off,
                            pair_v_.as<std::int32_t>() + off, w_v_.as<float>() + off, x_.as<float>(), pair_out_.as<float>(),
                            static_cast<int>(n), consumer_);
   }
@@ -459,7 +481,8 @@ class PromptRunner {
   device::GroupedMoe prompt_moe_;
   device::MoeConsumer decode_moe_;
   std::vector<std::unique_ptr<Cache>> caches_;
-  DeviceBuffer x_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_;
+  DeviceBuffer x_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_, recs_copy_, tiles_copy_;
+  bool lists_copied_ = true;
   void* mapped_ = nullptr;
   PairRec* recs_ = nullptr;
   PairRec* recs_dev_ = nullptr;
@@ -579,9 +602,10 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
               "(same run)\n",
               prop.name, prop.major, prop.minor, ceiling * 1e-9);
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB; consumer: "
-              "device/moe_grouped.cuh, each expert's (token, expert) rows in tiles of up to %d\n",
+              "device/moe_grouped.cuh, each expert's (token, expert) rows in tiles of up to %d; pair and tile lists %s\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
-              device::grouped_tile_rows);
+              device::grouped_tile_rows,
+              a.prompt_lists_copied ? "copied to device memory" : "read from mapped host memory");
   std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
   const ResidentWeights resident(m);
   CudaRuntime rt;

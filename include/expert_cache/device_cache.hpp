@@ -93,6 +93,11 @@ struct DeviceCacheOptions {
   // NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
   // refused at construction (ErrorCode::invalid_argument).
   std::uint32_t ready_first_regions = 0;
+  // DeviceCrf's decay per forward in Q32, in [1, 2^32 - 1] (Crf's CrfParams::decay_q32: the same
+  // value plans the same victims; crf_decay_for_half_life(h) for a half-life of h forwards). Read
+  // at construction; outside the range is refused there (ErrorCode::invalid_argument). The other
+  // policies ignore it.
+  std::uint64_t crf_decay_q32 = crf_default_decay_q32;
   // Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
   // fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
   // ready word BEFORE copying it (the edge removed, to show a test can see it).
@@ -198,7 +203,7 @@ class BasicSimPlanExecutor {
     rt.host_access(block_.data(), block_.size(), AccessMode::write);
     rt.host_access(words_.data(), words_.size(), AccessMode::write);
     SequentialBlock b;
-    reset_plan_state<Policy>(b, state_);
+    reset_plan_state<Policy>(b, state_, options.crf_decay_q32);
     for (const CopyRegion& r : regions_) {
       if (r.bytes == 0) continue;
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
@@ -768,6 +773,11 @@ class DeviceExpertCacheWithEdges {
     if (o.max_ids <= 0) {
       throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_ids %d (need > 0: tokens * top_k)",
                                  o.label.c_str(), o.max_ids));
+    }
+    if (o.crf_decay_q32 == 0 || o.crf_decay_q32 >= crf_one) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: crf_decay_q32 %llu (need 1..2^32 - 1: a decay per forward below 1.0 in Q32)",
+                                 o.label.c_str(), static_cast<unsigned long long>(o.crf_decay_q32)));
     }
     return o;
   }

@@ -23,6 +23,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "expert_cache/device/plan_kernel.cuh"
@@ -724,7 +725,7 @@ void check_policy_state(const Crf& h, const DevicePlanState& s) {
 // Eager launches of every planning kernel of `Policy` (warp and block forward, group,
 // invalidate, prefetch) against ForwardPlanner<HostPolicy> after every group and prefetch.
 template <class Policy, class HostPolicy>
-void policy_kernel_trace(std::uint64_t seed) {
+void policy_kernel_trace(std::uint64_t seed, std::uint64_t crf_decay = crf_default_decay_q32) {
   struct Config {
     std::int32_t E, C, top_k, max_tokens;
   };
@@ -737,12 +738,18 @@ void policy_kernel_trace(std::uint64_t seed) {
     CAPTURE(c.C);
     std::mt19937_64 rng(seed++);
     device::DevicePlanStorage st;
-    CUDA_OK(st.create<Policy>(c.E, c.C, stream.s));
+    CUDA_OK(st.create<Policy>(c.E, c.C, stream.s, crf_decay));
     const DevicePlanState& s = st.state();
     const std::int32_t max_n = c.max_tokens * c.top_k;
     const std::int32_t max_groups = plan_max_groups(max_n, c.E, c.C);
     DeviceBuffer<std::int32_t> d_ids(static_cast<std::size_t>(std::max(max_n, c.E)));
-    ForwardPlanner<HostPolicy> host(CacheShape{c.E, c.C}, c.top_k);
+    ForwardPlanner<HostPolicy> host = [&] {
+      if constexpr (std::is_same_v<HostPolicy, Crf>) {
+        return ForwardPlanner<HostPolicy>(CacheShape{c.E, c.C}, c.top_k, Crf(CacheShape{c.E, c.C}, CrfParams{crf_decay}));
+      } else {
+        return ForwardPlanner<HostPolicy>(CacheShape{c.E, c.C}, c.top_k);
+      }
+    }();
     ForwardPlan plan;
     Mirror m;
     for (int step = 0; step < steps; ++step) {
@@ -809,6 +816,12 @@ TEST_CASE("device plan kernels (DeviceLfru) equal ForwardPlanner<Lfru> after eve
 }
 TEST_CASE("device plan kernels (DeviceCrf) equal ForwardPlanner<Crf> after every group and prefetch") {
   policy_kernel_trace<DeviceCrf, Crf>(950);
+}
+TEST_CASE("device plan kernels (DeviceCrf, half-lives 3 and 32) equal ForwardPlanner<Crf> with the same decay") {
+  for (const double half_life : {3.0, 32.0}) {
+    CAPTURE(half_life);
+    policy_kernel_trace<DeviceCrf, Crf>(970, crf_decay_for_half_life(half_life));
+  }
 }
 
 // DeviceCrf's power table on the GPU (planning/crf_math.hpp): six experts with a prior bias sit

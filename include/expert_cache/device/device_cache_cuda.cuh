@@ -65,7 +65,7 @@ class BasicCudaPlanExecutor {
         fill_pdl_(options.overlap && plan_fill_ready_pdl_supported()) {
     check_first_part(regions, options);
     RuntimeStream<CudaRuntime> init(rt);
-    throw_on(storage_.template create<Policy>(num_experts, capacity, init.get()), "DevicePlanStorage::create");
+    throw_on(storage_.template create<Policy>(num_experts, capacity, init.get(), options.crf_decay_q32), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
     throw_on(resolve_mapped_regions(mapped), "resolve_mapped_regions (pools must be mapped pinned memory)");
     throw_on(make_plan_fill_params(mapped, storage_.state(), fill_, options.ready_first_regions),

@@ -238,10 +238,10 @@ namespace detail {
 // Every planning kernel takes the device policy (planning/device_plan.hpp) as its last template
 // argument, DeviceLru by default; one state is planned by one policy for its whole life.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
-EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s, std::uint64_t crf_decay) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  reset_plan_state<Policy>(b, s);
+  reset_plan_state<Policy>(b, s, crf_decay);
 }
 
 // `ids` is a device buffer of n_ids int32 ([tokens, top_k], -1 padding) whose contents may
@@ -584,8 +584,9 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
 }
 
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
-inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stream) noexcept {
-  void* args[] = {const_cast<DevicePlanState*>(&s)};
+inline cudaError_t launch_plan_reset(const DevicePlanState& s, cudaStream_t stream,
+                                     std::uint64_t crf_decay = crf_default_decay_q32) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &crf_decay};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_reset_kernel<Threads, Policy>), dim3(1), dim3(Threads), args, 0,
                           stream);
 }
@@ -765,9 +766,10 @@ class DevicePlanStorage {
   ~DevicePlanStorage() { release(); }
 
   // Allocates and enqueues the reset on `stream` (the state is empty once it ran), for the
-  // policy that will plan it (its free-slot order).
+  // policy that will plan it (its free-slot order) and DeviceCrf's decay (reset_plan_state).
   template <device_plan_policy Policy = DeviceLru>
-  [[nodiscard]] cudaError_t create(std::int32_t num_experts, std::int32_t capacity, cudaStream_t stream) noexcept {
+  [[nodiscard]] cudaError_t create(std::int32_t num_experts, std::int32_t capacity, cudaStream_t stream,
+                                   std::uint64_t crf_decay = crf_default_decay_q32) noexcept {
     release();
     const std::size_t bytes = plan_state_bytes(num_experts, capacity);
     if (bytes == 0 || capacity > num_experts) return cudaErrorInvalidValue;
@@ -781,7 +783,7 @@ class DevicePlanStorage {
     err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_words), words_, 0);
     if (err != cudaSuccess) return fail(err);
     state_ = bind_plan_state(block_, num_experts, capacity, &dev_words->stats, &dev_words->error_word);
-    err = launch_plan_reset<plan_block_threads, Policy>(state_, stream);
+    err = launch_plan_reset<plan_block_threads, Policy>(state_, stream, crf_decay);
     return err == cudaSuccess ? err : fail(err);
   }
 

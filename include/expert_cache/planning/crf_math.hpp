@@ -7,6 +7,8 @@
 // in Q32 (crf_decay_q32); d^age comes from square-and-multiply with truncation at every step,
 // which is not exactly round(2^32 * 2^(-age/h)), but the same on both sides, which is what
 // parity needs.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "expert_cache/config.hpp"
@@ -16,6 +18,14 @@ namespace expert_cache::inline v0 {
 inline constexpr std::uint64_t crf_one = std::uint64_t{1} << 32;
 // round(2^32 * 2^(-1/8)): half-life 8 forwards, Lrfu's default.
 inline constexpr std::uint64_t crf_default_decay_q32 = 3938502376u;
+
+// 2^(-1/h) in Q32 for a half-life of h forwards (host only: the conversion is done once, and both
+// sides then use the same integer). 0 when h is not positive and finite; else in [1, 2^32 - 1].
+[[nodiscard]] inline std::uint64_t crf_decay_for_half_life(double half_life) noexcept {
+  if (!(half_life > 0.0) || !std::isfinite(half_life)) return 0;
+  const double d = std::round(std::exp2(-1.0 / half_life) * static_cast<double>(crf_one));
+  return std::clamp<std::uint64_t>(static_cast<std::uint64_t>(d), 1, crf_one - 1);
+}
 
 // (a * b) >> 32, with the full 128-bit product.
 EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_mul_q32(std::uint64_t a, std::uint64_t b) noexcept {

@@ -450,9 +450,11 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t min_i32(std::int32_t a, std::int
 // Empty cache: nothing resident, free stack [C-1, ..., 0] (slot 0 popped first, like
 // ForwardPlanner<Lru>, whose free_slot_order is lowest_first; [0, ..., C-1] for a policy that
 // hands out C-1 first, like Lfru), counters, error word, policy state and prior biases zero,
-// DeviceCrf's power table for the reset decay.
+// DeviceCrf's decay `crf_decay` (Q32 in (0, 2^32): CrfParams::decay_q32, crf_decay_for_half_life)
+// and its power table.
 template <device_plan_policy Policy = DeviceLru, plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& s) noexcept {
+EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& s,
+                                               std::uint64_t crf_decay = crf_default_decay_q32) noexcept {
   const std::int32_t r = b.thread_rank(), n = b.size();
   for (std::int32_t e = r; e < s.resident_map.size; e += n) {
     s.resident_map[e] = -1;
@@ -463,9 +465,8 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.expert_bias[e] = 0;
     s.expert_last[e] = 0;
   }
-  const std::uint64_t decay = DevicePlanScalars{}.crf_decay;
   for (std::int32_t a = r; a < s.crf_pow.size; a += n) {
-    s.crf_pow[a] = crf_decay_pow(decay, static_cast<std::uint32_t>(a));
+    s.crf_pow[a] = crf_decay_pow(crf_decay, static_cast<std::uint32_t>(a));
   }
   const std::int32_t c = s.capacity;
   for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
@@ -487,6 +488,7 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
   if (r == 0) {
     *s.scalars = DevicePlanScalars{};
     s.scalars->free_count = c;
+    s.scalars->crf_decay = crf_decay;
     *s.counters = DevicePlanStats{};
     if (s.stats != nullptr) *s.stats = DevicePlanStats{};
     if (s.error_word != nullptr) *s.error_word = 0;
@@ -1457,11 +1459,11 @@ inline bool plan_set_bias(const DevicePlanState& s, const std::uint64_t* bias, s
 // bind_plan_state, stats and error word, reset to an empty cache. Not for device code.
 class HostPlanStorage {
  public:
-  HostPlanStorage(std::int32_t num_experts, std::int32_t capacity)
+  HostPlanStorage(std::int32_t num_experts, std::int32_t capacity, std::uint64_t crf_decay = crf_default_decay_q32)
       : block_((plan_state_bytes(num_experts, capacity) + sizeof(Chunk) - 1) / sizeof(Chunk)) {
     state_ = bind_plan_state(block_.data(), num_experts, capacity, &stats_, &error_word_);
     SequentialBlock b;
-    reset_plan_state(b, state_);
+    reset_plan_state(b, state_, crf_decay);
   }
   HostPlanStorage(const HostPlanStorage&) = delete;  // the view points into this object
   HostPlanStorage& operator=(const HostPlanStorage&) = delete;

@@ -237,16 +237,14 @@ struct ReplayOptions {
   double calibrate = 0.0;
   double prior_weight = 1.0;
   double prior_pin = 0.25;
-  // The CRF policies' half-life in forwards (> 0; 8 = Crf's default and the only one the device
-  // planner, DeviceCrf, runs): decay 2^(-1/h) rounded to Q32.
+  // The CRF policies' half-life in forwards (> 0; 8 = Crf's default; DeviceCrf takes the same
+  // decay through DeviceCacheOptions::crf_decay_q32): decay 2^(-1/h) rounded to Q32.
   double crf_half_life = 8.0;
 };
 
 // 2^(-1/h) in Q32, for a half-life h > 0 (0 when h is not positive and finite; at least 1).
 [[nodiscard]] inline std::uint64_t crf_decay_q32_for(double half_life) noexcept {
-  if (!(half_life > 0.0) || !std::isfinite(half_life)) return 0;
-  const double d = std::round(std::exp2(-1.0 / half_life) * static_cast<double>(crf_one));
-  return std::clamp<std::uint64_t>(static_cast<std::uint64_t>(d), 1, crf_one - 1);
+  return crf_decay_for_half_life(half_life);
 }
 
 struct ReplayCounts {
