@@ -600,6 +600,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.num_experts = m.experts;
     o.capacity = m.capacity;
     o.max_ids = n;
+    o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
     o.overlap = overlap;
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap ? device::MoeConsumer::first_pass_regions : 0u;

@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "../cli_args.hpp"
+#include "expert_cache/planning/crf_math.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
 
 namespace expert_cache::bench {
@@ -70,6 +72,7 @@ struct BenchArgs {
   // --prompt-lists: how a round's pair and tile lists reach the consumer's kernels: copied into
   // device memory on the consumer stream (true), or read by the kernels from mapped host memory.
   bool prompt_lists_copied = true;
+  double crf_half_life = 8.0;  // --crf-half-life H: the device crf policy's half-life in forwards
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -112,6 +115,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
                "  --device-policy P,... the device provider's planning policy: lru (default), lfru, crf, a comma\n"
                "                      list, or all (docs/policies.md); one device row per policy, same routing\n"
+               "  --crf-half-life H   the device crf policy's half-life in forwards (default 8; DeviceCacheOptions\n"
+               "                      ::crf_decay_q32)\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
                "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
                "  --budget            the device provider's time per layer: rows with a stage left out or doubled\n"
@@ -270,6 +275,13 @@ inline BenchArgs parse_args(int argc, char** argv) {
           a.device_policies.push_back(p);
       }
       a.device_policy = a.device_policies.front();
+    } else if (arg == "--crf-half-life") {
+      const std::string v(value());
+      char* end = nullptr;
+      const double h = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || crf_decay_for_half_life(h) == 0)
+        throw UsageError{"--crf-half-life: '" + v + "' is not a positive number of forwards"};
+      a.crf_half_life = h;
     } else if (arg == "--fill-only") {
       no_value();
       a.fill_only = true;

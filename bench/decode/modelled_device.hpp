@@ -142,6 +142,7 @@ RunResult run_sim_device_with(const Model& m, const Routing& routing, const Benc
     o.num_experts = m.experts;
     o.capacity = m.capacity;
     o.max_ids = n;
+    o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
     caches.push_back(std::make_unique<Cache>(rt, o, layout));
     fill_sim_pools(*caches.back(), rt, l, real);
   }
