@@ -18,9 +18,10 @@
 //          row groups = 6 MMAs; the three terms go into one accumulator, term 0 first.
 //   bf16   an engine's bf16 prefill: x and A are rounded to bf16 once (round to nearest even)
 //          and each weight fragment does one MMA per row group (2 per K-row): a third of the
-//          MMAs and of the input traffic, and a workspace of one term instead of three. The
+//          MMAs and of the activation loads, and a workspace of one term instead of three. The
 //          products are still exact and the sums fp32, so a row matches the double MoE of the
-//          bf16-rounded x and A to fp32 summation error.
+//          bf16-rounded x and A to fp32 summation error (but for an A element that the fp32
+//          sums put on the other side of a bf16 rounding midpoint: one bf16 ulp of it).
 // Scaling, both modes: the weights enter the MMA as fp4 * s0e5m3 * 2^-111 (moe_consumer.cuh) and
 // the inputs are scaled by 2^62 before rounding, so a product is x * fp4 * s0e5m3 * 2^-49 and
 // the outputs are scaled back by 2^49 with the global scale. The exact mode needs the 2^62 for
