@@ -134,6 +134,7 @@ def case_bad_args():
     expect_usage_error(["--frobnicate"], "unknown argument")
     expect_usage_error(["--prompt", "128", "--stream-slots", "1"], "--stream-slots")
     expect_usage_error(["--prompt", "128", "--prompt-lists", "pinned"], "--prompt-lists")
+    expect_usage_error(["--prompt", "128", "--prompt-precision", "fp8"], "--prompt-precision")
     expect_usage_error(["--crf-half-life", "0"], "--crf-half-life")
     expect_usage_error(["--crf-half-life", "8x"], "--crf-half-life")
     rc, out, err = run("--help")

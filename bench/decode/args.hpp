@@ -73,6 +73,9 @@ struct BenchArgs {
   // device memory on the consumer stream (true), or read by the kernels from mapped host memory.
   bool prompt_lists_copied = true;
   double crf_half_life = 8.0;  // --crf-half-life H: the device crf policy's half-life in forwards
+  // --prompt-precision: the prompt consumer's activations (GroupedPrecision): bf16, as an engine's
+  // prefill GEMM takes them (default), or exact (three bf16 terms per fp32 value, 3x the MMAs).
+  bool prompt_bf16 = true;
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -134,6 +137,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --prompt-every K    also the mixed run: one prompt (the last length) every K decode tokens over\n"
                "                      --steps tokens, decode tok/s and hit rate, scan resistant vs admit-everything\n"
                "  --stream-slots N    stream slots per layer of the prompt mode (default recommended_stream_slots)\n"
+               "  --prompt-precision P bf16 (default: the prompt consumer's activations rounded to bf16, as an\n"
+               "                      engine's prefill GEMM) or exact (fp32 activations as three bf16 terms)\n"
                "  --prompt-lists L    copy (default: a round's pair and tile lists copied to device memory on the\n"
                "                      consumer stream) or mapped (read by the kernels from mapped host memory)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
@@ -309,6 +314,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
       a.prompt_every = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 20));
     } else if (arg == "--stream-slots") {
       a.stream_slots = static_cast<std::int32_t>(parse_int(arg, value(), 2, 1 << 20));
+    } else if (arg == "--prompt-precision") {
+      const std::string_view v = value();
+      if (v != "bf16" && v != "exact") throw UsageError{"--prompt-precision: '" + std::string(v) + "' (valid: bf16, exact)"};
+      a.prompt_bf16 = v == "bf16";
     } else if (arg == "--prompt-lists") {
       const std::string_view v = value();
       if (v != "copy" && v != "mapped") throw UsageError{"--prompt-lists: '" + std::string(v) + "' (valid: copy, mapped)"};

@@ -199,7 +199,8 @@ class PromptRunner {
         resident_(resident),
         hidden_(m.layout.hidden),
         max_pairs_(static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(m.top_k)),
-        prompt_moe_(m.layout, chunk_pairs, chunk_pairs),
+        prompt_moe_(m.layout, chunk_pairs, chunk_pairs,
+                    a.prompt_bf16 ? device::GroupedPrecision::bf16 : device::GroupedPrecision::exact),
         decode_moe_(m.layout, 1, m.top_k) {
     for (std::int32_t l = 0; l < m.layers; ++l) {
       CacheOptions o;
@@ -602,9 +603,10 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
               "(same run)\n",
               prop.name, prop.major, prop.minor, ceiling * 1e-9);
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB; consumer: "
-              "device/moe_grouped.cuh, each expert's (token, expert) rows in tiles of up to %d; pair and tile lists %s\n",
+              "device/moe_grouped.cuh (%s activations), each expert's (token, expert) rows in tiles of up to %d; pair "
+              "and tile lists %s\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
-              device::grouped_tile_rows,
+              a.prompt_bf16 ? "bf16" : "exact fp32", device::grouped_tile_rows,
               a.prompt_lists_copied ? "copied to device memory" : "read from mapped host memory");
   std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
   const ResidentWeights resident(m);
