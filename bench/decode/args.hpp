@@ -69,9 +69,9 @@ struct BenchArgs {
   std::vector<std::int32_t> prompts;
   std::int32_t prompt_every = 0;  // --prompt-every K: the mixed run, one prompt every K decode tokens
   std::int32_t stream_slots = 0;  // --stream-slots N: per layer for the prompt mode (0: recommended_stream_slots)
-  // --prompt-lists: how a round's pair and tile lists reach the consumer's kernels: copied into
-  // device memory on the consumer stream (true), or read by the kernels from mapped host memory.
-  bool prompt_lists_copied = true;
+  // --prompt-lists: how a round's pair and tile lists reach the consumer's kernels: read by the
+  // kernels from mapped host memory (default), or copied into device memory on the consumer stream.
+  bool prompt_lists_copied = false;
   double crf_half_life = 8.0;  // --crf-half-life H: the device crf policy's half-life in forwards
   // --prompt-precision: the prompt consumer's activations (GroupedPrecision): bf16, as an engine's
   // prefill GEMM takes them (default), or exact (three bf16 terms per fp32 value, 3x the MMAs).
@@ -139,8 +139,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --stream-slots N    stream slots per layer of the prompt mode (default recommended_stream_slots)\n"
                "  --prompt-precision P bf16 (default: the prompt consumer's activations rounded to bf16, as an\n"
                "                      engine's prefill GEMM) or exact (fp32 activations as three bf16 terms)\n"
-               "  --prompt-lists L    copy (default: a round's pair and tile lists copied to device memory on the\n"
-               "                      consumer stream) or mapped (read by the kernels from mapped host memory)\n"
+               "  --prompt-lists L    mapped (default: a round's pair and tile lists read by the kernels from mapped\n"
+               "                      host memory) or copy (copied to device memory on the consumer stream)\n"
                "  --runtime R         auto (CUDA when built with it and a device exists), sim, cuda (default auto)\n"
                "  --sim-scale F       SimRuntime stores weights scaled down by F; times use the real bytes (1024)\n"
                "output\n"

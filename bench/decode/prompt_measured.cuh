@@ -8,11 +8,10 @@
 //
 // Many tokens per expert: a round's (token, expert) pairs sorted by expert are the rows of
 // GroupedMoe::run, each expert's rows in tiles of up to 64, so each expert's weights are read
-// once per 64 rows. Per round: the pair and tile lists (built on the host in pinned memory and
-// copied to device memory on the consumer stream: a small copy there is not queued behind the
-// fill stream's copies, while a kernel that reads mapped host memory while the fills saturate the
-// link waits about 12 us per dependent read on the H200; --prompt-lists mapped keeps the mapped
-// reads for comparison), then GroupedMoe::run
+// once per 64 rows. Per round: the pair and tile lists (built on the host, read by the kernels
+// from mapped pinned memory; --prompt-lists copy copies them to device memory on the consumer
+// stream instead, which on the H200 makes the rounds' compute 2-3x slower: those small copies wait
+// behind the fill stream's large ones), then GroupedMoe::run
 // in chunks of at most `chunk_pairs` rows cut at expert boundaries, each row's output going to
 // its own pair row; after the layer's rounds a reduction sums every token's top-k rows in a
 // fixed order. A row's result depends only on its expert's tile (same rows, same order), not on
@@ -453,7 +452,7 @@ class PromptRunner {
     const device::GroupedTile* tile_list = tiles_dev_ + tile_off;
     if (lists_copied_) {
       // Disjoint ranges per call within a layer; the host waits for the consumer stream before
-      // the next layer writes the same ranges again.
+      // the next layer writes the same ranges again. (Slower under load: docs/benchmarks.md.)
       recs = recs_copy_.as<PairRec>() + off;
       tile_list = tiles_copy_.as<device::GroupedTile>() + tile_off;
       if (cudaError_t err = cudaMemcpyAsync(const_cast<PairRec*>(recs), recs_ + off, n * sizeof(PairRec),
@@ -483,7 +482,7 @@ class PromptRunner {
   device::MoeConsumer decode_moe_;
   std::vector<std::unique_ptr<Cache>> caches_;
   DeviceBuffer x_, pair_out_, out_, ids_v_, w_v_, src_v_, pair_v_, ids_dev_, recs_copy_, tiles_copy_;
-  bool lists_copied_ = true;
+  bool lists_copied_ = false;
   void* mapped_ = nullptr;
   PairRec* recs_ = nullptr;
   PairRec* recs_dev_ = nullptr;
