@@ -196,8 +196,10 @@ struct DevicePlanState {
   PlanSpan<std::uint32_t> slot_spec_left;  // [C]
   // Policy state beyond the recency tick (every policy's arrays are bound, whichever plans: a
   // few bytes per expert, one layout). DeviceLfru: a resident's request count and the tick it
-  // was inserted at (its place in Lfru's insertion order). DeviceCrf: every expert's CRF (Q32)
-  // and the clock of its last request (kept after eviction, like Crf), and its prior bias.
+  // was inserted at (its place in Lfru's insertion order), in slot_freq / slot_order.
+  // DeviceCrf: every expert's CRF (Q32) and the clock of its last request (kept after eviction,
+  // like Crf), and its prior bias; slot_freq / slot_order mirror the resident's CRF and clock,
+  // written with them, so a victim search loads them with the owner instead of after it.
   PlanSpan<std::uint64_t> slot_freq;    // [C]
   PlanSpan<std::uint64_t> slot_order;   // [C]
   PlanSpan<std::uint64_t> expert_crf;   // [E]
@@ -613,6 +615,7 @@ struct VictimChunk {
   std::uint64_t tick[plan_victim_regs];
   std::uint64_t score[plan_victim_regs];  // DeviceLfru: request count; DeviceCrf: CRF + bias
   std::uint64_t tie[plan_victim_regs];    // DeviceLfru: insertion tick; DeviceCrf: the owner
+  // (DeviceCrf loads its slot mirrors into score / tie first: slot_freq, slot_order.)
 
   template <device_plan_policy Policy>
   EXPERT_CACHE_HOST_DEVICE void load(const DevicePlanState& s, std::int32_t first, std::int32_t rank, std::int32_t nt,
@@ -624,30 +627,29 @@ struct VictimChunk {
       const bool in = slot < C;
       owner[k] = in ? s.slot_owner[slot] : -1;
       tick[k] = in ? s.slot_tick[slot] : ~std::uint64_t{0};
-      if constexpr (Policy::kind == DevicePolicyKind::lfru) {
+      // Score policies: the slot's own words. DeviceLfru: count and insertion tick. DeviceCrf:
+      // the resident's CRF and clock as of its last request (mirrors of expert_crf and
+      // expert_last), so no load here waits for the owner.
+      if constexpr (Policy::kind != DevicePolicyKind::lru) {
         score[k] = in ? s.slot_freq[slot] : 0;
         tie[k] = in ? s.slot_order[slot] : 0;
       }
     }
     if constexpr (Policy::kind == DevicePolicyKind::crf) {
-      // Three passes, so that each pass's loads are all in flight together and no multiply
-      // stands between them: the owners' CRF, last request and bias; then one power-table word
-      // per age; then one multiply per key. Until the last pass `tie` holds the CRF and `score`
-      // the bias (fewer live registers: the fused plan + fill kernel plans in 128 per thread).
+      // Two more passes, so that each pass's loads are all in flight together and no multiply
+      // stands between them: the owners' bias and one power-table word per age; then one
+      // multiply per key. Until the last pass `tie` holds the CRF and `score` the bias (fewer
+      // live registers: the fused plan + fill kernel plans in 128 per thread).
       std::uint32_t age[plan_victim_regs];
       std::uint64_t power[plan_victim_regs];
       auto candidate = [&](std::int32_t k) { return owner[k] >= 0 && owner[k] < E && tick[k] < tick0; };
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
         const bool c = candidate(k);
-        const std::int32_t o = owner[k];
-        tie[k] = c ? s.expert_crf[o] : 0;  // as of its last request
-        age[k] = c ? clk - s.expert_last[o] : 0u;
-        score[k] = c ? s.expert_bias[o] : 0;
-      }
-      EXPERT_CACHE_PLAN_UNROLL
-      for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+        age[k] = c ? clk - static_cast<std::uint32_t>(tie[k]) : 0u;
+        tie[k] = c ? score[k] : 0;  // the CRF as of its last request
         power[k] = tie[k] != 0 ? s.crf_pow[static_cast<std::int32_t>(age[k] & crf_pow_table_mask)] : 0;
+        score[k] = c ? s.expert_bias[owner[k]] : 0;
       }
       EXPERT_CACHE_PLAN_UNROLL
       for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
@@ -763,22 +765,29 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // with the free slot it will take loaded at once, so that applying it reads nothing back.
   std::int32_t misses = 0, used = 0;
   std::int32_t my_e = -1, my_pos = -1, my_o = -1, my_free_slot = -1, first_round = 0;
+  std::uint64_t my_crf = 0;  // DeviceCrf: the CRF this thread's first-round miss was touched to
   for (std::int32_t base = 0; base < n; base += nt) {
     const std::int32_t i = base + rank;
     std::int32_t miss = 0, e = -1;
+    std::uint64_t crf_new = 0;
     if (i < n) {
       e = src.id(begin + i);
       const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
       if constexpr (crf) {
         if (e >= 0 && e < E) {  // Crf::touch, hits and misses alike (ids are unique)
-          s.expert_crf[e] = src.crf_now(begin + i, e, clk) + crf_one;
+          crf_new = src.crf_now(begin + i, e, clk) + crf_one;
+          s.expert_crf[e] = crf_new;
           s.expert_last[e] = clk;
         }
       }
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
         if constexpr (lfru) s.slot_freq[slot] += 1;
+        if constexpr (crf) {  // the slot's mirrors (VictimChunk)
+          s.slot_freq[slot] = crf_new;
+          s.slot_order[slot] = clk;
+        }
         s.forward_map[e] = slot;
         if (live0 > 0 && s.slot_spec_left[slot] != 0) {  // a speculative fill used
           s.slot_spec_left[slot] = 0;
@@ -796,6 +805,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
         my_e = e;
         my_pos = i;
         my_o = offset;
+        my_crf = crf_new;
         if (offset < free) my_free_slot = s.free_stack[free - 1 - offset];  // the r-th pop (free <= C)
       }
     }
@@ -893,7 +903,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // registers (no barrier needed: nothing below reads what another thread wrote above, and
   // with the victims in registers nobody stores their old ticks); later rounds' misses
   // (n > threads) from the lists, after a barrier.
-  auto apply = [&](std::int32_t r, std::int32_t e, std::int32_t pos, std::int32_t slot) {
+  auto apply = [&](std::int32_t r, std::int32_t e, std::int32_t pos, std::int32_t slot, std::uint64_t crf_of_e) {
     if (slot < 0 || slot >= C || e < 0 || e >= E) return;  // corrupted free stack only
     s.fills[r].slot = slot;
     s.resident_map[e] = slot;
@@ -903,17 +913,20 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     if constexpr (lfru) {
       s.slot_freq[slot] = 1;
       s.slot_order[slot] = tick0 + static_cast<std::uint64_t>(pos);
+    } else if constexpr (crf) {  // the slot's mirrors of e's touch above (VictimChunk)
+      s.slot_freq[slot] = crf_of_e;
+      s.slot_order[slot] = clk;
     }
     s.slot_needed[slot] = seq0 + static_cast<std::uint32_t>(r) + 1u;  // edge D4: this fill's value
   };
   if (victims > 0 && !in_regs) b.sync();  // the victims' void ticks land before the new ones
-  if (my_o >= 0) apply(my_o, my_e, my_pos, my_o < from_free ? my_free_slot : my_victim_slot);
+  if (my_o >= 0) apply(my_o, my_e, my_pos, my_o < from_free ? my_free_slot : my_victim_slot, my_crf);
   if (n > nt) {  // uniform
     b.sync();  // the fill list and the eviction list visible to every thread
     for (std::int32_t r = first_round + rank; r < misses; r += nt) {
       const PlanEntry f = s.fills[r];
       const std::int32_t slot = r < from_free ? s.free_stack[free - 1 - r] : s.evictions[r - from_free].slot;
-      apply(r, f.expert, f.slot, slot);
+      apply(r, f.expert, f.slot, slot, crf && f.expert >= 0 && f.expert < E ? s.expert_crf[f.expert] : 0);
     }
   }
   std::int32_t spec_used = 0, spec_wasted = 0;
@@ -1394,6 +1407,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
         s.slot_order[target] = tick;
       } else if constexpr (Policy::kind == DevicePolicyKind::crf) {
         detail::crf_touch(s, e, sc.crf_clock);  // Crf::on_insert (no clock tick)
+        s.slot_freq[target] = s.expert_crf[e];  // the slot's mirrors (VictimChunk)
+        s.slot_order[target] = sc.crf_clock;
       }
       s.slot_spec_left[target] = expires_after;
       s.slot_needed[target] = seq0 + static_cast<std::uint32_t>(fills) + 1u;  // edge D4, as a miss
