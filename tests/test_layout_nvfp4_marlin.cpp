@@ -221,7 +221,9 @@ TEST_CASE("padding rules: N=128, N=96, the K%128!=0 branch, per-shard w13 paddin
 }
 
 TEST_CASE("weight index map equals the permutation built by the reference's per-lane loops") {
-  for (const auto& [size_k, size_n] : {std::pair<std::int64_t, std::int64_t>{16, 64}, {64, 128}, {128, 192}, {32, 256}}) {
+  for (const auto& shape : {std::pair<std::int64_t, std::int64_t>{16, 64}, {64, 128}, {128, 192}, {32, 256}}) {
+    // Not a structured binding: CAPTURE's lambda captures these (clang before 16 refuses bindings).
+    const std::int64_t size_k = shape.first, size_n = shape.second;
     CAPTURE(size_k);
     CAPTURE(size_n);
     // Literal construction with unique ids: record which (k, n) each (word, nibble) receives.
