@@ -950,6 +950,28 @@ using CrfFixture = Fixture<Edges, TensorMajorStorage, HostCrfRef, DeviceCrf>;
 std::vector<std::uint64_t> bias_table(const DevicePlanState& s) {
   return std::vector<std::uint64_t>(s.expert_bias.data, s.expert_bias.data + s.num_experts);
 }
+
+// `steps` forwards of 3 of the fixture's 16 experts (`draw` picks one), alternating streams: the
+// device cache's resident map must equal `want`'s (a host Crf planner) after every forward.
+// Returns the forwards after which the fixture's own host reference (a default Crf) differed.
+template <class Draw>
+std::uint64_t crf_steps_equal(CrfFixture<>& f, ForwardPlanner<Crf>& want, int steps, std::mt19937_64& rng, Draw draw) {
+  ForwardPlan plan;
+  std::uint64_t differs_from_reference = 0;
+  for (int step = 0; step < steps; ++step) {
+    std::set<std::int32_t> row;
+    while (row.size() < 3) row.insert(draw(rng));
+    const Ids ids(row.begin(), row.end());
+    (void)f.step(step % 3 == 0 ? 2 : 0, ids);
+    f.settle();
+    REQUIRE(want.plan_topk(ids, plan));
+    const std::int32_t* dr = f.dev->resident_map_device();
+    REQUIRE(Ids(dr, dr + 16) == Ids(want.resident_map().begin(), want.resident_map().end()));
+    const auto hr = f.host->resident_map_host();
+    if (!std::equal(hr.begin(), hr.end(), dr)) ++differs_from_reference;
+  }
+  return differs_from_reference;
+}
 }  // namespace
 
 TEST_CASE("set_prior: DeviceCrf plans with the uploaded prior exactly as Crf with the same bias") {
@@ -974,20 +996,8 @@ TEST_CASE("set_prior: DeviceCrf plans with the uploaded prior exactly as Crf wit
   // reference plans without a prior, and must part from the device somewhere (the prior acts).
   ForwardPlanner<Crf> biased(CacheShape{16, 5}, 3, Crf(CacheShape{16, 5}, CrfParams{}, q32));
   std::mt19937_64 rng(31);
-  ForwardPlan plan;
-  std::uint64_t differs_from_unbiased = 0;
-  for (int step = 0; step < 80; ++step) {
-    std::set<std::int32_t> row;
-    while (row.size() < 3) row.insert(static_cast<std::int32_t>(rng() % 16));
-    const Ids ids(row.begin(), row.end());
-    (void)f.step(step % 3 == 0 ? 2 : 0, ids);
-    f.settle();
-    REQUIRE(biased.plan_topk(ids, plan));
-    const std::int32_t* dr = f.dev->resident_map_device();
-    REQUIRE(Ids(dr, dr + 16) == Ids(biased.resident_map().begin(), biased.resident_map().end()));
-    const auto hr = f.host->resident_map_host();
-    if (!std::equal(hr.begin(), hr.end(), dr)) ++differs_from_unbiased;
-  }
+  const std::uint64_t differs_from_unbiased =
+      crf_steps_equal(f, biased, 80, rng, [](std::mt19937_64& r) { return static_cast<std::int32_t>(r() % 16); });
   CHECK(f.dev->resident_map_device()[3] >= 0);  // pinned: requested once, never evicted since
   CHECK(differs_from_unbiased > 10);
   f.check_clean();
@@ -1007,21 +1017,10 @@ TEST_CASE("DeviceCrf with another half-life plans exactly as Crf with the same d
     // reference decays at the default half-life (8) and must part from the device somewhere.
     ForwardPlanner<Crf> same(CacheShape{16, 5}, 3, Crf(CacheShape{16, 5}, CrfParams{decay}));
     std::mt19937_64 rng(47);
-    ForwardPlan plan;
-    std::uint64_t differs_from_default = 0;
-    for (int step = 0; step < 150; ++step) {
-      std::set<std::int32_t> row;
-      // Skewed draws (half from experts 0..3), so frequency and recency disagree often.
-      while (row.size() < 3) row.insert(static_cast<std::int32_t>(rng() % 2 == 0 ? rng() % 4 : rng() % 16));
-      const Ids ids(row.begin(), row.end());
-      (void)f.step(step % 3 == 0 ? 2 : 0, ids);
-      f.settle();
-      REQUIRE(same.plan_topk(ids, plan));
-      const std::int32_t* dr = f.dev->resident_map_device();
-      REQUIRE(Ids(dr, dr + 16) == Ids(same.resident_map().begin(), same.resident_map().end()));
-      const auto hr = f.host->resident_map_host();
-      if (!std::equal(hr.begin(), hr.end(), dr)) ++differs_from_default;
-    }
+    // Skewed draws (half from experts 0..3), so frequency and recency disagree often.
+    const std::uint64_t differs_from_default = crf_steps_equal(f, same, 150, rng, [](std::mt19937_64& r) {
+      return static_cast<std::int32_t>(r() % 2 == 0 ? r() % 4 : r() % 16);
+    });
     CHECK(differs_from_default > 0);
     f.check_clean();
   }

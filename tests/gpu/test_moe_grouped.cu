@@ -121,22 +121,48 @@ std::vector<std::int32_t> random_ids(int tokens, int top_k, std::int32_t experts
   return ids;
 }
 
+// One call over every expert of a random 8-expert layer: the per-row checks' setup.
+struct AllExpertsCall {
+  static constexpr std::int32_t E = 8;
+  Layer L;
+  ResidentLayer res;
+  std::vector<std::int32_t> ids;
+  Rows rows;
+  std::vector<float> xh;
+  DevArray<float> x;
+  AllExpertsCall(std::int64_t hidden, std::int64_t intermediate, int tokens, int top_k, std::uint64_t seed)
+      : L(make_layer(hidden, intermediate, E, seed)),
+        res(L),
+        ids(random_ids(tokens, top_k, E, seed + 1)),
+        rows(make_rows(ids, top_k, every_expert())),
+        xh(random_x(tokens, hidden, seed + 2)),
+        x(xh) {}
+  static std::vector<std::int32_t> every_expert() {
+    std::vector<std::int32_t> all(E);
+    for (std::int32_t e = 0; e < E; ++e) all[static_cast<std::size_t>(e)] = e;
+    return all;
+  }
+  [[nodiscard]] int row_count() const { return static_cast<int>(rows.src.size()); }
+  [[nodiscard]] int tile_count() const { return static_cast<int>(rows.tiles.size()); }
+  // The call's outputs ([ids, hidden]) with `moe`.
+  [[nodiscard]] std::vector<float> run(const device::GroupedMoe& moe) const {
+    DevArray<float> out(ids.size() * static_cast<std::size_t>(L.layout.hidden));
+    run_rows(moe, res.weights, rows, x, out);
+    return out.download();
+  }
+};
+
 void check_against_host(std::int64_t hidden, std::int64_t intermediate, int tokens, int top_k, std::uint64_t seed) {
   CAPTURE(hidden);
   CAPTURE(intermediate);
   CAPTURE(tokens);
-  const std::int32_t E = 8;
-  const Layer L = make_layer(hidden, intermediate, E, seed);
-  const ResidentLayer res(L);
-  const std::vector<std::int32_t> ids = random_ids(tokens, top_k, E, seed + 1);
-  std::vector<std::int32_t> all(E);
-  for (std::int32_t e = 0; e < E; ++e) all[static_cast<std::size_t>(e)] = e;
-  const Rows rows = make_rows(ids, top_k, all);
-  const std::vector<float> xh = random_x(tokens, hidden, seed + 2);
-  DevArray<float> x(xh), out(ids.size() * static_cast<std::size_t>(hidden));
-  device::GroupedMoe moe(L.layout, static_cast<int>(rows.src.size()), static_cast<int>(rows.tiles.size()));
-  run_rows(moe, res.weights, rows, x, out);
-  const std::vector<float> got = out.download();
+  const AllExpertsCall call(hidden, intermediate, tokens, top_k, seed);
+  const std::int32_t E = AllExpertsCall::E;
+  const Layer& L = call.L;
+  const Rows& rows = call.rows;
+  const std::vector<float>& xh = call.xh;
+  const device::GroupedMoe moe(L.layout, call.row_count(), call.tile_count());
+  const std::vector<float> got = call.run(moe);
   double worst = 0, scale = 0;
   std::size_t multi_tile = 0;
   for (const auto& t : rows.tiles) multi_tile += t.count == device::grouped_tile_rows ? 1 : 0;
@@ -156,9 +182,7 @@ void check_against_host(std::int64_t hidden, std::int64_t intermediate, int toke
   CHECK(worst < 2e-4);
   if (tokens * top_k > 2 * 64 * E) CHECK(multi_tile > 0);
   // Deterministic: the same call again gives the same bits.
-  DevArray<float> again(ids.size() * static_cast<std::size_t>(hidden));
-  run_rows(moe, res.weights, rows, x, again);
-  const std::vector<float> got2 = again.download();
+  const std::vector<float> got2 = call.run(moe);
   CHECK(std::memcmp(got.data(), got2.data(), got.size() * sizeof(float)) == 0);
 }
 
@@ -202,20 +226,13 @@ void check_bf16_against_host(std::int64_t hidden, std::int64_t intermediate, int
   CAPTURE(hidden);
   CAPTURE(intermediate);
   CAPTURE(tokens);
-  const std::int32_t E = 8;
-  const Layer L = make_layer(hidden, intermediate, E, seed);
-  const ResidentLayer res(L);
-  const std::vector<std::int32_t> ids = random_ids(tokens, top_k, E, seed + 1);
-  std::vector<std::int32_t> all(E);
-  for (std::int32_t e = 0; e < E; ++e) all[static_cast<std::size_t>(e)] = e;
-  const Rows rows = make_rows(ids, top_k, all);
-  const std::vector<float> xh = random_x(tokens, hidden, seed + 2);
-  DevArray<float> x(xh), out(ids.size() * static_cast<std::size_t>(hidden));
-  device::GroupedMoe moe(L.layout, static_cast<int>(rows.src.size()), static_cast<int>(rows.tiles.size()),
-                         device::GroupedPrecision::bf16);
+  const AllExpertsCall call(hidden, intermediate, tokens, top_k, seed);
+  const Layer& L = call.L;
+  const Rows& rows = call.rows;
+  const std::vector<float>& xh = call.xh;
+  const device::GroupedMoe moe(L.layout, call.row_count(), call.tile_count(), device::GroupedPrecision::bf16);
   REQUIRE(moe.precision() == device::GroupedPrecision::bf16);
-  run_rows(moe, res.weights, rows, x, out);
-  const std::vector<float> got = out.download();
+  const std::vector<float> got = call.run(moe);
   const std::int64_t K = hidden, N = intermediate, Np = L.layout.padded_intermediate();
   const double c1_steps = static_cast<double>(K / 16 + 1), c3_steps = static_cast<double>(Np / 16 + 2);
   const double ulp2 = std::ldexp(1.0, -22);
@@ -284,17 +301,13 @@ void check_bf16_against_host(std::int64_t hidden, std::int64_t intermediate, int
   CHECK(mean_bound < 1e-3);
   // bf16 inputs are not the fp32 ones: the exact mode's 2e-4 against the unrounded x would not hold
   // (about 3e-3 here), so this mode really rounds; exact-mode rows differ from these.
-  DevArray<float> exact_out(ids.size() * static_cast<std::size_t>(hidden));
-  const device::GroupedMoe exact(L.layout, static_cast<int>(rows.src.size()), static_cast<int>(rows.tiles.size()));
-  run_rows(exact, res.weights, rows, x, exact_out);
-  CHECK(std::memcmp(got.data(), exact_out.download().data(), got.size() * sizeof(float)) != 0);
+  const device::GroupedMoe exact(L.layout, call.row_count(), call.tile_count());
+  CHECK(std::memcmp(got.data(), call.run(exact).data(), got.size() * sizeof(float)) != 0);
   // One term instead of three: the workspace loses two bf16 terms of x and of A per row.
   CHECK(exact.workspace_bytes() - moe.workspace_bytes() ==
         rows.src.size() * static_cast<std::size_t>(K + Np) * 2 * sizeof(std::uint16_t));
   // Deterministic: the same call again gives the same bits.
-  DevArray<float> again(ids.size() * static_cast<std::size_t>(hidden));
-  run_rows(moe, res.weights, rows, x, again);
-  const std::vector<float> got2 = again.download();
+  const std::vector<float> got2 = call.run(moe);
   CHECK(std::memcmp(got.data(), got2.data(), got.size() * sizeof(float)) == 0);
 }
 
