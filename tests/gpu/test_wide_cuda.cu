@@ -22,36 +22,18 @@
 
 #include "expert_cache/cuda.hpp"
 #include "support/cuda_support.hpp"
+#include "support/slot_checksum.cuh"
 
 using namespace expert_cache;
 using Ids = std::vector<std::int32_t>;
 
 namespace {
 
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__global__ void spin_kernel(unsigned long long ns) {
-  const unsigned long long t0 = global_ns();
-  while (global_ns() - t0 < ns) {
-  }
-}
-
-struct TensorRef {
-  const unsigned char* base = nullptr;
-  unsigned long long stride = 0;
-  unsigned long long bytes = 0;
-};
-struct TensorRefs {
-  TensorRef t[num_expert_tensors];
-};
-
-__host__ __device__ inline unsigned long long word_weight(std::size_t tensor, unsigned long long i) {
-  return i * 2654435761ull + tensor * 0x9E3779B97F4A7C15ull + 1;
-}
+// ---- device helpers (tests/support/slot_checksum.cuh: spin_kernel, TensorRefs, word_weight) ----
+using test_support::spin_kernel;
+using test_support::TensorRef;
+using test_support::TensorRefs;
+using test_support::word_weight;
 
 // out[k] += the weighted sum of every word of expert ids[k]'s six tensors, read from the slot
 // the forward map names (nothing when the map has no slot for it: the reference then differs).
