@@ -43,6 +43,7 @@
 
 #include "expert_cache/device/fill_gather.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
+#include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
@@ -227,27 +228,14 @@ struct World {
     return p;
   }
 
-  // Median of 5 copies of 256 MiB pinned -> device (the first one not counted).
+  // Median of 5 copies of 256 MiB pinned -> device (GB/s).
   double measure_ceiling() {
-    constexpr std::size_t n = std::size_t{256} << 20;
-    unsigned char *h = nullptr, *d = nullptr;
-    BENCH_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&h), n, cudaHostAllocDefault));
-    BENCH_CUDA(cudaMalloc(&d, n));
-    std::memset(h, 2, n);
-    std::vector<double> gbps;
-    for (int i = 0; i < 6; ++i) {
-      BENCH_CUDA(cudaEventRecord(start, stream));
-      BENCH_CUDA(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, stream));
-      BENCH_CUDA(cudaEventRecord(stop, stream));
-      BENCH_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      if (i > 0) gbps.push_back(static_cast<double>(n) / (ms * 1e6));
+    Result<double> r = bench::pinned_ceiling_median(stream, std::size_t{256} << 20, 5);
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(r.status().message()).c_str());
+      std::exit(1);
     }
-    BENCH_CUDA(cudaFreeHost(h));
-    BENCH_CUDA(cudaFree(d));
-    std::sort(gbps.begin(), gbps.end());
-    return gbps[gbps.size() / 2];
+    return r.value() * 1e-9;
   }
 
   // Every layer's experts 0..m-1 overwritten with 0xFF (what a consumer that skipped them would

@@ -40,6 +40,7 @@
 
 #include "expert_cache/device/plan_kernel.cuh"
 #include "expert_cache/planning/device_plan.hpp"
+#include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
@@ -128,27 +129,14 @@ struct World {
     }
   }
 
-  // Median of 5 copies of 256 MiB pinned -> device.
+  // Median of 5 copies of 256 MiB pinned -> device (GB/s).
   double measure_ceiling() {
-    constexpr std::size_t bytes = std::size_t{256} << 20;
-    std::byte *host = nullptr, *dev = nullptr;
-    BENCH_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), bytes, cudaHostAllocDefault));
-    BENCH_CUDA(cudaMalloc(&dev, bytes));
-    std::fill(host, host + bytes, std::byte{2});
-    std::vector<double> gbps;
-    for (int i = 0; i < 6; ++i) {
-      BENCH_CUDA(cudaEventRecord(start, stream));
-      BENCH_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, stream));
-      BENCH_CUDA(cudaEventRecord(stop, stream));
-      BENCH_CUDA(cudaEventSynchronize(stop));
-      float ms = 0;
-      BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
-      if (i > 0) gbps.push_back(static_cast<double>(bytes) / (ms * 1e6));
+    Result<double> r = bench::pinned_ceiling_median(stream, std::size_t{256} << 20, 5);
+    if (!r.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(r.status().message()).c_str());
+      std::exit(1);
     }
-    BENCH_CUDA(cudaFreeHost(host));
-    BENCH_CUDA(cudaFree(dev));
-    std::sort(gbps.begin(), gbps.end());
-    return gbps[gbps.size() / 2];
+    return r.value() * 1e-9;
   }
 
   // From the authoritative counters in the state block (device memory): every variant has them.

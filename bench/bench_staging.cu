@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
@@ -58,37 +59,17 @@ CudaRuntime& runtime() {
 
 double g_ceiling_gbps = 0.0;
 
-// Median GB/s of one large pinned H2D copy (the copy engine's ceiling on this machine).
+// Median GB/s of 9 large pinned H2D copies (the copy engine's ceiling on this machine).
 double measure_ceiling() {
-  const std::size_t bytes = 128 * expert_bytes;  // 216 MiB, like 128 misses
-  void* host = nullptr;
-  void* dev = nullptr;
-  BENCH_CUDA(cudaHostAlloc(&host, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-  BENCH_CUDA(cudaMalloc(&dev, bytes));
-  std::memset(host, 1, bytes);
   cudaStream_t s = nullptr;
-  cudaEvent_t a = nullptr, b = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int r = 0; r < 11; ++r) {
-    BENCH_CUDA(cudaEventRecord(a, s));
-    BENCH_CUDA(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, s));
-    BENCH_CUDA(cudaEventRecord(b, s));
-    BENCH_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, a, b));
-    if (r >= 2) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double gbps = static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e6);
-  BENCH_CUDA(cudaEventDestroy(a));
-  BENCH_CUDA(cudaEventDestroy(b));
+  Result<double> r = bench::pinned_ceiling_median(s, 128 * expert_bytes, 9);  // 216 MiB, like 128 misses
   BENCH_CUDA(cudaStreamDestroy(s));
-  BENCH_CUDA(cudaFree(dev));
-  BENCH_CUDA(cudaFreeHost(host));
-  return gbps;
+  if (!r.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(r.status().message()).c_str());
+    std::exit(1);
+  }
+  return r.value() * 1e-9;
 }
 
 void BM_Ceiling(benchmark::State& state) {

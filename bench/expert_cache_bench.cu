@@ -37,6 +37,7 @@
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device/device_cache_cuda.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
+#include "pinned_ceiling.cuh"
 
 namespace expert_cache::bench {
 namespace {
@@ -127,26 +128,9 @@ struct PinnedBuffer {
 
 // The same-run ceiling: best of three 256 MiB pinned H2D copies.
 double measure_pcie_ceiling(cudaStream_t stream) {
-  const std::size_t bytes = std::size_t{256} << 20;
-  PinnedBuffer host(bytes);
-  DeviceBuffer dev(bytes);
-  std::memset(host.p, 1, bytes);
-  cudaEvent_t a, b;
-  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&b), "cudaEventCreate");
-  float best_ms = 1e30f;
-  for (int i = 0; i < 4; ++i) {
-    check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
-    check_cuda(cudaMemcpyAsync(dev.p, host.p, bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync");
-    check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
-    check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
-    float ms = 0;
-    check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-    if (i > 0) best_ms = std::min(best_ms, ms);  // the first is a warm-up
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return static_cast<double>(bytes) / (static_cast<double>(best_ms) * 1e-3);
+  Result<std::vector<double>> r = pinned_copy_rates(stream, std::size_t{256} << 20, 3);
+  if (!r.ok()) throw Error(r.status());
+  return *std::max_element(r.value().begin(), r.value().end());
 }
 
 // State shared by the runs of one report: inputs, per-layer outputs of the last step.
