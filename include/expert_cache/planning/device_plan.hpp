@@ -280,28 +280,37 @@ concept device_plan_policy = std::same_as<P, DeviceRuntimePolicy> || requires {
 };
 
 namespace detail {
-// The kind a planning step runs: the policy's own, or the state's for DeviceRuntimePolicy.
+template <class Policy>
+inline constexpr bool plan_kind_fixed = !std::same_as<Policy, DeviceRuntimePolicy>;
+template <class Policy>
+struct PlanFixedKind {
+  static constexpr DevicePolicyKind value = Policy::kind;
+};
+template <>
+struct PlanFixedKind<DeviceRuntimePolicy> {
+  static constexpr DevicePolicyKind value = DevicePolicyKind::lru;  // never read (plan_kind_fixed is false)
+};
 template <device_plan_policy Policy>
-EXPERT_CACHE_HOST_DEVICE constexpr DevicePolicyKind plan_kind(const DevicePlanState& s) noexcept {
+EXPERT_CACHE_HOST_DEVICE constexpr bool plan_free_highest_first(DevicePolicyKind state_kind) noexcept {
   if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
-    return s.policy;
+    return state_kind == DeviceLfru::kind ? DeviceLfru::free_highest_first
+           : state_kind == DeviceCrf::kind ? DeviceCrf::free_highest_first
+                                           : DeviceLru::free_highest_first;
   } else {
-    (void)s;
-    return Policy::kind;
-  }
-}
-template <device_plan_policy Policy>
-EXPERT_CACHE_HOST_DEVICE constexpr bool plan_free_highest_first(const DevicePlanState& s) noexcept {
-  if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
-    return s.policy == DeviceLfru::kind ? DeviceLfru::free_highest_first
-           : s.policy == DeviceCrf::kind ? DeviceCrf::free_highest_first
-                                         : DeviceLru::free_highest_first;
-  } else {
-    (void)s;
+    (void)state_kind;
     return Policy::free_highest_first;
   }
 }
 }  // namespace detail
+
+// Whether a step of Policy on `state` plans with kind K. For a static policy a constant
+// expression (`true ? constant : ...`), so each branch on it resolves at compile time and the
+// kernels' code is what `if constexpr` on Policy::kind gives; for DeviceRuntimePolicy the
+// state's kind. A macro because a function's result is never a constant expression once an
+// argument is a run-time value.
+#define EXPERT_CACHE_PLAN_KIND_IS(Policy, state, K)                                                        \
+  (::expert_cache::detail::plan_kind_fixed<Policy> ? ::expert_cache::detail::PlanFixedKind<Policy>::value == (K) \
+                                                   : (state).policy == (K))
 
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
@@ -510,7 +519,7 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
   for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
     s.slot_owner[i] = -1;
     s.slot_tick[i] = 0;
-    s.free_stack[i] = detail::plan_free_highest_first<Policy>(s) ? i : c - 1 - i;
+    s.free_stack[i] = detail::plan_free_highest_first<Policy>(s.policy) ? i : c - 1 - i;
     s.prev_forward[i] = -1;
     s.slot_freq[i] = 0;
     s.slot_order[i] = 0;
@@ -661,12 +670,12 @@ struct VictimChunk {
       const bool in = slot < C;
       owner[k] = in ? s.slot_owner[slot] : -1;
       tick[k] = in ? s.slot_tick[slot] : ~std::uint64_t{0};
-      if (plan_kind<Policy>(s) == DevicePolicyKind::lfru) {
+      if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)) {
         score[k] = in ? s.slot_freq[slot] : 0;
         tie[k] = in ? s.slot_order[slot] : 0;
       }
     }
-    if (plan_kind<Policy>(s) == DevicePolicyKind::crf) {
+    if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
       // Three passes, so that each pass's loads are all in flight together and no multiply
       // stands between them: the owners' CRF, last request and bias; then one power-table word
       // per age; then one multiply per key. Until the last pass `tie` holds the CRF and `score`
@@ -717,7 +726,7 @@ struct VictimChunk {
     for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
       if (owner[k] < 0 || owner[k] >= E || tick[k] >= tick0) continue;
       const std::int32_t slot = first + rank + k * nt;
-      const ScoreKey key = plan_kind<Policy>(s) == DevicePolicyKind::lfru
+      const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
                                ? lfru_key_of(score[k], tie[k], slot, clock, tick[k])
                                : ScoreKey{score[k], tie[k], slot};
       if (key < best) best = key;
@@ -754,9 +763,9 @@ struct VictimChunk {
 template <device_plan_policy Policy, plan_block Block, class Source>
 EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s, std::int32_t g, GroupInput in,
                                               const Source& src) noexcept {
-  const bool lru = plan_kind<Policy>(s) == DevicePolicyKind::lru;
-  const bool lfru = plan_kind<Policy>(s) == DevicePolicyKind::lfru;
-  const bool crf = plan_kind<Policy>(s) == DevicePolicyKind::crf;
+  const bool lru = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru);
+  const bool lfru = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru);
+  const bool crf = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
   DevicePlanScalars& sc = *s.scalars;
@@ -1213,7 +1222,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   const std::int32_t id_mine = rank < n0 ? sorted.unique_at(rank) : -1;
   const std::int32_t slot_mine = rank < n0 ? s.resident_map[id_mine] : -2;
   detail::SmallSource src{&s, &sorted, rank, prev_mine, id_mine, slot_mine};
-  if (detail::plan_kind<Policy>(s) == DevicePolicyKind::crf) {
+  if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
     // The CRF update of this thread's id, loaded now (nothing before the group step writes it),
     // the table word as soon as its age is known: both round trips overlap the work below.
     if (rank < n0) {
@@ -1357,7 +1366,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
           chunk.template load<Policy>(s, 0, rank, nt, protect, sc.crf_clock);
           loaded = true;
         }
-        if (detail::plan_kind<Policy>(s) == DevicePolicyKind::lru) {
+        if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru)) {
           PlanKey best;
           EXPERT_CACHE_PLAN_UNROLL
           for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
@@ -1375,14 +1384,14 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
             const std::int32_t slot = rank + k * nt, owner = chunk.owner[k];
             if (owner < 0 || owner >= E || chunk.tick[k] >= protect) continue;
             if (s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
-            const ScoreKey key = detail::plan_kind<Policy>(s) == DevicePolicyKind::lfru
+            const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
                                      ? detail::lfru_key_of(chunk.score[k], chunk.tie[k], slot, tick - 1u, chunk.tick[k])
                                      : ScoreKey{chunk.score[k], chunk.tie[k], slot};
             if (key < best) best = key;
           }
           found = b.min_score(best).slot;
         }
-      } else if (detail::plan_kind<Policy>(s) == DevicePolicyKind::lru) {
+      } else if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru)) {
         PlanKey best;
         for (std::int32_t slot = rank; slot < C; slot += nt) {
           const std::int32_t owner = s.slot_owner[slot];
@@ -1400,7 +1409,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
           if (owner < 0 || owner >= E) continue;
           const std::uint64_t t = s.slot_tick[slot];
           if (t >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
-          const ScoreKey key = detail::plan_kind<Policy>(s) == DevicePolicyKind::lfru
+          const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
                                    ? detail::lfru_key(s, slot, tick - 1u, t)
                                    : detail::crf_key(s, slot, owner, sc.crf_clock);
           if (key < best) best = key;
@@ -1428,10 +1437,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
       s.resident_map[e] = target;
       s.slot_owner[target] = e;
       s.slot_tick[target] = tick;
-      if (detail::plan_kind<Policy>(s) == DevicePolicyKind::lfru) {
+      if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)) {
         s.slot_freq[target] = 1;
         s.slot_order[target] = tick;
-      } else if (detail::plan_kind<Policy>(s) == DevicePolicyKind::crf) {
+      } else if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
         detail::crf_touch(s, e, sc.crf_clock);  // Crf::on_insert (no clock tick)
       }
       s.slot_spec_left[target] = expires_after;
