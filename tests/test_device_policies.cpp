@@ -2,8 +2,9 @@
 // host with SequentialBlock against ForwardPlanner<Lfru> / ForwardPlanner<Crf>: after every
 // forward, group, invalidation and prefetch the same hits, misses, fill and eviction lists,
 // resident and forward maps, slot owners, free stack and counters, and the policy state itself
-// (Lfru's freq/last/clock, Crf's CRF/last/clock). Kept apart from test_device_plan.cpp (LRU)
-// so that each translation unit stays small.
+// (Lfru's freq/last/clock, Crf's CRF/last/clock). DeviceRuntimePolicy (the policy as a value of
+// the state, for host planning) runs the same parity for each kind it can name. Kept apart from
+// test_device_plan.cpp (LRU) so that each translation unit stays small.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -74,20 +75,24 @@ void check_policy(const Crf& h, const DevicePlanState& s) {
   }
 }
 
-template <class D>
+// D: the device policy whose host twin plans alongside; Plan: the planning code's policy, D
+// itself or DeviceRuntimePolicy holding D's kind in the state.
+template <class D, class Plan = D>
 struct Pair {
   using H = typename HostOf<D>::type;
   ForwardPlanner<H> host;
   HostPlanStorage dev;
+  DevicePlanState view;  // dev's state, naming D's kind (read by DeviceRuntimePolicy only)
   SequentialBlock block;
   ForwardPlan plan;
   std::int64_t bad = 0, forwards = 0, prefetches = 0;
   bool forward_cleared = false;
 
   Pair(std::int32_t E, std::int32_t C, std::int32_t top_k, H policy, std::uint64_t crf_decay = crf_default_decay_q32)
-      : host(CacheShape{E, C}, top_k, std::move(policy)), dev(E, C) {
+      : host(CacheShape{E, C}, top_k, std::move(policy)), dev(E, C), view(dev.state()) {
+    view.policy = D::kind;
     SequentialBlock b;
-    reset_plan_state<D>(b, dev.state(), crf_decay);
+    reset_plan_state<Plan>(b, view, crf_decay);
   }
 
   void check_maps() {
@@ -130,7 +135,7 @@ struct Pair {
   void step(const Ids& ids, std::int32_t max_groups) {
     const DevicePlanState& s = dev.state();
     const auto groups = host_groups(ids, s.num_experts, s.capacity);
-    plan_forward<D>(block, s, ids.data(), static_cast<std::int32_t>(ids.size()));
+    plan_forward<Plan>(block, view, ids.data(), static_cast<std::int32_t>(ids.size()));
     ++forwards;
     bad += count_bad(ids, s.num_experts);
     REQUIRE(s.scalars->group_count == static_cast<std::int32_t>(groups.size()));
@@ -144,13 +149,13 @@ struct Pair {
       check_group();
     } else {
       for (std::size_t g = 0; g < groups.size(); ++g) {
-        if (g > 0) plan_group<D>(block, s, static_cast<std::int32_t>(g));
+        if (g > 0) plan_group<Plan>(block, view, static_cast<std::int32_t>(g));
         REQUIRE(host.plan_unique(groups[g], plan));
         check_group();
       }
     }
     for (auto g = static_cast<std::int32_t>(groups.size()); g < max_groups; ++g) {
-      plan_group<D>(block, s, g);  // an empty round: the policy state must not move
+      plan_group<Plan>(block, view, g);  // an empty round: the policy state must not move
       forward_cleared = true;
       CHECK(s.scalars->fill_count == 0);
       check_maps();
@@ -158,7 +163,7 @@ struct Pair {
   }
 
   void invalidate(std::int32_t e) {
-    plan_invalidate(block, dev.state(), e);
+    plan_invalidate(block, view, e);
     auto r = host.invalidate(e);
     REQUIRE(r);
     CHECK(dev.state().scalars->last_invalidated_slot == r.value().value);
@@ -169,7 +174,7 @@ struct Pair {
     const DevicePlanState& s = dev.state();
     PrefetchPlan hp;
     REQUIRE(host.plan_prefetch(ids, max_fills, expires_after, hp));
-    plan_prefetch<D>(block, s, ids.data(), static_cast<std::int32_t>(ids.size()), max_fills, expires_after);
+    plan_prefetch<Plan>(block, view, ids.data(), static_cast<std::int32_t>(ids.size()), max_fills, expires_after);
     ++prefetches;
     const DevicePlanScalars& k = *s.scalars;
     REQUIRE(k.fill_count == static_cast<std::int32_t>(hp.fills.size()));
@@ -212,7 +217,7 @@ constexpr Config configs[] = {
 
 // Random forwards (small and general path, overflow groups, padding, bad ids), invalidations and
 // prefetches; `policy` builds each run's host policy (fresh state).
-template <class D, class MakePolicy>
+template <class D, class Plan = D, class MakePolicy>
 void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, std::uint64_t clock0 = 0,
                    std::uint64_t crf_decay = crf_default_decay_q32) {
   std::uint64_t evictions = 0, overflows = 0, spec_used = 0, spec_wasted = 0, no_victim = 0;
@@ -222,7 +227,7 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
       CAPTURE(c.C);
       CAPTURE(rep);
       std::mt19937_64 rng(seed++);
-      Pair<D> p(c.E, c.C, c.top_k, policy(CacheShape{c.E, c.C}), crf_decay);
+      Pair<D, Plan> p(c.E, c.C, c.top_k, policy(CacheShape{c.E, c.C}), crf_decay);
       if (clock0 != 0) p.dev.state().scalars->tick = clock0 + 1;  // Lfru's clock = tick - 1
       const std::int32_t max_groups = plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, c.C);
       for (int step = 0; step < 120; ++step) {
@@ -255,7 +260,7 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
       spec_wasted += p.dev.state().stats->speculative_wasted;
     }
   }
-  MESSAGE(std::string(D::name), ": evictions ", evictions, ", overflowing forwards ", overflows, ", speculative used ", spec_used,
+  MESSAGE(std::string(D::name), " (", std::string(Plan::name), "): evictions ", evictions, ", overflowing forwards ", overflows, ", speculative used ", spec_used,
           ", wasted ", spec_wasted, ", skipped (no victim) ", no_victim);
   CHECK(evictions > 5000);
   CHECK(overflows > 50);
@@ -375,6 +380,67 @@ TEST_CASE("device policies: the small and the general path leave identical state
       CHECK(a.state().stats->evictions > 0);
     }
   };
+  run(DeviceLfru{});
+  run(DeviceCrf{});
+}
+
+TEST_CASE("DeviceRuntimePolicy equals the host planner of the policy its state names") {
+  random_parity<DeviceLru, DeviceRuntimePolicy>([](CacheShape s) { return Lru(s); }, 606, true);
+  random_parity<DeviceLfru, DeviceRuntimePolicy>([](CacheShape s) { return Lfru(s); }, 202, true);
+  random_parity<DeviceCrf, DeviceRuntimePolicy>([](CacheShape s) { return Crf(s); }, 505, true);
+}
+
+// Beyond the parity above: the whole block (every array, scalar and counter) equals the static
+// policy's after each step, forwards on both paths, overflow groups, prefetches, invalidations.
+TEST_CASE("DeviceRuntimePolicy leaves the static policy's state byte for byte") {
+  auto run = [](auto policy_tag) {
+    using D = decltype(policy_tag);
+    CAPTURE(D::name);
+    std::mt19937_64 rng(7171);
+    for (const auto& [E, C] : {std::pair{64, 16}, std::pair{512, 208}, std::pair{32, 5}, std::pair{300, 3}}) {
+      CAPTURE(E);
+      CAPTURE(C);
+      HostPlanStorage a(E, C), r(E, C);
+      DevicePlanState rs = r.state();
+      rs.policy = D::kind;
+      SequentialBlock b;
+      reset_plan_state<D>(b, a.state());
+      reset_plan_state<DeviceRuntimePolicy>(b, rs);
+      REQUIRE(std::memcmp(a.block(), r.block(), a.bytes()) == 0);
+      for (int step = 0; step < 600; ++step) {
+        const auto n = static_cast<std::int32_t>(rng() % (step % 5 == 0 ? 4 * plan_small_ids : plan_small_ids + 1));
+        Ids ids(static_cast<std::size_t>(n));
+        for (auto& id : ids) {
+          const std::uint64_t x = rng() % 100;
+          id = x < 5 ? -1 : static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(x < 60 ? std::max(1, E / 8) : E));
+        }
+        plan_forward<D>(b, a.state(), ids.data(), n);
+        plan_forward<DeviceRuntimePolicy>(b, rs, ids.data(), n);
+        for (std::int32_t k = 1; k < a.state().scalars->group_count; ++k) {
+          plan_group<D>(b, a.state(), k);
+          plan_group<DeviceRuntimePolicy>(b, rs, k);
+        }
+        if (rng() % 4 == 0) {
+          Ids pred(static_cast<std::size_t>(1 + rng() % 6));
+          for (auto& id : pred) id = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(E));
+          const auto fills = static_cast<std::int32_t>(rng() % 4);
+          plan_prefetch<D>(b, a.state(), pred.data(), static_cast<std::int32_t>(pred.size()), fills, 2);
+          plan_prefetch<DeviceRuntimePolicy>(b, rs, pred.data(), static_cast<std::int32_t>(pred.size()), fills, 2);
+        }
+        if (rng() % 11 == 0) {
+          const auto e = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(E));
+          plan_invalidate(b, a.state(), e);
+          plan_invalidate(b, rs, e);
+        }
+        REQUIRE(std::memcmp(a.block(), r.block(), a.bytes()) == 0);
+        REQUIRE(*a.state().stats == *rs.stats);
+        REQUIRE(*a.state().error_word == *rs.error_word);
+      }
+      CHECK(a.state().stats->evictions > 0);
+      CHECK(a.state().stats->speculative_issued > 0);
+    }
+  };
+  run(DeviceLru{});
   run(DeviceLfru{});
   run(DeviceCrf{});
 }

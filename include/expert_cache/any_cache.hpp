@@ -317,6 +317,30 @@ class AnyDevicePlanExecutor {
   Held held_;
 };
 
+// SimRuntime plans on the host: ONE executor, whose policy is a run-time value of its state
+// (DeviceRuntimePolicy), instead of one per policy. The kernels of a GPU runtime need their
+// policy at compile time; the host planning code does not, and each of its instantiations costs
+// a user's -O2 build seconds.
+template <>
+class AnyDevicePlanExecutor<SimRuntime> : public BasicSimPlanExecutor<DeviceRuntimePolicy> {
+ public:
+  AnyDevicePlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                        const CopyRegions& regions, const DeviceCacheOptions& options)
+      : BasicSimPlanExecutor<DeviceRuntimePolicy>(rt, num_experts, capacity, max_ids, regions, options,
+                                                  kind_of(pending_any_choice("AnyDevicePlanExecutor").device_policy)) {}
+
+ private:
+  static DevicePolicyKind kind_of(std::size_t which) {
+    constexpr auto kinds = []<class... Ps>(TypeList<Ps...>) {
+      return std::array<DevicePolicyKind, sizeof...(Ps)>{Ps::kind...};
+    }(AnyDevicePolicies{});
+    if (which >= kinds.size()) {
+      throw Error(ErrorCode::internal, "make_expert_cache: device policy " + std::to_string(which) + " outside the erased list");
+    }
+    return kinds[which];
+  }
+};
+
 }  // namespace detail
 
 template <class Runtime>

@@ -183,7 +183,19 @@ class BasicSimPlanExecutor {
   using Stream = SimRuntime::Stream;
 
   BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                  const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
+                       const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
+    requires(!std::same_as<Policy, DeviceRuntimePolicy>)
+      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, Policy::kind, Bound{}) {}
+  // DeviceRuntimePolicy: `kind` is the policy it plans with.
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind)
+    requires std::same_as<Policy, DeviceRuntimePolicy>
+      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, kind, Bound{}) {}
+
+ private:
+  struct Bound {};
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind, Bound)
       : rt_(&rt),
         overlap_(options.overlap),
         block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
@@ -199,6 +211,7 @@ class BasicSimPlanExecutor {
     }
     auto* w = reinterpret_cast<MappedWords*>(words_.data());
     state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
+    state_.policy = kind;
     // Fresh memory, nothing enqueued yet: the reset runs on the host (declared as a host write).
     rt.host_access(block_.data(), block_.size(), AccessMode::write);
     rt.host_access(words_.data(), words_.size(), AccessMode::write);
@@ -218,6 +231,7 @@ class BasicSimPlanExecutor {
     }
   }
 
+ public:
   [[nodiscard]] bool overlap() const noexcept { return overlap_; }
   // The event that stands for slot j's ready word (overlap only): recorded after the lane's
   // fill of slot j in the latest step. A consumer waits for it before reading slot j.
@@ -474,6 +488,7 @@ class BasicSimPlanExecutor {
 using SimPlanExecutor = BasicSimPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<SimPlanExecutor>);
 static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceLfru>>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy>>);
 
 template <>
 struct DevicePlanExecutorFor<SimRuntime> {

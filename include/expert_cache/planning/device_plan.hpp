@@ -1,6 +1,7 @@
 #pragma once
 // Device policies: DeviceLru (below), DeviceLfru (= Lfru) and DeviceCrf (= Crf) are template
-// arguments of every planning function (plan_group_from says how the score policies search).
+// arguments of every planning function (plan_group_from says how the score policies search);
+// DeviceRuntimePolicy plans with the one its state names (host planning only, see there).
 //
 // Device-side forward planning: the LRU planning step written once as
 // __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
@@ -159,6 +160,9 @@ struct DevicePlanScalars {
   std::uint64_t crf_decay = crf_default_decay_q32;
 };
 
+// The device policies (below).
+enum class DevicePolicyKind : std::uint8_t { lru, lfru, crf };
+
 // The view every planning function works on. Plain pointers, fixed for the cache's lifetime:
 // passed by value as a kernel parameter, it stays valid in a replayed graph.
 struct DevicePlanState {
@@ -216,6 +220,9 @@ struct DevicePlanState {
   // group of that forward itself (prepare + prepare_group rounds, a wide forward): its overflow
   // is planned work, counted in the stats but not raised as plan_error_overflow.
   bool forward_in_rounds = false;
+  // The policy DeviceRuntimePolicy plans this state with (set before the reset, fixed after it);
+  // the static policies never read it.
+  DevicePolicyKind policy = DevicePolicyKind::lru;
 };
 
 // Ordering key of a resident: (tick, slot). Ticks of residents are distinct; the slot only
@@ -244,7 +251,6 @@ struct ScoreKey {
 // the kernels and DeviceExpertCache; DeviceLru by default). Each takes exactly the decisions of
 // its host policy (`host` names it): DeviceLru = Lru, DeviceLfru = Lfru (vLLM's LFRU), DeviceCrf =
 // Crf (LRFU's CRF order per layer, eviction/crf.hpp).
-enum class DevicePolicyKind : std::uint8_t { lru, lfru, crf };
 struct DeviceLru {
   static constexpr DevicePolicyKind kind = DevicePolicyKind::lru;
   static constexpr const char* name = "lru";
@@ -260,11 +266,53 @@ struct DeviceCrf {
   static constexpr const char* name = "crf";
   static constexpr bool free_highest_first = false;
 };
+// The policy chosen at run time: every branch a static policy resolves at compile time reads
+// the state's kind (DevicePlanState::policy) instead, so ONE instantiation of the planning code
+// plans with any of the three, with the same decisions. For host planning, where each
+// instantiation costs seconds of a user's -O2 build (the SimRuntime executor behind
+// make_expert_cache); the kernels keep the static policies, their branches resolved at
+// compile time.
+struct DeviceRuntimePolicy {
+  static constexpr const char* name = "runtime";
+};
 template <class P>
-concept device_plan_policy = requires {
+concept device_plan_policy = std::same_as<P, DeviceRuntimePolicy> || requires {
   { P::kind } -> std::convertible_to<DevicePolicyKind>;
   { P::free_highest_first } -> std::convertible_to<bool>;
 };
+
+namespace detail {
+template <class Policy>
+inline constexpr bool plan_kind_fixed = !std::same_as<Policy, DeviceRuntimePolicy>;
+template <class Policy>
+struct PlanFixedKind {
+  static constexpr DevicePolicyKind value = Policy::kind;
+};
+template <>
+struct PlanFixedKind<DeviceRuntimePolicy> {
+  static constexpr DevicePolicyKind value = DevicePolicyKind::lru;  // never read (plan_kind_fixed is false)
+};
+template <device_plan_policy Policy>
+EXPERT_CACHE_HOST_DEVICE constexpr bool plan_free_highest_first(DevicePolicyKind state_kind) noexcept {
+  if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
+    return state_kind == DeviceLfru::kind ? DeviceLfru::free_highest_first
+           : state_kind == DeviceCrf::kind ? DeviceCrf::free_highest_first
+                                           : DeviceLru::free_highest_first;
+  } else {
+    (void)state_kind;
+    return Policy::free_highest_first;
+  }
+}
+}  // namespace detail
+
+// Whether a step of Policy on `state` plans with kind K. For a static policy a constant
+// expression (`true ? constant : ...`), so each branch on it resolves at compile time and the
+// kernels' code is what `if constexpr` on Policy::kind gives; for DeviceRuntimePolicy the
+// state's kind. A macro because a function's result is never a constant expression once an
+// argument is a run-time value.
+#define EXPERT_CACHE_PLAN_KIND_IS(Policy, state, K)                                                        \
+  (::expert_cache::detail::plan_kind_fixed<Policy> ? ::expert_cache::detail::PlanFixedKind<Policy>::value == (K) \
+                                                   : (state).policy == (K))
 
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
@@ -474,7 +522,7 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
   for (std::int32_t i = r; i < s.slot_owner.size; i += n) {
     s.slot_owner[i] = -1;
     s.slot_tick[i] = 0;
-    s.free_stack[i] = Policy::free_highest_first ? i : c - 1 - i;
+    s.free_stack[i] = detail::plan_free_highest_first<Policy>(s.policy) ? i : c - 1 - i;
     s.prev_forward[i] = -1;
     s.slot_freq[i] = 0;
     s.slot_order[i] = 0;
@@ -630,12 +678,12 @@ struct VictimChunk {
       // Score policies: the slot's own words. DeviceLfru: count and insertion tick. DeviceCrf:
       // the resident's CRF and clock as of its last request (mirrors of expert_crf and
       // expert_last), so no load here waits for the owner.
-      if constexpr (Policy::kind != DevicePolicyKind::lru) {
+      if (!EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru)) {
         score[k] = in ? s.slot_freq[slot] : 0;
         tie[k] = in ? s.slot_order[slot] : 0;
       }
     }
-    if constexpr (Policy::kind == DevicePolicyKind::crf) {
+    if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
       // Two more passes, so that each pass's loads are all in flight together and no multiply
       // stands between them: the owners' bias and one power-table word per age; then one
       // multiply per key. Until the last pass `tie` holds the CRF and `score` the bias (fewer
@@ -674,15 +722,17 @@ struct VictimChunk {
   }
   // The smallest score key among candidates (owner in [0, E), not of this group).
   template <device_plan_policy Policy>
-  EXPERT_CACHE_HOST_DEVICE ScoreKey best_score(std::uint64_t clock, std::uint64_t tick0, std::int32_t E,
-                                               std::int32_t rank, std::int32_t nt, std::int32_t first) const noexcept {
+  EXPERT_CACHE_HOST_DEVICE ScoreKey best_score(const DevicePlanState& s, std::uint64_t clock, std::uint64_t tick0,
+                                               std::int32_t E, std::int32_t rank, std::int32_t nt,
+                                               std::int32_t first) const noexcept {
     ScoreKey best;
     EXPERT_CACHE_PLAN_UNROLL
     for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
       if (owner[k] < 0 || owner[k] >= E || tick[k] >= tick0) continue;
       const std::int32_t slot = first + rank + k * nt;
-      const ScoreKey key = Policy::kind == DevicePolicyKind::lfru ? lfru_key_of(score[k], tie[k], slot, clock, tick[k])
-                                                                   : ScoreKey{score[k], tie[k], slot};
+      const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
+                               ? lfru_key_of(score[k], tie[k], slot, clock, tick[k])
+                               : ScoreKey{score[k], tie[k], slot};
       if (key < best) best = key;
     }
     return best;
@@ -717,9 +767,9 @@ struct VictimChunk {
 template <device_plan_policy Policy, plan_block Block, class Source>
 EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s, std::int32_t g, GroupInput in,
                                               const Source& src) noexcept {
-  constexpr bool lru = Policy::kind == DevicePolicyKind::lru;
-  constexpr bool lfru = Policy::kind == DevicePolicyKind::lfru;
-  constexpr bool crf = Policy::kind == DevicePolicyKind::crf;
+  const bool lru = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru);
+  const bool lfru = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru);
+  const bool crf = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
   DevicePlanScalars& sc = *s.scalars;
@@ -774,7 +824,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       e = src.id(begin + i);
       const std::int32_t slot = (e >= 0 && e < E) ? src.slot_of(begin + i, e) : -2;
       s.prev_forward[i] = e;
-      if constexpr (crf) {
+      if (crf) {
         if (e >= 0 && e < E) {  // Crf::touch, hits and misses alike (ids are unique)
           crf_new = src.crf_now(begin + i, e, clk) + crf_one;
           s.expert_crf[e] = crf_new;
@@ -783,8 +833,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       }
       if (slot >= 0 && slot < C) {
         s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(i);
-        if constexpr (lfru) s.slot_freq[slot] += 1;
-        if constexpr (crf) {  // the slot's mirrors (VictimChunk)
+        if (lfru) s.slot_freq[slot] += 1;
+        if (crf) {  // the slot's mirrors (VictimChunk)
           s.slot_freq[slot] = crf_new;
           s.slot_order[slot] = clk;
         }
@@ -832,7 +882,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     PlanKey last{0, -1};
     for (std::int32_t j = 0; j < victims; ++j) {
       std::int32_t found = -1;
-      if constexpr (lru) {
+      if (lru) {
         PlanKey best;
         if (in_regs) {
           best = chunk.best_lru(last, rank, nt, 0);
@@ -856,19 +906,19 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
       } else {
         // Lfru's clock before the insert of this victim's miss (its position in the group).
         std::uint64_t clock_j = 0;
-        if constexpr (lfru) {
+        if (lfru) {
           const std::int32_t o = from_free + j;
           const std::int32_t pos = n <= nt ? b.sum(my_o == o ? my_pos : 0) : s.fills[o].slot;
           clock_j = tick0 + static_cast<std::uint64_t>(pos) - 1u;
         }
         ScoreKey best;
         if (in_regs) {
-          best = chunk.template best_score<Policy>(clock_j, tick0, E, rank, nt, 0);
+          best = chunk.template best_score<Policy>(s, clock_j, tick0, E, rank, nt, 0);
         } else {
           for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
             VictimChunk m;
             m.template load<Policy>(s, first, rank, nt, tick0, clk);
-            const ScoreKey k = m.template best_score<Policy>(clock_j, tick0, E, rank, nt, first);
+            const ScoreKey k = m.template best_score<Policy>(s, clock_j, tick0, E, rank, nt, first);
             if (k < best) best = k;
           }
         }
@@ -885,7 +935,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
           owner = chunk.take(found, rank, nt);
         } else {
           owner = s.slot_owner[found];
-          if constexpr (!lru) s.slot_tick[found] = ~std::uint64_t{0};  // out of later reloads
+          if (!lru) s.slot_tick[found] = ~std::uint64_t{0};  // out of later reloads
         }
         s.evictions[j] = PlanEntry{owner, found};
         if (owner >= 0 && owner < E) s.resident_map[owner] = -1;
@@ -910,10 +960,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     s.forward_map[e] = slot;
     s.slot_owner[slot] = e;
     s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(pos);
-    if constexpr (lfru) {
+    if (lfru) {
       s.slot_freq[slot] = 1;
       s.slot_order[slot] = tick0 + static_cast<std::uint64_t>(pos);
-    } else if constexpr (crf) {  // the slot's mirrors of e's touch above (VictimChunk)
+    } else if (crf) {  // the slot's mirrors of e's touch above (VictimChunk)
       s.slot_freq[slot] = crf_of_e;
       s.slot_order[slot] = clk;
     }
@@ -947,7 +997,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     sc.group = g;
     sc.group_size = n;
     sc.tick = tick0 + static_cast<std::uint64_t>(n);
-    if constexpr (crf) sc.crf_clock = clk;
+    if (crf) sc.crf_clock = clk;
     sc.fill_seq = seq0 + static_cast<std::uint32_t>(misses);
     DevicePlanStats now = in.now;
     now.hits += static_cast<std::uint64_t>(n - misses);
@@ -1187,7 +1237,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   const std::int32_t id_mine = rank < n0 ? sorted.unique_at(rank) : -1;
   const std::int32_t slot_mine = rank < n0 ? s.resident_map[id_mine] : -2;
   detail::SmallSource src{&s, &sorted, rank, prev_mine, id_mine, slot_mine};
-  if constexpr (Policy::kind == DevicePolicyKind::crf) {
+  if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
     // The CRF update of this thread's id, loaded now (nothing before the group step writes it),
     // the table word as soon as its age is known: both round trips overlap the work below.
     if (rank < n0) {
@@ -1331,7 +1381,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
           chunk.template load<Policy>(s, 0, rank, nt, protect, sc.crf_clock);
           loaded = true;
         }
-        if constexpr (Policy::kind == DevicePolicyKind::lru) {
+        if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru)) {
           PlanKey best;
           EXPERT_CACHE_PLAN_UNROLL
           for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
@@ -1349,14 +1399,14 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
             const std::int32_t slot = rank + k * nt, owner = chunk.owner[k];
             if (owner < 0 || owner >= E || chunk.tick[k] >= protect) continue;
             if (s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
-            const ScoreKey key = Policy::kind == DevicePolicyKind::lfru
+            const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
                                      ? detail::lfru_key_of(chunk.score[k], chunk.tie[k], slot, tick - 1u, chunk.tick[k])
                                      : ScoreKey{chunk.score[k], chunk.tie[k], slot};
             if (key < best) best = key;
           }
           found = b.min_score(best).slot;
         }
-      } else if constexpr (Policy::kind == DevicePolicyKind::lru) {
+      } else if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru)) {
         PlanKey best;
         for (std::int32_t slot = rank; slot < C; slot += nt) {
           const std::int32_t owner = s.slot_owner[slot];
@@ -1374,7 +1424,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
           if (owner < 0 || owner >= E) continue;
           const std::uint64_t t = s.slot_tick[slot];
           if (t >= protect || s.slot_spec_left[slot] != 0 || s.marks[owner] != 0) continue;
-          const ScoreKey key = Policy::kind == DevicePolicyKind::lfru
+          const ScoreKey key = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)
                                    ? detail::lfru_key(s, slot, tick - 1u, t)
                                    : detail::crf_key(s, slot, owner, sc.crf_clock);
           if (key < best) best = key;
@@ -1402,10 +1452,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
       s.resident_map[e] = target;
       s.slot_owner[target] = e;
       s.slot_tick[target] = tick;
-      if constexpr (Policy::kind == DevicePolicyKind::lfru) {
+      if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lfru)) {
         s.slot_freq[target] = 1;
         s.slot_order[target] = tick;
-      } else if constexpr (Policy::kind == DevicePolicyKind::crf) {
+      } else if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) {
         detail::crf_touch(s, e, sc.crf_clock);  // Crf::on_insert (no clock tick)
         s.slot_freq[target] = s.expert_crf[e];  // the slot's mirrors (VictimChunk)
         s.slot_order[target] = sc.crf_clock;
