@@ -8,10 +8,11 @@
 //
 // Many tokens per expert: a round's (token, expert) pairs sorted by expert are the rows of
 // GroupedMoe::run, each expert's rows in tiles of up to 64, so each expert's weights are read
-// once per 64 rows. Per round: the pair and tile lists (built on the host, read by the kernels
-// from mapped pinned memory; --prompt-lists copy copies them to device memory on the consumer
-// stream instead, which on the H200 makes the rounds' compute 2-3x slower: those small copies wait
-// behind the fill stream's large ones), then GroupedMoe::run
+// once per 64 rows. Per round: the pair and tile lists (built on the host, read from mapped
+// pinned memory by one load kernel, which writes them into device memory for the rest;
+// --prompt-lists copy copies them to device memory on the consumer stream instead, which on the
+// H200 makes the rounds' compute 2-3x slower: those small copies wait behind the fill stream's
+// large ones), then GroupedMoe::run
 // in chunks of at most `chunk_pairs` rows cut at expert boundaries, each row's output going to
 // its own pair row; after the layer's rounds a reduction sums every token's top-k rows in a
 // fixed order. A row's result depends only on its expert's tile (same rows, same order), not on
@@ -64,9 +65,13 @@ __global__ void input_kernel(float* x, std::size_t n) {
   }
 }
 
+// A round's rows into the consumer's arrays, and (when `tiles_in` is given) its tile list into
+// device memory: the round's only reads of host memory, in one kernel.
 __global__ void load_pairs_kernel(const PairRec* rec, std::int32_t n, std::int32_t* ids, float* w, std::int32_t* src,
-                                  std::int32_t* pair) {
+                                  std::int32_t* pair, const device::GroupedTile* tiles_in, std::int32_t num_tiles,
+                                  device::GroupedTile* tiles_out) {
   const std::int32_t i = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (tiles_in != nullptr && i < num_tiles) tiles_out[i] = tiles_in[i];
   if (i >= n) return;
   const PairRec r = rec[i];
   ids[i] = r.expert;
@@ -449,24 +454,29 @@ class PromptRunner {
                       std::size_t tiles) noexcept {
     if (n == 0) return {};
     const PairRec* recs = recs_dev_ + off;
-    const device::GroupedTile* tile_list = tiles_dev_ + tile_off;
+    // The consumer's kernels read the tiles from device memory either way (the load kernel
+    // copies them from the mapped list, or a cudaMemcpyAsync does).
+    device::GroupedTile* tile_list = tiles_copy_.as<device::GroupedTile>() + tile_off;
+    const device::GroupedTile* tiles_in = tiles_dev_ + tile_off;
     if (lists_copied_) {
       // Disjoint ranges per call within a layer; the host waits for the consumer stream before
       // the next layer writes the same ranges again. (Slower under load: docs/benchmarks.md.)
       recs = recs_copy_.as<PairRec>() + off;
-      tile_list = tiles_copy_.as<device::GroupedTile>() + tile_off;
+      tiles_in = nullptr;
       if (cudaError_t err = cudaMemcpyAsync(const_cast<PairRec*>(recs), recs_ + off, n * sizeof(PairRec),
                                             cudaMemcpyHostToDevice, consumer_);
           err != cudaSuccess)
         return cuda_status(err, "cudaMemcpyAsync(pair list)");
-      if (cudaError_t err = cudaMemcpyAsync(const_cast<device::GroupedTile*>(tile_list), tiles_ + tile_off,
+      if (cudaError_t err = cudaMemcpyAsync(tile_list, tiles_ + tile_off,
                                             tiles * sizeof(device::GroupedTile), cudaMemcpyHostToDevice, consumer_);
           err != cudaSuccess)
         return cuda_status(err, "cudaMemcpyAsync(tile list)");
     }
-    load_pairs_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, consumer_>>>(
+    const std::size_t threads = std::max(n, tiles);
+    load_pairs_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256, 0, consumer_>>>(
         recs, static_cast<std::int32_t>(n), ids_v_.as<std::int32_t>() + off, w_v_.as<float>() + off,
-        src_v_.as<std::int32_t>() + off, pair_v_.as<std::int32_t>() + off);
+        src_v_.as<std::int32_t>() + off, pair_v_.as<std::int32_t>() + off, tiles_in, static_cast<std::int32_t>(tiles),
+        tile_list);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_pairs_kernel");
     return prompt_moe_.run(w, tile_list, static_cast<int>(tiles), src_v_.as<std::int32_t>() + off,
                            pair_v_.as<std::int32_t>() + off, w_v_.as<float>() + off, x_.as<float>(), pair_out_.as<float>(),
