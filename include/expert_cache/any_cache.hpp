@@ -874,7 +874,7 @@ inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<con
 // Cold: it runs once per cache, so the compiler optimises it (and what only it calls: the
 // caches' constructors) for size.
 template <allocating_runtime Runtime>
-[[gnu::cold]] Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
+Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
   using Base = detail::AnyCacheBase<Runtime>;
   using Stagings = typename AnyCacheStagings<Runtime>::type;
   constexpr auto policy_names = AnyPolicy::names;

@@ -227,26 +227,20 @@ class AnyPolicy {
 
  private:
 
-  // The index-th policy, constructed in place (no temporary to move into the variant).
   template <std::size_t... I>
   static AnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
-    using Make = AnyPolicy (*)(CacheShape, const PoolLayout&);
-    static constexpr std::array<Make, sizeof...(I)> table = {&make_as<I>...};
-    return table[index](shape, pool);
+    std::optional<AnyPolicy> out;
+    ((I == index ? (void)out.emplace(build<std::variant_alternative_t<I, Variant>>(shape, pool), shape) : void()), ...);
+    return std::move(*out);
   }
-  template <std::size_t I>
-  static AnyPolicy make_as(CacheShape shape, const PoolLayout& pool) {
-    using P = std::variant_alternative_t<I, Variant>;
+  template <class P>
+  static P build(CacheShape shape, const PoolLayout& pool) {
     if constexpr (std::is_constructible_v<P, CacheShape, PoolLayout>) {
-      return AnyPolicy(std::make_unique<Variant>(std::in_place_index<I>, shape, pool), shape);
+      return P(shape, pool);
     } else {
-      return AnyPolicy(std::make_unique<Variant>(std::in_place_index<I>, shape), shape);
+      return P(shape);
     }
   }
-  AnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
-      : held_(std::move(held)),
-        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
-        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
 
   struct NameList {
     char text[120] = {};
