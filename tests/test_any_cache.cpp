@@ -616,4 +616,31 @@ TEST_CASE("make_expert_cache: the erased storage and device executor take the fa
     CHECK(s.copy_regions().regions[0].host_stride == (arrangement == 0 ? tensors[0].bytes_per_expert : blob));
     CHECK(s.host_tensor(0, 1) - s.host_tensor(0, 0) == static_cast<std::ptrdiff_t>(s.copy_regions().regions[0].host_stride));
   }
+
+  // Inside a scope the device executor plans with the chosen policy (the state names it). It has
+  // no overlapped fill (AnyCacheConfig has no overlap): overlap is refused, nothing kept.
+  for (std::size_t policy = 0; policy < 3; ++policy) {
+    detail::AnyChoice choice;
+    choice.device_policy = policy;
+    const detail::AnyChoiceScope scope(choice);
+    DeviceCacheOptions o;
+    o.num_experts = E;
+    o.capacity = C;
+    o.max_ids = 8;
+    {
+      detail::AnyDevicePlanExecutor<SimRuntime> x(rt, E, C, 8, CopyRegions{}, o);
+      CHECK(x.state().policy == std::array{DevicePolicyKind::lru, DevicePolicyKind::lfru, DevicePolicyKind::crf}[policy]);
+      CHECK_FALSE(x.overlap());
+    }
+    o.overlap = true;
+    const std::size_t before = rt.allocated_bytes();
+    try {
+      detail::AnyDevicePlanExecutor<SimRuntime> x(rt, E, C, 8, CopyRegions{}, o);
+      FAIL("the erased device executor took overlap");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::invalid_argument);
+      CHECK(std::string(e.what()).find("overlap") != std::string::npos);
+    }
+    CHECK(rt.allocated_bytes() == before);
+  }
 }

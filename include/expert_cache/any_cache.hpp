@@ -320,14 +320,14 @@ class AnyDevicePlanExecutor {
 // SimRuntime plans on the host: ONE executor, whose policy is a run-time value of its state
 // (DeviceRuntimePolicy), instead of one per policy. The kernels of a GPU runtime need their
 // policy at compile time; the host planning code does not, and each of its instantiations costs
-// a user's -O2 build seconds.
+// a user's -O2 build seconds. Without the overlapped fill: AnyCacheConfig has no overlap.
 template <>
-class AnyDevicePlanExecutor<SimRuntime> : public BasicSimPlanExecutor<DeviceRuntimePolicy> {
+class AnyDevicePlanExecutor<SimRuntime> : public BasicSimPlanExecutor<DeviceRuntimePolicy, false> {
  public:
   AnyDevicePlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
                         const CopyRegions& regions, const DeviceCacheOptions& options)
-      : BasicSimPlanExecutor<DeviceRuntimePolicy>(rt, num_experts, capacity, max_ids, regions, options,
-                                                  kind_of(pending_any_choice("AnyDevicePlanExecutor").device_policy)) {}
+      : BasicSimPlanExecutor<DeviceRuntimePolicy, false>(rt, num_experts, capacity, max_ids, regions, options,
+                                                         kind_of(pending_any_choice("AnyDevicePlanExecutor").device_policy)) {}
 
  private:
   static DevicePolicyKind kind_of(std::size_t which) {
@@ -368,12 +368,11 @@ constexpr auto names_of(TypeList<Ts...>) noexcept {
 }
 
 // "a, b, c" into a fixed buffer (cold path; messages stay allocation-free Status).
-template <std::size_t N>
 struct NameListText {
   char text[160] = {};
-  explicit NameListText(const std::array<std::string_view, N>& names) noexcept {
+  explicit NameListText(std::span<const std::string_view> names) noexcept {
     std::size_t at = 0;
-    for (std::size_t i = 0; i < N; ++i) {
+    for (std::size_t i = 0; i < names.size(); ++i) {
       const std::string_view sep = i == 0 ? std::string_view() : std::string_view(", ");
       for (std::string_view part : {sep, names[i]}) {
         for (char c : part) {
@@ -385,9 +384,8 @@ struct NameListText {
   }
 };
 
-template <std::size_t N>
-constexpr std::optional<std::size_t> index_of(const std::array<std::string_view, N>& names, std::string_view name) noexcept {
-  for (std::size_t i = 0; i < N; ++i) {
+constexpr std::optional<std::size_t> index_of(std::span<const std::string_view> names, std::string_view name) noexcept {
+  for (std::size_t i = 0; i < names.size(); ++i) {
     if (names[i] == name) return i;
   }
   return std::nullopt;
@@ -745,22 +743,29 @@ using AnyDeviceCache = DeviceExpertCache<AnyArrangementStorage, ExplicitLayout, 
 
 }  // namespace detail
 
-// Builds the cache the config names. Every name is checked before anything is constructed;
-// construction failures (sizes, capacity, allocation) come back as the static type's error.
-template <allocating_runtime Runtime>
-Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
-  using Base = detail::AnyCacheBase<Runtime>;
-  using Stagings = typename AnyCacheStagings<Runtime>::type;
+namespace detail {
+
+// What a config chose: each name's index in the list make_expert_cache offers, and the names.
+struct AnyCacheChoices {
+  std::size_t provider = 0, policy = 0, staging = 0, storage = 0;
+  std::size_t device_policy = 0;  // device provider: index into any_device_policy_names
+  bool device = false;
+  std::string_view policy_name, staging_name, storage_name;
+};
+
+// Every name, every combination and the device provider's sizes, checked before anything is
+// constructed. Not a template (the runtime only changes the staging list and whether it has a
+// device-plan executor), so a build compiles it once.
+inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<const std::string_view> staging_names,
+                                     bool has_device_executor, AnyCacheChoices& out) noexcept {
   constexpr auto policy_names = AnyPolicy::names;
-  constexpr auto staging_names = detail::names_of(Stagings{});
-  constexpr auto storage_names = detail::names_of(detail::AnyStorages{});
+  constexpr auto storage_names = names_of(AnyStorages{});
   const auto clip = [](const std::string& s) { return static_cast<int>(std::min<std::size_t>(s.size(), 40)); };
 
-  // ---- names ----
-  const std::optional<std::size_t> provider = detail::index_of(any_cache_providers, config.provider);
+  const std::optional<std::size_t> provider = index_of(any_cache_providers, config.provider);
   if (!provider) {
     return Status::format(ErrorCode::invalid_argument, "unknown provider '%.*s' (valid: %s)", clip(config.provider),
-                          config.provider.c_str(), detail::NameListText(any_cache_providers).text);
+                          config.provider.c_str(), NameListText(any_cache_providers).text);
   }
   const bool device = *provider == 2;
   static constexpr std::array<std::string_view, 3> default_policy = {"lru", "lfru", "lru"};
@@ -771,46 +776,46 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   const std::string_view storage_name = config.storage.empty() ? default_storage[*provider] : std::string_view(config.storage);
 
   // The device provider plans with a device policy (DeviceExpertCache's Policy, one type each).
-  constexpr auto device_policy_names = detail::any_device_policy_names;
+  constexpr auto device_policy_names = any_device_policy_names;
+  const std::optional<std::size_t> device_policy = index_of(device_policy_names, policy_name);
   if (device) {
-    if (!detail::index_of(device_policy_names, policy_name)) {
+    if (!device_policy) {
       return Status::format(ErrorCode::invalid_argument,
                             "provider 'device' plans on the device with policy lru, lfru or crf (got '%.*s'; "
                             "valid: %s)",
                             static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
-                            detail::NameListText(device_policy_names).text);
+                            NameListText(device_policy_names).text);
     }
   }
-  const std::optional<std::size_t> policy = detail::index_of(policy_names, policy_name);
+  const std::optional<std::size_t> policy = index_of(policy_names, policy_name);
   if (!policy) {
     if (policy_name == "belady" || policy_name == "opt") {
       return Status::format(ErrorCode::invalid_argument,
                             "policy '%.*s' is offline-only (it needs the future trace: use ExpertCache with "
                             "make_policy<Belady>, or the replay tool); online policies: %s",
-                            static_cast<int>(policy_name.size()), policy_name.data(),
-                            detail::NameListText(policy_names).text);
+                            static_cast<int>(policy_name.size()), policy_name.data(), NameListText(policy_names).text);
     }
     return Status::format(ErrorCode::invalid_argument, "unknown eviction policy '%.*s' (valid: %s)",
                           static_cast<int>(std::min<std::size_t>(policy_name.size(), 40)), policy_name.data(),
-                          detail::NameListText(policy_names).text);
+                          NameListText(policy_names).text);
   }
-  const std::optional<std::size_t> staging = detail::index_of(staging_names, staging_name);
+  const std::optional<std::size_t> staging = index_of(staging_names, staging_name);
   if (!staging) {
     if (staging_name == "gather") {
       return Status::format(ErrorCode::invalid_argument,
                             "staging 'gather' needs the CUDA tier (CudaRuntime, include expert_cache/any_cache_cuda.cuh "
                             "in a .cu); valid with this runtime: %s",
-                            detail::NameListText(staging_names).text);
+                            NameListText(staging_names).text);
     }
     return Status::format(ErrorCode::invalid_argument, "unknown staging policy '%.*s' (valid: %s)",
                           static_cast<int>(std::min<std::size_t>(staging_name.size(), 40)), staging_name.data(),
-                          detail::NameListText(staging_names).text);
+                          NameListText(staging_names).text);
   }
-  const std::optional<std::size_t> storage = detail::index_of(storage_names, storage_name);
+  const std::optional<std::size_t> storage = index_of(storage_names, storage_name);
   if (!storage) {
     return Status::format(ErrorCode::invalid_argument, "unknown storage '%.*s' (valid: %s)",
                           static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
-                          detail::NameListText(storage_names).text);
+                          NameListText(storage_names).text);
   }
   if (device) {
     if (staging_name != "inline") {
@@ -818,7 +823,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
                             "provider 'device' fills inline (got staging '%.*s'; valid: staging inline, policy %s, "
                             "storage %s)",
                             static_cast<int>(staging_name.size()), staging_name.data(),
-                            detail::NameListText(device_policy_names).text, detail::NameListText(storage_names).text);
+                            NameListText(device_policy_names).text, NameListText(storage_names).text);
     }
     if (policy_name != "lru" && storage_name != "tensor_major") {
       return Status::format(ErrorCode::invalid_argument,
@@ -826,7 +831,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
                             "policy lru takes every storage: %s)",
                             static_cast<int>(policy_name.size()), policy_name.data(),
                             static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
-                            detail::NameListText(storage_names).text);
+                            NameListText(storage_names).text);
     }
     if (config.options.stream_slots != 0) {
       return Status::format(ErrorCode::invalid_argument,
@@ -834,7 +839,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
                             "rounds through the pool): use 0",
                             config.options.stream_slots);
     }
-    if (!has_device_plan_executor<Runtime>) {
+    if (!has_device_executor) {
       return Status(ErrorCode::not_supported,
                     "provider 'device' has no plan executor for this runtime (CudaRuntime: include "
                     "expert_cache/any_cache_cuda.cuh, which brings device/device_cache_cuda.cuh)");
@@ -850,6 +855,37 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   if (!config.layout.validation) {
     return config.layout.validation.with_context("layout %.*s", clip(config.layout.name), config.layout.name.c_str());
   }
+  out.provider = *provider;
+  out.policy = *policy;
+  out.staging = *staging;
+  out.storage = *storage;
+  out.device_policy = device_policy.value_or(0);
+  out.device = device;
+  out.policy_name = policy_name;
+  out.staging_name = staging_name;
+  out.storage_name = storage_name;
+  return {};
+}
+
+}  // namespace detail
+
+// Builds the cache the config names. Every name is checked before anything is constructed;
+// construction failures (sizes, capacity, allocation) come back as the static type's error.
+// Cold: it runs once per cache, so the compiler optimises it (and what only it calls: the
+// caches' constructors) for size.
+template <allocating_runtime Runtime>
+Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
+  using Base = detail::AnyCacheBase<Runtime>;
+  using Stagings = typename AnyCacheStagings<Runtime>::type;
+  constexpr auto policy_names = AnyPolicy::names;
+  constexpr auto staging_names = detail::names_of(Stagings{});
+  constexpr auto storage_names = detail::names_of(detail::AnyStorages{});
+  detail::AnyCacheChoices chosen;
+  if (Status s = detail::check_any_cache_config(config, staging_names, has_device_plan_executor<Runtime>, chosen); !s) {
+    return s;
+  }
+  const bool device = chosen.device;
+  const std::string_view policy_name = chosen.policy_name;
 
   // ---- construction ----
   CacheOptions inner = config.options;
@@ -860,7 +896,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   const auto build = [&]() -> Made {
     try {
       detail::AnyChoice choice;
-      choice.storage = *storage;
+      choice.storage = chosen.storage;
       if (device) {
         if constexpr (has_device_plan_executor<Runtime>) {
           DeviceCacheOptions o;
@@ -870,7 +906,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
           o.fused_plan_fill = config.fused_plan_fill;
           o.label = inner.label;
           o.memory = inner.memory;
-          choice.device_policy = *detail::index_of(device_policy_names, policy_name);
+          choice.device_policy = chosen.device_policy;
           const detail::AnyChoiceScope scope(choice);
           using Model = detail::DeviceCacheModel<Runtime, detail::AnyDeviceCache<Runtime>>;
           return std::unique_ptr<Base>(std::make_unique<Model>(rt, o, layout));
@@ -882,7 +918,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
           ForwardPlanner<AnyPolicy>::validated(CacheShape{inner.num_experts, inner.capacity}, inner.top_k);
       Result<AnyPolicy> made_policy = AnyPolicy::make(policy_name, shape, config.pool);
       if (!made_policy.ok()) return made_policy.status();
-      const Status runnable = detail::visit_type<Status>(Stagings{}, *staging, [&]<class G>() -> Status {
+      const Status runnable = detail::visit_type<Status>(Stagings{}, chosen.staging, [&]<class G>() -> Status {
         if constexpr (staging_policy_for<G, Runtime, detail::AnyArrangementStorage>) {
           return {};
         } else {
@@ -894,7 +930,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
       const detail::AnyChoiceScope scope(choice);
       using Model = detail::HostCacheModel<Runtime, detail::AnyHostCache<Runtime>>;
       return std::unique_ptr<Base>(std::make_unique<Model>(rt, inner, layout, std::move(made_policy.value()),
-                                                           detail::AnyStagingFor<Runtime>(*staging)));
+                                                           detail::AnyStagingFor<Runtime>(chosen.staging)));
     } catch (const Error& e) {
       return detail::status_of(e);
     } catch (const std::bad_alloc&) {
@@ -909,10 +945,10 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   AnyExpertCache<Runtime> cache;
   cache.impl_ = std::move(made.value());
   cache.options_ = config.options;
-  cache.provider_ = any_cache_providers[*provider];
-  cache.policy_ = policy_names[*policy];
-  cache.staging_ = staging_names[*staging];
-  cache.storage_ = storage_names[*storage];
+  cache.provider_ = any_cache_providers[chosen.provider];
+  cache.policy_ = policy_names[chosen.policy];
+  cache.staging_ = staging_names[chosen.staging];
+  cache.storage_ = storage_names[chosen.storage];
   cache.layout_ = config.layout.name;
   if (config.options.log) {
     const CacheStats s = cache.stats();

@@ -177,7 +177,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s
 //          plan). join_fills() (the cache calls it before its next call, so before the core's
 //          records on X) makes X wait for every lane: on the GPU the next kernels on X run
 //          after the fill grid, because a readiness consumer waits for it before it completes.
-template <device_plan_policy Policy>
+//
+// Overlap = false: no overlapped fill is compiled and options.overlap is refused
+// (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
+template <device_plan_policy Policy, bool Overlap = true>
 class BasicSimPlanExecutor {
  public:
   using Stream = SimRuntime::Stream;
@@ -209,6 +212,12 @@ class BasicSimPlanExecutor {
                                  "%s: ready_first_regions 0x%x names copy regions past the storage's %zu",
                                  options.label.c_str(), options.ready_first_regions, regions.count));
     }
+    if constexpr (!Overlap) {
+      if (options.overlap) {
+        throw Error(Status::format(ErrorCode::invalid_argument, "%s: overlap needs an executor with the overlapped fill",
+                                   options.label.c_str()));
+      }
+    }
     auto* w = reinterpret_cast<MappedWords*>(words_.data());
     state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
     state_.policy = kind;
@@ -222,11 +231,13 @@ class BasicSimPlanExecutor {
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
       slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
     }
-    if (overlap_) {
-      planned_ = RuntimeEvent<SimRuntime>(rt);
-      for (std::int32_t j = 0; j < capacity; ++j) {
-        lanes_.emplace_back(rt);
-        ready_.emplace_back(rt);
+    if constexpr (Overlap) {
+      if (overlap_) {
+        planned_ = RuntimeEvent<SimRuntime>(rt);
+        for (std::int32_t j = 0; j < capacity; ++j) {
+          lanes_.emplace_back(rt);
+          ready_.emplace_back(rt);
+        }
       }
     }
   }
@@ -265,7 +276,14 @@ class BasicSimPlanExecutor {
     rt_->set_next_label("device plan_forward");
     if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
           SequentialBlock b;
-          plan_forward<Policy>(b, st, ids, n, out);
+          if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
+            // Every forward on the general path: the small path is the GPU's register fast path
+            // to the same state (tests/test_device_policies.cpp compares them byte for byte), and
+            // here it would only be a second copy of the group step in a user's build.
+            plan_forward_general<Policy>(b, st, ids, n, out);
+          } else {
+            plan_forward<Policy>(b, st, ids, n, out);
+          }
         });
         !r) {
       return r;
@@ -394,7 +412,9 @@ class BasicSimPlanExecutor {
   }
 
   Status fill(Stream s) noexcept {
-    if (overlap_) return fill_overlapped(s);
+    if constexpr (Overlap) {
+      if (overlap_) return fill_overlapped(s);
+    }
     return fill_stream_ordered(s);
   }
 
@@ -489,6 +509,7 @@ using SimPlanExecutor = BasicSimPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<SimPlanExecutor>);
 static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceLfru>>);
 static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy>>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy, false>>);
 
 template <>
 struct DevicePlanExecutorFor<SimRuntime> {

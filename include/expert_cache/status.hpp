@@ -180,7 +180,8 @@ class [[nodiscard]] Result {
   /// A value (implicit, so `return value;` works).
   Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit by design
   /// An error (implicit, so `return status;` works); an ok status becomes unexpected_ok().
-  Result(E error) : storage_(std::move(error)) {  // NOLINT
+  /// Cold: every error return builds one, so it stays out of the callers' hot code.
+  [[gnu::cold]] Result(E error) : storage_(std::move(error)) {  // NOLINT
     if (std::get<E>(storage_).ok()) storage_ = E::unexpected_ok();
   }
 

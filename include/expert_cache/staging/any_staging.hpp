@@ -20,8 +20,19 @@
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/status.hpp"
+#include "expert_cache/storage/copy_region.hpp"
+#include "expert_cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
+
+namespace detail {
+// What a plain-copy staging policy (StaticCoalescing: Inline, CopyStream, Batched) reads of the
+// storage it is given: its copy regions, here by reference.
+struct CopyRegionsView {
+  const CopyRegions* regions = nullptr;
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return *regions; }
+};
+}  // namespace detail
 
 template <class... Stagings>
 class AnyStaging {
@@ -71,9 +82,23 @@ class AnyStaging {
     });
   }
 
-  // Out of line: called only with fills, whose copies dwarf the call.
+  // Out of line: called only with fills, whose copies dwarf the call. When every listed policy
+  // only copies regions, every storage type the cache issues from (its storage, a wide
+  // forward's runs) reaches one dispatch over the regions, so each policy's issue is compiled
+  // once, not once per type.
   template <class R, class Storage>
-  [[gnu::noinline]] Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+  Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
+    if constexpr ((detail::StaticCoalescing<Stagings>::value && ...)) {
+      return issue_held(rt, stream, detail::CopyRegionsView{&storage.copy_regions()}, fills);
+    } else {
+      return issue_held(rt, stream, storage, fills);
+    }
+  }
+
+ private:
+  template <class R, class Storage>
+  [[gnu::noinline]] Status issue_held(R& rt, typename R::Stream stream, const Storage& storage,
+                                      std::span<const SlotFill> fills) noexcept {
     return visit_at(staging_, [&](auto& g) noexcept -> Status {
       if constexpr (requires { g.issue(rt, stream, storage, fills); }) {
         return g.issue(rt, stream, storage, fills);
@@ -85,7 +110,6 @@ class AnyStaging {
     });
   }
 
- private:
   template <std::size_t... I>
   void emplace_at(std::size_t index, std::index_sequence<I...>) {
     ((I == index ? (void)staging_.template emplace<I>() : void()), ...);
