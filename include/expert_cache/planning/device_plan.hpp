@@ -877,7 +877,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   if (victims > 0) {
     b.sync();  // hit ticks (and, for n > threads, the fill list) visible to every thread
     const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
-    VictimChunk chunk;
+    VictimChunk chunk{};  // loaded below when the keys fit in registers (in_regs)
     if (in_regs) chunk.template load<Policy>(s, 0, rank, nt, tick0, clk);
     PlanKey last{0, -1};
     for (std::int32_t j = 0; j < victims; ++j) {
@@ -1354,7 +1354,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   std::int32_t fills = 0, victims = 0, skipped_resident = 0, next = 0;
   bool no_victim = false;
   const bool in_regs = C <= plan_victim_regs * nt;  // uniform
-  detail::VictimChunk chunk;
+  detail::VictimChunk chunk{};  // loaded at the first victim search
   bool loaded = false;
   for (; next < n_ids; ++next) {
     const std::int32_t e = ids[next];
