@@ -397,7 +397,9 @@ TEST_CASE("DeviceRuntimePolicy leaves the static policy's state byte for byte") 
     using D = decltype(policy_tag);
     CAPTURE(D::name);
     std::mt19937_64 rng(7171);
-    for (const auto& [E, C] : {std::pair{64, 16}, std::pair{512, 208}, std::pair{32, 5}, std::pair{300, 3}}) {
+    for (const auto& shape : {std::pair{64, 16}, std::pair{512, 208}, std::pair{32, 5}, std::pair{300, 3}}) {
+      // Not a structured binding: CAPTURE's lambda captures these (clang before 16 refuses bindings).
+      const std::int32_t E = shape.first, C = shape.second;
       CAPTURE(E);
       CAPTURE(C);
       HostPlanStorage a(E, C), r(E, C);
