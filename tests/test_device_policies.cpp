@@ -348,12 +348,15 @@ TEST_CASE("device Crf with a prior bias (pins and weights) equals Crf with the s
   }
 }
 
+// (experts, capacity) of the whole-state comparisons below. Their loops name the two values
+// instead of binding them: CAPTURE's lambda captures them (clang before 16 refuses bindings).
+constexpr std::pair<std::int32_t, std::int32_t> compared_shapes[] = {{64, 16}, {512, 208}, {32, 5}, {300, 3}};
+
 TEST_CASE("device policies: the small and the general path leave identical states") {
   auto run = [](auto policy_tag) {
     using D = decltype(policy_tag);
     std::mt19937_64 rng(4343);
-    for (const auto& shape : {std::pair{64, 16}, std::pair{512, 208}, std::pair{32, 5}, std::pair{300, 3}}) {
-      // Not a structured binding: CAPTURE's lambda captures these (clang before 16 refuses bindings).
+    for (const auto& shape : compared_shapes) {
       const std::int32_t E = shape.first, C = shape.second;
       CAPTURE(E);
       CAPTURE(C);
@@ -397,8 +400,7 @@ TEST_CASE("DeviceRuntimePolicy leaves the static policy's state byte for byte") 
     using D = decltype(policy_tag);
     CAPTURE(D::name);
     std::mt19937_64 rng(7171);
-    for (const auto& shape : {std::pair{64, 16}, std::pair{512, 208}, std::pair{32, 5}, std::pair{300, 3}}) {
-      // Not a structured binding: CAPTURE's lambda captures these (clang before 16 refuses bindings).
+    for (const auto& shape : compared_shapes) {
       const std::int32_t E = shape.first, C = shape.second;
       CAPTURE(E);
       CAPTURE(C);
