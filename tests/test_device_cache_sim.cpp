@@ -1085,6 +1085,16 @@ TEST_CASE("set_prior: refused tables and policies leave the cache exactly as it 
   CHECK(bias_table(lru.dev->plan_state()) == std::vector<std::uint64_t>(12, 0));
 }
 
+// `run` on a 12-expert, 4-slot DeviceCrf cache whose ordering lacks the edge `Edges` removes:
+// the race detector must fire.
+template <class Edges, class Run>
+void require_race_without(Run run) {
+  CrfFixture<Edges> without(12, 4);
+  run(without);
+  REQUIRE(without.rt.race_count() > 0);
+  MESSAGE(without.rt.races()[0].description);
+}
+
 // The upload is a write of the plan state that plans read: ordered after the plans already
 // enqueued on other streams (edge 6, as invalidate) and before the next plan on any stream (edge 2).
 TEST_CASE("negative (edge 6, set_prior): without invalidate ordering, the upload races the owner's pending plan") {
@@ -1093,10 +1103,7 @@ TEST_CASE("negative (edge 6, set_prior): without invalidate ordering, the upload
     REQUIRE(f.dev->set_prior(std::vector<double>(12, 1.0), f.streams[1]).ok());  // rewrites what stream 0's plan reads
     f.settle();
   };
-  CrfFixture<NoInvalidateOrder> without(12, 4);
-  run(without);
-  REQUIRE(without.rt.race_count() > 0);
-  MESSAGE(without.rt.races()[0].description);
+  require_race_without<NoInvalidateOrder>(run);
   CrfFixture<> with(12, 4);
   run(with);
   with.check_clean();
@@ -1111,10 +1118,7 @@ TEST_CASE("negative (edge 2, set_prior): without the last-writer release, the ne
     (void)f.step(1, {1, 2, 3, 4});  // stream 1's plan reads the bias: it must wait for stream 2
     f.settle();
   };
-  CrfFixture<NoLastFillRelease> without(12, 4);
-  run(without);
-  REQUIRE(without.rt.race_count() > 0);
-  MESSAGE(without.rt.races()[0].description);
+  require_race_without<NoLastFillRelease>(run);
   CrfFixture<> with(12, 4);
   run(with);
   with.check_clean();

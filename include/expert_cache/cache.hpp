@@ -556,9 +556,7 @@ class ExpertCacheWithEdges {
     detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
     const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
     detail::split_wide_hits_of(ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
-    const auto hits_of = [&](std::size_t r) {
-      return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
-    };
+    const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     // Edge 9 for the pool's speculative fills this forward reads.

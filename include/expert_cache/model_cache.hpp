@@ -271,9 +271,7 @@ class ModelExpertCache {
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
     const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
     detail::split_wide_hits_of(topk_ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
-    const auto hits_of = [&](std::size_t r) {
-      return std::span<const std::int32_t>(wide_hits_).subspan(wide_hit_begin_[r], wide_hit_begin_[r + 1] - wide_hit_begin_[r]);
-    };
+    const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     // A stream slot as the layer's maps name it (relative to the layer's first slot).
     const std::int32_t stream_base = total_slots() - slot_offsets_[l];

@@ -354,6 +354,12 @@ inline void split_wide_hits(std::span<const std::int32_t> hits, std::span<const 
   while (begin.size() <= rounds) begin.push_back(hits.size());
 }
 
+// Round r's share of the hits, as split_wide_hits left it in `begin`.
+[[nodiscard]] inline std::span<const std::int32_t> round_hits(std::span<const std::int32_t> hits,
+                                                              std::span<const std::size_t> begin, std::size_t r) noexcept {
+  return hits.subspan(begin[r], begin[r + 1] - begin[r]);
+}
+
 // Round r's experts (ascending) and their slots, as both caches' stream admission serves them:
 // `hits` (round r's share, split_wide_hits) are read from their pool slots; each streamed expert
 // of `streamed` (the round's ascending misses) takes stream_slot(r, its index in `streamed`). The
