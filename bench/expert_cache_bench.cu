@@ -552,6 +552,14 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
   if (i < n && part[i] != 0.0f) out[i] += part[i];
 }
 
+// Whether the overlapped fill copies W13 first (--overlap-parts; auto: when the consumer's first
+// kernel is one wave. With more waves the W2 parts all landing last hold back moe_w2, measured
+// slower at batch 16).
+inline bool overlap_w13_first(const BenchArgs& a, const Model& m, const GpuContext& ctx) {
+  if (a.overlap_parts == "auto") return ctx.moe->one_wave(m.batch);
+  return a.overlap_parts == "w13-first";
+}
+
 // overlap: DeviceCacheOptions::overlap and the consumer given the cache's readiness: the row
 // "device/overlap", otherwise "device/graph".
 // prefetch ("", "none" or a predictor): lookahead. The predictor runs on the host BEFORE timing
@@ -587,7 +595,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
     o.overlap = overlap;
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
-    o.ready_first_regions = overlap ? device::MoeConsumer::first_pass_regions : 0u;
+    o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   const ExpertTensorBytes tensors = m.layout.tensors();
@@ -925,6 +933,9 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
   } guard{ctx.consumer};
   rep.pcie_ceiling_bytes_per_s = measure_pcie_ceiling(ctx.consumer);
   ctx.moe = std::make_unique<device::MoeConsumer>(m.layout, m.batch, m.top_k);
+  ctx.moe->set_pair_order(a.consumer_order == "pairs"     ? device::MoePairOrder::pairs
+                          : a.consumer_order == "experts" ? device::MoePairOrder::experts
+                                                          : device::MoePairOrder::automatic);
   const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
   ctx.x = DeviceBuffer(act * sizeof(float));
@@ -965,6 +976,15 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     if (r.provider != "device" || r.is_lookahead_row()) continue;
     if (r.staging == bench::device_staging) plain = &r;
     if (r.staging == device_overlap_staging) ov = &r;
+  }
+  if (ov != nullptr) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "device/overlap: the consumer's blocks take the pairs in %s order (--consumer-order %s); the fill "
+                  "copies %s",
+                  ctx.moe->expert_order_for(m.batch, m.experts) ? "expert" : "pair", a.consumer_order.c_str(),
+                  overlap_w13_first(a, m, ctx) ? "every missing expert's W13 tensors first" : "each expert whole");
+    rep.notes.emplace_back(buf);
   }
   if (plain != nullptr && ov != nullptr && plain->tokens_per_second() > 0) {
     char buf[256];

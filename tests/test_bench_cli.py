@@ -137,6 +137,8 @@ def case_bad_args():
     expect_usage_error(["--prompt", "128", "--prompt-precision", "fp8"], "--prompt-precision")
     expect_usage_error(["--crf-half-life", "0"], "--crf-half-life")
     expect_usage_error(["--crf-half-life", "8x"], "--crf-half-life")
+    expect_usage_error(["--consumer-order", "tokens"], "--consumer-order")
+    expect_usage_error(["--overlap-parts", "w2-first"], "--overlap-parts")
     rc, out, err = run("--help")
     expect(rc == 0 and "--provider" in out and "--staging" in out and "--trace" in out, "--help", out, err)
     expect("row, cached, device, resident" in out, "--help names the device provider", out)

@@ -312,7 +312,7 @@ namespace {
 
 using DevCache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime>;
 
-// A device-planned cache of `L` (E = 16, C = 4, up to 4 ids), its host pools filled.
+// A device-planned cache of `L` (C = `capacity` slots, up to `max_ids` ids; 4 and 4 by default), its host pools filled.
 // Parts (edge D4c): `first_regions` copied and published first, the delay on part `delay_part`,
 // `early`: the first part's ready word stored before its bytes (test kernel).
 struct FillParts {
@@ -321,11 +321,11 @@ struct FillParts {
   bool early = false;
 };
 std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns,
-                                            FillParts parts = {}) {
+                                            FillParts parts = {}, std::int32_t capacity = 4, std::int32_t max_ids = 4) {
   DeviceCacheOptions o;
   o.num_experts = static_cast<std::int32_t>(L.experts);
-  o.capacity = 4;
-  o.max_ids = 4;
+  o.capacity = capacity;
+  o.max_ids = max_ids;
   o.overlap = overlap;
   o.test_fill_delay_ns = delay_ns;
   o.test_fill_delay_index = 0;
@@ -663,6 +663,64 @@ TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions an
   CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
   REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
   REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("moe consumer + overlapped device cache, 8 tokens: blocks in pair order and in expert order equal the all-resident run") {
+  // 8 tokens x top-3 over 32 experts, 24 slots: every step fills and evicts; the first fill of
+  // each step is slowed by 20 us so that blocks do wait. Expert order is the fill's order; each
+  // pair must still be computed exactly once per tile (a wrong permutation drops or repeats pairs).
+  constexpr int tokens = 8, top_k = 3, pairs = tokens * top_k;
+  const Layer L = make_layer(512, 256, 32, 79);
+  const ResidentLayer res(L);
+  CudaRuntime rt;
+  cudaStream_t stream;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  device::MoeConsumer moe(L.layout, tokens, top_k);
+  std::vector<float> weights(pairs);
+  for (int p = 0; p < pairs; ++p) weights[static_cast<std::size_t>(p)] = 0.1f + 0.05f * static_cast<float>(p % top_k);
+  const auto out_n = static_cast<std::size_t>(tokens) * 512;
+  DevArray<float> d_x(random_x(tokens, 512, 7)), d_w(weights), d_out(out_n), d_ref(out_n);
+  DevArray<std::int32_t> d_ids(pairs), d_ids_ref(pairs);
+  std::mt19937_64 rng(23);
+  auto random_ids = [&] {
+    std::vector<std::int32_t> ids(pairs);
+    for (auto& id : ids) id = static_cast<std::int32_t>(rng() % 32);
+    ids[5] = -1;  // an absent pair: skipped in either order
+    return ids;
+  };
+  auto resident = [&](const std::vector<std::int32_t>& ids) {
+    d_ids_ref.upload(ids);
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE(moe.run(res.weights, d_ids_ref.get(), d_w.get(), d_x.get(), d_ref.get(), tokens, stream).ok());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    return d_ref.download();
+  };
+  for (const device::MoePairOrder order : {device::MoePairOrder::pairs, device::MoePairOrder::experts}) {
+    moe.set_pair_order(order);
+    const bool by_expert = order == device::MoePairOrder::experts;
+    CHECK(moe.expert_order_for(tokens, 32) == by_expert);
+    auto cache = make_device_cache(rt, L, true, 20'000, FillParts{device::MoeConsumer::first_pass_regions}, 24, pairs);
+    for (int step = 0; step < 12; ++step) {
+      const std::vector<std::int32_t> ids = random_ids();
+      const std::vector<float> want = resident(ids);
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      d_ids.upload(ids);
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      auto view = cache->prepare(d_ids.get(), pairs, stream);
+      REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+      REQUIRE(moe.run(device::moe_weights_from_view(view.value(), 32), cache->sanitized_ids_device(), d_w.get(), d_x.get(),
+                      d_out.get(), tokens, stream, cache->readiness())
+                  .ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      CAPTURE(by_expert);
+      CAPTURE(step);
+      CHECK(std::memcmp(d_out.download().data(), want.data(), out_n * sizeof(float)) == 0);
+    }
+    CHECK(cache->stats().misses > 24);  // the steps did fill
+    const std::uint32_t errors = cache->take_errors();
+    CHECK_MESSAGE(errors == 0u, "device error word " << errors << " (16 = a bounded wait timed out)");
+  }
   REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
 }
 

@@ -60,8 +60,14 @@
 // moe_w13 block it waits for from being scheduled. Without the launch attribute stream order
 // applies and every wait is already satisfied.
 // Without readiness (default): the kernels are today's and the pair counts are not touched.
-// Blocks are launched in pair order, not resident-first: at decode sizes every block of
-// moe_w13 is resident at once, so the spinning ones do not hold back the resident ones.
+// Block order (readiness only, MoePairOrder): at batch 1 every block of moe_w13 is resident at
+// once, so blocks take pairs in pair order and the spinning ones hold back no one. With more
+// blocks than the device holds at once (batch 4 and up at the reference sizes), a block that
+// spins on a late expert keeps its SM slot from the blocks behind it; so there the blocks take
+// the pairs in ascending (expert, pair) order, the order in which the overlapped fill copies
+// the missing experts (the plan's fill list follows its ascending unique list): blocks are
+// scheduled roughly as their experts land. Every block derives the same permutation from the
+// ids alone (pair_in_expert_order); which block computes a pair changes no sum's order.
 //
 // One pass (opt-in, MoeConsumer::run_one_pass; compute from host): the caller names the experts
 // whose slots do not hold them yet (MoeHostSource: per-expert flags and the experts' mapped host
@@ -466,7 +472,47 @@ struct PairProgress {
   unsigned* tiles_done = nullptr;  // [pairs]: moe_w13 tiles of the pair whose act is stored
   unsigned* token_done = nullptr;  // [tokens]: moe_w2 (token, tile) reductions finished
   unsigned w13_tiles = 0;          // Np / 64: tiles_done of a pair once its act is complete
+  int ordered_pairs = 0;           // > 0: blocks take this many pairs in expert order (pair_in_expert_order)
 };
+
+// Most pairs the expert order ranks (one 32-bit key per pair in shared memory: expert + 1 above
+// the pair's 10 bits), and the experts it can tell apart.
+inline constexpr int max_ordered_pairs = 1024;
+inline constexpr long long max_ordered_experts = (1LL << 22) - 1;
+
+// The pair that block index z takes in ascending (expert, pair) order, pairs with an absent or
+// invalid id first (they exit at once). Every thread of the block calls it; the permutation is
+// a pure function of the ids, so all blocks agree and each pair gets exactly one block per tile.
+__device__ __forceinline__ int pair_in_expert_order(const std::int32_t* ids, int num_experts, int pairs, int z) {
+  __shared__ unsigned keys[max_ordered_pairs];
+  __shared__ int chosen;
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int i = tid; i < pairs; i += threads) {
+    const std::int32_t e = ids[i];
+    const unsigned rank_of_expert = e >= 0 && e < num_experts ? static_cast<unsigned>(e) + 1u : 0u;
+    keys[i] = (rank_of_expert << 10) | static_cast<unsigned>(i);
+  }
+  __syncthreads();
+  for (int i = tid; i < pairs; i += threads) {
+    const unsigned mine = keys[i];
+    int below = 0;
+#pragma unroll 8
+    for (int j = 0; j < pairs; ++j) below += keys[j] < mine ? 1 : 0;
+    if (below == z) chosen = i;  // keys are distinct: exactly one thread writes
+  }
+  __syncthreads();
+  return chosen;
+}
+
+// The pair of this block: blockIdx.z, or its place in expert order (readiness kernels only).
+template <int Mode>
+__device__ __forceinline__ int pair_of_block(const std::int32_t* ids, int num_experts, const PairProgress& progress) {
+  const int z = static_cast<int>(blockIdx.z);
+  if constexpr (Mode != ready_none) {
+    if (progress.ordered_pairs > 0) return pair_in_expert_order(ids, num_experts, progress.ordered_pairs, z);
+  }
+  return z;
+}
 
 // moe_w13, in the block that stored tile j of pair p's act (every thread of it): "pair p: one
 // more tile done". Publication (PTX memory model): threads 0-63 stored the tile's act above;
@@ -564,7 +610,7 @@ __device__ __forceinline__ void moe_w13_body(const MoeWeights& w, const std::int
   griddep_launch_dependents();
   const int j = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
-  const int p = static_cast<int>(blockIdx.z);
+  const int p = pair_of_block<Mode>(ids, w.num_experts, progress);
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int kt0 = split * w13_rows;
@@ -720,7 +766,7 @@ __device__ __forceinline__ void moe_w2_body(const MoeWeights& w, const std::int3
                                             const PairProgress& progress, const MoeHostSource& host = {}) {
   const int nt = static_cast<int>(blockIdx.x), tiles = static_cast<int>(gridDim.x);
   const int split = static_cast<int>(blockIdx.y), splits = static_cast<int>(gridDim.y);
-  const int p = static_cast<int>(blockIdx.z);
+  const int p = pair_of_block<Mode>(ids, w.num_experts, progress);
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int kt0 = split * w2_rows + warp * rows_per_warp;
@@ -871,6 +917,13 @@ inline constexpr unsigned long long tensor_access_bytes[num_default_expert_tenso
 
 }  // namespace moe_detail
 
+// The order in which the readiness kernels' blocks take the pairs (top of this file).
+// automatic: expert order when moe_w13's grid is larger than what the device holds at once,
+// else pair order; pairs / experts: always that one (experts needs at most
+// moe_detail::max_ordered_pairs pairs and fewer than moe_detail::max_ordered_experts experts,
+// else pair order). Without readiness the blocks always take pair order.
+enum class MoePairOrder : std::uint8_t { automatic, pairs, experts };
+
 // Owns the workspace for up to `max_tokens` tokens of `top_k` experts; run() enqueues two
 // kernels on `stream`. Inputs and outputs are device pointers: ids and weights [tokens * top_k],
 // x and out [tokens, hidden] fp32.
@@ -908,6 +961,7 @@ class MoeConsumer {
     check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");
     unbias_ = marlin::exp2i(-marlin::dtype_bias(layout.dtype));
     use_pdl_ = pdl_supported();
+    w13_resident_ = resident_blocks(moe_detail::moe_w13<moe_detail::ready_wait>);
   }
   MoeConsumer(const MoeConsumer&) = delete;
   MoeConsumer& operator=(const MoeConsumer&) = delete;
@@ -1010,6 +1064,26 @@ class MoeConsumer {
 
   [[nodiscard]] int top_k() const noexcept { return top_k_; }
   [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
+  // The readiness kernels' block order (MoePairOrder); automatic by default.
+  void set_pair_order(MoePairOrder order) noexcept { pair_order_ = order; }
+  [[nodiscard]] MoePairOrder pair_order() const noexcept { return pair_order_; }
+  // Whether run() with readiness would take `tokens` tokens' pairs in expert order over experts
+  // [0, num_experts).
+  [[nodiscard]] bool expert_order_for(int tokens, std::int32_t num_experts) const noexcept {
+    const long long pairs = static_cast<long long>(tokens) * top_k_;
+    if (pair_order_ == MoePairOrder::pairs || pairs > moe_detail::max_ordered_pairs || pairs < 1 ||
+        num_experts >= moe_detail::max_ordered_experts) {
+      return false;
+    }
+    if (pair_order_ == MoePairOrder::experts) return true;
+    return !one_wave(tokens);
+  }
+  // Whether moe_w13's grid for `tokens` tokens (the readiness kernel) is resident on the device at
+  // once, so that no block waits for another's SM slot.
+  [[nodiscard]] bool one_wave(int tokens) const noexcept {
+    const long long w13_blocks = static_cast<long long>(tokens) * top_k_ * (layout_.padded_intermediate() / 64) * splits1_;
+    return w13_blocks <= w13_resident_;
+  }
 
  private:
   // Every tensor the layout has: a non-null base, a stride of at least its bytes, both aligned to
@@ -1082,6 +1156,9 @@ class MoeConsumer {
     progress.tiles_done = counters_ + counters1_ + counters2_;
     progress.token_done = progress.tiles_done + static_cast<long long>(max_tokens_) * top_k_;
     progress.w13_tiles = static_cast<unsigned>(padded / 64);
+    if constexpr (Mode != moe_detail::ready_none) {
+      if (expert_order_for(tokens, w.num_experts)) progress.ordered_pairs = static_cast<int>(pairs);
+    }
     // Both with the PDL attribute where supported (launch): with readiness, moe_w2 is then
     // scheduled only once every moe_w13 block triggered, i.e. is running or done, which is what
     // makes its per-pair wait deadlock-free (top of this file).
@@ -1094,6 +1171,19 @@ class MoeConsumer {
     }
     if (err == cudaSuccess) err = cudaGetLastError();
     return cuda_status(err, "MoeConsumer::run: launch");
+  }
+
+  // Blocks of `kernel` (moe_detail::threads each) resident at once on the current device; 0 if
+  // unknown (the automatic order then always takes expert order).
+  template <class... Params>
+  static long long resident_blocks(void (*kernel)(Params...)) noexcept {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, moe_detail::threads, 0) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return static_cast<long long>(sms) * per_sm;
   }
 
   // PDL needs sm_90 and kernels whose code has the waits (PTX for sm_90 or newer): a kernel
@@ -1153,6 +1243,8 @@ class MoeConsumer {
   long long counters2_ = 0;
   float unbias_ = 1.0f;
   bool use_pdl_ = false;
+  long long w13_resident_ = 0;  // moe_w13 blocks (readiness kernel) the device holds at once
+  MoePairOrder pair_order_ = MoePairOrder::automatic;
   float* part1_ = nullptr;
   unsigned short* act_ = nullptr;
   float* part2_ = nullptr;

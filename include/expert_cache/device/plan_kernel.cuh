@@ -49,6 +49,7 @@
 #include <cuda/atomic>
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -68,6 +69,13 @@ namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 inline constexpr int plan_block_threads = 256;
 inline constexpr int plan_fill_threads = 512;
 inline constexpr int plan_fill_max_blocks = 32;  // zero-copy saturates PCIe with ~16 blocks (docs/hardware_limits.md)
+// Threads per block of the fused plan + fill kernel. LRU's plan fits the 128 registers per
+// thread that 512 threads allow; the score policies' plans (LFRU, CRF) need up to about 240 and
+// would spill about 1.4-1.9 KB per thread to local memory (ptxas -v, sm_90), which the plan's
+// warp then waits on. They get 256 threads (255 registers) and twice the blocks (the launch
+// scales its cap), so the fill keeps as many threads in flight.
+template <class Policy>
+inline constexpr int plan_fused_threads = std::same_as<Policy, DeviceLru> ? plan_fill_threads : plan_fill_threads / 2;
 
 // The stores of a plan_block (CubBlock, WarpBlock) to words other threads or the host read.
 struct PlanBlockStores {
@@ -473,7 +481,7 @@ struct PlanFusedParams {
 };
 
 template <int Ilp = 4, device_plan_policy Policy = DeviceLru>
-EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
+EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fused_threads<Policy>)
     plan_forward_fill_kernel(const __grid_constant__ PlanFusedParams p) {
   // Launched programmatically (launch_plan_forward_fill's `programmatic`): the kernel before it
   // completed, its writes (the ids) visible, before any block reads; a no-op otherwise.
@@ -727,25 +735,27 @@ inline cudaError_t launch_plan_forward_fill(const DevicePlanState& s, const std:
   p.sanitized = sanitized;
   p.fill = fill;
   p.debug_plan_delay_ns = debug_plan_delay_ns;
+  constexpr int threads = plan_fused_threads<Policy>;
   const std::uint64_t worst = static_cast<std::uint64_t>(fill.capacity) * fill.items_per_fill;
-  const std::uint64_t per_block = static_cast<std::uint64_t>(plan_fill_threads) * Ilp;
+  const std::uint64_t per_block = static_cast<std::uint64_t>(threads) * Ilp;
   std::uint64_t blocks = (worst + per_block - 1) / per_block;
   int device = 0, sms = 1, per_sm = 1;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &per_sm, reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>), plan_fill_threads, 0);
+        &per_sm, reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>), threads, 0);
   }
   if (err != cudaSuccess) return err;
   const std::uint64_t resident = static_cast<std::uint64_t>(sms) * static_cast<std::uint64_t>(per_sm > 0 ? per_sm : 1);
-  const std::uint64_t cap = static_cast<std::uint64_t>(max_blocks > 0 ? max_blocks : 1);
+  // max_blocks counts blocks of plan_fill_threads: the same threads in flight at any block size.
+  const std::uint64_t cap = static_cast<std::uint64_t>(max_blocks > 0 ? max_blocks : 1) * (plan_fill_threads / threads);
   if (blocks > cap) blocks = cap;
   if (blocks > resident) blocks = resident;
   if (blocks < 1) blocks = 1;
   void* args[] = {&p};
   return detail::launch_maybe_programmatic(reinterpret_cast<const void*>(&plan_forward_fill_kernel<Ilp, Policy>),
-                                           static_cast<unsigned>(blocks), plan_fill_threads, args, stream, programmatic);
+                                           static_cast<unsigned>(blocks), threads, args, stream, programmatic);
 }
 
 // Owns one state on the device: the array block (cudaMalloc) and the stats + error word in
