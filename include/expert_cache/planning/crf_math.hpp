@@ -41,16 +41,22 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_mul_q32(std::uint64_t a, std::
   return (hi << 32) | (lo >> 32);
 }
 
-// d^age in Q32 (d < 1.0 in Q32; 1.0 for age 0; 0 once the product underflows).
-EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow(std::uint64_t d, std::uint32_t age) noexcept {
-  std::uint64_t result = crf_one, base = d;
-  while (age != 0 && result != 0) {
-    if ((age & 1u) != 0) result = crf_mul_q32(result, base);
+// Square-and-multiply from `result`: multiplies it by base^(2^k) for each set bit k of `bits`, in
+// ascending k, squaring `base` as it goes (truncated at every step); 0 once a product underflows.
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_square_multiply(std::uint64_t result, std::uint64_t base,
+                                                                  std::uint32_t bits) noexcept {
+  while (bits != 0 && result != 0) {
+    if ((bits & 1u) != 0) result = crf_mul_q32(result, base);
     base = crf_mul_q32(base, base);
-    age >>= 1;
-    if (base == 0 && age != 0) return 0;
+    bits >>= 1;
+    if (base == 0 && bits != 0) return 0;
   }
   return result;
+}
+
+// d^age in Q32 (d < 1.0 in Q32; 1.0 for age 0; 0 once the product underflows).
+EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow(std::uint64_t d, std::uint32_t age) noexcept {
+  return crf_square_multiply(crf_one, d, age);
 }
 
 // CRF of an expert at `now` whose CRF was `crf` at its last request `last` (last <= now).
@@ -74,17 +80,10 @@ inline constexpr std::uint32_t crf_pow_table_mask = crf_pow_table_size - 1u;
 // `table` is read only when such bits exist.
 EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_pow_high_bits(const std::uint64_t* table, std::uint64_t low,
                                                                  std::uint32_t age) noexcept {
-  std::uint32_t high = age >> crf_pow_table_bits;
+  const std::uint32_t high = age >> crf_pow_table_bits;
   if (high == 0 || low == 0) return low;
   const std::uint64_t half = table[crf_pow_table_size / 2];
-  std::uint64_t result = low, base = crf_mul_q32(half, half);
-  while (high != 0 && result != 0) {
-    if ((high & 1u) != 0) result = crf_mul_q32(result, base);
-    base = crf_mul_q32(base, base);
-    high >>= 1;
-    if (base == 0 && high != 0) return 0;
-  }
-  return result;
+  return crf_square_multiply(low, crf_mul_q32(half, half), high);
 }
 
 EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow_table(const std::uint64_t* table,
