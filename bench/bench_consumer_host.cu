@@ -43,28 +43,12 @@
 
 #include "expert_cache/device/fill_gather.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
+#include "bench_check.cuh"
 #include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
 namespace {
-
-#define BENCH_CUDA(call)                                                                \
-  do {                                                                                  \
-    const cudaError_t err_ = (call);                                                    \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(err_));         \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
-#define BENCH_OK(status_expr)                                                           \
-  do {                                                                                  \
-    const ::expert_cache::Status st_ = (status_expr);                                   \
-    if (!st_.ok()) {                                                                    \
-      std::fprintf(stderr, "%s failed: %s\n", #status_expr, std::string(st_.message()).c_str()); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 constexpr int kLayers = 48, kTopK = 10, kSlots = 20, kMaxMissing = 4, kReplays = 30, kWarm = 3;
 constexpr std::size_t kTensors = num_default_expert_tensors;

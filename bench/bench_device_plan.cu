@@ -40,20 +40,12 @@
 
 #include "expert_cache/device/plan_kernel.cuh"
 #include "expert_cache/planning/device_plan.hpp"
+#include "bench_check.cuh"
 #include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
 namespace {
-
-#define BENCH_CUDA(call)                                                                \
-  do {                                                                                  \
-    const cudaError_t err_ = (call);                                                    \
-    if (err_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(err_));         \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
 
 constexpr std::int32_t kExperts = 512, kSlots = 208, kTopK = 10, kLayers = 48;
 constexpr std::size_t kTensors[] = {1u << 20, 512u << 10, 128u << 10, 64u << 10, 4, 4};

@@ -29,19 +29,12 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "bench_check.cuh"
 #include "pinned_ceiling.cuh"
 
 using namespace expert_cache;
 
 namespace {
-
-#define BENCH_CUDA(call)                                                                                  \
-  do {                                                                                                    \
-    if (const ::expert_cache::Status st_ = ::expert_cache::cuda_status((call), #call); !st_) {            \
-      std::fprintf(stderr, "%.*s\n", static_cast<int>(st_.message().size()), st_.message().data());     \
-      std::exit(1);                                                                                       \
-    }                                                                                                     \
-  } while (0)
 
 constexpr std::size_t expert_bytes = (1u << 20) + (512u << 10) + (128u << 10) + (64u << 10) + 4 + 4;
 constexpr std::int32_t fill_capacity = 208;
