@@ -933,9 +933,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
   } guard{ctx.consumer};
   rep.pcie_ceiling_bytes_per_s = measure_pcie_ceiling(ctx.consumer);
   ctx.moe = std::make_unique<device::MoeConsumer>(m.layout, m.batch, m.top_k);
-  ctx.moe->set_pair_order(a.consumer_order == "pairs"     ? device::MoePairOrder::pairs
-                          : a.consumer_order == "experts" ? device::MoePairOrder::experts
-                                                          : device::MoePairOrder::automatic);
+  ctx.moe->set_pair_order(a.consumer_order == "experts" ? device::MoePairOrder::experts : device::MoePairOrder::pairs);
   const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
   ctx.x = DeviceBuffer(act * sizeof(float));

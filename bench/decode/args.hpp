@@ -76,9 +76,8 @@ struct BenchArgs {
   // --prompt-precision: the prompt consumer's activations (GroupedPrecision): bf16, as an engine's
   // prefill GEMM takes them (default), or exact (three bf16 terms per fp32 value, 3x the MMAs).
   bool prompt_bf16 = true;
-  // --consumer-order: the overlapped consumer's block order (device::MoePairOrder): auto (expert
-  // order when its grid spans more than one wave), pairs, or experts.
-  std::string consumer_order = "auto";
+  // --consumer-order: the overlapped consumer's block order (device::MoePairOrder): pairs or experts.
+  std::string consumer_order = "pairs";
   // --overlap-parts: the overlapped fill copies every missing expert's W13 tensors first, on their
   // own ready word (w13-first), or each expert whole (whole); auto: w13-first when the consumer's
   // first kernel fits on the device at once (batch 1 at the defaults), else whole.
@@ -128,8 +127,7 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --crf-half-life H   the device crf policy's half-life in forwards (default 8; DeviceCacheOptions\n"
                "                      ::crf_decay_q32)\n"
                "  --consumer-order O  with --overlap, the order in which the consumer's blocks take the\n"
-               "                      (token, expert) pairs: auto (default: expert order when its grid is\n"
-               "                      larger than one wave), pairs, or experts (the fill's order)\n"
+               "                      (token, expert) pairs: pairs (default) or experts (the fill's order)\n"
                "  --overlap-parts P   with --overlap: w13-first (every missing expert's W13 tensors first, on\n"
                "                      their own ready word), whole (each expert in one piece), or auto\n"
                "                      (default: w13-first when the consumer's grid is one wave, else whole)\n"
@@ -295,8 +293,7 @@ inline BenchArgs parse_args(int argc, char** argv) {
       a.device_policy = a.device_policies.front();
     } else if (arg == "--consumer-order") {
       const std::string v(value());
-      if (v != "auto" && v != "pairs" && v != "experts")
-        throw UsageError{"--consumer-order: '" + v + "' is not auto, pairs or experts"};
+      if (v != "pairs" && v != "experts") throw UsageError{"--consumer-order: '" + v + "' is not pairs or experts"};
       a.consumer_order = v;
     } else if (arg == "--overlap-parts") {
       const std::string v(value());

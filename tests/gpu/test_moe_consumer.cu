@@ -696,6 +696,8 @@ TEST_CASE("moe consumer + overlapped device cache, 8 tokens: blocks in pair orde
     REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
     return d_ref.download();
   };
+  CHECK(moe.pair_order() == device::MoePairOrder::pairs);  // the default
+  CHECK(!moe.expert_order_for(tokens, 32));
   for (const device::MoePairOrder order : {device::MoePairOrder::pairs, device::MoePairOrder::experts}) {
     moe.set_pair_order(order);
     const bool by_expert = order == device::MoePairOrder::experts;

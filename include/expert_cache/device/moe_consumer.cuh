@@ -60,14 +60,14 @@
 // moe_w13 block it waits for from being scheduled. Without the launch attribute stream order
 // applies and every wait is already satisfied.
 // Without readiness (default): the kernels are today's and the pair counts are not touched.
-// Block order (readiness only, MoePairOrder): at batch 1 every block of moe_w13 is resident at
-// once, so blocks take pairs in pair order and the spinning ones hold back no one. With more
-// blocks than the device holds at once (batch 4 and up at the reference sizes), a block that
-// spins on a late expert keeps its SM slot from the blocks behind it; so there the blocks take
-// the pairs in ascending (expert, pair) order, the order in which the overlapped fill copies
-// the missing experts (the plan's fill list follows its ascending unique list): blocks are
-// scheduled roughly as their experts land. Every block derives the same permutation from the
-// ids alone (pair_in_expert_order); which block computes a pair changes no sum's order.
+// Block order (readiness only, MoePairOrder): blocks take the pairs in pair order (default), or in
+// ascending (expert, pair) order, the order in which the overlapped fill copies the missing
+// experts (the plan's fill list follows its ascending unique list), so that a grid larger than
+// the device holds at once schedules its blocks roughly as their experts land instead of letting
+// blocks that spin on a late expert hold SM slots. Measured on the H200 at batch 4 and 16 (the
+// benchmark's --consumer-order), expert order was not faster, so it is opt-in. Every block
+// derives the same permutation from the ids alone (pair_in_expert_order); which block computes a
+// pair changes no sum's order.
 //
 // One pass (opt-in, MoeConsumer::run_one_pass; compute from host): the caller names the experts
 // whose slots do not hold them yet (MoeHostSource: per-expert flags and the experts' mapped host
@@ -917,12 +917,11 @@ inline constexpr unsigned long long tensor_access_bytes[num_default_expert_tenso
 
 }  // namespace moe_detail
 
-// The order in which the readiness kernels' blocks take the pairs (top of this file).
-// automatic: expert order when moe_w13's grid is larger than what the device holds at once,
-// else pair order; pairs / experts: always that one (experts needs at most
-// moe_detail::max_ordered_pairs pairs and fewer than moe_detail::max_ordered_experts experts,
-// else pair order). Without readiness the blocks always take pair order.
-enum class MoePairOrder : std::uint8_t { automatic, pairs, experts };
+// The order in which the readiness kernels' blocks take the pairs (top of this file): pairs
+// (default), or experts (at most moe_detail::max_ordered_pairs pairs and fewer than
+// moe_detail::max_ordered_experts experts; else pair order). Without readiness the blocks
+// always take pair order.
+enum class MoePairOrder : std::uint8_t { pairs, experts };
 
 // Owns the workspace for up to `max_tokens` tokens of `top_k` experts; run() enqueues two
 // kernels on `stream`. Inputs and outputs are device pointers: ids and weights [tokens * top_k],
@@ -1064,19 +1063,15 @@ class MoeConsumer {
 
   [[nodiscard]] int top_k() const noexcept { return top_k_; }
   [[nodiscard]] int max_tokens() const noexcept { return max_tokens_; }
-  // The readiness kernels' block order (MoePairOrder); automatic by default.
+  // The readiness kernels' block order (MoePairOrder); pairs by default.
   void set_pair_order(MoePairOrder order) noexcept { pair_order_ = order; }
   [[nodiscard]] MoePairOrder pair_order() const noexcept { return pair_order_; }
   // Whether run() with readiness would take `tokens` tokens' pairs in expert order over experts
   // [0, num_experts).
   [[nodiscard]] bool expert_order_for(int tokens, std::int32_t num_experts) const noexcept {
     const long long pairs = static_cast<long long>(tokens) * top_k_;
-    if (pair_order_ == MoePairOrder::pairs || pairs > moe_detail::max_ordered_pairs || pairs < 1 ||
-        num_experts >= moe_detail::max_ordered_experts) {
-      return false;
-    }
-    if (pair_order_ == MoePairOrder::experts) return true;
-    return !one_wave(tokens);
+    return pair_order_ == MoePairOrder::experts && pairs >= 1 && pairs <= moe_detail::max_ordered_pairs &&
+           num_experts < moe_detail::max_ordered_experts;
   }
   // Whether moe_w13's grid for `tokens` tokens (the readiness kernel) is resident on the device at
   // once, so that no block waits for another's SM slot.
@@ -1174,7 +1169,7 @@ class MoeConsumer {
   }
 
   // Blocks of `kernel` (moe_detail::threads each) resident at once on the current device; 0 if
-  // unknown (the automatic order then always takes expert order).
+  // unknown (one_wave then says no).
   template <class... Params>
   static long long resident_blocks(void (*kernel)(Params...)) noexcept {
     int dev = 0, sms = 0, per_sm = 0;
@@ -1244,7 +1239,7 @@ class MoeConsumer {
   float unbias_ = 1.0f;
   bool use_pdl_ = false;
   long long w13_resident_ = 0;  // moe_w13 blocks (readiness kernel) the device holds at once
-  MoePairOrder pair_order_ = MoePairOrder::automatic;
+  MoePairOrder pair_order_ = MoePairOrder::pairs;
   float* part1_ = nullptr;
   unsigned short* act_ = nullptr;
   float* part2_ = nullptr;
