@@ -191,22 +191,8 @@ std::string fixture_path() {
 
 Ids random_ids(std::mt19937_64& rng, std::int32_t E, std::int32_t top_k, std::int32_t tokens, double pad_p,
                double bad_p) {
-  std::uniform_int_distribution<std::int32_t> any(0, E - 1);
-  std::uniform_int_distribution<std::int32_t> hot(0, std::max(1, E / 8) - 1);
-  std::uniform_real_distribution<double> u(0, 1);
   const std::int32_t bad_values[] = {E, E + 1, INT32_MAX, INT32_MIN, -2, -1000};
-  Ids ids;
-  for (std::int32_t t = 0; t < tokens; ++t) {
-    std::set<std::int32_t> row;
-    while (static_cast<std::int32_t>(row.size()) < top_k) row.insert(u(rng) < 0.5 ? hot(rng) : any(rng));
-    for (std::int32_t id : row) {
-      if (u(rng) < pad_p) id = -1;
-      else if (u(rng) < bad_p) id = bad_values[rng() % 6];
-      ids.push_back(id);
-    }
-  }
-  std::shuffle(ids.begin(), ids.end(), rng);
-  return ids;
+  return random_plan_ids(rng, E, top_k, tokens, pad_p, bad_p, bad_values);
 }
 
 }  // namespace

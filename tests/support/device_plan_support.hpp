@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <random>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "expert_cache/planner.hpp"
@@ -48,6 +50,29 @@ inline std::vector<std::vector<std::int32_t>> host_groups(const std::vector<std:
 inline std::int64_t count_bad(const std::vector<std::int32_t>& ids, std::int32_t num_experts) {
   return std::count_if(ids.begin(), ids.end(),
                        [&](std::int32_t id) { return id != -1 && (id < 0 || id >= num_experts); });
+}
+
+// Random routing ids of `tokens` tokens x top_k distinct experts (half from a hot eighth of the
+// experts), each id replaced by padding (-1) with probability pad_p, else by one of `bad_values`
+// with probability bad_p; shuffled. The same rng draws give the same ids in every test.
+inline std::vector<std::int32_t> random_plan_ids(std::mt19937_64& rng, std::int32_t E, std::int32_t top_k,
+                                                 std::int32_t tokens, double pad_p, double bad_p,
+                                                 std::span<const std::int32_t> bad_values) {
+  std::uniform_int_distribution<std::int32_t> any(0, E - 1);
+  std::uniform_int_distribution<std::int32_t> hot(0, std::max(1, E / 8) - 1);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<std::int32_t> ids;
+  for (std::int32_t t = 0; t < tokens; ++t) {
+    std::set<std::int32_t> row;
+    while (static_cast<std::int32_t>(row.size()) < top_k) row.insert(u(rng) < 0.5 ? hot(rng) : any(rng));
+    for (std::int32_t id : row) {
+      if (u(rng) < pad_p) id = -1;
+      else if (u(rng) < bad_p) id = bad_values[rng() % bad_values.size()];
+      ids.push_back(id);
+    }
+  }
+  std::shuffle(ids.begin(), ids.end(), rng);
+  return ids;
 }
 
 }  // namespace expert_cache::test
