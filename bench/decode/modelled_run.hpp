@@ -42,8 +42,9 @@ struct SimCosts {
   double consumer_fixed_ns = 5000.0;      // assumption: launch latency + tail of the MoE consumer
   double hbm_bytes_per_ns = 1570.0;       // fit to the measured consumer (docs/benchmarks.md, H200 at a8e2c2f):
                                           // 10 experts (17.7 MB) in 16.3 us = 5 us + 17.7 MB / 1.57 TB/s
-  // The device provider (one replayed graph per step; modelled_device.hpp). [plan] = docs/benchmarks.md,
-  // "Device planner", H200 at ea81317, plan + maps per layer inside a replayed 48-layer graph.
+  // The device provider (one replayed graph per step; modelled_device.hpp). [plan] = the device planner's
+  // plan + maps per layer inside a replayed 48-layer graph as measured on the H200 at ea81317 (bench_device_plan;
+  // docs/benchmarks.md "Device planner" has the current rows: the model keeps the figures it was fitted to).
   double graph_launch_host_ns = 5000.0;   // assumption: host cost of one cudaGraphLaunch of a decode step
   double graph_node_ns = 2000.0;          // assumption: a one-block kernel node (router stand-in, step counter)
   double plan_ns = 2960.0;                // [plan] all hit: 2.96 us per layer
