@@ -85,8 +85,8 @@ asan_build_pid=$!
 
 # Compiling the template-heavy tests is most of this script's time. Both builds are at -O0 (a
 # test translation unit compiles in about 60% of its -O1 time); the few programs that need the
-# optimiser to run in seconds, or to warn as an engine's build would, ask for -O1 themselves
-# (tests/meson.build: test_cache_sim's 10^5 random schedules take 86 s at -O0).
+# optimiser to run in seconds ask for -Og, those that must warn as an engine's build would for -O1
+# (meson.build, tests/meson.build: test_cache_sim's 10^5 random schedules take 86 s at -O0).
 main_built=0
 if step "configure" build-logs/setup.log meson setup build-test -Dcuda=$cuda "${main_flags[@]}" -Dtests=enabled -Dbenchmarks=enabled -Doptimization=0 \
    && step "compile" build-logs/compile.log meson compile -C build-test; then
