@@ -28,7 +28,7 @@ fi
 # starting that only past 2 GiB of heap saves 10-14% of the CPU of these template-heavy units
 # for about 25% more peak memory (about 1.2 GB for the largest). Code and warnings are the same.
 cpp_args=()
-if c++ --version 2>/dev/null | grep -q 'Free Software Foundation'; then
+if "${CXX:-c++}" --version 2>/dev/null | grep -q 'Free Software Foundation'; then
   cpp_args=(--param=ggc-min-expand=100 --param=ggc-min-heapsize=2097152)
   cuda_args+=(-Xcompiler=--param=ggc-min-expand=100 -Xcompiler=--param=ggc-min-heapsize=2097152)
 fi
