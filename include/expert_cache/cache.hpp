@@ -346,14 +346,7 @@ class ExpertCacheWithEdges {
     // resistant; said once on the cache's log (silent without one) and in the summary.
     const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
     const bool streaming = options.admission == WideAdmission::stream && !fell_back;
-    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
-      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
-    }
-    Result<bool> capturing = rt_->is_capturing(stream);
-    if (!capturing.ok()) return capturing.status();
-    if (capturing.value()) {
-      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
-    }
+    if (Status s = detail::wide_forward_allowed(*rt_, staging_, stream); !s) return s;
     if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
         !s) {
       return s;

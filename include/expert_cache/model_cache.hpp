@@ -240,14 +240,7 @@ class ModelExpertCache {
     if (options.admission == WideAdmission::admit || fell_back) return admit_wide(layer, topk_ids, stream, consumer, fell_back);
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
-    if constexpr (requires { staging.precheck(*rt_, stream); }) {
-      if (Status s = staging.precheck(*rt_, stream); !s) return s;
-    }
-    Result<bool> capturing = rt_->is_capturing(stream);
-    if (!capturing.ok()) return capturing.status();
-    if (capturing.value()) {
-      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
-    }
+    if (Status s = detail::wide_forward_allowed(*rt_, staging, stream); !s) return s;
     if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
         !s) {
       return s.with_context("prepare_wide of layer %d", layer);
@@ -608,14 +601,7 @@ class ModelExpertCache {
                                  Consumer& consumer, bool fell_back) noexcept {
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
-    if constexpr (requires { staging.precheck(*rt_, stream); }) {
-      if (Status s = staging.precheck(*rt_, stream); !s) return s;
-    }
-    Result<bool> capturing = rt_->is_capturing(stream);
-    if (!capturing.ok()) return capturing.status();
-    if (capturing.value()) {
-      return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
-    }
+    if (Status s = detail::wide_forward_allowed(*rt_, staging, stream); !s) return s;
     if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
         !s) {
       return s.with_context("prepare_wide of layer %d", layer);

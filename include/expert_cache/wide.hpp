@@ -323,6 +323,22 @@ inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_ex
   return {};
 }
 
+// The checks every wide forward starts with, before its cache changes anything (the ids are
+// checked next, by wide_unique): the staging's own precheck where it has one, and no stream
+// capture (the rounds wait on the host).
+template <class Runtime, class Staging>
+Status wide_forward_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream) noexcept {
+  if constexpr (requires { staging.precheck(rt, stream); }) {
+    if (Status s = staging.precheck(rt, stream); !s) return s;
+  }
+  Result<bool> capturing = rt.is_capturing(stream);
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value()) {
+    return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
+  }
+  return {};
+}
+
 // Which rounds of a stream-admitted wide forward read which hits: round r reads hits
 // [begin[r], begin[r + 1]) of the ascending `hits` from their pool slots. A round's consumer runs
 // while the next round's fill streams, and a hit needs no copy, so the hits are what keeps the
