@@ -249,15 +249,7 @@ RunResult run_sim_device_with(const Model& m, const Routing& routing, const Benc
             const std::int32_t slot = v.expert_map[e];
             if (slot < 0) continue;  // in another group's round
             ++*found_l;
-            for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-              const SlotTensor& st = v.tensors[t];
-              if (st.bytes == 0) continue;
-              const auto* p = reinterpret_cast<const std::uint8_t*>(st.slot(slot));
-              if (p[0] != pattern_byte(l, e, t, 0) || p[st.bytes - 1] != pattern_byte(l, e, t, st.bytes - 1)) {
-                ++check_failures;
-                break;
-              }
-            }
+            if (!slot_holds_expert(v, slot, l, e)) ++check_failures;
           }
           if (last && *found_l != valid) ++check_failures;
         };

@@ -251,6 +251,18 @@ inline std::uint8_t pattern_byte(std::int32_t layer, std::int32_t e, std::size_t
   return static_cast<std::uint8_t>((h ^ (h >> 29) ^ (h >> 47)) & 0xFF);
 }
 
+// Whether slot `slot` of view `v` holds expert e of `layer` (the first and last byte of every
+// non-empty tensor equal the pools' pattern).
+inline bool slot_holds_expert(const ForwardView& v, std::int32_t slot, std::int32_t layer, std::int32_t e) noexcept {
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const SlotTensor& st = v.tensors[t];
+    if (st.bytes == 0) continue;
+    const auto* p = reinterpret_cast<const std::uint8_t*>(st.slot(slot));
+    if (p[0] != pattern_byte(layer, e, t, 0) || p[st.bytes - 1] != pattern_byte(layer, e, t, st.bytes - 1)) return false;
+  }
+  return true;
+}
+
 template <class Cache>
 void fill_sim_pools(Cache& cache, ModelledSim& rt, std::int32_t layer, const ExpertTensorBytes& real) {
   auto& st = cache.storage();
@@ -392,15 +404,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
               ++check_failures;
               continue;
             }
-            for (std::size_t t = 0; t < num_expert_tensors; ++t) {
-              const SlotTensor& st = v.tensors[t];
-              if (st.bytes == 0) continue;
-              const auto* p = reinterpret_cast<const std::uint8_t*>(st.slot(slot));
-              if (p[0] != pattern_byte(l, e, t, 0) || p[st.bytes - 1] != pattern_byte(l, e, t, st.bytes - 1)) {
-                ++check_failures;
-                break;
-              }
-            }
+            if (!slot_holds_expert(v, slot, l, e)) ++check_failures;
           }
         };
         if (Status st = rt.launch(consumer, accesses, body, consumer_ns); !st) throw Error(st);
