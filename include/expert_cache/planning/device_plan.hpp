@@ -647,29 +647,6 @@ EXPERT_CACHE_HOST_DEVICE inline ScoreKey crf_key(const DevicePlanState& s, std::
   return ScoreKey{crf_add_sat(crf, s.expert_bias[owner]), static_cast<std::uint64_t>(owner), slot};
 }
 
-// DeviceCrf's second round trip of a victim search (the power-table word of each candidate's age
-// and its owner's prior bias, both known only after the slot words arrived) is made an L1 hit:
-// the plan asks for both tables at its start, while its first loads are in flight. A hint only
-// (prefetch.global.L1; nothing is written to them during a plan); a no-op on the host. Tables
-// larger than crf_prefetch_max_bytes are prefetched up to that size.
-inline constexpr std::size_t crf_prefetch_max_bytes = 16384;
-EXPERT_CACHE_HOST_DEVICE inline void prefetch_l1(const void* p, std::size_t bytes, std::int32_t rank,
-                                                 std::int32_t nt) noexcept {
-#if defined(__CUDA_ARCH__)
-  constexpr std::size_t line = 128;
-  if (bytes > crf_prefetch_max_bytes) bytes = crf_prefetch_max_bytes;
-  const auto* base = static_cast<const unsigned char*>(p);
-  for (std::size_t at = static_cast<std::size_t>(rank) * line; at < bytes; at += static_cast<std::size_t>(nt) * line)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(base + at));
-#else
-  (void)p, (void)bytes, (void)rank, (void)nt;
-#endif
-}
-EXPERT_CACHE_HOST_DEVICE inline void crf_prefetch_tables(const DevicePlanState& s, std::int32_t rank, std::int32_t nt) noexcept {
-  prefetch_l1(s.crf_pow.data, sizeof(std::uint64_t) * static_cast<std::size_t>(s.crf_pow.size), rank, nt);
-  prefetch_l1(s.expert_bias.data, sizeof(std::uint64_t) * static_cast<std::size_t>(s.expert_bias.size), rank, nt);
-}
-
 // Crf::touch: one request of expert e at clock clk.
 EXPERT_CACHE_HOST_DEVICE inline void crf_touch(const DevicePlanState& s, std::int32_t e, std::uint32_t clk) noexcept {
   s.expert_crf[e] = crf_at_table(s.crf_pow.data, s.expert_crf[e], s.expert_last[e], clk) + crf_one;
@@ -1156,7 +1133,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
   in.live0 = sc.spec_live;
   in.clock = sc.crf_clock;
   if (b.thread_rank() == 0) in.before = in.now = *s.counters;
-  if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) detail::crf_prefetch_tables(s, b.thread_rank(), b.size());
   detail::plan_group_from<Policy>(b, s, g, in, detail::StateSource{&s});
 }
 
@@ -1240,7 +1216,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   in.live0 = sc.spec_live;
   in.clock = sc.crf_clock;
   if (rank == 0) in.before = in.now = *s.counters;
-  if (EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::crf)) detail::crf_prefetch_tables(s, rank, nt);
   const std::int32_t prev_mine = rank < C ? s.prev_forward[rank] : -1;
   detail::SmallIds sorted;
   std::int32_t clean[plan_small_ids];
