@@ -19,6 +19,12 @@
 //   fill/fused/<policy>/misses:k  the fused node for each device policy
 //   fill/fused_pdl/misses:k       fill/fused with programmatic launches
 //   router_only                   the router node alone (subtract from plan/* if wanted)
+//   plan_block/<policy>/misses:k  batch 16 (160 ids per layer: 100 hot experts repeated, k cold
+//                                 ones): the one-block planning kernel (more than plan_small_ids
+//                                 ids), which takes a group's victims by rank through its
+//                                 block-shared scratch when there are two or more
+//   plan_block_argmin/<policy>/misses:k  the same plans by a block without the scratch: one block
+//                                 arg-min per victim (same decisions; the same run's baseline)
 //   fill/<nodes>/misses:k         router + 48 x (plan -> fill) [two_nodes] or 48 x plan_forward_fill
 //                                 [fused]: k misses per layer of the NVFP4 Marlin expert (hidden
 //                                 2048, intermediate 512: 1 MiB, 512 KiB, 128 KiB, 64 KiB, 4 B, 4 B
@@ -72,6 +78,38 @@ __global__ void router_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* 
   if (threadIdx.x == 0) *step_counter = step + 1;
 }
 
+// Batch 16: 160 ids per layer, the first 160 - k of them hot (experts 0..99, repeated: 100
+// unique hits once warm), the last k cold ones cycling through experts 100..511 (k misses).
+constexpr std::int32_t kBatchIds = 160, kBatchHot = 100;
+__global__ void router_batch_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* step_counter) {
+  const std::uint64_t step = *step_counter;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < kLayers * kBatchIds;
+       i += static_cast<std::int32_t>(blockDim.x)) {
+    const std::int32_t j = i % kBatchIds;
+    const std::int32_t hot = kBatchIds - k;
+    ids[i] = j < hot ? j % kBatchHot
+                     : kBatchHot + static_cast<std::int32_t>((step * static_cast<std::uint64_t>(k) +
+                                                              static_cast<std::uint64_t>(j - hot)) %
+                                                             static_cast<std::uint64_t>(kExperts - kBatchHot));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *step_counter = step + 1;
+}
+
+// The planning block without a rank scratch: victims by one block arg-min each.
+template <int Threads>
+struct ArgMinBlock : device::CubBlock<Threads> {
+  using device::CubBlock<Threads>::CubBlock;
+  __device__ RankScratch rank_scratch() noexcept { return {}; }
+};
+template <class Policy>
+__global__ void __launch_bounds__(device::plan_block_threads)
+    plan_argmin_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids) {
+  __shared__ typename device::CubBlock<device::plan_block_threads>::TempStorage temp;
+  ArgMinBlock<device::plan_block_threads> b(temp);
+  plan_forward<Policy>(b, s, ids, n_ids, nullptr);
+}
+
 struct World {
   cudaStream_t stream = nullptr;
   // Per device policy (DevicePolicyKind order: lru, lfru, crf): one state per layer, and its
@@ -80,6 +118,7 @@ struct World {
   std::vector<device::PlanFillParams> policy_fills[3];
   std::vector<device::DevicePlanStorage>& states = policy_states[0];
   std::int32_t* ids = nullptr;
+  std::int32_t* batch_ids = nullptr;
   std::uint64_t* step = nullptr;
   std::byte* pools[kTensorCount] = {};
   std::byte* slots[kTensorCount] = {};
@@ -92,6 +131,7 @@ struct World {
     BENCH_CUDA(cudaEventCreate(&start));
     BENCH_CUDA(cudaEventCreate(&stop));
     BENCH_CUDA(cudaMalloc(&ids, sizeof(std::int32_t) * kLayers * kTopK));
+    BENCH_CUDA(cudaMalloc(&batch_ids, sizeof(std::int32_t) * kLayers * kBatchIds));
     BENCH_CUDA(cudaMalloc(&step, sizeof(std::uint64_t)));
     CopyRegions regions;
     regions.count = kTensorCount;
@@ -165,7 +205,17 @@ World& world() {
 // plan_pdl / fill_fused_pdl: every planning node launched programmatically after the one
 // before it (its launch overlaps that kernel; it waits for it inside). plan_device_stats: the
 // stats mirror in device memory.
-enum class Graph { router_only, plan, plan_pdl, plan_device_stats, fill_two_nodes, fill_fused, fill_fused_pdl };
+enum class Graph {
+  router_only,
+  plan,
+  plan_pdl,
+  plan_device_stats,
+  fill_two_nodes,
+  fill_fused,
+  fill_fused_pdl,
+  plan_block,
+  plan_block_argmin
+};
 
 template <class Policy>
 cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
@@ -173,8 +223,10 @@ cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   if (kind == Graph::plan_device_stats) (void)w.device_stats_view(p, 0);  // allocates: not under capture
+  const bool batch = kind == Graph::plan_block || kind == Graph::plan_block_argmin;
   BENCH_CUDA(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeGlobal));
-  router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
+  if (batch) router_batch_kernel<<<1, 256, 0, w.stream>>>(w.batch_ids, k, w.step);
+  else router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
   BENCH_CUDA(cudaGetLastError());
   for (std::int32_t l = 0; kind != Graph::router_only && l < kLayers; ++l) {
     const DevicePlanState s = kind == Graph::plan_device_stats
@@ -182,7 +234,16 @@ cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
                                   : w.policy_states[p][static_cast<std::size_t>(l)].state();
     const device::PlanFillParams& fill = w.policy_fills[p][static_cast<std::size_t>(l)];
     std::int32_t* layer_ids = w.ids + l * kTopK;
-    if (kind == Graph::fill_fused || kind == Graph::fill_fused_pdl) {
+    if (batch) {
+      std::int32_t* layer_batch = w.batch_ids + l * kBatchIds;
+      if (kind == Graph::plan_block_argmin) {
+        plan_argmin_kernel<Policy><<<1, device::plan_block_threads, 0, w.stream>>>(s, layer_batch, kBatchIds);
+        BENCH_CUDA(cudaGetLastError());
+      } else {
+        BENCH_CUDA((device::launch_plan_forward<device::plan_block_threads, Policy>(s, layer_batch, kBatchIds, nullptr,
+                                                                                    w.stream)));
+      }
+    } else if (kind == Graph::fill_fused || kind == Graph::fill_fused_pdl) {
       BENCH_CUDA((device::launch_plan_forward_fill<4, Policy>(s, layer_ids, kTopK, nullptr, fill, w.stream,
                                                               device::plan_fill_max_blocks, 0,
                                                               kind == Graph::fill_fused_pdl)));
@@ -269,6 +330,16 @@ void BM_plan_device_stats(benchmark::State& state) {
   const auto k = static_cast<std::int32_t>(state.range(0));
   run_graph<Policy>(state, Graph::plan_device_stats, k, 20, k > 0 ? 260 / k + 5 : 5);
 }
+template <class Policy>
+void BM_plan_block(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::plan_block, k, 20, k > 0 ? 460 / k + 5 : 5);
+}
+template <class Policy>
+void BM_plan_block_argmin(benchmark::State& state) {
+  const auto k = static_cast<std::int32_t>(state.range(0));
+  run_graph<Policy>(state, Graph::plan_block_argmin, k, 20, k > 0 ? 460 / k + 5 : 5);
+}
 void BM_fill_fused_pdl(benchmark::State& state) {
   const auto k = static_cast<std::int32_t>(state.range(0));
   run_graph(state, Graph::fill_fused_pdl, k, 3, 220 / k + 3);
@@ -309,5 +380,14 @@ BENCHMARK(BM_fill_two_nodes)->Name("fill/two_nodes")->ArgName("misses")->Arg(1)-
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_fill_fused)->Name("fill/fused")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
     ->Iterations(5)->Unit(benchmark::kMicrosecond);
+
+#define EXPERT_CACHE_PLAN_BLOCK_BENCH(fn, label)                                                              \
+  BENCHMARK(fn)->Name(label)->ArgName("misses")->Arg(0)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->UseManualTime() \
+      ->Iterations(50)->Unit(benchmark::kMicrosecond)
+EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceLru>, "plan_block/lru");
+EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block_argmin<DeviceLru>, "plan_block_argmin/lru");
+EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceCrf>, "plan_block/crf");
+EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block_argmin<DeviceCrf>, "plan_block_argmin/crf");
+EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceLfru>, "plan_block/lfru");
 
 BENCHMARK_MAIN();

@@ -123,6 +123,10 @@ class CubBlock : public PlanBlockStores {
     std::uint64_t key_tie;
     std::int32_t key_slot;
     std::int32_t value;
+    // Rank selection of victims (plan_group_from): two key words per slot, up to two slots per
+    // thread (the default capacity, 208, in one pass of 256 threads): 8 KB at 256 threads.
+    std::uint64_t rank_primary[2 * Threads];
+    std::uint64_t rank_secondary[2 * Threads];
   };
 
   __device__ explicit CubBlock(TempStorage& t) noexcept : t_(t) {}
@@ -130,6 +134,7 @@ class CubBlock : public PlanBlockStores {
   __device__ std::int32_t thread_rank() const noexcept { return static_cast<std::int32_t>(threadIdx.x); }
   __device__ std::int32_t size() const noexcept { return Threads; }
   __device__ void sync() noexcept { __syncthreads(); }
+  __device__ RankScratch rank_scratch() noexcept { return {t_.rank_primary, t_.rank_secondary, 2 * Threads}; }
 
   // Every collective ends with a barrier, so the shared temp storage may be reused at once.
   __device__ std::int32_t exclusive_sum(std::int32_t v, std::int32_t& total) noexcept {
@@ -192,6 +197,8 @@ class WarpBlock : public PlanBlockStores {
   __device__ std::int32_t thread_rank() const noexcept { return static_cast<std::int32_t>(threadIdx.x & 31u); }
   __device__ std::int32_t size() const noexcept { return 32; }
   __device__ void sync() noexcept { __syncwarp(); }
+  // None: a warp's arg-min is a few shuffles without a barrier, cheaper than a pass over the keys.
+  __device__ RankScratch rank_scratch() noexcept { return {}; }
   __device__ std::int32_t exclusive_sum(std::int32_t v, std::int32_t& total) noexcept {
     const std::int32_t lane = thread_rank();
     std::int32_t x = v;

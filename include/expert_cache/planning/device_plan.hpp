@@ -63,11 +63,15 @@
 #include "expert_cache/config.hpp"
 #include "expert_cache/planning/crf_math.hpp"
 
-// Full unrolling of the fixed-size register loops (g++ would warn about an unknown pragma).
+// Full unrolling of the fixed-size register loops, and partial unrolling (N loads in flight) of
+// the rank scan over the slots (g++ would warn about an unknown pragma).
 #if defined(__CUDA_ARCH__)
 #define EXPERT_CACHE_PLAN_UNROLL _Pragma("unroll")
+#define EXPERT_CACHE_PLAN_UNROLL_N(n) _Pragma(EXPERT_CACHE_PLAN_STR(unroll n))
+#define EXPERT_CACHE_PLAN_STR(x) #x
 #else
 #define EXPERT_CACHE_PLAN_UNROLL
+#define EXPERT_CACHE_PLAN_UNROLL_N(n)
 #endif
 
 namespace expert_cache::inline v0 {
@@ -314,6 +318,14 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool plan_free_highest_first(DevicePolicyKind
   (::expert_cache::detail::plan_kind_fixed<Policy> ? ::expert_cache::detail::PlanFixedKind<Policy>::value == (K) \
                                                    : (state).policy == (K))
 
+// Block-shared memory for rank selection of victims (plan_group_from): one primary and one
+// secondary key word per slot, `capacity` slots; capacity 0 = none (victims by arg-min).
+struct RankScratch {
+  std::uint64_t* primary = nullptr;
+  std::uint64_t* secondary = nullptr;
+  std::int32_t capacity = 0;
+};
+
 // Cooperative primitives the planning code needs from the group of threads running it. Every
 // member except thread_rank/size is called by all threads of the block with the same control
 // flow (block-collective); publish / flags_or are called by thread 0 only, the single writer of
@@ -331,6 +343,7 @@ concept plan_block = requires(B& b, std::int32_t v, std::int32_t& total, PlanKey
   b.publish(c64, std::uint64_t{});                                  // store to the stats mirror
   b.flags_or(c32, std::uint32_t{});                                 // sticky error word
   b.mark(c32);                                                      // racing stores of 1
+  { b.rank_scratch() } -> std::same_as<RankScratch>;               // shared keys, or none
 };
 
 // The host block: one thread, barriers are no-ops. Also valid as a one-thread device block.
@@ -348,6 +361,7 @@ struct SequentialBlock {
   EXPERT_CACHE_HOST_DEVICE void publish(std::uint64_t& w, std::uint64_t v) noexcept { w = v; }
   EXPERT_CACHE_HOST_DEVICE void flags_or(std::uint32_t& w, std::uint32_t v) noexcept { w |= v; }
   EXPERT_CACHE_HOST_DEVICE void mark(std::uint32_t& w) noexcept { w = 1; }
+  EXPERT_CACHE_HOST_DEVICE RankScratch rank_scratch() noexcept { return {}; }
 };
 static_assert(plan_block<SequentialBlock>);
 
@@ -356,6 +370,10 @@ inline constexpr std::int32_t plan_padding_id = -1;
 inline constexpr std::int32_t plan_small_ids = 16;
 // Slots per thread whose victim keys a group step keeps in registers (a warp: 256 slots).
 inline constexpr std::int32_t plan_victim_regs = 8;
+// A group with at least this many victims takes them by rank when the block has a scratch for
+// every slot (one barrier and one pass over the keys) instead of one block arg-min per victim
+// (two barriers each); LRU and DeviceCrf only, whose keys stay fixed during a group.
+inline constexpr std::int32_t plan_rank_min_victims = 2;
 
 // Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
@@ -737,6 +755,29 @@ struct VictimChunk {
     }
     return best;
   }
+  // Rank selection: this chunk's keys into the scratch at their slots (the slot is the key's
+  // last word), as the arg-min searches order them: LRU (tick, slot) for every owner, score
+  // policies (score, tie, slot) for candidates; every other slot (~0, ~0). Returns the number of
+  // candidates, the keys the arg-min searches may take: LRU, owners older than this group (an
+  // owner of this group would be a corrupted state's victim); score policies, the keys that
+  // load() did not void.
+  template <device_plan_policy Policy>
+  EXPERT_CACHE_HOST_DEVICE std::int32_t store_rank_keys(const DevicePlanState& s, const RankScratch& r, std::int32_t first,
+                                                        std::int32_t rank, std::int32_t nt, std::uint64_t tick0) const noexcept {
+    const bool lru = EXPERT_CACHE_PLAN_KIND_IS(Policy, s, DevicePolicyKind::lru);
+    std::int32_t candidates = 0;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t k = 0; k < plan_victim_regs; ++k) {
+      const std::int32_t slot = first + rank + k * nt;
+      if (slot >= s.capacity) continue;
+      const bool c = owner[k] >= 0 && tick[k] < tick0 && (lru || owner[k] < s.num_experts);
+      const bool keyed = lru ? owner[k] >= 0 : c;
+      r.primary[slot] = keyed ? (lru ? tick[k] : score[k]) : ~std::uint64_t{0};
+      r.secondary[slot] = keyed ? (lru ? 0 : tie[k]) : ~std::uint64_t{0};
+      candidates += c ? 1 : 0;
+    }
+    return candidates;
+  }
   // Slot `slot` (one of this thread's, first chunk) is a victim: its owner, and its key voided.
   EXPERT_CACHE_HOST_DEVICE std::int32_t take(std::int32_t slot, std::int32_t rank, std::int32_t nt) noexcept {
     std::int32_t o = -1;
@@ -874,7 +915,63 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // thread of the miss that takes it keeps its slot. Only evicting groups pay this.
   std::int32_t my_victim_slot = -1, evicted_unused = 0;
   const bool in_regs = C <= plan_victim_regs * nt;  // uniform
-  if (victims > 0) {
+  // The thread whose strided slots hold victim j records it (one writer per slot).
+  auto evict = [&](std::int32_t j, std::int32_t slot, std::int32_t owner) {
+    s.evictions[j] = PlanEntry{owner, slot};
+    if (owner >= 0 && owner < E) s.resident_map[owner] = -1;
+    if (live0 > 0 && s.slot_spec_left[slot] != 0) {  // an unused speculative fill evicted: wasted
+      s.slot_spec_left[slot] = 0;
+      ++evicted_unused;
+    }
+  };
+  // By rank (many victims, a scratch for every slot; LRU and DeviceCrf, whose keys stay fixed
+  // during a group): every key goes into the scratch once, then victim j is the candidate with
+  // exactly j smaller keys. The same victims in the same order as the arg-min searches below,
+  // which take the smallest remaining key one at a time; a corrupted state records the same
+  // victims before it fails.
+  const RankScratch scratch = b.rank_scratch();
+  const bool by_rank = !lfru && victims >= plan_rank_min_victims && C <= scratch.capacity;  // uniform
+  if (victims > 0 && by_rank) {
+    b.sync();  // hit ticks visible to every thread
+    const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
+    std::int32_t mine = 0;
+    for (std::int32_t first = 0; first < C; first += plan_victim_regs * nt) {
+      VictimChunk chunk;
+      chunk.template load<Policy>(s, first, rank, nt, tick0, clk);
+      mine += chunk.template store_rank_keys<Policy>(s, scratch, first, rank, nt, tick0);
+    }
+    const std::int32_t candidates = b.sum(mine);  // its barrier publishes the scratch
+    // The candidates read back from the scratch (nothing kept across the barrier): LRU's are
+    // the keys below tick0 (every other is a newer owner's or ~0), the score policies' those
+    // with a tie word, which is their owner for DeviceCrf.
+    for (std::int32_t slot = rank; slot < C; slot += nt) {
+      const std::uint64_t p = scratch.primary[slot], q = scratch.secondary[slot];
+      if (lru ? p >= tick0 : q == ~std::uint64_t{0}) continue;
+      std::int32_t below = 0;
+      if (lru) {  // secondary words are 0 for every owner; a candidate's tick is below every non-owner's ~0
+        EXPERT_CACHE_PLAN_UNROLL_N(8)
+        for (std::int32_t i = 0; i < C; ++i) {
+          const std::uint64_t pi = scratch.primary[i];
+          below += (pi < p || (pi == p && i < slot)) ? 1 : 0;
+        }
+      } else {
+        EXPERT_CACHE_PLAN_UNROLL_N(4)
+        for (std::int32_t i = 0; i < C; ++i) {
+          const std::uint64_t pi = scratch.primary[i], qi = scratch.secondary[i];
+          below += (pi < p || (pi == p && (qi < q || (qi == q && i < slot)))) ? 1 : 0;
+        }
+      }
+      if (below >= victims) continue;
+      if (!in_regs && !lru) s.slot_tick[slot] = ~std::uint64_t{0};  // as the arg-min path leaves it
+      evict(below, slot, lru ? s.slot_owner[slot] : static_cast<std::int32_t>(q));
+    }
+    if (candidates < victims) {  // uniform: a corrupted state only (as below)
+      if (rank == 0) publish_stats(b, s, in.before, in.now);
+      return plan_fail(b, s, plan_error_bad_state);
+    }
+    b.sync();  // the eviction list visible to every thread
+    if (my_j >= 0) my_victim_slot = s.evictions[my_j].slot;
+  } else if (victims > 0) {
     b.sync();  // hit ticks (and, for n > threads, the fill list) visible to every thread
     const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
     VictimChunk chunk{};  // loaded below when the keys fit in registers (in_regs)
@@ -937,12 +1034,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
           owner = s.slot_owner[found];
           if (!lru) s.slot_tick[found] = ~std::uint64_t{0};  // out of later reloads
         }
-        s.evictions[j] = PlanEntry{owner, found};
-        if (owner >= 0 && owner < E) s.resident_map[owner] = -1;
-        if (live0 > 0 && s.slot_spec_left[found] != 0) {  // an unused speculative fill evicted: wasted
-          s.slot_spec_left[found] = 0;
-          ++evicted_unused;
-        }
+        evict(j, found, owner);
       }
       if (j == my_j) my_victim_slot = found;
     }
