@@ -3,7 +3,7 @@
 
 usage: test_bench_cli.py PATH_TO_BENCH CASE
 Cases: smoke (a short modelled run of every provider, the device provider alone too, table +
-Google-Benchmark JSON, host synchronisations per token), bad_args (every rejection
+Google-Benchmark JSON, host synchronisations per token, a modelled --prompt run), bad_args (every rejection
 exits 2 with a clear message and prints no table), prefetch (--prefetch rows: columns, JSON
 fields, budget 0 = no prefetch, emulated-hint labels; the output without --prefetch keeps its
 table), prefetch_bad_args (its rejections). 'all' runs every case. Always forces --runtime sim
@@ -95,6 +95,15 @@ def case_smoke():
         doc = json.load(f)
     expect([b["name"] for b in doc["benchmarks"]] == ["decode/device:crf/graph", "decode/device:lfru/graph"],
            "a comma list, duplicates dropped", doc)
+    # --prompt with the device provider: the modelled run still gives the host-planned table and
+    # says that the device-planned row is measured on a GPU only (not asked: not said).
+    rc, out, err = run("--runtime", "sim", "--prompt", "16", "--layers", "2", "--warmup", "1",
+                       "--provider", "device,cached")
+    expect(rc == 0, "--prompt --provider device,cached exits 0 when modelled", out, err)
+    expect("device: measured on a GPU only" in out and "TTFT" in out and "bound_ms" in out,
+           "modelled prompt table with the device note", out)
+    rc, out, err = run("--runtime", "sim", "--prompt", "16", "--layers", "2", "--warmup", "1")
+    expect(rc == 0 and "TTFT" in out and "device: measured" not in out, "no device note unless asked", out, err)
     # A trace file, batch 2, one provider and staging.
     trace = write("t.trace", "".join(f"{s} {l} {(s + l) % 6} {(s * 3 + l) % 6 + 6}\n" for s in range(12) for l in range(3)))
     rc, out, err = run("--runtime", "sim", "--trace", trace, "--capacity", "6", "--batch", "2", "--steps", "3",

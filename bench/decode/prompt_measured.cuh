@@ -27,6 +27,17 @@
 // Compute is the sum of the rounds' consumer times (events around each round's work, which
 // starts after the round's fill: edge 3). The streaming bound is the non-resident experts'
 // bytes over the same-run pinned ceiling (one large cudaMemcpyAsync timed with events).
+//
+// --provider device: the device-planned cache (DeviceExpertCache, tensor-major, as the decode
+// benchmark's device provider; one table per --device-policy). Per layer the layer's ids go to
+// device memory (a kernel reading them from mapped host memory), then prepare(in_rounds) plans
+// and fills group 0 (the first C sorted unique ids) and prepare_group(g) each further group,
+// every group followed by its consumer on the same stream (not overlapped: the next group's plan
+// rewrites the forward map and may evict the previous group's experts). The host builds a
+// group's pair and tile lists from the sorted unique ids it knows; the slots come from the
+// view's forward map. Its bound takes the non-resident experts from each layer's resident map,
+// read before the clock starts; its fills come from the device counters. The fill-only pass
+// admits every group, so the measured pass starts after a fresh reset and warm-up.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -132,6 +143,7 @@ inline Prompt make_prompt(const Model& m, const BenchArgs& a, std::int32_t token
 struct PromptTimes {
   double ttft_ns = 0, compute_ns = 0, bound_ns = 0, bytes = 0;
   std::uint64_t rounds = 0, copies = 0, span_rounds = 0, wasted = 0, missing = 0;
+  std::uint64_t errors = 0;  // device-planned: caches whose error word was set (bad ids, overflow)
 };
 
 enum class PromptMode { wide, fill_only, resident };
@@ -190,10 +202,16 @@ class ResidentWeights {
   DeviceBuffer identity_;
 };
 
-// The per-layer caches of one host-planned provider and the prompt / decode drivers.
+// A device-planned cache (DeviceExpertCache): its overflow rounds are prepare_group calls.
+template <class Cache>
+inline constexpr bool device_planned_v = requires(Cache& c, cudaStream_t s) { c.prepare_group(std::int32_t{1}, s); };
+
+// The per-layer caches of one provider (host-planned ExpertCache or device-planned
+// DeviceExpertCache) and the prompt / decode drivers.
 template <class Cache>
 class PromptRunner {
  public:
+  static constexpr bool device_planned = device_planned_v<Cache>;
   static constexpr std::int32_t chunk_pairs = 16384;  // GroupedMoe rows per run (workspace ~19 KB per row)
 
   PromptRunner(const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer, std::int32_t stream_slots,
@@ -207,13 +225,25 @@ class PromptRunner {
                     a.prompt_bf16 ? device::GroupedPrecision::bf16 : device::GroupedPrecision::exact),
         decode_moe_(m.layout, 1, m.top_k) {
     for (std::int32_t l = 0; l < m.layers; ++l) {
-      CacheOptions o;
-      o.num_experts = m.experts;
-      o.capacity = m.capacity;
-      o.top_k = m.top_k;
-      o.stream_slots = stream_slots;
-      o.log = {};
-      caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
+      if constexpr (device_planned) {
+        // As the decode benchmark's device provider (inline fills, no overlap), with room for
+        // the longest prompt's ids.
+        DeviceCacheOptions o;
+        o.num_experts = m.experts;
+        o.capacity = m.capacity;
+        o.max_ids = static_cast<std::int32_t>(max_pairs_);
+        o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
+        o.log = {};
+        caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
+      } else {
+        CacheOptions o;
+        o.num_experts = m.experts;
+        o.capacity = m.capacity;
+        o.top_k = m.top_k;
+        o.stream_slots = stream_slots;
+        o.log = {};
+        caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
+      }
     }
     const ExpertTensorBytes tensors = m.layout.tensors();
     parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
@@ -284,9 +314,19 @@ class PromptRunner {
 
   // Every cache emptied (invalidate), so each measurement starts from the same state.
   void reset() {
-    for (auto& c : caches_) {
+    check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    for (std::size_t l = 0; l < caches_.size(); ++l) {
+      auto& c = caches_[l];
+      std::vector<std::int32_t> device_map;
+      if constexpr (device_planned) device_map = resident_map(static_cast<std::int32_t>(l));
       for (std::int32_t e = 0; e < m_.experts; ++e) {
-        if (c->planner().is_resident(e)) {
+        bool resident = false;
+        if constexpr (device_planned) {
+          resident = device_map[static_cast<std::size_t>(e)] >= 0;
+        } else {
+          resident = c->planner().is_resident(e);
+        }
+        if (resident) {
           if (Status s = c->invalidate(e, consumer_); !s) throw Error(s);
         }
       }
@@ -309,9 +349,20 @@ class PromptRunner {
       std::copy_n(ids.begin(), std::min(K, ids.size()), stage);
       check_cuda(cudaMemcpyAsync(dec_ids_.p, stage, K * sizeof(std::int32_t), cudaMemcpyHostToDevice, consumer_),
                  "cudaMemcpyAsync(decode ids)");
-      Result<ForwardView> v = caches_[static_cast<std::size_t>(l)]->prepare(std::span<const std::int32_t>(stage, K), consumer_);
+      Cache& cache = *caches_[static_cast<std::size_t>(l)];
+      const std::int32_t* consumer_ids = dec_ids_.as<std::int32_t>();
+      Result<ForwardView> v = [&] {
+        if constexpr (device_planned) {
+          // Planned on the device from the uploaded ids; the consumer reads the plan's sanitized
+          // copy (equal here: every generated id is valid).
+          consumer_ids = cache.sanitized_ids_device();
+          return cache.prepare(dec_ids_.as<std::int32_t>(), static_cast<std::int32_t>(K), consumer_);
+        } else {
+          return cache.prepare(std::span<const std::int32_t>(stage, K), consumer_);
+        }
+      }();
       if (!v.ok()) throw Error(v.status());
-      if (Status s = decode_moe_.run(device::moe_weights_from_view(v.value(), m_.experts), dec_ids_.as<std::int32_t>(),
+      if (Status s = decode_moe_.run(device::moe_weights_from_view(v.value(), m_.experts), consumer_ids,
                                      dec_w_.as<float>(), x_dec_.as<float>(), out_dec_.as<float>(), 1, consumer_);
           !s)
         throw Error(s);
@@ -330,6 +381,17 @@ class PromptRunner {
     if (pairs > max_pairs_) throw Error(ErrorCode::invalid_argument, "prompt longer than the runner's buffers");
     std::size_t ev = 0;
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
+    // Device-planned: the bound's non-resident experts from each layer's resident map, read
+    // before the clock starts (nothing touches layer l's cache between here and its forward),
+    // and the fills from the device counters (exact while the stream is idle).
+    std::vector<std::uint64_t> missing_at_start;
+    std::uint64_t misses0 = 0;
+    if constexpr (device_planned) {
+      if (mode != PromptMode::resident) {
+        missing_at_start = non_resident_experts(p);
+        misses0 = hits_misses().second;
+      }
+    }
     const auto t0 = Clock::now();
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");  // the router read-back
@@ -380,6 +442,37 @@ class PromptRunner {
         for (std::int32_t e = 0; e < m_.experts; ++e) unique_[static_cast<std::size_t>(e)] = e;
         if (Status s = consume(resident_.weights(l), std::span<const std::int32_t>(unique_.data(), unique_.size())); !s)
           throw Error(s);
+      } else if constexpr (device_planned) {
+        // The ids to device memory (the plan reads them there; the reduction below reuses them),
+        // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
+        // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
+        // sorted unique list, which the host knows, so it builds that group's pair and tile
+        // lists; the slots come from the view's forward map, which holds group g only.
+        Cache& cache = *caches_[static_cast<std::size_t>(l)];
+        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+                                                                                           ids_dev_.as<std::int32_t>());
+        check_cuda(cudaGetLastError(), "load_ids_kernel");
+        unique_.clear();
+        for (std::int32_t e = 0; e < m_.experts; ++e)
+          if (counts_[static_cast<std::size_t>(e) + 1] > counts_[static_cast<std::size_t>(e)]) unique_.push_back(e);
+        const auto n = static_cast<std::int32_t>(pairs);
+        const auto C = static_cast<std::size_t>(m_.capacity);
+        const std::int32_t groups = cache.max_groups(n);
+        for (std::int32_t g = 0; g < groups; ++g) {
+          Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds)
+                                         : cache.prepare_group(g, consumer_);
+          if (!v.ok()) throw Error(v.status());
+          const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
+          const std::size_t end = std::min(unique_.size(), begin + C);
+          if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
+          ++t.rounds;
+          if (mode == PromptMode::fill_only) continue;
+          if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
+                                 std::span<const std::int32_t>(unique_.data() + begin, end - begin));
+              !s)
+            throw Error(s);
+        }
+        t.missing += missing_at_start[static_cast<std::size_t>(l)];
       } else {
         Cache& cache = *caches_[static_cast<std::size_t>(l)];
         Result<WideSummary> r = cache.prepare_wide(
@@ -399,9 +492,11 @@ class PromptRunner {
         t.missing += s.unique - s.hits;
       }
       if (mode != PromptMode::fill_only) {
-        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+        if (!device_planned || mode == PromptMode::resident) {  // device-planned: loaded before its plan
+          load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
                                                                                            ids_dev_.as<std::int32_t>());
-        check_cuda(cudaGetLastError(), "load_ids_kernel");
+          check_cuda(cudaGetLastError(), "load_ids_kernel");
+        }
         reduce_pairs_kernel<<<static_cast<unsigned>(p.tokens), 256, 0, consumer_>>>(
             pair_out_.as<float>(), ids_dev_.as<std::int32_t>(), m_.top_k, hidden_, out_.as<float>());
         check_cuda(cudaGetLastError(), "reduce_pairs_kernel");
@@ -409,6 +504,17 @@ class PromptRunner {
     }
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
     t.ttft_ns = ns_since(t0);
+    if constexpr (device_planned) {
+      if (mode != PromptMode::resident) {
+        // Every miss is one whole-expert fill; misses beyond the experts missing at the layers'
+        // starts are refills of experts an earlier group of the same forward evicted.
+        const std::uint64_t fills = hits_misses().second - misses0;
+        t.copies = fills;
+        t.bytes = static_cast<double>(fills) * static_cast<double>(m_.expert_bytes());
+        t.wasted = fills > t.missing ? fills - t.missing : 0;
+        for (auto& c : caches_) t.errors += c->take_errors() != 0 ? 1u : 0u;
+      }
+    }
     for (std::size_t i = 0; i + 1 < ev; i += 2) {
       float ms = 0;
       check_cuda(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]), "cudaEventElapsedTime");
@@ -421,6 +527,35 @@ class PromptRunner {
   [[nodiscard]] std::vector<float> output(std::int32_t tokens) const {
     std::vector<float> out(static_cast<std::size_t>(tokens) * static_cast<std::size_t>(hidden_));
     check_cuda(cudaMemcpy(out.data(), out_.p, out.size() * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy(out)");
+    return out;
+  }
+
+  // Device-planned: layer l's resident map (expert -> slot, -1 absent), read with the stream idle.
+  [[nodiscard]] std::vector<std::int32_t> resident_map(std::int32_t l) const
+    requires device_planned
+  {
+    std::vector<std::int32_t> map(static_cast<std::size_t>(m_.experts));
+    check_cuda(cudaMemcpy(map.data(), caches_[static_cast<std::size_t>(l)]->resident_map_device(),
+                          map.size() * sizeof(std::int32_t), cudaMemcpyDeviceToHost),
+               "cudaMemcpy(resident map)");
+    return map;
+  }
+
+  // Device-planned: per layer, the prompt's unique experts that are not resident now.
+  [[nodiscard]] std::vector<std::uint64_t> non_resident_experts(const Prompt& p) const
+    requires device_planned
+  {
+    std::vector<std::uint64_t> out(static_cast<std::size_t>(m_.layers), 0);
+    std::vector<char> seen(static_cast<std::size_t>(m_.experts));
+    for (std::int32_t l = 0; l < m_.layers; ++l) {
+      const std::vector<std::int32_t> map = resident_map(l);
+      std::fill(seen.begin(), seen.end(), 0);
+      for (const std::int32_t e : p.ids[static_cast<std::size_t>(l)]) {
+        if (e < 0 || seen[static_cast<std::size_t>(e)]) continue;
+        seen[static_cast<std::size_t>(e)] = 1;
+        if (map[static_cast<std::size_t>(e)] < 0) ++out[static_cast<std::size_t>(l)];
+      }
+    }
     return out;
   }
 
@@ -513,17 +648,27 @@ inline bool same_bytes(const std::vector<float>& a, const std::vector<float>& b)
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// One provider's TTFT table (and, for a host-planned one, its mixed run). `row_label` names
+// the device-planned provider's row (its copy column).
 template <class Cache>
 int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer,
-                 double ceiling, const ResidentWeights& resident) {
+                 double ceiling, const ResidentWeights& resident, const char* row_label = "device") {
+  constexpr bool device_planned = PromptRunner<Cache>::device_planned;
   const std::int32_t stream_slots = prompt_stream_slots(m, a);
   const std::int32_t max_tokens = *std::max_element(a.prompts.begin(), a.prompts.end());
   std::fprintf(stderr, "expert-cache-bench --prompt: %s: allocating and filling pinned host pools\n", name);
   PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident);
   const double eb = static_cast<double>(m.expert_bytes());
-  std::printf("\n%s: %d stream slots per layer; TTFT after %d decode warm-up steps from an emptied cache "
-              "(bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
-              name, stream_slots, a.warmup, ceiling * 1e-9);
+  if constexpr (device_planned) {
+    std::printf("\n%s: %d slots per layer, groups of %d experts planned and filled on the device (prepare in rounds, "
+                "then prepare_group), each followed by its consumer on the same stream; TTFT after %d decode warm-up "
+                "steps from an emptied cache (bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
+                name, m.capacity, m.capacity, a.warmup, ceiling * 1e-9);
+  } else {
+    std::printf("\n%s: %d stream slots per layer; TTFT after %d decode warm-up steps from an emptied cache "
+                "(bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
+                name, stream_slots, a.warmup, ceiling * 1e-9);
+  }
   std::printf("%7s %-9s %9s %9s %7s %7s %9s %7s %7s %10s %10s %7s %7s %6s %6s %s\n", "tokens", "copy", "ttft_ms",
               "bound_ms", "bnd/tt", "GB/s", "fill_ms", "fillGB", "fill/c", "compute_ms", "resid_ms", "rounds", "copies",
               "spans", "waste", "output");
@@ -535,35 +680,62 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     const PromptTimes res = b.prompt(p, PromptMode::resident, {});
     const std::vector<float> ref = b.output(tokens);
     const PromptTimes fill = b.prompt(p, PromptMode::fill_only, WideOptions{});
-    const auto row = [&](const char* copy, const PromptTimes& t, bool checked) {
+    const auto row = [&](const char* copy, const PromptTimes& t) {
       const std::vector<float> out = b.output(tokens);
-      const bool ok = same_bytes(out, ref);
+      const bool ok = same_bytes(out, ref) && t.errors == 0 && fill.errors == 0;
       if (!ok) ++failures;
       const double bound = static_cast<double>(t.missing) * eb / ceiling * 1e9;
-      std::printf("%7d %-9s %9.2f %9.2f %7.3f %7.1f %9.2f %7.1f %7.3f %10.2f %10.2f %7llu %7llu %6llu %6llu %s\n", tokens,
+      char spans[24];
+      if (device_planned) {
+        std::snprintf(spans, sizeof spans, "-");
+      } else {
+        std::snprintf(spans, sizeof spans, "%llu", static_cast<unsigned long long>(t.span_rounds));
+      }
+      std::printf("%7d %-9s %9.2f %9.2f %7.3f %7.1f %9.2f %7.1f %7.3f %10.2f %10.2f %7llu %7llu %6s %6llu %s\n", tokens,
                   copy, t.ttft_ns / 1e6, bound / 1e6, t.ttft_ns > 0 ? bound / t.ttft_ns : 0.0,
                   t.ttft_ns > 0 ? t.bytes / t.ttft_ns : 0.0, fill.ttft_ns / 1e6,
                   fill.ttft_ns > 0 ? fill.bytes / fill.ttft_ns : 0.0,
                   fill.ttft_ns > 0 ? fill.bytes / fill.ttft_ns / (ceiling * 1e-9) : 0.0, t.compute_ns / 1e6,
                   res.ttft_ns / 1e6, static_cast<unsigned long long>(t.rounds),
-                  static_cast<unsigned long long>(t.copies), static_cast<unsigned long long>(t.span_rounds),
-                  static_cast<unsigned long long>(t.wasted),
-                  !checked ? "-" : ok ? "bit-identical to resident" : "DIFFERS from resident");
+                  static_cast<unsigned long long>(t.copies), spans, static_cast<unsigned long long>(t.wasted),
+                  t.errors != 0 || fill.errors != 0 ? "DEVICE ERROR WORD SET"
+                  : ok                              ? "bit-identical to resident"
+                                                    : "DIFFERS from resident");
     };
-    for (const WideCopy copy : {WideCopy::runs, WideCopy::span, WideCopy::automatic}) {
-      WideOptions o;
-      o.copy = copy;
-      const PromptTimes t = b.prompt(p, PromptMode::wide, o);
-      row(std::string(to_string(copy)).c_str(), t, true);
+    if constexpr (device_planned) {
+      // The fill-only pass changed the pool (every group is admitted): the measured pass starts
+      // from the same warmed state again.
+      b.reset();
+      for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
+      row(row_label, b.prompt(p, PromptMode::wide, WideOptions{}));
+    } else {
+      for (const WideCopy copy : {WideCopy::runs, WideCopy::span, WideCopy::automatic}) {
+        WideOptions o;
+        o.copy = copy;
+        const PromptTimes t = b.prompt(p, PromptMode::wide, o);
+        row(std::string(to_string(copy)).c_str(), t);
+      }
+      WideOptions admit;
+      admit.admission = WideAdmission::admit;
+      row("admit", b.prompt(p, PromptMode::wide, admit));
     }
-    WideOptions admit;
-    admit.admission = WideAdmission::admit;
-    row("admit", b.prompt(p, PromptMode::wide, admit), true);
   }
-  std::printf("(fill_ms: the stream rounds with an empty consumer, automatic copies: the transfer pipeline alone; "
-              "fillGB: its bytes / time; fill/c: that over the ceiling; compute_ms: the sum of the rounds' consumer "
-              "times; resid_ms: the all-resident prefill)\n");
-  if (a.prompt_every > 0) {
+  if constexpr (device_planned) {
+    std::printf("(device: the layer's ids uploaded by a kernel reading mapped host memory, then per group the device "
+                "plan + fill and the group's consumer, all on one stream; rounds: the forward's groups; copies: "
+                "whole-expert fills (device counters); waste: refills of experts an earlier group of the same forward "
+                "evicted; bound from each layer's resident map before the prompt; fill_ms: the same groups with no "
+                "consumer; compute_ms: the sum of the groups' consumer times; resid_ms: the all-resident prefill)\n");
+    if (a.prompt_every > 0)
+      std::printf("(%s: no mixed run: the device-planned cache admits every group, it has no scan-resistant wide "
+                  "forward)\n",
+                  name);
+  } else {
+    std::printf("(fill_ms: the stream rounds with an empty consumer, automatic copies: the transfer pipeline alone; "
+                "fillGB: its bytes / time; fill/c: that over the ceiling; compute_ms: the sum of the rounds' consumer "
+                "times; resid_ms: the all-resident prefill)\n");
+  }
+  if (!device_planned && a.prompt_every > 0) {
     const std::int32_t tokens = a.prompts.back();
     std::printf("\n%s mixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", name,
                 tokens, a.prompt_every, a.steps);
@@ -633,8 +805,27 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
     failures += run_provider<ExpertCache<TensorMajorStorage, Lru, CopyStream, Nvfp4Marlin, CudaRuntime>>(
         "row (tensor-major, Lru, copy_stream)", m, a, rt, consumer, ceiling, resident);
   }
+  if (!all && want("device")) {
+    // The decode benchmark's device provider (tensor-major, planned on the GPU), once per
+    // --device-policy; its row is labelled like the decode rows (device, device:lfru, ...).
+    for (const std::string& policy : a.device_policies) {
+      BenchArgs pa = a;
+      pa.device_policy = policy;
+      const std::string label = provider_label("device", device_policy_labelled(a) ? policy : std::string());
+      if (policy == "lfru") {
+        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceLfru>>(
+            "device (tensor-major, DeviceLfru, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
+      } else if (policy == "crf") {
+        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceCrf>>(
+            "device (tensor-major, DeviceCrf, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
+      } else {
+        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceLru>>(
+            "device (tensor-major, DeviceLru, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
+      }
+    }
+  }
   if (failures != 0) {
-    std::printf("%d configuration(s) DIFFER from the all-resident prefill\n", failures);
+    std::printf("%d configuration(s) DIFFER from the all-resident prefill (or set a device error word)\n", failures);
     return exit_failure;
   }
   return exit_ok;

@@ -196,6 +196,10 @@ inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
               "cache (Lfru, copy stream) with %d stream slots per layer\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
               prompt_stream_slots(m, a));
+  // The measured run adds the device-planned cache on --provider device; it has no model here.
+  const bool all = a.providers.size() == provider_names().size();
+  if (!all && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end())
+    std::printf("device: measured on a GPU only (the modelled run covers the host-planned cache above)\n");
   std::printf("\nTTFT (one wide forward per layer after %d decode warm-up steps; bound = non-resident bytes / %.1f GB/s)\n",
               a.warmup, costs.pcie_bytes_per_ns);
   std::printf("%8s %10s %10s %10s %8s %12s %12s %8s %8s\n", "tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s",
