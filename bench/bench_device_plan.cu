@@ -22,7 +22,7 @@
 //   plan_block/<policy>/misses:k  batch 16 (160 ids per layer: 100 hot experts repeated, k cold
 //                                 ones): the one-block planning kernel (more than plan_small_ids
 //                                 ids), which takes a group's victims by rank through its
-//                                 block-shared scratch when there are two or more
+//                                 block-shared scratch when there are enough (plan_by_rank)
 //   plan_block_argmin/<policy>/misses:k  the same plans by a block without the scratch: one block
 //                                 arg-min per victim (same decisions; the same run's baseline)
 //   fill/<nodes>/misses:k         router + 48 x (plan -> fill) [two_nodes] or 48 x plan_forward_fill

@@ -34,7 +34,8 @@ struct LaneShared {
   std::vector<std::int32_t> v;
   std::vector<PlanKey> k;
   std::vector<ScoreKey> sk;
-  std::vector<std::uint64_t> rank_primary, rank_secondary;  // empty: no scratch (arg-min victims)
+  std::vector<std::uint64_t> rank_primary;  // empty: no scratch (arg-min victims)
+  std::vector<std::uint32_t> rank_secondary;
 };
 
 // One lane of a block of sh.v.size() threads. Every collective: each lane posts its value,
@@ -160,7 +161,8 @@ void run_pair(const Shape& c, std::uint64_t seed, PathCounts& counts) {
     const DevicePlanScalars& k = *seq.state().scalars;
     if (k.eviction_count > 0 && c.C <= plan_victim_regs * c.lanes) ++counts.in_regs_evicting;
     if (k.group_size > c.lanes && k.misses > 0) ++counts.multi_round;
-    if (Policy::kind != DevicePolicyKind::lfru && k.eviction_count >= plan_rank_min_victims && c.C <= c.scratch) {
+    if (Policy::kind != DevicePolicyKind::lfru && c.C <= c.scratch &&
+        plan_by_rank(Policy::kind == DevicePolicyKind::lru, static_cast<std::int32_t>(k.eviction_count), c.C, c.lanes)) {
       ++counts.by_rank;
     }
     if (rng() % 16 == 0) {
@@ -186,16 +188,17 @@ template <class Policy>
 void run_shapes() {
   // lanes x plan_victim_regs >= C: victim keys in registers; below: reloaded per victim.
   // top_k * tokens > lanes: groups with more than one round of misses.
-  // A scratch of at least C slots: victims by rank when there are plan_rank_min_victims or more.
+  // A scratch of at least C slots: victims by rank when plan_by_rank says so (enough of them).
   const Shape shapes[] = {
-      {4, 64, 16, 4, 1, 120, 0},     // in registers, one round (the decode shape in small)
-      {4, 48, 12, 6, 3, 120, 0},     // in registers, several rounds, overflow groups
-      {4, 96, 40, 4, 2, 120, 0},     // reloaded (40 > 32), several rounds
-      {32, 512, 208, 10, 1, 60, 0},  // the GPU's warp at the decode defaults: 208 <= 256 in registers
-      {4, 48, 12, 6, 3, 120, 16},    // by rank, keys in registers, overflow groups
-      {4, 96, 40, 4, 2, 120, 64},    // by rank, keys reloaded
-      {8, 96, 40, 4, 2, 120, 32},    // scratch smaller than C: arg-min
-      {16, 512, 208, 10, 4, 40, 512} // by rank at the decode defaults, batched (the GPU's block: 2 slots per thread)
+      {4, 64, 16, 4, 1, 120, 0},       // in registers, one round (the decode shape in small)
+      {4, 48, 12, 6, 3, 120, 0},       // in registers, several rounds, overflow groups
+      {4, 96, 40, 4, 2, 120, 0},       // reloaded (40 > 32), several rounds
+      {32, 512, 208, 10, 1, 60, 0},    // the GPU's warp at the decode defaults: 208 <= 256 in registers
+      {4, 48, 12, 6, 3, 120, 16},      // by rank, keys in registers, overflow groups
+      {16, 96, 40, 4, 3, 120, 64},     // by rank, keys in registers, several rounds
+      {4, 96, 40, 4, 4, 120, 64},      // by rank, keys reloaded
+      {8, 96, 40, 4, 2, 120, 32},      // scratch smaller than C: arg-min
+      {128, 512, 208, 10, 4, 30, 512}  // the decode defaults, batched, 2 slots per thread (as the GPU's block)
   };
   std::uint64_t seed = 11;
   PathCounts counts;

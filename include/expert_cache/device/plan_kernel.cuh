@@ -123,10 +123,10 @@ class CubBlock : public PlanBlockStores {
     std::uint64_t key_tie;
     std::int32_t key_slot;
     std::int32_t value;
-    // Rank selection of victims (plan_group_from): two key words per slot, up to two slots per
-    // thread (the default capacity, 208, in one pass of 256 threads): 8 KB at 256 threads.
+    // Rank selection of victims (plan_group_from): 12 bytes of key per slot, up to two slots
+    // per thread (the default capacity, 208, in one pass of 256 threads): 6 KB at 256 threads.
     std::uint64_t rank_primary[2 * Threads];
-    std::uint64_t rank_secondary[2 * Threads];
+    std::uint32_t rank_secondary[2 * Threads];
   };
 
   __device__ explicit CubBlock(TempStorage& t) noexcept : t_(t) {}

@@ -318,11 +318,12 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool plan_free_highest_first(DevicePolicyKind
   (::expert_cache::detail::plan_kind_fixed<Policy> ? ::expert_cache::detail::PlanFixedKind<Policy>::value == (K) \
                                                    : (state).policy == (K))
 
-// Block-shared memory for rank selection of victims (plan_group_from): one primary and one
-// secondary key word per slot, `capacity` slots; capacity 0 = none (victims by arg-min).
+// Block-shared memory for rank selection of victims (plan_group_from): per slot a primary key
+// word (LRU's tick, DeviceCrf's CRF + bias) and a secondary one (DeviceCrf's owner, an expert id),
+// `capacity` slots; capacity 0 = none (victims by arg-min).
 struct RankScratch {
   std::uint64_t* primary = nullptr;
-  std::uint64_t* secondary = nullptr;
+  std::uint32_t* secondary = nullptr;
   std::int32_t capacity = 0;
 };
 
@@ -370,10 +371,21 @@ inline constexpr std::int32_t plan_padding_id = -1;
 inline constexpr std::int32_t plan_small_ids = 16;
 // Slots per thread whose victim keys a group step keeps in registers (a warp: 256 slots).
 inline constexpr std::int32_t plan_victim_regs = 8;
-// A group with at least this many victims takes them by rank when the block has a scratch for
-// every slot (one barrier and one pass over the keys) instead of one block arg-min per victim
-// (two barriers each); LRU and DeviceCrf only, whose keys stay fixed during a group.
+// A group takes its victims by rank when the block has a scratch for every slot and there are
+// enough of them (LRU and DeviceCrf only, whose keys stay fixed during a group): one barrier and
+// one pass of every candidate over every key, instead of one block arg-min (two barriers) per
+// victim. Measured on the H200 (bench_device_plan, plan_block rows, 256 threads, 208 slots), a
+// block arg-min costs about as much as this many steps of that pass: 80 for LRU's one-word keys,
+// 40 for DeviceCrf's two words. So rank when victims x that > slots per thread x slots.
 inline constexpr std::int32_t plan_rank_min_victims = 2;
+inline constexpr std::int32_t plan_rank_steps_per_victim_lru = 80;
+inline constexpr std::int32_t plan_rank_steps_per_victim_score = 40;
+EXPERT_CACHE_HOST_DEVICE constexpr bool plan_by_rank(bool lru, std::int32_t victims, std::int32_t capacity,
+                                                     std::int32_t threads) noexcept {
+  const std::int64_t per_thread = (static_cast<std::int64_t>(capacity) + threads - 1) / threads;
+  const std::int64_t steps = lru ? plan_rank_steps_per_victim_lru : plan_rank_steps_per_victim_score;
+  return victims >= plan_rank_min_victims && static_cast<std::int64_t>(victims) * steps > per_thread * capacity;
+}
 
 // Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
@@ -756,8 +768,8 @@ struct VictimChunk {
     return best;
   }
   // Rank selection: this chunk's keys into the scratch at their slots (the slot is the key's
-  // last word), as the arg-min searches order them: LRU (tick, slot) for every owner, score
-  // policies (score, tie, slot) for candidates; every other slot (~0, ~0). Returns the number of
+  // last word), as the arg-min searches order them: LRU (tick, slot) for every owner, DeviceCrf
+  // (score, owner, slot) for candidates; every other slot (~0, ~0). Returns the number of
   // candidates, the keys the arg-min searches may take: LRU, owners older than this group (an
   // owner of this group would be a corrupted state's victim); score policies, the keys that
   // load() did not void.
@@ -773,7 +785,7 @@ struct VictimChunk {
       const bool c = owner[k] >= 0 && tick[k] < tick0 && (lru || owner[k] < s.num_experts);
       const bool keyed = lru ? owner[k] >= 0 : c;
       r.primary[slot] = keyed ? (lru ? tick[k] : score[k]) : ~std::uint64_t{0};
-      r.secondary[slot] = keyed ? (lru ? 0 : tie[k]) : ~std::uint64_t{0};
+      if (!lru) r.secondary[slot] = keyed ? static_cast<std::uint32_t>(tie[k]) : ~std::uint32_t{0};  // tie = owner < E
       candidates += c ? 1 : 0;
     }
     return candidates;
@@ -930,7 +942,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // which take the smallest remaining key one at a time; a corrupted state records the same
   // victims before it fails.
   const RankScratch scratch = b.rank_scratch();
-  const bool by_rank = !lfru && victims >= plan_rank_min_victims && C <= scratch.capacity;  // uniform
+  const bool by_rank = !lfru && C <= scratch.capacity && plan_by_rank(lru, victims, C, nt);  // uniform
   if (victims > 0 && by_rank) {
     b.sync();  // hit ticks visible to every thread
     const std::int32_t my_j = my_o >= from_free ? my_o - from_free : -1;
@@ -942,23 +954,26 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     }
     const std::int32_t candidates = b.sum(mine);  // its barrier publishes the scratch
     // The candidates read back from the scratch (nothing kept across the barrier): LRU's are
-    // the keys below tick0 (every other is a newer owner's or ~0), the score policies' those
-    // with a tie word, which is their owner for DeviceCrf.
+    // the keys below tick0 (every other is a newer owner's or ~0), DeviceCrf's those with an
+    // owner in the secondary word. Branch-free comparisons: the slot decides only between
+    // equal keys, which only a corrupted state has among candidates.
     for (std::int32_t slot = rank; slot < C; slot += nt) {
-      const std::uint64_t p = scratch.primary[slot], q = scratch.secondary[slot];
-      if (lru ? p >= tick0 : q == ~std::uint64_t{0}) continue;
+      const std::uint64_t p = scratch.primary[slot];
+      const std::uint32_t q = lru ? 0u : scratch.secondary[slot];
+      if (lru ? p >= tick0 : q == ~std::uint32_t{0}) continue;
       std::int32_t below = 0;
-      if (lru) {  // secondary words are 0 for every owner; a candidate's tick is below every non-owner's ~0
+      if (lru) {
         EXPERT_CACHE_PLAN_UNROLL_N(8)
         for (std::int32_t i = 0; i < C; ++i) {
           const std::uint64_t pi = scratch.primary[i];
-          below += (pi < p || (pi == p && i < slot)) ? 1 : 0;
+          below += static_cast<std::int32_t>((pi < p) | ((pi == p) & (i < slot)));
         }
       } else {
-        EXPERT_CACHE_PLAN_UNROLL_N(4)
+        EXPERT_CACHE_PLAN_UNROLL_N(8)
         for (std::int32_t i = 0; i < C; ++i) {
-          const std::uint64_t pi = scratch.primary[i], qi = scratch.secondary[i];
-          below += (pi < p || (pi == p && (qi < q || (qi == q && i < slot)))) ? 1 : 0;
+          const std::uint64_t pi = scratch.primary[i];
+          const std::uint32_t qi = scratch.secondary[i];
+          below += static_cast<std::int32_t>((pi < p) | ((pi == p) & ((qi < q) | ((qi == q) & (i < slot)))));
         }
       }
       if (below >= victims) continue;
