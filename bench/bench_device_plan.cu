@@ -62,39 +62,26 @@ constexpr std::size_t expert_bytes() {
   return b;
 }
 
-// Layer-independent ids (each layer has its own state): k cold misses per step.
-__global__ void router_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* step_counter) {
+// Layer-independent ids (each layer has its own state), `per_layer` per layer: the first
+// per_layer - k hot (experts 0..hot_experts-1, repeated), the last k cold ones cycling through
+// the other experts (k misses per step once warm).
+__global__ void router_kernel(std::int32_t* ids, std::int32_t per_layer, std::int32_t hot_experts, std::int32_t k,
+                              std::uint64_t* step_counter) {
   const std::uint64_t step = *step_counter;
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < kLayers * kTopK;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < kLayers * per_layer;
        i += static_cast<std::int32_t>(blockDim.x)) {
-    const std::int32_t j = i % kTopK;
-    const std::int32_t hot = kTopK - k;
-    ids[i] = j < hot ? j
-                     : kTopK + static_cast<std::int32_t>((step * static_cast<std::uint64_t>(k) +
-                                                          static_cast<std::uint64_t>(j - hot)) %
-                                                         static_cast<std::uint64_t>(kExperts - kTopK));
+    const std::int32_t j = i % per_layer;
+    const std::int32_t hot = per_layer - k;
+    ids[i] = j < hot ? j % hot_experts
+                     : hot_experts + static_cast<std::int32_t>((step * static_cast<std::uint64_t>(k) +
+                                                                static_cast<std::uint64_t>(j - hot)) %
+                                                               static_cast<std::uint64_t>(kExperts - hot_experts));
   }
   __syncthreads();
   if (threadIdx.x == 0) *step_counter = step + 1;
 }
-
-// Batch 16: 160 ids per layer, the first 160 - k of them hot (experts 0..99, repeated: 100
-// unique hits once warm), the last k cold ones cycling through experts 100..511 (k misses).
+// Batch 1: top-10, 10 - k hot experts. Batch 16: 160 ids, 100 hot experts (repeated).
 constexpr std::int32_t kBatchIds = 160, kBatchHot = 100;
-__global__ void router_batch_kernel(std::int32_t* ids, std::int32_t k, std::uint64_t* step_counter) {
-  const std::uint64_t step = *step_counter;
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < kLayers * kBatchIds;
-       i += static_cast<std::int32_t>(blockDim.x)) {
-    const std::int32_t j = i % kBatchIds;
-    const std::int32_t hot = kBatchIds - k;
-    ids[i] = j < hot ? j % kBatchHot
-                     : kBatchHot + static_cast<std::int32_t>((step * static_cast<std::uint64_t>(k) +
-                                                              static_cast<std::uint64_t>(j - hot)) %
-                                                             static_cast<std::uint64_t>(kExperts - kBatchHot));
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) *step_counter = step + 1;
-}
 
 // The planning block without a rank scratch: victims by one block arg-min each.
 template <int Threads>
@@ -225,8 +212,8 @@ cudaGraphExec_t capture(World& w, Graph kind, std::int32_t k) {
   if (kind == Graph::plan_device_stats) (void)w.device_stats_view(p, 0);  // allocates: not under capture
   const bool batch = kind == Graph::plan_block || kind == Graph::plan_block_argmin;
   BENCH_CUDA(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeGlobal));
-  if (batch) router_batch_kernel<<<1, 256, 0, w.stream>>>(w.batch_ids, k, w.step);
-  else router_kernel<<<1, 256, 0, w.stream>>>(w.ids, k, w.step);
+  if (batch) router_kernel<<<1, 256, 0, w.stream>>>(w.batch_ids, kBatchIds, kBatchHot, k, w.step);
+  else router_kernel<<<1, 256, 0, w.stream>>>(w.ids, kTopK, kTopK, k, w.step);
   BENCH_CUDA(cudaGetLastError());
   for (std::int32_t l = 0; kind != Graph::router_only && l < kLayers; ++l) {
     const DevicePlanState s = kind == Graph::plan_device_stats
@@ -303,91 +290,55 @@ void BM_ceiling(benchmark::State& state) {
   state.counters["setup_ceiling_GBps"] = w.ceiling_gbps;
 }
 void BM_router_only(benchmark::State& state) { run_graph(state, Graph::router_only, 0, 20, 5); }
-void BM_plan(benchmark::State& state) {
+// Every other row: k = the benchmark's argument. Replays per iteration and warm-up replays (the
+// slots full, the cold cycle wrapped) by kind: fills replay 3 times per iteration, plans 20.
+template <Graph Kind, class Policy = DeviceLru>
+void BM_graph(benchmark::State& state) {
   const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph(state, Graph::plan, k, 20, k > 0 ? 260 / k + 5 : 5);
-}
-void BM_fill_two_nodes(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph(state, Graph::fill_two_nodes, k, 3, 220 / k + 3);
-}
-void BM_fill_fused(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph(state, Graph::fill_fused, k, 3, 220 / k + 3);
-}
-template <class Policy>
-void BM_plan_policy(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::plan, k, 20, k > 0 ? 260 / k + 5 : 5);
-}
-template <class Policy>
-void BM_plan_pdl(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::plan_pdl, k, 20, k > 0 ? 260 / k + 5 : 5);
-}
-template <class Policy>
-void BM_plan_device_stats(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::plan_device_stats, k, 20, k > 0 ? 260 / k + 5 : 5);
-}
-template <class Policy>
-void BM_plan_block(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::plan_block, k, 20, k > 0 ? 460 / k + 5 : 5);
-}
-template <class Policy>
-void BM_plan_block_argmin(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::plan_block_argmin, k, 20, k > 0 ? 460 / k + 5 : 5);
-}
-void BM_fill_fused_pdl(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph(state, Graph::fill_fused_pdl, k, 3, 220 / k + 3);
-}
-template <class Policy>
-void BM_fill_fused_policy(benchmark::State& state) {
-  const auto k = static_cast<std::int32_t>(state.range(0));
-  run_graph<Policy>(state, Graph::fill_fused, k, 3, 220 / k + 3);
+  const bool fill = Kind == Graph::fill_two_nodes || Kind == Graph::fill_fused || Kind == Graph::fill_fused_pdl;
+  const bool batch = Kind == Graph::plan_block || Kind == Graph::plan_block_argmin;
+  const int warm = k == 0 ? 5 : fill ? 220 / k + 3 : batch ? 460 / k + 5 : 260 / k + 5;
+  run_graph<Policy>(state, Kind, k, fill ? 3 : 20, warm);
 }
 
 }  // namespace
 
 BENCHMARK(BM_ceiling)->Name("ceiling")->UseManualTime()->Iterations(3)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_router_only)->Name("router_only")->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan)->Name("plan")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
+BENCHMARK(BM_graph<Graph::plan>)->Name("plan")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
     ->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_policy<DeviceLru>)->Name("plan/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan, DeviceLru>)->Name("plan/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_policy<DeviceLfru>)->Name("plan/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan, DeviceLfru>)->Name("plan/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_policy<DeviceCrf>)->Name("plan/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan, DeviceCrf>)->Name("plan/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_pdl<DeviceLru>)->Name("plan_pdl/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan_pdl, DeviceLru>)->Name("plan_pdl/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_pdl<DeviceLfru>)->Name("plan_pdl/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan_pdl, DeviceLfru>)->Name("plan_pdl/lfru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_pdl<DeviceCrf>)->Name("plan_pdl/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan_pdl, DeviceCrf>)->Name("plan_pdl/crf")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_plan_device_stats<DeviceLru>)->Name("plan_device_stats/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
+BENCHMARK(BM_graph<Graph::plan_device_stats, DeviceLru>)->Name("plan_device_stats/lru")->ArgName("misses")->Arg(0)->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(50)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fill_fused_pdl)->Name("fill/fused_pdl")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::fill_fused_pdl>)->Name("fill/fused_pdl")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fill_fused_policy<DeviceLfru>)->Name("fill/fused/lfru")->ArgName("misses")->Arg(1)->Arg(8)
+BENCHMARK(BM_graph<Graph::fill_fused, DeviceLfru>)->Name("fill/fused/lfru")->ArgName("misses")->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fill_fused_policy<DeviceCrf>)->Name("fill/fused/crf")->ArgName("misses")->Arg(1)->Arg(8)
+BENCHMARK(BM_graph<Graph::fill_fused, DeviceCrf>)->Name("fill/fused/crf")->ArgName("misses")->Arg(1)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fill_two_nodes)->Name("fill/two_nodes")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
+BENCHMARK(BM_graph<Graph::fill_two_nodes>)->Name("fill/two_nodes")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)
     ->UseManualTime()->Iterations(5)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_fill_fused)->Name("fill/fused")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
+BENCHMARK(BM_graph<Graph::fill_fused>)->Name("fill/fused")->ArgName("misses")->Arg(1)->Arg(2)->Arg(4)->Arg(8)->UseManualTime()
     ->Iterations(5)->Unit(benchmark::kMicrosecond);
 
 #define EXPERT_CACHE_PLAN_BLOCK_BENCH(fn, label)                                                              \
   BENCHMARK(fn)->Name(label)->ArgName("misses")->Arg(0)->Arg(2)->Arg(4)->Arg(8)->Arg(16)->Arg(32)->UseManualTime() \
       ->Iterations(50)->Unit(benchmark::kMicrosecond)
-EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceLru>, "plan_block/lru");
-EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block_argmin<DeviceLru>, "plan_block_argmin/lru");
-EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceCrf>, "plan_block/crf");
-EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block_argmin<DeviceCrf>, "plan_block_argmin/crf");
-EXPERT_CACHE_PLAN_BLOCK_BENCH(BM_plan_block<DeviceLfru>, "plan_block/lfru");
+EXPERT_CACHE_PLAN_BLOCK_BENCH((BM_graph<Graph::plan_block, DeviceLru>), "plan_block/lru");
+EXPERT_CACHE_PLAN_BLOCK_BENCH((BM_graph<Graph::plan_block_argmin, DeviceLru>), "plan_block_argmin/lru");
+EXPERT_CACHE_PLAN_BLOCK_BENCH((BM_graph<Graph::plan_block, DeviceCrf>), "plan_block/crf");
+EXPERT_CACHE_PLAN_BLOCK_BENCH((BM_graph<Graph::plan_block_argmin, DeviceCrf>), "plan_block_argmin/crf");
+EXPERT_CACHE_PLAN_BLOCK_BENCH((BM_graph<Graph::plan_block, DeviceLfru>), "plan_block/lfru");
 
 BENCHMARK_MAIN();

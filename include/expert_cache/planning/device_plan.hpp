@@ -959,7 +959,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     // equal keys, which only a corrupted state has among candidates.
     for (std::int32_t slot = rank; slot < C; slot += nt) {
       const std::uint64_t p = scratch.primary[slot];
-      const std::uint32_t q = lru ? 0u : scratch.secondary[slot];
+      std::uint32_t q = 0;  // not a constant for LRU: its comparisons below are not folded away as pointless
+      if (!lru) q = scratch.secondary[slot];
       if (lru ? p >= tick0 : q == ~std::uint32_t{0}) continue;
       std::int32_t below = 0;
       if (lru) {
