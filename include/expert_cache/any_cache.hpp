@@ -70,6 +70,7 @@
 
 #include "expert_cache/cache.hpp"
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/detail/log_line.hpp"
 #include "expert_cache/device_cache.hpp"
 #include "expert_cache/eviction/any_policy.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
@@ -952,12 +953,11 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   cache.layout_ = config.layout.name;
   if (config.options.log) {
     const CacheStats s = cache.stats();
-    config.options.log(config.options.label + ": " + std::string(cache.provider_) + " provider, " +
-                       std::string(cache.policy_) + "/" + std::string(cache.staging_) + "/" +
-                       std::string(cache.storage_) + "/" + cache.layout_ + ", " +
-                       std::to_string(config.options.capacity) + " of " + std::to_string(config.options.num_experts) +
-                       " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
-                       std::to_string(s.host_bytes));
+    config.options.log(detail::joined_text(
+        {config.options.label, ": ", cache.provider_, " provider, ", cache.policy_, "/", cache.staging_, "/",
+         cache.storage_, "/", cache.layout_, ", ", detail::DecimalText(config.options.capacity), " of ",
+         detail::DecimalText(config.options.num_experts), " experts, slot bytes ", detail::DecimalText(s.slot_bytes),
+         ", host bytes ", detail::DecimalText(s.host_bytes)}));
   }
   return Result<AnyExpertCache<Runtime>>(std::move(cache));
 }
