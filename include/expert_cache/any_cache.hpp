@@ -703,7 +703,17 @@ class AnyExpertCache {
 
  private:
   friend Result<AnyExpertCache> make_expert_cache<Runtime>(Runtime& rt, const AnyCacheConfig& config);
-  AnyExpertCache() = default;
+  // Everything copy-constructed (the factory's one construction, no default-then-assign).
+  AnyExpertCache(std::unique_ptr<detail::AnyCacheBase<Runtime>> impl, const CacheOptions& options,
+                 std::string_view provider, std::string_view policy, std::string_view staging, std::string_view storage,
+                 const std::string& layout)
+      : impl_(std::move(impl)),
+        options_(options),
+        provider_(provider),
+        policy_(policy),
+        staging_(staging),
+        storage_(storage),
+        layout_(layout) {}
 
   std::unique_ptr<detail::AnyCacheBase<Runtime>> impl_;
   CacheOptions options_;
@@ -943,14 +953,9 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   Made made = build();
   if (!made.ok()) return made.status();
 
-  AnyExpertCache<Runtime> cache;
-  cache.impl_ = std::move(made.value());
-  cache.options_ = config.options;
-  cache.provider_ = any_cache_providers[chosen.provider];
-  cache.policy_ = policy_names[chosen.policy];
-  cache.staging_ = staging_names[chosen.staging];
-  cache.storage_ = storage_names[chosen.storage];
-  cache.layout_ = config.layout.name;
+  AnyExpertCache<Runtime> cache(std::move(made.value()), config.options, any_cache_providers[chosen.provider],
+                                policy_names[chosen.policy], staging_names[chosen.staging],
+                                storage_names[chosen.storage], config.layout.name);
   if (config.options.log) {
     const CacheStats s = cache.stats();
     config.options.log(detail::joined_text(

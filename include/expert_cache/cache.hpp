@@ -733,6 +733,12 @@ class ExpertCacheWithEdges {
     }
     Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
     if (!planned) return planned;  // validation failed: nothing changed
+    return enqueue_plan(stream);
+  }
+
+  // prepare()'s and prepare_unique()'s common part, one copy for both: the planned forward's
+  // fills, waits and map upload.
+  Result<ForwardView> enqueue_plan(Stream stream) noexcept {
     const bool writes = !plan_.fills.empty() || resident_dirty_;
     Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
                            [&](Stream fill) noexcept {

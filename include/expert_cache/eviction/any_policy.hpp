@@ -13,6 +13,7 @@
 // held policy's, reported per instance (free_slot_order_of(policy), concepts.hpp). Host-only.
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -214,8 +215,11 @@ class AnyPolicy {
   }
 
   // The same held policy in the same state once told every hit (on copies: equality is for tests
-  // and snapshots, never the hot path).
-  friend bool operator==(const AnyPolicy& a, const AnyPolicy& b) {
+  // and snapshots, never the hot path). A template so that its body (every policy's equality)
+  // is compiled only where policies are compared.
+  template <class Self>
+    requires std::same_as<Self, AnyPolicy>
+  friend bool operator==(const Self& a, const Self& b) {
     AnyPolicy x = a, y = b;
     x.flush();
     y.flush();
