@@ -157,48 +157,129 @@ class HostRegistration {
   void* p_ = nullptr;
 };
 
-// The one implementation of the three arrangements. Construction validates the layout and
-// the caller's memory before anything is allocated or registered.
-template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
-class BasicSlotStorage {
+// The slot memory of an arrangement: per-tensor arrays (each at a multiple of `array_alignment`
+// inside a workspace) or one blob array.
+struct SlotPlan {
+  std::array<std::size_t, max_expert_tensors> offsets{};  // per-tensor arrays inside a workspace
+  std::array<std::size_t, max_expert_tensors> sizes{};
+  std::size_t bytes = 0;  // slot memory proper (what slot_bytes() reports)
+  std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
+};
+
+// What the arrangements share is plain functions of the arrangement (not templates): a build
+// that uses several arrangements compiles them once.
+inline SlotPlan slot_plan(CacheShape shape, const ExpertTensorBytes& tensors, SlotArrangement slots,
+                          std::size_t tensor_alignment, std::size_t array_alignment) {
+  SlotPlan p;
+  const auto cap = static_cast<std::size_t>(shape.capacity);
+  if (slots == SlotArrangement::blob) {
+    p.bytes = checked_pool_bytes(cap, blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
+    p.total = p.bytes;
+  } else {
+    for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+      const std::size_t b = tensors[t].bytes_per_expert;
+      if (b == 0) continue;
+      p.sizes[t] = checked_pool_bytes(cap, b, "slot buffer");
+      p.total = (p.total + array_alignment - 1) / array_alignment * array_alignment;
+      p.offsets[t] = p.total;
+      p.total += p.sizes[t];
+      p.bytes += p.sizes[t];
+    }
+  }
+  return p;
+}
+
+// The caller's memory for an arrangement, checked before anything is allocated or registered
+// (throws Error(invalid_argument) naming the span). Sets which parts are the caller's.
+struct CallerMemoryParts {
+  bool host = false;
+  bool slots = false;
+};
+inline CallerMemoryParts validate_memory(const StorageMemory& m, HostArrangement host, const ExpertTensorBytes& tensors,
+                                    std::size_t experts, std::size_t host_bytes, std::size_t blob_bytes,
+                                    std::size_t workspace_bytes) {
+  CallerMemoryParts caller;
+  if (host == HostArrangement::expert_major) {
+    if (m.caller_host_tensors()) {
+      bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
+    }
+    if (!m.host_pool.empty()) {
+      check_span(m.host_pool, host_bytes, true,
+                 "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes) + " blob bytes)");
+      caller.host = true;
+    }
+  } else {
+    if (!m.host_pool.empty()) {
+      bad_memory("host_pool given to a tensor-major host layout (it takes one host_tensors span per tensor)");
+    }
+    if (m.caller_host_tensors()) {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        const std::size_t row = tensors[t].bytes_per_expert;
+        const MemorySpan& s = m.host_tensors[t];
+        const std::string name = row != 0 ? "tensor " + std::string(tensors[t].name) : "tensor #" + std::to_string(t);
+        if (row == 0) {
+          if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
+          continue;
+        }
+        check_span(s, experts * row,
+                   true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
+        const auto b = reinterpret_cast<std::uintptr_t>(s.data);
+        for (std::size_t u = 0; u < t; ++u) {
+          const MemorySpan& o = m.host_tensors[u];
+          if (tensors[u].bytes_per_expert == 0) continue;
+          const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
+          if (b < ob + o.bytes && ob < b + s.bytes) {
+            bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors[u].name));
+          }
+        }
+      }
+      caller.host = true;
+    }
+  }
+  if (!m.slot_workspace.empty()) {
+    check_span(m.slot_workspace, workspace_bytes, false, "slot workspace");
+    caller.slots = true;
+  }
+  return caller;
+}
+
+// The one implementation of the three arrangements, the arrangement a run-time value: the
+// static storages below fix it (BasicSlotStorage), the run-time-selected cache (any_cache.hpp)
+// passes the one a config names, and both compile this one class per runtime. Construction
+// validates the layout and the caller's memory before anything is allocated or registered.
+template <allocating_runtime R>
+class ArrangedSlotStorage {
  public:
-  static constexpr HostArrangement host_arrangement = Host;
-  static constexpr SlotArrangement slot_arrangement = Slots;
-  static constexpr bool expert_contiguous = Host == HostArrangement::expert_major;
   // Tensor offsets inside a blob are rounded up to this (16-byte vector loads).
   static constexpr std::size_t tensor_alignment = 16;
   // Per-tensor slot arrays carved from a caller workspace start at this offset granularity
   // (cudaMalloc's alignment, so a carved array is placed like an allocated one).
   static constexpr std::size_t slot_array_alignment = 256;
 
-  [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
-    return detail::blob_layout(tensors, tensor_alignment);
-  }
-  // Bytes a caller slot workspace must have for this arrangement.
-  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
-    check_tensors(tensors);
-    return slot_layout(shape, tensors).total;
-  }
-
-  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : tensors_(tensors) {
+  ArrangedSlotStorage(R& rt, HostArrangement host, SlotArrangement slots, CacheShape shape,
+                      const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
+      : tensors_(tensors), host_(host), slots_(slots) {
     check_tensors(tensors);
     const auto experts = static_cast<std::size_t>(shape.num_experts);
-    const BlobLayout blob = blob_layout(tensors);
+    const BlobLayout blob = detail::blob_layout(tensors, tensor_alignment);
     offsets_ = blob.offsets;
     blob_bytes_ = blob.blob_bytes;
-    const SlotPlan plan = slot_layout(shape, tensors);
-    if constexpr (Host == HostArrangement::expert_major) {
+    const SlotPlan plan = slot_plan(shape, tensors, slots, tensor_alignment, slot_array_alignment);
+    if (host == HostArrangement::expert_major) {
       host_bytes_ = checked_pool_bytes(experts, blob_bytes_, "host pool");
     } else {
       for (std::size_t t = 0; t < max_expert_tensors; ++t)
         host_bytes_ += checked_pool_bytes(experts, tensors[t].bytes_per_expert, "host pool");
     }
     slot_bytes_ = plan.bytes;
-    validate_memory(memory, experts, plan);  // throws before anything is allocated or registered
+    // Throws before anything is allocated or registered.
+    const CallerMemoryParts caller_memory =
+        detail::validate_memory(memory, host, tensors, experts, host_bytes_, blob_bytes_, plan.total);
+    caller_host_ = caller_memory.host;
+    caller_slots_ = caller_memory.slots;
 
     // Host pools: the caller's (registered unless it says they are) or allocated.
-    if constexpr (Host == HostArrangement::expert_major) {
+    if (host == HostArrangement::expert_major) {
       if (!memory.host_pool.empty()) {
         host_pool_ = static_cast<std::byte*>(memory.host_pool.data);
         if (!memory.host_registered) host_reg_[0] = HostRegistration<R>(rt, host_pool_, host_bytes_, "the host pool");
@@ -225,7 +306,7 @@ class BasicSlotStorage {
 
     // Slots: carved from the caller's workspace or allocated (one buffer per tensor, or one blob buffer).
     std::byte* workspace = static_cast<std::byte*>(memory.slot_workspace.data);
-    if constexpr (Slots == SlotArrangement::blob) {
+    if (slots == SlotArrangement::blob) {
       if (workspace != nullptr) {
         slot_pool_ = workspace;
       } else {
@@ -246,7 +327,7 @@ class BasicSlotStorage {
     }
 
     // Copy regions.
-    if constexpr (Host == HostArrangement::expert_major && Slots == SlotArrangement::blob) {
+    if (host == HostArrangement::expert_major && slots == SlotArrangement::blob) {
       regions_.regions[0] = CopyRegion{host_pool_, slot_pool_, blob_bytes_, blob_bytes_, blob_bytes_};
       regions_.count = 1;
     } else {
@@ -267,11 +348,8 @@ class BasicSlotStorage {
     return host_base_[t] + static_cast<std::size_t>(expert) * host_stride(t);
   }
   [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
-    if constexpr (Slots == SlotArrangement::blob) {
-      return SlotTensor{slot_base_[t], blob_bytes_, tensors_[t].bytes_per_expert};
-    } else {
-      return SlotTensor{slot_base_[t], tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
-    }
+    return SlotTensor{slot_base_[t], slots_ == SlotArrangement::blob ? blob_bytes_ : tensors_[t].bytes_per_expert,
+                      tensors_[t].bytes_per_expert};
   }
   // Pool bytes, whoever owns them (caller memory included; RuntimeBuffer accounting is the
   // runtime's).
@@ -281,106 +359,14 @@ class BasicSlotStorage {
   [[nodiscard]] bool caller_host() const noexcept { return caller_host_; }
   [[nodiscard]] bool caller_slots() const noexcept { return caller_slots_; }
 
-  // Expert-major host pools.
-  [[nodiscard]] std::size_t blob_bytes() const noexcept
-    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
-  {
-    return blob_bytes_;
-  }
-  [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
-    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
-  {
-    return offsets_[t];
-  }
-  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
-    requires(Host == HostArrangement::expert_major)
-  {
-    return host_pool_ + static_cast<std::size_t>(expert) * blob_bytes_;
-  }
-  // Blob slots.
-  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
-    requires(Slots == SlotArrangement::blob)
-  {
-    return slot_pool_ + static_cast<std::size_t>(slot) * blob_bytes_;
-  }
-
- private:
-  struct SlotPlan {
-    std::array<std::size_t, max_expert_tensors> offsets{};  // per-tensor arrays inside a workspace
-    std::array<std::size_t, max_expert_tensors> sizes{};
-    std::size_t bytes = 0;  // slot memory proper (what slot_bytes() reports)
-    std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
-  };
-
-  static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors) {
-    SlotPlan p;
-    const auto cap = static_cast<std::size_t>(shape.capacity);
-    if constexpr (Slots == SlotArrangement::blob) {
-      p.bytes = checked_pool_bytes(cap, detail::blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
-      p.total = p.bytes;
-    } else {
-      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
-        const std::size_t b = tensors[t].bytes_per_expert;
-        if (b == 0) continue;
-        p.sizes[t] = checked_pool_bytes(cap, b, "slot buffer");
-        p.total = (p.total + slot_array_alignment - 1) / slot_array_alignment * slot_array_alignment;
-        p.offsets[t] = p.total;
-        p.total += p.sizes[t];
-        p.bytes += p.sizes[t];
-      }
-    }
-    return p;
-  }
-
+ protected:
   [[nodiscard]] std::size_t host_stride(std::size_t t) const noexcept {
-    return Host == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
-  }
-
-  void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
-    if constexpr (Host == HostArrangement::expert_major) {
-      if (m.caller_host_tensors()) {
-        bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
-      }
-      if (!m.host_pool.empty()) {
-        check_span(m.host_pool, host_bytes_, true,
-                   "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes_) + " blob bytes)");
-        caller_host_ = true;
-      }
-    } else {
-      if (!m.host_pool.empty()) {
-        bad_memory("host_pool given to a tensor-major host layout (it takes one host_tensors span per tensor)");
-      }
-      if (m.caller_host_tensors()) {
-        for (std::size_t t = 0; t < max_expert_tensors; ++t) {
-          const std::size_t row = tensors_[t].bytes_per_expert;
-          const MemorySpan& s = m.host_tensors[t];
-          const std::string name = row != 0 ? "tensor " + std::string(tensors_[t].name) : "tensor #" + std::to_string(t);
-          if (row == 0) {
-            if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
-            continue;
-          }
-          check_span(s, experts * row,
-                     true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
-          const auto b = reinterpret_cast<std::uintptr_t>(s.data);
-          for (std::size_t u = 0; u < t; ++u) {
-            const MemorySpan& o = m.host_tensors[u];
-            if (tensors_[u].bytes_per_expert == 0) continue;
-            const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
-            if (b < ob + o.bytes && ob < b + s.bytes) {
-              bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors_[u].name));
-            }
-          }
-        }
-        caller_host_ = true;
-      }
-    }
-    if (!m.slot_workspace.empty()) {
-      check_span(m.slot_workspace, plan.total, false, "slot workspace");
-      caller_slots_ = true;
-    }
+    return host_ == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
   }
 
   ExpertTensorBytes tensors_;
+  HostArrangement host_;
+  SlotArrangement slots_;
   std::array<std::size_t, max_expert_tensors> offsets_{};  // blob offsets
   std::size_t blob_bytes_ = 0;
   std::size_t host_bytes_ = 0;
@@ -395,6 +381,54 @@ class BasicSlotStorage {
   std::array<RuntimeBuffer<R>, max_expert_tensors> host_owned_{};
   std::array<RuntimeBuffer<R>, max_expert_tensors> slot_owned_{};
   CopyRegions regions_{};
+};
+
+// A storage whose arrangement is fixed at compile time (the three below).
+template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
+class BasicSlotStorage : public ArrangedSlotStorage<R> {
+  using Base = ArrangedSlotStorage<R>;
+
+ public:
+  static constexpr HostArrangement host_arrangement = Host;
+  static constexpr SlotArrangement slot_arrangement = Slots;
+  static constexpr bool expert_contiguous = Host == HostArrangement::expert_major;
+  using Base::slot_array_alignment;
+  using Base::tensor_alignment;
+
+  [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
+    return detail::blob_layout(tensors, tensor_alignment);
+  }
+  // Bytes a caller slot workspace must have for this arrangement.
+  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
+    check_tensors(tensors);
+    return slot_plan(shape, tensors, Slots, tensor_alignment, slot_array_alignment).total;
+  }
+
+  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
+      : Base(rt, Host, Slots, shape, tensors, memory) {}
+
+  // Expert-major host pools.
+  [[nodiscard]] std::size_t blob_bytes() const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return this->blob_bytes_;
+  }
+  [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return this->offsets_[t];
+  }
+  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
+    requires(Host == HostArrangement::expert_major)
+  {
+    return this->host_pool_ + static_cast<std::size_t>(expert) * this->blob_bytes_;
+  }
+  // Blob slots.
+  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
+    requires(Slots == SlotArrangement::blob)
+  {
+    return this->slot_pool_ + static_cast<std::size_t>(slot) * this->blob_bytes_;
+  }
 };
 }  // namespace detail
 
