@@ -176,8 +176,15 @@ inline const AnyChoice& pending_any_choice(const char* what) {
   return *any_choice_pending;
 }
 
+template <class R, class List>
+struct StorageVariantOf;
+template <class R, class... Tags>
+struct StorageVariantOf<R, TypeList<Tags...>> {
+  using type = std::variant<typename Tags::template type<R>...>;
+};
+
 // Constructs alternative `which` of a variant in place (the variant is returned as a prvalue, so
-// the alternative is never moved: executors need not be movable).
+// the alternative is never moved: neither storages nor executors need to be movable).
 template <class Variant, std::size_t I = 0, class... Args>
 Variant emplace_alternative(std::size_t which, Args&... args) {
   if constexpr (I + 1 < std::variant_size_v<Variant>) {
@@ -198,40 +205,46 @@ decltype(auto) with_alternative(Variant& v, F&& f) {
 }
 
 // A storage whose arrangement (tensor_major, expert_major, expert_major_host) is chosen at run
-// time: the static storages' own implementation (ArrangedSlotStorage) with the arrangement the
-// factory names, so one class serves every arrangement and a fill reads the regions as it does
-// from a static storage.
+// time: it holds the chosen static storage, built with the same arguments, and answers the
+// storage accessors the caches and staging policies use from copies taken at construction (the
+// copy regions and slot tensors never change), so a fill reads the regions as it does from the
+// static storage, with no dispatch.
 template <allocating_runtime R>
-class AnyArrangementStorage : public ArrangedSlotStorage<R> {
+class AnyArrangementStorage {
  public:
   // The chosen arrangement's name is AnyExpertCache::storage(); the factory never lets the
   // static cache log this one.
   static constexpr std::string_view name = "any_arrangement";
 
   AnyArrangementStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : AnyArrangementStorage(rt, arrangement_of(pending_any_choice("AnyArrangementStorage").storage), shape, tensors,
-                              memory) {}
+      : held_(emplace_alternative<Held>(pending_any_choice("AnyArrangementStorage").storage, rt, shape, tensors,
+                                        memory)) {
+    with_alternative(held_, [&](const auto& s) {
+      regions_ = s.copy_regions();
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) slot_tensors_[t] = s.slot_tensor(t);
+      host_bytes_ = s.host_bytes();
+      slot_bytes_ = s.slot_bytes();
+    });
+  }
+
+  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
+  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept { return slot_tensors_[t]; }
+  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept {
+    return with_alternative(held_, [](const auto& s) -> const ExpertTensorBytes& { return s.tensors(); });
+  }
+  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
+    return with_alternative(held_, [&](const auto& s) { return s.host_tensor(t, expert); });
+  }
+  [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
+  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
 
  private:
-  struct Arrangement {
-    HostArrangement host;
-    SlotArrangement slots;
-  };
-  AnyArrangementStorage(R& rt, Arrangement a, CacheShape shape, const ExpertTensorBytes& tensors,
-                        const StorageMemory& memory)
-      : ArrangedSlotStorage<R>(rt, a.host, a.slots, shape, tensors, memory) {}
-
-  static Arrangement arrangement_of(std::size_t which) {
-    constexpr auto arrangements = []<class... Tags>(TypeList<Tags...>) {
-      return std::array<Arrangement, sizeof...(Tags)>{
-          Arrangement{Tags::template type<RuntimeArchetype>::host_arrangement,
-                      Tags::template type<RuntimeArchetype>::slot_arrangement}...};
-    }(AnyStorages{});
-    if (which >= arrangements.size()) {
-      throw Error(ErrorCode::internal, "make_expert_cache: choice " + std::to_string(which) + " outside the erased list");
-    }
-    return arrangements[which];
-  }
+  using Held = typename StorageVariantOf<R, AnyStorages>::type;
+  Held held_;
+  CopyRegions regions_{};
+  std::array<SlotTensor, max_expert_tensors> slot_tensors_{};
+  std::size_t host_bytes_ = 0;
+  std::size_t slot_bytes_ = 0;
 };
 
 // DeviceExpertCache's policy parameter for a policy chosen at run time: the cache's executor is

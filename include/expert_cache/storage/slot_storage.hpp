@@ -243,29 +243,38 @@ inline CallerMemoryParts validate_memory(const StorageMemory& m, HostArrangement
   return caller;
 }
 
-// The one implementation of the three arrangements, the arrangement a run-time value: the
-// static storages below fix it (BasicSlotStorage), the run-time-selected cache (any_cache.hpp)
-// passes the one a config names, and both compile this one class per runtime. Construction
-// validates the layout and the caller's memory before anything is allocated or registered.
-template <allocating_runtime R>
-class ArrangedSlotStorage {
+// The one implementation of the three arrangements. Construction validates the layout and
+// the caller's memory before anything is allocated or registered.
+template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
+class BasicSlotStorage {
  public:
+  static constexpr HostArrangement host_arrangement = Host;
+  static constexpr SlotArrangement slot_arrangement = Slots;
+  static constexpr bool expert_contiguous = Host == HostArrangement::expert_major;
   // Tensor offsets inside a blob are rounded up to this (16-byte vector loads).
   static constexpr std::size_t tensor_alignment = 16;
   // Per-tensor slot arrays carved from a caller workspace start at this offset granularity
   // (cudaMalloc's alignment, so a carved array is placed like an allocated one).
   static constexpr std::size_t slot_array_alignment = 256;
 
-  ArrangedSlotStorage(R& rt, HostArrangement host, SlotArrangement slots, CacheShape shape,
-                      const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : tensors_(tensors), host_(host), slots_(slots) {
+  [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
+    return detail::blob_layout(tensors, tensor_alignment);
+  }
+  // Bytes a caller slot workspace must have for this arrangement.
+  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
+    check_tensors(tensors);
+    return slot_layout(shape, tensors).total;
+  }
+
+  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
+      : tensors_(tensors) {
     check_tensors(tensors);
     const auto experts = static_cast<std::size_t>(shape.num_experts);
-    const BlobLayout blob = detail::blob_layout(tensors, tensor_alignment);
+    const BlobLayout blob = blob_layout(tensors);
     offsets_ = blob.offsets;
     blob_bytes_ = blob.blob_bytes;
-    const SlotPlan plan = slot_plan(shape, tensors, slots, tensor_alignment, slot_array_alignment);
-    if (host == HostArrangement::expert_major) {
+    const SlotPlan plan = slot_layout(shape, tensors);
+    if constexpr (Host == HostArrangement::expert_major) {
       host_bytes_ = checked_pool_bytes(experts, blob_bytes_, "host pool");
     } else {
       for (std::size_t t = 0; t < max_expert_tensors; ++t)
@@ -274,12 +283,12 @@ class ArrangedSlotStorage {
     slot_bytes_ = plan.bytes;
     // Throws before anything is allocated or registered.
     const CallerMemoryParts caller_memory =
-        detail::validate_memory(memory, host, tensors, experts, host_bytes_, blob_bytes_, plan.total);
+        detail::validate_memory(memory, Host, tensors, experts, host_bytes_, blob_bytes_, plan.total);
     caller_host_ = caller_memory.host;
     caller_slots_ = caller_memory.slots;
 
     // Host pools: the caller's (registered unless it says they are) or allocated.
-    if (host == HostArrangement::expert_major) {
+    if constexpr (Host == HostArrangement::expert_major) {
       if (!memory.host_pool.empty()) {
         host_pool_ = static_cast<std::byte*>(memory.host_pool.data);
         if (!memory.host_registered) host_reg_[0] = HostRegistration<R>(rt, host_pool_, host_bytes_, "the host pool");
@@ -306,7 +315,7 @@ class ArrangedSlotStorage {
 
     // Slots: carved from the caller's workspace or allocated (one buffer per tensor, or one blob buffer).
     std::byte* workspace = static_cast<std::byte*>(memory.slot_workspace.data);
-    if (slots == SlotArrangement::blob) {
+    if constexpr (Slots == SlotArrangement::blob) {
       if (workspace != nullptr) {
         slot_pool_ = workspace;
       } else {
@@ -327,7 +336,7 @@ class ArrangedSlotStorage {
     }
 
     // Copy regions.
-    if (host == HostArrangement::expert_major && slots == SlotArrangement::blob) {
+    if constexpr (Host == HostArrangement::expert_major && Slots == SlotArrangement::blob) {
       regions_.regions[0] = CopyRegion{host_pool_, slot_pool_, blob_bytes_, blob_bytes_, blob_bytes_};
       regions_.count = 1;
     } else {
@@ -348,8 +357,11 @@ class ArrangedSlotStorage {
     return host_base_[t] + static_cast<std::size_t>(expert) * host_stride(t);
   }
   [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
-    return SlotTensor{slot_base_[t], slots_ == SlotArrangement::blob ? blob_bytes_ : tensors_[t].bytes_per_expert,
-                      tensors_[t].bytes_per_expert};
+    if constexpr (Slots == SlotArrangement::blob) {
+      return SlotTensor{slot_base_[t], blob_bytes_, tensors_[t].bytes_per_expert};
+    } else {
+      return SlotTensor{slot_base_[t], tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
+    }
   }
   // Pool bytes, whoever owns them (caller memory included; RuntimeBuffer accounting is the
   // runtime's).
@@ -359,14 +371,39 @@ class ArrangedSlotStorage {
   [[nodiscard]] bool caller_host() const noexcept { return caller_host_; }
   [[nodiscard]] bool caller_slots() const noexcept { return caller_slots_; }
 
- protected:
+  // Expert-major host pools.
+  [[nodiscard]] std::size_t blob_bytes() const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return blob_bytes_;
+  }
+  [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
+    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
+  {
+    return offsets_[t];
+  }
+  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
+    requires(Host == HostArrangement::expert_major)
+  {
+    return host_pool_ + static_cast<std::size_t>(expert) * blob_bytes_;
+  }
+  // Blob slots.
+  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
+    requires(Slots == SlotArrangement::blob)
+  {
+    return slot_pool_ + static_cast<std::size_t>(slot) * blob_bytes_;
+  }
+
+ private:
+  static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors) {
+    return slot_plan(shape, tensors, Slots, tensor_alignment, slot_array_alignment);
+  }
+
   [[nodiscard]] std::size_t host_stride(std::size_t t) const noexcept {
-    return host_ == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
+    return Host == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
   }
 
   ExpertTensorBytes tensors_;
-  HostArrangement host_;
-  SlotArrangement slots_;
   std::array<std::size_t, max_expert_tensors> offsets_{};  // blob offsets
   std::size_t blob_bytes_ = 0;
   std::size_t host_bytes_ = 0;
@@ -381,54 +418,6 @@ class ArrangedSlotStorage {
   std::array<RuntimeBuffer<R>, max_expert_tensors> host_owned_{};
   std::array<RuntimeBuffer<R>, max_expert_tensors> slot_owned_{};
   CopyRegions regions_{};
-};
-
-// A storage whose arrangement is fixed at compile time (the three below).
-template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
-class BasicSlotStorage : public ArrangedSlotStorage<R> {
-  using Base = ArrangedSlotStorage<R>;
-
- public:
-  static constexpr HostArrangement host_arrangement = Host;
-  static constexpr SlotArrangement slot_arrangement = Slots;
-  static constexpr bool expert_contiguous = Host == HostArrangement::expert_major;
-  using Base::slot_array_alignment;
-  using Base::tensor_alignment;
-
-  [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
-    return detail::blob_layout(tensors, tensor_alignment);
-  }
-  // Bytes a caller slot workspace must have for this arrangement.
-  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
-    check_tensors(tensors);
-    return slot_plan(shape, tensors, Slots, tensor_alignment, slot_array_alignment).total;
-  }
-
-  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : Base(rt, Host, Slots, shape, tensors, memory) {}
-
-  // Expert-major host pools.
-  [[nodiscard]] std::size_t blob_bytes() const noexcept
-    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
-  {
-    return this->blob_bytes_;
-  }
-  [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
-    requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
-  {
-    return this->offsets_[t];
-  }
-  [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
-    requires(Host == HostArrangement::expert_major)
-  {
-    return this->host_pool_ + static_cast<std::size_t>(expert) * this->blob_bytes_;
-  }
-  // Blob slots.
-  [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
-    requires(Slots == SlotArrangement::blob)
-  {
-    return this->slot_pool_ + static_cast<std::size_t>(slot) * this->blob_bytes_;
-  }
 };
 }  // namespace detail
 
