@@ -70,7 +70,6 @@
 
 #include "expert_cache/cache.hpp"
 #include "expert_cache/concepts.hpp"
-#include "expert_cache/detail/log_line.hpp"
 #include "expert_cache/device_cache.hpp"
 #include "expert_cache/eviction/any_policy.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
@@ -703,17 +702,7 @@ class AnyExpertCache {
 
  private:
   friend Result<AnyExpertCache> make_expert_cache<Runtime>(Runtime& rt, const AnyCacheConfig& config);
-  // Everything copy-constructed (the factory's one construction, no default-then-assign).
-  AnyExpertCache(std::unique_ptr<detail::AnyCacheBase<Runtime>> impl, const CacheOptions& options,
-                 std::string_view provider, std::string_view policy, std::string_view staging, std::string_view storage,
-                 const std::string& layout)
-      : impl_(std::move(impl)),
-        options_(options),
-        provider_(provider),
-        policy_(policy),
-        staging_(staging),
-        storage_(storage),
-        layout_(layout) {}
+  AnyExpertCache() = default;
 
   std::unique_ptr<detail::AnyCacheBase<Runtime>> impl_;
   CacheOptions options_;
@@ -953,16 +942,22 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   Made made = build();
   if (!made.ok()) return made.status();
 
-  AnyExpertCache<Runtime> cache(std::move(made.value()), config.options, any_cache_providers[chosen.provider],
-                                policy_names[chosen.policy], staging_names[chosen.staging],
-                                storage_names[chosen.storage], config.layout.name);
+  AnyExpertCache<Runtime> cache;
+  cache.impl_ = std::move(made.value());
+  cache.options_ = config.options;
+  cache.provider_ = any_cache_providers[chosen.provider];
+  cache.policy_ = policy_names[chosen.policy];
+  cache.staging_ = staging_names[chosen.staging];
+  cache.storage_ = storage_names[chosen.storage];
+  cache.layout_ = config.layout.name;
   if (config.options.log) {
     const CacheStats s = cache.stats();
-    config.options.log(detail::joined_text(
-        {config.options.label, ": ", cache.provider_, " provider, ", cache.policy_, "/", cache.staging_, "/",
-         cache.storage_, "/", cache.layout_, ", ", detail::DecimalText(config.options.capacity), " of ",
-         detail::DecimalText(config.options.num_experts), " experts, slot bytes ", detail::DecimalText(s.slot_bytes),
-         ", host bytes ", detail::DecimalText(s.host_bytes)}));
+    config.options.log(config.options.label + ": " + std::string(cache.provider_) + " provider, " +
+                       std::string(cache.policy_) + "/" + std::string(cache.staging_) + "/" +
+                       std::string(cache.storage_) + "/" + cache.layout_ + ", " +
+                       std::to_string(config.options.capacity) + " of " + std::to_string(config.options.num_experts) +
+                       " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
+                       std::to_string(s.host_bytes));
   }
   return Result<AnyExpertCache<Runtime>>(std::move(cache));
 }

@@ -32,7 +32,6 @@
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/core/ordering_core.hpp"
-#include "expert_cache/detail/log_line.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/nvtx.hpp"
 #include "expert_cache/planner.hpp"
@@ -219,11 +218,11 @@ class ExpertCacheWithEdges {
     wide_map_.assign(experts, absent_slot);
     if (options_.log) {
       const CacheStats s = stats();
-      options_.log(detail::joined_text({options_.label, ": ", EvictionPolicy::name, "/", StagingPolicy::name, "/",
-                                        StorageType::name, "/", Layout::name, ", ", detail::DecimalText(options_.capacity),
-                                        " of ", detail::DecimalText(options_.num_experts), " experts, slot bytes ",
-                                        detail::DecimalText(s.slot_bytes), ", host bytes ",
-                                        detail::DecimalText(s.host_bytes)}));
+      options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
+                   "/" + std::string(StorageType::name) + "/" + std::string(Layout::name) + ", " +
+                   std::to_string(options_.capacity) + " of " + std::to_string(options_.num_experts) +
+                   " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
+                   std::to_string(s.host_bytes));
     }
   }
 
@@ -365,12 +364,11 @@ class ExpertCacheWithEdges {
     if (fell_back && !wide_fallback_logged_ && options_.log) {
       wide_fallback_logged_ = true;
       try {
-        options_.log(detail::joined_text(
-            {options_.label,
-             ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan resistant): "
-             "CacheOptions::stream_slots is ",
-             detail::DecimalText(options_.stream_slots), "; recommended_stream_slots() gives ",
-             detail::DecimalText(recommended_stream_slots(options_.capacity, options_.top_k))}));
+        options_.log(options_.label +
+                     ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan resistant): "
+                     "CacheOptions::stream_slots is " +
+                     std::to_string(options_.stream_slots) + "; recommended_stream_slots() gives " +
+                     std::to_string(recommended_stream_slots(options_.capacity, options_.top_k)));
       } catch (...) {  // a failing log sink does not fail the forward
       }
     }
@@ -733,12 +731,6 @@ class ExpertCacheWithEdges {
     }
     Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
     if (!planned) return planned;  // validation failed: nothing changed
-    return enqueue_plan(stream);
-  }
-
-  // prepare()'s and prepare_unique()'s common part, one copy for both: the planned forward's
-  // fills, waits and map upload.
-  Result<ForwardView> enqueue_plan(Stream stream) noexcept {
     const bool writes = !plan_.fills.empty() || resident_dirty_;
     Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
                            [&](Stream fill) noexcept {

@@ -50,19 +50,16 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "expert_cache/cache.hpp"
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/core/ordering_core.hpp"
-#include "expert_cache/detail/log_line.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
@@ -566,12 +563,10 @@ class DeviceExpertCacheWithEdges {
     bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
     if (options_.log) {
       const CacheStats s = stats();
-      options_.log(detail::joined_text({options_.label, ": device-planned ", Policy::name, "/inline/", StorageType::name,
-                                        "/", Layout::name, ", ", detail::DecimalText(options_.capacity), " of ",
-                                        detail::DecimalText(options_.num_experts), " experts, up to ",
-                                        detail::DecimalText(options_.max_ids), " ids, slot bytes ",
-                                        detail::DecimalText(s.slot_bytes), ", host bytes ",
-                                        detail::DecimalText(s.host_bytes)}));
+      options_.log(options_.label + ": device-planned " + std::string(Policy::name) + "/inline/" + std::string(StorageType::name) + "/" +
+                   std::string(Layout::name) + ", " + std::to_string(options_.capacity) + " of " +
+                   std::to_string(options_.num_experts) + " experts, up to " + std::to_string(options_.max_ids) +
+                   " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes));
     }
   }
   DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
@@ -883,24 +878,10 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
-  // A call's own device step, by reference: every public call goes through ONE instantiation of
-  // the core's write protocol (a step is a plan launch, so the indirect call is noise beside it).
-  struct StepRef {
-    void* object;
-    Status (*call)(void*, Stream, bool&) noexcept;
-  };
-  template <class Step>
-  Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
-    using S = std::remove_reference_t<Step>;
-    return write_step(stream, purpose,
-                      StepRef{static_cast<void*>(std::addressof(step)), [](void* o, Stream f, bool& planned) noexcept {
-                                return (*static_cast<S*>(o))(f, planned);
-                              }});
-  }
-
   // One call through the core's write entry. Before its own step, a pending recovery drops the
   // experts of a plan whose fill never got enqueued.
-  Status write_step(Stream stream, WritePurpose purpose, StepRef step) noexcept {
+  template <class Step>
+  Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
     bool planned = false;
     // Overlap: the last fill joins its stream first, so the core's records there cover it.
     if (Status j = exec_.join_fills(); !j) {
@@ -912,7 +893,7 @@ class DeviceExpertCacheWithEdges {
         if (Status d = exec_.drop_fills(f); !d) return d;
         drop_pending_ = false;
       }
-      Status r = step.call(step.object, f, planned);
+      Status r = step(f, planned);
       if (!r && planned) drop_pending_ = true;
       return r;
     });

@@ -180,10 +180,8 @@ class [[nodiscard]] Result {
   /// A value (implicit, so `return value;` works).
   Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit by design
   /// An error (implicit, so `return status;` works); an ok status becomes unexpected_ok().
-  /// Cold: every error return builds one, so it stays out of the callers' hot code. By
-  /// reference: a Status is large (its message is inline), and a by-value parameter is one more
-  /// copy of it in every error return.
-  [[gnu::cold]] Result(const E& error) : storage_(error) {  // NOLINT
+  /// Cold: every error return builds one, so it stays out of the callers' hot code.
+  [[gnu::cold]] Result(E error) : storage_(std::move(error)) {  // NOLINT
     if (std::get<E>(storage_).ok()) storage_ = E::unexpected_ok();
   }
 

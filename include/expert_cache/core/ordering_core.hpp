@@ -47,7 +47,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -278,14 +277,6 @@ class OrderingCore {
   template <class Writes>
     requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
   Status wide_fill(Stream caller, std::size_t buffer, MapUpload resident, Writes&& writes) noexcept {
-    using W = std::remove_reference_t<Writes>;
-    return wide_fill_by_ref(caller, buffer, resident, static_cast<void*>(std::addressof(writes)),
-                            [](void* w, Stream f) noexcept -> Status { return (*static_cast<W*>(w))(f); });
-  }
-  // wide_fill's protocol, one copy for every call site (a round's writes are copies; the
-  // indirect call is noise beside them).
-  Status wide_fill_by_ref(Stream caller, std::size_t buffer, MapUpload resident, void* writes_object,
-                          Status (*writes_call)(void*, Stream) noexcept) noexcept {
     const Stream fill = fill_stream(caller);
     if (buffer >= wide_release_.size()) return Status(ErrorCode::internal, "wide_fill before wide_begin");
     if constexpr (Edges::wide_buffer_release) {
@@ -296,7 +287,7 @@ class OrderingCore {
     }
     wide_released_[buffer] = false;
     last_fill_ = fill;
-    Status s = writes_call(writes_object, fill);
+    Status s = writes(fill);
     if (s && resident.host != nullptr) {
       s = upload_map(resident.host, resident.device, Edges::resident_map_serialised ? fill : caller, resident.entries);
     }

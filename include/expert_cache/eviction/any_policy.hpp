@@ -13,7 +13,6 @@
 // held policy's, reported per instance (free_slot_order_of(policy), concepts.hpp). Host-only.
 #include <algorithm>
 #include <array>
-#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -101,7 +100,10 @@ class AnyPolicy {
   // Holds `policy`, a policy for `shape` that has seen no call yet.
   template <class P>
     requires(!std::is_same_v<std::remove_cvref_t<P>, AnyPolicy> && std::is_constructible_v<Variant, P &&>)
-  AnyPolicy(P&& policy, CacheShape shape) : AnyPolicy(std::make_unique<Variant>(std::forward<P>(policy)), shape) {}
+  AnyPolicy(P&& policy, CacheShape shape)
+      : held_(std::make_unique<Variant>(std::forward<P>(policy))),
+        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
+        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
 
   // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
   // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
@@ -215,11 +217,8 @@ class AnyPolicy {
   }
 
   // The same held policy in the same state once told every hit (on copies: equality is for tests
-  // and snapshots, never the hot path). A template so that its body (every policy's equality)
-  // is compiled only where policies are compared.
-  template <class Self>
-    requires std::same_as<Self, AnyPolicy>
-  friend bool operator==(const Self& a, const Self& b) {
+  // and snapshots, never the hot path).
+  friend bool operator==(const AnyPolicy& a, const AnyPolicy& b) {
     AnyPolicy x = a, y = b;
     x.flush();
     y.flush();
@@ -228,25 +227,11 @@ class AnyPolicy {
 
  private:
 
-  // What every construction shares, once: the held policy (already on the heap), then the
-  // residency and forward buffers (allocated after it, as they always were).
-  [[gnu::noinline]] AnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
-      : held_(std::move(held)),
-        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
-        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
-
-  // One small function per policy, picked from a table (make's index is in range).
-  template <std::size_t I>
-  static AnyPolicy build_at(CacheShape shape, const PoolLayout& pool) {
-    using P = std::variant_alternative_t<I, Variant>;
-    P policy = build<P>(shape, pool);  // the policy's own memory first, then its heap copy
-    return AnyPolicy(std::make_unique<Variant>(std::in_place_index<I>, std::move(policy)), shape);
-  }
   template <std::size_t... I>
   static AnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
-    using Build = AnyPolicy (*)(CacheShape, const PoolLayout&);
-    static constexpr std::array<Build, sizeof...(I)> builds = {&build_at<I>...};
-    return builds[index](shape, pool);
+    std::optional<AnyPolicy> out;
+    ((I == index ? (void)out.emplace(build<std::variant_alternative_t<I, Variant>>(shape, pool), shape) : void()), ...);
+    return std::move(*out);
   }
   template <class P>
   static P build(CacheShape shape, const PoolLayout& pool) {

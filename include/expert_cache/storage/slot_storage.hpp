@@ -157,92 +157,6 @@ class HostRegistration {
   void* p_ = nullptr;
 };
 
-// The slot memory of an arrangement: per-tensor arrays (each at a multiple of `array_alignment`
-// inside a workspace) or one blob array.
-struct SlotPlan {
-  std::array<std::size_t, max_expert_tensors> offsets{};  // per-tensor arrays inside a workspace
-  std::array<std::size_t, max_expert_tensors> sizes{};
-  std::size_t bytes = 0;  // slot memory proper (what slot_bytes() reports)
-  std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
-};
-
-// What the arrangements share is plain functions of the arrangement (not templates): a build
-// that uses several arrangements compiles them once.
-inline SlotPlan slot_plan(CacheShape shape, const ExpertTensorBytes& tensors, SlotArrangement slots,
-                          std::size_t tensor_alignment, std::size_t array_alignment) {
-  SlotPlan p;
-  const auto cap = static_cast<std::size_t>(shape.capacity);
-  if (slots == SlotArrangement::blob) {
-    p.bytes = checked_pool_bytes(cap, blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
-    p.total = p.bytes;
-  } else {
-    for (std::size_t t = 0; t < max_expert_tensors; ++t) {
-      const std::size_t b = tensors[t].bytes_per_expert;
-      if (b == 0) continue;
-      p.sizes[t] = checked_pool_bytes(cap, b, "slot buffer");
-      p.total = (p.total + array_alignment - 1) / array_alignment * array_alignment;
-      p.offsets[t] = p.total;
-      p.total += p.sizes[t];
-      p.bytes += p.sizes[t];
-    }
-  }
-  return p;
-}
-
-// The caller's memory for an arrangement, checked before anything is allocated or registered
-// (throws Error(invalid_argument) naming the span). Sets which parts are the caller's.
-struct CallerMemoryParts {
-  bool host = false;
-  bool slots = false;
-};
-inline CallerMemoryParts validate_memory(const StorageMemory& m, HostArrangement host, const ExpertTensorBytes& tensors,
-                                    std::size_t experts, std::size_t host_bytes, std::size_t blob_bytes,
-                                    std::size_t workspace_bytes) {
-  CallerMemoryParts caller;
-  if (host == HostArrangement::expert_major) {
-    if (m.caller_host_tensors()) {
-      bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
-    }
-    if (!m.host_pool.empty()) {
-      check_span(m.host_pool, host_bytes, true,
-                 "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes) + " blob bytes)");
-      caller.host = true;
-    }
-  } else {
-    if (!m.host_pool.empty()) {
-      bad_memory("host_pool given to a tensor-major host layout (it takes one host_tensors span per tensor)");
-    }
-    if (m.caller_host_tensors()) {
-      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
-        const std::size_t row = tensors[t].bytes_per_expert;
-        const MemorySpan& s = m.host_tensors[t];
-        const std::string name = row != 0 ? "tensor " + std::string(tensors[t].name) : "tensor #" + std::to_string(t);
-        if (row == 0) {
-          if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
-          continue;
-        }
-        check_span(s, experts * row,
-                   true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
-        const auto b = reinterpret_cast<std::uintptr_t>(s.data);
-        for (std::size_t u = 0; u < t; ++u) {
-          const MemorySpan& o = m.host_tensors[u];
-          if (tensors[u].bytes_per_expert == 0) continue;
-          const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
-          if (b < ob + o.bytes && ob < b + s.bytes) {
-            bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors[u].name));
-          }
-        }
-      }
-      caller.host = true;
-    }
-  }
-  if (!m.slot_workspace.empty()) {
-    check_span(m.slot_workspace, workspace_bytes, false, "slot workspace");
-    caller.slots = true;
-  }
-  return caller;
-}
-
 // The one implementation of the three arrangements. Construction validates the layout and
 // the caller's memory before anything is allocated or registered.
 template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
@@ -281,11 +195,7 @@ class BasicSlotStorage {
         host_bytes_ += checked_pool_bytes(experts, tensors[t].bytes_per_expert, "host pool");
     }
     slot_bytes_ = plan.bytes;
-    // Throws before anything is allocated or registered.
-    const CallerMemoryParts caller_memory =
-        detail::validate_memory(memory, Host, tensors, experts, host_bytes_, blob_bytes_, plan.total);
-    caller_host_ = caller_memory.host;
-    caller_slots_ = caller_memory.slots;
+    validate_memory(memory, experts, plan);  // throws before anything is allocated or registered
 
     // Host pools: the caller's (registered unless it says they are) or allocated.
     if constexpr (Host == HostArrangement::expert_major) {
@@ -395,12 +305,79 @@ class BasicSlotStorage {
   }
 
  private:
+  struct SlotPlan {
+    std::array<std::size_t, max_expert_tensors> offsets{};  // per-tensor arrays inside a workspace
+    std::array<std::size_t, max_expert_tensors> sizes{};
+    std::size_t bytes = 0;  // slot memory proper (what slot_bytes() reports)
+    std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
+  };
+
   static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors) {
-    return slot_plan(shape, tensors, Slots, tensor_alignment, slot_array_alignment);
+    SlotPlan p;
+    const auto cap = static_cast<std::size_t>(shape.capacity);
+    if constexpr (Slots == SlotArrangement::blob) {
+      p.bytes = checked_pool_bytes(cap, detail::blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
+      p.total = p.bytes;
+    } else {
+      for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+        const std::size_t b = tensors[t].bytes_per_expert;
+        if (b == 0) continue;
+        p.sizes[t] = checked_pool_bytes(cap, b, "slot buffer");
+        p.total = (p.total + slot_array_alignment - 1) / slot_array_alignment * slot_array_alignment;
+        p.offsets[t] = p.total;
+        p.total += p.sizes[t];
+        p.bytes += p.sizes[t];
+      }
+    }
+    return p;
   }
 
   [[nodiscard]] std::size_t host_stride(std::size_t t) const noexcept {
     return Host == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
+  }
+
+  void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
+    if constexpr (Host == HostArrangement::expert_major) {
+      if (m.caller_host_tensors()) {
+        bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
+      }
+      if (!m.host_pool.empty()) {
+        check_span(m.host_pool, host_bytes_, true,
+                   "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes_) + " blob bytes)");
+        caller_host_ = true;
+      }
+    } else {
+      if (!m.host_pool.empty()) {
+        bad_memory("host_pool given to a tensor-major host layout (it takes one host_tensors span per tensor)");
+      }
+      if (m.caller_host_tensors()) {
+        for (std::size_t t = 0; t < max_expert_tensors; ++t) {
+          const std::size_t row = tensors_[t].bytes_per_expert;
+          const MemorySpan& s = m.host_tensors[t];
+          const std::string name = row != 0 ? "tensor " + std::string(tensors_[t].name) : "tensor #" + std::to_string(t);
+          if (row == 0) {
+            if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
+            continue;
+          }
+          check_span(s, experts * row,
+                     true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
+          const auto b = reinterpret_cast<std::uintptr_t>(s.data);
+          for (std::size_t u = 0; u < t; ++u) {
+            const MemorySpan& o = m.host_tensors[u];
+            if (tensors_[u].bytes_per_expert == 0) continue;
+            const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
+            if (b < ob + o.bytes && ob < b + s.bytes) {
+              bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors_[u].name));
+            }
+          }
+        }
+        caller_host_ = true;
+      }
+    }
+    if (!m.slot_workspace.empty()) {
+      check_span(m.slot_workspace, plan.total, false, "slot workspace");
+      caller_slots_ = true;
+    }
   }
 
   ExpertTensorBytes tensors_;
