@@ -257,3 +257,15 @@ TEST_CASE("device plan on several threads equals the sequential plan: DeviceLfru
 TEST_CASE("device plan on several threads equals the sequential plan: DeviceCrf") { run_shapes<DeviceCrf>(); }
 TEST_CASE("a corrupted state fails alike by rank and by arg-min: DeviceLru") { corrupted_state_fails_alike<DeviceLru>(); }
 TEST_CASE("a corrupted state fails alike by rank and by arg-min: DeviceCrf") { corrupted_state_fails_alike<DeviceCrf>(); }
+
+TEST_CASE("plan_by_rank: ranks only where a pass over the keys costs less than the arg-mins") {
+  // The GPU's planning block: 256 threads, the decode default of 208 slots (one slot per thread).
+  CHECK(!plan_by_rank(true, 2, 208, 256));
+  CHECK(plan_by_rank(true, 3, 208, 256));    // LRU from 3 victims
+  CHECK(!plan_by_rank(false, 5, 208, 256));
+  CHECK(plan_by_rank(false, 6, 208, 256));   // DeviceCrf from 6
+  CHECK(!plan_by_rank(true, 1, 1, 256));     // one victim: never (an arg-min is one pass already)
+  // Two slots per thread double the pass: 512 slots need 2 * 512 / 80 = 12.8, so 13 LRU victims.
+  CHECK(!plan_by_rank(true, 12, 512, 256));
+  CHECK(plan_by_rank(true, 13, 512, 256));
+}
