@@ -864,13 +864,9 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      Progress& progress, std::vector<std::string>& notes, bool overlap = false,
                      const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "") {
-  if (a.device_policy == "lfru") {
-    return run_device_with<DeviceLfru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
-  }
-  if (a.device_policy == "crf") {
-    return run_device_with<DeviceCrf>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
-  }
-  return run_device_with<DeviceLru>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
+  return visit_device_policy(a.device_policy, [&]<class Policy>(Policy) {
+    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
+  });
 }
 
 // --budget: the per-layer time budget of the device step from the rows that leave a stage out

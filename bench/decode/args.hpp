@@ -14,6 +14,7 @@
 
 #include "../cli_args.hpp"
 #include "expert_cache/planning/crf_math.hpp"
+#include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
 
 namespace expert_cache::bench {
@@ -385,6 +386,14 @@ inline bool device_policy_labelled(const BenchArgs& a) {
 }
 inline std::string provider_label(const std::string& provider, const std::string& device_policy) {
   return device_policy.empty() ? provider : provider + ":" + device_policy;
+}
+// Calls f with a value of the device policy type that `name` names (lru, lfru, crf; validated
+// with the arguments, anything else is lru).
+template <class F>
+decltype(auto) visit_device_policy(const std::string& name, F&& f) {
+  if (name == "lfru") return f(DeviceLfru{});
+  if (name == "crf") return f(DeviceCrf{});
+  return f(DeviceLru{});
 }
 // The arguments one device row runs with: its policy as the policy.
 inline BenchArgs with_device_policy(const BenchArgs& a, const RunConfig& c) {

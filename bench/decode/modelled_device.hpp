@@ -295,9 +295,9 @@ RunResult run_sim_device_with(const Model& m, const Routing& routing, const Benc
 // The policy of a.device_policy (lru, lfru, crf; the arguments were validated).
 inline RunResult run_sim_device(const Model& m, const Routing& routing, const BenchArgs& a, const SimCosts& costs,
                                 Progress& progress) {
-  if (a.device_policy == "lfru") return run_sim_device_with<DeviceLfru>(m, routing, a, costs, progress);
-  if (a.device_policy == "crf") return run_sim_device_with<DeviceCrf>(m, routing, a, costs, progress);
-  return run_sim_device_with<DeviceLru>(m, routing, a, costs, progress);
+  return visit_device_policy(a.device_policy, [&]<class Policy>(Policy) {
+    return run_sim_device_with<Policy>(m, routing, a, costs, progress);
+  });
 }
 
 }  // namespace expert_cache::bench

@@ -812,16 +812,13 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
       BenchArgs pa = a;
       pa.device_policy = policy;
       const std::string label = provider_label("device", device_policy_labelled(a) ? policy : std::string());
-      if (policy == "lfru") {
-        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceLfru>>(
-            "device (tensor-major, DeviceLfru, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
-      } else if (policy == "crf") {
-        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceCrf>>(
-            "device (tensor-major, DeviceCrf, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
-      } else {
-        failures += run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, DeviceLru>>(
-            "device (tensor-major, DeviceLru, planned on the GPU)", m, pa, rt, consumer, ceiling, resident, label.c_str());
-      }
+      failures += visit_device_policy(policy, [&]<class Policy>(Policy) {
+        std::string type(Policy::name);  // lru -> DeviceLru, as the policy's type is spelled
+        type[0] = static_cast<char>(type[0] - 'a' + 'A');
+        const std::string name = "device (tensor-major, Device" + type + ", planned on the GPU)";
+        return run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>>(
+            name.c_str(), m, pa, rt, consumer, ceiling, resident, label.c_str());
+      });
     }
   }
   if (failures != 0) {
