@@ -23,7 +23,7 @@ git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
 
 gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_moe_consumer_host tests/test_gpu_moe_grouped tests/test_gpu_device_plan
            tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda
-           tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda examples/quickstart_cuda)
+           tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda tests/any_cache_cuda_header_only examples/quickstart_cuda)
 subset=${GPU_TESTS:-}
 if [ -n "$subset" ]; then read -r -a gpu_tests <<< "$subset"; fi
 gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging bench/bench_consumer_host)
@@ -48,10 +48,13 @@ test)
   meson test -C "$build" --no-rebuild --suite gpu --print-errorlogs >"$out/gpu_tests.log" 2>&1 || status=1
   grep -E "^ *[0-9]+/[0-9]+ |^Ok:|^Fail:|^Skipped:" "$out/gpu_tests.log" | tee -a "$out/summary.txt"
   # The device-planned paths under compute-sanitizer, with shortened runs (the tools are slow).
+  # The edge tests' negative halves (a launch without its ordering edge must race) are left out here:
+  # the tools serialise kernels, so the race they provoke cannot happen under them.
   export EXPERT_CACHE_DPLAN_STEPS=20 EXPERT_CACHE_DPLAN_REPLAYS=40 EXPERT_CACHE_DCACHE_STEPS=12
   for tool in memcheck racecheck synccheck; do
     for t in test_gpu_device_plan test_gpu_device_cache; do
-      if compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/$t" >"$out/sanitize_${tool}_$t.log" 2>&1; then
+      if compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/$t" --test-case-exclude='*(edge D6)*' \
+          >"$out/sanitize_${tool}_$t.log" 2>&1; then
         note "compute-sanitizer $tool $t: clean ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$t.log" | tail -1))"
       else
         note "compute-sanitizer $tool $t: FAILED"; tail -20 "$out/sanitize_${tool}_$t.log"; status=1
