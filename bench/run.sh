@@ -11,7 +11,7 @@ export PATH="/usr/local/cuda/bin:$PATH"
 # Meson from Debian, or the Python package where only that exists (some CUDA images ship Meson only as a Python package).
 meson() { if command -v meson >/dev/null 2>&1; then command meson "$@"; else python3 -m mesonbuild.mesonmain "$@"; fi; }
 gpu=0
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then gpu=1; fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep '^GPU ' >/dev/null; then gpu=1; fi
 if [ "$gpu" = 1 ] && command -v nvcc >/dev/null 2>&1; then
   dir=build-bench-cuda cuda=enabled
 else

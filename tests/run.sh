@@ -20,15 +20,17 @@ command -v nvcc >/dev/null 2>&1 && cuda=enabled
 # builds real sm_90 code at full optimisation. With a GPU present this script does the same.
 main_flags=()
 cuda_args=()
-if [ $cuda = enabled ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep -q '^GPU'; }; then
+# (grep without -q in these pipelines: -q exits at the first match, the writer then dies of SIGPIPE
+# and pipefail turns the match into a failure.)
+if [ $cuda = enabled ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; }; then
   main_flags=(-Dgpu_arch=compute_90)
-  nvcc --help 2>/dev/null | grep -q -- '--Ofast-compile' && cuda_args+=(-Ofc=max)
+  nvcc --help 2>/dev/null | grep -- '--Ofast-compile' >/dev/null && cuda_args+=(-Ofc=max)
 fi
 # g++ (the main build's compiler, and nvcc's host compiler) collects garbage as its heap grows;
 # starting that only past 2 GiB of heap saves 10-14% of the CPU of these template-heavy units
 # for about 25% more peak memory (about 1.2 GB for the largest). Code and warnings are the same.
 cpp_args=()
-if "${CXX:-c++}" --version 2>/dev/null | grep -q 'Free Software Foundation'; then
+if "${CXX:-c++}" --version 2>/dev/null | grep 'Free Software Foundation' >/dev/null; then
   cpp_args=(--param=ggc-min-expand=100 --param=ggc-min-heapsize=2097152)
   cuda_args+=(-Xcompiler=--param=ggc-min-expand=100 -Xcompiler=--param=ggc-min-heapsize=2097152)
 fi
