@@ -66,9 +66,29 @@ class ShadowMemory {
   void check(std::uintptr_t lo, std::size_t bytes, const AccessRec& acc, const Clock& clock, std::size_t max_races,
              Describe&& describe) {
     const std::uintptr_t hi = lo + bytes;
+    found_.clear();
+    // Most accesses cover exactly one existing segment (the same buffer range again): no split,
+    // and a write replaces that segment's history in place.
+    if (auto it = shadow_.find(lo); it != shadow_.end() && it->second.end == hi) {
+      Segment& seg = it->second;
+      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, lo, hi, max_races);
+      if (acc.mode == AccessMode::write)
+        for (const AccessRec& r : seg.reads)
+          if (!happens_before(r, clock)) report(r, acc, lo, hi, max_races);
+      for (const std::size_t i : found_) describe(races_[i]);
+      if (acc.mode == AccessMode::write) {
+        seg.has_write = true;
+        seg.write = acc;
+        seg.reads.clear();
+      } else {
+        std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
+        seg.reads.push_back(acc);
+      }
+      coalesce_from(it == shadow_.begin() ? it : std::prev(it), hi);
+      return;
+    }
     split_at(lo);
     split_at(hi);
-    found_.clear();
     for (auto it = shadow_.lower_bound(lo); it != shadow_.end() && it->first < hi; ++it) {
       Segment& seg = it->second;
       if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, it->first, seg.end, max_races);
@@ -147,6 +167,10 @@ class ShadowMemory {
   void coalesce(std::uintptr_t lo, std::uintptr_t hi) {
     auto it = shadow_.lower_bound(lo);
     if (it != shadow_.begin()) --it;
+    coalesce_from(it, hi);
+  }
+  // The same from `it`, the segment before lo's (or the first one).
+  void coalesce_from(std::map<std::uintptr_t, Segment>::iterator it, std::uintptr_t hi) {
     while (it != shadow_.end() && it->first <= hi) {
       auto nx = std::next(it);
       if (nx == shadow_.end()) break;
