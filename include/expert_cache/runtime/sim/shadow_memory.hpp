@@ -67,9 +67,27 @@ class ShadowMemory {
              Describe&& describe) {
     const std::uintptr_t hi = lo + bytes;
     found_.clear();
-    // Most accesses cover exactly one existing segment (the same buffer range again): no split,
-    // and a write replaces that segment's history in place.
-    if (auto it = shadow_.find(lo); it != shadow_.end() && it->second.end == hi) {
+    // Two common cases need no split: an access that covers exactly one existing segment (the
+    // same buffer range again; a write replaces its history in place), and one that overlaps no
+    // history at all (a first touch: one new segment, nothing to check).
+    auto it = shadow_.lower_bound(lo);
+    if (it == shadow_.end() || it->first >= hi) {
+      auto before = it == shadow_.begin() ? shadow_.end() : std::prev(it);
+      if (before == shadow_.end() || before->second.end <= lo) {
+        Segment seg;
+        seg.end = hi;
+        if (acc.mode == AccessMode::write) {
+          seg.has_write = true;
+          seg.write = acc;
+        } else {
+          seg.reads.push_back(acc);
+        }
+        const auto added = shadow_.emplace_hint(it, lo, std::move(seg));
+        coalesce_from(before == shadow_.end() ? added : before, hi);
+        return;
+      }
+    }
+    if (it != shadow_.end() && it->first == lo && it->second.end == hi) {
       Segment& seg = it->second;
       if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, lo, hi, max_races);
       if (acc.mode == AccessMode::write)
