@@ -105,14 +105,21 @@ class ShadowMemory {
       coalesce_from(it == shadow_.begin() ? it : std::prev(it), hi);
       return;
     }
+    // Inside one segment (a part of a buffer range recorded whole): that segment's history is
+    // checked, and it is cut into the parts before, inside and after the access.
+    auto holder = (it != shadow_.end() && it->first == lo) ? it : (it == shadow_.begin() ? shadow_.end() : std::prev(it));
+    if (holder != shadow_.end() && holder->first <= lo && holder->second.end >= hi) {
+      record_inside(holder, lo, hi, acc, clock, max_races, describe);
+      return;
+    }
     split_at(lo);
     split_at(hi);
-    for (auto it = shadow_.lower_bound(lo); it != shadow_.end() && it->first < hi; ++it) {
-      Segment& seg = it->second;
-      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, it->first, seg.end, max_races);
+    for (auto part = shadow_.lower_bound(lo); part != shadow_.end() && part->first < hi; ++part) {
+      Segment& seg = part->second;
+      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, part->first, seg.end, max_races);
       if (acc.mode == AccessMode::write)
         for (const AccessRec& r : seg.reads)
-          if (!happens_before(r, clock)) report(r, acc, it->first, seg.end, max_races);
+          if (!happens_before(r, clock)) report(r, acc, part->first, seg.end, max_races);
     }
     for (const std::size_t i : found_) describe(races_[i]);
 
@@ -161,6 +168,43 @@ class ShadowMemory {
     AccessRec write;
     std::vector<AccessRec> reads;  // none happens-before another
   };
+
+  // check() for [lo, hi) inside the one segment `holder` (not equal to it): the same reports and the
+  // same resulting segments as splitting at lo and hi, then recording the access on the middle part.
+  template <class Describe>
+  void record_inside(std::map<std::uintptr_t, Segment>::iterator holder, std::uintptr_t lo, std::uintptr_t hi,
+                     const AccessRec& acc, const Clock& clock, std::size_t max_races, Describe& describe) {
+    Segment& whole = holder->second;
+    if (whole.has_write && !happens_before(whole.write, clock)) report(whole.write, acc, lo, hi, max_races);
+    if (acc.mode == AccessMode::write)
+      for (const AccessRec& r : whole.reads)
+        if (!happens_before(r, clock)) report(r, acc, lo, hi, max_races);
+    for (const std::size_t i : found_) describe(races_[i]);
+    const auto record = [&](Segment& seg) {
+      if (acc.mode == AccessMode::write) {
+        seg.has_write = true;
+        seg.write = acc;
+        seg.reads.clear();
+      } else {
+        std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
+        seg.reads.push_back(acc);
+      }
+    };
+    if (hi < whole.end) shadow_.emplace_hint(std::next(holder), hi, whole);  // the part after: a copy
+    auto middle = holder;
+    if (holder->first < lo) {  // the part before keeps the node; the middle is a new one
+      Segment seg;
+      if (acc.mode == AccessMode::read) seg = whole;
+      seg.end = hi;
+      whole.end = lo;
+      record(seg);
+      middle = shadow_.emplace_hint(std::next(holder), lo, std::move(seg));
+    } else {
+      whole.end = hi;
+      record(whole);
+    }
+    coalesce_from(middle == shadow_.begin() ? middle : std::prev(middle), hi);
+  }
 
   // Splits the segment containing x (strictly inside) so that a segment starts at x.
   void split_at(std::uintptr_t x) {
