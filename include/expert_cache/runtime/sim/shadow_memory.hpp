@@ -67,48 +67,27 @@ class ShadowMemory {
              Describe&& describe) {
     const std::uintptr_t hi = lo + bytes;
     found_.clear();
-    // Two common cases need no split: an access that covers exactly one existing segment (the
-    // same buffer range again; a write replaces its history in place), and one that overlaps no
-    // history at all (a first touch: one new segment, nothing to check).
+    if (bytes == 0) return;  // touches nothing
+    // Three common cases need no split of their own: an access that overlaps no history (a first
+    // touch: one new segment, nothing to check), and one inside a single segment, which covers
+    // it exactly (the same buffer range again: recorded in place) or in part.
     auto it = shadow_.lower_bound(lo);
-    if (it == shadow_.end() || it->first >= hi) {
-      auto before = it == shadow_.begin() ? shadow_.end() : std::prev(it);
-      if (before == shadow_.end() || before->second.end <= lo) {
-        Segment seg;
-        seg.end = hi;
-        if (acc.mode == AccessMode::write) {
-          seg.has_write = true;
-          seg.write = acc;
-        } else {
-          seg.reads.push_back(acc);
-        }
-        const auto added = shadow_.emplace_hint(it, lo, std::move(seg));
-        coalesce_from(before == shadow_.end() ? added : before, hi);
-        return;
-      }
-    }
-    if (it != shadow_.end() && it->first == lo && it->second.end == hi) {
-      Segment& seg = it->second;
-      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, lo, hi, max_races);
-      if (acc.mode == AccessMode::write)
-        for (const AccessRec& r : seg.reads)
-          if (!happens_before(r, clock)) report(r, acc, lo, hi, max_races);
-      for (const std::size_t i : found_) describe(races_[i]);
+    const auto before = it == shadow_.begin() ? shadow_.end() : std::prev(it);
+    if ((it == shadow_.end() || it->first >= hi) && (before == shadow_.end() || before->second.end <= lo)) {
+      Segment seg;
+      seg.end = hi;
       if (acc.mode == AccessMode::write) {
         seg.has_write = true;
         seg.write = acc;
-        seg.reads.clear();
       } else {
-        std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
         seg.reads.push_back(acc);
       }
-      coalesce_from(it == shadow_.begin() ? it : std::prev(it), hi);
+      const auto added = shadow_.emplace_hint(it, lo, std::move(seg));
+      coalesce_from(before == shadow_.end() ? added : before, hi);
       return;
     }
-    // Inside one segment (a part of a buffer range recorded whole): that segment's history is
-    // checked, and it is cut into the parts before, inside and after the access.
-    auto holder = (it != shadow_.end() && it->first == lo) ? it : (it == shadow_.begin() ? shadow_.end() : std::prev(it));
-    if (holder != shadow_.end() && holder->first <= lo && holder->second.end >= hi) {
+    const auto holder = (it != shadow_.end() && it->first == lo) ? it : before;
+    if (holder != shadow_.end() && holder->second.end >= hi) {
       record_inside(holder, lo, hi, acc, clock, max_races, describe);
       return;
     }
@@ -169,8 +148,9 @@ class ShadowMemory {
     std::vector<AccessRec> reads;  // none happens-before another
   };
 
-  // check() for [lo, hi) inside the one segment `holder` (not equal to it): the same reports and the
-  // same resulting segments as splitting at lo and hi, then recording the access on the middle part.
+  // check() for [lo, hi) inside the one segment `holder` (holder->first <= lo, hi <= its end): the
+  // same reports and the same resulting segments as splitting at lo and hi, then recording the
+  // access on the middle part (in place when the access covers the whole segment).
   template <class Describe>
   void record_inside(std::map<std::uintptr_t, Segment>::iterator holder, std::uintptr_t lo, std::uintptr_t hi,
                      const AccessRec& acc, const Clock& clock, std::size_t max_races, Describe& describe) {
