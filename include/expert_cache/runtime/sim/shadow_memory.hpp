@@ -76,12 +76,7 @@ class ShadowMemory {
     if ((it == shadow_.end() || it->first >= hi) && (before == shadow_.end() || before->second.end <= lo)) {
       Segment seg;
       seg.end = hi;
-      if (acc.mode == AccessMode::write) {
-        seg.has_write = true;
-        seg.write = acc;
-      } else {
-        seg.reads.push_back(acc);
-      }
+      record_access(seg, acc, clock);
       const auto added = shadow_.emplace_hint(it, lo, std::move(seg));
       coalesce_from(before == shadow_.end() ? added : before, hi);
       return;
@@ -93,13 +88,8 @@ class ShadowMemory {
     }
     split_at(lo);
     split_at(hi);
-    for (auto part = shadow_.lower_bound(lo); part != shadow_.end() && part->first < hi; ++part) {
-      Segment& seg = part->second;
-      if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, part->first, seg.end, max_races);
-      if (acc.mode == AccessMode::write)
-        for (const AccessRec& r : seg.reads)
-          if (!happens_before(r, clock)) report(r, acc, part->first, seg.end, max_races);
-    }
+    for (auto part = shadow_.lower_bound(lo); part != shadow_.end() && part->first < hi; ++part)
+      check_against(part->second, part->first, part->second.end, acc, clock, max_races);
     for (const std::size_t i : found_) describe(races_[i]);
 
     if (acc.mode == AccessMode::write) {
@@ -107,8 +97,7 @@ class ShadowMemory {
       shadow_.erase(shadow_.lower_bound(lo), shadow_.lower_bound(hi));
       Segment seg;
       seg.end = hi;
-      seg.has_write = true;
-      seg.write = acc;
+      record_access(seg, acc, clock);
       shadow_.emplace(lo, std::move(seg));
     } else {
       add_read(lo, hi, acc, clock);
@@ -155,21 +144,8 @@ class ShadowMemory {
   void record_inside(std::map<std::uintptr_t, Segment>::iterator holder, std::uintptr_t lo, std::uintptr_t hi,
                      const AccessRec& acc, const Clock& clock, std::size_t max_races, Describe& describe) {
     Segment& whole = holder->second;
-    if (whole.has_write && !happens_before(whole.write, clock)) report(whole.write, acc, lo, hi, max_races);
-    if (acc.mode == AccessMode::write)
-      for (const AccessRec& r : whole.reads)
-        if (!happens_before(r, clock)) report(r, acc, lo, hi, max_races);
+    check_against(whole, lo, hi, acc, clock, max_races);
     for (const std::size_t i : found_) describe(races_[i]);
-    const auto record = [&](Segment& seg) {
-      if (acc.mode == AccessMode::write) {
-        seg.has_write = true;
-        seg.write = acc;
-        seg.reads.clear();
-      } else {
-        std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
-        seg.reads.push_back(acc);
-      }
-    };
     if (hi < whole.end) shadow_.emplace_hint(std::next(holder), hi, whole);  // the part after: a copy
     auto middle = holder;
     if (holder->first < lo) {  // the part before keeps the node; the middle is a new one
@@ -177,13 +153,35 @@ class ShadowMemory {
       if (acc.mode == AccessMode::read) seg = whole;
       seg.end = hi;
       whole.end = lo;
-      record(seg);
+      record_access(seg, acc, clock);
       middle = shadow_.emplace_hint(std::next(holder), lo, std::move(seg));
     } else {
       whole.end = hi;
-      record(whole);
+      record_access(whole, acc, clock);
     }
     coalesce_from(middle == shadow_.begin() ? middle : std::prev(middle), hi);
+  }
+
+  // Reports the races of an access to [lo, hi) with the history of `seg`, which holds those bytes.
+  void check_against(const Segment& seg, std::uintptr_t lo, std::uintptr_t hi, const AccessRec& acc, const Clock& clock,
+                     std::size_t max_races) {
+    if (seg.has_write && !happens_before(seg.write, clock)) report(seg.write, acc, lo, hi, max_races);
+    if (acc.mode == AccessMode::write)
+      for (const AccessRec& r : seg.reads)
+        if (!happens_before(r, clock)) report(r, acc, lo, hi, max_races);
+  }
+
+  // Records the access in `seg`'s history: a write replaces it; a read drops the reads ordered
+  // before it and joins the rest.
+  static void record_access(Segment& seg, const AccessRec& acc, const Clock& clock) {
+    if (acc.mode == AccessMode::write) {
+      seg.has_write = true;
+      seg.write = acc;
+      seg.reads.clear();
+    } else {
+      std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
+      seg.reads.push_back(acc);
+    }
   }
 
   // Splits the segment containing x (strictly inside) so that a segment starts at x.
@@ -233,15 +231,14 @@ class ShadowMemory {
       if (it == shadow_.end() || it->first > cursor) {  // a gap without history
         Segment seg;
         seg.end = (it == shadow_.end()) ? hi : std::min<std::uintptr_t>(hi, it->first);
-        seg.reads.push_back(acc);
+        record_access(seg, acc, clock);
         const std::uintptr_t start = cursor;
         cursor = seg.end;
         shadow_.emplace_hint(it, start, std::move(seg));
         continue;
       }
       Segment& seg = it->second;
-      std::erase_if(seg.reads, [&](const AccessRec& r) { return happens_before(r, clock); });
-      seg.reads.push_back(acc);
+      record_access(seg, acc, clock);
       cursor = seg.end;
       ++it;
     }
