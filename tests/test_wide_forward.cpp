@@ -217,6 +217,53 @@ TEST_CASE("split_wide_hits: hits spread over every round but the last, in equal 
   }
 }
 
+TEST_CASE("wide_unique: the unique experts ascending and their row counts in one pass; errors leave the counters zero") {
+  std::vector<std::uint32_t> rows(8, 0);
+  Ids unique;
+  unique.reserve(8);
+  SUBCASE("counts, padding skipped, ascending; clear_wide_rows zeroes them again") {
+    REQUIRE(detail::wide_unique(Ids{5, 1, -1, 5, 7, 1, 5, -3}, 8, 64, rows, unique).ok());
+    CHECK(unique == Ids{1, 5, 7});
+    CHECK(rows == std::vector<std::uint32_t>{0, 2, 0, 0, 0, 3, 0, 1});
+    detail::clear_wide_rows(unique, rows);
+    CHECK(rows == std::vector<std::uint32_t>(8, 0));
+  }
+  SUBCASE("an id out of range after valid ones: refused, every counter zero") {
+    const Status s = detail::wide_unique(Ids{2, 3, 2, 8, 4}, 8, 64, rows, unique);
+    CHECK(s.code() == ErrorCode::expert_out_of_range);
+    CHECK(s.message().find("expert id 8") != std::string_view::npos);
+    CHECK(unique.empty());
+    CHECK(rows == std::vector<std::uint32_t>(8, 0));
+  }
+  SUBCASE("more ids than the maximum: refused before any is counted") {
+    const Status s = detail::wide_unique(Ids{1, 2, 3}, 8, 2, rows, unique);
+    CHECK(s.code() == ErrorCode::too_many_experts);
+    CHECK(rows == std::vector<std::uint32_t>(8, 0));
+  }
+}
+
+TEST_CASE_TEMPLATE("consecutive wide forwards: each serves exactly its own experts", Cache, RowWide, WholeWide) {
+  WideFixture<Cache> f(16, 4, 2, 4);
+  for (const WideAdmission a : {WideAdmission::stream, WideAdmission::admit}) {
+    CAPTURE(a == WideAdmission::stream);
+    for (const Ids& ids : {Ids{9, 1, 9, 14, -1, 6, 3, 11}, Ids{2, 2, 5, 0, 12}, Ids{7}}) {
+      std::vector<Ids> rounds;
+      auto r = f.wide(ids, f.streams[0], a, &rounds);
+      REQUIRE(r.ok());
+      Ids served, want;
+      for (const Ids& round : rounds) served.insert(served.end(), round.begin(), round.end());
+      std::sort(served.begin(), served.end());
+      for (const std::int32_t e : ids)
+        if (e >= 0) want.push_back(e);
+      std::sort(want.begin(), want.end());
+      want.erase(std::unique(want.begin(), want.end()), want.end());
+      CHECK(served == want);
+      CHECK(r.value().unique == want.size());
+    }
+  }
+  f.check_clean();
+}
+
 TEST_CASE("wide forward, stream admission: a popular resident is computed in an early round, never the last") {
   WideFixture<WholeWide> f(32, 8, 2, 4);
   REQUIRE(f.forward(Ids{30, 31}, f.streams[0]).ok());  // residents 30, 31
@@ -436,8 +483,14 @@ TEST_CASE_TEMPLATE("wide forward bad input: too many ids, an id out of range; no
   CHECK(s1.total_copies == s0.total_copies);
   CHECK(s1.map_uploads == s0.map_uploads);
   CHECK(s1.faults == 0);
-  // Still usable: a valid wide forward and a normal one, all bytes right.
-  REQUIRE(f.wide(Ids(64, 7), f.streams[0]).ok());
+  // Still usable: a valid wide forward and a normal one, all bytes right. The refused forwards
+  // left no expert counted: the next one serves exactly its own experts.
+  std::vector<Ids> rounds;
+  auto next = f.wide(Ids(64, 7), f.streams[0], WideAdmission::stream, &rounds);
+  REQUIRE(next.ok());
+  CHECK(next.value().unique == 1);
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0] == Ids{7});
   REQUIRE(f.wide(all_experts(16), f.streams[1]).ok());
   REQUIRE(f.forward(Ids{1, 5}, f.streams[0]).ok());
   f.check_clean();
@@ -725,6 +778,14 @@ TEST_CASE("model cache wide forward: per-layer and global pools, every round rig
     CHECK(bad.status().code() == ErrorCode::invalid_argument);
     auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
     CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+    // The refused forward left no expert counted: the next one serves exactly its own.
+    std::vector<Ids> rounds;
+    auto next = f.wide(0, Ids{4, 4, -1}, f.streams[0], WideAdmission::stream, &rounds);
+    REQUIRE(next.ok());
+    CHECK(next.value().unique == 1);
+    REQUIRE(rounds.size() == 1);
+    CHECK(rounds[0] == Ids{4});
+    f.check_clean();
   }
 }
 
@@ -751,6 +812,13 @@ TEST_CASE("model cache wide forward, admit admission: rounds of half the pool th
     CHECK(l1.prepare_calls == r.value().rounds);
     REQUIRE(f.forward(1, Ids{15}, f.streams[0]).ok());
     CHECK(f.cache->stats().per_layer[1].hits == 1);
+    // The admit rounds left no expert counted: a stream forward after them serves exactly its own.
+    std::vector<Ids> next_rounds;
+    auto next = f.wide(0, Ids{5, 5, -1}, f.streams[0], WideAdmission::stream, &next_rounds);
+    REQUIRE(next.ok());
+    CHECK(next.value().unique == 1);
+    REQUIRE(next_rounds.size() == 1);
+    CHECK(next_rounds[0] == Ids{5});
     f.check_clean();
     // Bad input: nothing changes.
     const auto before = f.cache->planner(1).snapshot();

@@ -396,10 +396,23 @@ class PromptRunner {
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");  // the router read-back
       const std::vector<std::int32_t>& ids = p.ids[static_cast<std::size_t>(l)];
-      bucket(ids);
-      std::copy(ids.begin(), ids.end(), layer_ids_);
+      // The consumer's pair lists (a counting sort of the layer's ids) and the ids for the
+      // reduction: host work an engine does on the GPU. The host-planned cache needs neither
+      // before its first fills are enqueued, so they are built in the first round's consumer,
+      // while those fills stream, instead of holding the layer's first copy back.
+      const bool lists_first = mode == PromptMode::resident || device_planned;
+      bool bucketed = false;
+      if (lists_first) {
+        bucket(ids);
+        bucketed = true;
+        std::copy(ids.begin(), ids.end(), layer_ids_);
+      }
       std::size_t off = 0, tile_off = 0;
       const auto consume = [&](const device::MoeWeights& w, std::span<const std::int32_t> experts) -> Status {
+        if (!bucketed) {
+          bucket(ids);
+          bucketed = true;
+        }
         if (ev + 2 > events_.size()) {
           for (int i = 0; i < 256; ++i) {
             cudaEvent_t e = nullptr;
@@ -483,6 +496,7 @@ class PromptRunner {
             },
             options);
         if (!r.ok()) throw Error(r.status());
+        if (mode != PromptMode::fill_only) std::copy(ids.begin(), ids.end(), layer_ids_);
         const WideSummary& s = r.value();
         t.rounds += s.rounds;
         t.copies += s.copies;

@@ -205,7 +205,6 @@ class ExpertCacheWithEdges {
     view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
     copies_per_fill_ = storage_.copy_regions().count;
     const auto experts = static_cast<std::size_t>(options_.num_experts);
-    wide_seen_.assign(experts, 0);
     wide_unique_.reserve(experts);
     wide_hits_.reserve(experts);
     wide_misses_.reserve(experts);
@@ -347,10 +346,15 @@ class ExpertCacheWithEdges {
     const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
     const bool streaming = options.admission == WideAdmission::stream && !fell_back;
     if (Status s = detail::wide_forward_allowed(*rt_, staging_, stream); !s) return s;
-    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
         !s) {
       return s;
     }
+    // The per-expert row counts serve the stream rounds' split of the hits; zero again on return.
+    struct ClearRows {
+      ExpertCacheWithEdges* self;
+      ~ClearRows() { detail::clear_wide_rows(self->wide_unique_, self->wide_rows_); }
+    } clear_rows{this};
     // Validated: from here on the cache changes.
     forward_shadow_valid_ = false;  // the rounds overwrite the device forward map
     if (Status s = core_.wide_begin(stream); !s) {
@@ -373,7 +377,7 @@ class ExpertCacheWithEdges {
       }
     }
     last_copies_ = 0;
-    Status s = streaming ? wide_stream_rounds(topk_ids, stream, consumer, summary, options)
+    Status s = streaming ? wide_stream_rounds(stream, consumer, summary, options)
                          : wide_admit_rounds(stream, consumer, summary);
     total_copies_ += summary.copies;
     last_copies_ = summary.copies;
@@ -533,7 +537,7 @@ class ExpertCacheWithEdges {
   // of them, or a span of at most `half` ids), in stream half r % 2, and its share of the
   // resident experts, read from their pool slots (split_wide_hits).
   template <class Consumer>
-  Status wide_stream_rounds(std::span<const std::int32_t> ids, Stream stream, Consumer& consumer, WideSummary& summary,
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
                             const WideOptions& options) noexcept {
     const auto resident = planner_.resident_map();
     wide_hits_.clear();
@@ -548,7 +552,7 @@ class ExpertCacheWithEdges {
     const std::uint64_t dense_bytes = dense_shape.second;
     detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
     const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
-    detail::split_wide_hits_of(ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
+    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
     const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
@@ -835,7 +839,6 @@ class ExpertCacheWithEdges {
   std::uint64_t faults_ = 0;
   std::uint64_t speculative_bytes_ = 0;
   // Wide forwards: scratch sized at construction (num_experts entries each), and counters.
-  std::vector<std::uint8_t> wide_seen_;
   std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
   std::vector<std::uint32_t> wide_rows_;       // per expert: its ids in the wide forward (zero between forwards)
   std::vector<std::size_t> wide_hit_begin_;    // round r's hits: [begin[r], begin[r + 1]) of wide_hits_

@@ -178,7 +178,6 @@ class ModelExpertCache {
     resident_dirty_.assign(L, 1);  // the device maps start unwritten
     layer_counters_.resize(L);
     ids_.reserve(static_cast<std::size_t>(total_slots()) * static_cast<std::size_t>(options_.top_k));
-    wide_seen_.assign(E, 0);
     for (auto* v : {&wide_unique_, &wide_hits_, &wide_misses_, &wide_round_, &wide_slots_}) v->reserve(E);
     wide_hit_begin_.reserve(E + 2);
     wide_rows_.assign(E, 0);
@@ -241,10 +240,15 @@ class ModelExpertCache {
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
     if (Status s = detail::wide_forward_allowed(*rt_, staging, stream); !s) return s;
-    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
         !s) {
       return s.with_context("prepare_wide of layer %d", layer);
     }
+    // The per-expert row counts serve the rounds' split of the hits; zero again on return.
+    struct ClearRows {
+      ModelExpertCache* self;
+      ~ClearRows() { detail::clear_wide_rows(self->wide_unique_, self->wide_rows_); }
+    } clear_rows{this};
     LayerCounters& lc = layer_counters_[l];
     shadow_valid_[l] = 0;  // the rounds overwrite the layer's device forward map
     if (Status s = core_.wide_begin(stream, reader(l)); !s) {
@@ -263,7 +267,7 @@ class ModelExpertCache {
     summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
     const std::size_t rounds = std::max<std::size_t>(1, (wide_misses_.size() + half - 1) / half);
-    detail::split_wide_hits_of(topk_ids, wide_unique_, wide_hits_, rounds, wide_rows_, wide_hit_begin_);
+    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
     const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     // A stream slot as the layer's maps name it (relative to the layer's first slot).
@@ -602,10 +606,11 @@ class ModelExpertCache {
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
     if (Status s = detail::wide_forward_allowed(*rt_, staging, stream); !s) return s;
-    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_seen_, wide_unique_);
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
         !s) {
       return s.with_context("prepare_wide of layer %d", layer);
     }
+    detail::clear_wide_rows(wide_unique_, wide_rows_);  // admit rounds do not split hits by rows
     const std::int32_t pool = global() ? options_.capacity : capacities_[l];
     const std::size_t group = static_cast<std::size_t>(std::max(1, pool / 2));
     const std::size_t n = wide_unique_.size();
@@ -816,7 +821,6 @@ class ModelExpertCache {
   std::vector<LayerCounters> layer_counters_;
   std::vector<std::int32_t> ids_;  // keyed ids (global mode)
   // Wide forwards: scratch of E entries each, sized at construction.
-  std::vector<std::uint8_t> wide_seen_;
   std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
   std::vector<std::uint32_t> wide_rows_;     // per expert: its ids in the wide forward (zero between forwards)
   std::vector<std::size_t> wide_hit_begin_;  // round r's hits: [begin[r], begin[r + 1]) of wide_hits_

@@ -295,32 +295,41 @@ inline void plan_stream_rounds(std::span<const std::int32_t> misses, std::size_t
   }
 }
 
-// The forward's unique experts, ascending, from top-k ids (negative = padding): validated
-// completely before the caller changes anything. `seen` holds one byte per expert (all zero on
-// entry and on return); `out` has room for num_experts ids.
+// The forward's unique experts, ascending, from top-k ids (negative = padding), and each one's
+// number of ids: one pass over the ids, which a prompt makes long (tokens x top_k) and which
+// runs before the forward's first copy can start. Validated completely before the caller changes
+// anything. `rows` holds one counter per expert, all zero on entry; on success rows[e] is e's
+// ids for each e in `out` (the caller zeroes them again with clear_wide_rows), on error all of
+// rows is zero again. `out` has room for num_experts ids.
 inline Status wide_unique(std::span<const std::int32_t> ids, std::int32_t num_experts, std::int64_t max_ids,
-                          std::vector<std::uint8_t>& seen, std::vector<std::int32_t>& out) noexcept {
+                          std::vector<std::uint32_t>& rows, std::vector<std::int32_t>& out) noexcept {
   out.clear();
   if (static_cast<std::int64_t>(ids.size()) > max_ids) {
     return Status::format(ErrorCode::too_many_experts,
                           "wide forward of %zu ids exceeds the configured maximum of %lld (CacheOptions::max_wide_ids)",
                           ids.size(), static_cast<long long>(max_ids));
   }
-  for (const std::int32_t id : ids) {
-    if (id >= num_experts) {
+  const auto experts = static_cast<std::uint32_t>(num_experts);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const std::int32_t id = ids[i];
+    if (static_cast<std::uint32_t>(id) < experts) {
+      ++rows[static_cast<std::size_t>(id)];
+    } else if (id >= 0) [[unlikely]] {
+      for (std::size_t j = 0; j < i; ++j) {
+        if (ids[j] >= 0) rows[static_cast<std::size_t>(ids[j])] = 0;
+      }
       return Status::format(ErrorCode::expert_out_of_range, "expert id %d is outside [0, %d)", id, num_experts);
     }
   }
-  for (const std::int32_t id : ids) {
-    if (id >= 0) seen[static_cast<std::size_t>(id)] = 1;
-  }
   for (std::int32_t e = 0; e < num_experts; ++e) {
-    if (seen[static_cast<std::size_t>(e)] != 0) {
-      seen[static_cast<std::size_t>(e)] = 0;
-      out.push_back(e);  // capacity num_experts reserved by the owner: no allocation
-    }
+    if (rows[static_cast<std::size_t>(e)] != 0) out.push_back(e);  // capacity num_experts reserved by the owner
   }
   return {};
+}
+
+// Zeroes the counters wide_unique left for `unique` (only those entries are touched).
+inline void clear_wide_rows(std::span<const std::int32_t> unique, std::vector<std::uint32_t>& rows) noexcept {
+  for (const std::int32_t e : unique) rows[static_cast<std::size_t>(e)] = 0;
 }
 
 // The checks every wide forward starts with, before its cache changes anything (the ids are
@@ -392,19 +401,6 @@ void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::
     const std::int32_t pool = resident[static_cast<std::size_t>(e)];
     slots.push_back(pool != absent_slot ? pool : stream_slot(r, k++));
   }
-}
-
-// split_wide_hits with the rows counted from the forward's ids (validated by wide_unique): `rows`
-// is sized num_experts and zero on entry and on return (only the forward's `unique` entries are
-// touched).
-inline void split_wide_hits_of(std::span<const std::int32_t> ids, std::span<const std::int32_t> unique,
-                               std::span<const std::int32_t> hits, std::size_t rounds, std::vector<std::uint32_t>& rows,
-                               std::vector<std::size_t>& begin) noexcept {
-  for (const std::int32_t id : ids) {
-    if (id >= 0) ++rows[static_cast<std::size_t>(id)];
-  }
-  split_wide_hits(hits, rows, rounds, begin);
-  for (const std::int32_t e : unique) rows[static_cast<std::size_t>(e)] = 0;
 }
 
 }  // namespace detail
