@@ -98,9 +98,39 @@ __global__ void load_ids_kernel(const std::int32_t* host, std::size_t n, std::in
 }
 
 // out[t] = sum over j in order of pair_out[t * top_k + j] (pairs with id < 0 contribute 0).
+// It reads every pair's row (tokens x top_k x hidden floats: 671 MB per layer at 8192 tokens),
+// after the layer's last round and before the next layer can route, so it is on the critical
+// path: each thread loads all of its top-k rows' values first (16-byte loads, independent, so
+// they are in flight together), then sums them in the fixed order. Adding +0.0f for a padding
+// pair equals skipping it (the sum starts at +0.0f and never becomes -0.0f).
 __global__ void reduce_pairs_kernel(const float* pair_out, const std::int32_t* ids, std::int32_t top_k,
                                     std::int64_t hidden, float* out) {
+  constexpr std::int32_t max_k = 16;
   const auto t = static_cast<std::int64_t>(blockIdx.x);
+  if (hidden % 4 == 0 && top_k <= max_k) {
+    const std::int64_t h4 = hidden / 4;
+    bool valid[max_k];
+#pragma unroll
+    for (std::int32_t j = 0; j < max_k; ++j) valid[j] = j < top_k && ids[t * top_k + j] >= 0;
+    for (std::int64_t k = threadIdx.x; k < h4; k += blockDim.x) {
+      float4 v[max_k];
+#pragma unroll
+      for (std::int32_t j = 0; j < max_k; ++j)
+        if (j < top_k) v[j] = reinterpret_cast<const float4*>(pair_out + (t * top_k + j) * hidden)[k];
+      float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (std::int32_t j = 0; j < max_k; ++j) {
+        if (j < top_k && valid[j]) {
+          sum.x += v[j].x;
+          sum.y += v[j].y;
+          sum.z += v[j].z;
+          sum.w += v[j].w;
+        }
+      }
+      reinterpret_cast<float4*>(out + t * hidden)[k] = sum;
+    }
+    return;
+  }
   for (std::int64_t k = threadIdx.x; k < hidden; k += blockDim.x) {
     float sum = 0.0f;
     for (std::int32_t j = 0; j < top_k; ++j) {
@@ -400,18 +430,27 @@ class PromptRunner {
       // reduction: host work an engine does on the GPU. The host-planned cache needs neither
       // before its first fills are enqueued, so they are built in the first round's consumer,
       // while those fills stream, instead of holding the layer's first copy back.
+      // The ids reach device memory on the consumer stream ahead of the rounds' work, so the
+      // reduction after the last round does not wait for them.
       const bool lists_first = mode == PromptMode::resident || device_planned;
       bool bucketed = false;
-      if (lists_first) {
-        bucket(ids);
+      const auto lists = [&]() -> Status {
         bucketed = true;
+        bucket(ids);
         std::copy(ids.begin(), ids.end(), layer_ids_);
+        if (device_planned && mode != PromptMode::resident) return {};  // loaded before its plan, below
+        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+                                                                                         ids_dev_.as<std::int32_t>());
+        if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_ids_kernel");
+        return {};
+      };
+      if (lists_first) {
+        if (Status s = lists(); !s) throw Error(s);
       }
       std::size_t off = 0, tile_off = 0;
       const auto consume = [&](const device::MoeWeights& w, std::span<const std::int32_t> experts) -> Status {
         if (!bucketed) {
-          bucket(ids);
-          bucketed = true;
+          if (Status s = lists(); !s) return s;
         }
         if (ev + 2 > events_.size()) {
           for (int i = 0; i < 256; ++i) {
@@ -496,7 +535,9 @@ class PromptRunner {
             },
             options);
         if (!r.ok()) throw Error(r.status());
-        if (mode != PromptMode::fill_only) std::copy(ids.begin(), ids.end(), layer_ids_);
+        if (!bucketed && mode != PromptMode::fill_only) {  // no round called the consumer
+          if (Status s = lists(); !s) throw Error(s);
+        }
         const WideSummary& s = r.value();
         t.rounds += s.rounds;
         t.copies += s.copies;
@@ -506,11 +547,6 @@ class PromptRunner {
         t.missing += s.unique - s.hits;
       }
       if (mode != PromptMode::fill_only) {
-        if (!device_planned || mode == PromptMode::resident) {  // device-planned: loaded before its plan
-          load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
-                                                                                           ids_dev_.as<std::int32_t>());
-          check_cuda(cudaGetLastError(), "load_ids_kernel");
-        }
         reduce_pairs_kernel<<<static_cast<unsigned>(p.tokens), 256, 0, consumer_>>>(
             pair_out_.as<float>(), ids_dev_.as<std::int32_t>(), m_.top_k, hidden_, out_.as<float>());
         check_cuda(cudaGetLastError(), "reduce_pairs_kernel");
