@@ -172,6 +172,10 @@ inline Prompt make_prompt(const Model& m, const BenchArgs& a, std::int32_t token
 
 struct PromptTimes {
   double ttft_ns = 0, compute_ns = 0, bound_ns = 0, bytes = 0;
+  // Sums over the layers: each layer's last round's consumer, its pair reduction, and the time
+  // from a layer's reduction to the next layer's first consumer (router read-back, host
+  // planning, the first round's fill): what no fill of the layer overlaps.
+  double last_round_ns = 0, reduce_ns = 0, lead_ns = 0;
   std::uint64_t rounds = 0, copies = 0, span_rounds = 0, wasted = 0, missing = 0;
   std::uint64_t errors = 0;  // device-planned: caches whose error word was set (bad ids, overflow)
 };
@@ -332,11 +336,18 @@ class PromptRunner {
       check_cuda(cudaEventCreate(&e), "cudaEventCreate");
       events_.push_back(e);
     }
+    for (std::int32_t i = 0; i < 2 * m.layers; ++i) {
+      cudaEvent_t e = nullptr;
+      check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+      reduce_event_store_.push_back(e);
+    }
+    reduce_events_ = reduce_event_store_.data();
     order_.resize(max_pairs_);
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
   }
   ~PromptRunner() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    for (cudaEvent_t e : reduce_event_store_) cudaEventDestroy(e);
     if (mapped_) cudaFreeHost(mapped_);
   }
   PromptRunner(const PromptRunner&) = delete;
@@ -422,9 +433,11 @@ class PromptRunner {
         misses0 = hits_misses().second;
       }
     }
+    std::vector<std::pair<std::size_t, std::size_t>> layer_rounds;  // per layer: its first and last event pair
     const auto t0 = Clock::now();
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");  // the router read-back
+      const std::size_t layer_ev = ev;
       const std::vector<std::int32_t>& ids = p.ids[static_cast<std::size_t>(l)];
       // The consumer's pair lists (a counting sort of the layer's ids) and the ids for the
       // reduction: host work an engine does on the GPU. The host-planned cache needs neither
@@ -547,9 +560,13 @@ class PromptRunner {
         t.missing += s.unique - s.hits;
       }
       if (mode != PromptMode::fill_only) {
+        if (ev > layer_ev) layer_rounds.emplace_back(layer_ev, ev - 2);
+        cudaEvent_t* re = reduce_events_ + 2 * static_cast<std::size_t>(l);
+        check_cuda(cudaEventRecord(re[0], consumer_), "cudaEventRecord");
         reduce_pairs_kernel<<<static_cast<unsigned>(p.tokens), 256, 0, consumer_>>>(
             pair_out_.as<float>(), ids_dev_.as<std::int32_t>(), m_.top_k, hidden_, out_.as<float>());
         check_cuda(cudaGetLastError(), "reduce_pairs_kernel");
+        check_cuda(cudaEventRecord(re[1], consumer_), "cudaEventRecord");
       }
     }
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
@@ -565,10 +582,20 @@ class PromptRunner {
         for (auto& c : caches_) t.errors += c->take_errors() != 0 ? 1u : 0u;
       }
     }
-    for (std::size_t i = 0; i + 1 < ev; i += 2) {
+    const auto elapsed_ns = [](cudaEvent_t a, cudaEvent_t b) {
       float ms = 0;
-      check_cuda(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]), "cudaEventElapsedTime");
-      t.compute_ns += static_cast<double>(ms) * 1e6;
+      check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+      return static_cast<double>(ms) * 1e6;
+    };
+    for (std::size_t i = 0; i + 1 < ev; i += 2) t.compute_ns += elapsed_ns(events_[i], events_[i + 1]);
+    if (mode != PromptMode::fill_only && layer_rounds.size() == static_cast<std::size_t>(m_.layers)) {
+      for (std::size_t l = 0; l < layer_rounds.size(); ++l) {
+        const std::size_t last = layer_rounds[l].second;
+        t.last_round_ns += elapsed_ns(events_[last], events_[last + 1]);
+        t.reduce_ns += elapsed_ns(reduce_events_[2 * l], reduce_events_[2 * l + 1]);
+        if (l + 1 < layer_rounds.size())
+          t.lead_ns += elapsed_ns(reduce_events_[2 * l + 1], events_[layer_rounds[l + 1].first]);
+      }
     }
     return t;
   }
@@ -692,6 +719,8 @@ class PromptRunner {
   std::vector<std::uint32_t> counts_, cursor_, order_;
   std::vector<std::int32_t> unique_;
   std::vector<cudaEvent_t> events_;
+  std::vector<cudaEvent_t> reduce_event_store_;  // two per layer, around its pair reduction
+  cudaEvent_t* reduce_events_ = nullptr;
 };
 
 inline bool same_bytes(const std::vector<float>& a, const std::vector<float>& b) {
@@ -723,6 +752,7 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
               "bound_ms", "bnd/tt", "GB/s", "fill_ms", "fillGB", "fill/c", "compute_ms", "resid_ms", "rounds", "copies",
               "spans", "waste", "output");
   int failures = 0;
+  std::vector<std::pair<std::int32_t, PromptTimes>> tails;  // the runs rows, for the note below the table
   for (const std::int32_t tokens : a.prompts) {
     const Prompt p = make_prompt(m, a, tokens, a.seed + 7919);
     b.reset();
@@ -759,12 +789,15 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
       for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
       row(row_label, b.prompt(p, PromptMode::wide, WideOptions{}));
     } else {
+      PromptTimes runs;
       for (const WideCopy copy : {WideCopy::runs, WideCopy::span, WideCopy::automatic}) {
         WideOptions o;
         o.copy = copy;
         const PromptTimes t = b.prompt(p, PromptMode::wide, o);
         row(std::string(to_string(copy)).c_str(), t);
+        if (copy == WideCopy::runs) runs = t;
       }
+      tails.push_back({tokens, runs});
       WideOptions admit;
       admit.admission = WideAdmission::admit;
       row("admit", b.prompt(p, PromptMode::wide, admit));
@@ -784,6 +817,11 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     std::printf("(fill_ms: the stream rounds with an empty consumer, automatic copies: the transfer pipeline alone; "
                 "fillGB: its bytes / time; fill/c: that over the ceiling; compute_ms: the sum of the rounds' consumer "
                 "times; resid_ms: the all-resident prefill)\n");
+    for (const auto& [tokens, t] : tails) {
+      std::printf("(%d tokens, runs: what no fill overlaps, summed over the layers: last rounds' consumers %.2f ms, "
+                  "pair reductions %.2f ms, reduction to the next layer's first consumer %.2f ms)\n",
+                  tokens, t.last_round_ns / 1e6, t.reduce_ns / 1e6, t.lead_ns / 1e6);
+    }
   }
   if (!device_planned && a.prompt_every > 0) {
     const std::int32_t tokens = a.prompts.back();
