@@ -752,6 +752,16 @@ struct ModelWideFixture {
     CHECK(log->mismatches == 0);
     CHECK(log->runs == launched);
   }
+  // A stream forward of `topk` naming one expert, `expert`: served as one round of exactly that
+  // expert, so no earlier forward (refused or admitted) left another one counted.
+  void check_serves_only(std::int32_t layer, const Ids& topk, std::int32_t expert) {
+    std::vector<Ids> rounds;
+    auto r = wide(layer, topk, streams[0], WideAdmission::stream, &rounds);
+    REQUIRE(r.ok());
+    CHECK(r.value().unique == 1);
+    REQUIRE(rounds.size() == 1);
+    CHECK(rounds[0] == Ids{expert});
+  }
 };
 }  // namespace
 
@@ -779,12 +789,7 @@ TEST_CASE("model cache wide forward: per-layer and global pools, every round rig
     auto out = f.wide(0, Ids{1, 16}, f.streams[0]);
     CHECK(out.status().code() == ErrorCode::expert_out_of_range);
     // The refused forward left no expert counted: the next one serves exactly its own.
-    std::vector<Ids> rounds;
-    auto next = f.wide(0, Ids{4, 4, -1}, f.streams[0], WideAdmission::stream, &rounds);
-    REQUIRE(next.ok());
-    CHECK(next.value().unique == 1);
-    REQUIRE(rounds.size() == 1);
-    CHECK(rounds[0] == Ids{4});
+    f.check_serves_only(0, Ids{4, 4, -1}, 4);
     f.check_clean();
   }
 }
@@ -813,12 +818,7 @@ TEST_CASE("model cache wide forward, admit admission: rounds of half the pool th
     REQUIRE(f.forward(1, Ids{15}, f.streams[0]).ok());
     CHECK(f.cache->stats().per_layer[1].hits == 1);
     // The admit rounds left no expert counted: a stream forward after them serves exactly its own.
-    std::vector<Ids> next_rounds;
-    auto next = f.wide(0, Ids{5, 5, -1}, f.streams[0], WideAdmission::stream, &next_rounds);
-    REQUIRE(next.ok());
-    CHECK(next.value().unique == 1);
-    REQUIRE(next_rounds.size() == 1);
-    CHECK(next_rounds[0] == Ids{5});
+    f.check_serves_only(0, Ids{5, 5, -1}, 5);
     f.check_clean();
     // Bad input: nothing changes.
     const auto before = f.cache->planner(1).snapshot();
