@@ -4,10 +4,12 @@
 // round trip and (for small traces) a replay. Part 2 reads the same bytes as a sequence of
 // plan_topk / plan_unique / invalidate calls on a small planner (top-k drawn from the input),
 // for every policy, and checks the planner's invariants after each call. Part 3 drives the same
-// calls through ExpertCache on SimRuntime (prepare / prepare_unique / invalidate, with the
-// simulated GPU advancing by a seeded schedule between calls): rejected calls leave stats, maps
-// and the planner snapshot unchanged, and the race detector reports nothing. Failures abort (a
-// crash for libFuzzer).
+// calls through ExpertCache on SimRuntime (prepare / prepare_unique / invalidate, and wide
+// forwards of any width through prepare_wide in both admissions, some with a consumer that fails;
+// the simulated GPU advances by a seeded schedule between calls): rejected calls leave stats, maps
+// and the planner snapshot unchanged, a wide forward's rounds serve exactly its experts, stream
+// admission and a failed forward leave the pool as it was, and the race detector reports nothing.
+// Failures abort (a crash for libFuzzer).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -129,14 +131,19 @@ class Bytes {
   std::size_t pos_ = 0;
 };
 
-enum class OpKind : std::uint8_t { topk, unique, invalidate };
+enum class OpKind : std::uint8_t { topk, unique, invalidate, wide };
 
 struct Op {
   OpKind kind;
   std::vector<std::int32_t> ids;  // the id list, or {expert} for invalidate
   bool accepted;                  // predicted outcome
-  std::vector<std::int32_t> set;  // the forward's unique set in processing order, if accepted
+  std::vector<std::int32_t> set;  // the forward's unique set in processing order (wide: ascending), if accepted
+  bool admit = false;             // wide: WideAdmission::admit instead of stream
+  bool consumer_fails = false;    // wide, stream admission: the consumer fails in round 0
 };
+
+// Most ids of one wide forward in the cache of part 3 (CacheOptions::max_wide_ids).
+std::int64_t fuzz_max_wide_ids(std::int32_t capacity) { return 2 * static_cast<std::int64_t>(capacity) + 3; }
 
 // Decode ops and predict which are accepted, independently of the planner.
 std::vector<Op> decode_ops(Bytes& in, std::int32_t num_experts, std::int32_t capacity) {
@@ -144,12 +151,28 @@ std::vector<Op> decode_ops(Bytes& in, std::int32_t num_experts, std::int32_t cap
   while (!in.empty() && ops.size() < 256) {
     Op op;
     const std::uint8_t b = in.next();
-    op.kind = static_cast<OpKind>(b % 3);
+    op.kind = static_cast<OpKind>(b % 4);
     // Ids range over [-2, num_experts + 1] so out-of-range and padding ids occur.
     auto draw_id = [&] { return static_cast<std::int32_t>(in.next() % static_cast<unsigned>(num_experts + 4)) - 2; };
     if (op.kind == OpKind::invalidate) {
       op.ids.push_back(draw_id());
       op.accepted = op.ids[0] >= 0 && op.ids[0] < num_experts;
+    } else if (op.kind == OpKind::wide) {
+      // Any width, sometimes beyond max_wide_ids; negative ids are padding, ids >= E refused.
+      const std::size_t n = in.next() % static_cast<unsigned>(3 * capacity + 6);
+      for (std::size_t i = 0; i < n; ++i) op.ids.push_back(draw_id());
+      if ((b & 0x80) == 0) {
+        for (std::int32_t& id : op.ids) id = std::min(id, num_experts - 1);
+      }
+      op.admit = (b & 0x40) != 0;
+      op.consumer_fails = !op.admit && (b & 0x20) != 0;
+      bool in_range = true;
+      for (const std::int32_t id : op.ids) {
+        if (id >= num_experts) in_range = false;
+        if (id >= 0 && std::find(op.set.begin(), op.set.end(), id) == op.set.end()) op.set.push_back(id);
+      }
+      std::sort(op.set.begin(), op.set.end());
+      op.accepted = in_range && static_cast<std::int64_t>(op.ids.size()) <= fuzz_max_wide_ids(capacity);
     } else {
       const std::size_t n = in.next() % static_cast<unsigned>(capacity + 4);
       for (std::size_t i = 0; i < n; ++i) op.ids.push_back(draw_id());
@@ -213,6 +236,7 @@ void run_ops(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_
   std::uint64_t hits = 0;
   std::uint64_t misses = 0;
   for (const Op& op : ops) {
+    if (op.kind == OpKind::wide) continue;  // a cache's call (part 3), not the planner's
     const auto before = p.snapshot();
     // The snapshot leaves out the forward map (it is per-forward, not cache state), but a
     // rejected call must not touch it either.
@@ -293,7 +317,8 @@ auto stats_fields(const ec::CacheStats& s) {
 }
 
 template <class Cache>
-void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, std::uint64_t seed) {
+void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, std::int32_t stream_slots,
+               std::uint64_t seed) {
   ec::SimRuntime rt;
   rt.set_seed(seed);
   const ec::SimRuntime::Stream stream = rt.create_stream().value();
@@ -304,6 +329,8 @@ void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t to
   options.num_experts = shape.num_experts;
   options.capacity = shape.capacity;
   options.top_k = top_k;
+  options.stream_slots = stream_slots;
+  options.max_wide_ids = fuzz_max_wide_ids(shape.capacity);
   Cache cache(rt, options, layout);
   FUZZ_CHECK(cache.planner().top_k() == top_k);
   std::uint64_t step = 0;
@@ -313,7 +340,48 @@ void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t to
     const std::vector<std::int32_t> resident_before(cache.resident_map_host().begin(), cache.resident_map_host().end());
     const std::vector<std::int32_t> forward_before(cache.forward_map_host().begin(), cache.forward_map_host().end());
     bool ok;
-    if (op.kind == OpKind::invalidate) {
+    if (op.kind == OpKind::wide) {
+      // Without stream slots a stream forward falls back to admit (not scan resistant): the
+      // checks of stream admission and the failing consumer apply only with them.
+      const bool streams = !op.admit && stream_slots >= 2;
+      const bool fails = op.consumer_fails && streams;
+      std::vector<std::int32_t> served;
+      std::uint32_t calls = 0;
+      const auto consumer = [&](const ec::WideRound& round) noexcept {
+        ++calls;
+        FUZZ_CHECK(round.experts.size() == round.slots.size());
+        served.insert(served.end(), round.experts.begin(), round.experts.end());
+        if (fails) return ec::Status(ec::ErrorCode::runtime_failure, "fuzz consumer failed");
+        return ec::Status();
+      };
+      ec::WideOptions wide_options;
+      wide_options.admission = op.admit ? ec::WideAdmission::admit : ec::WideAdmission::stream;
+      const ec::Result<ec::WideSummary> r = cache.prepare_wide(op.ids, stream, consumer, wide_options);
+      // Accepted: past validation (a failing consumer fails the forward after that).
+      ok = r.ok() || (fails && r.status().code() == ec::ErrorCode::runtime_failure);
+      if (!op.accepted) {
+        FUZZ_CHECK(!ok && calls == 0);
+        const ec::ErrorCode c = r.status().code();
+        FUZZ_CHECK(c == ec::ErrorCode::expert_out_of_range || c == ec::ErrorCode::too_many_experts);
+      } else if (fails) {
+        // Round 0's consumer failed: the forward ends with its status, the pool as it was.
+        FUZZ_CHECK(!r.ok() && calls == 1 && r.status().code() == ec::ErrorCode::runtime_failure);
+        FUZZ_CHECK(cache.planner().snapshot() == snapshot_before);
+      } else {
+        FUZZ_CHECK(ok);
+        FUZZ_CHECK(r.value().unique == op.set.size());
+        FUZZ_CHECK(r.value().rounds == calls);
+        // The rounds are disjoint and cover exactly the forward's experts.
+        std::sort(served.begin(), served.end());
+        FUZZ_CHECK(served == op.set);
+        if (streams) {  // stream admission: the pool is only read
+          FUZZ_CHECK(cache.planner().snapshot() == snapshot_before);
+          FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), cache.resident_map_host().begin(),
+                                cache.resident_map_host().end()));
+          FUZZ_CHECK(r.value().hits + r.value().streamed == r.value().unique);
+        }
+      }
+    } else if (op.kind == OpKind::invalidate) {
       const ec::Status st = cache.invalidate(op.ids[0], stream);
       ok = st.ok();
       if (ok) {
@@ -369,6 +437,9 @@ void fuzz_planner(const std::uint8_t* data, std::size_t size) {
   const std::int32_t capacity = 1 + in.next() % static_cast<unsigned>(num_experts);
   const std::int32_t top_k = 1 + in.next() % static_cast<unsigned>(capacity);  // any valid top-k
   const std::uint8_t staging = in.next();
+  // 0 (wide forwards fall back to admit), 2 or 4 stream slots; at most num_experts (CacheOptions' bound).
+  std::int32_t stream_slots = 2 * (in.next() % 3);
+  while (stream_slots > num_experts) stream_slots -= 2;
   const std::uint64_t seed = static_cast<std::uint64_t>(in.next()) | static_cast<std::uint64_t>(in.next()) << 8;
   const ec::CacheShape shape{num_experts, capacity};
   const std::vector<Op> ops = decode_ops(in, num_experts, capacity);
@@ -381,7 +452,7 @@ void fuzz_planner(const std::uint8_t* data, std::size_t size) {
   // Belady's future is the sequence of accepted forwards.
   std::vector<std::vector<std::int32_t>> future;
   for (const Op& op : ops) {
-    if (op.kind != OpKind::invalidate && op.accepted) future.push_back(op.set);
+    if ((op.kind == OpKind::topk || op.kind == OpKind::unique) && op.accepted) future.push_back(op.set);
   }
   run_ops(ops, shape, top_k, ec::Belady(std::make_shared<const ec::BeladyFuture>(num_experts, future), shape));
 
@@ -393,16 +464,16 @@ void fuzz_planner(const std::uint8_t* data, std::size_t size) {
   using ec::TensorMajorStorage;
   switch (staging % 3) {
     case 0:
-      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
-      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Inline, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
       break;
     case 1:
-      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
-      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::CopyStream, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
       break;
     default:
-      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
-      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, seed);
+      run_cache<ExpertCache<ExpertMajorStorage, ec::Lfru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
+      run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
       break;
   }
 }

@@ -25,6 +25,8 @@ seed merged     '\x212 0 1 2\n2 0 3\n2 0 1\n3 0 0\n'
 seed malformed  '\x000 0 1\n0 x 2\n-1 0 3\n0 0 99999999999\n'
 seed resumed    '\x000 0 1\n0 1 2\n0 0 3\n'
 seed ops        '\x07\x05\x00\x03\x01\x02\x03\x01\x02\x04\x05\x02\x03\x00\x04\x01\x02\x03\x04'
+# Wide forwards (8 experts, 4 slots, 2 stream slots): stream, admit, and stream with a failing consumer.
+seed wide       '\x00\x07\x03\x01\x01\x01\x05\x00\x03\x0a\x02\x03\x04\x05\x06\x07\x08\x09\x0b\x02\x43\x06\x02\x04\x06\x08\x0a\x03\x23\x04\x02\x03\x04\x05\x00\x02\x02\x03'
 
 runs_arg=()
 if [[ -n "${FUZZ_RUNS:-}" ]]; then runs_arg=(-runs="$FUZZ_RUNS"); fi
