@@ -1,4 +1,4 @@
-// libFuzzer target over the trace parser and the ForwardPlanner API (.ci/fuzz.sh builds it).
+// libFuzzer target over the trace parser and the ForwardPlanner API (tests/fuzz/run.sh builds it).
 //   clang++ -std=c++20 -fsanitize=fuzzer,address,undefined -Iinclude tests/fuzz/fuzz_trace_planner.cpp
 // Part 1 parses the input as trace text and checks the parsed structure, a write/parse
 // round trip and (for small traces) a replay. Part 2 reads the same bytes as a sequence of
@@ -9,7 +9,7 @@
 // the simulated GPU advances by a seeded schedule between calls): rejected calls leave stats, maps
 // and the planner snapshot unchanged, a wide forward's rounds serve exactly its experts, stream
 // admission and a failed forward leave the pool as it was, and the race detector reports nothing.
-// Failures abort (a crash for libFuzzer).
+// The same calls on a two-layer ModelExpertCache. Failures abort (a crash for libFuzzer).
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -24,6 +24,7 @@
 
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/expert_cache.hpp"
+#include "expert_cache/model_cache.hpp"
 #include "expert_cache/planner.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/tools/replay.hpp"
@@ -431,6 +432,93 @@ void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t to
   FUZZ_CHECK(cache.stats().faults == 0);
 }
 
+// The same calls on a two-layer ModelExpertCache (per-layer pools or one global pool), op i on
+// layer i % 2: the same predictions hold per layer, a wide forward serves exactly its experts, and
+// stream admission, refused and failed calls leave the layer's planner as it was.
+template <class Cache>
+void run_model_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, std::int32_t stream_slots,
+                     ec::ModelPool pool, std::uint64_t seed) {
+  ec::SimRuntime rt;
+  rt.set_seed(seed);
+  const ec::SimRuntime::Stream stream = rt.create_stream().value();
+  const ec::ExplicitLayout layout{{{{"w13", 48}, {"w2", 16}, {"w13_scale", 8}, {"w2_scale", 4}, {"w13_scale_2", 4},
+                                    {"w2_scale_2", 4}}}};
+  ec::ModelCacheOptions options;
+  options.num_layers = 2;
+  options.num_experts = shape.num_experts;
+  options.capacity = shape.capacity;
+  options.top_k = top_k;
+  options.pool = pool;
+  options.stream_slots = stream_slots;
+  options.max_wide_ids = fuzz_max_wide_ids(shape.capacity);
+  Cache cache(rt, options, layout);
+  std::uint64_t step = 0;
+  for (const Op& op : ops) {
+    const auto layer = static_cast<std::int32_t>(step % 2);
+    const auto total_before = stats_fields(cache.stats().total);
+    const auto snapshot_before = cache.planner(layer).snapshot();
+    const auto resident = [&] { return cache.resident_map_host(layer); };
+    const std::vector<std::int32_t> resident_before(resident().begin(), resident().end());
+    bool ok;
+    if (op.kind == OpKind::wide) {
+      const bool streams = !op.admit && stream_slots >= 2;
+      const bool fails = op.consumer_fails && streams;
+      std::vector<std::int32_t> served;
+      std::uint32_t calls = 0;
+      const auto consumer = [&](const ec::WideRound& round) noexcept {
+        ++calls;
+        served.insert(served.end(), round.experts.begin(), round.experts.end());
+        if (fails) return ec::Status(ec::ErrorCode::runtime_failure, "fuzz consumer failed");
+        return ec::Status();
+      };
+      ec::WideOptions wide_options;
+      wide_options.admission = op.admit ? ec::WideAdmission::admit : ec::WideAdmission::stream;
+      const ec::Result<ec::WideSummary> r = cache.prepare_wide(layer, op.ids, stream, consumer, wide_options);
+      ok = r.ok() || (fails && r.status().code() == ec::ErrorCode::runtime_failure);
+      if (!op.accepted) {
+        FUZZ_CHECK(!ok && calls == 0);
+      } else if (fails) {
+        FUZZ_CHECK(!r.ok() && calls == 1);
+        FUZZ_CHECK(cache.planner(layer).snapshot() == snapshot_before);
+      } else {
+        FUZZ_CHECK(ok && r.value().unique == op.set.size() && r.value().rounds == calls);
+        std::sort(served.begin(), served.end());
+        FUZZ_CHECK(served == op.set);
+        if (streams) {
+          FUZZ_CHECK(cache.planner(layer).snapshot() == snapshot_before);
+          FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), resident().begin(), resident().end()));
+        }
+      }
+    } else if (op.kind == OpKind::invalidate) {
+      ok = cache.invalidate(layer, op.ids[0], stream).ok();
+      if (ok) FUZZ_CHECK(resident()[static_cast<std::size_t>(op.ids[0])] == ec::absent_slot);
+    } else {
+      const ec::Result<ec::ForwardView> view = op.kind == OpKind::topk ? cache.prepare(layer, op.ids, stream)
+                                                                        : cache.prepare_unique(layer, op.ids, stream);
+      ok = view.ok();
+      if (ok) {
+        for (const std::int32_t e : op.set) FUZZ_CHECK(resident()[static_cast<std::size_t>(e)] != ec::absent_slot);
+      }
+    }
+    FUZZ_CHECK(ok == op.accepted);
+    if (!ok) {  // a rejected call changes nothing the caller can see
+      FUZZ_CHECK(stats_fields(cache.stats().total) == total_before);
+      FUZZ_CHECK(cache.planner(layer).snapshot() == snapshot_before);
+      FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), resident().begin(), resident().end()));
+    }
+    check_maps(cache.planner(layer));
+    ++step;
+    rt.run_random(seed + step, static_cast<std::size_t>((seed >> (step % 32)) & 7u));
+  }
+  rt.drain();
+  FUZZ_CHECK(rt.idle());
+  if (rt.race_count() != 0) {
+    std::fprintf(stderr, "race: %s\n", rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
+  }
+  FUZZ_CHECK(rt.race_count() == 0);
+  FUZZ_CHECK(cache.stats().total.faults == 0);
+}
+
 void fuzz_planner(const std::uint8_t* data, std::size_t size) {
   Bytes in(data, size);
   const std::int32_t num_experts = 1 + in.next() % 16;
@@ -476,6 +564,10 @@ void fuzz_planner(const std::uint8_t* data, std::size_t size) {
       run_cache<ExpertCache<TensorMajorStorage, ec::Lru, ec::Batched, ExplicitLayout, SimRuntime>>(ops, shape, top_k, stream_slots, seed);
       break;
   }
+  // A model cache over two layers, the pool kind from the input.
+  using ModelCache = ec::ModelExpertCache<ExpertMajorStorage, ec::Lru, ec::CopyStream, ExplicitLayout, SimRuntime>;
+  run_model_cache<ModelCache>(ops, shape, top_k, stream_slots,
+                              (staging & 0x10) != 0 ? ec::ModelPool::global : ec::ModelPool::per_layer, seed);
 }
 
 }  // namespace
