@@ -317,6 +317,65 @@ auto stats_fields(const ec::CacheStats& s) {
                     s.staging_stalls, s.faults, s.slot_bytes, s.host_bytes);
 }
 
+// The simulated GPU makes a seeded amount of progress, so calls land on in-flight work.
+void advance(ec::SimRuntime& rt, std::uint64_t seed, std::uint64_t step) {
+  rt.run_random(seed + step, static_cast<std::size_t>((seed >> (step % 32)) & 7u));
+}
+
+// Runs what is left: everything completes, and the race detector saw no race.
+void check_drained(ec::SimRuntime& rt) {
+  rt.drain();
+  FUZZ_CHECK(rt.idle());
+  if (rt.race_count() != 0) {
+    std::fprintf(stderr, "race: %s\n", rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
+  }
+  FUZZ_CHECK(rt.race_count() == 0);
+}
+
+// One wide forward of `op` through `prepare_wide(consumer, options)`; `pool_unchanged()` says
+// whether the cache's pool is as it was before the call. Checks the outcome against the
+// prediction: a refused forward calls no consumer; with stream admission (stream slots given; a
+// stream forward without them falls back to admit, which is not scan resistant) a consumer that
+// fails in round 0 ends the forward, and a streamed or failed forward leaves the pool as it was; an
+// accepted forward's rounds serve exactly its unique experts. Returns whether the forward got past
+// validation (a failing consumer fails it after that).
+template <class PrepareWide, class PoolUnchanged>
+bool check_wide(const Op& op, std::int32_t stream_slots, PrepareWide&& prepare_wide, PoolUnchanged&& pool_unchanged) {
+  const bool streams = !op.admit && stream_slots >= 2;
+  const bool fails = op.consumer_fails && streams;
+  std::vector<std::int32_t> served;
+  std::uint32_t calls = 0;
+  auto consumer = [&](const ec::WideRound& round) noexcept {
+    ++calls;
+    FUZZ_CHECK(round.experts.size() == round.slots.size());
+    served.insert(served.end(), round.experts.begin(), round.experts.end());
+    if (fails) return ec::Status(ec::ErrorCode::runtime_failure, "fuzz consumer failed");
+    return ec::Status();
+  };
+  ec::WideOptions options;
+  options.admission = op.admit ? ec::WideAdmission::admit : ec::WideAdmission::stream;
+  const ec::Result<ec::WideSummary> r = prepare_wide(consumer, options);
+  const bool accepted = r.ok() || (fails && r.status().code() == ec::ErrorCode::runtime_failure);
+  if (!op.accepted) {
+    FUZZ_CHECK(!accepted && calls == 0);
+    const ec::ErrorCode c = r.status().code();
+    FUZZ_CHECK(c == ec::ErrorCode::expert_out_of_range || c == ec::ErrorCode::too_many_experts);
+  } else if (fails) {
+    FUZZ_CHECK(!r.ok() && calls == 1);
+    FUZZ_CHECK(pool_unchanged());
+  } else {
+    FUZZ_CHECK(r.ok() && r.value().unique == op.set.size() && r.value().rounds == calls);
+    // The rounds are disjoint and cover exactly the forward's experts.
+    std::sort(served.begin(), served.end());
+    FUZZ_CHECK(served == op.set);
+    if (streams) {  // stream admission: the pool is only read
+      FUZZ_CHECK(pool_unchanged());
+      FUZZ_CHECK(r.value().hits + r.value().streamed == r.value().unique);
+    }
+  }
+  return accepted;
+}
+
 template <class Cache>
 void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t top_k, std::int32_t stream_slots,
                std::uint64_t seed) {
@@ -342,46 +401,14 @@ void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t to
     const std::vector<std::int32_t> forward_before(cache.forward_map_host().begin(), cache.forward_map_host().end());
     bool ok;
     if (op.kind == OpKind::wide) {
-      // Without stream slots a stream forward falls back to admit (not scan resistant): the
-      // checks of stream admission and the failing consumer apply only with them.
-      const bool streams = !op.admit && stream_slots >= 2;
-      const bool fails = op.consumer_fails && streams;
-      std::vector<std::int32_t> served;
-      std::uint32_t calls = 0;
-      const auto consumer = [&](const ec::WideRound& round) noexcept {
-        ++calls;
-        FUZZ_CHECK(round.experts.size() == round.slots.size());
-        served.insert(served.end(), round.experts.begin(), round.experts.end());
-        if (fails) return ec::Status(ec::ErrorCode::runtime_failure, "fuzz consumer failed");
-        return ec::Status();
-      };
-      ec::WideOptions wide_options;
-      wide_options.admission = op.admit ? ec::WideAdmission::admit : ec::WideAdmission::stream;
-      const ec::Result<ec::WideSummary> r = cache.prepare_wide(op.ids, stream, consumer, wide_options);
-      // Accepted: past validation (a failing consumer fails the forward after that).
-      ok = r.ok() || (fails && r.status().code() == ec::ErrorCode::runtime_failure);
-      if (!op.accepted) {
-        FUZZ_CHECK(!ok && calls == 0);
-        const ec::ErrorCode c = r.status().code();
-        FUZZ_CHECK(c == ec::ErrorCode::expert_out_of_range || c == ec::ErrorCode::too_many_experts);
-      } else if (fails) {
-        // Round 0's consumer failed: the forward ends with its status, the pool as it was.
-        FUZZ_CHECK(!r.ok() && calls == 1 && r.status().code() == ec::ErrorCode::runtime_failure);
-        FUZZ_CHECK(cache.planner().snapshot() == snapshot_before);
-      } else {
-        FUZZ_CHECK(ok);
-        FUZZ_CHECK(r.value().unique == op.set.size());
-        FUZZ_CHECK(r.value().rounds == calls);
-        // The rounds are disjoint and cover exactly the forward's experts.
-        std::sort(served.begin(), served.end());
-        FUZZ_CHECK(served == op.set);
-        if (streams) {  // stream admission: the pool is only read
-          FUZZ_CHECK(cache.planner().snapshot() == snapshot_before);
-          FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), cache.resident_map_host().begin(),
-                                cache.resident_map_host().end()));
-          FUZZ_CHECK(r.value().hits + r.value().streamed == r.value().unique);
-        }
-      }
+      ok = check_wide(
+          op, stream_slots,
+          [&](auto& consumer, const ec::WideOptions& o) { return cache.prepare_wide(op.ids, stream, consumer, o); },
+          [&] {
+            return cache.planner().snapshot() == snapshot_before &&
+                   std::equal(resident_before.begin(), resident_before.end(), cache.resident_map_host().begin(),
+                              cache.resident_map_host().end());
+          });
     } else if (op.kind == OpKind::invalidate) {
       const ec::Status st = cache.invalidate(op.ids[0], stream);
       ok = st.ok();
@@ -419,16 +446,9 @@ void run_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int32_t to
                             cache.forward_map_host().end()));
     }
     check_maps(cache.planner());
-    // The simulated GPU makes a seeded amount of progress, so calls land on in-flight work.
-    ++step;
-    rt.run_random(seed + step, static_cast<std::size_t>((seed >> (step % 32)) & 7u));
+    advance(rt, seed, ++step);
   }
-  rt.drain();
-  FUZZ_CHECK(rt.idle());
-  if (rt.race_count() != 0) {
-    std::fprintf(stderr, "race: %s\n", rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
-  }
-  FUZZ_CHECK(rt.race_count() == 0);
+  check_drained(rt);
   FUZZ_CHECK(cache.stats().faults == 0);
 }
 
@@ -461,34 +481,13 @@ void run_model_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int3
     const std::vector<std::int32_t> resident_before(resident().begin(), resident().end());
     bool ok;
     if (op.kind == OpKind::wide) {
-      const bool streams = !op.admit && stream_slots >= 2;
-      const bool fails = op.consumer_fails && streams;
-      std::vector<std::int32_t> served;
-      std::uint32_t calls = 0;
-      const auto consumer = [&](const ec::WideRound& round) noexcept {
-        ++calls;
-        served.insert(served.end(), round.experts.begin(), round.experts.end());
-        if (fails) return ec::Status(ec::ErrorCode::runtime_failure, "fuzz consumer failed");
-        return ec::Status();
-      };
-      ec::WideOptions wide_options;
-      wide_options.admission = op.admit ? ec::WideAdmission::admit : ec::WideAdmission::stream;
-      const ec::Result<ec::WideSummary> r = cache.prepare_wide(layer, op.ids, stream, consumer, wide_options);
-      ok = r.ok() || (fails && r.status().code() == ec::ErrorCode::runtime_failure);
-      if (!op.accepted) {
-        FUZZ_CHECK(!ok && calls == 0);
-      } else if (fails) {
-        FUZZ_CHECK(!r.ok() && calls == 1);
-        FUZZ_CHECK(cache.planner(layer).snapshot() == snapshot_before);
-      } else {
-        FUZZ_CHECK(ok && r.value().unique == op.set.size() && r.value().rounds == calls);
-        std::sort(served.begin(), served.end());
-        FUZZ_CHECK(served == op.set);
-        if (streams) {
-          FUZZ_CHECK(cache.planner(layer).snapshot() == snapshot_before);
-          FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), resident().begin(), resident().end()));
-        }
-      }
+      ok = check_wide(
+          op, stream_slots,
+          [&](auto& consumer, const ec::WideOptions& o) { return cache.prepare_wide(layer, op.ids, stream, consumer, o); },
+          [&] {
+            return cache.planner(layer).snapshot() == snapshot_before &&
+                   std::equal(resident_before.begin(), resident_before.end(), resident().begin(), resident().end());
+          });
     } else if (op.kind == OpKind::invalidate) {
       ok = cache.invalidate(layer, op.ids[0], stream).ok();
       if (ok) FUZZ_CHECK(resident()[static_cast<std::size_t>(op.ids[0])] == ec::absent_slot);
@@ -507,15 +506,9 @@ void run_model_cache(const std::vector<Op>& ops, ec::CacheShape shape, std::int3
       FUZZ_CHECK(std::equal(resident_before.begin(), resident_before.end(), resident().begin(), resident().end()));
     }
     check_maps(cache.planner(layer));
-    ++step;
-    rt.run_random(seed + step, static_cast<std::size_t>((seed >> (step % 32)) & 7u));
+    advance(rt, seed, ++step);
   }
-  rt.drain();
-  FUZZ_CHECK(rt.idle());
-  if (rt.race_count() != 0) {
-    std::fprintf(stderr, "race: %s\n", rt.races().empty() ? "(dropped)" : rt.races()[0].description.c_str());
-  }
-  FUZZ_CHECK(rt.race_count() == 0);
+  check_drained(rt);
   FUZZ_CHECK(cache.stats().total.faults == 0);
 }
 
