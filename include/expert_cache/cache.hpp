@@ -351,10 +351,7 @@ class ExpertCacheWithEdges {
       return s;
     }
     // The per-expert row counts serve the stream rounds' split of the hits; zero again on return.
-    struct ClearRows {
-      ExpertCacheWithEdges* self;
-      ~ClearRows() { detail::clear_wide_rows(self->wide_unique_, self->wide_rows_); }
-    } clear_rows{this};
+    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
     // Validated: from here on the cache changes.
     forward_shadow_valid_ = false;  // the rounds overwrite the device forward map
     if (Status s = core_.wide_begin(stream); !s) {

@@ -245,10 +245,7 @@ class ModelExpertCache {
       return s.with_context("prepare_wide of layer %d", layer);
     }
     // The per-expert row counts serve the rounds' split of the hits; zero again on return.
-    struct ClearRows {
-      ModelExpertCache* self;
-      ~ClearRows() { detail::clear_wide_rows(self->wide_unique_, self->wide_rows_); }
-    } clear_rows{this};
+    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
     LayerCounters& lc = layer_counters_[l];
     shadow_valid_[l] = 0;  // the rounds overwrite the layer's device forward map
     if (Status s = core_.wide_begin(stream, reader(l)); !s) {

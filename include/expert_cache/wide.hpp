@@ -332,6 +332,13 @@ inline void clear_wide_rows(std::span<const std::int32_t> unique, std::vector<st
   for (const std::int32_t e : unique) rows[static_cast<std::size_t>(e)] = 0;
 }
 
+// Zeroes them when the forward that counted them returns, on every path.
+struct ClearWideRowsOnExit {
+  const std::vector<std::int32_t>& unique;
+  std::vector<std::uint32_t>& rows;
+  ~ClearWideRowsOnExit() { clear_wide_rows(unique, rows); }
+};
+
 // The checks every wide forward starts with, before its cache changes anything (the ids are
 // checked next, by wide_unique): the staging's own precheck where it has one, and no stream
 // capture (the rounds wait on the host).
