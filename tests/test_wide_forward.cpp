@@ -101,8 +101,9 @@ struct WideFixture {
           if (rounds) rounds->emplace_back(r.experts.begin(), r.experts.end());
           return read_round(r, s);
         },
-        WideOptions{admission, copy});
+        WideOptions{.admission = admission, .copy = copy, .batch_copies = batch_copies});
   }
+  bool batch_copies = true;  // WideOptions::batch_copies of wide()
 
   Status forward(const Ids& topk, Stream s) {
     auto view = cache->prepare(topk, s);
@@ -306,6 +307,47 @@ TEST_CASE("wide forward: runs of consecutive experts go as one copy per dense re
     REQUIRE(r.ok());
     CHECK(r.value().copies == 4 * 6);
     f.check_clean();
+  }
+}
+
+// The copies of one wide forward with and without WideOptions::batch_copies, from the same
+// starting state: what SimRuntime counted, and the forward's summary.
+template <class Cache>
+std::pair<SimCounters, WideSummary> wide_copy_calls(bool batch, const Ids& ids, WideCopy copy) {
+  WideFixture<Cache> f(32, 4, 1, 8);
+  f.batch_copies = batch;
+  REQUIRE(f.forward(Ids{6, 20}, f.streams[0]).ok());  // two residents: gaps in the runs
+  f.rt.drain();
+  const SimCounters before = f.rt.counters();
+  auto r = f.wide(ids, f.streams[0], WideAdmission::stream, nullptr, copy);
+  REQUIRE(r.ok());
+  f.check_clean();  // every round's bytes equal the host pool's
+  SimCounters d = f.rt.counters();
+  d.copies -= before.copies;
+  d.copy_batches -= before.copy_batches;
+  d.batch_copies -= before.batch_copies;
+  d.copy_bytes -= before.copy_bytes;
+  return {d, r.value()};
+}
+
+TEST_CASE_TEMPLATE("wide forward, stream admission: a round's copies go in one batched call, or one call each",
+                   Cache, RowWide, WholeWide, InlineWide) {
+  const Ids ids = all_experts(24);  // 22 missing: rounds of 4, runs split at 6 and 20
+  for (const WideCopy copy : {WideCopy::runs, WideCopy::span}) {
+    CAPTURE(to_string(copy));
+    const auto [on, on_summary] = wide_copy_calls<Cache>(true, ids, copy);
+    const auto [off, off_summary] = wide_copy_calls<Cache>(false, ids, copy);
+    CHECK(on_summary.rounds == 6);
+    CHECK(on_summary.copies == off_summary.copies);
+    CHECK(on_summary.bytes == off_summary.bytes);
+    // Batched: one call per round, holding exactly the copies the summary counts; the plain
+    // copies left are the map uploads, as many as without batching.
+    CHECK(on.copy_batches == on_summary.rounds);
+    CHECK(on.batch_copies == on_summary.copies);
+    CHECK(off.copy_batches == 0);
+    CHECK(off.batch_copies == 0);
+    CHECK(off.copies - on.copies == off_summary.copies);
+    CHECK(on.copy_bytes == off.copy_bytes);
   }
 }
 

@@ -798,6 +798,9 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
         if (copy == WideCopy::runs) runs = t;
       }
       tails.push_back({tokens, runs});
+      WideOptions unbatched;  // automatic copies, one copy call each instead of one batched call per round
+      unbatched.batch_copies = false;
+      row("unbatched", b.prompt(p, PromptMode::wide, unbatched));
       WideOptions admit;
       admit.admission = WideAdmission::admit;
       row("admit", b.prompt(p, PromptMode::wide, admit));
@@ -814,6 +817,8 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
                   "forward)\n",
                   name);
   } else {
+    std::printf("(runs, span, automatic: each round's copies in one batched call; unbatched: automatic with one "
+                "copy call each)\n");
     std::printf("(fill_ms: the stream rounds with an empty consumer, automatic copies: the transfer pipeline alone; "
                 "fillGB: its bytes / time; fill/c: that over the ceiling; compute_ms: the sum of the rounds' consumer "
                 "times; resid_ms: the all-resident prefill)\n");

@@ -211,6 +211,7 @@ class ExpertCacheWithEdges {
     wide_round_.reserve(experts);
     wide_slots_.reserve(experts);
     wide_fills_.reserve(experts);
+    wide_batch_.reserve(experts * copies_per_fill_);  // a round's copies: at most one per fill and region
     wide_plan_.reserve(experts + 1);
     wide_hit_begin_.reserve(experts + 2);
     wide_rows_.assign(experts, 0);
@@ -543,6 +544,7 @@ class ExpertCacheWithEdges {
       (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
     }
     const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
+    std::vector<CopyDesc>* const batch = options.batch_copies ? &wide_batch_ : nullptr;
     // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
     const std::pair<std::size_t, std::uint64_t> dense_shape = detail::dense_copy_shape(staging_, storage_);
     const std::size_t dense_regions = dense_shape.first;
@@ -587,9 +589,9 @@ class ExpertCacheWithEdges {
         const std::span<const SlotFill> fills(wide_fills_);
         if (span) {
           const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
-          return detail::issue_span(staging_, *rt_, f, storage_, first, width, fills, summary.copies);
+          return detail::issue_span(staging_, *rt_, f, storage_, first, width, fills, summary.copies, batch);
         }
-        return detail::issue_coalesced(staging_, *rt_, f, storage_, fills, summary.copies);
+        return detail::issue_coalesced(staging_, *rt_, f, storage_, fills, summary.copies, batch);
       });
       if (s && upload) resident_dirty_ = false;
       if (s) {
@@ -840,6 +842,7 @@ class ExpertCacheWithEdges {
   std::vector<std::uint32_t> wide_rows_;       // per expert: its ids in the wide forward (zero between forwards)
   std::vector<std::size_t> wide_hit_begin_;    // round r's hits: [begin[r], begin[r + 1]) of wide_hits_
   std::vector<SlotFill> wide_fills_;
+  std::vector<CopyDesc> wide_batch_;  // a stream round's copies for one batched call (WideOptions::batch_copies)
   std::vector<detail::StreamRound> wide_plan_;
   bool wide_fallback_logged_ = false;
   std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0, wide_bytes_ = 0;

@@ -182,6 +182,7 @@ class ModelExpertCache {
     wide_hit_begin_.reserve(E + 2);
     wide_rows_.assign(E, 0);
     wide_fills_.reserve(E);
+    wide_batch_.reserve(E * max_copy_regions);  // a round's copies: at most one per fill and region
     wide_map_.assign(E, absent_slot);
     if (options_.log) {
       const CacheStats s = stats().total;
@@ -292,8 +293,9 @@ class ModelExpertCache {
         for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
         if (!m) return m;
         const std::span<const SlotFill> fills(wide_fills_);
-        if (global()) return detail::issue_coalesced(staging, *rt_, f, storage_, fills, summary.copies);
-        return detail::issue_coalesced(staging, *rt_, f, regions_[l], fills, summary.copies);
+        std::vector<CopyDesc>* const batch = options.batch_copies ? &wide_batch_ : nullptr;
+        if (global()) return detail::issue_coalesced(staging, *rt_, f, storage_, fills, summary.copies, batch);
+        return detail::issue_coalesced(staging, *rt_, f, regions_[l], fills, summary.copies, batch);
       });
       if (s && upload) clear_dirty(l);
       if (s) {
@@ -822,6 +824,7 @@ class ModelExpertCache {
   std::vector<std::uint32_t> wide_rows_;     // per expert: its ids in the wide forward (zero between forwards)
   std::vector<std::size_t> wide_hit_begin_;  // round r's hits: [begin[r], begin[r + 1]) of wide_hits_
   std::vector<SlotFill> wide_fills_;
+  std::vector<CopyDesc> wide_batch_;  // a stream round's copies for one batched call (WideOptions::batch_copies)
   ForwardPlan plan_;
   std::size_t copies_per_fill_ = 0;
   std::uint64_t last_copies_ = 0;

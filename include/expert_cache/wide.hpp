@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "expert_cache/concepts.hpp"
+#include "expert_cache/nvtx.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
@@ -79,6 +80,11 @@ struct WideOptions {
   WideAdmission admission = WideAdmission::stream;
   WideCopy copy = WideCopy::automatic;
   WideCopyCost cost{};
+  /// Stream admission: each round's copies in ONE batched call where the runtime has one
+  /// (CudaRuntime: cudaMemcpyBatchAsync; a wide forward is never captured, so it is always
+  /// allowed), which keeps the copy engine from paying a fixed cost per copy; false: one copy
+  /// call each through the staging policy. The same bytes either way.
+  bool batch_copies = true;
 };
 
 /// What a wide forward did (returned by prepare_wide once every round's consumer succeeded).
@@ -154,14 +160,59 @@ template <class Staging>
   }
 }
 
+// Where a round's copies go. Without a batch (or a runtime without copy_batch_async) each one
+// through the staging policy; with one, collected (a coalescing staging policy issues plain
+// copies, so the copies are the same) and issued as ONE batched call by flush().
+template <class Staging, class R>
+class RoundIssuer {
+ public:
+  RoundIssuer(Staging& staging, R& rt, typename R::Stream fill, std::vector<CopyDesc>* batch) noexcept
+      : staging_(&staging), rt_(&rt), fill_(fill), batch_(batching_runtime<R> ? batch : nullptr) {
+    if (batch_ != nullptr) batch_->clear();
+  }
+  template <class Regions>
+  Status issue(const Regions& regions, std::span<const SlotFill> fills) noexcept {
+    if (batch_ == nullptr) return staging_->issue(*rt_, fill_, regions, fills);
+    // The caches reserve room for a round's copies; should a list not fit, what is collected
+    // goes first and these copies one by one (the same copies, never an allocation here).
+    if (batch_->capacity() - batch_->size() < regions.copy_regions().count * fills.size()) {
+      if (Status s = flush(); !s) return s;
+      batch_->clear();
+      return staging_->issue(*rt_, fill_, regions, fills);
+    }
+    return for_each_fill_copy(regions.copy_regions(), fills, [&](void* dst, const void* src, std::size_t n) noexcept {
+      batch_->push_back(CopyDesc{dst, src, n});
+      return Status();
+    });
+  }
+  Status flush() noexcept {
+    if constexpr (batching_runtime<R>) {
+      if (batch_ == nullptr || batch_->empty()) return {};
+      EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
+      return rt_->copy_batch_async(std::span<const CopyDesc>(*batch_), fill_);
+    } else {
+      return {};
+    }
+  }
+
+ private:
+  Staging* staging_;
+  R* rt_;
+  typename R::Stream fill_;
+  std::vector<CopyDesc>* batch_;
+};
+
 // Issues `fills` (slots consecutive where experts are: the stream slots of one round) with every
 // run of consecutive experts in consecutive slots as one copy per dense region; non-dense regions
 // and non-coalescing staging policies get one copy per fill and region. Adds the copies issued.
+// `batch` (may be null): where a coalescing policy's copies are collected for one batched call.
 template <class Staging, class R, class Storage>
 Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const Storage& storage,
-                       std::span<const SlotFill> fills, std::uint64_t& copies) noexcept {
+                       std::span<const SlotFill> fills, std::uint64_t& copies,
+                       std::vector<CopyDesc>* batch = nullptr) noexcept {
   const CopyRegions& all = storage.copy_regions();
   if constexpr (!coalescing_staging<Staging>) {
+    (void)batch;
     copies += fills.size() * all.count;
     return staging.issue(rt, fill, storage, fills);
   } else {
@@ -169,6 +220,7 @@ Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const S
       copies += fills.size() * all.count;
       return staging.issue(rt, fill, storage, fills);
     }
+    RoundIssuer<Staging, R> out(staging, rt, fill, batch);
     RunCopyRegions dense, sparse;
     for (const CopyRegion& r : all) {
       (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
@@ -183,29 +235,31 @@ Status issue_coalesced(Staging& staging, R& rt, typename R::Stream fill, const S
       if (dense.regions.count != 0) {
         RunCopyRegions run = dense;
         for (std::size_t i = 0; i < run.regions.count; ++i) run.regions.regions[i].bytes *= end - begin;
-        if (Status s = staging.issue(rt, fill, run, fills.subspan(begin, 1)); !s) return s;
+        if (Status s = out.issue(run, fills.subspan(begin, 1)); !s) return s;
         copies += run.regions.count;
       }
       begin = end;
     }
     if (sparse.regions.count != 0) {
-      if (Status s = staging.issue(rt, fill, sparse, fills); !s) return s;
+      if (Status s = out.issue(sparse, fills); !s) return s;
       copies += fills.size() * sparse.regions.count;
     }
-    return {};
+    return out.flush();
   }
 }
 
 // A span round (StreamRound::span): ONE copy per dense region of the `width` experts from
 // `first` (expert first.expert into slot first.slot onwards), then the non-dense regions of
 // the round's `fills` one by one. Only for coalescing staging policies (plan_stream_rounds is
-// given no dense regions otherwise).
+// given no dense regions otherwise). `batch` as for issue_coalesced.
 template <class Staging, class R, class Storage>
 Status issue_span(Staging& staging, R& rt, typename R::Stream fill, const Storage& storage, SlotFill first,
-                  std::size_t width, std::span<const SlotFill> fills, std::uint64_t& copies) noexcept {
+                  std::size_t width, std::span<const SlotFill> fills, std::uint64_t& copies,
+                  std::vector<CopyDesc>* batch = nullptr) noexcept {
   if constexpr (!coalescing_staging<Staging>) {
     (void)first;
     (void)width;
+    (void)batch;
     copies += fills.size() * storage.copy_regions().count;
     return staging.issue(rt, fill, storage, fills);
   } else {
@@ -215,20 +269,21 @@ Status issue_span(Staging& staging, R& rt, typename R::Stream fill, const Storag
       copies += fills.size() * storage.copy_regions().count;
       return staging.issue(rt, fill, storage, fills);
     }
+    RoundIssuer<Staging, R> out(staging, rt, fill, batch);
     RunCopyRegions dense, sparse;
     for (const CopyRegion& r : storage.copy_regions()) {
       (dense_region(r) ? dense.regions.regions[dense.regions.count++] : sparse.regions.regions[sparse.regions.count++]) = r;
     }
     if (dense.regions.count != 0) {
       for (std::size_t i = 0; i < dense.regions.count; ++i) dense.regions.regions[i].bytes *= width;
-      if (Status s = staging.issue(rt, fill, dense, std::span<const SlotFill>(&first, 1)); !s) return s;
+      if (Status s = out.issue(dense, std::span<const SlotFill>(&first, 1)); !s) return s;
       copies += dense.regions.count;
     }
     if (sparse.regions.count != 0) {
-      if (Status s = staging.issue(rt, fill, sparse, fills); !s) return s;
+      if (Status s = out.issue(sparse, fills); !s) return s;
       copies += fills.size() * sparse.regions.count;
     }
-    return {};
+    return out.flush();
   }
 }
 
