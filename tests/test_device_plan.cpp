@@ -58,15 +58,21 @@ struct Pair {
   SequentialBlock block;
   ForwardPlan plan;
   std::int64_t bad = 0, overflows = 0, overflow_groups = 0, forwards = 0, prefetches = 0;
+  std::int64_t flagged_overflows = 0;  // overflows not declared in rounds (plan_error_overflow)
   bool forward_cleared = false;  // an empty device group ran after the host's last group
 
   Pair(std::int32_t E, std::int32_t C, std::int32_t top_k) : host(CacheShape{E, C}, top_k), dev(E, C) {}
 
-  void step(const Ids& ids, std::int32_t max_groups = 0) {
+  // in_rounds: the forward is declared served in rounds (DevicePlanState::forward_in_rounds, a
+  // copy of the state for this launch only), so its groups list the residents first.
+  void step(const Ids& ids, std::int32_t max_groups = 0, bool in_rounds = false) {
     const DevicePlanState& s = dev.state();
-    const auto groups = host_groups(ids, s.num_experts, s.capacity);
+    const auto groups = in_rounds ? host_groups_residents_first(ids, host.resident_map(), s.capacity)
+                                  : host_groups(ids, s.num_experts, s.capacity);
     Ids sanitized(ids.size(), 12345);
-    plan_forward(block, s, ids.data(), static_cast<std::int32_t>(ids.size()), sanitized.data());
+    DevicePlanState launch = s;
+    launch.forward_in_rounds = in_rounds;
+    plan_forward(block, launch, ids.data(), static_cast<std::int32_t>(ids.size()), sanitized.data());
     ++forwards;
     bad += count_bad(ids, s.num_experts);
     for (std::size_t i = 0; i < ids.size(); ++i) {
@@ -77,8 +83,9 @@ struct Pair {
     if (groups.size() > 1) {
       ++overflows;
       overflow_groups += static_cast<std::int64_t>(groups.size()) - 1;
+      if (!in_rounds) ++flagged_overflows;
     }
-    if (groups.size() <= 1) {
+    if (groups.size() <= 1 && !in_rounds) {
       // The common path: plan_topk on the raw ids (bad ids removed; the host rejects them).
       Ids valid;
       for (std::int32_t id : ids) {
@@ -90,6 +97,10 @@ struct Pair {
       for (std::size_t g = 0; g < groups.size(); ++g) {
         if (g > 0) plan_group(block, s, static_cast<std::int32_t>(g));
         REQUIRE(host.plan_unique(groups[g], plan));
+        check_same(host, plan, s);
+      }
+      if (groups.empty()) {  // an empty forward in rounds: the host plans an empty list
+        REQUIRE(host.plan_unique(std::span<const std::int32_t>(), plan));
         check_same(host, plan, s);
       }
     }
@@ -173,7 +184,7 @@ struct Pair {
     CHECK(st.overflows == static_cast<std::uint64_t>(overflows));
     CHECK(st.overflow_groups == static_cast<std::uint64_t>(overflow_groups));
     CHECK(st.forwards == static_cast<std::uint64_t>(forwards));
-    const std::uint32_t want = (bad > 0 ? plan_error_bad_id : 0u) | (overflows > 0 ? plan_error_overflow : 0u);
+    const std::uint32_t want = (bad > 0 ? plan_error_bad_id : 0u) | (flagged_overflows > 0 ? plan_error_overflow : 0u);
     CHECK(*dev.state().error_word == want);
   }
 };
@@ -388,6 +399,66 @@ TEST_CASE("device plan: overflow is planned as ascending groups and counted") {
   q.step(all);
   CHECK(q.dev.state().scalars->group_count == 1);
   CHECK(q.dev.state().stats->overflows == 0);
+}
+
+TEST_CASE("device plan: a forward in rounds lists the residents first and fills no expert twice") {
+  // Slots hold 10..13 (LRU order 10 oldest); the forward needs 0..5 and 10..13 at capacity 4.
+  const Ids ids = {0, 1, 2, 3, 4, 5, 10, 11, 12, 13};
+  const auto run = [&](bool in_rounds) {
+    Pair p(16, 4, 2);
+    p.step({10, 11, 12, 13});
+    const std::uint64_t misses0 = p.dev.state().stats->misses;
+    p.step(ids, plan_max_groups(static_cast<std::int64_t>(ids.size()), 16, 4), in_rounds);
+    const DevicePlanState& s = p.dev.state();
+    CHECK(s.scalars->group_count == 3);
+    CHECK(s.stats->overflows == 1);
+    return std::pair{to_vector(s.unique, s.scalars->unique_count), s.stats->misses - misses0};
+  };
+  // In rounds: group 0 = the four residents (all hits), then 0..5 in two groups: six fills, one
+  // per expert the forward lacks.
+  const auto [rounds_order, rounds_fills] = run(true);
+  CHECK(rounds_order == Ids{10, 11, 12, 13, 0, 1, 2, 3, 4, 5});
+  CHECK(rounds_fills == 6);
+  // Ascending (a plain prepare's overflow): group 0 = 0..3 evicts the residents 10..13, which
+  // group 2 then fills again: ten fills for six missing experts.
+  const auto [plain_order, plain_fills] = run(false);
+  CHECK(plain_order == Ids{0, 1, 2, 3, 4, 5, 10, 11, 12, 13});
+  CHECK(plain_fills == 10);
+}
+
+TEST_CASE("device plan: forwards in rounds equal ForwardPlanner<Lru>::plan_unique on residents-first groups") {
+  struct Config {
+    std::int32_t E, C, top_k, max_tokens;
+  };
+  const Config configs[] = {{16, 6, 2, 8}, {64, 16, 4, 12}, {300, 37, 6, 12}, {512, 208, 10, 40}, {8, 1, 1, 3}};
+  std::uint64_t seed = 101, overflows = 0;
+  for (const Config& c : configs) {
+    CAPTURE(c.E);
+    CAPTURE(c.C);
+    std::mt19937_64 rng(seed++);
+    Pair p(c.E, c.C, c.top_k);
+    const std::int32_t max_groups = plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, c.C);
+    for (int step = 0; step < 120; ++step) {
+      CAPTURE(step);
+      const auto tokens = static_cast<std::int32_t>(1 + rng() % static_cast<std::uint64_t>(c.max_tokens));
+      const Ids ids = random_ids(rng, c.E, c.top_k, tokens, 0.05, 0.02);
+      // Every unique expert is filled at most once per forward: the misses of its groups are
+      // exactly the experts not resident at its start.
+      std::set<std::int32_t> missing;
+      for (const std::int32_t id : ids) {
+        if (id >= 0 && id < c.E && p.host.resident_map()[static_cast<std::size_t>(id)] < 0) missing.insert(id);
+      }
+      const std::uint64_t misses0 = p.dev.state().stats->misses;
+      const bool in_rounds = rng() % 4 != 0;  // most forwards in rounds, some plain between them
+      p.step(ids, max_groups, in_rounds);
+      if (in_rounds) {
+        CHECK(p.dev.state().stats->misses - misses0 == missing.size());
+        if (p.dev.state().scalars->group_count > 1) ++overflows;
+      }
+      if (rng() % 8 == 0) p.invalidate(static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.E)));
+    }
+  }
+  CHECK(overflows > 50);
 }
 
 TEST_CASE("device plan: invalidate then replan reuses the freed slot first") {

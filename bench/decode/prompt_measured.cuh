@@ -511,15 +511,22 @@ class PromptRunner {
         // The ids to device memory (the plan reads them there; the reduction below reuses them),
         // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
         // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
-        // sorted unique list, which the host knows, so it builds that group's pair and tile
-        // lists; the slots come from the view's forward map, which holds group g only.
+        // unique list: the experts resident at the layer's start first, then the others, each
+        // part ascending. The host knows both (the resident map read before the clock), so it
+        // builds that group's pair and tile lists; the slots come from the view's forward map,
+        // which holds group g only.
         Cache& cache = *caches_[static_cast<std::size_t>(l)];
         load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
                                                                                            ids_dev_.as<std::int32_t>());
         check_cuda(cudaGetLastError(), "load_ids_kernel");
         unique_.clear();
-        for (std::int32_t e = 0; e < m_.experts; ++e)
-          if (counts_[static_cast<std::size_t>(e) + 1] > counts_[static_cast<std::size_t>(e)]) unique_.push_back(e);
+        const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
+        for (const char part : {char{1}, char{0}}) {
+          for (std::int32_t e = 0; e < m_.experts; ++e) {
+            const auto i = static_cast<std::size_t>(e);
+            if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
+          }
+        }
         const auto n = static_cast<std::int32_t>(pairs);
         const auto C = static_cast<std::size_t>(m_.capacity);
         const std::int32_t groups = cache.max_groups(n);
@@ -618,14 +625,17 @@ class PromptRunner {
     return map;
   }
 
-  // Device-planned: per layer, the prompt's unique experts that are not resident now.
-  [[nodiscard]] std::vector<std::uint64_t> non_resident_experts(const Prompt& p) const
+  // Device-planned: per layer, the prompt's unique experts that are not resident now (and which
+  // experts are, in start_resident_: a forward in rounds lists those first).
+  [[nodiscard]] std::vector<std::uint64_t> non_resident_experts(const Prompt& p)
     requires device_planned
   {
     std::vector<std::uint64_t> out(static_cast<std::size_t>(m_.layers), 0);
     std::vector<char> seen(static_cast<std::size_t>(m_.experts));
+    start_resident_.assign(static_cast<std::size_t>(m_.layers), std::vector<char>(static_cast<std::size_t>(m_.experts)));
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       const std::vector<std::int32_t> map = resident_map(l);
+      for (std::size_t e = 0; e < map.size(); ++e) start_resident_[static_cast<std::size_t>(l)][e] = map[e] >= 0;
       std::fill(seen.begin(), seen.end(), 0);
       for (const std::int32_t e : p.ids[static_cast<std::size_t>(l)]) {
         if (e < 0 || seen[static_cast<std::size_t>(e)]) continue;
@@ -718,6 +728,7 @@ class PromptRunner {
   std::int64_t step_ = 0;
   std::vector<std::uint32_t> counts_, cursor_, order_;
   std::vector<std::int32_t> unique_;
+  std::vector<std::vector<char>> start_resident_;  // device-planned: per layer, resident at the prompt's start
   std::vector<cudaEvent_t> events_;
   std::vector<cudaEvent_t> reduce_event_store_;  // two per layer, around its pair reduction
   cudaEvent_t* reduce_events_ = nullptr;

@@ -537,9 +537,10 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
     return this->cache_.prepare_group(group, stream);
   }
   // A wide forward on the device planner: prepare, then prepare_group 1..max_groups(n) - 1, the
-  // consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the sorted
-  // unique list; a group the forward does not have is an empty round). The groups go through the
-  // pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
+  // consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the unique
+  // list, which holds the experts resident at the forward's start first, so no group evicts one
+  // a later group reads; a group the forward does not have is an empty round). The groups go
+  // through the pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
   // consumer of group g was enqueued, on the same stream). The host never sees the ids, so a
   // round's experts/slots spans are empty and the summary counts rounds only; the device counts
   // the forward in stats() (overflows) but, every group being served here, does not flag

@@ -46,6 +46,30 @@ inline std::vector<std::vector<std::int32_t>> host_groups(const std::vector<std:
   return groups;
 }
 
+// A forward served in rounds (DevicePlanState::forward_in_rounds): its unique valid ids with the
+// experts resident before it first, each part ascending, in groups of <= capacity.
+inline std::vector<std::vector<std::int32_t>> host_groups_residents_first(const std::vector<std::int32_t>& ids,
+                                                                          std::span<const std::int32_t> resident_map,
+                                                                          std::int32_t capacity) {
+  const auto E = static_cast<std::int32_t>(resident_map.size());
+  std::set<std::int32_t> u;
+  for (std::int32_t id : ids) {
+    if (id >= 0 && id < E) u.insert(id);
+  }
+  std::vector<std::int32_t> all;
+  for (const bool resident : {true, false}) {
+    for (const std::int32_t e : u) {
+      if ((resident_map[static_cast<std::size_t>(e)] >= 0) == resident) all.push_back(e);
+    }
+  }
+  std::vector<std::vector<std::int32_t>> groups;
+  for (std::size_t b = 0; b < all.size(); b += static_cast<std::size_t>(capacity)) {
+    const std::size_t e = std::min(all.size(), b + static_cast<std::size_t>(capacity));
+    groups.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b), all.begin() + static_cast<std::ptrdiff_t>(e));
+  }
+  return groups;
+}
+
 // Ids the planner counts as bad: neither padding (-1) nor in [0, num_experts).
 inline std::int64_t count_bad(const std::vector<std::int32_t>& ids, std::int32_t num_experts) {
   return std::count_if(ids.begin(), ids.end(),

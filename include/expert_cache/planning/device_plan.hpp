@@ -31,7 +31,10 @@
 // list, so its consumer computes nothing and the result is still correct. Overflowing forwards
 // are counted (stats.overflows, stats.overflow_groups) and flagged in the error word: never
 // silent, never wrong. A forward whose caller declared it served in rounds
-// (DevicePlanState::forward_in_rounds: prepare_wide plans every group) is counted, not flagged.
+// (DevicePlanState::forward_in_rounds: prepare_wide plans every group) is counted, not flagged,
+// and its unique list holds the experts resident at the forward's start first (each part
+// ascending; the general path always): every group that reads the pool runs before the first
+// group that evicts, so no expert of the forward is evicted before its group and filled again.
 //
 // Ids: -1 is padding (ignored, like the host). Any other id outside [0, E) — INT32_MIN, -7,
 // E, INT32_MAX: values a broken router writes, not padding — is counted in stats.bad_ids, flags
@@ -174,7 +177,8 @@ struct DevicePlanState {
   std::int32_t capacity = 0;     // C
   PlanSpan<std::int32_t> resident_map;  // [E] expert -> slot, -1 absent (every resident)
   PlanSpan<std::int32_t> forward_map;   // [E] expert -> slot for the last planned group only
-  PlanSpan<std::int32_t> unique;        // [E] sorted unique valid ids of the current forward
+  PlanSpan<std::int32_t> unique;        // [E] unique valid ids of the current forward, ascending
+                                        // (in rounds: the resident ones first, see the overflow note)
   PlanSpan<std::uint32_t> marks;        // [E] dedup scratch, all zero between calls
   PlanSpan<std::int32_t> slot_owner;    // [C] slot -> expert, -1 free
   PlanSpan<std::uint64_t> slot_tick;    // [C] recency tick of the slot's resident (LRU = smallest)
@@ -1275,17 +1279,25 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
   const std::int32_t bad_total = b.sum(bad);
   b.sync();  // every mark visible
 
+  // A forward served in rounds lists its resident experts first (each part ascending): the
+  // groups that hold them are consumed before any group evicts, so no group evicts an expert a
+  // later group of the same forward would read from the pool (it would have to fill it again).
+  // One scan per part; otherwise one ascending scan. Marks are cleared by the last scan.
   std::int32_t unique = 0;
-  for (std::int32_t base = 0; base < E; base += nt) {
-    const std::int32_t e = base + rank;
-    const std::int32_t flag = (e < E && s.marks[e] != 0) ? 1 : 0;
-    std::int32_t total = 0;
-    const std::int32_t offset = b.exclusive_sum(flag, total);
-    if (flag) {
-      s.unique[unique + offset] = e;
-      s.marks[e] = 0;  // only this thread touches marks[e] in this phase
+  const bool residents_first = s.forward_in_rounds;
+  for (std::int32_t part = residents_first ? 0 : 2; part < 3; ++part) {
+    for (std::int32_t base = 0; base < E; base += nt) {
+      const std::int32_t e = base + rank;
+      const bool marked = e < E && s.marks[e] != 0;
+      // part 0: the resident marked ids, part 1: the others, part 2: all of them.
+      const bool resident = marked && part != 2 && s.resident_map[e] >= 0;
+      const std::int32_t flag = (part == 2 ? marked : (part == 0) == resident && marked) ? 1 : 0;
+      std::int32_t total = 0;
+      const std::int32_t offset = b.exclusive_sum(flag, total);
+      if (flag) s.unique[unique + offset] = e;
+      if (marked && part != 0) s.marks[e] = 0;  // only this thread touches marks[e] in this phase
+      unique += total;
     }
-    unique += total;
   }
   const std::int32_t groups = detail::plan_groups_of(unique, C);
   if (rank == 0) {
@@ -1306,7 +1318,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
 template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                                  std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
-  if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0)) {
+  if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0) || s.forward_in_rounds) {
     return plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
   }
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
@@ -1376,7 +1388,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
 template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                            std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
-  if (n_ids >= 0 && n_ids <= plan_small_ids) return plan_forward_small<Policy>(b, s, ids, n_ids, sanitized);
+  if (n_ids >= 0 && n_ids <= plan_small_ids && !s.forward_in_rounds) {
+    return plan_forward_small<Policy>(b, s, ids, n_ids, sanitized);
+  }
   plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
 }
 
