@@ -24,6 +24,7 @@
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/planner.hpp"
 #include "support/caller_memory.hpp"
+#include "support/device_plan_support.hpp"
 #include "support/removed_edges.hpp"
 #include "support/sim_cache_harness.hpp"
 
@@ -61,11 +62,6 @@ std::vector<Ids> groups_of(const Ids& ids, std::int32_t experts, std::int32_t ca
     out.emplace_back(all.begin() + static_cast<std::ptrdiff_t>(b), all.begin() + static_cast<std::ptrdiff_t>(e));
   }
   return out;
-}
-
-std::uint64_t count_bad(const Ids& ids, std::int32_t experts) {
-  return static_cast<std::uint64_t>(
-      std::count_if(ids.begin(), ids.end(), [&](std::int32_t id) { return id != -1 && (id < 0 || id >= experts); }));
 }
 
 // Router output: padding, duplicates, and (with `bad`) values a broken router writes.
@@ -316,7 +312,7 @@ TEST_CASE("device cache: step by step equal to the host-planned Lru cache (hits,
       INFO("seed " << seed << " step " << step << " n " << n << " groups " << needed << " rounds " << rounds);
       CHECK(after.hits - before.hits == expect.hits);
       CHECK(after.misses - before.misses == expect.misses);
-      CHECK(after.bad_ids - before.bad_ids == count_bad(ids, 20));
+      CHECK(after.bad_ids - before.bad_ids == static_cast<std::uint64_t>(count_bad(ids, 20)));
       CHECK(after.overflows - before.overflows == (needed > 1 ? 1u : 0u));
       CHECK(after.overflow_groups - before.overflow_groups == static_cast<std::uint64_t>(needed - 1));
       last_full = rounds == needed;
@@ -855,6 +851,128 @@ TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's p
   CHECK(issued > 200);
   CHECK(used > 50);
   CHECK(wasted > 50);
+}
+
+// A consumer of one group that reads only that group's slots (`slots`: where the host reference
+// put each expert of `group`), so a write to any other slot while it runs is not a race, and a
+// write to one of these is.
+Status read_group_slots(Fixture<>& f, std::size_t s, const Ids& group, const Ids& slots) {
+  const ForwardView v = f.dev->view();
+  std::vector<Access> acc;
+  const std::size_t map = static_cast<std::size_t>(f.experts) * sizeof(std::int32_t);
+  acc.push_back({v.expert_map, map, AccessMode::read});
+  for (const SlotTensor& t : v.tensors) {
+    if (t.bytes == 0) continue;
+    for (const std::int32_t slot : slots) acc.push_back({t.slot(slot), t.bytes, AccessMode::read});
+  }
+  ++f.readers;
+  f.rt.set_next_label("group consumer");
+  return f.rt.launch(f.streams[s], acc, [v, group, slots, log = f.log, E = f.experts] {
+    ++log->runs;
+    std::int32_t named = 0;
+    for (std::int32_t e = 0; e < E; ++e) named += v.expert_map[e] >= 0 ? 1 : 0;
+    bool ok = named == static_cast<std::int32_t>(group.size());
+    for (std::size_t k = 0; ok && k < group.size(); ++k) {
+      const std::int32_t e = group[k], slot = slots[k];
+      ok = v.expert_map[e] == slot;
+      for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
+        const SlotTensor& st = v.tensors[t];
+        for (std::size_t i = 0; i < st.bytes; ++i) {
+          if (st.slot(slot)[i] != pattern_byte(t, e, i)) {
+            ok = false;
+            break;
+          }
+        }
+      }
+    }
+    if (!ok && log->mismatches++ == 0) log->first = "a group's map or bytes differ";
+  });
+}
+
+TEST_CASE("device cache: narrow rounds with the next group prefetched on a side stream") {
+  // Groups of capacity / 2 (round_width); after group g's consumer is enqueued on X, a prefetch
+  // on P fills group g + 1's missing experts, then prepare_group(g + 1) on X (ordered after the
+  // prefetch by edge 2) finds them resident. The simulator models a prefetch's fill as writing
+  // every slot, so here the prefetch is ordered after the consumer (edge 1); that it never
+  // writes the slots of the group planned last, which lets an engine enqueue it before that
+  // group's consumer, is the planner's property (tests/test_device_plan.cpp).
+  constexpr std::int32_t E = 40, C = 8, W = C / 2;
+  std::uint64_t overlapped = 0;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    CAPTURE(seed);
+    Fixture<> f(E, C, seed);
+    std::mt19937_64 rng(seed * 7919);
+    for (int step = 0; step < 6; ++step) (void)f.step(0, random_ids(rng, 4, E, false));  // decode residents
+    f.settle();
+    const std::size_t X = 0, P = 1;
+    Ids ids = random_ids(rng, Fixture<>::max_ids, E, seed % 3 == 0);
+    // The reference order: residents at the forward's start first, groups of W.
+    const auto groups = host_groups_residents_first(ids, f.host->resident_map_host(), W);
+    REQUIRE(f.route(X, ids).ok());
+    const auto n = static_cast<std::int32_t>(ids.size());
+    const std::uint64_t used0 = f.dev->stats().speculative_used, misses0 = f.dev->stats().misses;
+    std::uint64_t missing = 0;  // experts of the forward not resident at its start
+    for (const Ids& g : groups)
+      for (const std::int32_t e : g) missing += f.host->resident_map_host()[static_cast<std::size_t>(e)] < 0 ? 1 : 0;
+    const std::int32_t rounds = f.dev->max_groups(n, W);
+    for (std::int32_t g = 0; g < rounds; ++g) {
+      auto v = g == 0 ? f.dev->prepare(f.ids_of(X), n, f.streams[X], DeviceForward::in_rounds, W)
+                      : f.dev->prepare_group(g, f.streams[X]);
+      REQUIRE_MESSAGE(v.ok(), std::string(v.status().message()));
+      const auto gi = static_cast<std::size_t>(g);
+      const Ids group = gi < groups.size() ? groups[gi] : Ids{};
+      if (gi < groups.size()) REQUIRE(f.host->prepare_unique(group, f.host_stream).ok());
+      Ids slots;
+      for (const std::int32_t e : group) slots.push_back(f.host->forward_map_host()[static_cast<std::size_t>(e)]);
+      REQUIRE(read_group_slots(f, X, group, slots).ok());
+      if (gi + 1 < groups.size()) {  // the next group, from P
+        f.prefetch(P, groups[gi + 1], W, 1);
+        ++overlapped;
+      }
+      f.host_rt.drain();
+    }
+    f.settle();
+    f.check_clean();
+    f.check_equal(static_cast<std::size_t>(rounds) == groups.size());  // else the last rounds were empty
+    // Group 0's misses were filled by the forward, every later group's by the prefetches: each
+    // missing expert exactly once.
+    const CacheStats cs = f.dev->stats();
+    CHECK((cs.misses - misses0) + (cs.speculative_used - used0) == missing);
+    CHECK(cs.speculative_used == f.host->stats().speculative_used);
+  }
+  CHECK(overlapped > 100);
+}
+
+TEST_CASE("device cache: round_width is checked, and max_groups / prepare_group follow it") {
+  Fixture<> f(20, 8);
+  REQUIRE(f.route(0, Ids{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}).ok());
+  const SimCounters before = f.rt.counters();
+  for (const std::int32_t w : {-1, 9}) {
+    auto v = f.dev->prepare(f.ids_of(0), 10, f.streams[0], DeviceForward::in_rounds, w);
+    CHECK(v.status().code() == ErrorCode::invalid_argument);
+  }
+  auto single = f.dev->prepare(f.ids_of(0), 10, f.streams[0], DeviceForward::single, 4);
+  CHECK(single.status().code() == ErrorCode::invalid_argument);
+  CHECK(f.rt.counters() == before);  // nothing enqueued
+  CHECK(f.dev->max_groups(10) == 2);
+  CHECK(f.dev->max_groups(10, 4) == 3);
+  CHECK(f.dev->max_groups(10, 3) == 4);
+  REQUIRE(f.dev->prepare(f.ids_of(0), 10, f.streams[0], DeviceForward::in_rounds, 3).ok());
+  CHECK(f.dev->prepare_group(3, f.streams[0]).ok());  // groups 0..3 of width 3
+  // A graph provisions max_groups(max_ids = 24, 3) = 7 rounds (20 experts): 4..6 are empty, 7 is refused.
+  CHECK(f.dev->prepare_group(6, f.streams[0]).ok());
+  CHECK(f.dev->prepare_group(7, f.streams[0]).status().code() == ErrorCode::invalid_argument);
+  f.settle();
+  CHECK(f.dev->plan_state().scalars->group_width == 3);
+  CHECK(f.dev->device_stats().overflows == 1);  // 10 unique experts, 8 slots
+  // A plain prepare afterwards: groups of the capacity again.
+  REQUIRE(f.dev->prepare(f.ids_of(0), 10, f.streams[0]).ok());
+  CHECK(f.dev->prepare_group(2, f.streams[0]).ok());  // max_groups(24) = 3 at width 8
+  CHECK(f.dev->prepare_group(3, f.streams[0]).status().code() == ErrorCode::invalid_argument);
+  f.settle();
+  CHECK(f.dev->plan_state().scalars->group_count == 2);
+  CHECK(f.dev->plan_state().scalars->group_width == 8);
+  CHECK(f.dev->take_errors() == plan_error_overflow);
 }
 
 TEST_CASE("device prefetch ordering: no race over many seeded random schedules (also with overlap)") {

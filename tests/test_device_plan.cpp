@@ -461,6 +461,64 @@ TEST_CASE("device plan: forwards in rounds equal ForwardPlanner<Lru>::plan_uniqu
   CHECK(overflows > 50);
 }
 
+TEST_CASE("device plan: a prefetch of the next narrow group never touches the group planned last") {
+  // Rounds of width W <= C / 2: after group g is planned, plan_prefetch of group g + 1 takes its
+  // victims outside group g and leaves the forward map and the unique list as they were, so it
+  // may run while group g's consumer reads them; every expert of group g + 1 is then resident.
+  // Every device policy: under the score policies a group's recent use alone does not keep it.
+  struct Shape {
+    std::int32_t E, C;
+  };
+  const auto run = [&]<class Policy>(Policy) {
+    std::uint64_t prefetched = 0;
+    for (const Shape shape : {Shape{40, 8}, Shape{64, 16}, Shape{512, 208}, Shape{12, 2}}) {
+      const std::int32_t E = shape.E, C = shape.C, W = C / 2;
+      std::mt19937_64 rng(static_cast<std::uint64_t>(E) * 31 + static_cast<std::uint64_t>(C));
+      HostPlanStorage dev(E, C);
+      const DevicePlanState& s = dev.state();
+      SequentialBlock b;
+      reset_plan_state<Policy>(b, s);
+      for (int forward = 0; forward < 60; ++forward) {
+        CAPTURE(Policy::name);
+        CAPTURE(E);
+        CAPTURE(forward);
+        const Ids ids = random_ids(rng, E, std::min(8, E), 1 + static_cast<std::int32_t>(rng() % 12), 0.02, 0.0);
+        DevicePlanState launch = s;
+        launch.forward_in_rounds = true;
+        launch.round_width = W;
+        plan_forward<Policy>(b, launch, ids.data(), static_cast<std::int32_t>(ids.size()));
+        const std::int32_t groups = s.scalars->group_count, unique = s.scalars->unique_count;
+        REQUIRE(s.scalars->group_width == W);
+        for (std::int32_t g = 0; g < groups; ++g) {
+          if (g > 0) plan_group<Policy>(b, s, g);
+          const Ids forward_map = to_vector(s.forward_map, E), unique_list = to_vector(s.unique, unique);
+          std::set<std::int32_t> group_slots;
+          for (std::int32_t e = 0; e < E; ++e)
+            if (forward_map[static_cast<std::size_t>(e)] >= 0) group_slots.insert(forward_map[static_cast<std::size_t>(e)]);
+          REQUIRE(group_slots.size() == static_cast<std::size_t>(s.scalars->group_size));
+          if (g + 1 == groups) break;
+          const std::int32_t next_begin = (g + 1) * W, next_n = std::min(W, unique - next_begin);
+          const Ids next(unique_list.begin() + next_begin, unique_list.begin() + next_begin + next_n);
+          plan_prefetch<Policy>(b, s, next.data(), next_n, W, 1);
+          for (std::int32_t i = 0; i < s.scalars->fill_count; ++i) CHECK(group_slots.count(s.fills[i].slot) == 0);
+          prefetched += static_cast<std::uint64_t>(s.scalars->fill_count);
+          CHECK(to_vector(s.forward_map, E) == forward_map);
+          CHECK(to_vector(s.unique, unique) == unique_list);
+          for (const std::int32_t e : next) CHECK(s.resident_map[e] >= 0);
+          for (std::int32_t e = 0; e < E; ++e) {
+            const std::int32_t slot = forward_map[static_cast<std::size_t>(e)];
+            if (slot >= 0) CHECK(s.resident_map[e] == slot);
+          }
+        }
+      }
+    }
+    CHECK(prefetched > 500);
+  };
+  run(DeviceLru{});
+  run(DeviceLfru{});
+  run(DeviceCrf{});
+}
+
 TEST_CASE("device plan: invalidate then replan reuses the freed slot first") {
   Pair p(8, 3, 1);
   p.step({0, 1, 2});

@@ -47,10 +47,11 @@ class ModelledPlanExecutor {
   [[nodiscard]] bool overlap() const noexcept { return inner_.overlap(); }
   Status join_fills() noexcept { return inner_.join_fills(); }
 
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
+                           std::int32_t round_width) noexcept {
     rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);
     rt_->sim().set_next_duration_ns(rt_->costs().plan_ns);
-    if (Status st = inner_.plan_forward_fill(s, ids, n, planned, in_rounds); !st) return st;
+    if (Status st = inner_.plan_forward_fill(s, ids, n, planned, in_rounds, round_width); !st) return st;
     return charge_fill(s);
   }
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {

@@ -30,12 +30,13 @@
 //
 // --provider device: the device-planned cache (DeviceExpertCache, tensor-major, as the decode
 // benchmark's device provider; one table per --device-policy). Per layer the layer's ids go to
-// device memory (a kernel reading them from mapped host memory), then prepare(in_rounds) plans
-// and fills group 0 (the first C sorted unique ids) and prepare_group(g) each further group,
-// every group followed by its consumer on the same stream (not overlapped: the next group's plan
-// rewrites the forward map and may evict the previous group's experts). The host builds a
-// group's pair and tile lists from the sorted unique ids it knows; the slots come from the
-// view's forward map. Its bound takes the non-resident experts from each layer's resident map,
+// device memory (a kernel reading them from mapped host memory), then prepare(in_rounds, width
+// C/2) plans and fills group 0 and prepare_group(g) each further group (the unique ids, the
+// experts resident at the layer's start first). Before a group's consumer, the next group's
+// experts are prefetched on a side stream, beside the group being consumed (a prefetch never
+// evicts the group planned last), so the next group's plan finds them resident and the link
+// works while the consumer computes. The host builds a group's pair and tile lists from the
+// unique ids it knows; the slots come from the view's forward map. Its bound takes the non-resident experts from each layer's resident map,
 // read before the clock starts; its fills come from the device counters. The fill-only pass
 // admits every group, so the measured pass starts after a fresh reset and warm-up.
 #include <cuda_runtime.h>
@@ -258,6 +259,7 @@ class PromptRunner {
         prompt_moe_(m.layout, chunk_pairs, chunk_pairs,
                     a.prompt_bf16 ? device::GroupedPrecision::bf16 : device::GroupedPrecision::exact),
         decode_moe_(m.layout, 1, m.top_k) {
+    if constexpr (device_planned) check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
     for (std::int32_t l = 0; l < m.layers; ++l) {
       if constexpr (device_planned) {
         // As the decode benchmark's device provider (inline fills, no overlap), with room for
@@ -346,6 +348,7 @@ class PromptRunner {
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
   }
   ~PromptRunner() {
+    if (side_) cudaStreamDestroy(side_);
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     for (cudaEvent_t e : reduce_event_store_) cudaEventDestroy(e);
     if (mapped_) cudaFreeHost(mapped_);
@@ -430,7 +433,7 @@ class PromptRunner {
     if constexpr (device_planned) {
       if (mode != PromptMode::resident) {
         missing_at_start = non_resident_experts(p);
-        misses0 = hits_misses().second;
+        misses0 = fills();
       }
     }
     std::vector<std::pair<std::size_t, std::size_t>> layer_rounds;  // per layer: its first and last event pair
@@ -445,7 +448,7 @@ class PromptRunner {
       // while those fills stream, instead of holding the layer's first copy back.
       // The ids reach device memory on the consumer stream ahead of the rounds' work, so the
       // reduction after the last round does not wait for them.
-      const bool lists_first = mode == PromptMode::resident || device_planned;
+      const bool lists_first = mode == PromptMode::resident;
       bool bucketed = false;
       const auto lists = [&]() -> Status {
         bucketed = true;
@@ -515,29 +518,47 @@ class PromptRunner {
         // part ascending. The host knows both (the resident map read before the clock), so it
         // builds that group's pair and tile lists; the slots come from the view's forward map,
         // which holds group g only.
+        // The pair lists (a counting sort of the ids) are built after group 0's plan and fill
+        // are enqueued, while they run, as the host-planned path builds them in its first round.
         Cache& cache = *caches_[static_cast<std::size_t>(l)];
+        std::copy(ids.begin(), ids.end(), layer_ids_);
         load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
                                                                                            ids_dev_.as<std::int32_t>());
         check_cuda(cudaGetLastError(), "load_ids_kernel");
-        unique_.clear();
-        const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
-        for (const char part : {char{1}, char{0}}) {
-          for (std::int32_t e = 0; e < m_.experts; ++e) {
-            const auto i = static_cast<std::size_t>(e);
-            if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
-          }
-        }
         const auto n = static_cast<std::int32_t>(pairs);
-        const auto C = static_cast<std::size_t>(m_.capacity);
-        const std::int32_t groups = cache.max_groups(n);
+        const std::int32_t W = std::max<std::int32_t>(1, m_.capacity / 2);
+        const auto C = static_cast<std::size_t>(W);
+        const std::int32_t groups = cache.max_groups(n, W);
         for (std::int32_t g = 0; g < groups; ++g) {
-          Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds)
+          Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds, W)
                                          : cache.prepare_group(g, consumer_);
           if (!v.ok()) throw Error(v.status());
+          if (g == 0) {
+            bucketed = true;
+            bucket(ids);
+            unique_.clear();
+            const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
+            for (const char part : {char{1}, char{0}}) {
+              for (std::int32_t e = 0; e < m_.experts; ++e) {
+                const auto i = static_cast<std::size_t>(e);
+                if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
+              }
+            }
+          }
           const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
           const std::size_t end = std::min(unique_.size(), begin + C);
           if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
           ++t.rounds;
+          if (end < unique_.size()) {
+            // The next group's experts, prefetched on the side stream while this group computes
+            // (ordered after this group's plan and fill; the next prepare_group after them).
+            const std::size_t next_end = std::min(unique_.size(), end + C);
+            PrefetchOptions po;
+            po.max_bytes = static_cast<std::int64_t>(next_end - end) * static_cast<std::int64_t>(m_.expert_bytes());
+            po.expires_after = 1;
+            auto pv = cache.prefetch(std::span<const std::int32_t>(unique_.data() + end, next_end - end), side_, po);
+            if (!pv.ok()) throw Error(pv.status());
+          }
           if (mode == PromptMode::fill_only) continue;
           if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
                                  std::span<const std::int32_t>(unique_.data() + begin, end - begin));
@@ -580,9 +601,10 @@ class PromptRunner {
     t.ttft_ns = ns_since(t0);
     if constexpr (device_planned) {
       if (mode != PromptMode::resident) {
-        // Every miss is one whole-expert fill; misses beyond the experts missing at the layers'
-        // starts are refills of experts an earlier group of the same forward evicted.
-        const std::uint64_t fills = hits_misses().second - misses0;
+        // Every miss and every prefetched expert is one whole-expert fill; fills beyond the
+        // experts missing at the layers' starts are refills of experts an earlier group of the
+        // same forward evicted.
+        const std::uint64_t fills = this->fills() - misses0;
         t.copies = fills;
         t.bytes = static_cast<double>(fills) * static_cast<double>(m_.expert_bytes());
         t.wasted = fills > t.missing ? fills - t.missing : 0;
@@ -644,6 +666,17 @@ class PromptRunner {
       }
     }
     return out;
+  }
+
+  // Experts copied into the caches so far: misses and speculative fills (device-planned prompts
+  // fill every group after the first by a prefetch).
+  [[nodiscard]] std::uint64_t fills() const {
+    std::uint64_t n = 0;
+    for (const auto& c : caches_) {
+      const CacheStats s = c->stats();
+      n += s.misses + s.speculative_issued;
+    }
+    return n;
   }
 
   [[nodiscard]] std::pair<std::uint64_t, std::uint64_t> hits_misses() const {
@@ -728,6 +761,7 @@ class PromptRunner {
   std::int64_t step_ = 0;
   std::vector<std::uint32_t> counts_, cursor_, order_;
   std::vector<std::int32_t> unique_;
+  cudaStream_t side_ = nullptr;  // device-planned: the stream of the next group's prefetch
   std::vector<std::vector<char>> start_resident_;  // device-planned: per layer, resident at the prompt's start
   std::vector<cudaEvent_t> events_;
   std::vector<cudaEvent_t> reduce_event_store_;  // two per layer, around its pair reduction
@@ -750,10 +784,11 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
   PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident);
   const double eb = static_cast<double>(m.expert_bytes());
   if constexpr (device_planned) {
-    std::printf("\n%s: %d slots per layer, groups of %d experts planned and filled on the device (prepare in rounds, "
-                "then prepare_group), each followed by its consumer on the same stream; TTFT after %d decode warm-up "
-                "steps from an emptied cache (bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
-                name, m.capacity, m.capacity, a.warmup, ceiling * 1e-9);
+    std::printf("\n%s: %d slots per layer, groups of %d experts planned on the device (prepare in rounds, then "
+                "prepare_group), the experts resident at a layer's start first; each group's consumer runs while the "
+                "next group's experts are prefetched on a side stream; TTFT after %d decode warm-up steps from an "
+                "emptied cache (bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
+                name, m.capacity, std::max(1, m.capacity / 2), a.warmup, ceiling * 1e-9);
   } else {
     std::printf("\n%s: %d stream slots per layer; TTFT after %d decode warm-up steps from an emptied cache "
                 "(bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
@@ -818,11 +853,13 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     }
   }
   if constexpr (device_planned) {
-    std::printf("(device: the layer's ids uploaded by a kernel reading mapped host memory, then per group the device "
-                "plan + fill and the group's consumer, all on one stream; rounds: the forward's groups; copies: "
-                "whole-expert fills (device counters); waste: refills of experts an earlier group of the same forward "
-                "evicted; bound from each layer's resident map before the prompt; fill_ms: the same groups with no "
-                "consumer; compute_ms: the sum of the groups' consumer times; resid_ms: the all-resident prefill)\n");
+    std::printf("(device: the layer's ids uploaded by a kernel reading mapped host memory, then group 0's plan + "
+                "fill; per group the prefetch of the next group's experts on the side stream, the group's consumer, "
+                "the next group's plan (which finds them resident); rounds: the forward's groups; copies: whole-expert "
+                "fills, misses and prefetches (device counters); waste: refills of experts an earlier group of the same "
+                "forward evicted; bound from each layer's resident map before the prompt; fill_ms: the same groups "
+                "with no consumer; compute_ms: the sum of the groups' consumer times; resid_ms: the all-resident "
+                "prefill)\n");
     if (a.prompt_every > 0)
       std::printf("(%s: no mixed run: the device-planned cache admits every group, it has no scan-resistant wide "
                   "forward)\n",

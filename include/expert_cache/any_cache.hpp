@@ -280,8 +280,9 @@ class AnyDevicePlanExecutor {
   [[nodiscard]] std::int32_t* sanitized_ids() const noexcept {
     return with_alternative(held_, [](const auto& x) { return x.sanitized_ids(); });
   }
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
-    return with_alternative(held_, [&](auto& x) { return x.plan_forward_fill(s, ids, n, planned, in_rounds); });
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
+                           std::int32_t round_width) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.plan_forward_fill(s, ids, n, planned, in_rounds, round_width); });
   }
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
     return with_alternative(held_, [&](auto& x) { return x.plan_group_fill(s, g, planned); });

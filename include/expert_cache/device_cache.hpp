@@ -120,11 +120,12 @@ enum class DeviceForward : std::uint8_t {
 // the cache whether the state may have changed (a failure after it leaves slots unfilled).
 template <class X>
 concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s, const std::int32_t* ids,
-                                        std::int32_t n, bool& planned, bool in_rounds) {
+                                        std::int32_t n, bool& planned, bool in_rounds, std::int32_t width) {
   { cx.state() } -> std::same_as<const DevicePlanState&>;
   { cx.sanitized_ids() } -> std::same_as<std::int32_t*>;
-  // in_rounds: the caller serves every group of this forward (DeviceForward::in_rounds).
-  { x.plan_forward_fill(s, ids, n, planned, in_rounds) } -> std::same_as<Status>;
+  // in_rounds: the caller serves every group of this forward (DeviceForward::in_rounds), in
+  // groups of `width` experts (0: the capacity).
+  { x.plan_forward_fill(s, ids, n, planned, in_rounds, width) } -> std::same_as<Status>;
   { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
   { x.invalidate(s, n) } -> std::same_as<Status>;
   { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
@@ -264,7 +265,8 @@ class BasicSimPlanExecutor {
   [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
   [[nodiscard]] std::size_t device_bytes() const noexcept { return block_.size() + sanitized_.size(); }
 
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
+                           std::int32_t round_width) noexcept {
     planned = false;
     std::vector<Access> acc;
     if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
@@ -272,6 +274,7 @@ class BasicSimPlanExecutor {
     add_state_accesses(acc);
     DevicePlanState st = state_;
     st.forward_in_rounds = in_rounds;
+    st.round_width = in_rounds ? round_width : 0;
     std::int32_t* out = sanitized_ids();
     rt_->set_next_label("device plan_forward");
     if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
@@ -317,7 +320,7 @@ class BasicSimPlanExecutor {
     planned = false;
     std::vector<Access> acc;
     if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
-    add_state_accesses(acc);
+    add_state_accesses(acc, false);
     const DevicePlanState st = state_;
     rt_->set_next_label("device plan_prefetch");
     if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
@@ -381,17 +384,22 @@ class BasicSimPlanExecutor {
     acc.push_back({span.data, bytes, AccessMode::read});
     acc.push_back({span.data, bytes, AccessMode::write});
   }
-  void add_state_accesses(std::vector<Access>& acc) const {
+  // `forward`: the current forward's arrays too (forward map, unique list, its group's
+  // experts). plan_prefetch never touches them, so a consumer of the forward may read its
+  // forward map while a prefetch runs beside it.
+  void add_state_accesses(std::vector<Access>& acc, bool forward = true) const {
     add(acc, PlanSpan<DevicePlanScalars>{state_.scalars, 1});
     add(acc, PlanSpan<DevicePlanStats>{state_.counters, 1});
     add(acc, state_.slot_tick);
     add(acc, state_.resident_map);
-    add(acc, state_.forward_map);
-    add(acc, state_.unique);
+    if (forward) {
+      add(acc, state_.forward_map);
+      add(acc, state_.unique);
+      add(acc, state_.prev_forward);
+    }
     add(acc, state_.marks);
     add(acc, state_.slot_owner);
     add(acc, state_.free_stack);
-    add(acc, state_.prev_forward);
     add(acc, state_.fills);
     add(acc, state_.evictions);
     add(acc, state_.slot_needed);
@@ -578,13 +586,21 @@ class DeviceExpertCacheWithEdges {
   // the plan was enqueued makes the next call drop the planned experts first (their slots may
   // not hold their bytes).
   // mode DeviceForward::in_rounds: the caller serves every group of this forward (prepare_group
-  // 1..max_groups(n_ids) - 1 after it, a wide forward), so an overflow is counted in stats()
-  // but not flagged in the error word; single (default): an overflow flags plan_error_overflow.
+  // 1..max_groups(n_ids, round_width) - 1 after it, a wide forward), so an overflow is counted in
+  // stats() but not flagged in the error word, and the groups list the experts resident at the
+  // forward's start first; round_width (in rounds only): experts per group, 1..capacity (0: the
+  // capacity), so that a prefetch of the next group can fill beside the group being consumed.
+  // single (default): an overflow flags plan_error_overflow.
   Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
-                              DeviceForward mode = DeviceForward::single) noexcept {
+                              DeviceForward mode = DeviceForward::single, std::int32_t round_width = 0) noexcept {
     if (n_ids < 0 || n_ids > options_.max_ids) {
       return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids (accepted: 0..%d, max_ids)",
                             options_.label.c_str(), n_ids, options_.max_ids);
+    }
+    if (round_width < 0 || round_width > options_.capacity || (round_width != 0 && mode != DeviceForward::in_rounds)) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare with round_width %d (accepted: 0..%d, the capacity, and only in rounds)",
+                            options_.label.c_str(), round_width, options_.capacity);
     }
     if (device_ids == nullptr && n_ids > 0) {
       return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids from a null pointer",
@@ -592,21 +608,24 @@ class DeviceExpertCacheWithEdges {
     }
     if (Status s = check_stream(stream, "prepare"); !s) return s;
     Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
-      return exec_.plan_forward_fill(f, device_ids, n_ids, planned, mode == DeviceForward::in_rounds);
+      return exec_.plan_forward_fill(f, device_ids, n_ids, planned, mode == DeviceForward::in_rounds, round_width);
     });
     if (!s) return s.with_context("%s: prepare(%d ids)", options_.label.c_str(), n_ids);
+    round_width_ = round_width == 0 ? options_.capacity : round_width;
     ++prepare_calls_;
     view_.generation = ++generation_;
     return view_;
   }
 
-  // Overflow group g (1 <= g < max_groups(max_ids)) of the last prepare(): plans ids
-  // [g*C, (g+1)*C) of its sorted unique list and fills them. A group the forward does not have
-  // is empty: the forward map is cleared, nothing is filled, the consumer computes nothing.
+  // Overflow group g (1 <= g < max_groups(max_ids, W)) of the last prepare(), W its group width
+  // (the capacity, or its round_width): plans ids [g*W, (g+1)*W) of its unique list and fills
+  // them. A group the forward does not have is empty: the forward map is cleared, nothing is
+  // filled, the consumer computes nothing.
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
-    const std::int32_t most = max_groups(options_.max_ids);
+    const std::int32_t most = max_groups(options_.max_ids, round_width_);
     if (group < 1 || group >= most) {
-      return Status::format(ErrorCode::invalid_argument, "%s: prepare_group(%d) outside 1..%d (max_groups(max_ids) = %d)",
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare_group(%d) outside 1..%d (max_groups(max_ids, the last prepare's width) = %d)",
                             options_.label.c_str(), group, most - 1, most);
     }
     if (Status s = check_stream(stream, "prepare_group"); !s) return s;
@@ -735,9 +754,11 @@ class DeviceExpertCacheWithEdges {
     return PrefetchView{};
   }
 
-  // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids.
-  [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids) const noexcept {
-    return plan_max_groups(n_ids, options_.num_experts, options_.capacity);
+  // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
+  // groups of `round_width` experts (0: the capacity).
+  [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids, std::int32_t round_width = 0) const noexcept {
+    const std::int32_t w = round_width > 0 && round_width < options_.capacity ? round_width : options_.capacity;
+    return plan_max_groups(n_ids, options_.num_experts, w);
   }
 
   // Device counters from the mapped mirror (current while work runs; exact once the cache's
@@ -910,6 +931,7 @@ class DeviceExpertCacheWithEdges {
   RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
   ForwardView view_;
   bool drop_pending_ = false;
+  std::int32_t round_width_ = 0;  // group width of the last prepare (prepare_group's range); 0 before one
   std::size_t copies_per_fill_ = 0;
   std::uint64_t bytes_per_expert_ = 0;
   std::uint64_t prepare_calls_ = 0;

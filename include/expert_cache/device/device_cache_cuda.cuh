@@ -80,12 +80,14 @@ class BasicCudaPlanExecutor {
   [[nodiscard]] std::size_t device_bytes() const noexcept { return storage_.bytes() + sanitized_.size(); }
   [[nodiscard]] const PlanFillParams& fill_params() const noexcept { return fill_; }
 
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds) noexcept {
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
+                           std::int32_t round_width) noexcept {
     planned = false;
-    // The launch's own copy of the state carries the flag (a kernel argument): the stored
-    // state, and every other launch, keep forward_in_rounds false.
+    // The launch's own copy of the state carries the flag and the width (kernel arguments): the
+    // stored state, and every other launch, keep forward_in_rounds false.
     DevicePlanState st = state();
     st.forward_in_rounds = in_rounds;
+    st.round_width = in_rounds ? round_width : 0;
     if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
       EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(st, ids, n, sanitized_ids(), fill_, s)));

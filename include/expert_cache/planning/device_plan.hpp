@@ -24,7 +24,8 @@
 // the cache runs an expert split (split.hpp: ascending groups of <= capacity ids). A kernel
 // cannot return an error to a graph, so the device does the split itself: plan_forward
 // deduplicates into the sorted unique list, plans group 0 (the first C ids) and records
-// group_count; plan_group(g) plans group g = ids [g*C, (g+1)*C) exactly like host plan_unique
+// group_count; plan_group(g) plans group g = ids [g*C, (g+1)*C) (or of a narrower width the
+// caller declared for its rounds, DevicePlanState::round_width) exactly like host plan_unique
 // on that group (protection covers the group being planned; earlier groups' consumers already
 // ran in stream order). A graph holds max_groups(n_ids) (plan_group -> fill -> consumer) rounds;
 // a round with g >= group_count is empty: it clears the forward map and writes an empty fill
@@ -134,7 +135,9 @@ struct DevicePlanScalars {
   std::int32_t free_count = 0;     // entries of free_stack in use; top = free_count - 1
   std::int32_t prev_count = 0;     // experts of the last planned group (in prev_forward)
   std::int32_t unique_count = 0;   // unique valid experts of the current forward
-  std::int32_t group_count = 0;    // ceil(unique_count / capacity); 0 for an empty forward
+  std::int32_t group_count = 0;    // ceil(unique_count / group_width); 0 for an empty forward
+  std::int32_t group_width = 0;    // experts per group of the current forward (capacity unless
+                                   // its rounds were declared narrower; 0 = capacity)
   std::int32_t group = 0;          // group planned last
   std::int32_t group_size = 0;     // its experts
   std::int32_t fill_count = 0;     // entries of fills (= misses of the last group)
@@ -228,6 +231,10 @@ struct DevicePlanState {
   // group of that forward itself (prepare + prepare_group rounds, a wide forward): its overflow
   // is planned work, counted in the stats but not raised as plan_error_overflow.
   bool forward_in_rounds = false;
+  // With forward_in_rounds: experts per group, 1..capacity (0 = capacity). Narrower groups leave
+  // room beside the group being consumed: a prefetch of the next group's experts (which never
+  // evicts the group planned last) can then fill them while that group's consumer runs.
+  std::int32_t round_width = 0;
   // The policy DeviceRuntimePolicy plans this state with (set before the reset, fixed after it);
   // the static policies never read it.
   DevicePolicyKind policy = DevicePolicyKind::lru;
@@ -392,6 +399,8 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool plan_by_rank(bool lru, std::int32_t vict
 }
 
 // Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
+// Groups a forward of n_ids ids may need with groups of `capacity` experts (or a narrower round
+// width in its place).
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
                                                                 std::int32_t capacity) noexcept {
   if (n_ids <= 0 || capacity <= 0) return 1;
@@ -622,6 +631,7 @@ EXPERT_CACHE_HOST_DEVICE std::int32_t age_speculative(Block& b, const DevicePlan
 // were and with the caller's increments (meaningful in rank 0 only).
 struct GroupInput {
   std::int32_t unique = 0, groups = 0, prev = 0, free = 0;
+  std::int32_t width = 0;  // experts per group (group_width; <= 0 reads as the capacity)
   std::uint64_t tick0 = 0;
   // Scalars only rank 0 advances, after the step's last barrier: read up front, together.
   std::uint32_t seq0 = 0;   // fill_seq
@@ -808,7 +818,7 @@ struct VictimChunk {
   }
 };
 
-// Plans group g: ids src.id(g*C + i), i < n, in ascending order, with
+// Plans group g: ids src.id(g*W + i), i < n (W: the forward's group width), in order, with
 // ForwardPlanner<host policy>::plan_unique's decisions. g >= groups is an empty group (see the
 // overflow note at the top). All threads of the block call it; the state was checked by the caller.
 //
@@ -861,8 +871,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     b.sync();
     return;
   }
-  const std::int32_t begin = g * C;  // g < groups <= ceil(E / C): no overflow
-  const std::int32_t n = min_i32(C, unique - begin);
+  const std::int32_t width = in.width > 0 && in.width < C ? in.width : C;
+  const std::int32_t begin = g * width;  // g < groups <= ceil(E / width): no overflow
+  const std::int32_t n = min_i32(width, unique - begin);
 
   // Classify. Hits take their new tick now, so that every resident of this group is younger
   // than every other resident before the victim search (in-forward protection by ordering).
@@ -1125,18 +1136,19 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
 // The forward's bookkeeping (rank 0): scalars, counter increments, error flags.
 template <plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void note_forward(Block& b, const DevicePlanState& s, std::int32_t unique,
-                                           std::int32_t groups, std::int32_t bad, std::uint32_t flags,
-                                           DevicePlanStats& now) noexcept {
+                                           std::int32_t groups, std::int32_t width, std::int32_t bad,
+                                           std::uint32_t flags, DevicePlanStats& now) noexcept {
   DevicePlanScalars& sc = *s.scalars;
   sc.unique_count = unique;
   sc.group_count = groups;
+  sc.group_width = width;
   sc.bad_ids = bad;
   now.forwards += 1;
   if (bad > 0) {
     now.bad_ids += static_cast<std::uint64_t>(bad);
     flags |= plan_error_bad_id;
   }
-  if (groups > 1) {
+  if (unique > s.capacity) {  // an overflow: more unique experts than slots (not merely narrow rounds)
     now.overflows += 1;
     now.overflow_groups += static_cast<std::uint64_t>(groups - 1);
     if (!s.forward_in_rounds) flags |= plan_error_overflow;
@@ -1146,6 +1158,12 @@ EXPERT_CACHE_HOST_DEVICE void note_forward(Block& b, const DevicePlanState& s, s
 
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_groups_of(std::int32_t unique, std::int32_t capacity) noexcept {
   return static_cast<std::int32_t>((static_cast<std::int64_t>(unique) + capacity - 1) / capacity);
+}
+
+// Experts per group of a forward planned from `s` (a launch's copy: forward_in_rounds and
+// round_width): the capacity unless the forward's rounds were declared narrower.
+EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_width_of(const DevicePlanState& s) noexcept {
+  return s.forward_in_rounds && s.round_width > 0 && s.round_width < s.capacity ? s.round_width : s.capacity;
 }
 
 // Ascending bitonic sorting network over N registers (N a power of two; every index is a
@@ -1239,6 +1257,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group(Block& b, const DevicePlanState& s, std
   in.prev = sc.prev_count;
   in.unique = sc.unique_count;
   in.groups = sc.group_count;
+  in.width = sc.group_width;
   in.free = sc.free_count;
   in.tick0 = sc.tick;
   in.seq0 = sc.fill_seq;
@@ -1258,7 +1277,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
                                                    std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
-  const std::int32_t E = s.num_experts, C = s.capacity;
+  const std::int32_t E = s.num_experts;
   std::uint32_t arg_error = 0;
   if (n_ids < 0 || (ids == nullptr && n_ids > 0)) {
     arg_error = plan_error_bad_argument;
@@ -1299,11 +1318,12 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
       unique += total;
     }
   }
-  const std::int32_t groups = detail::plan_groups_of(unique, C);
+  const std::int32_t width = detail::plan_width_of(s);
+  const std::int32_t groups = detail::plan_groups_of(unique, width);
   if (rank == 0) {
     DevicePlanStats now = *s.counters;
     const DevicePlanStats before = now;
-    detail::note_forward(b, s, unique, groups, bad_total, arg_error, now);
+    detail::note_forward(b, s, unique, groups, width, bad_total, arg_error, now);
     detail::publish_stats(b, s, before, now);
   }
   b.sync();  // unique list and group count visible
@@ -1377,7 +1397,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
     }
   }
   for (std::int32_t t = rank; t < unique; t += nt) s.unique[t] = t == rank && t < n0 ? id_mine : sorted.unique_at(t);
-  if (rank == 0) detail::note_forward(b, s, unique, groups, bad, 0u, in.now);
+  in.width = C;
+  if (rank == 0) detail::note_forward(b, s, unique, groups, C, bad, 0u, in.now);
   detail::plan_group_from<Policy>(b, s, 0, in, src);
 }
 
