@@ -64,14 +64,17 @@ struct Pair {
   Pair(std::int32_t E, std::int32_t C, std::int32_t top_k) : host(CacheShape{E, C}, top_k), dev(E, C) {}
 
   // in_rounds: the forward is declared served in rounds (DevicePlanState::forward_in_rounds, a
-  // copy of the state for this launch only), so its groups list the residents first.
-  void step(const Ids& ids, std::int32_t max_groups = 0, bool in_rounds = false) {
+  // copy of the state for this launch only), so its groups list the residents first, `width`
+  // experts each (0: the capacity).
+  void step(const Ids& ids, std::int32_t max_groups = 0, bool in_rounds = false, std::int32_t width = 0) {
     const DevicePlanState& s = dev.state();
-    const auto groups = in_rounds ? host_groups_residents_first(ids, host.resident_map(), s.capacity)
+    const std::int32_t w = in_rounds && width > 0 && width < s.capacity ? width : s.capacity;
+    const auto groups = in_rounds ? host_groups_residents_first(ids, host.resident_map(), w)
                                   : host_groups(ids, s.num_experts, s.capacity);
     Ids sanitized(ids.size(), 12345);
     DevicePlanState launch = s;
     launch.forward_in_rounds = in_rounds;
+    launch.round_width = in_rounds ? width : 0;
     plan_forward(block, launch, ids.data(), static_cast<std::int32_t>(ids.size()), sanitized.data());
     ++forwards;
     bad += count_bad(ids, s.num_experts);
@@ -80,7 +83,10 @@ struct Pair {
       REQUIRE(sanitized[i] == (valid ? ids[i] : -1));
     }
     REQUIRE(s.scalars->group_count == static_cast<std::int32_t>(groups.size()));
-    if (groups.size() > 1) {
+    REQUIRE(s.scalars->group_width == w);
+    std::size_t unique = 0;
+    for (const Ids& g : groups) unique += g.size();
+    if (unique > static_cast<std::size_t>(s.capacity)) {  // an overflow (not merely narrow rounds)
       ++overflows;
       overflow_groups += static_cast<std::int64_t>(groups.size()) - 1;
       if (!in_rounds) ++flagged_overflows;
@@ -426,7 +432,7 @@ TEST_CASE("device plan: a forward in rounds lists the residents first and fills 
   CHECK(plain_fills == 10);
 }
 
-TEST_CASE("device plan: forwards in rounds equal ForwardPlanner<Lru>::plan_unique on residents-first groups") {
+TEST_CASE("device plan: forwards in rounds (any width) equal ForwardPlanner<Lru>::plan_unique on residents-first groups") {
   struct Config {
     std::int32_t E, C, top_k, max_tokens;
   };
@@ -450,7 +456,11 @@ TEST_CASE("device plan: forwards in rounds equal ForwardPlanner<Lru>::plan_uniqu
       }
       const std::uint64_t misses0 = p.dev.state().stats->misses;
       const bool in_rounds = rng() % 4 != 0;  // most forwards in rounds, some plain between them
-      p.step(ids, max_groups, in_rounds);
+      // Rounds of the capacity or narrower (1..C).
+      const auto width = static_cast<std::int32_t>(rng() % 2 == 0 ? 0 : 1 + rng() % static_cast<std::uint64_t>(c.C));
+      const std::int32_t w = width == 0 ? c.C : width;
+      p.step(ids, in_rounds ? plan_max_groups(static_cast<std::int64_t>(c.max_tokens) * c.top_k, c.E, w) : max_groups,
+             in_rounds, width);
       if (in_rounds) {
         CHECK(p.dev.state().stats->misses - misses0 == missing.size());
         if (p.dev.state().scalars->group_count > 1) ++overflows;
