@@ -81,6 +81,16 @@ Ids random_ids(std::mt19937_64& rng, std::int32_t n, std::int32_t experts, bool 
   return ids;
 }
 
+// Every byte of expert e's tensors in `slot` of the view's slot buffers.
+bool slot_holds(const ForwardView& v, std::int32_t slot, std::int32_t e) {
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const SlotTensor& st = v.tensors[t];
+    for (std::size_t i = 0; i < st.bytes; ++i)
+      if (st.slot(slot)[i] != pattern_byte(t, e, i)) return false;
+  }
+  return true;
+}
+
 template <class Edges = OrderingEdges, template <class> class Storage = TensorMajorStorage,
           class Host = HostRef, class Policy = DeviceLru>
 struct Fixture {
@@ -169,15 +179,7 @@ struct Fixture {
         if (ok && slot >= 0) {
           ok = v.resident_map[e] == slot;
           if (ok && ready.enabled()) ok = slot_seq_reached(ready.ready[slot], ready.needed[slot]);
-          for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
-            const SlotTensor& st = v.tensors[t];
-            for (std::size_t i = 0; i < st.bytes; ++i) {
-              if (st.slot(slot)[i] != pattern_byte(t, e, i)) {
-                ok = false;
-                break;
-              }
-            }
-          }
+          ok = ok && slot_holds(v, slot, e);
         }
         if (!ok && log->mismatches++ == 0) {
           log->first = "expert " + std::to_string(e) + " forward map " + std::to_string(slot) + " resident " +
@@ -874,16 +876,7 @@ Status read_group_slots(Fixture<>& f, std::size_t s, const Ids& group, const Ids
     bool ok = named == static_cast<std::int32_t>(group.size());
     for (std::size_t k = 0; ok && k < group.size(); ++k) {
       const std::int32_t e = group[k], slot = slots[k];
-      ok = v.expert_map[e] == slot;
-      for (std::size_t t = 0; ok && t < num_expert_tensors; ++t) {
-        const SlotTensor& st = v.tensors[t];
-        for (std::size_t i = 0; i < st.bytes; ++i) {
-          if (st.slot(slot)[i] != pattern_byte(t, e, i)) {
-            ok = false;
-            break;
-          }
-        }
-      }
+      ok = v.expert_map[e] == slot && slot_holds(v, slot, e);
     }
     if (!ok && log->mismatches++ == 0) log->first = "a group's map or bytes differ";
   });

@@ -611,7 +611,7 @@ class DeviceExpertCacheWithEdges {
       return exec_.plan_forward_fill(f, device_ids, n_ids, planned, mode == DeviceForward::in_rounds, round_width);
     });
     if (!s) return s.with_context("%s: prepare(%d ids)", options_.label.c_str(), n_ids);
-    round_width_ = round_width == 0 ? options_.capacity : round_width;
+    round_width_ = round_width;
     ++prepare_calls_;
     view_.generation = ++generation_;
     return view_;
@@ -757,8 +757,7 @@ class DeviceExpertCacheWithEdges {
   // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
   // groups of `round_width` experts (0: the capacity).
   [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids, std::int32_t round_width = 0) const noexcept {
-    const std::int32_t w = round_width > 0 && round_width < options_.capacity ? round_width : options_.capacity;
-    return plan_max_groups(n_ids, options_.num_experts, w);
+    return plan_max_groups(n_ids, options_.num_experts, plan_group_width(round_width, options_.capacity));
   }
 
   // Device counters from the mapped mirror (current while work runs; exact once the cache's
@@ -931,7 +930,7 @@ class DeviceExpertCacheWithEdges {
   RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
   ForwardView view_;
   bool drop_pending_ = false;
-  std::int32_t round_width_ = 0;  // group width of the last prepare (prepare_group's range); 0 before one
+  std::int32_t round_width_ = 0;  // round_width of the last prepare (prepare_group's range; 0 = capacity)
   std::size_t copies_per_fill_ = 0;
   std::uint64_t bytes_per_expert_ = 0;
   std::uint64_t prepare_calls_ = 0;

@@ -398,9 +398,13 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool plan_by_rank(bool lru, std::int32_t vict
   return victims >= plan_rank_min_victims && static_cast<std::int64_t>(victims) * steps > per_thread * capacity;
 }
 
-// Groups a graph must provision for a forward of n_ids ids: unique experts <= min(n_ids, E).
-// Groups a forward of n_ids ids may need with groups of `capacity` experts (or a narrower round
-// width in its place).
+// Experts per group: `width` where it is in 1..capacity - 1, else the capacity (0 = capacity).
+EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_group_width(std::int32_t width, std::int32_t capacity) noexcept {
+  return width > 0 && width < capacity ? width : capacity;
+}
+
+// Groups a graph must provision for a forward of n_ids ids (unique experts <= min(n_ids, E)) in
+// groups of `capacity` experts, or of a narrower round width passed in its place.
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_max_groups(std::int64_t n_ids, std::int32_t num_experts,
                                                                 std::int32_t capacity) noexcept {
   if (n_ids <= 0 || capacity <= 0) return 1;
@@ -871,7 +875,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     b.sync();
     return;
   }
-  const std::int32_t width = in.width > 0 && in.width < C ? in.width : C;
+  const std::int32_t width = plan_group_width(in.width, C);
   const std::int32_t begin = g * width;  // g < groups <= ceil(E / width): no overflow
   const std::int32_t n = min_i32(width, unique - begin);
 
@@ -1163,7 +1167,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_groups_of(std::int32_t uniq
 // Experts per group of a forward planned from `s` (a launch's copy: forward_in_rounds and
 // round_width): the capacity unless the forward's rounds were declared narrower.
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_width_of(const DevicePlanState& s) noexcept {
-  return s.forward_in_rounds && s.round_width > 0 && s.round_width < s.capacity ? s.round_width : s.capacity;
+  return s.forward_in_rounds ? plan_group_width(s.round_width, s.capacity) : s.capacity;
 }
 
 // Ascending bitonic sorting network over N registers (N a power of two; every index is a
