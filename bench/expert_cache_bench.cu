@@ -573,14 +573,16 @@ inline bool overlap_w13_first(const BenchArgs& a, const Model& m, const GpuConte
 template <class Policy>
 RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                           Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
-                          bool fill_only, const std::string& budget = "") {
+                          bool fill_only, const std::string& budget = "", bool one_pass = false) {
   using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>;
   const bool router_only = budget == budget_router_staging, plan_only = budget == budget_plan_staging;
   const bool plan_x2 = budget == budget_plan_x2_staging, consumer_x2 = budget == budget_consumer_x2_staging;
   fill_only = fill_only || plan_x2;  // plan_x2 is fill_only with a second plan
   const std::string device_staging_text =
       !budget.empty() ? budget
-                      : (fill_only ? device_fill_only_staging : (overlap ? device_overlap_staging : bench::device_staging));
+                      : (fill_only ? device_fill_only_staging
+                                   : (overlap ? device_overlap_staging
+                                              : (one_pass ? device_one_pass_staging : bench::device_staging)));
   const char* const device_staging = device_staging_text.c_str();
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
@@ -594,6 +596,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.max_ids = n;
     o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
     o.overlap = overlap;
+    o.fill_by_consumer = one_pass;
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
@@ -605,6 +608,14 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
       synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
   });
   const std::int32_t rounds = caches[0]->max_groups(n);
+  // one_pass: each layer's host pools and missing flags as the consumer's source, checked once here.
+  std::vector<device::MoeHostSource> host_sources;
+  if (one_pass) {
+    for (const auto& c : caches) {
+      host_sources.push_back(device::moe_host_source_from(c->storage(), m.experts, c->view().missing));
+      if (Status st = ctx.moe->check_host_source(host_sources.back()); !st) throw Error(st);
+    }
+  }
   // budget:plan_x2: per layer a shadow plan state planned with the same ids just before the
   // cache's own plan (the same decisions, so the same misses: a second plan of the same cost).
   std::vector<device::DevicePlanStorage> shadows;
@@ -711,10 +722,13 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
         float* dst = g == 0 ? out : part.as<float>();
         if (g > 0) check_cuda(cudaMemsetAsync(dst, 0, act * sizeof(float), ctx.consumer), "cudaMemsetAsync(round)");
         if (fill_only) continue;  // the timing decomposition: router, plan and fills only
-        if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(), l_w,
-                                     ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
-            !st)
-          throw Error(st);
+        const Status ran =
+            one_pass ? ctx.moe->run_one_pass(device::moe_weights_from_view(view.value(), m.experts),
+                                             host_sources[static_cast<std::size_t>(l)], cache.sanitized_ids_device(), l_w,
+                                             ctx.x.as<float>(), dst, m.batch, ctx.consumer)
+                     : ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(),
+                                    l_w, ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
+        if (!ran) throw Error(ran);
         if (consumer_x2) {  // the same consumer again (same inputs, same output)
           if (Status st = ctx.moe->run(device::moe_weights_from_view(view.value(), m.experts), cache.sanitized_ids_device(),
                                        l_w, ctx.x.as<float>(), dst, m.batch, ctx.consumer, cache.readiness());
@@ -863,9 +877,10 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
 // --device-policy: the device provider's planning policy (one per run).
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      Progress& progress, std::vector<std::string>& notes, bool overlap = false,
-                     const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "") {
+                     const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "",
+                     bool one_pass = false) {
   return visit_device_policy(a.device_policy, [&]<class Policy>(Policy) {
-    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget);
+    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget, one_pass);
   });
 }
 
@@ -954,7 +969,8 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     } else if (cfg.provider == "device") {
       rep.runs.push_back(run_device(m, routing, with_device_policy(a, cfg), ctx, rt, progress, rep.notes,
                                     cfg.staging == device_overlap_staging, cfg.prefetch,
-                                    cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : ""));
+                                    cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : "",
+                                    cfg.staging == device_one_pass_staging));
       rep.runs.back().device_policy = cfg.device_policy;
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
@@ -984,6 +1000,17 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     char buf[256];
     std::snprintf(buf, sizeof buf, "device/overlap: %.3fx the tokens per second of device/graph",
                   ov->tokens_per_second() / plain->tokens_per_second());
+    rep.notes.emplace_back(buf);
+  }
+  const RunResult* op = nullptr;
+  for (const RunResult& r : rep.runs)
+    if (r.provider == "device" && !r.is_lookahead_row() && r.staging == device_one_pass_staging) op = &r;
+  if (plain != nullptr && op != nullptr && plain->tokens_per_second() > 0) {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "device/one_pass: %.3fx the tokens per second of device/graph (no fill node: the consumer copies "
+                  "the misses from mapped host memory as it computes)",
+                  op->tokens_per_second() / plain->tokens_per_second());
     rep.notes.emplace_back(buf);
   }
   const RunResult* fo = nullptr;

@@ -44,6 +44,8 @@ struct ReadLog {
   std::uint64_t runs = 0;
   std::uint64_t mismatches = 0;
   std::string first;
+  std::uint64_t consumer_copies = 0;  // fill_by_consumer: experts the consumer copied from host
+  std::uint64_t unfilled_seen = 0;    // ... whose slot did not yet hold them (no fill ran before)
 };
 
 Ids sorted_unique_valid(const Ids& ids, std::int32_t experts) {
@@ -109,13 +111,15 @@ struct Fixture {
   std::uint64_t readers = 0;
   bool overlap = false;
   std::int32_t skip_wait_slot = -1;  // overlap: the consumer does not wait for this slot's ready word
+  bool by_consumer = false;  // fill_by_consumer: read() first copies the flagged misses (consume_missing)
 
   Fixture(std::int32_t e, std::int32_t c, std::uint64_t seed = 1, bool with_overlap = false,
-          std::uint64_t crf_decay = crf_default_decay_q32)
+          std::uint64_t crf_decay = crf_default_decay_q32, bool fill_by_consumer = false)
       : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}),
         experts(e),
         capacity(c),
-        overlap(with_overlap) {
+        overlap(with_overlap),
+        by_consumer(fill_by_consumer) {
     for (int i = 0; i < 3; ++i) {
       streams.push_back(rt.create_stream().value());
       id_buffers.emplace_back(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
@@ -127,6 +131,7 @@ struct Fixture {
     o.max_ids = max_ids;
     o.overlap = with_overlap;
     o.crf_decay_q32 = crf_decay;
+    o.fill_by_consumer = fill_by_consumer;
     dev = std::make_unique<Dev>(rt, o, six_tensor_layout());
     host = std::make_unique<Host>(host_rt, quiet_options(e, c, 1), six_tensor_layout());
     host_stream = host_rt.create_stream().value();
@@ -151,6 +156,9 @@ struct Fixture {
   // them, since the slots it reads are known only on the device), except skip_wait_slot, and
   // checks each slot it reads has its ready word at the needed sequence value.
   Status read(std::size_t s, Ids expect) {
+    if (by_consumer) {
+      if (Status c = consume_missing(s); !c) return c;
+    }
     if (overlap) {
       for (std::int32_t j = 0; j < capacity; ++j) {
         if (j == skip_wait_slot) continue;
@@ -184,6 +192,37 @@ struct Fixture {
         if (!ok && log->mismatches++ == 0) {
           log->first = "expert " + std::to_string(e) + " forward map " + std::to_string(slot) + " resident " +
                        std::to_string(v.resident_map[e]) + (want[static_cast<std::size_t>(e)] ? " (wanted)" : " (not wanted)");
+        }
+      }
+    });
+  }
+
+  // fill_by_consumer: the consumer's own copies (MoeConsumer::run_one_pass's part of it): every
+  // expert the view flags missing, with a slot in the expert map, copied region by region from
+  // the host pools into its slot. Declares the flags and the map read, every host pool read and
+  // every slot buffer written (the slots are known only on the device).
+  Status consume_missing(std::size_t s) {
+    const ForwardView v = dev->view();
+    if (v.missing == nullptr) return Status(ErrorCode::invalid_argument, "fill_by_consumer view without missing flags");
+    const std::size_t map = static_cast<std::size_t>(experts) * sizeof(std::int32_t);
+    std::vector<Access> acc{{v.missing, map, AccessMode::read}, {v.expert_map, map, AccessMode::read}};
+    const CopyRegions regions = dev->storage().copy_regions();
+    for (const CopyRegion& r : regions) {
+      if (r.bytes == 0) continue;
+      acc.push_back({r.host_base, r.host_stride * static_cast<std::size_t>(experts - 1) + r.bytes, AccessMode::read});
+      acc.push_back({r.slot_base, r.slot_stride * static_cast<std::size_t>(capacity - 1) + r.bytes, AccessMode::write});
+    }
+    rt.set_next_label("consumer (copies the missing experts)");
+    return rt.launch(streams[s], acc, [v, regions, E = experts, log = log] {
+      for (std::int32_t e = 0; e < E; ++e) {
+        const std::int32_t slot = v.expert_map[e];
+        if (v.missing[e] == 0 || slot < 0) continue;
+        ++log->consumer_copies;
+        if (!slot_holds(v, slot, e)) ++log->unfilled_seen;
+        for (const CopyRegion& r : regions) {
+          if (r.bytes == 0) continue;
+          std::memcpy(r.slot_base + static_cast<std::size_t>(slot) * r.slot_stride,
+                      r.host_base + static_cast<std::size_t>(e) * r.host_stride, r.bytes);
         }
       }
     });
@@ -411,8 +450,9 @@ namespace {
 // streams, overflow rounds, the simulated GPU advanced by random amounts in between; then the
 // final state against the host reference.
 template <class Edges>
-std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false, bool prefetches = false) {
-  Fixture<Edges> f(12, 4, seed, overlap);
+std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false, bool prefetches = false,
+                           bool by_consumer = false) {
+  Fixture<Edges> f(12, 4, seed, overlap, crf_default_decay_q32, by_consumer);
   std::mt19937_64 rng(seed);
   const int actions = 6 + static_cast<int>(rng() % 8);
   bool last_full = true;
@@ -1234,4 +1274,143 @@ TEST_CASE("negative (edge 2, set_prior): without the last-writer release, the ne
   run(with);
   with.check_clean();
   with.check_equal(true);  // uniform bias: the same decisions as the host Crf without one
+}
+
+// ---- fill_by_consumer: the consumer copies the misses from host -----------------------------
+
+namespace {
+// The experts flagged in the plan state's missing flags (the host reads the simulated device memory).
+Ids flagged_missing(const Fixture<>& f) {
+  Ids out;
+  const DevicePlanState& st = f.dev->plan_state();
+  for (std::int32_t e = 0; e < f.experts; ++e)
+    if (st.missing[e] != 0) out.push_back(e);
+  return out;
+}
+// The experts of the last group's fill list, ascending.
+Ids fill_list_experts(const Fixture<>& f) {
+  const DevicePlanState& st = f.dev->plan_state();
+  Ids out;
+  for (std::int32_t i = 0; i < st.scalars->fill_count; ++i) out.push_back(st.fills[i].expert);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("fill_by_consumer: step by step equal to the host-planned Lru cache; the consumer copies exactly the misses") {
+  std::uint64_t groups_checked = 0, unfilled_seen = 0, prefetches = 0;
+  for (std::uint64_t seed = 1; seed <= 30; ++seed) {
+    CAPTURE(seed);
+    Fixture<> f(12, 4, seed, false, crf_default_decay_q32, true);
+    REQUIRE(f.dev->view().missing == f.dev->plan_state().missing.data);
+    std::mt19937_64 rng(seed * 104729);
+    const std::uint64_t misses0 = f.dev->stats().misses;
+    for (int step = 0; step < 14; ++step) {
+      if (rng() % 5 == 0) {  // a prefetch from a side stream: real fills, the flags stay the last group's
+        f.settle();
+        const Ids before = flagged_missing(f);
+        f.prefetch(2, Ids{static_cast<std::int32_t>(rng() % 12), static_cast<std::int32_t>(rng() % 12)}, 2, 1);
+        f.settle();
+        CHECK(flagged_missing(f) == before);
+        ++prefetches;
+        continue;
+      }
+      if (rng() % 7 == 0) {
+        f.invalidate(step % 2, static_cast<std::int32_t>(rng() % 12));
+        continue;
+      }
+      const Ids ids = random_ids(rng, 1 + static_cast<std::int32_t>(rng() % Fixture<>::max_ids), 12, rng() % 4 == 0);
+      const DevicePlanStats before = f.dev->device_stats();
+      const SimCounters c0 = f.rt.counters();
+      const auto expect = f.step(step % 2, ids);  // owner changes between streams 0 and 1
+      f.settle();
+      CHECK(f.dev->device_stats().hits - before.hits == expect.hits);
+      CHECK(f.dev->device_stats().misses - before.misses == expect.misses);
+      // No fill op: per group one router or plan launch and the consumer's two (copies, reads).
+      const auto groups = static_cast<std::uint64_t>(std::max<std::size_t>(1, groups_of(ids, 12, 4).size()));
+      CHECK(f.rt.counters().launches - c0.launches == 1 + groups * 3);
+      // The flags name exactly the last group's misses (its fill list), each in the forward map.
+      const Ids flagged = flagged_missing(f);
+      CHECK(flagged == fill_list_experts(f));
+      for (const std::int32_t e : flagged) CHECK(f.dev->forward_map_device()[e] >= 0);
+      f.check_equal(true);
+      ++groups_checked;
+    }
+    f.check_clean();
+    // Every miss was copied once, by the consumer; prefetched experts are not flagged.
+    CHECK(f.log->consumer_copies == f.dev->stats().misses - misses0);
+    unfilled_seen += f.log->unfilled_seen;
+  }
+  CHECK(groups_checked > 200);
+  CHECK(prefetches > 50);
+  CHECK(unfilled_seen > 100);  // the slots did not hold the misses before the consumer copied them
+}
+
+TEST_CASE("fill_by_consumer: no race over many seeded random schedules; without edge 1 the consumer's copies race") {
+  std::uint64_t races = 0;
+  for (std::uint64_t seed = 1; seed <= 1000; ++seed) races += run_schedule<OrderingEdges>(seed, true, false, seed % 2 == 0, true);
+  CHECK(races == 0);
+  // The consumer writes slots: the next call from another stream (a plan that evicts, a
+  // prefetch's fill, the next consumer's copies) must wait for it (edge 1).
+  std::uint64_t racy = 0;
+  for (std::uint64_t seed = 1; seed <= 200; ++seed) racy += run_schedule<NoReleaseWait>(seed, false, false, true, true) > 0 ? 1 : 0;
+  MESSAGE("fill_by_consumer schedules that race without edge 1: " << racy << " of 200");
+  CHECK(racy > 20);
+}
+
+TEST_CASE("fill_by_consumer: drop_unfilled drops a group whose consumer never ran") {
+  SUBCASE("dropped: the experts miss again and the consumer copies them") {
+    Fixture<> f(12, 4, 1, false, crf_default_decay_q32, true);
+    REQUIRE(f.route(0, Ids{0, 1, 2}).ok());
+    REQUIRE(f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());  // the consumer never runs
+    f.prefetch(0, Ids{5}, 1, 1);  // rewrites the fill list: drop_unfilled still finds the forward's misses
+    REQUIRE(f.dev->drop_unfilled(f.streams[0]).ok());
+    f.settle();
+    const std::int32_t* rm = f.dev->resident_map_device();
+    CHECK(rm[0] == -1);
+    CHECK(rm[1] == -1);
+    CHECK(rm[2] == -1);
+    CHECK(rm[5] >= 0);  // the prefetched expert was filled: kept
+    CHECK(f.dev->device_stats().invalidations == 3);
+    CHECK(flagged_missing(f).empty());
+    const DevicePlanStats before = f.dev->device_stats();
+    REQUIRE(f.route(0, Ids{0, 1, 2}).ok());
+    REQUIRE(f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());
+    REQUIRE(f.read(0, Ids{0, 1, 2}).ok());
+    f.settle();
+    CHECK(f.dev->device_stats().misses - before.misses == 3);
+    CHECK(f.log->consumer_copies == 3);
+    CHECK(f.rt.race_count() == 0);
+    CHECK(f.log->mismatches == 0);
+  }
+  SUBCASE("not dropped: the next forward hits slots that never received their bytes") {
+    Fixture<> f(12, 4, 1, false, crf_default_decay_q32, true);
+    REQUIRE(f.route(0, Ids{0, 1, 2}).ok());
+    REQUIRE(f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());
+    REQUIRE(f.dev->prepare(f.ids_of(0), 3, f.streams[0]).ok());  // all hits: nothing flagged
+    REQUIRE(f.read(0, Ids{0, 1, 2}).ok());
+    f.settle();
+    CHECK(f.log->consumer_copies == 0);
+    CHECK(f.log->mismatches > 0);
+  }
+  SUBCASE("refused: without fill_by_consumer (nothing enqueued), and with overlap") {
+    Fixture<> f(12, 4);
+    CHECK(f.dev->view().missing == nullptr);
+    const SimCounters before = f.rt.counters();
+    CHECK(f.dev->drop_unfilled(f.streams[0]).code() == ErrorCode::not_supported);
+    CHECK(f.rt.counters() == before);
+    DeviceCacheOptions o;
+    o.num_experts = 12;
+    o.capacity = 4;
+    o.max_ids = 8;
+    o.overlap = true;
+    o.fill_by_consumer = true;
+    try {
+      DevCacheE<OrderingEdges> bad(f.rt, o, six_tensor_layout());
+      FAIL("fill_by_consumer with overlap was accepted");
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::invalid_argument);
+      CHECK(std::string(e.what()).find("fill_by_consumer with overlap") != std::string::npos);
+    }
+  }
 }

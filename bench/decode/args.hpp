@@ -48,6 +48,7 @@ struct BenchArgs {
   std::vector<std::string> staging;    // inline, copy_stream, batched, gather
   bool staging_given = false;
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
+  bool one_pass = false;  // the device provider also with the consumer copying its misses (measured only)
   bool fill_only = false;  // the device provider also without its consumer (a timing decomposition)
   // The device provider's per-layer time budget: rows that leave a stage out or double it
   // (budget_stagings), and the table derived from them (measured only).
@@ -123,6 +124,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      the runtime has)\n"
                "  --overlap           the device provider twice: as is (graph) and with fills overlapping the\n"
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
+               "  --one-pass          the device provider once more with the consumer copying the misses from\n"
+               "                      mapped host memory as it computes (one_pass: no fill node); GPU only\n"
                "  --device-policy P,... the device provider's planning policy: lru (default), lfru, crf, a comma\n"
                "                      list, or all (docs/policies.md); one device row per policy, same routing\n"
                "  --crf-half-life H   the device crf policy's half-life in forwards (default 8; DeviceCacheOptions\n"
@@ -278,6 +281,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--overlap") {
       no_value();
       a.overlap = true;
+    } else if (arg == "--one-pass") {
+      no_value();
+      a.one_pass = true;
     } else if (arg == "--device-policy") {
       const std::string_view list = value();
       a.device_policies.clear();
@@ -359,6 +365,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
 // "overlap" (DeviceCacheOptions::overlap: the consumer waits per slot, fills overlap it).
 inline constexpr const char* device_staging = "graph";
 inline constexpr const char* device_overlap_staging = "overlap";
+// --one-pass: DeviceCacheOptions::fill_by_consumer with MoeConsumer::run_one_pass (no fill node:
+// the consumer reads each missing expert from mapped host memory and writes its slot).
+inline constexpr const char* device_one_pass_staging = "one_pass";
 inline constexpr const char* device_fill_only_staging = "fill_only";
 // --budget rows of the device provider (stages left out or doubled; outputs unchecked):
 // router kernels only; router + plan (no fill, no consumer); fill_only with a second plan of the
@@ -431,6 +440,7 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
         if (a.budget) out.push_back({p, budget_consumer_x2_staging, "", dp});
         std::vector<std::string> rows{device_staging};
         if (a.overlap) rows.emplace_back(device_overlap_staging);
+        if (a.one_pass) rows.emplace_back(device_one_pass_staging);
         for (const std::string& s : rows) {
           out.push_back({p, s, a.prefetch.empty() ? "" : "none", dp});
           for (const std::string& spec : a.prefetch)

@@ -78,6 +78,11 @@ class ModelledPlanExecutor {
     rt_->sim().set_next_duration_ns(rt_->costs().graph_node_ns);
     return inner_.drop_fills(s);
   }
+  Status drop_missing(Stream s) noexcept {
+    rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);
+    rt_->sim().set_next_duration_ns(rt_->costs().graph_node_ns);
+    return inner_.drop_missing(s);
+  }
 
  private:
   Status charge_fill(Stream s) noexcept {

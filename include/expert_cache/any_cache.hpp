@@ -297,6 +297,9 @@ class AnyDevicePlanExecutor {
   Status drop_fills(Stream s) noexcept {
     return with_alternative(held_, [&](auto& x) { return x.drop_fills(s); });
   }
+  Status drop_missing(Stream s) noexcept {
+    return with_alternative(held_, [&](auto& x) { return x.drop_missing(s); });
+  }
   Status join_fills() noexcept {
     return with_alternative(held_, [](auto& x) { return x.join_fills(); });
   }

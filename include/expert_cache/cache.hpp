@@ -95,6 +95,10 @@ struct ForwardView {
   std::array<SlotTensor, num_expert_tensors> tensors{};
   const std::int32_t* expert_map = nullptr;    ///< [num_experts] forward-scoped: this forward's experts -> slot, else -1
   const std::int32_t* resident_map = nullptr;  ///< [num_experts] every resident expert -> slot, else -1
+  /// [num_experts] non-zero = a miss of this forward that the consumer must copy from the host
+  /// pools into its slot (the expert map's) itself: DeviceExpertCache with
+  /// DeviceCacheOptions::fill_by_consumer only; null otherwise (the cache filled every slot).
+  const std::int32_t* missing = nullptr;
   std::uint32_t hits = 0;                      ///< this forward's unique experts already resident
   std::uint32_t misses = 0;                    ///< this forward's unique experts copied in
   std::uint64_t generation = 0;                ///< increases by one per accepted forward

@@ -81,6 +81,14 @@ struct DeviceCacheOptions {
   // used), a consumer given readiness() may run concurrently with the fill. false: today's
   // stream-ordered path exactly (readiness() is empty).
   bool overlap = false;
+  // Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
+  // each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),
+  // their slots are the expert map's, and the consumer must write every byte of each such slot
+  // from the host pools before any later reader (MoeConsumer::run_one_pass does: it reads the
+  // expert from mapped host memory, computes with it and stores it into the slot; edge D7 of
+  // docs/design.md). A group whose consumer did not run must be dropped with drop_unfilled().
+  // Prefetches still fill. Not with overlap (refused at construction: ErrorCode::invalid_argument).
+  bool fill_by_consumer = false;
   // Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
   // test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
   // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
@@ -130,6 +138,7 @@ concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s,
   { x.invalidate(s, n) } -> std::same_as<Status>;
   { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
   { x.drop_fills(s) } -> std::same_as<Status>;
+  { x.drop_missing(s) } -> std::same_as<Status>;  // plan_drop_missing (fill_by_consumer's recovery)
   { x.join_fills() } -> std::same_as<Status>;  // overlap: order later work after the last fill
   { cx.overlap() } -> std::same_as<bool>;
   { cx.stats() } -> std::same_as<DevicePlanStats>;
@@ -150,6 +159,18 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s
   if (!plan_state_ok(s)) return;
   const std::int32_t n = s.scalars->fill_count;
   for (std::int32_t i = 0; i < n && i < s.capacity; ++i) plan_invalidate(b, s, s.fills[i].expert);
+}
+// Drops every miss of the last planned group (its experts flagged in `missing`): the recovery
+// when a consumer that fills from host (fill_by_consumer) did not run. Read from the group's
+// expert list, not the fill list, which a later prefetch rewrites.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_drop_missing(Block& b, const DevicePlanState& s) noexcept {
+  if (!plan_state_ok(s)) return;
+  const std::int32_t n = s.scalars->prev_count;
+  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) {
+    const std::int32_t e = s.prev_forward[i];
+    if (e >= 0 && e < s.num_experts && s.missing[e] != 0) plan_invalidate(b, s, e);
+  }
 }
 }  // namespace detail
 
@@ -202,6 +223,7 @@ class BasicSimPlanExecutor {
                        const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind, Bound)
       : rt_(&rt),
         overlap_(options.overlap),
+        by_consumer_(options.fill_by_consumer),
         block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
         words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
@@ -292,7 +314,7 @@ class BasicSimPlanExecutor {
       return r;
     }
     planned = true;
-    return fill(s);
+    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
   }
 
   Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
@@ -309,7 +331,7 @@ class BasicSimPlanExecutor {
       return r;
     }
     planned = true;
-    return fill(s);
+    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
   }
 
   // plan_prefetch, then its fills as one stream-ordered fill op (also with overlap: a forward's
@@ -355,6 +377,16 @@ class BasicSimPlanExecutor {
       detail::plan_drop_fills(b, st);
     });
   }
+  Status drop_missing(Stream s) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device drop_missing");
+    return rt_->launch(s, acc, [st] {
+      SequentialBlock b;
+      detail::plan_drop_missing(b, st);
+    });
+  }
 
   // The mapped mirror, read without ordering (like the GPU's: readable while work runs; each
   // word is written whole). Not declared to the race detector for that reason.
@@ -396,6 +428,7 @@ class BasicSimPlanExecutor {
       add(acc, state_.forward_map);
       add(acc, state_.unique);
       add(acc, state_.prev_forward);
+      add(acc, state_.missing);
     }
     add(acc, state_.marks);
     add(acc, state_.slot_owner);
@@ -501,6 +534,7 @@ class BasicSimPlanExecutor {
 
   SimRuntime* rt_;
   bool overlap_;
+  bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
   RuntimeEvent<SimRuntime> planned_;
   std::vector<RuntimeStream<SimRuntime>> lanes_;
   std::vector<RuntimeEvent<SimRuntime>> ready_;
@@ -567,6 +601,7 @@ class DeviceExpertCacheWithEdges {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = exec_.state().forward_map.data;
     view_.resident_map = exec_.state().resident_map.data;
+    if (options_.fill_by_consumer) view_.missing = exec_.state().missing.data;
     copies_per_fill_ = storage_.copy_regions().count;
     bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
     if (options_.log) {
@@ -647,6 +682,25 @@ class DeviceExpertCacheWithEdges {
     if (Status s = check_stream(stream, "invalidate"); !s) return s;
     Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept { return exec_.invalidate(f, expert); });
     if (!s) return s.with_context("%s: invalidate(%d)", options_.label.c_str(), expert);
+    ++generation_;
+    return {};
+  }
+
+  // fill_by_consumer only: the consumer of the last planned group did not run (it failed, or
+  // was never enqueued), so the slots of that group's missing experts never received their
+  // bytes: drops those experts (each as invalidate() would), so that no later forward reads
+  // them; they miss again when next requested. Ordered like invalidate() (edge 6). Call it
+  // before the next prepare(). Errors, nothing enqueued: a cache without fill_by_consumer
+  // (ErrorCode::not_supported: its fills copy every miss), a stream the runtime refuses.
+  Status drop_unfilled(Stream stream) noexcept {
+    if (!options_.fill_by_consumer) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: drop_unfilled without fill_by_consumer (the cache's fills copy every miss)",
+                            options_.label.c_str());
+    }
+    if (Status s = check_stream(stream, "drop_unfilled"); !s) return s;
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept { return exec_.drop_missing(f); });
+    if (!s) return s.with_context("%s: drop_unfilled", options_.label.c_str());
     ++generation_;
     return {};
   }
@@ -829,6 +883,12 @@ class DeviceExpertCacheWithEdges {
     if (o.max_ids <= 0) {
       throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_ids %d (need > 0: tokens * top_k)",
                                  o.label.c_str(), o.max_ids));
+    }
+    if (o.fill_by_consumer && o.overlap) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_by_consumer with overlap (the consumer fills the missing experts itself, so "
+                                 "there is no fill to overlap)",
+                                 o.label.c_str()));
     }
     if (o.crf_decay_q32 == 0 || o.crf_decay_q32 >= crf_one) {
       throw Error(Status::format(ErrorCode::invalid_argument,

@@ -321,8 +321,10 @@ struct FillParts {
   bool early = false;
 };
 std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns,
-                                            FillParts parts = {}, std::int32_t capacity = 4, std::int32_t max_ids = 4) {
+                                            FillParts parts = {}, std::int32_t capacity = 4, std::int32_t max_ids = 4,
+                                            bool fill_by_consumer = false) {
   DeviceCacheOptions o;
+  o.fill_by_consumer = fill_by_consumer;
   o.num_experts = static_cast<std::int32_t>(L.experts);
   o.capacity = capacity;
   o.max_ids = max_ids;
@@ -795,4 +797,121 @@ TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (rep
   // by bench/expert_cache_bench and docs/benchmarks.md, not a unit-test assertion.
   REQUIRE_CUDA_OK(cudaEventDestroy(e0));
   REQUIRE_CUDA_OK(cudaEventDestroy(e1));
+}
+
+TEST_CASE("moe consumer one pass + device cache with fill_by_consumer: eager steps, a replayed graph and 3 tokens equal the all-resident run; slots end with the host bytes; drop_unfilled") {
+  // The plan enqueues no fill: MoeConsumer::run_one_pass reads each flagged miss from the mapped
+  // host pools and writes its slot (edge D7), so every later step that hits it reads it there.
+  const Layer L = make_layer(512, 256, 32, 83);
+  const ResidentLayer res(L);
+  CudaRuntime rt;
+  cudaStream_t stream;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::mt19937_64 rng(29);
+  for (const int tokens : {1, 3}) {
+    CAPTURE(tokens);
+    constexpr int top_k = 4;
+    const int pairs = tokens * top_k;
+    device::MoeConsumer moe(L.layout, tokens, top_k);
+    std::vector<float> weights(static_cast<std::size_t>(pairs));
+    for (int p = 0; p < pairs; ++p) weights[static_cast<std::size_t>(p)] = 0.1f + 0.07f * static_cast<float>(p % top_k);
+    const auto out_n = static_cast<std::size_t>(tokens) * 512;
+    DevArray<float> d_x(random_x(tokens, 512, 13)), d_w(weights), d_out(out_n), d_ref(out_n);
+    DevArray<std::int32_t> d_ids(static_cast<std::size_t>(pairs)), d_ids_ref(static_cast<std::size_t>(pairs));
+    auto cache = make_device_cache(rt, L, false, 0, {}, 12, pairs, true);  // 12 of 32 experts
+    REQUIRE(cache->view().missing != nullptr);
+    const device::MoeHostSource host = device::moe_host_source_from(cache->storage(), 32, cache->view().missing);
+    REQUIRE(moe.check_host_source(host).ok());
+    auto random_ids = [&] {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(pairs));
+      for (auto& id : ids) id = static_cast<std::int32_t>(rng() % 32);
+      return ids;
+    };
+    auto resident = [&](const std::vector<std::int32_t>& ids) {
+      d_ids_ref.upload(ids);
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      REQUIRE(moe.run(res.weights, d_ids_ref.get(), d_w.get(), d_x.get(), d_ref.get(), tokens, stream).ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      return d_ref.download();
+    };
+    auto consume = [&](const ForwardView& v) {
+      return moe.run_one_pass(device::moe_weights_from_view(v, 32), host, cache->sanitized_ids_device(), d_w.get(), d_x.get(),
+                              d_out.get(), tokens, stream);
+    };
+    auto eager = [&](const std::vector<std::int32_t>& ids) {
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      d_ids.upload(ids);
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      auto view = cache->prepare(d_ids.get(), pairs, stream);
+      REQUIRE_MESSAGE(view.ok(), std::string(view.status().message()));
+      REQUIRE(consume(view.value()).ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      return d_out.download();
+    };
+    for (int step = 0; step < 24; ++step) {
+      const std::vector<std::int32_t> ids = random_ids();
+      CAPTURE(step);
+      CHECK(same_bits(eager(ids), resident(ids)));
+    }
+    // One captured step (plan + one-pass consumer: no fill node), replayed with new ids.
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE_CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    auto view = cache->prepare(d_ids.get(), pairs, stream);
+    const bool ran = view.ok() && consume(view.value()).ok();
+    REQUIRE_CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    REQUIRE(ran);
+    REQUIRE_CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const std::uint64_t misses0 = cache->stats().misses;
+    for (int replay = 0; replay < 30; ++replay) {
+      const std::vector<std::int32_t> ids = random_ids();
+      const std::vector<float> want = resident(ids);
+      d_ids.upload(ids);
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      REQUIRE_CUDA_OK(cudaGraphLaunch(exec, stream));
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      CAPTURE(replay);
+      CHECK(same_bits(d_out.download(), want));
+    }
+    CHECK(cache->stats().misses > misses0 + 20);  // the replays did miss: the consumer copied them
+    REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
+    REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+    // Every resident expert's slot holds its host bytes, as a fill would have left it.
+    std::vector<std::int32_t> rmap(32);
+    REQUIRE_CUDA_OK(cudaMemcpy(rmap.data(), cache->resident_map_device(), 32 * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
+    const ExpertTensorBytes b = L.layout.tensors();
+    int compared = 0;
+    for (std::int32_t e = 0; e < 32; ++e) {
+      const std::int32_t slot = rmap[static_cast<std::size_t>(e)];
+      if (slot < 0) continue;
+      for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+        const std::size_t n = b[t].bytes_per_expert;
+        if (n == 0) continue;
+        std::vector<unsigned char> got(n);
+        REQUIRE_CUDA_OK(cudaMemcpy(got.data(), cache->view().tensors[t].slot(slot), n, cudaMemcpyDeviceToHost));
+        CAPTURE(e);
+        CAPTURE(t);
+        CHECK(std::memcmp(got.data(), L.tensor(t, e), n) == 0);
+      }
+      ++compared;
+    }
+    CHECK(compared == 12);
+    // drop_unfilled: a step whose consumer never ran; its misses are dropped and miss again.
+    std::vector<std::int32_t> fresh;
+    for (std::int32_t e = 0; e < 32 && static_cast<int>(fresh.size()) < pairs; ++e)
+      if (rmap[static_cast<std::size_t>(e)] < 0) fresh.push_back(e);
+    REQUIRE(static_cast<int>(fresh.size()) == pairs);
+    d_ids.upload(fresh);
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    REQUIRE(cache->prepare(d_ids.get(), pairs, stream).ok());
+    REQUIRE(cache->drop_unfilled(stream).ok());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+    const std::uint64_t misses1 = cache->stats().misses;
+    CHECK(same_bits(eager(fresh), resident(fresh)));
+    CHECK(cache->stats().misses - misses1 == static_cast<std::uint64_t>(pairs));
+    const std::uint32_t errors = cache->take_errors();
+    CHECK_MESSAGE(errors == 0u, "device error word " << errors);
+  }
+  REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
 }

@@ -18,7 +18,10 @@
 //   prepare_group   plan_group -> plan_fill (overlap: plan_fill_ready)
 //   invalidate      plan_invalidate
 //   prefetch        plan_prefetch (one warp) -> plan_fill (overlap: plan_fill_ready, plain order)
-//   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued
+//   recovery        drop_fills_kernel (below): after a plan whose fill could not be enqueued;
+//                   drop_missing_kernel: drop_unfilled (fill_by_consumer)
+//   fill_by_consumer  plan_forward / plan_group only (the consumer copies the misses); on sm_90
+//                   the plan is launched programmatically (edge D6)
 #if !defined(__CUDACC__)
 #error "expert_cache/device/device_cache_cuda.cuh needs nvcc"
 #endif
@@ -43,6 +46,11 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_fills_kernel(const DevicePlan
   SequentialBlock b;
   expert_cache::detail::plan_drop_fills(b, s);
 }
+template <int Unused = 0>
+EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_missing_kernel(const DevicePlanState s) {
+  SequentialBlock b;
+  expert_cache::detail::plan_drop_missing(b, s);
+}
 
 template <device_plan_policy Policy>
 class BasicCudaPlanExecutor {
@@ -59,6 +67,7 @@ class BasicCudaPlanExecutor {
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
         fused_(options.fused_plan_fill),
         overlap_(options.overlap),
+        by_consumer_(options.fill_by_consumer),
         debug_{options.test_fill_delay_ns, options.test_fill_delay_index, options.test_fill_delay_part,
                options.test_publish_first_early},
         use_debug_(options.test_fill_delay_ns != 0 || options.test_publish_first_early),
@@ -88,6 +97,11 @@ class BasicCudaPlanExecutor {
     DevicePlanState st = state();
     st.forward_in_rounds = in_rounds;
     st.round_width = in_rounds ? round_width : 0;
+    if (by_consumer_) {  // the plan alone: the consumer copies the misses (no fill node)
+      EXPERT_CACHE_TRY_CUDA((launch_plan_forward<plan_block_threads, Policy>(st, ids, n, sanitized_ids(), s, plan_pdl_)));
+      planned = true;
+      return rt_->after_enqueue(s, "plan_forward_kernel");
+    }
     if (fused_ && !overlap_) {
       // One node: nothing is enqueued unless the whole step is.
       EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(st, ids, n, sanitized_ids(), fill_, s)));
@@ -107,7 +121,7 @@ class BasicCudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA((launch_plan_group<plan_block_threads, Policy>(state(), g, s)));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_group_kernel"); !st) return st;
-    return fill(s);
+    return by_consumer_ ? Status{} : fill(s);
   }
 
   // Nothing to join on the GPU: the next call's kernels are stream ordered after the fill grid
@@ -143,6 +157,13 @@ class BasicCudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA(
         cudaLaunchKernel(reinterpret_cast<const void*>(&drop_fills_kernel<0>), dim3(1), dim3(1), args, 0, s));
     return rt_->after_enqueue(s, "drop_fills_kernel");
+  }
+  Status drop_missing(Stream s) noexcept {
+    const DevicePlanState st = state();
+    void* args[] = {const_cast<DevicePlanState*>(&st)};
+    EXPERT_CACHE_TRY_CUDA(
+        cudaLaunchKernel(reinterpret_cast<const void*>(&drop_missing_kernel<0>), dim3(1), dim3(1), args, 0, s));
+    return rt_->after_enqueue(s, "drop_missing_kernel");
   }
 
   // The mapped mirror, word by word (current while kernels run).
@@ -186,9 +207,13 @@ class BasicCudaPlanExecutor {
   PlanFillParams fill_{};
   bool fused_;
   bool overlap_;
+  bool by_consumer_;
   PlanFillDebug debug_;
   bool use_debug_;
   bool fill_pdl_;  // overlap on sm_90: the fill is launched programmatically after the plan
+  // fill_by_consumer on sm_90: the plan is launched programmatically (it waits for the kernel
+  // before it, edge D6), and so is the one-pass consumer after it (it waits for the plan, D7).
+  bool plan_pdl_ = by_consumer_ && plan_fill_ready_pdl_supported();
 };
 using CudaPlanExecutor = BasicCudaPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<CudaPlanExecutor>);

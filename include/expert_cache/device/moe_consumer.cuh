@@ -137,6 +137,27 @@ MoeWeights moe_weights_from_view(const View& view, std::int32_t num_experts) noe
   return w;
 }
 
+// The one-pass source of a cache's host pools (a storage with tensors() and host_tensor(t, e),
+// expert-major per tensor: tensor t of expert e at host_tensor(t, 0) + e * stride) and the
+// missing flags of its view (DeviceCacheOptions::fill_by_consumer: ForwardView::missing). The
+// pools' host pointers are their device addresses where the pinned pools are mapped with unified
+// addressing (check_host_source says so, once, outside capture).
+template <class Storage>
+MoeHostSource moe_host_source_from(const Storage& storage, std::int32_t num_experts, const std::int32_t* missing) noexcept {
+  MoeHostSource h;
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const std::size_t bytes = storage.tensors()[t].bytes_per_expert;
+    if (bytes == 0) continue;
+    const auto* first = reinterpret_cast<const unsigned char*>(storage.host_tensor(t, 0));
+    h.base[t] = first;
+    h.stride[t] = num_experts > 1
+                      ? static_cast<unsigned long long>(reinterpret_cast<const unsigned char*>(storage.host_tensor(t, 1)) - first)
+                      : bytes;
+  }
+  h.missing = missing;
+  return h;
+}
+
 namespace moe_detail {
 // The float whose bits are `bits` (the decoders below build the bits with integer ops).
 EXPERT_CACHE_HOST_DEVICE inline float float_from_bits(std::uint32_t bits) noexcept {

@@ -183,6 +183,11 @@ struct DevicePlanState {
   PlanSpan<std::int32_t> unique;        // [E] unique valid ids of the current forward, ascending
                                         // (in rounds: the resident ones first, see the overflow note)
   PlanSpan<std::uint32_t> marks;        // [E] dedup scratch, all zero between calls
+  // [E] 1 for the misses of the last planned group (the experts its fill list names), else 0:
+  // what a consumer that copies missing experts itself reads (DeviceCacheOptions::
+  // fill_by_consumer). Each group step clears the previous group's entries before it sets its
+  // own; plan_prefetch never touches it (its fills are real fills); plan_invalidate clears it.
+  PlanSpan<std::int32_t> missing;
   PlanSpan<std::int32_t> slot_owner;    // [C] slot -> expert, -1 free
   PlanSpan<std::uint64_t> slot_tick;    // [C] recency tick of the slot's resident (LRU = smallest)
   PlanSpan<std::int32_t> free_stack;    // [C] LIFO, same initial order and pops as ForwardPlanner
@@ -444,6 +449,7 @@ EXPERT_CACHE_HOST_DEVICE inline DevicePlanState bind_plan_state(void* base, std:
   s.forward_map = c.take<std::int32_t>(num_experts);
   s.unique = c.take<std::int32_t>(num_experts);
   s.marks = c.take<std::uint32_t>(num_experts);
+  s.missing = c.take<std::int32_t>(num_experts);
   s.slot_owner = c.take<std::int32_t>(capacity);
   s.free_stack = c.take<std::int32_t>(capacity);
   s.prev_forward = c.take<std::int32_t>(capacity);
@@ -481,6 +487,7 @@ EXPERT_CACHE_HOST_DEVICE inline bool plan_view_ok(const DevicePlanState& s) noex
     return false;
   }
   if (s.resident_map.size != e || s.forward_map.size != e || s.unique.size != e || s.marks.size != e ||
+      s.missing.size != e ||
       s.expert_crf.size != e || s.expert_bias.size != e || s.expert_last.size != e ||
       s.crf_pow.size != static_cast<std::int32_t>(crf_pow_table_size)) {
     return false;
@@ -558,6 +565,7 @@ EXPERT_CACHE_HOST_DEVICE void reset_plan_state(Block& b, const DevicePlanState& 
     s.forward_map[e] = -1;
     s.unique[e] = -1;
     s.marks[e] = 0;
+    s.missing[e] = 0;
     s.expert_crf[e] = 0;
     s.expert_bias[e] = 0;
     s.expert_last[e] = 0;
@@ -853,7 +861,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
   // The forward map holds only the last group: clear its entries (<= C writes, not E).
   for (std::int32_t i = rank; i < prev; i += nt) {
     const std::int32_t e = src.prev(i);
-    if (e >= 0 && e < E) s.forward_map[e] = -1;
+    if (e >= 0 && e < E) {
+      s.forward_map[e] = -1;
+      s.missing[e] = 0;
+    }
   }
   b.sync();  // a cleared entry may belong to this group too: clear before set
   if (g >= groups) {
@@ -1085,6 +1096,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_group_from(Block& b, const DevicePlanState& s
     s.fills[r].slot = slot;
     s.resident_map[e] = slot;
     s.forward_map[e] = slot;
+    s.missing[e] = 1;
     s.slot_owner[slot] = e;
     s.slot_tick[slot] = tick0 + static_cast<std::uint64_t>(pos);
     if (lfru) {
@@ -1443,6 +1455,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_invalidate(Block& b, const DevicePlanState& s
         }
         s.resident_map[expert] = -1;
         s.forward_map[expert] = -1;
+        s.missing[expert] = 0;
         s.slot_owner[slot] = -1;
         s.free_stack[sc.free_count] = slot;
         sc.free_count += 1;
