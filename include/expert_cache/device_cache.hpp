@@ -368,24 +368,11 @@ class BasicSimPlanExecutor {
   }
 
   Status drop_fills(Stream s) noexcept {
-    std::vector<Access> acc;
-    add_state_accesses(acc);
-    const DevicePlanState st = state_;
-    rt_->set_next_label("device drop_fills");
-    return rt_->launch(s, acc, [st] {
-      SequentialBlock b;
-      detail::plan_drop_fills(b, st);
-    });
+    return recovery(s, "device drop_fills", [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_fills(b, st); });
   }
   Status drop_missing(Stream s) noexcept {
-    std::vector<Access> acc;
-    add_state_accesses(acc);
-    const DevicePlanState st = state_;
-    rt_->set_next_label("device drop_missing");
-    return rt_->launch(s, acc, [st] {
-      SequentialBlock b;
-      detail::plan_drop_missing(b, st);
-    });
+    return recovery(s, "device drop_missing",
+                    [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_missing(b, st); });
   }
 
   // The mapped mirror, read without ordering (like the GPU's: readable while work runs; each
@@ -408,6 +395,19 @@ class BasicSimPlanExecutor {
 
   static std::size_t extent(std::size_t stride, std::int32_t rows, std::size_t bytes) noexcept {
     return rows <= 0 ? 0 : stride * static_cast<std::size_t>(rows - 1) + bytes;
+  }
+
+  // One op on the whole state (the recovery steps: they run rarely and touch what they find).
+  template <class Body>
+  Status recovery(Stream s, const char* label, Body body) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label(label);
+    return rt_->launch(s, acc, [st, body] {
+      SequentialBlock b;
+      body(b, st);
+    });
   }
 
   template <class T>

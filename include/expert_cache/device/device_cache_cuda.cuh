@@ -151,20 +151,8 @@ class BasicCudaPlanExecutor {
     return rt_->after_enqueue(s, "plan_invalidate_kernel");
   }
 
-  Status drop_fills(Stream s) noexcept {
-    const DevicePlanState st = state();
-    void* args[] = {const_cast<DevicePlanState*>(&st)};
-    EXPERT_CACHE_TRY_CUDA(
-        cudaLaunchKernel(reinterpret_cast<const void*>(&drop_fills_kernel<0>), dim3(1), dim3(1), args, 0, s));
-    return rt_->after_enqueue(s, "drop_fills_kernel");
-  }
-  Status drop_missing(Stream s) noexcept {
-    const DevicePlanState st = state();
-    void* args[] = {const_cast<DevicePlanState*>(&st)};
-    EXPERT_CACHE_TRY_CUDA(
-        cudaLaunchKernel(reinterpret_cast<const void*>(&drop_missing_kernel<0>), dim3(1), dim3(1), args, 0, s));
-    return rt_->after_enqueue(s, "drop_missing_kernel");
-  }
+  Status drop_fills(Stream s) noexcept { return launch_recovery(&drop_fills_kernel<0>, s, "drop_fills_kernel"); }
+  Status drop_missing(Stream s) noexcept { return launch_recovery(&drop_missing_kernel<0>, s, "drop_missing_kernel"); }
 
   // The mapped mirror, word by word (current while kernels run).
   [[nodiscard]] DevicePlanStats stats() const noexcept { return storage_.stats(); }
@@ -187,6 +175,14 @@ class BasicCudaPlanExecutor {
     }
     EXPERT_CACHE_TRY_CUDA(launch_plan_fill(fill_, s));
     return rt_->after_enqueue(s, "plan_fill_kernel");
+  }
+
+  // A one-thread recovery kernel on the state.
+  Status launch_recovery(void (*kernel)(DevicePlanState), Stream s, const char* what) noexcept {
+    const DevicePlanState st = state();
+    void* args[] = {const_cast<DevicePlanState*>(&st)};
+    EXPERT_CACHE_TRY_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(1), dim3(1), args, 0, s));
+    return rt_->after_enqueue(s, what);
   }
 
   // ready_first_regions names regions the storage has (checked before anything is enqueued).
