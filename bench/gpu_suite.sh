@@ -60,6 +60,15 @@ test)
         note "compute-sanitizer $tool $t: FAILED"; tail -20 "$out/sanitize_${tool}_$t.log"; status=1
       fi
     done
+    # The consumer that copies its misses (fill_by_consumer + run_one_pass): its own case only
+    # (the slowed-fill cases spin for hundreds of microseconds per step, far too slow under the tools).
+    t=test_gpu_moe_consumer
+    if compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/$t" --test-case='*fill_by_consumer*' \
+        >"$out/sanitize_${tool}_$t.log" 2>&1; then
+      note "compute-sanitizer $tool $t (fill_by_consumer): clean ($(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$t.log" | tail -1))"
+    else
+      note "compute-sanitizer $tool $t (fill_by_consumer): FAILED"; tail -20 "$out/sanitize_${tool}_$t.log"; status=1
+    fi
   done
   ;;
 bench)
