@@ -129,6 +129,8 @@ def case_bad_args():
     expect_usage_error(["--device-policy", "lru,"], "an empty name in 'lru,'")
     expect_usage_error(["--budget", "--runtime", "sim"], "--budget needs the CUDA runtime")
     expect_usage_error(["--budget", "--provider", "row"], "--budget needs the device provider")
+    expect_usage_error(["--one-pass", "--runtime", "sim"], "--one-pass needs the CUDA runtime")
+    expect_usage_error(["--one-pass", "--provider", "row"], "--one-pass needs the device provider")
     expect_usage_error(["--runtime", "gpu"], "--runtime")
     expect_usage_error(["--trace", os.path.join(h.TMP, "missing.trace")], "cannot open trace file")
     expect_usage_error(["--trace", write("bad.trace", "0 0 1 2\n1 0 x\n")], "line 2")
@@ -151,6 +153,7 @@ def case_bad_args():
     rc, out, err = run("--help")
     expect(rc == 0 and "--provider" in out and "--staging" in out and "--trace" in out, "--help", out, err)
     expect("row, cached, device, resident" in out, "--help names the device provider", out)
+    expect("--one-pass" in out, "--help names --one-pass", out)
 
 
 PREFETCH_FIELDS = ("prefetch", "prefetch_label", "prefetch_emulated", "prefetch_budget", "speculative_issued_per_token",
