@@ -575,9 +575,25 @@ TEST_CASE("device plan: broken views and arguments are reported, not followed") 
   broken = s;
   broken.capacity = 17;
   plan_invalidate(b, broken, 1);
-  s.scalars->free_count = 99;  // corrupted scalar
-  plan_forward(b, s, ids.data(), 2);
-  CHECK(s.resident_map[1] == -1);
+  // Corrupted scalars: nothing planned, nothing counted, the error word says why (the small
+  // path loads the scalars with the ids and checks them before its first store).
+  const std::int32_t free0 = s.scalars->free_count;
+  for (int which = 0; which < 3; ++which) {
+    CAPTURE(which);
+    *s.error_word = 0;
+    s.scalars->free_count = which == 0 ? 99 : free0;
+    s.scalars->group_count = which == 1 ? -1 : 0;
+    s.scalars->spec_live = which == 2 ? s.capacity + 1 : 0;
+    const DevicePlanStats counted = *s.counters;
+    plan_forward(b, s, ids.data(), 2);
+    CHECK(s.resident_map[1] == -1);
+    CHECK(s.forward_map[1] == -1);
+    CHECK(*s.error_word == plan_error_bad_state);
+    CHECK(*s.counters == counted);
+  }
+  s.scalars->free_count = free0;
+  s.scalars->group_count = 0;
+  s.scalars->spec_live = 0;
   CHECK(plan_state_bytes(0, 4) == 0);
   CHECK(plan_max_groups(0, 16, 4) == 1);
   CHECK(plan_max_groups(40, 16, 4) == 4);

@@ -534,12 +534,17 @@ EXPERT_CACHE_HOST_DEVICE inline SlotReadiness slot_readiness_of(const DevicePlan
 // The view, and the scalars within range (dereferences them: where the state lives). Checked at
 // every entry so a broken view cannot make the planner index out of bounds; the scalars are
 // written only by this code, the check guards against a state corrupted from outside.
+// The scalars' counts within their arrays (E experts, C slots).
+EXPERT_CACHE_HOST_DEVICE constexpr bool plan_counts_ok(std::int32_t free, std::int32_t prev, std::int32_t unique,
+                                                       std::int32_t groups, std::int32_t live, std::int32_t e,
+                                                       std::int32_t c) noexcept {
+  return free >= 0 && free <= c && prev >= 0 && prev <= c && unique >= 0 && unique <= e && groups >= 0 && groups <= e &&
+         live >= 0 && live <= c;
+}
 EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noexcept {
   if (!plan_view_ok(s)) return false;
-  const std::int32_t e = s.num_experts, c = s.capacity;
   const DevicePlanScalars& k = *s.scalars;
-  return k.free_count >= 0 && k.free_count <= c && k.prev_count >= 0 && k.prev_count <= c && k.unique_count >= 0 &&
-         k.unique_count <= e && k.group_count >= 0 && k.group_count <= e && k.spec_live >= 0 && k.spec_live <= c;
+  return plan_counts_ok(k.free_count, k.prev_count, k.unique_count, k.group_count, k.spec_live, s.num_experts, s.capacity);
 }
 
 namespace detail {
@@ -1357,13 +1362,17 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
   if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0) || s.forward_in_rounds) {
     return plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
   }
-  if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
+  if (!plan_view_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
   const std::int32_t E = s.num_experts, C = s.capacity;
   const DevicePlanScalars& sc = *s.scalars;
 
-  // Up front, independent of each other: scalars, counters, ids, this thread's old entry.
+  // Up front, independent of each other: scalars, counters, ids, this thread's old entry (one
+  // memory round trip); the scalars are checked once they are here (plan_state_ok's check), so
+  // the other loads do not wait for them. Reading the ids and the entry of a bad state is
+  // harmless: nothing is stored before the check.
   detail::GroupInput in;
+  const std::int32_t unique_before = sc.unique_count, groups_before = sc.group_count;
   in.forward = true;
   in.prev = sc.prev_count;
   in.free = sc.free_count;
@@ -1383,6 +1392,9 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
     bad += (!valid && id != plan_padding_id) ? 1 : 0;
     clean[j] = valid ? id : plan_padding_id;
     sorted.v[j] = valid ? id : INT32_MAX;
+  }
+  if (!plan_counts_ok(in.free, in.prev, unique_before, groups_before, in.live0, E, C)) {
+    return detail::plan_fail(b, s, plan_error_bad_state);
   }
   detail::sort_network(sorted.v);
   const std::int32_t unique = sorted.unique_count();
