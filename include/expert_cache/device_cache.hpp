@@ -20,6 +20,8 @@
 //     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
 //     stats(), device_stats()        from the device stats (mapped memory) + host counters
 //     take_errors()                  read and clear the device error word (bad ids, overflow)
+//     drop_unfilled(X)               fill_by_consumer: drop the last group's misses when its
+//                                    consumer did not run
 //
 // Inline mode: the fill stream is the caller's stream. The ids are written by a router kernel
 // on that stream, so plan -> fill -> consumer are ordered by stream order alone and a capture
@@ -38,6 +40,10 @@
 // readiness() waits for each slot's word (acquire) before it reads that slot, so it starts on
 // the resident experts and takes each missing one as soon as it landed. Values only grow:
 // a replayed graph needs no reset.
+//
+// Compute from host (DeviceCacheOptions::fill_by_consumer; docs/design.md edge D9): prepare
+// plans only; view.missing flags the misses, which the consumer copies from the host pools into
+// their slots itself (MoeConsumer::run_one_pass reads them over the link as it computes).
 //
 // The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>):
 // SimPlanExecutor here (simulated launches that run the shared planning code with
