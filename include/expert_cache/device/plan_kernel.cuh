@@ -283,7 +283,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
   WarpBlock b;
   detail::griddep_launch_dependents();
   if constexpr (Mode != plan_test_skip_wait) detail::griddep_wait();
-  plan_forward<Policy>(b, s, ids, n_ids, sanitized);
+  plan_forward_small<Policy>(b, s, ids, n_ids, sanitized);  // any other forward: the general path, out of line
 }
 
 // Group g >= 1 of an overflowing forward; empty (clears the forward map) when g >= group_count.

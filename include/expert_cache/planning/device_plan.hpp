@@ -77,6 +77,13 @@
 #define EXPERT_CACHE_PLAN_UNROLL
 #define EXPERT_CACHE_PLAN_UNROLL_N(n)
 #endif
+// A path the small kernel rarely takes, kept out of line on the GPU: inlined, it sat between the
+// hot path's blocks, and a plan runs on an SM whose instruction cache is cold for it.
+#if defined(__CUDACC__)
+#define EXPERT_CACHE_PLAN_COLD __noinline__
+#else
+#define EXPERT_CACHE_PLAN_COLD
+#endif
 
 namespace expert_cache::inline v0 {
 
@@ -1351,6 +1358,15 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_general(Block& b, const DevicePlanSta
   plan_group<Policy>(b, s, 0, true);
 }
 
+namespace detail {
+template <device_plan_policy Policy, plan_block Block>
+EXPERT_CACHE_HOST_DEVICE EXPERT_CACHE_PLAN_COLD void plan_forward_general_cold(Block& b, const DevicePlanState& s,
+                                                                              const std::int32_t* ids, std::int32_t n_ids,
+                                                                              std::int32_t* sanitized) noexcept {
+  plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
+}
+}  // namespace detail
+
 // The small path of plan_forward (0 <= n_ids <= plan_small_ids; otherwise the general path):
 // the same result, from registers. Every thread loads all ids (one round trip, broadcast
 // loads) and sorts them; the bad-id count and the distinct count are then known to every
@@ -1360,7 +1376,7 @@ template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                                  std::int32_t n_ids, std::int32_t* sanitized = nullptr) noexcept {
   if (n_ids > plan_small_ids || n_ids < 0 || (ids == nullptr && n_ids > 0) || s.forward_in_rounds) {
-    return plan_forward_general<Policy>(b, s, ids, n_ids, sanitized);
+    return detail::plan_forward_general_cold<Policy>(b, s, ids, n_ids, sanitized);
   }
   if (!plan_view_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   const std::int32_t rank = b.thread_rank(), nt = b.size();
