@@ -1185,11 +1185,7 @@ EXPERT_CACHE_HOST_DEVICE void note_forward(Block& b, const DevicePlanState& s, s
 }
 
 EXPERT_CACHE_HOST_DEVICE constexpr std::int32_t plan_groups_of(std::int32_t unique, std::int32_t capacity) noexcept {
-  // One group (decode: the forward fits) without a division, which the GPU does in software; a
-  // 32-bit one otherwise (unique <= E and capacity >= 1, so the sum stays far below 2^32).
-  if (unique <= capacity) return unique > 0 ? 1 : 0;
-  return static_cast<std::int32_t>((static_cast<std::uint32_t>(unique) + static_cast<std::uint32_t>(capacity) - 1u) /
-                                   static_cast<std::uint32_t>(capacity));
+  return static_cast<std::int32_t>((static_cast<std::int64_t>(unique) + capacity - 1) / capacity);
 }
 
 // Experts per group of a forward planned from `s` (a launch's copy: forward_in_rounds and
@@ -1224,44 +1220,24 @@ EXPERT_CACHE_HOST_DEVICE inline void sort_network(std::int32_t (&v)[N]) noexcept
 // The small path's ids: sorted in registers (invalid ids as INT32_MAX, at the end).
 struct SmallIds {
   std::int32_t v[plan_small_ids];
-  // Bit j: v[j] is the first of its value among the valid ids (set by index(), after the sort).
-  std::uint32_t keep = 0;
-  EXPERT_CACHE_HOST_DEVICE void index() noexcept {
-    keep = 0;
+  // The k-th distinct valid id (INT32_MAX when k >= the distinct count).
+  EXPERT_CACHE_HOST_DEVICE std::int32_t unique_at(std::int32_t k) const noexcept {
+    std::int32_t e = INT32_MAX, pos = 0;
     EXPERT_CACHE_PLAN_UNROLL
     for (std::int32_t j = 0; j < plan_small_ids; ++j) {
-      const bool first = v[j] != INT32_MAX && (j == 0 || v[j] != v[j > 0 ? j - 1 : 0]);
-      keep |= first ? 1u << j : 0u;
+      const bool keep = v[j] != INT32_MAX && (j == 0 || v[j] != v[j > 0 ? j - 1 : 0]);
+      if (keep && pos == k) e = v[j];
+      pos += keep ? 1 : 0;
     }
-  }
-  // The k-th distinct valid id (INT32_MAX when k >= the distinct count): the entry of the k-th
-  // set bit of `keep`, picked from registers by a select chain (no indexed register access).
-  EXPERT_CACHE_HOST_DEVICE std::int32_t unique_at(std::int32_t k) const noexcept {
-    const std::int32_t at = nth_set_bit(keep, k);
-    std::int32_t e = INT32_MAX;
-    EXPERT_CACHE_PLAN_UNROLL
-    for (std::int32_t j = 0; j < plan_small_ids; ++j) e = j == at ? v[j] : e;
     return e;
   }
   EXPERT_CACHE_HOST_DEVICE std::int32_t unique_count() const noexcept {
-#if defined(__CUDA_ARCH__)
-    return __popc(keep);
-#else
-    return std::popcount(keep);
-#endif
-  }
-  // The index of the k-th (0-based) set bit of m, -1 when m has at most k set bits.
-  static EXPERT_CACHE_HOST_DEVICE std::int32_t nth_set_bit(std::uint32_t m, std::int32_t k) noexcept {
-    if (k < 0) return -1;
-#if defined(__CUDA_ARCH__)
-    const unsigned at = __fns(m, 0u, k + 1);
-    return at == 0xffffffffu ? -1 : static_cast<std::int32_t>(at);
-#else
-    for (std::int32_t j = 0; j < 32; ++j) {
-      if (((m >> j) & 1u) != 0 && k-- == 0) return j;
+    std::int32_t u = 0;
+    EXPERT_CACHE_PLAN_UNROLL
+    for (std::int32_t j = 0; j < plan_small_ids; ++j) {
+      u += (v[j] != INT32_MAX && (j == 0 || v[j] != v[j > 0 ? j - 1 : 0])) ? 1 : 0;
     }
-    return -1;
-#endif
+    return u;
   }
 };
 
@@ -1437,7 +1413,6 @@ EXPERT_CACHE_HOST_DEVICE void plan_forward_small(Block& b, const DevicePlanState
     return detail::plan_fail(b, s, plan_error_bad_state);
   }
   detail::sort_network(sorted.v);
-  sorted.index();
   const std::int32_t unique = sorted.unique_count();
   const std::int32_t groups = detail::plan_groups_of(unique, C);
   in.unique = unique;
