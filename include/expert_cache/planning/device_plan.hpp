@@ -538,9 +538,6 @@ EXPERT_CACHE_HOST_DEVICE inline SlotReadiness slot_readiness_of(const DevicePlan
   return r;
 }
 
-// The view, and the scalars within range (dereferences them: where the state lives). Checked at
-// every entry so a broken view cannot make the planner index out of bounds; the scalars are
-// written only by this code, the check guards against a state corrupted from outside.
 // The scalars' counts within their arrays (E experts, C slots).
 EXPERT_CACHE_HOST_DEVICE constexpr bool plan_counts_ok(std::int32_t free, std::int32_t prev, std::int32_t unique,
                                                        std::int32_t groups, std::int32_t live, std::int32_t e,
@@ -548,6 +545,9 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool plan_counts_ok(std::int32_t free, std::i
   return free >= 0 && free <= c && prev >= 0 && prev <= c && unique >= 0 && unique <= e && groups >= 0 && groups <= e &&
          live >= 0 && live <= c;
 }
+// The view, and the scalars within range (dereferences them: where the state lives). Checked at
+// every entry so a broken view cannot make the planner index out of bounds; the scalars are
+// written only by this code, the check guards against a state corrupted from outside.
 EXPERT_CACHE_HOST_DEVICE inline bool plan_state_ok(const DevicePlanState& s) noexcept {
   if (!plan_view_ok(s)) return false;
   const DevicePlanScalars& k = *s.scalars;
