@@ -17,13 +17,16 @@ command -v nvcc >/dev/null 2>&1 && cuda=enabled
 # code generation) and, where nvcc has it, with device optimisations reduced for compile speed
 # (-Ofc=max). Every CUDA translation unit still goes through nvcc's front end and cicc, so what
 # does not compile still fails here; the GPU recipe (docs/cuda_backend.md, bench/gpu_suite.sh)
-# builds real sm_90 code at full optimisation. With a GPU present this script does the same.
+# builds real sm_90 code at full optimisation. The GPU test sources then compile as one
+# translation unit and one program (-Dgpu_test_programs=single, tests/gpu/unity.py): the same
+# cases, with the headers parsed once instead of once per source. With a GPU present the script
+# builds the default sm_90, one program per GPU test source.
 main_flags=()
 cuda_args=()
 # (grep without -q in these pipelines: -q exits at the first match, the writer then dies of SIGPIPE
 # and pipefail turns the match into a failure.)
 if [ $cuda = enabled ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; }; then
-  main_flags=(-Dgpu_arch=compute_90)
+  main_flags=(-Dgpu_arch=compute_90 -Dgpu_test_programs=single)
   nvcc --help 2>/dev/null | grep -- '--Ofast-compile' >/dev/null && cuda_args+=(-Ofc=max)
 fi
 # g++ (the main build's compiler, and nvcc's host compiler) collects garbage as its heap grows;
