@@ -17,16 +17,17 @@ command -v nvcc >/dev/null 2>&1 && cuda=enabled
 # code generation) and, where nvcc has it, with device optimisations reduced for compile speed
 # (-Ofc=max). Every CUDA translation unit still goes through nvcc's front end and cicc, so what
 # does not compile still fails here; the GPU recipe (docs/cuda_backend.md, bench/gpu_suite.sh)
-# builds real sm_90 code at full optimisation. The GPU test sources then compile as one
-# translation unit and one program (-Dgpu_test_programs=single, tests/gpu/unity.py): the same
-# cases, with the headers parsed once instead of once per source. With a GPU present the script
-# builds the default sm_90, one program per GPU test source.
-main_flags=()
+# builds real sm_90 code at full optimisation.
+# Both builds group the tests (-Dtest_programs=grouped, tests/meson.build): the short host tests
+# are one program and the GPU tests another, each compiled as one translation unit
+# (tests/unity.py), so the headers are parsed once per group instead of once per source; the
+# cases are the same.
+main_flags=(-Dtest_programs=grouped)
 cuda_args=()
 # (grep without -q in these pipelines: -q exits at the first match, the writer then dies of SIGPIPE
 # and pipefail turns the match into a failure.)
 if [ $cuda = enabled ] && ! { [ -e /dev/nvidia0 ] || nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; }; then
-  main_flags=(-Dgpu_arch=compute_90 -Dgpu_test_programs=single)
+  main_flags+=(-Dgpu_arch=compute_90)
   nvcc --help 2>/dev/null | grep -- '--Ofast-compile' >/dev/null && cuda_args+=(-Ofc=max)
 fi
 # g++ (the main build's compiler, and nvcc's host compiler) collects garbage as its heap grows;
@@ -72,18 +73,24 @@ rm -rf build-test build-asan
 # every test that calls it cost minutes under the sanitizers); the header-only mode runs in the main
 # build's any_cache_header_only_* tests and in the install consumers.
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-sanitize_targets=$(cd tests && ls test_*.cpp | sed 's/\.cpp$//; s/^/tests\//')
-# The examples registered in the 'sanitize' suite (examples/meson.build).
-sanitize_examples="examples/sim_decode examples/quickstart_sim"
 # With clang (installed above for the fuzz smoke): it compiles these template-heavy programs with
 # ASan + UBSan in less than half of g++'s CPU time; the main build keeps g++ (and its warnings).
 asan_env=()
 command -v clang++ >/dev/null 2>&1 && asan_env=(CC=clang CXX=clang++)
 build_asan() {  # exit status 1: configure failed, 2: compile failed (logs in build-logs/)
   env "${asan_env[@]}" meson setup build-asan -Dcuda=disabled -Dtests=enabled -Dbenchmarks=disabled -Dbuildtype=plain -Doptimization=0 \
-    -Db_sanitize=address,undefined >build-logs/setup-asan.log 2>&1 || return 1
+    -Db_sanitize=address,undefined -Dtest_programs=grouped >build-logs/setup-asan.log 2>&1 || return 1
+  # The programs of the 'sanitize' suite (the doctest programs and examples/meson.build's), as
+  # Meson lists them.
+  local targets
+  targets=$(meson introspect build-asan --tests | python3 -c '
+import json, os, sys
+root = os.path.realpath("build-asan")
+exes = {os.path.relpath(os.path.realpath(t["cmd"][0]), root) for t in json.load(sys.stdin) if any(s.split(":")[-1] == "sanitize" for s in t["suite"])}
+print(" ".join(sorted(exes)))') || return 2
+  [ -n "$targets" ] || return 2
   # shellcheck disable=SC2086
-  meson compile -C build-asan -j 2 $sanitize_targets $sanitize_examples >build-logs/compile-asan.log 2>&1 || return 2
+  meson compile -C build-asan -j 2 $targets >build-logs/compile-asan.log 2>&1 || return 2
 }
 ( renice -n 19 -p $BASHPID >/dev/null 2>&1; build_asan ) &
 asan_build_pid=$!
