@@ -77,7 +77,7 @@ std::string cuda_error(cudaError_t err, const char* what) { return std::string(e
     if (std::string msg_ = (expr); !msg_.empty()) return msg_; \
   } while (0)
 
-#define BENCH_CUDA(state, call)                                       \
+#define REPACK_CUDA(state, call)                                       \
   do {                                                                \
     if (const cudaError_t err_ = (call); err_ != cudaSuccess) {       \
       (state).SkipWithError(cuda_error(err_, #call).c_str());         \
@@ -85,7 +85,7 @@ std::string cuda_error(cudaError_t err, const char* what) { return std::string(e
     }                                                                 \
   } while (0)
 
-#define BENCH_OK(state, expr)                           \
+#define REPACK_OK(state, expr)                           \
   do {                                                  \
     if (std::string msg_ = (expr); !msg_.empty()) {     \
       (state).SkipWithError(msg_.c_str());              \
@@ -416,13 +416,13 @@ double ratio(double gbps, double ref) { return ref > 0 ? gbps / ref : 0.0; }
 
 void BM_CeilingRef(benchmark::State& state, bool h2d) {
   Timing t;
-  BENCH_OK(state, t.init());
+  REPACK_OK(state, t.init());
   CeilingBuffers c;
-  BENCH_OK(state, c.init());
+  REPACK_OK(state, c.init());
   double seconds = 0;
   for (auto _ : state) {
     float ms = 0;
-    BENCH_OK(state, t.time([&] { return c.enqueue(t.stream.get(), h2d); }, ms));
+    REPACK_OK(state, t.time([&] { return c.enqueue(t.stream.get(), h2d); }, ms));
     state.SetIterationTime(ms / 1e3);
     seconds += ms / 1e3;
   }
@@ -435,13 +435,13 @@ void BM_CeilingRef(benchmark::State& state, bool h2d) {
 
 void BM_D2dRef(benchmark::State& state, std::size_t index) {
   Timing t;
-  BENCH_OK(state, t.init());
+  REPACK_OK(state, t.init());
   D2dBuffers d;
-  BENCH_OK(state, d.init(kShapes[index]));
+  REPACK_OK(state, d.init(kShapes[index]));
   double seconds = 0;
   for (auto _ : state) {
     float ms = 0;
-    BENCH_OK(state, t.time([&] { return d.enqueue(t.stream.get()); }, ms));
+    REPACK_OK(state, t.time([&] { return d.enqueue(t.stream.get()); }, ms));
     state.SetIterationTime(ms / 1e3);
     seconds += ms / 1e3;
   }
@@ -456,9 +456,9 @@ void BM_D2dRef(benchmark::State& state, std::size_t index) {
 // Kernels only: kBatch back-to-back launch_repack_experts between two events.
 void BM_RepackKernels(benchmark::State& state, std::size_t index) {
   Fixture* f = nullptr;
-  BENCH_OK(state, fixture_for(index, f));
+  REPACK_OK(state, fixture_for(index, f));
   Timing t;
-  BENCH_OK(state, t.init());
+  REPACK_OK(state, t.init());
   const auto src = f->src_ptrs();
   const auto dst = f->dst_ptrs();
   auto enqueue = [&]() -> std::string {
@@ -472,7 +472,7 @@ void BM_RepackKernels(benchmark::State& state, std::size_t index) {
   double seconds = 0;
   for (auto _ : state) {
     float ms = 0;
-    BENCH_OK(state, t.time(enqueue, ms));
+    REPACK_OK(state, t.time(enqueue, ms));
     state.SetIterationTime(ms / 1e3);
     seconds += ms / 1e3;
   }
@@ -488,14 +488,14 @@ void BM_RepackKernels(benchmark::State& state, std::size_t index) {
 // (stream drained before the call, untimed).
 void BM_RepackLayerDevice(benchmark::State& state, std::size_t index) {
   Fixture* f = nullptr;
-  BENCH_OK(state, fixture_for(index, f));
+  REPACK_OK(state, fixture_for(index, f));
   Stream stream;
-  BENCH_CUDA(state, cudaStreamCreateWithFlags(stream.out(), cudaStreamNonBlocking));
+  REPACK_CUDA(state, cudaStreamCreateWithFlags(stream.out(), cudaStreamNonBlocking));
   const auto src = f->src_ptrs();
   const auto dst = f->dst_ptrs();
   double seconds = 0;
   for (auto _ : state) {
-    BENCH_CUDA(state, cudaStreamSynchronize(stream.get()));
+    REPACK_CUDA(state, cudaStreamSynchronize(stream.get()));
     const auto t0 = std::chrono::steady_clock::now();
     auto report = device::repack_layer_device(f->layout, f->shape.experts, src, dst, stream.get());
     if (!report.ok()) {
@@ -503,7 +503,7 @@ void BM_RepackLayerDevice(benchmark::State& state, std::size_t index) {
       state.SkipWithError(("repack_layer_device: " + report.status().to_string()).c_str());
       return;
     }
-    BENCH_CUDA(state, cudaStreamSynchronize(stream.get()));
+    REPACK_CUDA(state, cudaStreamSynchronize(stream.get()));
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state.SetIterationTime(dt);
     seconds += dt;
@@ -533,9 +533,9 @@ void BM_RepackLayerDevice(benchmark::State& state, std::size_t index) {
 //                                1.0 only through the H2D/D2H overlap.
 void BM_HostChunked(benchmark::State& state, std::size_t index, std::int64_t chunk) {
   Fixture* f = nullptr;
-  BENCH_OK(state, fixture_for(index, f));
+  REPACK_OK(state, fixture_for(index, f));
   Stream stream;
-  BENCH_CUDA(state, cudaStreamCreateWithFlags(stream.out(), cudaStreamNonBlocking));
+  REPACK_CUDA(state, cudaStreamCreateWithFlags(stream.out(), cudaStreamNonBlocking));
   const Nvfp4CheckpointLayer src = f->host_src();
   const Nvfp4MarlinLayer dst = f->host_dst();
   double seconds = 0;
@@ -571,7 +571,7 @@ void BM_HostChunked(benchmark::State& state, std::size_t index, std::int64_t chu
 // of repack_layer_host_chunked).
 void BM_HostAnalyze(benchmark::State& state, std::size_t index) {
   Fixture* f = nullptr;
-  BENCH_OK(state, fixture_for(index, f));
+  REPACK_OK(state, fixture_for(index, f));
   const Nvfp4CheckpointLayer src = f->host_src();
   for (auto _ : state) {
     const auto t0 = std::chrono::steady_clock::now();
