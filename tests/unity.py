@@ -9,8 +9,9 @@ tests are the same: doctest registers every case of every source. Each source ke
 scope: its text goes into a namespace of its own (its anonymous namespaces, helpers and kernels
 cannot collide with another source's), and every header any source includes is included first,
 at file scope, so that the includes inside the namespaces find their guards set and add nothing.
-Every header these sources include has an include guard (#pragma once); a source-local macro
-stays defined for the sources after it, so sources must not define the same macro twice.
+So every header these sources include must have an include guard (#pragma once), and every
+include line is taken as unconditional (one inside #if is hoisted all the same). A macro a source
+defines stays defined for the sources after it, so two sources must not define the same macro.
 """
 import os
 import re
