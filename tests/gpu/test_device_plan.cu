@@ -929,7 +929,9 @@ TEST_CASE("device plan kernel: a programmatically launched plan waits for the ke
       CUDA_OK(cudaMemcpy(&at, d_step.p, sizeof at, cudaMemcpyDeviceToHost));
       late_router_kernel<<<1, 32, 0, stream.s>>>(d_ids.p, top_k, E, d_step.p, 40000);
       CUDA_OK(cudaGetLastError());
-      CUDA_OK(device::launch_plan_forward(s, d_ids.p, top_k, nullptr, stream.s, true, skip_wait));
+      CUDA_OK(skip_wait ? (device::launch_plan_forward<device::plan_block_threads, DeviceLru, device::plan_test_skip_wait>(
+                              s, d_ids.p, top_k, nullptr, stream.s, true))
+                        : device::launch_plan_forward(s, d_ids.p, top_k, nullptr, stream.s, true));
       m.read(st, stream.s);
       std::vector<std::int32_t> want(static_cast<std::size_t>(E), 0);
       for (std::int32_t i = 0; i < top_k; ++i) want[static_cast<std::size_t>((at * top_k + static_cast<std::uint64_t>(i)) % E)] = 1;

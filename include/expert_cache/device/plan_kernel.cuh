@@ -252,8 +252,12 @@ namespace detail {
 
 // Every planning kernel takes the device policy (planning/device_plan.hpp) as its last template
 // argument, DeviceLru by default; one state is planned by one policy for its whole life.
+// The state is a __grid_constant__ parameter: the planning code holds it by reference (and the
+// one-warp kernel passes it to its out-of-line general path), and a plain by-value parameter
+// whose address is taken is first copied to local memory, all of it (424 bytes), at every launch.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
-EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const DevicePlanState s, std::uint64_t crf_decay) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
+    plan_reset_kernel(const __grid_constant__ DevicePlanState s, std::uint64_t crf_decay) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   reset_plan_state<Policy>(b, s, crf_decay);
@@ -264,7 +268,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_reset_kernel(const Devi
 // every dropped one as -1.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
-    plan_forward_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t* sanitized) {
+    plan_forward_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
+                        std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
@@ -278,7 +283,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
 inline constexpr int plan_test_skip_wait = 1;
 template <int Mode = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
-    plan_forward_warp_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
+    plan_forward_warp_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
   detail::griddep_launch_dependents();
@@ -288,7 +293,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
 
 // Group g >= 1 of an overflowing forward; empty (clears the forward map) when g >= group_count.
 template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
-EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const DevicePlanState s, std::int32_t group) {
+EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
+    plan_group_kernel(const __grid_constant__ DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   detail::griddep_launch_dependents();
@@ -299,7 +305,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads) plan_group_kernel(const Devi
 // The expert id is read from device memory when `expert_ptr` is set (graph-friendly), else `expert`.
 template <int Threads = 32>
 EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
-    plan_invalidate_kernel(const DevicePlanState s, std::int32_t expert, const std::int32_t* expert_ptr) {
+    plan_invalidate_kernel(const __grid_constant__ DevicePlanState s, std::int32_t expert,
+                           const std::int32_t* expert_ptr) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
   plan_invalidate(b, s, expert_ptr != nullptr ? *expert_ptr : expert);
@@ -310,8 +317,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
 // plan_fill_kernel or plan_fill_ready_kernel exactly like a forward's.
 template <int Unused = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
-    plan_prefetch_kernel(const DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids, std::int32_t max_fills,
-                         std::uint32_t expires_after) {
+    plan_prefetch_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
+                         std::int32_t max_fills, std::uint32_t expires_after) {
   WarpBlock b;
   detail::griddep_launch_dependents();
   detail::griddep_wait();
@@ -634,16 +641,15 @@ inline cudaError_t launch_maybe_programmatic(const void* kernel, unsigned grid, 
 // Up to plan_small_ids ids: the one-warp kernel; more: one block of Threads. `programmatic`
 // (sm_90, plan_fill_ready_pdl_supported()): launched with programmatic stream serialization,
 // scheduled while the kernel before it runs; the plan waits for that kernel before it reads
-// (edge D6 of docs/design.md). `test_skip_wait` (tests only, one-warp kernel): without that wait.
-template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru>
+// (edge D6 of docs/design.md). WarpMode plan_test_skip_wait (tests only, one-warp kernel): without
+// that wait. A template argument, so that no other caller compiles the test kernel.
+template <int Threads = plan_block_threads, device_plan_policy Policy = DeviceLru, int WarpMode = 0>
 inline cudaError_t launch_plan_forward(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
-                                       std::int32_t* sanitized, cudaStream_t stream, bool programmatic = false,
-                                       bool test_skip_wait = false) noexcept {
+                                       std::int32_t* sanitized, cudaStream_t stream, bool programmatic = false) noexcept {
   void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &sanitized};
   if (n_ids >= 0 && n_ids <= plan_small_ids) {
-    const void* k = test_skip_wait ? reinterpret_cast<const void*>(&plan_forward_warp_kernel<plan_test_skip_wait, Policy>)
-                                   : reinterpret_cast<const void*>(&plan_forward_warp_kernel<0, Policy>);
-    return detail::launch_maybe_programmatic(k, 1, 32, args, stream, programmatic);
+    return detail::launch_maybe_programmatic(reinterpret_cast<const void*>(&plan_forward_warp_kernel<WarpMode, Policy>), 1,
+                                             32, args, stream, programmatic);
   }
   return detail::launch_maybe_programmatic(reinterpret_cast<const void*>(&plan_forward_kernel<Threads, Policy>), 1,
                                            Threads, args, stream, programmatic);
