@@ -247,7 +247,8 @@ namespace detail {
 // Kernel parameters live in a constant bank that every launch fills anew, so a kernel's first
 // reads of them miss the constant cache. A planning kernel touches one word per 64 bytes of its
 // state before it waits for the kernel before it: launched programmatically, those misses then
-// overlap that kernel instead of lengthening the plan.
+// overlap that kernel instead of lengthening the plan. It reads the launch's own parameters only,
+// never device memory, so nothing the wait orders (edge D6) is read early.
 template <class T>
 __device__ __forceinline__ void touch_param(const T& p) noexcept {
   const auto* w = reinterpret_cast<const std::uint32_t*>(&p);
