@@ -244,20 +244,6 @@ class WarpBlock : public PlanBlockStores {
 };
 
 namespace detail {
-// Kernel parameters live in a constant bank that every launch fills anew, so a kernel's first
-// reads of them miss the constant cache. A planning kernel touches one word per 64 bytes of its
-// state before it waits for the kernel before it: launched programmatically, those misses then
-// overlap that kernel instead of lengthening the plan. It reads the launch's own parameters only,
-// never device memory, so nothing the wait orders (edge D6) is read early.
-template <class T>
-__device__ __forceinline__ void touch_param(const T& p) noexcept {
-  const auto* w = reinterpret_cast<const std::uint32_t*>(&p);
-  std::uint32_t x = 0;
-#pragma unroll
-  for (std::size_t i = 0; i < sizeof(T) / sizeof(std::uint32_t); i += 16) x ^= w[i];
-  asm volatile("" ::"r"(x));
-}
-
 // Programmatic dependent launch (sm_90; no-ops below). The planning kernels trigger at their
 // start, so an overlapped fill launched programmatically after them (launch_plan_fill_ready with
 // `programmatic`) is scheduled while the plan runs; the fill waits (griddepcontrol.wait: the plan
@@ -293,7 +279,6 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
                         std::int32_t* sanitized) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  detail::touch_param(s);
   detail::griddep_launch_dependents();
   detail::griddep_wait();
   plan_forward<Policy>(b, s, ids, n_ids, sanitized);
@@ -308,7 +293,6 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_forward_warp_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                              std::int32_t* sanitized) {
   WarpBlock b;
-  detail::touch_param(s);
   detail::griddep_launch_dependents();
   if constexpr (Mode != plan_test_skip_wait) detail::griddep_wait();
   plan_forward_small<Policy>(b, s, ids, n_ids, sanitized);  // any other forward: the general path, out of line
@@ -320,7 +304,6 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
     plan_group_kernel(const __grid_constant__ DevicePlanState s, std::int32_t group) {
   __shared__ typename CubBlock<Threads>::TempStorage temp;
   CubBlock<Threads> b(temp);
-  detail::touch_param(s);
   detail::griddep_launch_dependents();
   detail::griddep_wait();
   plan_group<Policy>(b, s, group);
@@ -344,7 +327,6 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_prefetch_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
                          std::int32_t max_fills, std::uint32_t expires_after) {
   WarpBlock b;
-  detail::touch_param(s);
   detail::griddep_launch_dependents();
   detail::griddep_wait();
   plan_prefetch<Policy>(b, s, ids, n_ids, max_fills, expires_after);
@@ -524,7 +506,6 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fused_threads<Policy>)
     plan_forward_fill_kernel(const __grid_constant__ PlanFusedParams p) {
   // Launched programmatically (launch_plan_forward_fill's `programmatic`): the kernel before it
   // completed, its writes (the ids) visible, before any block reads; a no-op otherwise.
-  if (blockIdx.x == 0) detail::touch_param(p.state);
   detail::griddep_wait();
   DevicePlanScalars* sc = p.state.scalars;
   cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(sc->fill_ready);
