@@ -117,6 +117,13 @@ struct DeviceCacheOptions {
   // ready word BEFORE copying it (the edge removed, to show a test can see it).
   std::int32_t test_fill_delay_part = 0;
   bool test_publish_first_early = false;
+  // Slots appended after the pool for wide forwards (prepare_wide, stream admission): two
+  // halves used alternately, never admitted, never touched by the device planner. 0: no
+  // prepare_wide (recommended_stream_slots() gives a size). The slot workspace covers
+  // capacity + stream_slots slots.
+  std::int32_t stream_slots = 0;
+  // Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
+  std::int64_t max_wide_ids = default_max_wide_ids;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -598,12 +605,30 @@ class DeviceExpertCacheWithEdges {
       : rt_(&rt),
         options_(validated(std::move(options))),
         layout_(validated(layout)),
-        storage_(rt, CacheShape{options_.num_experts, options_.capacity}, layout_.tensors(), options_.memory),
-        // Inline mode (fills on the caller's stream); no host map is ever uploaded, so the
-        // staging ring stays at its minimum.
-        core_(rt, false, static_cast<std::size_t>(options_.num_experts), 2),
+        storage_(rt, CacheShape{options_.num_experts, options_.capacity + options_.stream_slots}, layout_.tensors(),
+                 options_.memory),
+        // Inline mode (fills on the caller's stream). The staging ring holds the host-id
+        // prefetch uploads and, with stream slots, every round map of one wide forward.
+        core_(rt, false, static_cast<std::size_t>(options_.num_experts), wide_ring_size(options_)),
         exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_),
         prefetch_ids_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device) {
+    if (options_.stream_slots >= 2) {
+      const std::size_t map = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+      core_.add_wide_stream();
+      wide_state_.emplace(rt, map);
+      const auto experts = static_cast<std::size_t>(options_.num_experts);
+      wide_unique_.reserve(experts);
+      wide_hits_.reserve(experts);
+      wide_misses_.reserve(experts);
+      wide_round_.reserve(experts);
+      wide_slots_.reserve(experts);
+      wide_fills_.reserve(experts);
+      wide_batch_.reserve(experts * storage_.copy_regions().count);
+      wide_plan_.reserve(experts + 1);
+      wide_hit_begin_.reserve(experts + 2);
+      wide_rows_.assign(experts, 0);
+      wide_map_.assign(experts, absent_slot);
+    }
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = exec_.state().forward_map.data;
     view_.resident_map = exec_.state().resident_map.data;
@@ -814,6 +839,68 @@ class DeviceExpertCacheWithEdges {
     return PrefetchView{};
   }
 
+  // A wide forward from HOST ids (a prompt, a large batch; wide.hpp), served eagerly in rounds
+  // with stream admission: the pool's residents are read where they are, every other expert is
+  // copied from the host pools into the stream slots (DeviceCacheOptions::stream_slots) by the
+  // copy engine, never admitted: the device planner's state (residents, recency, counters) is
+  // exactly what it was, so the decode working set survives the prompt. Steps: the pool's
+  // resident map is read back on `stream`, ordered like invalidate() after every plan, fill and
+  // prefetch enqueued so far (edges 6, 2), and the host waits for that copy (edge D10); then the
+  // rounds run as ExpertCache's stream rounds (docs/design.md "Wide forwards": round r + 1's
+  // copies, on the core's wide stream, overlap round r's consumer; edges 3 and 10), each run of
+  // consecutive missing experts as one copy per dense region, a round's copies in one batched
+  // call where the runtime has one. The consumer is called once per round on the host, as
+  // prepare_wide's everywhere; each round's view has a forward-scoped expert map of its own.
+  // Not capturable (the host waits for the read-back): the in-graph way to serve a wide forward
+  // is prepare(in_rounds) + prepare_group, whose rounds go through the pool.
+  // Errors before anything is enqueued: admission admit (not_supported: use prepare(in_rounds)
+  // and prepare_group), no stream slots (not_supported), more ids than max_wide_ids
+  // (too_many_experts), an id outside [0, E) (expert_out_of_range), `stream` capturing
+  // (capture_unsupported), a stream the runtime refuses. A consumer that fails (or throws) ends
+  // the forward with its status; a runtime failure is reported with its round. The pool is
+  // never changed, so either way the cache stays as it was and usable.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    if (options.admission != WideAdmission::stream) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide with admit admission (the device planner admits through "
+                            "prepare(ids, n, X, DeviceForward::in_rounds) and prepare_group)",
+                            options_.label.c_str());
+    }
+    if (!wide_state_) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide needs stream slots (DeviceCacheOptions::stream_slots is %d; "
+                            "recommended_stream_slots() gives a size)",
+                            options_.label.c_str(), options_.stream_slots);
+    }
+    if (Status s = check_stream(stream, "prepare_wide"); !s) return s;
+    if (Status s = detail::wide_forward_allowed(*rt_, wide_staging_, stream); !s) {
+      return s.with_context("%s", options_.label.c_str());
+    }
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
+        !s) {
+      return s.with_context("%s: prepare_wide", options_.label.c_str());
+    }
+    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
+    if (Status s = read_back_residents(stream); !s) return s;
+    if (Status s = core_.wide_begin(stream); !s) {
+      ++faults_;
+      return s.with_context("%s: prepare_wide: ordering the forward after earlier work", options_.label.c_str());
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.admission = WideAdmission::stream;
+    Status s = wide_stream_rounds(stream, consumer, summary, options);
+    wide_copies_ += summary.copies;
+    wide_bytes_ += summary.bytes;
+    wide_rounds_ += summary.rounds;
+    if (!s) return s;
+    ++wide_forwards_;
+    return summary;
+  }
+
   // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
   // groups of `round_width` experts (0: the capacity).
   [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids, std::int32_t round_width = 0) const noexcept {
@@ -848,8 +935,14 @@ class DeviceExpertCacheWithEdges {
     s.map_uploads = o.map_uploads;
     s.staging_stalls = o.staging_stalls;
     s.faults = faults_;
-    s.slot_bytes = storage_.slot_bytes() + exec_.device_bytes();
-    s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
+    s.total_copies += wide_copies_;
+    s.wide_forwards = wide_forwards_;
+    s.wide_rounds = wide_rounds_;
+    s.wide_hits = wide_hits_count_;
+    s.wide_streamed = wide_streamed_count_;
+    s.wide_bytes = wide_bytes_;
+    s.slot_bytes = storage_.slot_bytes() + exec_.device_bytes() + (wide_state_ ? 2 * wide_state_->maps[0].size() : 0);
+    s.host_bytes = storage_.host_bytes() + core_.staging_bytes() + (wide_state_ ? wide_state_->resident_host.size() : 0);
     return s;
   }
   [[nodiscard]] DevicePlanStats device_stats() const noexcept { return exec_.stats(); }
@@ -885,6 +978,14 @@ class DeviceExpertCacheWithEdges {
     if (o.capacity <= 0 || o.capacity > o.num_experts) {
       throw Error(Status::format(ErrorCode::invalid_capacity, "%s: capacity %d for %d experts (need 1..num_experts)",
                                  o.label.c_str(), o.capacity, o.num_experts));
+    }
+    if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: stream_slots %d (need 0..num_experts = %d)",
+                                 o.label.c_str(), o.stream_slots, o.num_experts));
+    }
+    if (o.max_wide_ids < 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_wide_ids %lld (need >= 0)", o.label.c_str(),
+                                 static_cast<long long>(o.max_wide_ids)));
     }
     if (o.max_ids <= 0) {
       throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_ids %d (need > 0: tokens * top_k)",
@@ -955,6 +1056,153 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
+  // The staging ring: the host-id prefetch upload (2 buffers are enough) and, with stream
+  // slots, every round map of one wide forward, so the host does not wait inside a forward.
+  static std::size_t wide_ring_size(const DeviceCacheOptions& o) {
+    if (o.stream_slots < 2) return 2;
+    const auto experts = static_cast<std::size_t>(std::max(o.num_experts, 1));
+    const auto half = static_cast<std::size_t>(o.stream_slots / 2);
+    return 2 * ((experts + half - 1) / half) + 4;
+  }
+
+  // The pool's resident map into pinned host memory on `stream`, ordered like invalidate():
+  // after the owner's readers and the last writer (edges 6, 2: every plan and prefetch fill
+  // enqueued so far), then the host waits for that copy (edge D10) before it plans the rounds.
+  Status read_back_residents(Stream stream) noexcept {
+    WideState& w = *wide_state_;
+    const std::size_t bytes = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept -> Status {
+      if (Status c = rt_->copy_async(w.resident_host.data(), exec_.state().resident_map.data, bytes, f); !c) return c;
+      return rt_->record(w.read_back.get(), f);
+    });
+    if (s && Edges::wide_resident_read_wait) s = rt_->synchronize(w.read_back.get());
+    if (!s) return s.with_context("%s: prepare_wide: reading the pool's resident map", options_.label.c_str());
+    rt_->host_access(w.resident_host.data(), bytes, AccessMode::read);
+    return {};
+  }
+
+  // ExpertCache::wide_stream_rounds on the device planner's pool: round r's misses in stream
+  // half r % 2 (slots capacity + ...), its share of the pool's residents read in place.
+  template <class Consumer>
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
+                            const WideOptions& options) noexcept {
+    WideState& w = *wide_state_;
+    const std::span<const std::int32_t> resident(reinterpret_cast<const std::int32_t*>(w.resident_host.data()),
+                                                 static_cast<std::size_t>(options_.num_experts));
+    wide_hits_.clear();
+    wide_misses_.clear();
+    for (const std::int32_t e : wide_unique_) {
+      const std::int32_t slot = resident[static_cast<std::size_t>(e)];
+      // A slot outside the pool is no residency the host can use (the device state is
+      // checked by the planner; the host does not trust a word it did not write either).
+      (slot >= 0 && slot < options_.capacity ? wide_hits_ : wide_misses_).push_back(e);
+    }
+    const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
+    std::vector<CopyDesc>* const batch = options.batch_copies ? &wide_batch_ : nullptr;
+    const std::pair<std::size_t, std::uint64_t> dense_shape = detail::dense_copy_shape(wide_staging_, storage_);
+    const std::size_t dense_regions = dense_shape.first;
+    const std::uint64_t dense_bytes = dense_shape.second;
+    detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
+    const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
+    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
+    const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
+    summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
+    const auto chunk = [&](std::size_t r) {
+      if (r >= wide_plan_.size()) return std::span<const std::int32_t>();
+      return std::span<const std::int32_t>(wide_misses_).subspan(wide_plan_[r].begin, wide_plan_[r].end - wide_plan_[r].begin);
+    };
+    const auto stream_slot = [&](std::size_t r, std::size_t i) {
+      const detail::StreamRound& p = wide_plan_[r];
+      const std::size_t k = p.span ? static_cast<std::size_t>(wide_misses_[p.begin + i] - p.first) : i;
+      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + k);
+    };
+    const auto round_map = [&](std::size_t r) { return reinterpret_cast<std::int32_t*>(w.maps[r % 2].data()); };
+    const auto fill_round = [&](std::size_t r) noexcept -> Status {
+      const auto c = chunk(r);
+      wide_fills_.clear();
+      for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
+      const bool span = !c.empty() && wide_plan_[r].span;
+      const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
+      Status s = core_.wide_fill(stream, r % 2, MapUpload{}, [&](Stream f) noexcept {
+        // The round's map (its pool hits too), then its copies.
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+        for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+        Status m = core_.upload_map(wide_map_.data(), round_map(r), f);
+        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
+        if (!m) return m;
+        const std::span<const SlotFill> fills(wide_fills_);
+        if (span) {
+          const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
+          return detail::issue_span(wide_staging_, *rt_, f, storage_, first, width, fills, summary.copies, batch);
+        }
+        return detail::issue_coalesced(wide_staging_, *rt_, f, storage_, fills, summary.copies, batch);
+      });
+      if (s) {
+        summary.streamed += static_cast<std::uint32_t>(c.size());
+        summary.bytes += c.size() * bytes_per_expert_;
+        if (span) {
+          ++summary.span_rounds;
+          summary.wasted += static_cast<std::uint32_t>(width - c.size());
+          summary.bytes += (width - c.size()) * dense_bytes;
+        }
+      }
+      return s;
+    };
+    Status s = fill_round(0);
+    for (std::size_t r = 0; s && r < rounds; ++r) {
+      const auto c = chunk(r);
+      detail::compose_wide_round(r, hits_of(r), c, resident, stream_slot, wide_round_, wide_slots_);
+      // Only round r's fill (its map included) is waited for: round r + 1's fill, enqueued next
+      // on the wide stream, overlaps round r's consumer.
+      s = core_.wide_acquire(stream);
+      if (s && r + 1 < rounds) s = fill_round(r + 1);
+      if (!s) {
+        ++faults_;
+        return s.with_context("%s: prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool "
+                              "is unchanged)",
+                              options_.label.c_str(), r, rounds);
+      }
+      WideRound round;
+      round.view = view_;
+      round.view.expert_map = round_map(r);
+      round.view.missing = nullptr;  // every expert of a round is in its slot when the consumer reads it
+      round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
+      round.view.misses = static_cast<std::uint32_t>(c.size());
+      round.experts = wide_round_;
+      round.slots = wide_slots_;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      round.streamed = static_cast<std::uint32_t>(c.size());
+      if (Status cs = call_wide_consumer(consumer, round); !cs) return cs.with_context("%s", options_.label.c_str());
+      ++summary.rounds;
+      wide_hits_count_ += hits_of(r).size();
+      wide_streamed_count_ += c.size();
+      s = core_.wide_release(stream, r % 2);
+      if (!s) {
+        ++faults_;
+        return s.with_context("%s: prepare_wide: releasing round %zu", options_.label.c_str(), r);
+      }
+    }
+    return s;
+  }
+
+  // The consumer of one round; an exception becomes an error Status (the API is noexcept).
+  template <class Consumer>
+  static Status call_wide_consumer(Consumer& consumer, const WideRound& round) noexcept {
+    try {
+      Status s = consumer(round);
+      if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
+      return s;
+    } catch (const std::exception& e) {
+      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
+                            round.index, round.rounds, e.what());
+    } catch (...) {
+      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
+                            round.index, round.rounds);
+    }
+  }
+
   // A stream the runtime does not know is refused before anything is enqueued.
   Status check_stream(Stream stream, const char* what) noexcept {
     Result<bool> capturing = rt_->is_capturing(stream);
@@ -994,6 +1242,28 @@ class DeviceExpertCacheWithEdges {
   OrderingCore<Runtime, Edges> core_;
   Executor exec_;
   RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
+  // Wide forwards (stream_slots >= 2 only): the resident map read back, the two round maps, and
+  // the event the host waits for before it plans the rounds.
+  struct WideState {
+    WideState(Runtime& rt, std::size_t map_bytes)
+        : resident_host(rt, map_bytes, MemoryKind::pinned_host),
+          maps{RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device), RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device)},
+          read_back(rt) {}
+    RuntimeBuffer<Runtime> resident_host;
+    std::array<RuntimeBuffer<Runtime>, 2> maps;
+    RuntimeEvent<Runtime> read_back;
+  };
+  std::optional<WideState> wide_state_;
+  CopyStream wide_staging_;  // a wide round's copies: plain copies (coalesced, batched by the rounds)
+  std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_;
+  std::vector<std::uint32_t> wide_rows_;
+  std::vector<std::int32_t> wide_map_;
+  std::vector<SlotFill> wide_fills_;
+  std::vector<CopyDesc> wide_batch_;
+  std::vector<detail::StreamRound> wide_plan_;
+  std::vector<std::size_t> wide_hit_begin_;
+  std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0;
+  std::uint64_t wide_bytes_ = 0, wide_copies_ = 0;
   ForwardView view_;
   bool drop_pending_ = false;
   std::int32_t round_width_ = 0;  // round_width of the last prepare (prepare_group's range; 0 = capacity)

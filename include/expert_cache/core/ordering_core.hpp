@@ -6,7 +6,8 @@
 // Streams involved:
 //   X      the caller's (consumer) stream of the current prepare()/invalidate()
 //   owner  the stream of the last accepted prepare(): where kernels read the slots and maps
-//   F      the fill stream: the cache-owned copy stream, or X itself in inline mode
+//   F      the fill stream: the cache-owned copy stream, or X itself in inline mode (a wide
+//          forward's fills: the wide stream, where an inline core has one: add_wide_stream)
 //   last_fill  the stream that last wrote slots / the resident map (differs from F only in
 //              inline mode, when calls move between streams)
 //
@@ -71,6 +72,7 @@ struct OrderingEdges {
   static constexpr bool staging_guard = true;            // 8: a staging buffer waits for its last copy
   static constexpr bool speculative_slot_wait = true;    // 9: a forward using a speculative fill waits for its slot's event
   static constexpr bool wide_buffer_release = true;      // 10: a wide round refills a buffer after the consumer that read it
+  static constexpr bool wide_resident_read_wait = true;  // D10: the host plans a device-planned wide forward after its pool read-back
 };
 
 // What a call through OrderingCore::write() does.
@@ -141,6 +143,17 @@ class OrderingCore {
   // The stream that writes slots and the resident map for a call from `caller`.
   [[nodiscard]] Stream fill_stream(Stream caller) const noexcept {
     return inline_mode_ ? caller : copy_stream_->get();
+  }
+  // Inline mode: a stream for wide forwards' fills only (the device-planned cache streams a
+  // wide forward's misses from the host with copies, which must overlap its consumers; its
+  // other writes stay on the caller's stream). A core with a copy stream uses that one.
+  void add_wide_stream() {
+    if (inline_mode_ && !wide_stream_) wide_stream_.emplace(*rt_);
+  }
+  // The stream a wide forward's rounds are filled on.
+  [[nodiscard]] Stream wide_fill_stream(Stream caller) const noexcept {
+    if (!inline_mode_) return copy_stream_->get();
+    return wide_stream_ ? wide_stream_->get() : caller;
   }
 
   // One cache call's device work in protocol order (the header comment lists the steps).
@@ -256,7 +269,7 @@ class OrderingCore {
       }
     }
     wide_released_ = {false, false};
-    const Stream fill = fill_stream(caller);
+    const Stream fill = wide_fill_stream(caller);
     Status s = order_writes_after_previous_use<Edges::release_wait, Edges::last_fill_release>(fill, caller, reader);
     // Edge 10 across forwards: the buffers are shared by every reader (a model cache's layers),
     // so F also waits for the stream of the last wide forward when it is not this reader's owner.
@@ -277,7 +290,7 @@ class OrderingCore {
   template <class Writes>
     requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
   Status wide_fill(Stream caller, std::size_t buffer, MapUpload resident, Writes&& writes) noexcept {
-    const Stream fill = fill_stream(caller);
+    const Stream fill = wide_fill_stream(caller);
     if (buffer >= wide_release_.size()) return Status(ErrorCode::internal, "wide_fill before wide_begin");
     if constexpr (Edges::wide_buffer_release) {
       if (wide_released_[buffer] && fill != caller) {
@@ -299,7 +312,7 @@ class OrderingCore {
   }
   // `caller` waits for the latest wide_fill (edge 3): the round it reads next.
   Status wide_acquire(Stream caller) noexcept {
-    if (fill_stream(caller) != caller && ready_recorded_ && !ready_seen_by(caller)) {
+    if (wide_fill_stream(caller) != caller && ready_recorded_ && !ready_seen_by(caller)) {
       if constexpr (Edges::ready_wait) {
         if (Status s = rt_->wait(caller, ready_.get()); !s) return s;
         ++counters_.ready_edges;
@@ -494,6 +507,7 @@ class OrderingCore {
   bool inline_mode_;
   std::size_t map_bytes_;
   std::optional<RuntimeStream<R>> copy_stream_;
+  std::optional<RuntimeStream<R>> wide_stream_;  // inline mode, add_wide_stream(): wide fills only
   RuntimeEvent<R> release_owner_;
   RuntimeEvent<R> release_fill_;
   RuntimeEvent<R> ready_;
