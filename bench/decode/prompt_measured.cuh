@@ -269,6 +269,7 @@ class PromptRunner {
         o.capacity = m.capacity;
         o.max_ids = static_cast<std::int32_t>(max_pairs_);
         o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
+        o.stream_slots = stream_slots;  // prepare_wide's stream rounds
         o.log = {};
         caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
       } else {
@@ -417,9 +418,12 @@ class PromptRunner {
   }
 
   // One prompt: per layer the router read-back (sync), then one wide forward (or the
-  // all-resident round), then the pair reduction.
+  // all-resident round), then the pair reduction. Device-planned: admission stream is
+  // prepare_wide (host ids, stream slots, copy-engine copies); admit the device planner's
+  // groups (prepare in rounds + prepare_group, SM gather fills, through the pool).
   PromptTimes prompt(const Prompt& p, PromptMode mode, WideOptions options) {
     PromptTimes t;
+    const bool device_groups = device_planned && options.admission == WideAdmission::admit;
     const auto K = static_cast<std::size_t>(m_.top_k);
     const std::size_t pairs = static_cast<std::size_t>(p.tokens) * K;
     if (pairs > max_pairs_) throw Error(ErrorCode::invalid_argument, "prompt longer than the runner's buffers");
@@ -431,7 +435,7 @@ class PromptRunner {
     std::vector<std::uint64_t> missing_at_start;
     std::uint64_t misses0 = 0;
     if constexpr (device_planned) {
-      if (mode != PromptMode::resident) {
+      if (mode != PromptMode::resident && device_groups) {
         missing_at_start = non_resident_experts(p);
         misses0 = fills();
       }
@@ -454,7 +458,7 @@ class PromptRunner {
         bucketed = true;
         bucket(ids);
         std::copy(ids.begin(), ids.end(), layer_ids_);
-        if (device_planned && mode != PromptMode::resident) return {};  // loaded before its plan, below
+        if (device_groups && mode != PromptMode::resident) return {};  // loaded before its plan, below
         load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
                                                                                          ids_dev_.as<std::int32_t>());
         if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return cuda_status(err, "load_ids_kernel");
@@ -510,82 +514,91 @@ class PromptRunner {
         for (std::int32_t e = 0; e < m_.experts; ++e) unique_[static_cast<std::size_t>(e)] = e;
         if (Status s = consume(resident_.weights(l), std::span<const std::int32_t>(unique_.data(), unique_.size())); !s)
           throw Error(s);
-      } else if constexpr (device_planned) {
-        // The ids to device memory (the plan reads them there; the reduction below reuses them),
-        // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
-        // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
-        // unique list: the experts resident at the layer's start first, then the others, each
-        // part ascending. The host knows both (the resident map read before the clock), so it
-        // builds that group's pair and tile lists; the slots come from the view's forward map,
-        // which holds group g only.
-        // The pair lists (a counting sort of the ids) are built after group 0's plan and fill
-        // are enqueued, while they run, as the host-planned path builds them in its first round.
-        Cache& cache = *caches_[static_cast<std::size_t>(l)];
-        std::copy(ids.begin(), ids.end(), layer_ids_);
-        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
-                                                                                           ids_dev_.as<std::int32_t>());
-        check_cuda(cudaGetLastError(), "load_ids_kernel");
-        const auto n = static_cast<std::int32_t>(pairs);
-        const std::int32_t W = std::max<std::int32_t>(1, m_.capacity / 2);
-        const auto C = static_cast<std::size_t>(W);
-        const std::int32_t groups = cache.max_groups(n, W);
-        for (std::int32_t g = 0; g < groups; ++g) {
-          Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds, W)
-                                         : cache.prepare_group(g, consumer_);
-          if (!v.ok()) throw Error(v.status());
-          if (g == 0) {
-            bucketed = true;
-            bucket(ids);
-            unique_.clear();
-            const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
-            for (const char part : {char{1}, char{0}}) {
-              for (std::int32_t e = 0; e < m_.experts; ++e) {
-                const auto i = static_cast<std::size_t>(e);
-                if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
-              }
-            }
-          }
-          const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
-          const std::size_t end = std::min(unique_.size(), begin + C);
-          if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
-          ++t.rounds;
-          if (end < unique_.size()) {
-            // The next group's experts, prefetched on the side stream while this group computes
-            // (ordered after this group's plan and fill; the next prepare_group after them).
-            const std::size_t next_end = std::min(unique_.size(), end + C);
-            PrefetchOptions po;
-            po.max_bytes = static_cast<std::int64_t>(next_end - end) * static_cast<std::int64_t>(m_.expert_bytes());
-            po.expires_after = 1;
-            auto pv = cache.prefetch(std::span<const std::int32_t>(unique_.data() + end, next_end - end), side_, po);
-            if (!pv.ok()) throw Error(pv.status());
-          }
-          if (mode == PromptMode::fill_only) continue;
-          if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
-                                 std::span<const std::int32_t>(unique_.data() + begin, end - begin));
-              !s)
-            throw Error(s);
-        }
-        t.missing += missing_at_start[static_cast<std::size_t>(l)];
       } else {
-        Cache& cache = *caches_[static_cast<std::size_t>(l)];
-        Result<WideSummary> r = cache.prepare_wide(
-            ids, consumer_,
-            [&](const WideRound& round) -> Status {
-              if (mode == PromptMode::fill_only) return {};
-              return consume(device::moe_weights_from_view(round.view, m_.experts), round.experts);
-            },
-            options);
-        if (!r.ok()) throw Error(r.status());
-        if (!bucketed && mode != PromptMode::fill_only) {  // no round called the consumer
-          if (Status s = lists(); !s) throw Error(s);
+        const auto serve_stream = [&] {
+          Cache& cache = *caches_[static_cast<std::size_t>(l)];
+          Result<WideSummary> r = cache.prepare_wide(
+              ids, consumer_,
+              [&](const WideRound& round) -> Status {
+                if (mode == PromptMode::fill_only) return {};
+                return consume(device::moe_weights_from_view(round.view, m_.experts), round.experts);
+              },
+              options);
+          if (!r.ok()) throw Error(r.status());
+          if (!bucketed && mode != PromptMode::fill_only) {  // no round called the consumer
+            if (Status s = lists(); !s) throw Error(s);
+          }
+          const WideSummary& s = r.value();
+          t.rounds += s.rounds;
+          t.copies += s.copies;
+          t.span_rounds += s.span_rounds;
+          t.wasted += s.wasted;
+          t.bytes += static_cast<double>(s.bytes);
+          t.missing += s.unique - s.hits;
+        };
+        if constexpr (device_planned) {
+          if (device_groups) {
+            // The ids to device memory (the plan reads them there; the reduction below reuses them),
+            // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
+            // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
+            // unique list: the experts resident at the layer's start first, then the others, each
+            // part ascending. The host knows both (the resident map read before the clock), so it
+            // builds that group's pair and tile lists; the slots come from the view's forward map,
+            // which holds group g only.
+            // The pair lists (a counting sort of the ids) are built after group 0's plan and fill
+            // are enqueued, while they run, as the host-planned path builds them in its first round.
+            Cache& cache = *caches_[static_cast<std::size_t>(l)];
+            std::copy(ids.begin(), ids.end(), layer_ids_);
+            load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+                                                                                               ids_dev_.as<std::int32_t>());
+            check_cuda(cudaGetLastError(), "load_ids_kernel");
+            const auto n = static_cast<std::int32_t>(pairs);
+            const std::int32_t W = std::max<std::int32_t>(1, m_.capacity / 2);
+            const auto C = static_cast<std::size_t>(W);
+            const std::int32_t groups = cache.max_groups(n, W);
+            for (std::int32_t g = 0; g < groups; ++g) {
+              Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds, W)
+                                             : cache.prepare_group(g, consumer_);
+              if (!v.ok()) throw Error(v.status());
+              if (g == 0) {
+                bucketed = true;
+                bucket(ids);
+                unique_.clear();
+                const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
+                for (const char part : {char{1}, char{0}}) {
+                  for (std::int32_t e = 0; e < m_.experts; ++e) {
+                    const auto i = static_cast<std::size_t>(e);
+                    if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
+                  }
+                }
+              }
+              const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
+              const std::size_t end = std::min(unique_.size(), begin + C);
+              if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
+              ++t.rounds;
+              if (end < unique_.size()) {
+                // The next group's experts, prefetched on the side stream while this group computes
+                // (ordered after this group's plan and fill; the next prepare_group after them).
+                const std::size_t next_end = std::min(unique_.size(), end + C);
+                PrefetchOptions po;
+                po.max_bytes = static_cast<std::int64_t>(next_end - end) * static_cast<std::int64_t>(m_.expert_bytes());
+                po.expires_after = 1;
+                auto pv = cache.prefetch(std::span<const std::int32_t>(unique_.data() + end, next_end - end), side_, po);
+                if (!pv.ok()) throw Error(pv.status());
+              }
+              if (mode == PromptMode::fill_only) continue;
+              if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
+                                     std::span<const std::int32_t>(unique_.data() + begin, end - begin));
+                  !s)
+                throw Error(s);
+            }
+            t.missing += missing_at_start[static_cast<std::size_t>(l)];
+          } else {
+            serve_stream();
+          }
+        } else {
+          serve_stream();
         }
-        const WideSummary& s = r.value();
-        t.rounds += s.rounds;
-        t.copies += s.copies;
-        t.span_rounds += s.span_rounds;
-        t.wasted += s.wasted;
-        t.bytes += static_cast<double>(s.bytes);
-        t.missing += s.unique - s.hits;
       }
       if (mode != PromptMode::fill_only) {
         if (ev > layer_ev) layer_rounds.emplace_back(layer_ev, ev - 2);
@@ -600,7 +613,7 @@ class PromptRunner {
     check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
     t.ttft_ns = ns_since(t0);
     if constexpr (device_planned) {
-      if (mode != PromptMode::resident) {
+      if (mode != PromptMode::resident && device_groups) {
         // Every miss and every prefetched expert is one whole-expert fill; fills beyond the
         // experts missing at the layers' starts are refills of experts an earlier group of the
         // same forward evicted.
@@ -772,11 +785,11 @@ inline bool same_bytes(const std::vector<float>& a, const std::vector<float>& b)
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// One provider's TTFT table (and, for a host-planned one, its mixed run). `row_label` names
-// the device-planned provider's row (its copy column).
+// One provider's TTFT table and its mixed run (device-planned: stream rows against the
+// device planner's groups, which admit).
 template <class Cache>
 int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer,
-                 double ceiling, const ResidentWeights& resident, const char* row_label = "device") {
+                 double ceiling, const ResidentWeights& resident) {
   constexpr bool device_planned = PromptRunner<Cache>::device_planned;
   const std::int32_t stream_slots = prompt_stream_slots(m, a);
   const std::int32_t max_tokens = *std::max_element(a.prompts.begin(), a.prompts.end());
@@ -784,11 +797,13 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
   PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident);
   const double eb = static_cast<double>(m.expert_bytes());
   if constexpr (device_planned) {
-    std::printf("\n%s: %d slots per layer, groups of %d experts planned on the device (prepare in rounds, then "
-                "prepare_group), the experts resident at a layer's start first; each group's consumer runs while the "
-                "next group's experts are prefetched on a side stream; TTFT after %d decode warm-up steps from an "
-                "emptied cache (bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
-                name, m.capacity, std::max(1, m.capacity / 2), a.warmup, ceiling * 1e-9);
+    std::printf("\n%s: %d slots per layer and %d stream slots; rows: stream (prepare_wide from the host ids: the "
+                "resident map read back, stream rounds copied by the copy engine, nothing admitted) and groups (groups "
+                "of %d experts planned on the device: prepare in rounds, then prepare_group, the experts resident at a "
+                "layer's start first; each group's consumer runs while the next group's experts are prefetched on a "
+                "side stream); TTFT after %d decode warm-up steps from an emptied cache (bound = non-resident expert "
+                "bytes / the %.1f GB/s ceiling)\n",
+                name, m.capacity, stream_slots, std::max(1, m.capacity / 2), a.warmup, ceiling * 1e-9);
   } else {
     std::printf("\n%s: %d stream slots per layer; TTFT after %d decode warm-up steps from an emptied cache "
                 "(bound = non-resident expert bytes / the %.1f GB/s ceiling)\n",
@@ -805,7 +820,7 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
     const PromptTimes res = b.prompt(p, PromptMode::resident, {});
     const std::vector<float> ref = b.output(tokens);
-    const PromptTimes fill = b.prompt(p, PromptMode::fill_only, WideOptions{});
+    PromptTimes fill = b.prompt(p, PromptMode::fill_only, WideOptions{});
     const auto row = [&](const char* copy, const PromptTimes& t) {
       const std::vector<float> out = b.output(tokens);
       const bool ok = same_bytes(out, ref) && t.errors == 0 && fill.errors == 0;
@@ -829,11 +844,17 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
                                                     : "DIFFERS from resident");
     };
     if constexpr (device_planned) {
-      // The fill-only pass changed the pool (every group is admitted): the measured pass starts
-      // from the same warmed state again.
+      // Stream rounds leave the pool as it was (the fill-only pass above too); the groups'
+      // fill-only pass admits every group, so each groups pass starts from the warmed state again.
+      row("stream", b.prompt(p, PromptMode::wide, WideOptions{}));
+      WideOptions groups;
+      groups.admission = WideAdmission::admit;
       b.reset();
       for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
-      row(row_label, b.prompt(p, PromptMode::wide, WideOptions{}));
+      fill = b.prompt(p, PromptMode::fill_only, groups);
+      b.reset();
+      for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
+      row("groups", b.prompt(p, PromptMode::wide, groups));
     } else {
       PromptTimes runs;
       for (const WideCopy copy : {WideCopy::runs, WideCopy::span, WideCopy::automatic}) {
@@ -853,17 +874,14 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     }
   }
   if constexpr (device_planned) {
-    std::printf("(device: the layer's ids uploaded by a kernel reading mapped host memory, then group 0's plan + "
-                "fill; per group the prefetch of the next group's experts on the side stream, the group's consumer, "
-                "the next group's plan (which finds them resident); rounds: the forward's groups; copies: whole-expert "
-                "fills, misses and prefetches (device counters); waste: refills of experts an earlier group of the same "
-                "forward evicted; bound from each layer's resident map before the prompt; fill_ms: the same groups "
-                "with no consumer; compute_ms: the sum of the groups' consumer times; resid_ms: the all-resident "
-                "prefill)\n");
-    if (a.prompt_every > 0)
-      std::printf("(%s: no mixed run: the device-planned cache admits every group, it has no scan-resistant wide "
-                  "forward)\n",
-                  name);
+    std::printf("(stream: automatic copies, each round's copies in one batched call; groups: the layer's ids "
+                "uploaded by a kernel reading mapped host memory, then group 0's plan + fill; per group the prefetch "
+                "of the next group's experts on the side stream, the group's consumer, the next group's plan (which "
+                "finds them resident); rounds: the forward's rounds or groups; copies: stream, copy operations; "
+                "groups, whole-expert fills, misses and prefetches (device counters), waste: refills of experts an "
+                "earlier group of the same forward evicted; bound from each layer's non-resident experts before the "
+                "prompt; fill_ms: the same rows with no consumer; compute_ms: the sum of the rounds' consumer times; "
+                "resid_ms: the all-resident prefill)\n");
   } else {
     std::printf("(runs, span, automatic: each round's copies in one batched call; unbatched: automatic with one "
                 "copy call each)\n");
@@ -876,7 +894,7 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
                   tokens, t.last_round_ns / 1e6, t.reduce_ns / 1e6, t.lead_ns / 1e6);
     }
   }
-  if (!device_planned && a.prompt_every > 0) {
+  if (a.prompt_every > 0) {
     const std::int32_t tokens = a.prompts.back();
     std::printf("\n%s mixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", name,
                 tokens, a.prompt_every, a.steps);
@@ -899,7 +917,9 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
         hits += h1 - h0;
         misses += m1 - m0;
       }
-      const char* label = mode == 0 ? "decode only" : mode == 1 ? "stream (scan resistant)" : "admit (reference)";
+      const char* label = mode == 0   ? "decode only"
+                          : mode == 1 ? "stream (scan resistant)"
+                                      : (device_planned ? "groups (admit)" : "admit (reference)");
       std::printf("%-24s %12.1f %14.4f\n", label, decode_ns > 0 ? a.steps / (decode_ns / 1e9) : 0.0,
                   hits + misses > 0 ? static_cast<double>(hits) / static_cast<double>(hits + misses) : 0.0);
     }
@@ -948,17 +968,16 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
   }
   if (!all && want("device")) {
     // The decode benchmark's device provider (tensor-major, planned on the GPU), once per
-    // --device-policy; its row is labelled like the decode rows (device, device:lfru, ...).
+    // --device-policy (named in the table's title).
     for (const std::string& policy : a.device_policies) {
       BenchArgs pa = a;
       pa.device_policy = policy;
-      const std::string label = provider_label("device", device_policy_labelled(a) ? policy : std::string());
       failures += visit_device_policy(policy, [&]<class Policy>(Policy) {
         std::string type(Policy::name);  // lru -> DeviceLru, as the policy's type is spelled
         type[0] = static_cast<char>(type[0] - 'a' + 'A');
         const std::string name = "device (tensor-major, Device" + type + ", planned on the GPU)";
         return run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>>(
-            name.c_str(), m, pa, rt, consumer, ceiling, resident, label.c_str());
+            name.c_str(), m, pa, rt, consumer, ceiling, resident);
       });
     }
   }

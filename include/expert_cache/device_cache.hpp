@@ -18,6 +18,9 @@
 //                                    on X, ordered like invalidate
 //     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
 //     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
+//     prepare_wide(host_ids, X, c)   a forward wider than the pool (a prompt), eagerly in rounds:
+//                                    residents read in place, the others streamed through the
+//                                    stream slots by the copy engine, nothing admitted
 //     stats(), device_stats()        from the device stats (mapped memory) + host counters
 //     take_errors()                  read and clear the device error word (bad ids, overflow)
 //     drop_unfilled(X)               fill_by_consumer: drop the last group's misses when its

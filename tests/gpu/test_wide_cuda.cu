@@ -8,7 +8,9 @@
 // checksum equals the host reference (its slot held exactly its bytes when read), every round's
 // map names exactly its experts at the slots the round reported, the rounds partition the
 // forward, the host returned before the device finished (no host sync inside), and stream
-// admission left the pool as it was. A capturing stream is refused with nothing changed.
+// admission left the pool as it was. A capturing stream is refused with nothing changed. The
+// device-planned cache (DeviceExpertCache::prepare_wide from host ids: the resident map read
+// back, stream rounds copied by the copy engine) under the same checks.
 #include <doctest/doctest.h>
 
 #include <cuda_runtime.h>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "expert_cache/device/device_cache_cuda.cuh"
 #include "support/cuda_support.hpp"
 #include "support/slot_checksum.cuh"
 
@@ -75,6 +78,10 @@ using CudaCache = ExpertCache<S, Lru, P, ExplicitLayout, CudaRuntime>;
 using CopyRow = CudaCache<TensorMajorStorage, CopyStream>;
 using CopyWhole = CudaCache<ExpertMajorStorage, CopyStream>;
 using InlineWhole = CudaCache<ExpertMajorStorage, Inline>;
+using DeviceRow = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, CudaRuntime>;
+using DeviceWhole = DeviceExpertCache<ExpertMajorStorage, ExplicitLayout, CudaRuntime>;
+template <class Cache>
+inline constexpr bool device_planned = requires(Cache& c, cudaStream_t s) { c.prepare_group(std::int32_t{1}, s); };
 
 template <class T>
 using DeviceArray = test_support::DeviceBuffer<T>;
@@ -93,13 +100,22 @@ struct WideCudaFixture {
 
   explicit WideCudaFixture(std::int32_t stream_slots) {
     x = rt.create_stream().value();
-    CacheOptions o;
-    o.num_experts = num_experts;
-    o.capacity = capacity;
-    o.top_k = 4;
-    o.stream_slots = stream_slots;
-    o.log = {};
-    cache = std::make_unique<Cache>(rt, o, nvfp4_layout());
+    if constexpr (device_planned<Cache>) {
+      DeviceCacheOptions o;
+      o.num_experts = num_experts;
+      o.capacity = capacity;
+      o.max_ids = 64;
+      o.stream_slots = stream_slots;
+      cache = std::make_unique<Cache>(rt, o, nvfp4_layout());
+    } else {
+      CacheOptions o;
+      o.num_experts = num_experts;
+      o.capacity = capacity;
+      o.top_k = 4;
+      o.stream_slots = stream_slots;
+      o.log = {};
+      cache = std::make_unique<Cache>(rt, o, nvfp4_layout());
+    }
     const auto& tensors = cache->storage().tensors();
     for (std::int32_t e = 0; e < num_experts; ++e) {
       for (std::size_t t = 0; t < num_expert_tensors; ++t) {
@@ -123,6 +139,26 @@ struct WideCudaFixture {
     }
     return acc;
   }
+
+  // The pool's resident map as the device holds it (waits for the device).
+  std::vector<std::int32_t> resident_map() const {
+    REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+    std::vector<std::int32_t> dev(static_cast<std::size_t>(num_experts));
+    REQUIRE_CUDA_OK(cudaMemcpy(dev.data(), cache->resident_map_device(), dev.size() * sizeof(std::int32_t),
+                               cudaMemcpyDeviceToHost));
+    return dev;
+  }
+  // A normal forward of `ids` (device-planned: uploaded first, planned on the device).
+  Result<ForwardView> prepare(const Ids& ids) {
+    if constexpr (device_planned<Cache>) {
+      if (!ids_dev) ids_dev = std::make_unique<test_support::DeviceBuffer<std::int32_t>>(64);
+      REQUIRE_CUDA_OK(cudaMemcpyAsync(ids_dev->get(), ids.data(), ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, x));
+      return cache->prepare(ids_dev->get(), static_cast<std::int32_t>(ids.size()), x);
+    } else {
+      return cache->prepare(ids, x);
+    }
+  }
+  std::unique_ptr<test_support::DeviceBuffer<std::int32_t>> ids_dev;
 
   static TensorRefs refs(const ForwardView& v) {
     TensorRefs r;
@@ -163,7 +199,7 @@ WideSummary wide_checked(WideCudaFixture<Cache>& f, const Ids& topk, WideOptions
   DeviceArray<unsigned long long> sums(E);
   DeviceArray<std::int32_t> maps(max_rounds * E);      // each round's device forward map, as read
   REQUIRE_CUDA_OK(cudaMemset(sums.get(), 0, sums.bytes()));
-  const std::vector<std::int32_t> resident_before(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end());
+  const std::vector<std::int32_t> resident_before = f.resident_map();
   std::vector<Ids> rounds, slots;
   std::size_t off = 0;
   auto r = f.cache->prepare_wide(
@@ -226,15 +262,13 @@ WideSummary wide_checked(WideCudaFixture<Cache>& f, const Ids& topk, WideOptions
     INFO("round " << i);
     CHECK(std::equal(want.begin(), want.end(), all_maps.begin() + static_cast<std::ptrdiff_t>(i * E)));
   }
-  if (s.admission == WideAdmission::stream) {
-    const auto after = f.cache->resident_map_host();
-    CHECK(std::equal(resident_before.begin(), resident_before.end(), after.begin()));
+  if (s.admission == WideAdmission::stream) CHECK(f.resident_map() == resident_before);
+  if constexpr (!device_planned<Cache>) {
+    // The device resident map equals the host's.
+    const std::vector<std::int32_t> dev = f.resident_map();
+    const auto host = f.cache->resident_map_host();
+    CHECK(std::equal(host.begin(), host.end(), dev.begin()));
   }
-  // The device resident map equals the host's.
-  std::vector<std::int32_t> dev(E);
-  REQUIRE_CUDA_OK(cudaMemcpy(dev.data(), f.cache->resident_map_device(), E * sizeof(std::int32_t), cudaMemcpyDeviceToHost));
-  const auto host = f.cache->resident_map_host();
-  CHECK(std::equal(host.begin(), host.end(), dev.begin()));
   return s;
 }
 
@@ -325,6 +359,45 @@ TEST_CASE("prepare_wide on CUDA: a capturing stream is refused, nothing changes"
   // Still usable.
   const WideSummary s = wide_checked(f, routing(16, 4, range(0, 24), 11), WideOptions{});
   CHECK(s.streamed == 22);
+}
+
+TEST_CASE_TEMPLATE("prepare_wide on CUDA: the device-planned cache streams its misses, the pool untouched", Cache,
+                   DeviceRow, DeviceWhole) {
+  WideCudaFixture<Cache> f(8);
+  REQUIRE(f.prepare(Ids{1, 5, 9, 30}).ok());
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
+  const CacheStats s0 = f.cache->stats();
+  const WideSummary s = wide_checked(f, routing(64, 4, range(0, num_experts), 3), WideOptions{WideAdmission::stream, WideCopy::runs});
+  CHECK(s.hits == 4);
+  CHECK(s.streamed == num_experts - 4);
+  CHECK(s.rounds == 11);  // 44 missing experts in halves of 4
+  const CacheStats s1 = f.cache->stats();
+  CHECK(s1.hits == s0.hits);
+  CHECK(s1.misses == s0.misses);
+  CHECK(s1.faults == 0);
+  CHECK(s1.wide_streamed == num_experts - 4);
+  // Span copies, and a plan on the device afterwards: the four residents still hit.
+  const WideSummary sp = wide_checked(f, routing(16, 2, Ids{0, 2, 3, 5, 6, 10, 11, 12, 33, 47}, 5),
+                                      WideOptions{WideAdmission::stream, WideCopy::span});
+  CHECK(sp.span_rounds == sp.rounds);
+  REQUIRE(f.prepare(Ids{1, 5, 9, 30}).ok());
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
+  CHECK(f.cache->stats().hits == s1.hits + 4);
+  CHECK(f.cache->take_errors() == 0);
+  // A capturing stream is refused before anything is enqueued.
+  cudaStream_t cap = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
+  auto r = f.cache->prepare_wide(range(0, num_experts), cap, [](const WideRound&) { return Status(); });
+  cudaGraph_t graph = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamEndCapture(cap, &graph));
+  std::size_t nodes = 0;
+  REQUIRE_CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(cap));
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == ErrorCode::capture_unsupported);
+  CHECK(nodes == 0);
 }
 
 }  // TEST_SUITE
