@@ -473,9 +473,9 @@ TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, 
   cases.push_back({"device lfru on expert_major",
                    with([](auto& c) { c.provider = "device"; c.policy = "lfru"; c.storage = "expert_major"; c.max_ids = 8; }),
                    ErrorCode::invalid_argument, {"lfru", "tensor_major only", "expert_major"}});
-  cases.push_back({"device with stream slots",
-                   with([](auto& c) { c.provider = "device"; c.max_ids = 8; c.options.stream_slots = 4; }),
-                   ErrorCode::invalid_argument, {"stream_slots"}});
+  cases.push_back({"device with negative stream slots",
+                   with([](auto& c) { c.provider = "device"; c.max_ids = 8; c.options.stream_slots = -2; }),
+                   ErrorCode::invalid_argument, {"stream_slots", "-2"}});
   cases.push_back({"device with a staging", with([](auto& c) { c.provider = "device"; c.staging = "copy_stream"; c.max_ids = 8; }),
                    ErrorCode::invalid_argument, {"lru", "inline"}});
   cases.push_back({"device without max_ids", with([](auto& c) { c.provider = "device"; }), ErrorCode::invalid_argument, {"max_ids"}});

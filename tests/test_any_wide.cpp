@@ -367,6 +367,80 @@ TEST_CASE("AnyExpertCache::prepare_wide, device provider: rounds = prepare + pre
   run.template operator()<DeviceCrf>("crf");
 }
 
+TEST_CASE("AnyExpertCache::prepare_wide, device provider with stream slots: as DeviceExpertCache::prepare_wide") {
+  constexpr std::int32_t E = 20, C = 5, max_ids = 8, stream_slots = 4;
+  SimRuntime rs(sim_options()), ra(sim_options());
+  const Stream ss = rs.create_stream().value(), sa = ra.create_stream().value();
+  constexpr std::size_t wide_ids = 64;
+  RuntimeBuffer<SimRuntime> ids_s(rs, wide_ids * sizeof(std::int32_t), MemoryKind::device);
+  RuntimeBuffer<SimRuntime> ids_a(ra, wide_ids * sizeof(std::int32_t), MemoryKind::device);
+  DeviceCacheOptions o;
+  o.num_experts = E;
+  o.capacity = C;
+  o.max_ids = max_ids;
+  o.stream_slots = stream_slots;
+  o.label = "layer";
+  DeviceExpertCache<TensorMajorStorage, ExplicitLayout, SimRuntime> ref(rs, o, six_tensor_layout());
+  AnyCacheConfig c = config_of("device", "lru", "", "", E, C, 1, stream_slots);
+  c.max_ids = max_ids;
+  c.options.label = "layer";
+  auto made = make_expert_cache(ra, c);
+  REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+  AnySim any = std::move(made.value());
+  fill_host_pools(ref);
+  fill_any(any);
+  std::mt19937_64 rng(29);
+  for (int step = 0; step < 12; ++step) {
+    // A decode forward (device ids, planned on the device), then a wide one from device ids.
+    const Ids small = random_topk(rng, 1 + static_cast<std::int32_t>(rng() % max_ids), E);
+    const Ids wide = random_topk(rng, 1 + static_cast<std::int32_t>(rng() % wide_ids), E);
+    for (const Ids* ids : {&small, &wide}) {
+      for (auto [rt, buf] : {std::pair{&rs, &ids_s}, std::pair{&ra, &ids_a}}) {
+        REQUIRE(rt->synchronize(rt == &rs ? ss : sa).ok());
+        rt->host_access(buf->data(), ids->size() * sizeof(std::int32_t), AccessMode::write);
+        std::memcpy(buf->data(), ids->data(), ids->size() * sizeof(std::int32_t));
+      }
+      if (ids == &small) {
+        const auto n = static_cast<std::int32_t>(small.size());
+        REQUIRE(ref.prepare(reinterpret_cast<const std::int32_t*>(ids_s.data()), n, ss).ok());
+        REQUIRE(any.prepare(std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(ids_a.data()), small.size()), sa).ok());
+        continue;
+      }
+      auto seen_s = std::make_shared<std::vector<RoundSeen>>();
+      auto seen_a = std::make_shared<std::vector<RoundSeen>>();
+      auto rr = ref.prepare_wide(reinterpret_cast<const std::int32_t*>(ids_s.data()), wide.size(), ss,
+                                 [&](const WideRound& w) { return read_round(rs, w, ss, E, C + stream_slots, seen_s); });
+      auto ra_ = any.prepare_wide(std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(ids_a.data()), wide.size()),
+                                  sa, [&](const WideRound& w) { return read_round(ra, w, sa, E, C + stream_slots, seen_a); });
+      REQUIRE(rr.ok());
+      REQUIRE(ra_.ok());
+      CHECK(ra_.value().admission == WideAdmission::stream);
+      CHECK_FALSE(ra_.value().fell_back);
+      check_summary_equal(rr.value(), ra_.value());
+      rs.drain();
+      ra.drain();
+      check_rounds_equal(*seen_s, *seen_a);
+      check_rounds_cover(*seen_a, wide, true);
+    }
+    REQUIRE(rs.synchronize(ss).ok());
+    REQUIRE(ra.synchronize(sa).ok());
+    check_stats_equal(ref.stats(), any.stats());
+  }
+  CHECK(any.stats().wide_forwards == 12);
+  CHECK(rs.races().empty());
+  CHECK(ra.races().empty());
+  // Admit admission (or no stream slots) keeps the device planner's groups.
+  const Ids ids{1, 2, 3};
+  ra.host_access(ids_a.data(), ids.size() * sizeof(std::int32_t), AccessMode::write);
+  std::memcpy(ids_a.data(), ids.data(), ids.size() * sizeof(std::int32_t));
+  auto admit = any.prepare_wide(std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(ids_a.data()), ids.size()),
+                                sa, [](const WideRound&) { return Status(); }, WideOptions{WideAdmission::admit});
+  REQUIRE(admit.ok());
+  CHECK(admit.value().admission == WideAdmission::admit);
+  ra.drain();
+  CHECK(ra.races().empty());
+}
+
 TEST_CASE("prepare_wide, device provider: a forward served in rounds is counted, not flagged as an overflow") {
   constexpr std::int32_t E = 16, C = 4, max_ids = 16;
   const Ids wide{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};  // 12 unique experts of C = 4: three groups

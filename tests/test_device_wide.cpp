@@ -462,3 +462,62 @@ TEST_CASE("negative (edge 1 after a device wide forward): a plan on another stre
   CHECK(races(std::type_identity<Tensor>{}) == 0);
   CHECK(races(std::type_identity<DevCache<NoReleaseWait>>{}) > 0);
 }
+
+TEST_CASE("device wide forward from device ids: read back with the resident map, then the same rounds") {
+  Fixture<Tensor> f(32, 8, 4, 7, /*max_wide_ids=*/256);
+  REQUIRE(f.forward(0, Ids{3, 9, 20}).ok());
+  const Ids resident0 = f.resident_map();
+  Ids topk;
+  for (int t = 0; t < 40; ++t) topk.push_back((t * 7) % 32);
+  topk.push_back(-1);
+  RuntimeBuffer<SimRuntime> ids(f.rt, topk.size() * sizeof(std::int32_t), MemoryKind::device);
+  auto* dst = reinterpret_cast<std::int32_t*>(ids.data());
+  const auto route = [&](const Ids& v) {
+    const Access w{dst, v.size() * sizeof(std::int32_t), AccessMode::write};
+    REQUIRE(f.rt.launch(f.streams[1], std::span<const Access>(&w, 1), [dst, v] { std::copy(v.begin(), v.end(), dst); }).ok());
+  };
+  route(topk);  // written on stream 1, read by the wide forward on stream 1
+  std::vector<Ids> rounds;
+  auto r = f.cache->prepare_wide(dst, topk.size(), f.streams[1], [&](const WideRound& round) noexcept {
+    rounds.emplace_back(round.experts.begin(), round.experts.end());
+    return f.read_round(round, f.streams[1]);
+  });
+  REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+  CHECK(r.value().unique == 32);
+  CHECK(r.value().hits == 3);
+  Ids seen;
+  for (const Ids& v : rounds) seen.insert(seen.end(), v.begin(), v.end());
+  std::sort(seen.begin(), seen.end());
+  CHECK(seen == all_experts(32));
+  f.check_clean();
+  CHECK(f.resident_map() == resident0);
+  // Bad input: too many ids or a null pointer, refused before anything is enqueued; an id out of
+  // range, found after the read-back: the cache unchanged either way.
+  const std::size_t ops = f.rt.pending_ops();
+  const auto none = [](const WideRound&) noexcept { return Status(); };
+  auto big = f.cache->prepare_wide(dst, 257, f.streams[1], none);
+  REQUIRE_FALSE(big.ok());
+  CHECK(big.status().code() == ErrorCode::too_many_experts);
+  auto null = f.cache->prepare_wide(static_cast<const std::int32_t*>(nullptr), 4, f.streams[1], none);
+  REQUIRE_FALSE(null.ok());
+  CHECK(null.status().code() == ErrorCode::invalid_argument);
+  CHECK(f.rt.pending_ops() == ops);
+  Ids bad = topk;
+  bad[5] = 32;
+  route(bad);
+  auto out = f.cache->prepare_wide(dst, bad.size(), f.streams[1], none);
+  REQUIRE_FALSE(out.ok());
+  CHECK(out.status().code() == ErrorCode::expert_out_of_range);
+  CHECK(f.resident_map() == resident0);
+  CHECK(f.cache->stats().wide_forwards == 1);
+  // Usable: the same forward again, and a device-planned forward that still hits.
+  route(topk);
+  REQUIRE(f.cache->prepare_wide(dst, topk.size(), f.streams[1], [&](const WideRound& round) noexcept {
+                   return f.read_round(round, f.streams[1]);
+                 }).ok());
+  f.check_clean();
+  const std::uint64_t hits0 = f.cache->device_stats().hits;
+  REQUIRE(f.forward(0, Ids{3, 9, 20}).ok());
+  f.check_clean();
+  CHECK(f.cache->device_stats().hits == hits0 + 3);
+}

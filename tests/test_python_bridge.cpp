@@ -707,3 +707,50 @@ TEST_CASE("CacheBridge::prepare_wide_device: the device provider's rounds (prepa
     CHECK(rt.races().empty());
   }
 }
+
+TEST_CASE("CacheBridge::prepare_wide_device with stream slots: read back, streamed, the pool untouched") {
+  constexpr std::int32_t E = 14, C = 4, max_ids = 4, stream_slots = 4;
+  SimRuntime rt(sim_options());
+  const Stream s = rt.create_stream().value();
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  BridgeConfig c = dense_config("device", E, C, 1);
+  c.max_ids = max_ids;
+  c.stream_slots = stream_slots;
+  auto made = Bridge::create(rt, c, w.args);
+  REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+  Bridge& b = *made.value();
+  for (const SlotDescriptor& d : b.slots()) CHECK(d.capacity == C + stream_slots);  // the stream slots follow the pool
+  const std::vector<std::int32_t> host = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 12, -1, 0};  // 12 unique, more than max_ids
+  RuntimeBuffer<SimRuntime> ids(rt, host.size() * sizeof(std::int32_t), MemoryKind::device);
+  rt.host_access(ids.data(), host.size() * sizeof(std::int32_t), AccessMode::write);
+  std::memcpy(ids.data(), host.data(), host.size() * sizeof(std::int32_t));
+  const auto* dev = reinterpret_cast<const std::int32_t*>(ids.data());
+  auto mapped = std::make_shared<std::vector<std::int32_t>>();
+  std::uint32_t rounds = 0;
+  auto r = b.prepare_wide_device(dev, static_cast<std::int64_t>(host.size()), s, [&](const WideRoundInfo& info) {
+    ++rounds;
+    CHECK(info.slot_count == C + stream_slots);
+    CHECK(info.experts.size() == info.slots.size());
+    const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
+    const Access a{map, E * sizeof(std::int32_t), AccessMode::read};
+    return rt.launch(s, std::span<const Access>(&a, 1), [map, mapped, n = E] {
+      for (std::int32_t e = 0; e < n; ++e) {
+        if (map[e] >= 0) mapped->push_back(e);
+      }
+    });
+  });
+  REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+  rt.drain();
+  CHECK(r.value().admission == WideAdmission::stream);
+  CHECK(r.value().streamed == 12);  // an empty pool: every expert streamed, none admitted
+  CHECK(r.value().rounds == rounds);
+  CHECK(rounds == 6);  // halves of 2
+  std::sort(mapped->begin(), mapped->end());
+  CHECK(*mapped == std::vector<std::int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13});
+  CHECK(r.value().hits == 0);
+  // Admit admission keeps the bound of the device planner's groups.
+  const auto big = b.prepare_wide_device(dev, static_cast<std::int64_t>(host.size()), s,
+                                         [](const WideRoundInfo&) { return Status(); }, "admit");
+  CHECK(std::string(big.status().message()).find("0..max_ids = 4") != std::string::npos);
+  CHECK(rt.races().empty());
+}

@@ -540,8 +540,11 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
     return this->cache_.prepare_group(group, stream);
   }
-  // A wide forward on the device planner: prepare, then prepare_group 1..max_groups(n) - 1, the
-  // consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the unique
+  // A wide forward on the device planner. Stream admission on a cache with stream slots:
+  // DeviceExpertCache::prepare_wide from these device ids (read back with the resident map, the
+  // misses streamed through the stream slots by copies, nothing admitted; eager, not capturable).
+  // Otherwise (admit, or no stream slots: fell_back): prepare, then prepare_group
+  // 1..max_groups(n) - 1, the consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the unique
   // list, which holds the experts resident at the forward's start first, so no group evicts one
   // a later group reads; a group the forward does not have is an empty round). The groups go
   // through the pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
@@ -555,6 +558,9 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
     if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {
       return Status::format(ErrorCode::invalid_argument, "prepare_wide of %zu ids (device provider: at most max_ids)",
                             device_ids.size());
+    }
+    if (options.admission == WideAdmission::stream && this->cache_.options().stream_slots >= 2) {
+      return this->cache_.prepare_wide(device_ids.data(), device_ids.size(), stream, consumer, options);
     }
     const auto n = static_cast<std::int32_t>(device_ids.size());
     Result<ForwardView> view = this->cache_.prepare(device_ids.data(), n, stream, DeviceForward::in_rounds);
@@ -629,8 +635,10 @@ class AnyExpertCache {
   // A forward of any width in rounds (wide.hpp): `consumer(const WideRound&)` returns a Status
   // and enqueues each round's work on `stream`. Host providers: ExpertCache::prepare_wide (ids in
   // host memory; stream admission needs options.stream_slots >= 2, else admit, fell_back).
-  // Device provider: ids in DEVICE memory (at most max_ids), served as admit through prepare +
-  // prepare_group, not overlapped (DeviceCacheModel::prepare_wide). The consumer must not call
+  // Device provider: ids in DEVICE memory. With options.stream_slots >= 2 and stream admission,
+  // DeviceExpertCache::prepare_wide (at most max_wide_ids ids; eager: the host waits for their
+  // read-back); otherwise at most max_ids, served as admit through prepare + prepare_group, not
+  // overlapped (DeviceCacheModel::prepare_wide). The consumer must not call
   // into this cache.
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
@@ -838,12 +846,6 @@ inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<con
                             static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
                             NameListText(storage_names).text);
     }
-    if (config.options.stream_slots != 0) {
-      return Status::format(ErrorCode::invalid_argument,
-                            "provider 'device' has no stream slots (got stream_slots %d; its prepare_wide serves "
-                            "rounds through the pool): use 0",
-                            config.options.stream_slots);
-    }
     if (!has_device_executor) {
       return Status(ErrorCode::not_supported,
                     "provider 'device' has no plan executor for this runtime (CudaRuntime: include "
@@ -909,6 +911,8 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
           o.capacity = inner.capacity;
           o.max_ids = config.max_ids;
           o.fused_plan_fill = config.fused_plan_fill;
+          o.stream_slots = inner.stream_slots;
+          o.max_wide_ids = inner.max_wide_ids;
           o.label = inner.label;
           o.memory = inner.memory;
           choice.device_policy = chosen.device_policy;

@@ -866,42 +866,52 @@ class DeviceExpertCacheWithEdges {
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
                                    WideOptions options = {}) noexcept {
-    if (options.admission != WideAdmission::stream) {
-      return Status::format(ErrorCode::not_supported,
-                            "%s: prepare_wide with admit admission (the device planner admits through "
-                            "prepare(ids, n, X, DeviceForward::in_rounds) and prepare_group)",
-                            options_.label.c_str());
-    }
-    if (!wide_state_) {
-      return Status::format(ErrorCode::not_supported,
-                            "%s: prepare_wide needs stream slots (DeviceCacheOptions::stream_slots is %d; "
-                            "recommended_stream_slots() gives a size)",
-                            options_.label.c_str(), options_.stream_slots);
-    }
-    if (Status s = check_stream(stream, "prepare_wide"); !s) return s;
-    if (Status s = detail::wide_forward_allowed(*rt_, wide_staging_, stream); !s) {
-      return s.with_context("%s", options_.label.c_str());
-    }
+    if (Status s = wide_allowed(stream, options); !s) return s;
     if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
         !s) {
       return s.with_context("%s: prepare_wide", options_.label.c_str());
     }
     const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
-    if (Status s = read_back_residents(stream); !s) return s;
-    if (Status s = core_.wide_begin(stream); !s) {
-      ++faults_;
-      return s.with_context("%s: prepare_wide: ordering the forward after earlier work", options_.label.c_str());
+    if (Status s = read_back(stream, nullptr, 0); !s) return s;
+    return serve_wide(stream, consumer, options);
+  }
+
+  // The same from `n_ids` ids in DEVICE memory (a router's output, written on `stream` or
+  // ordered before the call): copied to pinned host memory together with the resident map
+  // (one wait for both), then validated and served as above. An id outside [0, E) is reported
+  // after that copy (expert_out_of_range); the cache is unchanged either way.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(const std::int32_t* device_ids, std::size_t n_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    if (Status s = wide_allowed(stream, options); !s) return s;
+    if (n_ids > static_cast<std::uint64_t>(options_.max_wide_ids)) {
+      return Status::format(ErrorCode::too_many_experts,
+                            "%s: prepare_wide of %zu ids exceeds the configured maximum of %lld (max_wide_ids)",
+                            options_.label.c_str(), n_ids, static_cast<long long>(options_.max_wide_ids));
     }
-    WideSummary summary;
-    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
-    summary.admission = WideAdmission::stream;
-    Status s = wide_stream_rounds(stream, consumer, summary, options);
-    wide_copies_ += summary.copies;
-    wide_bytes_ += summary.bytes;
-    wide_rounds_ += summary.rounds;
-    if (!s) return s;
-    ++wide_forwards_;
-    return summary;
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare_wide of %zu ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    WideState& w = *wide_state_;
+    if (w.ids_host.size() < n_ids * sizeof(std::int32_t)) {
+      try {
+        w.ids_host = RuntimeBuffer<Runtime>(*rt_, n_ids * sizeof(std::int32_t), MemoryKind::pinned_host);
+      } catch (const Error& e) {
+        return Status(e.code(), e.what()).with_context("%s: prepare_wide: host memory for %zu ids", options_.label.c_str(), n_ids);
+      } catch (...) {
+        return Status::format(ErrorCode::runtime_failure, "%s: prepare_wide: no host memory for %zu ids",
+                              options_.label.c_str(), n_ids);
+      }
+    }
+    if (Status s = read_back(stream, device_ids, n_ids); !s) return s;
+    const std::span<const std::int32_t> ids(reinterpret_cast<const std::int32_t*>(w.ids_host.data()), n_ids);
+    if (Status s = detail::wide_unique(ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_); !s) {
+      return s.with_context("%s: prepare_wide", options_.label.c_str());
+    }
+    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
+    return serve_wide(stream, consumer, options);
   }
 
   // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
@@ -1068,20 +1078,65 @@ class DeviceExpertCacheWithEdges {
     return 2 * ((experts + half - 1) / half) + 4;
   }
 
-  // The pool's resident map into pinned host memory on `stream`, ordered like invalidate():
-  // after the owner's readers and the last writer (edges 6, 2: every plan and prefetch fill
-  // enqueued so far), then the host waits for that copy (edge D10) before it plans the rounds.
-  Status read_back_residents(Stream stream) noexcept {
+  // What every prepare_wide checks before anything is enqueued.
+  Status wide_allowed(Stream stream, const WideOptions& options) noexcept {
+    if (options.admission != WideAdmission::stream) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide with admit admission (the device planner admits through "
+                            "prepare(ids, n, X, DeviceForward::in_rounds) and prepare_group)",
+                            options_.label.c_str());
+    }
+    if (!wide_state_) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide needs stream slots (DeviceCacheOptions::stream_slots is %d; "
+                            "recommended_stream_slots() gives a size)",
+                            options_.label.c_str(), options_.stream_slots);
+    }
+    if (Status s = check_stream(stream, "prepare_wide"); !s) return s;
+    if (Status s = detail::wide_forward_allowed(*rt_, wide_staging_, stream); !s) {
+      return s.with_context("%s", options_.label.c_str());
+    }
+    return {};
+  }
+
+  // The pool's resident map (and `n_ids` device ids, when given) into pinned host memory on
+  // `stream`, ordered like invalidate(): after the owner's readers and the last writer (edges
+  // 6, 2: every plan and prefetch fill enqueued so far), then the host waits for those copies
+  // (edge D10) before it reads them.
+  Status read_back(Stream stream, const std::int32_t* device_ids, std::size_t n_ids) noexcept {
     WideState& w = *wide_state_;
     const std::size_t bytes = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
     Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept -> Status {
       if (Status c = rt_->copy_async(w.resident_host.data(), exec_.state().resident_map.data, bytes, f); !c) return c;
+      if (n_ids > 0) {
+        if (Status c = rt_->copy_async(w.ids_host.data(), device_ids, n_ids * sizeof(std::int32_t), f); !c) return c;
+      }
       return rt_->record(w.read_back.get(), f);
     });
     if (s && Edges::wide_resident_read_wait) s = rt_->synchronize(w.read_back.get());
-    if (!s) return s.with_context("%s: prepare_wide: reading the pool's resident map", options_.label.c_str());
+    if (!s) return s.with_context("%s: prepare_wide: reading the pool's resident map back", options_.label.c_str());
     rt_->host_access(w.resident_host.data(), bytes, AccessMode::read);
+    if (n_ids > 0) rt_->host_access(w.ids_host.data(), n_ids * sizeof(std::int32_t), AccessMode::read);
     return {};
+  }
+
+  // The rounds of a validated wide forward (wide_unique_ holds it) after the read-back.
+  template <class Consumer>
+  Result<WideSummary> serve_wide(Stream stream, Consumer& consumer, const WideOptions& options) noexcept {
+    if (Status s = core_.wide_begin(stream); !s) {
+      ++faults_;
+      return s.with_context("%s: prepare_wide: ordering the forward after earlier work", options_.label.c_str());
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.admission = WideAdmission::stream;
+    Status s = wide_stream_rounds(stream, consumer, summary, options);
+    wide_copies_ += summary.copies;
+    wide_bytes_ += summary.bytes;
+    wide_rounds_ += summary.rounds;
+    if (!s) return s;
+    ++wide_forwards_;
+    return summary;
   }
 
   // ExpertCache::wide_stream_rounds on the device planner's pool: round r's misses in stream
@@ -1253,6 +1308,7 @@ class DeviceExpertCacheWithEdges {
           maps{RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device), RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device)},
           read_back(rt) {}
     RuntimeBuffer<Runtime> resident_host;
+    RuntimeBuffer<Runtime> ids_host;  // prepare_wide from device ids: grown to the largest forward
     std::array<RuntimeBuffer<Runtime>, 2> maps;
     RuntimeEvent<Runtime> read_back;
   };

@@ -163,8 +163,9 @@ class ExpertCache:
     keeps references to them. provider: "row" | "cached" | "device"; policy / staging / storage: ""
     for the provider's default (storage must be "tensor_major" with caller tensors, the default).
     max_ids: provider "device" only, the largest number of ids one prepare() takes (tokens * top_k).
-    stream_slots: host providers, extra GPU slots after the pool for prepare_wide's scan-resistant
-    streaming (0: wide forwards go through the pool); slot_tensors then have capacity + stream_slots rows.
+    stream_slots: extra GPU slots after the pool for prepare_wide's scan-resistant streaming (0: wide
+    forwards go through the pool; provider "device": through the device planner's groups); slot_tensors
+    then have capacity + stream_slots rows.
     """
 
     def __init__(self, layout, host_tensors, num_experts, capacity, top_k=1, provider="row", policy="",

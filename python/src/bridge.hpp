@@ -75,7 +75,7 @@ struct BridgeConfig {
   std::int32_t capacity = 0;
   std::int32_t top_k = 1;
   std::int32_t max_ids = 0;      // device provider: largest prepare (tokens * top_k)
-  std::int32_t stream_slots = 0; // host providers: slots after `capacity` for wide forwards (wide.hpp)
+  std::int32_t stream_slots = 0; // slots after `capacity` for wide forwards' scan-resistant streaming (wide.hpp)
   std::string label = "expert_cache";
   bool host_registered = false;  // the host tensors are pinned already (torch pin_memory())
 };
@@ -371,7 +371,7 @@ class CacheBridge {
       d.base = reinterpret_cast<std::uintptr_t>(st.base);
       d.slot_stride = st.slot_stride;
       d.bytes_per_slot = st.bytes;
-      d.capacity = config.capacity + (b->device_ ? 0 : config.stream_slots);  // the stream slots follow the pool
+      d.capacity = config.capacity + config.stream_slots;  // the stream slots follow the pool
       d.dtype = b->typed_[t].dtype;
       d.shape = b->typed_[t].shape;
       b->slots_.push_back(std::move(d));
@@ -515,8 +515,10 @@ class CacheBridge {
     }
     return wide(std::span<const std::int32_t>(ids32_), stream, consumer, options.value());
   }
-  // The device provider: n int32 ids in device memory (at most max_ids), served in rounds of
-  // prepare + prepare_group (not overlapped, through the pool).
+  // The device provider: n int32 ids in device memory. With stream slots and stream admission
+  // (the default) the ids are read back with the pool's resident map and the misses streamed
+  // through the stream slots (DeviceExpertCache::prepare_wide; eager, at most max_wide_ids ids);
+  // otherwise at most max_ids, served in rounds of prepare + prepare_group (through the pool).
   Result<WideSummary> prepare_wide_device(const std::int32_t* device_ids, std::int64_t n, Stream stream,
                                           const WideConsumerFn& consumer, std::string_view admission = {},
                                           std::string_view copy = {}) noexcept {
@@ -528,7 +530,8 @@ class CacheBridge {
     }
     Result<WideOptions> options = wide_options_of(admission, copy);
     if (!options.ok()) return options.status().with_context("%s", config_.label.c_str());
-    if (n < 0 || n > config_.max_ids) {
+    const bool streamed = options.value().admission == WideAdmission::stream && config_.stream_slots >= 2;
+    if (n < 0 || (!streamed && n > config_.max_ids)) {
       return Status::format(ErrorCode::invalid_argument, "%s: prepare_wide of %lld ids (device provider: 0..max_ids = %d)",
                             config_.label.c_str(), static_cast<long long>(n), config_.max_ids);
     }
@@ -717,8 +720,8 @@ class CacheBridge {
   }
   Result<WideSummary> wide(std::span<const std::int32_t> ids, Stream stream, const WideConsumerFn& consumer,
                            const WideOptions& options) noexcept {
-    // Every slot a round's map may name: the pool, then (host providers) the stream slots.
-    const std::int32_t slot_count = config_.capacity + (device_ ? 0 : config_.stream_slots);
+    // Every slot a round's map may name: the pool, then the stream slots.
+    const std::int32_t slot_count = config_.capacity + config_.stream_slots;
     WideRoundInfo info;
     try {
       info.slot_bases.resize(slots_.size());
