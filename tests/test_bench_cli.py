@@ -95,15 +95,19 @@ def case_smoke():
         doc = json.load(f)
     expect([b["name"] for b in doc["benchmarks"]] == ["decode/device:crf/graph", "decode/device:lfru/graph"],
            "a comma list, duplicates dropped", doc)
-    # --prompt with the device provider: the modelled run still gives the host-planned table and
-    # says that the device-planned row is measured on a GPU only (not asked: not said).
+    # --prompt with the device provider: the modelled run gives the host-planned table and the
+    # device-planned one (stream rows, its mixed run without the groups row), and says that the
+    # groups rows are measured on a GPU only (not asked: no device table).
     rc, out, err = run("--runtime", "sim", "--prompt", "16", "--layers", "2", "--warmup", "1",
-                       "--provider", "device,cached")
+                       "--provider", "device,cached", "--prompt-every", "2", "--steps", "4")
     expect(rc == 0, "--prompt --provider device,cached exits 0 when modelled", out, err)
-    expect("device: measured on a GPU only" in out and "TTFT" in out and "bound_ms" in out,
-           "modelled prompt table with the device note", out)
+    expect("device-planned cache" in out and "host-planned whole-expert cache" in out and "bound_ms" in out
+           and "groups rows (prepare in rounds + prepare_group) measured on a GPU only" in out,
+           "modelled prompt tables for both caches with the device note", out)
+    expect(out.count("stream (scan resistant)") == 2 and out.count("admit (reference)") == 1,
+           "mixed runs: both caches stream, the host-planned one admits", out)
     rc, out, err = run("--runtime", "sim", "--prompt", "16", "--layers", "2", "--warmup", "1")
-    expect(rc == 0 and "TTFT" in out and "device: measured" not in out, "no device note unless asked", out, err)
+    expect(rc == 0 and "TTFT" in out and "device-planned" not in out, "no device table unless asked", out, err)
     # A trace file, batch 2, one provider and staging.
     trace = write("t.trace", "".join(f"{s} {l} {(s + l) % 6} {(s * 3 + l) % 6 + 6}\n" for s in range(12) for l in range(3)))
     rc, out, err = run("--runtime", "sim", "--trace", trace, "--capacity", "6", "--batch", "2", "--steps", "3",

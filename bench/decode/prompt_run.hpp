@@ -3,9 +3,11 @@
 // forward per layer (prepare_wide), and a mixed run (one prompt every K decode tokens), both
 // MODELLED on SimRuntime with the decode run's cost model (modelled_run.hpp). Host-planned
 // provider: per-layer whole-expert caches (expert-major blobs, Lfru, copy stream) with the
-// recommended stream slots. Per layer the host first waits for the consumer stream (a
-// host-planned cache needs the router's ids on the host), then prepare_wide; each round's
-// consumer is one modelled kernel. Host-only. On a CUDA build with a device the tables are
+// recommended stream slots; with --provider device also the device-planned cache (tensor-major,
+// DeviceLru, the same stream slots; its decode steps planned by the library's SimRuntime planner,
+// modelled_device.hpp), whose prepare_wide reads the pool's resident map back first. Per layer the
+// host first waits for the consumer stream (the router's ids on the host), then prepare_wide; each
+// round's consumer is one modelled kernel. Host-only. On a CUDA build with a device the tables are
 // measured instead (prompt_measured.cuh).
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include "expert_cache/expert_cache.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "model.hpp"
+#include "modelled_device.hpp"
 #include "modelled_run.hpp"
 
 namespace expert_cache::bench {
@@ -57,24 +60,38 @@ inline PromptRouting generate_prompt(const Model& m, const BenchArgs& a, std::in
   return p;
 }
 
+// Device = false: the host-planned whole-expert cache; true: the device-planned cache.
+template <bool Device>
 class PromptBench {
  public:
-  using Cache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, ExplicitLayout, ModelledSim>;
+  using Cache = std::conditional_t<Device, DeviceExpertCache<TensorMajorStorage, ExplicitLayout, ModelledSim, DeviceLru>,
+                                   ExpertCache<ExpertMajorStorage, Lfru, CopyStream, ExplicitLayout, ModelledSim>>;
 
   PromptBench(const Model& m, const BenchArgs& a, const SimCosts& costs) : m_(m), a_(a), rt_(costs) {
     consumer_ = rt_.create_stream().value();
     const ExpertTensorBytes real = m.layout.tensors();
     const ExplicitLayout layout = scaled_layout(real, a.sim_scale);
     for (std::int32_t l = 0; l < m.layers; ++l) {
-      CacheOptions o;
-      o.num_experts = m.experts;
-      o.capacity = m.capacity;
-      o.top_k = m.top_k;
-      o.stream_slots = prompt_stream_slots(m, a);
-      o.log = {};
-      caches_.push_back(std::make_unique<Cache>(rt_, o, layout));
+      if constexpr (Device) {
+        DeviceCacheOptions o;
+        o.num_experts = m.experts;
+        o.capacity = m.capacity;
+        o.max_ids = m.top_k;  // a decode step of one token
+        o.stream_slots = prompt_stream_slots(m, a);
+        o.log = {};
+        caches_.push_back(std::make_unique<Cache>(rt_, o, layout));
+      } else {
+        CacheOptions o;
+        o.num_experts = m.experts;
+        o.capacity = m.capacity;
+        o.top_k = m.top_k;
+        o.stream_slots = prompt_stream_slots(m, a);
+        o.log = {};
+        caches_.push_back(std::make_unique<Cache>(rt_, o, layout));
+      }
       fill_sim_pools(*caches_.back(), rt_, l, real);
     }
+    if constexpr (Device) ids_dev_ = RuntimeBuffer<ModelledSim>(rt_, static_cast<std::size_t>(m.top_k) * sizeof(std::int32_t), MemoryKind::device);
     GeneratorSpec spec;
     spec.layers = m.layers;
     spec.experts = m.experts;
@@ -101,7 +118,19 @@ class PromptBench {
       (void)rt_.synchronize(consumer_);
       const auto ids = decode_.experts(static_cast<std::size_t>(step_ % 4096) * static_cast<std::size_t>(m_.layers) +
                                        static_cast<std::size_t>(l));
-      auto v = caches_[static_cast<std::size_t>(l)]->prepare(ids, consumer_);
+      Result<ForwardView> v = [&] {
+        if constexpr (Device) {
+          // The router stand-in writes the step's ids into device memory; the plan reads them there.
+          auto* dst = reinterpret_cast<std::int32_t*>(ids_dev_.data());
+          const std::vector<std::int32_t> step(ids.begin(), ids.end());
+          const Access w{dst, step.size() * sizeof(std::int32_t), AccessMode::write};
+          check(rt_.launch(consumer_, std::span<const Access>(&w, 1), [dst, step] { std::copy(step.begin(), step.end(), dst); },
+                           rt_.costs().graph_node_ns));
+          return caches_[static_cast<std::size_t>(l)]->prepare(dst, static_cast<std::int32_t>(step.size()), consumer_);
+        } else {
+          return caches_[static_cast<std::size_t>(l)]->prepare(ids, consumer_);
+        }
+      }();
       if (!v.ok()) throw Error(v.status());
       const auto& c = rt_.costs();
       check(rt_.launch(consumer_, {}, {}, c.consumer_fixed_ns + static_cast<double>(ids.size()) * expert_bytes() / c.hbm_bytes_per_ns));
@@ -128,10 +157,21 @@ class PromptBench {
       for (const std::int32_t e : ids)
         if (e >= 0) ++pairs[static_cast<std::size_t>(e)];
       std::size_t missing = 0, unique = 0;
+      const std::int32_t* device_map = nullptr;
+      if constexpr (Device) {  // the pool's residency, read with the stream idle (not timed: the bound's input)
+        device_map = cache.resident_map_device();
+        rt_.sim().host_access(device_map, static_cast<std::size_t>(m_.experts) * sizeof(std::int32_t), AccessMode::read);
+      }
       for (std::int32_t e = 0; e < m_.experts; ++e) {
         if (pairs[static_cast<std::size_t>(e)] == 0) continue;
         ++unique;
-        if (!cache.planner().is_resident(e)) ++missing;
+        bool resident = false;
+        if constexpr (Device) {
+          resident = device_map[e] >= 0;
+        } else {
+          resident = cache.planner().is_resident(e);
+        }
+        if (!resident) ++missing;
       }
       t.bound_ns += static_cast<double>(missing) * expert_bytes() / c.pcie_bytes_per_ns;
       t.resident_ns += c.consumer_fixed_ns + static_cast<double>(unique) * expert_bytes() / c.hbm_bytes_per_ns +
@@ -182,32 +222,26 @@ class PromptBench {
   ModelledSim rt_;
   SimRuntime::Stream consumer_{};
   std::vector<std::unique_ptr<Cache>> caches_;
+  RuntimeBuffer<ModelledSim> ids_dev_;  // Device: a decode step's ids
   Trace decode_;
   std::int64_t step_ = 0;
 };
 
-// The --prompt tables (MODELLED). Returns the process exit code.
-inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
-  const SimCosts costs;
-  std::printf("expert-cache-bench --prompt: MODELLED on SimRuntime (no GPU measurement; costs as the decode run's, "
-              "compute %.0f TFLOP/s assumed)\n",
-              prompt_flops_per_ns / 1e3);
-  std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB, host-planned whole-expert "
-              "cache (Lfru, copy stream) with %d stream slots per layer\n",
-              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
-              prompt_stream_slots(m, a));
-  // The measured run adds the device-planned cache on --provider device; it has no model here.
-  const bool all = a.providers.size() == provider_names().size();
-  if (!all && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end())
-    std::printf("device: measured on a GPU only (the modelled run covers the host-planned cache above)\n");
-  std::printf("\nTTFT (one wide forward per layer after %d decode warm-up steps; bound = non-resident bytes / %.1f GB/s)\n",
+// One provider's --prompt tables (MODELLED): TTFT per prompt length, then the mixed run.
+template <bool Device>
+void print_prompt_tables(const Model& m, const BenchArgs& a, const SimCosts& costs) {
+  std::printf("\n%s: TTFT (one wide forward per layer, stream admission, after %d decode warm-up steps; bound = "
+              "non-resident bytes / %.1f GB/s)\n",
+              Device ? "device-planned cache (tensor-major, DeviceLru; prepare_wide reads the resident map back first)"
+                     : "host-planned whole-expert cache (Lfru, copy stream)",
               a.warmup, costs.pcie_bytes_per_ns);
   std::printf("%8s %10s %10s %10s %8s %12s %12s %8s %8s\n", "tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s",
               "compute_ms", "resident_ms", "rounds", "copies");
+  using Bench = PromptBench<Device>;
   for (const std::int32_t tokens : a.prompts) {
-    PromptBench b(m, a, costs);
+    Bench b(m, a, costs);
     for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
-    const PromptBench::PromptTimes t = b.prompt(generate_prompt(m, a, tokens, a.seed + 7919), WideAdmission::stream);
+    const typename Bench::PromptTimes t = b.prompt(generate_prompt(m, a, tokens, a.seed + 7919), WideAdmission::stream);
     std::printf("%8d %10.3f %10.3f %10.3f %8.1f %12.3f %12.3f %8llu %8llu\n", tokens, t.ttft_ns / 1e6, t.bound_ns / 1e6,
                 t.ttft_ns > 0 ? t.bound_ns / t.ttft_ns : 0.0, t.ttft_ns > 0 ? t.bytes / t.ttft_ns : 0.0,
                 t.compute_ns / 1e6, t.resident_ns / 1e6, static_cast<unsigned long long>(t.rounds),
@@ -218,8 +252,10 @@ inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
     std::printf("\nmixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", tokens,
                 a.prompt_every, a.steps);
     std::printf("%-24s %12s %14s\n", "admission", "decode_tok/s", "decode_hit_rate");
-    for (int mode = 0; mode < 3; ++mode) {
-      PromptBench b(m, a, costs);
+    // The device-planned cache's admit is its groups through the pool (prepare in rounds +
+    // prepare_group): measured on a GPU only.
+    for (int mode = 0; mode < (Device ? 2 : 3); ++mode) {
+      Bench b(m, a, costs);
       for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
       double decode_ns = 0;
       std::uint64_t hits = 0, misses = 0;
@@ -240,6 +276,27 @@ inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
       std::printf("%-24s %12.1f %14.4f\n", name, decode_ns > 0 ? a.steps / (decode_ns / 1e9) : 0.0,
                   hits + misses > 0 ? static_cast<double>(hits) / static_cast<double>(hits + misses) : 0.0);
     }
+    if (Device) std::printf("(device-planned groups, which admit: measured on a GPU only)\n");
+  }
+}
+
+// The --prompt tables (MODELLED). Returns the process exit code.
+inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
+  const SimCosts costs;
+  std::printf("expert-cache-bench --prompt: MODELLED on SimRuntime (no GPU measurement; costs as the decode run's, "
+              "compute %.0f TFLOP/s assumed)\n",
+              prompt_flops_per_ns / 1e3);
+  std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB, %d stream slots per layer\n",
+              m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
+              prompt_stream_slots(m, a));
+  // The host-planned cache always; the device-planned one when --provider names it (its groups
+  // rows, which admit, are measured on a GPU only).
+  const bool all = a.providers.size() == provider_names().size();
+  const bool device = !all && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end();
+  print_prompt_tables<false>(m, a, costs);
+  if (device) {
+    print_prompt_tables<true>(m, a, costs);
+    std::printf("device: its groups rows (prepare in rounds + prepare_group) measured on a GPU only\n");
   }
   return 0;
 }
