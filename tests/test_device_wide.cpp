@@ -27,13 +27,6 @@ using Stream = SimRuntime::Stream;
 
 namespace {
 
-struct NoWideBufferRelease : OrderingEdges {  // 10
-  static constexpr bool wide_buffer_release = false;
-};
-struct NoWideResidentReadWait : OrderingEdges {  // D10
-  static constexpr bool wide_resident_read_wait = false;
-};
-
 template <class Edges = OrderingEdges, template <class> class Storage = TensorMajorStorage>
 using DevCache = detail::DeviceExpertCacheWithEdges<Storage, ExplicitLayout, SimRuntime, Edges>;
 

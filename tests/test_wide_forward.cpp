@@ -22,10 +22,6 @@ using Stream = SimRuntime::Stream;
 
 namespace {
 
-struct NoWideBufferRelease : OrderingEdges {  // 10
-  static constexpr bool wide_buffer_release = false;
-};
-
 template <class Edges, template <class> class Storage = TensorMajorStorage, class Policy = Lru, class Staging = CopyStream>
 using WideCache = detail::ExpertCacheWithEdges<Storage, Policy, Staging, ExplicitLayout, SimRuntime, Edges>;
 using RowWide = WideCache<OrderingEdges>;

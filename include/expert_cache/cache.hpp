@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <iterator>
 #include <span>
@@ -133,6 +134,146 @@ struct PrefetchOptions {
   std::uint32_t expires_after = 1;
 };
 
+namespace detail {
+
+// Stream admission's rounds on a pool (ExpertCache and DeviceExpertCache; wide.hpp's header):
+// the forward's unique experts (w.unique, their row counts in w.rows) split into the pool's
+// residents (`resident`: expert -> pool slot, host memory), read in place and spread over the
+// rounds, and the others, streamed into stream half r % 2 (slots `capacity` on) by the copies of
+// `staging` from `storage`'s regions. The ordering is the core's wide entries (edges 3 and 10);
+// the caller ran wide_begin. What differs between the caches comes from `hooks`:
+//   hooks.before_rounds(hits) -> Status   once, before the first fill (e.g. edge 9's waits)
+//   hooks.resident_upload() -> MapUpload  the resident map a round's fill uploads (empty: none)
+//   hooks.uploaded()                      after a fill that uploaded it
+//   hooks.round_map(r) -> std::int32_t*   round r's device forward map (two, alternating)
+//   hooks.view() -> ForwardView           the view a round's map goes into
+//   hooks.consume(round) -> Status        the caller's consumer, its failure in context
+//   hooks.served(hits, streamed)          after a round's consumer
+//   hooks.fault()                         a runtime failure (not the consumer's)
+template <class Core, class Staging, class R, class Storage, class Hooks>
+Status run_stream_rounds(Core& core, Staging& staging, R& rt, const Storage& storage, typename R::Stream stream,
+                         std::span<const std::int32_t> resident, std::int32_t capacity, std::int32_t stream_slots,
+                         std::uint64_t bytes_per_expert, const WideOptions& options, WideScratch& w, Hooks& hooks,
+                         WideSummary& summary) noexcept {
+  w.hits.clear();
+  w.misses.clear();
+  for (const std::int32_t e : w.unique) {
+    const std::int32_t slot = resident[static_cast<std::size_t>(e)];
+    // A slot outside the pool is no residency to read (a device-held map is not trusted blindly).
+    (slot >= 0 && slot < capacity ? w.hits : w.misses).push_back(e);
+  }
+  const std::size_t half = static_cast<std::size_t>(stream_slots / 2);
+  std::vector<CopyDesc>* const batch = options.batch_copies ? &w.batch : nullptr;
+  // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
+  const std::pair<std::size_t, std::uint64_t> dense_shape = dense_copy_shape(staging, storage);
+  const std::size_t dense_regions = dense_shape.first;
+  const std::uint64_t dense_bytes = dense_shape.second;
+  plan_stream_rounds(w.misses, half, options.copy, options.cost, dense_regions, dense_bytes, w.plan);
+  const std::size_t rounds = std::max<std::size_t>(1, w.plan.size());
+  split_wide_hits(w.hits, w.rows, rounds, w.hit_begin);
+  const auto hits_of = [&](std::size_t r) { return round_hits(w.hits, w.hit_begin, r); };
+  summary.hits = static_cast<std::uint32_t>(w.hits.size());
+  if (Status s = hooks.before_rounds(std::span<const std::int32_t>(w.hits)); !s) {
+    hooks.fault();
+    return s;
+  }
+  const auto chunk = [&](std::size_t r) {
+    if (r >= w.plan.size()) return std::span<const std::int32_t>();
+    return std::span<const std::int32_t>(w.misses).subspan(w.plan[r].begin, w.plan[r].end - w.plan[r].begin);
+  };
+  const auto stream_slot = [&](std::size_t r, std::size_t i) {
+    const StreamRound& p = w.plan[r];
+    const std::size_t k = p.span ? static_cast<std::size_t>(w.misses[p.begin + i] - p.first) : i;
+    return capacity + static_cast<std::int32_t>((r % 2) * half + k);
+  };
+  const auto fill_round = [&](std::size_t r) noexcept -> Status {
+    const auto c = chunk(r);
+    w.fills.clear();
+    for (std::size_t i = 0; i < c.size(); ++i) w.fills.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
+    const MapUpload upload = hooks.resident_upload();
+    const bool span = !c.empty() && w.plan[r].span;
+    const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
+    Status s = core.wide_fill(stream, r % 2, upload, [&](typename R::Stream f) noexcept {
+      // The round's map (its pool hits too), then its copies.
+      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+      for (std::size_t i = 0; i < c.size(); ++i) w.map[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+      Status m = core.upload_map(w.map.data(), hooks.round_map(r), f);
+      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = absent_slot;
+      for (const std::int32_t e : c) w.map[static_cast<std::size_t>(e)] = absent_slot;
+      if (!m) return m;
+      const std::span<const SlotFill> fills(w.fills);
+      if (span) {
+        const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
+        return issue_span(staging, rt, f, storage, first, width, fills, summary.copies, batch);
+      }
+      return issue_coalesced(staging, rt, f, storage, fills, summary.copies, batch);
+    });
+    if (s && upload.host != nullptr) hooks.uploaded();
+    if (s) {
+      summary.streamed += static_cast<std::uint32_t>(c.size());
+      summary.bytes += c.size() * bytes_per_expert;
+      if (span) {
+        ++summary.span_rounds;
+        summary.wasted += static_cast<std::uint32_t>(width - c.size());
+        summary.bytes += (width - c.size()) * dense_bytes;
+      }
+    }
+    return s;
+  };
+  Status s = fill_round(0);
+  for (std::size_t r = 0; s && r < rounds; ++r) {
+    const auto c = chunk(r);
+    compose_wide_round(r, hits_of(r), c, resident, stream_slot, w.round, w.slots);
+    // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
+    // next on the fill stream, overlaps round r's consumer.
+    s = core.wide_acquire(stream);
+    if (s && r + 1 < rounds) s = fill_round(r + 1);
+    if (!s) {
+      hooks.fault();
+      return s.with_context("prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool is "
+                            "unchanged)",
+                            r, rounds);
+    }
+    WideRound round;
+    round.view = hooks.view();
+    round.view.expert_map = hooks.round_map(r);
+    round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
+    round.view.misses = static_cast<std::uint32_t>(c.size());
+    round.experts = w.round;
+    round.slots = w.slots;
+    round.index = static_cast<std::uint32_t>(r);
+    round.rounds = static_cast<std::uint32_t>(rounds);
+    round.streamed = static_cast<std::uint32_t>(c.size());
+    if (Status cs = hooks.consume(round); !cs) return cs;
+    ++summary.rounds;
+    hooks.served(hits_of(r).size(), c.size());
+    s = core.wide_release(stream, r % 2);
+    if (!s) {
+      hooks.fault();
+      return s.with_context("prepare_wide: releasing round %zu", r);
+    }
+  }
+  return s;
+}
+
+// A wide consumer's call: an exception becomes an error Status (the APIs are noexcept).
+template <class Consumer>
+Status call_wide_consumer(Consumer& consumer, const WideRound& round) noexcept {
+  try {
+    Status s = consumer(round);
+    if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
+    return s;
+  } catch (const std::exception& e) {
+    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
+                          round.index, round.rounds, e.what());
+  } catch (...) {
+    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
+                          round.index, round.rounds);
+  }
+}
+
+}  // namespace detail
+
 /// What one prefetch() did.
 struct PrefetchView {
   std::uint32_t issued = 0;             ///< speculative fills enqueued
@@ -209,17 +350,7 @@ class ExpertCacheWithEdges {
     view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
     copies_per_fill_ = storage_.copy_regions().count;
     const auto experts = static_cast<std::size_t>(options_.num_experts);
-    wide_unique_.reserve(experts);
-    wide_hits_.reserve(experts);
-    wide_misses_.reserve(experts);
-    wide_round_.reserve(experts);
-    wide_slots_.reserve(experts);
-    wide_fills_.reserve(experts);
-    wide_batch_.reserve(experts * copies_per_fill_);  // a round's copies: at most one per fill and region
-    wide_plan_.reserve(experts + 1);
-    wide_hit_begin_.reserve(experts + 2);
-    wide_rows_.assign(experts, 0);
-    wide_map_.assign(experts, absent_slot);
+    wide_.reserve(experts, copies_per_fill_);
     if (options_.log) {
       const CacheStats s = stats();
       options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
@@ -351,12 +482,12 @@ class ExpertCacheWithEdges {
     const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
     const bool streaming = options.admission == WideAdmission::stream && !fell_back;
     if (Status s = detail::wide_forward_allowed(*rt_, staging_, stream); !s) return s;
-    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique);
         !s) {
       return s;
     }
     // The per-expert row counts serve the stream rounds' split of the hits; zero again on return.
-    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
     // Validated: from here on the cache changes.
     forward_shadow_valid_ = false;  // the rounds overwrite the device forward map
     if (Status s = core_.wide_begin(stream); !s) {
@@ -364,7 +495,7 @@ class ExpertCacheWithEdges {
       return s.with_context("prepare_wide: ordering the forward after earlier work");
     }
     WideSummary summary;
-    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.unique = static_cast<std::uint32_t>(wide_.unique.size());
     summary.admission = streaming ? WideAdmission::stream : WideAdmission::admit;
     summary.fell_back = fell_back;
     if (fell_back && !wide_fallback_logged_ && options_.log) {
@@ -505,21 +636,6 @@ class ExpertCacheWithEdges {
     return std::max(o.staging_ring, 2 * rounds + 4);
   }
 
-  // The consumer of one round; an exception becomes an error Status (the API is noexcept).
-  template <class Consumer>
-  static Status call_consumer(Consumer& consumer, const WideRound& round) noexcept {
-    try {
-      Status s = consumer(round);
-      if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
-      return s;
-    } catch (const std::exception& e) {
-      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
-                            round.index, round.rounds, e.what());
-    } catch (...) {
-      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
-                            round.index, round.rounds);
-    }
-  }
 
   // The device forward map of wide round r: two buffers used alternately, like the stream-slot
   // halves, so round r + 1's map is written while round r's consumer reads the other one.
@@ -535,116 +651,41 @@ class ExpertCacheWithEdges {
     return core_.upload_map(map, round_map_device(r), f);
   }
 
-  // WideAdmission::stream. Round r: the r-th round of missing experts (plan_stream_rounds: `half`
-  // of them, or a span of at most `half` ids), in stream half r % 2, and its share of the
-  // resident experts, read from their pool slots (split_wide_hits).
+  // WideAdmission::stream: detail::run_stream_rounds on the planner's pool, round maps on the
+  // fill stream (upload_round_map), the pool's speculative fills a hit reads waited for first
+  // (edge 9), a stale resident map uploaded with the first fill.
   template <class Consumer>
   Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
                             const WideOptions& options) noexcept {
     const auto resident = planner_.resident_map();
-    wide_hits_.clear();
-    wide_misses_.clear();
-    for (const std::int32_t e : wide_unique_) {
-      (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
-    }
-    const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
-    std::vector<CopyDesc>* const batch = options.batch_copies ? &wide_batch_ : nullptr;
-    // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
-    const std::pair<std::size_t, std::uint64_t> dense_shape = detail::dense_copy_shape(staging_, storage_);
-    const std::size_t dense_regions = dense_shape.first;
-    const std::uint64_t dense_bytes = dense_shape.second;
-    detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
-    const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
-    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
-    const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
-    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
-    summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
-    // Edge 9 for the pool's speculative fills this forward reads.
-    for (const std::int32_t e : wide_hits_) {
-      if (Status s = core_.wait_speculative(static_cast<std::size_t>(resident[static_cast<std::size_t>(e)]), stream); !s) {
-        ++faults_;
-        return s.with_context("prepare_wide: waiting for a speculative fill");
-      }
-    }
-    const auto chunk = [&](std::size_t r) {
-      if (r >= wide_plan_.size()) return std::span<const std::int32_t>();
-      return std::span<const std::int32_t>(wide_misses_).subspan(wide_plan_[r].begin, wide_plan_[r].end - wide_plan_[r].begin);
-    };
-    const auto stream_slot = [&](std::size_t r, std::size_t i) {
-      const detail::StreamRound& p = wide_plan_[r];
-      const std::size_t k = p.span ? static_cast<std::size_t>(wide_misses_[p.begin + i] - p.first) : i;
-      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + k);
-    };
-    const auto fill_round = [&](std::size_t r) noexcept -> Status {
-      const auto c = chunk(r);
-      wide_fills_.clear();
-      for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
-      const bool upload = resident_dirty_;
-      const bool span = !c.empty() && wide_plan_[r].span;
-      const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
-      Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
-        // The round's map (its pool hits too), then its copies.
-        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
-        for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
-        Status m = upload_round_map(wide_map_.data(), r, f);
-        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        if (!m) return m;
-        const std::span<const SlotFill> fills(wide_fills_);
-        if (span) {
-          const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
-          return detail::issue_span(staging_, *rt_, f, storage_, first, width, fills, summary.copies, batch);
+    struct Hooks {
+      ExpertCacheWithEdges& c;
+      Consumer& consumer;
+      std::span<const std::int32_t> resident;
+      Stream stream;
+      Status before_rounds(std::span<const std::int32_t> hits) noexcept {
+        for (const std::int32_t e : hits) {
+          if (Status s = c.core_.wait_speculative(static_cast<std::size_t>(resident[static_cast<std::size_t>(e)]), stream);
+              !s) {
+            return s.with_context("prepare_wide: waiting for a speculative fill");
+          }
         }
-        return detail::issue_coalesced(staging_, *rt_, f, storage_, fills, summary.copies, batch);
-      });
-      if (s && upload) resident_dirty_ = false;
-      if (s) {
-        summary.streamed += static_cast<std::uint32_t>(c.size());
-        summary.bytes += c.size() * bytes_per_expert;
-        if (span) {
-          ++summary.span_rounds;
-          summary.wasted += static_cast<std::uint32_t>(width - c.size());
-          summary.bytes += (width - c.size()) * dense_bytes;
-        }
+        return {};
       }
-      return s;
-    };
-    Status s = fill_round(0);
-    for (std::size_t r = 0; s && r < rounds; ++r) {
-      // The round's experts (ascending) and map entries.
-      const auto c = chunk(r);
-      detail::compose_wide_round(r, hits_of(r), c, resident, stream_slot, wide_round_, wide_slots_);
-      // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
-      // next on the fill stream, overlaps round r's consumer.
-      s = core_.wide_acquire(stream);
-      if (s && r + 1 < rounds) s = fill_round(r + 1);
-      if (!s) {
-        ++faults_;
-        return s.with_context("prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool is "
-                              "unchanged)",
-                              r, rounds);
+      MapUpload resident_upload() noexcept { return c.resident_dirty_ ? c.resident_upload() : MapUpload{}; }
+      void uploaded() noexcept { c.resident_dirty_ = false; }
+      std::int32_t* round_map(std::size_t r) noexcept { return c.round_map_device(r); }
+      ForwardView view() const noexcept { return c.view_; }
+      Status consume(const WideRound& round) noexcept { return detail::call_wide_consumer(consumer, round); }
+      void served(std::size_t hits, std::size_t streamed) noexcept {
+        c.wide_hits_count_ += hits;
+        c.wide_streamed_count_ += streamed;
       }
-      WideRound round;
-      round.view = view_;
-      round.view.expert_map = round_map_device(r);
-      round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
-      round.view.misses = static_cast<std::uint32_t>(c.size());
-      round.experts = wide_round_;
-      round.slots = wide_slots_;
-      round.index = static_cast<std::uint32_t>(r);
-      round.rounds = static_cast<std::uint32_t>(rounds);
-      round.streamed = static_cast<std::uint32_t>(c.size());
-      if (Status cs = call_consumer(consumer, round); !cs) return cs;
-      ++summary.rounds;
-      wide_hits_count_ += hits_of(r).size();
-      wide_streamed_count_ += c.size();
-      s = core_.wide_release(stream, r % 2);
-      if (!s) {
-        ++faults_;
-        return s.with_context("prepare_wide: releasing round %zu", r);
-      }
-    }
-    return s;
+      void fault() noexcept { ++c.faults_; }
+    } hooks{*this, consumer, resident, stream};
+    return detail::run_stream_rounds(core_, staging_, *rt_, storage_, stream, resident, options_.capacity,
+                                     options_.stream_slots, total_bytes_per_expert(layout_.tensors()), options, wide_,
+                                     hooks, summary);
   }
 
   // WideAdmission::admit: ascending groups of capacity / 2 through the planner. With room for
@@ -654,12 +695,12 @@ class ExpertCacheWithEdges {
   Status wide_admit_rounds(Stream stream, Consumer& consumer, WideSummary& summary) noexcept {
     const std::size_t group = static_cast<std::size_t>(std::max(1, options_.capacity / 2));
     const bool overlap = 2 * group <= static_cast<std::size_t>(options_.capacity);
-    const std::size_t n = wide_unique_.size();
+    const std::size_t n = wide_.unique.size();
     const std::size_t rounds = std::max<std::size_t>(1, (n + group - 1) / group);
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
     const auto ids = [&](std::size_t r) {
       const std::size_t b = std::min(n, r * group);
-      return std::span<const std::int32_t>(wide_unique_).subspan(b, std::min(n, b + group) - b);
+      return std::span<const std::int32_t>(wide_.unique).subspan(b, std::min(n, b + group) - b);
     };
     std::uint32_t round_hits = 0, round_misses = 0, next_hits = 0, next_misses = 0;
     const auto plan_round = [&](std::size_t r) noexcept -> Status {
@@ -701,9 +742,9 @@ class ExpertCacheWithEdges {
       if (s) {
         const auto map = planner_.forward_map();
         const auto experts = ids(r);
-        wide_round_.assign(experts.begin(), experts.end());
-        wide_slots_.clear();
-        for (const std::int32_t e : wide_round_) wide_slots_.push_back(map[static_cast<std::size_t>(e)]);
+        wide_.round.assign(experts.begin(), experts.end());
+        wide_.slots.clear();
+        for (const std::int32_t e : wide_.round) wide_.slots.push_back(map[static_cast<std::size_t>(e)]);
       }
       if (s && overlap && r + 1 < rounds) s = plan_round(r + 1);
       if (!s) {
@@ -716,11 +757,11 @@ class ExpertCacheWithEdges {
       round.view.hits = round_hits;
       round.view.misses = round_misses;
       round.view.generation = planner_.counters().generation;
-      round.experts = wide_round_;
-      round.slots = wide_slots_;
+      round.experts = wide_.round;
+      round.slots = wide_.slots;
       round.index = static_cast<std::uint32_t>(r);
       round.rounds = static_cast<std::uint32_t>(rounds);
-      if (Status cs = call_consumer(consumer, round); !cs) return cs;
+      if (Status cs = detail::call_wide_consumer(consumer, round); !cs) return cs;
       ++summary.rounds;
       s = core_.wide_release(stream, r % 2);
       if (!s) {
@@ -842,12 +883,7 @@ class ExpertCacheWithEdges {
   std::uint64_t faults_ = 0;
   std::uint64_t speculative_bytes_ = 0;
   // Wide forwards: scratch sized at construction (num_experts entries each), and counters.
-  std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_, wide_map_;
-  std::vector<std::uint32_t> wide_rows_;       // per expert: its ids in the wide forward (zero between forwards)
-  std::vector<std::size_t> wide_hit_begin_;    // round r's hits: [begin[r], begin[r + 1]) of wide_hits_
-  std::vector<SlotFill> wide_fills_;
-  std::vector<CopyDesc> wide_batch_;  // a stream round's copies for one batched call (WideOptions::batch_copies)
-  std::vector<detail::StreamRound> wide_plan_;
+  detail::WideScratch wide_;
   bool wide_fallback_logged_ = false;
   std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0, wide_bytes_ = 0;
 };

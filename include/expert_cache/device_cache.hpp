@@ -619,18 +619,7 @@ class DeviceExpertCacheWithEdges {
       const std::size_t map = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
       core_.add_wide_stream();
       wide_state_.emplace(rt, map);
-      const auto experts = static_cast<std::size_t>(options_.num_experts);
-      wide_unique_.reserve(experts);
-      wide_hits_.reserve(experts);
-      wide_misses_.reserve(experts);
-      wide_round_.reserve(experts);
-      wide_slots_.reserve(experts);
-      wide_fills_.reserve(experts);
-      wide_batch_.reserve(experts * storage_.copy_regions().count);
-      wide_plan_.reserve(experts + 1);
-      wide_hit_begin_.reserve(experts + 2);
-      wide_rows_.assign(experts, 0);
-      wide_map_.assign(experts, absent_slot);
+      wide_.reserve(static_cast<std::size_t>(options_.num_experts), storage_.copy_regions().count);
     }
     for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
     view_.expert_map = exec_.state().forward_map.data;
@@ -867,11 +856,11 @@ class DeviceExpertCacheWithEdges {
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
                                    WideOptions options = {}) noexcept {
     if (Status s = wide_allowed(stream, options); !s) return s;
-    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_);
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique);
         !s) {
       return s.with_context("%s: prepare_wide", options_.label.c_str());
     }
-    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
     if (Status s = read_back(stream, nullptr, 0); !s) return s;
     return serve_wide(stream, consumer, options);
   }
@@ -907,10 +896,10 @@ class DeviceExpertCacheWithEdges {
     }
     if (Status s = read_back(stream, device_ids, n_ids); !s) return s;
     const std::span<const std::int32_t> ids(reinterpret_cast<const std::int32_t*>(w.ids_host.data()), n_ids);
-    if (Status s = detail::wide_unique(ids, options_.num_experts, options_.max_wide_ids, wide_rows_, wide_unique_); !s) {
+    if (Status s = detail::wide_unique(ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique); !s) {
       return s.with_context("%s: prepare_wide", options_.label.c_str());
     }
-    const detail::ClearWideRowsOnExit clear_rows{wide_unique_, wide_rows_};
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
     return serve_wide(stream, consumer, options);
   }
 
@@ -1120,7 +1109,7 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
-  // The rounds of a validated wide forward (wide_unique_ holds it) after the read-back.
+  // The rounds of a validated wide forward (wide_.unique holds it) after the read-back.
   template <class Consumer>
   Result<WideSummary> serve_wide(Stream stream, Consumer& consumer, const WideOptions& options) noexcept {
     if (Status s = core_.wide_begin(stream); !s) {
@@ -1128,137 +1117,49 @@ class DeviceExpertCacheWithEdges {
       return s.with_context("%s: prepare_wide: ordering the forward after earlier work", options_.label.c_str());
     }
     WideSummary summary;
-    summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
+    summary.unique = static_cast<std::uint32_t>(wide_.unique.size());
     summary.admission = WideAdmission::stream;
     Status s = wide_stream_rounds(stream, consumer, summary, options);
     wide_copies_ += summary.copies;
     wide_bytes_ += summary.bytes;
     wide_rounds_ += summary.rounds;
-    if (!s) return s;
+    if (!s) return s.with_context("%s", options_.label.c_str());
     ++wide_forwards_;
     return summary;
   }
 
-  // ExpertCache::wide_stream_rounds on the device planner's pool: round r's misses in stream
-  // half r % 2 (slots capacity + ...), its share of the pool's residents read in place.
+  // detail::run_stream_rounds on the device planner's pool, read from the resident map's
+  // read-back; the round maps in two buffers of the cache's own (the plan state's forward map
+  // belongs to prepare()).
   template <class Consumer>
   Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
                             const WideOptions& options) noexcept {
     WideState& w = *wide_state_;
     const std::span<const std::int32_t> resident(reinterpret_cast<const std::int32_t*>(w.resident_host.data()),
                                                  static_cast<std::size_t>(options_.num_experts));
-    wide_hits_.clear();
-    wide_misses_.clear();
-    for (const std::int32_t e : wide_unique_) {
-      const std::int32_t slot = resident[static_cast<std::size_t>(e)];
-      // A slot outside the pool is no residency the host can use (the device state is
-      // checked by the planner; the host does not trust a word it did not write either).
-      (slot >= 0 && slot < options_.capacity ? wide_hits_ : wide_misses_).push_back(e);
-    }
-    const std::size_t half = static_cast<std::size_t>(options_.stream_slots / 2);
-    std::vector<CopyDesc>* const batch = options.batch_copies ? &wide_batch_ : nullptr;
-    const std::pair<std::size_t, std::uint64_t> dense_shape = detail::dense_copy_shape(wide_staging_, storage_);
-    const std::size_t dense_regions = dense_shape.first;
-    const std::uint64_t dense_bytes = dense_shape.second;
-    detail::plan_stream_rounds(wide_misses_, half, options.copy, options.cost, dense_regions, dense_bytes, wide_plan_);
-    const std::size_t rounds = std::max<std::size_t>(1, wide_plan_.size());
-    detail::split_wide_hits(wide_hits_, wide_rows_, rounds, wide_hit_begin_);
-    const auto hits_of = [&](std::size_t r) { return detail::round_hits(wide_hits_, wide_hit_begin_, r); };
-    summary.hits = static_cast<std::uint32_t>(wide_hits_.size());
-    const auto chunk = [&](std::size_t r) {
-      if (r >= wide_plan_.size()) return std::span<const std::int32_t>();
-      return std::span<const std::int32_t>(wide_misses_).subspan(wide_plan_[r].begin, wide_plan_[r].end - wide_plan_[r].begin);
-    };
-    const auto stream_slot = [&](std::size_t r, std::size_t i) {
-      const detail::StreamRound& p = wide_plan_[r];
-      const std::size_t k = p.span ? static_cast<std::size_t>(wide_misses_[p.begin + i] - p.first) : i;
-      return options_.capacity + static_cast<std::int32_t>((r % 2) * half + k);
-    };
-    const auto round_map = [&](std::size_t r) { return reinterpret_cast<std::int32_t*>(w.maps[r % 2].data()); };
-    const auto fill_round = [&](std::size_t r) noexcept -> Status {
-      const auto c = chunk(r);
-      wide_fills_.clear();
-      for (std::size_t i = 0; i < c.size(); ++i) wide_fills_.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
-      const bool span = !c.empty() && wide_plan_[r].span;
-      const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
-      Status s = core_.wide_fill(stream, r % 2, MapUpload{}, [&](Stream f) noexcept {
-        // The round's map (its pool hits too), then its copies.
-        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
-        for (std::size_t i = 0; i < c.size(); ++i) wide_map_[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
-        Status m = core_.upload_map(wide_map_.data(), round_map(r), f);
-        for (const std::int32_t e : hits_of(r)) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        for (const std::int32_t e : c) wide_map_[static_cast<std::size_t>(e)] = absent_slot;
-        if (!m) return m;
-        const std::span<const SlotFill> fills(wide_fills_);
-        if (span) {
-          const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
-          return detail::issue_span(wide_staging_, *rt_, f, storage_, first, width, fills, summary.copies, batch);
-        }
-        return detail::issue_coalesced(wide_staging_, *rt_, f, storage_, fills, summary.copies, batch);
-      });
-      if (s) {
-        summary.streamed += static_cast<std::uint32_t>(c.size());
-        summary.bytes += c.size() * bytes_per_expert_;
-        if (span) {
-          ++summary.span_rounds;
-          summary.wasted += static_cast<std::uint32_t>(width - c.size());
-          summary.bytes += (width - c.size()) * dense_bytes;
-        }
+    struct Hooks {
+      DeviceExpertCacheWithEdges& c;
+      Consumer& consumer;
+      Status before_rounds(std::span<const std::int32_t>) noexcept { return {}; }  // the read-back ordered them (edges 6, 2)
+      MapUpload resident_upload() noexcept { return {}; }  // the pool's map is the device's own
+      void uploaded() noexcept {}
+      std::int32_t* round_map(std::size_t r) noexcept {
+        return reinterpret_cast<std::int32_t*>(c.wide_state_->maps[r % 2].data());
       }
-      return s;
-    };
-    Status s = fill_round(0);
-    for (std::size_t r = 0; s && r < rounds; ++r) {
-      const auto c = chunk(r);
-      detail::compose_wide_round(r, hits_of(r), c, resident, stream_slot, wide_round_, wide_slots_);
-      // Only round r's fill (its map included) is waited for: round r + 1's fill, enqueued next
-      // on the wide stream, overlaps round r's consumer.
-      s = core_.wide_acquire(stream);
-      if (s && r + 1 < rounds) s = fill_round(r + 1);
-      if (!s) {
-        ++faults_;
-        return s.with_context("%s: prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool "
-                              "is unchanged)",
-                              options_.label.c_str(), r, rounds);
+      ForwardView view() const noexcept {
+        ForwardView v = c.view_;
+        v.missing = nullptr;  // every expert of a round is in its slot when the consumer reads it
+        return v;
       }
-      WideRound round;
-      round.view = view_;
-      round.view.expert_map = round_map(r);
-      round.view.missing = nullptr;  // every expert of a round is in its slot when the consumer reads it
-      round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
-      round.view.misses = static_cast<std::uint32_t>(c.size());
-      round.experts = wide_round_;
-      round.slots = wide_slots_;
-      round.index = static_cast<std::uint32_t>(r);
-      round.rounds = static_cast<std::uint32_t>(rounds);
-      round.streamed = static_cast<std::uint32_t>(c.size());
-      if (Status cs = call_wide_consumer(consumer, round); !cs) return cs.with_context("%s", options_.label.c_str());
-      ++summary.rounds;
-      wide_hits_count_ += hits_of(r).size();
-      wide_streamed_count_ += c.size();
-      s = core_.wide_release(stream, r % 2);
-      if (!s) {
-        ++faults_;
-        return s.with_context("%s: prepare_wide: releasing round %zu", options_.label.c_str(), r);
+      Status consume(const WideRound& round) noexcept { return detail::call_wide_consumer(consumer, round); }
+      void served(std::size_t hits, std::size_t streamed) noexcept {
+        c.wide_hits_count_ += hits;
+        c.wide_streamed_count_ += streamed;
       }
-    }
-    return s;
-  }
-
-  // The consumer of one round; an exception becomes an error Status (the API is noexcept).
-  template <class Consumer>
-  static Status call_wide_consumer(Consumer& consumer, const WideRound& round) noexcept {
-    try {
-      Status s = consumer(round);
-      if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
-      return s;
-    } catch (const std::exception& e) {
-      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
-                            round.index, round.rounds, e.what());
-    } catch (...) {
-      return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
-                            round.index, round.rounds);
-    }
+      void fault() noexcept { ++c.faults_; }
+    } hooks{*this, consumer};
+    return detail::run_stream_rounds(core_, wide_staging_, *rt_, storage_, stream, resident, options_.capacity,
+                                     options_.stream_slots, bytes_per_expert_, options, wide_, hooks, summary);
   }
 
   // A stream the runtime does not know is refused before anything is enqueued.
@@ -1314,13 +1215,7 @@ class DeviceExpertCacheWithEdges {
   };
   std::optional<WideState> wide_state_;
   CopyStream wide_staging_;  // a wide round's copies: plain copies (coalesced, batched by the rounds)
-  std::vector<std::int32_t> wide_unique_, wide_hits_, wide_misses_, wide_round_, wide_slots_;
-  std::vector<std::uint32_t> wide_rows_;
-  std::vector<std::int32_t> wide_map_;
-  std::vector<SlotFill> wide_fills_;
-  std::vector<CopyDesc> wide_batch_;
-  std::vector<detail::StreamRound> wide_plan_;
-  std::vector<std::size_t> wide_hit_begin_;
+  detail::WideScratch wide_;
   std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0;
   std::uint64_t wide_bytes_ = 0, wide_copies_ = 0;
   ForwardView view_;

@@ -465,6 +465,31 @@ void compose_wide_round(std::size_t r, std::span<const std::int32_t> hits, std::
   }
 }
 
+// The host vectors of one cache's wide forwards, reserved at construction (no allocation while
+// a forward runs).
+struct WideScratch {
+  std::vector<std::int32_t> unique, hits, misses, round, slots, map;
+  std::vector<std::uint32_t> rows;      // per expert: its ids in the wide forward (zero between forwards)
+  std::vector<std::size_t> hit_begin;   // round r's hits: [hit_begin[r], hit_begin[r + 1]) of hits
+  std::vector<SlotFill> fills;
+  std::vector<CopyDesc> batch;          // a stream round's copies for one batched call (WideOptions::batch_copies)
+  std::vector<StreamRound> plan;
+
+  void reserve(std::size_t experts, std::size_t copies_per_fill) {
+    unique.reserve(experts);
+    hits.reserve(experts);
+    misses.reserve(experts);
+    round.reserve(experts);
+    slots.reserve(experts);
+    fills.reserve(experts);
+    batch.reserve(experts * copies_per_fill);  // a round's copies: at most one per fill and region
+    plan.reserve(experts + 1);
+    hit_begin.reserve(experts + 2);
+    rows.assign(experts, 0);
+    map.assign(experts, absent_slot);
+  }
+};
+
 }  // namespace detail
 
 }  // namespace expert_cache::inline v0

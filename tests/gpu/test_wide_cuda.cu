@@ -20,6 +20,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
@@ -272,6 +273,23 @@ WideSummary wide_checked(WideCudaFixture<Cache>& f, const Ids& topk, WideOptions
   return s;
 }
 
+// Runs `call(stream)` on a fresh stream under capture; returns what it returned and the nodes
+// the capture got.
+template <class Call>
+auto captured(Call&& call) {
+  cudaStream_t cap = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
+  REQUIRE_CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
+  auto result = call(cap);
+  cudaGraph_t graph = nullptr;
+  REQUIRE_CUDA_OK(cudaStreamEndCapture(cap, &graph));
+  std::size_t nodes = 0;
+  REQUIRE_CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
+  REQUIRE_CUDA_OK(cudaStreamDestroy(cap));
+  return std::pair{std::move(result), nodes};
+}
+
 Ids range(std::int32_t b, std::int32_t e) {
   Ids v;
   for (std::int32_t i = b; i < e; ++i) v.push_back(i);
@@ -283,9 +301,9 @@ Ids range(std::int32_t b, std::int32_t e) {
 TEST_SUITE("gpu") {
 
 TEST_CASE_TEMPLATE("prepare_wide on CUDA: stream admission, every round's bytes and map", Cache, CopyRow, CopyWhole,
-                   InlineWhole) {
+                   InlineWhole, DeviceRow, DeviceWhole) {
   WideCudaFixture<Cache> f(8);
-  auto warm = f.cache->prepare(Ids{1, 5, 9, 30}, f.x);
+  auto warm = f.prepare(Ids{1, 5, 9, 30});
   REQUIRE(warm.ok());
   REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
   const CacheStats s0 = f.cache->stats();
@@ -297,8 +315,9 @@ TEST_CASE_TEMPLATE("prepare_wide on CUDA: stream admission, every round's bytes 
   CHECK(s1.hits == s0.hits);
   CHECK(s1.misses == s0.misses);
   CHECK(s1.faults == 0);
+  CHECK(s1.wide_streamed == num_experts - 4);
   // Usable afterwards: a normal forward reads its experts.
-  auto after = f.cache->prepare(Ids{1, 40}, f.x);
+  auto after = f.prepare(Ids{1, 40});
   REQUIRE(after.ok());
 }
 
@@ -332,20 +351,13 @@ TEST_CASE("prepare_wide on CUDA: a capturing stream is refused, nothing changes"
   REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
   const CacheStats s0 = f.cache->stats();
   const std::vector<std::int32_t> before(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end());
-  cudaStream_t cap = nullptr;
-  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
-  REQUIRE_CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
   int calls = 0;
-  auto r = f.cache->prepare_wide(range(0, num_experts), cap, [&](const WideRound&) {
-    ++calls;
-    return Status();
+  auto [r, nodes] = captured([&](cudaStream_t cap) {
+    return f.cache->prepare_wide(range(0, num_experts), cap, [&](const WideRound&) {
+      ++calls;
+      return Status();
+    });
   });
-  cudaGraph_t graph = nullptr;
-  REQUIRE_CUDA_OK(cudaStreamEndCapture(cap, &graph));
-  std::size_t nodes = 0;
-  REQUIRE_CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
-  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
-  REQUIRE_CUDA_OK(cudaStreamDestroy(cap));
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().code() == ErrorCode::capture_unsupported);
   CHECK(calls == 0);
@@ -361,40 +373,25 @@ TEST_CASE("prepare_wide on CUDA: a capturing stream is refused, nothing changes"
   CHECK(s.streamed == 22);
 }
 
-TEST_CASE_TEMPLATE("prepare_wide on CUDA: the device-planned cache streams its misses, the pool untouched", Cache,
-                   DeviceRow, DeviceWhole) {
+TEST_CASE_TEMPLATE("prepare_wide on CUDA: the device-planned cache, span copies; its residents still hit; capture refused",
+                   Cache, DeviceRow, DeviceWhole) {
   WideCudaFixture<Cache> f(8);
   REQUIRE(f.prepare(Ids{1, 5, 9, 30}).ok());
   REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
   const CacheStats s0 = f.cache->stats();
-  const WideSummary s = wide_checked(f, routing(64, 4, range(0, num_experts), 3), WideOptions{WideAdmission::stream, WideCopy::runs});
-  CHECK(s.hits == 4);
-  CHECK(s.streamed == num_experts - 4);
-  CHECK(s.rounds == 11);  // 44 missing experts in halves of 4
-  const CacheStats s1 = f.cache->stats();
-  CHECK(s1.hits == s0.hits);
-  CHECK(s1.misses == s0.misses);
-  CHECK(s1.faults == 0);
-  CHECK(s1.wide_streamed == num_experts - 4);
-  // Span copies, and a plan on the device afterwards: the four residents still hit.
   const WideSummary sp = wide_checked(f, routing(16, 2, Ids{0, 2, 3, 5, 6, 10, 11, 12, 33, 47}, 5),
                                       WideOptions{WideAdmission::stream, WideCopy::span});
   CHECK(sp.span_rounds == sp.rounds);
+  CHECK(sp.hits == 1);  // expert 5
+  // A plan on the device afterwards: the four residents still hit.
   REQUIRE(f.prepare(Ids{1, 5, 9, 30}).ok());
   REQUIRE_CUDA_OK(cudaStreamSynchronize(f.x));
-  CHECK(f.cache->stats().hits == s1.hits + 4);
+  CHECK(f.cache->stats().hits == s0.hits + 4);
   CHECK(f.cache->take_errors() == 0);
   // A capturing stream is refused before anything is enqueued.
-  cudaStream_t cap = nullptr;
-  REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking));
-  REQUIRE_CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
-  auto r = f.cache->prepare_wide(range(0, num_experts), cap, [](const WideRound&) { return Status(); });
-  cudaGraph_t graph = nullptr;
-  REQUIRE_CUDA_OK(cudaStreamEndCapture(cap, &graph));
-  std::size_t nodes = 0;
-  REQUIRE_CUDA_OK(cudaGraphGetNodes(graph, nullptr, &nodes));
-  REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
-  REQUIRE_CUDA_OK(cudaStreamDestroy(cap));
+  auto [r, nodes] = captured([&](cudaStream_t cap) {
+    return f.cache->prepare_wide(range(0, num_experts), cap, [](const WideRound&) { return Status(); });
+  });
   REQUIRE_FALSE(r.ok());
   CHECK(r.status().code() == ErrorCode::capture_unsupported);
   CHECK(nodes == 0);

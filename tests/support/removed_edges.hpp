@@ -33,5 +33,11 @@ struct NoStagingGuard : OrderingEdges {  // 8
 struct NoSpeculativeSlotWait : OrderingEdges {  // 9 (tests/test_prefetch.cpp)
   static constexpr bool speculative_slot_wait = false;
 };
+struct NoWideBufferRelease : OrderingEdges {  // 10 (tests/test_wide_forward.cpp, tests/test_device_wide.cpp)
+  static constexpr bool wide_buffer_release = false;
+};
+struct NoWideResidentReadWait : OrderingEdges {  // D10 (tests/test_device_wide.cpp)
+  static constexpr bool wide_resident_read_wait = false;
+};
 
 }  // namespace expert_cache::test
