@@ -632,8 +632,7 @@ class ExpertCacheWithEdges {
     const auto experts = static_cast<std::size_t>(std::max(o.num_experts, 1));
     const auto half = static_cast<std::size_t>(o.stream_slots / 2);
     const auto group = static_cast<std::size_t>(std::max(o.capacity / 2, 1));
-    const std::size_t rounds = (experts + std::min(half, group) - 1) / std::min(half, group);
-    return std::max(o.staging_ring, 2 * rounds + 4);
+    return std::max(o.staging_ring, detail::wide_ring_buffers(experts, std::min(half, group)));
   }
 
 

@@ -1062,9 +1062,8 @@ class DeviceExpertCacheWithEdges {
   // slots, every round map of one wide forward, so the host does not wait inside a forward.
   static std::size_t wide_ring_size(const DeviceCacheOptions& o) {
     if (o.stream_slots < 2) return 2;
-    const auto experts = static_cast<std::size_t>(std::max(o.num_experts, 1));
-    const auto half = static_cast<std::size_t>(o.stream_slots / 2);
-    return 2 * ((experts + half - 1) / half) + 4;
+    return detail::wide_ring_buffers(static_cast<std::size_t>(std::max(o.num_experts, 1)),
+                                     static_cast<std::size_t>(o.stream_slots / 2));
   }
 
   // What every prepare_wide checks before anything is enqueued.
@@ -1081,9 +1080,8 @@ class DeviceExpertCacheWithEdges {
                             "recommended_stream_slots() gives a size)",
                             options_.label.c_str(), options_.stream_slots);
     }
-    if (Status s = check_stream(stream, "prepare_wide"); !s) return s;
     if (Status s = detail::wide_forward_allowed(*rt_, wide_staging_, stream); !s) {
-      return s.with_context("%s", options_.label.c_str());
+      return s.with_context("%s: prepare_wide (nothing enqueued)", options_.label.c_str());
     }
     return {};
   }
@@ -1100,9 +1098,9 @@ class DeviceExpertCacheWithEdges {
       if (n_ids > 0) {
         if (Status c = rt_->copy_async(w.ids_host.data(), device_ids, n_ids * sizeof(std::int32_t), f); !c) return c;
       }
-      return rt_->record(w.read_back.get(), f);
+      return rt_->record(w.read_back_done.get(), f);
     });
-    if (s && Edges::wide_resident_read_wait) s = rt_->synchronize(w.read_back.get());
+    if (s && Edges::wide_resident_read_wait) s = rt_->synchronize(w.read_back_done.get());
     if (!s) return s.with_context("%s: prepare_wide: reading the pool's resident map back", options_.label.c_str());
     rt_->host_access(w.resident_host.data(), bytes, AccessMode::read);
     if (n_ids > 0) rt_->host_access(w.ids_host.data(), n_ids * sizeof(std::int32_t), AccessMode::read);
@@ -1207,11 +1205,11 @@ class DeviceExpertCacheWithEdges {
     WideState(Runtime& rt, std::size_t map_bytes)
         : resident_host(rt, map_bytes, MemoryKind::pinned_host),
           maps{RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device), RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device)},
-          read_back(rt) {}
+          read_back_done(rt) {}
     RuntimeBuffer<Runtime> resident_host;
     RuntimeBuffer<Runtime> ids_host;  // prepare_wide from device ids: grown to the largest forward
     std::array<RuntimeBuffer<Runtime>, 2> maps;
-    RuntimeEvent<Runtime> read_back;
+    RuntimeEvent<Runtime> read_back_done;  // recorded after the read-back's copies
   };
   std::optional<WideState> wide_state_;
   CopyStream wide_staging_;  // a wide round's copies: plain copies (coalesced, batched by the rounds)

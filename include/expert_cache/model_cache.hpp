@@ -558,8 +558,7 @@ class ModelExpertCache {
     const auto L = static_cast<std::size_t>(o.num_layers);
     std::size_t ring = o.staging_ring != 0 ? o.staging_ring : (o.pool == ModelPool::global ? 2 * L + 8 : 8 * L);
     if (o.stream_slots >= 2) {  // one wide forward's map uploads never wait for a staging buffer
-      const auto half = static_cast<std::size_t>(o.stream_slots / 2);
-      ring += 2 * ((static_cast<std::size_t>(o.num_experts) + half - 1) / half) + 4;
+      ring += detail::wide_ring_buffers(static_cast<std::size_t>(o.num_experts), static_cast<std::size_t>(o.stream_slots / 2));
     }
     return ring;
   }

@@ -116,6 +116,14 @@ inline constexpr std::int64_t default_max_wide_ids = std::int64_t{1} << 20;
 
 namespace detail {
 
+// Staging-ring buffers one wide forward's map uploads need so that the host never waits for one:
+// two per round (its map, and at most one resident-map upload) for rounds of `round_experts`
+// of `experts`, and 4 to spare.
+[[nodiscard]] constexpr std::size_t wide_ring_buffers(std::size_t experts, std::size_t round_experts) noexcept {
+  const std::size_t per_round = round_experts < 1 ? 1 : round_experts;
+  return 2 * ((experts + per_round - 1) / per_round) + 4;
+}
+
 // A storage's copy regions widened to a run of `n` consecutive experts in consecutive slots:
 // what a copy-based staging policy reads for ONE fill (the run's first expert and slot).
 struct RunCopyRegions {
