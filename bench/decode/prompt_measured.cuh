@@ -514,91 +514,82 @@ class PromptRunner {
         for (std::int32_t e = 0; e < m_.experts; ++e) unique_[static_cast<std::size_t>(e)] = e;
         if (Status s = consume(resident_.weights(l), std::span<const std::int32_t>(unique_.data(), unique_.size())); !s)
           throw Error(s);
-      } else {
-        const auto serve_stream = [&] {
-          Cache& cache = *caches_[static_cast<std::size_t>(l)];
-          Result<WideSummary> r = cache.prepare_wide(
-              ids, consumer_,
-              [&](const WideRound& round) -> Status {
-                if (mode == PromptMode::fill_only) return {};
-                return consume(device::moe_weights_from_view(round.view, m_.experts), round.experts);
-              },
-              options);
-          if (!r.ok()) throw Error(r.status());
-          if (!bucketed && mode != PromptMode::fill_only) {  // no round called the consumer
-            if (Status s = lists(); !s) throw Error(s);
-          }
-          const WideSummary& s = r.value();
-          t.rounds += s.rounds;
-          t.copies += s.copies;
-          t.span_rounds += s.span_rounds;
-          t.wasted += s.wasted;
-          t.bytes += static_cast<double>(s.bytes);
-          t.missing += s.unique - s.hits;
-        };
-        if constexpr (device_planned) {
-          if (device_groups) {
-            // The ids to device memory (the plan reads them there; the reduction below reuses them),
-            // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
-            // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
-            // unique list: the experts resident at the layer's start first, then the others, each
-            // part ascending. The host knows both (the resident map read before the clock), so it
-            // builds that group's pair and tile lists; the slots come from the view's forward map,
-            // which holds group g only.
-            // The pair lists (a counting sort of the ids) are built after group 0's plan and fill
-            // are enqueued, while they run, as the host-planned path builds them in its first round.
-            Cache& cache = *caches_[static_cast<std::size_t>(l)];
-            std::copy(ids.begin(), ids.end(), layer_ids_);
-            load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
-                                                                                               ids_dev_.as<std::int32_t>());
-            check_cuda(cudaGetLastError(), "load_ids_kernel");
-            const auto n = static_cast<std::int32_t>(pairs);
-            const std::int32_t W = std::max<std::int32_t>(1, m_.capacity / 2);
-            const auto C = static_cast<std::size_t>(W);
-            const std::int32_t groups = cache.max_groups(n, W);
-            for (std::int32_t g = 0; g < groups; ++g) {
-              Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds, W)
-                                             : cache.prepare_group(g, consumer_);
-              if (!v.ok()) throw Error(v.status());
-              if (g == 0) {
-                bucketed = true;
-                bucket(ids);
-                unique_.clear();
-                const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
-                for (const char part : {char{1}, char{0}}) {
-                  for (std::int32_t e = 0; e < m_.experts; ++e) {
-                    const auto i = static_cast<std::size_t>(e);
-                    if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
-                  }
-                }
-              }
-              const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
-              const std::size_t end = std::min(unique_.size(), begin + C);
-              if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
-              ++t.rounds;
-              if (end < unique_.size()) {
-                // The next group's experts, prefetched on the side stream while this group computes
-                // (ordered after this group's plan and fill; the next prepare_group after them).
-                const std::size_t next_end = std::min(unique_.size(), end + C);
-                PrefetchOptions po;
-                po.max_bytes = static_cast<std::int64_t>(next_end - end) * static_cast<std::int64_t>(m_.expert_bytes());
-                po.expires_after = 1;
-                auto pv = cache.prefetch(std::span<const std::int32_t>(unique_.data() + end, next_end - end), side_, po);
-                if (!pv.ok()) throw Error(pv.status());
-              }
-              if (mode == PromptMode::fill_only) continue;
-              if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
-                                     std::span<const std::int32_t>(unique_.data() + begin, end - begin));
-                  !s)
-                throw Error(s);
-            }
-            t.missing += missing_at_start[static_cast<std::size_t>(l)];
-          } else {
-            serve_stream();
-          }
-        } else {
-          serve_stream();
+      } else if (!device_groups) {
+        Cache& cache = *caches_[static_cast<std::size_t>(l)];
+        Result<WideSummary> r = cache.prepare_wide(
+            ids, consumer_,
+            [&](const WideRound& round) -> Status {
+              if (mode == PromptMode::fill_only) return {};
+              return consume(device::moe_weights_from_view(round.view, m_.experts), round.experts);
+            },
+            options);
+        if (!r.ok()) throw Error(r.status());
+        if (!bucketed && mode != PromptMode::fill_only) {  // no round called the consumer
+          if (Status s = lists(); !s) throw Error(s);
         }
+        const WideSummary& s = r.value();
+        t.rounds += s.rounds;
+        t.copies += s.copies;
+        t.span_rounds += s.span_rounds;
+        t.wasted += s.wasted;
+        t.bytes += static_cast<double>(s.bytes);
+        t.missing += s.unique - s.hits;
+      } else if constexpr (device_planned) {
+        // The ids to device memory (the plan reads them there; the reduction below reuses them),
+        // then group 0 (prepare, in rounds) and groups 1..max_groups - 1 (prepare_group), each
+        // followed by its consumer on the same stream. Group g is ids [g*C, (g+1)*C) of the
+        // unique list: the experts resident at the layer's start first, then the others, each
+        // part ascending. The host knows both (the resident map read before the clock), so it
+        // builds that group's pair and tile lists; the slots come from the view's forward map,
+        // which holds group g only.
+        // The pair lists (a counting sort of the ids) are built after group 0's plan and fill
+        // are enqueued, while they run, as the host-planned path builds them in its first round.
+        Cache& cache = *caches_[static_cast<std::size_t>(l)];
+        std::copy(ids.begin(), ids.end(), layer_ids_);
+        load_ids_kernel<<<static_cast<unsigned>((pairs + 255) / 256), 256, 0, consumer_>>>(layer_ids_dev_, pairs,
+                                                                                           ids_dev_.as<std::int32_t>());
+        check_cuda(cudaGetLastError(), "load_ids_kernel");
+        const auto n = static_cast<std::int32_t>(pairs);
+        const std::int32_t W = std::max<std::int32_t>(1, m_.capacity / 2);
+        const auto C = static_cast<std::size_t>(W);
+        const std::int32_t groups = cache.max_groups(n, W);
+        for (std::int32_t g = 0; g < groups; ++g) {
+          Result<ForwardView> v = g == 0 ? cache.prepare(ids_dev_.as<std::int32_t>(), n, consumer_, DeviceForward::in_rounds, W)
+                                         : cache.prepare_group(g, consumer_);
+          if (!v.ok()) throw Error(v.status());
+          if (g == 0) {
+            bucketed = true;
+            bucket(ids);
+            unique_.clear();
+            const std::vector<char>& was_resident = start_resident_[static_cast<std::size_t>(l)];
+            for (const char part : {char{1}, char{0}}) {
+              for (std::int32_t e = 0; e < m_.experts; ++e) {
+                const auto i = static_cast<std::size_t>(e);
+                if (counts_[i + 1] > counts_[i] && was_resident[i] == part) unique_.push_back(e);
+              }
+            }
+          }
+          const std::size_t begin = std::min(unique_.size(), static_cast<std::size_t>(g) * C);
+          const std::size_t end = std::min(unique_.size(), begin + C);
+          if (begin == end) continue;  // a group this forward does not have: planned empty, nothing to compute
+          ++t.rounds;
+          if (end < unique_.size()) {
+            // The next group's experts, prefetched on the side stream while this group computes
+            // (ordered after this group's plan and fill; the next prepare_group after them).
+            const std::size_t next_end = std::min(unique_.size(), end + C);
+            PrefetchOptions po;
+            po.max_bytes = static_cast<std::int64_t>(next_end - end) * static_cast<std::int64_t>(m_.expert_bytes());
+            po.expires_after = 1;
+            auto pv = cache.prefetch(std::span<const std::int32_t>(unique_.data() + end, next_end - end), side_, po);
+            if (!pv.ok()) throw Error(pv.status());
+          }
+          if (mode == PromptMode::fill_only) continue;
+          if (Status s = consume(device::moe_weights_from_view(v.value(), m_.experts),
+                                 std::span<const std::int32_t>(unique_.data() + begin, end - begin));
+              !s)
+            throw Error(s);
+        }
+        t.missing += missing_at_start[static_cast<std::size_t>(l)];
       }
       if (mode != PromptMode::fill_only) {
         if (ev > layer_ev) layer_rounds.emplace_back(layer_ev, ev - 2);
