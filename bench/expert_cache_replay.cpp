@@ -71,6 +71,8 @@ void print_help(std::ostream& out) {
          "  --json                print JSON instead of a table\n"
          "  --per-layer           per-layer breakdown against OPT (most useful with --scope global:\n"
          "                        which layers lose the most hits); JSON gains per_layer arrays\n"
+         "  --miss-histogram S    per row, how many forwards of steps >= S missed 0, 1, 2, ... experts\n"
+         "                        (the earlier steps replay as a warm-up); JSON gains forwards_by_misses\n"
          "  --prefetch P          after each forward, prefetch the next layer's predicted experts:\n"
          "                        none (default), coact (co-activation table learned online), prev\n"
          "                        (the previous token's experts), or hint:R (EMULATED engine hints\n"
@@ -119,6 +121,7 @@ struct Args {
   double prior_pin = 0.25;
   bool json = false;
   bool per_layer = false;
+  std::optional<std::int32_t> miss_histogram_from;
   bool progress = false;
   bool help = false;
 };
@@ -207,6 +210,11 @@ Args parse_args(int argc, char** argv) {
     } else if (arg == "--per-layer") {
       no_value();
       a.per_layer = true;
+    } else if (arg == "--miss-histogram") {
+      const std::string v(value());
+      const std::int32_t step = parse_int_arg("--miss-histogram", v);
+      if (step < 0) throw UsageError{"--miss-histogram: " + v + " is below 0"};
+      a.miss_histogram_from = step;
     } else if (arg == "--json") {
       no_value();
       a.json = true;
@@ -220,6 +228,9 @@ Args parse_args(int argc, char** argv) {
   if (a.trace_path && a.generate_spec) throw UsageError{"--trace and --generate are mutually exclusive"};
   if (a.calibrate > 0.0 && a.prefetch.kind != ec::PrefetchKind::none) {
     throw UsageError{"--calibrate and --prefetch cannot be combined (the prefetch replay has no calibration part)"};
+  }
+  if (a.miss_histogram_from && a.prefetch.kind != ec::PrefetchKind::none) {
+    throw UsageError{"--miss-histogram and --prefetch cannot be combined (the histogram counts plain replays)"};
   }
   if (a.policies.empty()) a.policies = ec::replay_policy_names();
   if (a.expert_bytes == 0) a.expert_bytes = default_expert_bytes();
@@ -253,7 +264,36 @@ void print_per_layer_json(std::ostream& out, const ec::ReplayReport& r, const ec
   out << "]";
 }
 
-void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r, bool per_layer) {
+// How many forwards missed m experts, m = 0, 1, ...; its mean (misses per counted forward).
+double mean_misses(const std::vector<std::uint64_t>& by_misses, std::uint64_t& forwards) {
+  std::uint64_t misses = 0;
+  forwards = 0;
+  for (std::size_t m = 0; m < by_misses.size(); ++m) {
+    forwards += by_misses[m];
+    misses += m * by_misses[m];
+  }
+  return forwards == 0 ? 0.0 : static_cast<double>(misses) / static_cast<double>(forwards);
+}
+
+void print_miss_histogram(std::ostream& out, const ec::ReplayReport& r, std::int32_t from_step) {
+  out << "\nforwards by misses (steps >= " << from_step << "; share of the counted forwards)\n";
+  char buf[64];
+  for (const ec::ReplayRow& row : r.rows) {
+    std::uint64_t forwards = 0;
+    const double mean = mean_misses(row.forwards_by_misses, forwards);
+    std::snprintf(buf, sizeof buf, "%-10s %8d  mean %.3f:", row.policy.c_str(), row.capacity, mean);
+    out << buf;
+    for (std::size_t m = 0; m < row.forwards_by_misses.size(); ++m) {
+      std::snprintf(buf, sizeof buf, " %zu: %.1f%%", m,
+                    forwards == 0 ? 0.0 : 100.0 * static_cast<double>(row.forwards_by_misses[m]) / static_cast<double>(forwards));
+      out << buf;
+    }
+    out << " (" << forwards << " forwards)\n";
+  }
+}
+
+void print_json(std::ostream& out, const std::string& source, const ec::ReplayReport& r, bool per_layer,
+                bool miss_histogram) {
   out << "{\n  \"trace\": " << json_string(source) << ",\n  \"scope\": \"" << ec::to_string(r.scope)
       << "\",\n  \"num_experts\": " << r.num_experts << ",\n  \"num_layers\": " << r.num_layers
       << ",\n  \"cache_experts\": " << r.cache_experts << ",\n  \"caches\": " << r.caches
@@ -273,6 +313,11 @@ void print_json(std::ostream& out, const std::string& source, const ec::ReplayRe
           << ", \"misses_vs_opt\": " << json_number(row.misses_vs_opt);
     }
     if (per_layer) print_per_layer_json(out, r, row);
+    if (miss_histogram) {
+      out << ", \"forwards_by_misses\": [";
+      for (std::size_t m = 0; m < row.forwards_by_misses.size(); ++m) out << (m ? ", " : "") << row.forwards_by_misses[m];
+      out << "]";
+    }
     out << "}";
   }
   out << "\n  ]\n}\n";
@@ -570,6 +615,7 @@ int run(int argc, char** argv) {
   options.capacities = args.capacities;
   options.policies = args.policies;
   options.calibrate = args.calibrate;
+  options.histogram_from_step = args.miss_histogram_from.value_or(0);
   options.prior_weight = args.prior_weight;
   options.prior_pin = args.prior_pin;
   options.crf_half_life = args.crf_half_life;
@@ -625,9 +671,10 @@ int run(int argc, char** argv) {
     return fail(st);
   }
   if (args.json) {
-    print_json(std::cout, source, report.value(), args.per_layer);
+    print_json(std::cout, source, report.value(), args.per_layer, args.miss_histogram_from.has_value());
   } else {
     print_table(std::cout, source, report.value());
+    if (args.miss_histogram_from) print_miss_histogram(std::cout, report.value(), *args.miss_histogram_from);
     if (args.per_layer) print_per_layer(std::cout, report.value());
   }
   std::cout.flush();

@@ -282,6 +282,24 @@ def case_calibrate():
     expect_usage_error(["--trace", path, "--crf-half-life", "inf"], "not a number")
 
 
+def case_miss_histogram():
+    # One layer, 2 slots, LRU (by hand): misses per step 2, 0, 1, 1, 0, 2.
+    path = write("h.trace", "0 0 1 2\n1 0 1 2\n2 0 3\n3 0 1 3\n4 0 1 3\n5 0 2 4\n")
+    rc, out, err = run("--trace", path, "--capacity", "2", "--policy", "lru", "--miss-histogram", "2", "--json")
+    expect(rc == 0, "--miss-histogram --json", out, err)
+    lru = json.loads(out)["results"][0]
+    expect(lru["forwards_by_misses"] == [1, 2, 1], "steps 2-5 by hand", lru)
+    expect(lru["misses"] == 6, "totals count every step", lru)
+    rc, out, err = run("--trace", path, "--capacity", "2", "--policy", "lru", "--miss-histogram", "0")
+    expect(rc == 0 and "forwards by misses (steps >= 0" in out, "histogram table", out, err)
+    expect("mean 1.000: 0: 33.3% 1: 33.3% 2: 33.3% (6 forwards)" in out, "shares and mean by hand", out)
+    rc, out, err = run("--trace", path, "--capacity", "2", "--policy", "lru", "--json")
+    expect(rc == 0 and "forwards_by_misses" not in out, "no histogram without the flag", out, err)
+    expect_usage_error(["--trace", path, "--miss-histogram", "-1"], "is below 0")
+    expect_usage_error(["--trace", path, "--miss-histogram", "x"], "is not an integer")
+    expect_usage_error(["--trace", path, "--miss-histogram", "0", "--prefetch", "prev"], "cannot be combined")
+
+
 CASES = {
     "help": case_help,
     "default_generated": case_default_generated,
@@ -294,6 +312,7 @@ CASES = {
     "prefetch": case_prefetch,
     "prefetch_bad_args": case_prefetch_bad_args,
     "calibrate": case_calibrate,
+    "miss_histogram": case_miss_histogram,
 }
 
 

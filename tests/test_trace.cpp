@@ -234,6 +234,51 @@ TEST_CASE("replay (global scope) equals a direct run keyed layer_index*E + e") {
   CHECK(r.value().rows[0].counts.misses == p.counters().misses);
 }
 
+TEST_CASE("replay: forwards by misses, counted from a step on, sum to the forwards and to the misses") {
+  // One layer, 2 slots, LRU. Step 0: {1, 2} 2 misses; 1: {1, 2} 0; 2: {3} 1 (evicts 1);
+  // 3: {1, 3} 1 (evicts 2); 4: {1, 3} 0; 5: {2, 4} 2.
+  const ToolResult<Trace> t = parse("0 0 1 2\n1 0 1 2\n2 0 3\n3 0 1 3\n4 0 1 3\n5 0 2 4\n");
+  REQUIRE(t.ok());
+  ReplayOptions options;
+  options.capacities = {2};
+  options.policies = {"lru"};
+  Result<ReplayReport> r = replay(t.value(), options);
+  REQUIRE(r.ok());
+  CHECK(r.value().rows[0].forwards_by_misses == std::vector<std::uint64_t>{2, 2, 2});
+  CHECK(r.value().rows[0].counts.misses == 6);
+  options.histogram_from_step = 2;  // steps 0 and 1 warm the cache up and are not counted
+  r = replay(t.value(), options);
+  REQUIRE(r.ok());
+  CHECK(r.value().rows[0].forwards_by_misses == std::vector<std::uint64_t>{1, 2, 1});
+  CHECK(r.value().rows[0].counts.misses == 6);  // the totals still count every forward
+  options.histogram_from_step = 6;  // past the last step: nothing counted
+  r = replay(t.value(), options);
+  REQUIRE(r.ok());
+  CHECK(r.value().rows[0].forwards_by_misses.empty());
+  // Generated, 4 layers: the histogram's forwards and misses equal the totals.
+  GeneratorSpec spec;
+  spec.layers = 4;
+  spec.experts = 32;
+  spec.top_k = 4;
+  spec.steps = 200;
+  options.histogram_from_step = 0;
+  options.capacities = {8};
+  options.policies = {"lru", "lfru"};
+  r = replay(generate_trace(spec), options);
+  REQUIRE(r.ok());
+  for (const ReplayRow& row : r.value().rows) {
+    std::uint64_t forwards = 0, misses = 0;
+    for (std::size_t m = 0; m < row.forwards_by_misses.size(); ++m) {
+      forwards += row.forwards_by_misses[m];
+      misses += m * row.forwards_by_misses[m];
+    }
+    CAPTURE(row.policy);
+    CHECK(forwards == r.value().forwards);
+    CHECK(misses == row.counts.misses);
+    CHECK(row.forwards_by_misses.size() > 2);
+  }
+}
+
 TEST_CASE("replay errors") {
   const ToolResult<Trace> t = parse("0 0 1 2\n1 0 3\n1 0 4 5 6\n2 0 1\n");
   REQUIRE(t.ok());

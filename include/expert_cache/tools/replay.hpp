@@ -240,6 +240,9 @@ struct ReplayOptions {
   // The CRF policies' half-life in forwards (> 0; 8 = Crf's default; DeviceCrf takes the same
   // decay through DeviceCacheOptions::crf_decay_q32): decay 2^(-1/h) rounded to Q32.
   double crf_half_life = 8.0;
+  // ReplayRow::forwards_by_misses counts the forwards of steps >= this one only (the earlier ones
+  // are replayed, as a warm-up, but not counted there); 0 counts every forward.
+  std::int32_t histogram_from_step = 0;
 };
 
 // 2^(-1/h) in Q32, for a half-life h > 0 (0 when h is not positive and finite; at least 1).
@@ -266,6 +269,10 @@ struct ReplayRow {
   // in a global pool a victim's layer is not the forward's).
   std::vector<ReplayCounts> per_layer;
   std::optional<std::vector<ReplayCounts>> opt_per_layer;  // OPT's, when available
+  // [m]: how many forwards missed exactly m experts (from ReplayOptions::histogram_from_step on);
+  // the per-forward cost of a miss depends on how the misses spread over forwards, not only on
+  // their total (a forward with none moves nothing; several share one fill's fixed latency).
+  std::vector<std::uint64_t> forwards_by_misses;
   // Present when OPT is available: this policy's hits / OPT's hits, misses / OPT's misses
   // (1.0 when both are zero).
   std::optional<double> hits_vs_opt;
@@ -309,12 +316,13 @@ struct ProgressState {
 struct RunCounts {
   ReplayCounts total;
   std::vector<ReplayCounts> per_layer;
+  std::vector<std::uint64_t> forwards_by_misses;
 };
 
 template <class P>
 Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream, std::int32_t capacity,
                                    std::shared_ptr<const BeladyFuture>& future, ProgressState& progress,
-                                   std::vector<ReplayCounts>& per_layer) {
+                                   std::vector<ReplayCounts>& per_layer, std::vector<std::uint64_t>& by_misses) {
   const CacheShape shape{stream.num_experts, capacity};
   ForwardPlanner<P> planner(shape, 1, make_replay_policy<P>(shape, stream, future));
   ForwardPlan plan;
@@ -325,6 +333,11 @@ Result<ReplayCounts> replay_stream(const Trace& trace, const CacheStream& stream
     ReplayCounts& layer = per_layer[static_cast<std::size_t>(stream.layer_index[i])];
     layer.hits += plan.hits;
     layer.misses += plan.misses;
+    if (trace.forwards[stream.source[i]].step >= progress.options->histogram_from_step) {
+      const std::size_t m = plan.misses;
+      if (by_misses.size() <= m) by_misses.resize(m + 1, 0);
+      ++by_misses[m];
+    }
     if (++progress.done >= progress.next_report && progress.options->progress) {
       progress.options->progress(ReplayProgress{P::name, capacity, progress.done, progress.total});
       progress.next_report = progress.done + std::max<std::uint64_t>(progress.options->progress_every, 1);
@@ -353,7 +366,8 @@ Result<RunCounts> replay_policy(const Trace& trace, ReplayCaches& caches, std::i
   run.per_layer.resize(caches.num_layers);
   for (std::size_t i = 0; i < caches.streams.size(); ++i) {
     Result<ReplayCounts> r =
-        replay_stream<P>(trace, caches.streams[i], capacity, caches.futures[i], progress, run.per_layer);
+        replay_stream<P>(trace, caches.streams[i], capacity, caches.futures[i], progress, run.per_layer,
+                         run.forwards_by_misses);
     if (!r.ok()) return r.status();
     run.total.hits += r.value().hits;
     run.total.misses += r.value().misses;
@@ -508,10 +522,12 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
     for (const std::int32_t c : options.capacities) {
       std::optional<ReplayCounts> opt;
       std::optional<std::vector<ReplayCounts>> opt_per_layer;
+      std::vector<std::uint64_t> opt_by_misses;
       if (std::optional<Result<detail::RunCounts>> r = detail::replay_opt<ReplayOptPolicy>(trace, caches, c, progress)) {
         if (!r->ok()) return r->status();
         opt = r->value().total;
         opt_per_layer = r->value().per_layer;
+        opt_by_misses = r->value().forwards_by_misses;
       }
       for (const std::string& name : options.policies) {
         ReplayRow row;
@@ -520,6 +536,7 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
         if (detail::is_opt_name(name) && opt) {
           row.counts = *opt;
           row.per_layer = *opt_per_layer;
+          row.forwards_by_misses = opt_by_misses;
         } else {
           std::optional<Result<detail::RunCounts>> r =
               detail::replay_named(ReplayPolicies{}, name, trace, caches, c, progress);
@@ -527,6 +544,7 @@ inline double ratio(std::uint64_t a, std::uint64_t b) noexcept {
           if (!r->ok()) return r->status();
           row.counts = r->value().total;
           row.per_layer = std::move(r->value().per_layer);
+          row.forwards_by_misses = std::move(r->value().forwards_by_misses);
         }
         row.opt_per_layer = opt_per_layer;
         if (opt) {
