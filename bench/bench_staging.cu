@@ -11,9 +11,9 @@
 //   host/<cache>/all_hit, host/<cache>/misses:10   wall-clock of the prepare() call alone (the
 //                                GPU is drained before each call and not waited after it)
 //
-// Targets: best policy >= 95% of the ceiling at >= 8 misses; host prepare <= 3 us all-hit and
-// <= 10 us with 10 misses. Run with --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
-// and read the medians.
+// What to read: the best staging policy's ratio of the ceiling at >= 8 misses, and the host us of an
+// all-hit prepare and of one with 10 misses. Run with --benchmark_repetitions=5
+// --benchmark_report_aggregates_only=true and read the medians.
 #include <benchmark/benchmark.h>
 
 #include <cuda_runtime.h>

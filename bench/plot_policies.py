@@ -10,7 +10,7 @@ measure  runs expert-cache-replay (--policy all --json) on FILE in both scopes a
          global 2.5 ... 50 % of all layers x E experts, per layer 6.25 ... 75 % of E; a capacity
          below the widest forward (the tool rejects it) is left out.
 plot     one PNG per JSON, <stem>.png: hit rate (%) vs capacity (% of the scope's experts) per
-         policy with OPT dashed, and beside it hits / OPT with the 0.9 target.
+         policy with OPT dashed, and beside it hits / OPT with a dotted line at 0.9.
 
 Needs matplotlib (Debian: apt-get install python3-matplotlib).
 """
@@ -113,7 +113,7 @@ def plot_one(plt, doc, out_path, commit):
     for c in GLOBAL_MARKED if scope == "global" else LAYER_MARKED:
         for ax in (ax_h, ax_x):
             ax.axvline(c, color="gray", linewidth=0.6, alpha=0.5)
-    ax_x.axhline(0.9, color="red", linewidth=1, linestyle=":", label="target 0.9 x OPT")
+    ax_x.axhline(0.9, color="red", linewidth=1, linestyle=":", label="0.9 x OPT")
     what = "all layers' experts (one global pool)" if scope == "global" else "a layer's experts (one cache per layer)"
     for ax in (ax_h, ax_x):
         ax.set_xlabel(f"capacity (% of {what})")
