@@ -569,6 +569,26 @@ Status read_wide_round(SimRuntime& rt, Stream s, const Bridge& b, const WideRoun
   });
 }
 
+// `host` ids in a device buffer of at least `count` ids (the device provider takes device ids).
+RuntimeBuffer<SimRuntime> device_ids(SimRuntime& rt, const std::vector<std::int32_t>& host, std::size_t count) {
+  RuntimeBuffer<SimRuntime> ids(rt, std::max(count, host.size()) * sizeof(std::int32_t), MemoryKind::device);
+  rt.host_access(ids.data(), host.size() * sizeof(std::int32_t), AccessMode::write);
+  std::memcpy(ids.data(), host.data(), host.size() * sizeof(std::int32_t));
+  return ids;
+}
+
+// A kernel-like reader of a round's expert map: appends the experts it maps to `mapped`.
+Status collect_mapped(SimRuntime& rt, Stream s, const WideRoundInfo& info, std::int32_t experts,
+                      const std::shared_ptr<std::vector<std::int32_t>>& mapped) {
+  const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
+  const Access a{map, static_cast<std::size_t>(experts) * sizeof(std::int32_t), AccessMode::read};
+  return rt.launch(s, std::span<const Access>(&a, 1), [map, mapped, n = experts] {
+    for (std::int32_t e = 0; e < n; ++e) {
+      if (map[e] >= 0) mapped->push_back(e);
+    }
+  });
+}
+
 }  // namespace
 
 TEST_CASE("CacheBridge::prepare_wide: rounds over the stream slots, as the extension wraps them; bad input changes nothing") {
@@ -675,10 +695,8 @@ TEST_CASE("CacheBridge::prepare_wide_device: the device provider's rounds (prepa
     REQUIRE(made.ok());
     Bridge& b = *made.value();
     CHECK(b.policy() == policy);
-    RuntimeBuffer<SimRuntime> ids(rt, max_ids * sizeof(std::int32_t), MemoryKind::device);
     const std::vector<std::int32_t> host = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 12, -1, 0};  // 12 unique: 3 groups
-    rt.host_access(ids.data(), host.size() * sizeof(std::int32_t), AccessMode::write);
-    std::memcpy(ids.data(), host.data(), host.size() * sizeof(std::int32_t));
+    const RuntimeBuffer<SimRuntime> ids = device_ids(rt, host, max_ids);
     const auto* dev = reinterpret_cast<const std::int32_t*>(ids.data());
     auto mapped = std::make_shared<std::vector<std::int32_t>>();
     std::uint32_t rounds = 0;
@@ -686,13 +704,7 @@ TEST_CASE("CacheBridge::prepare_wide_device: the device provider's rounds (prepa
       ++rounds;
       CHECK(info.experts.empty());
       CHECK(info.slot_count == C);
-      const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
-      const Access a{map, E * sizeof(std::int32_t), AccessMode::read};
-      return rt.launch(s, std::span<const Access>(&a, 1), [map, mapped, n = E] {
-        for (std::int32_t e = 0; e < n; ++e) {
-          if (map[e] >= 0) mapped->push_back(e);
-        }
-      });
+      return collect_mapped(rt, s, info, E, mapped);
     });
     REQUIRE(r.ok());
     rt.drain();
@@ -721,9 +733,7 @@ TEST_CASE("CacheBridge::prepare_wide_device with stream slots: read back, stream
   Bridge& b = *made.value();
   for (const SlotDescriptor& d : b.slots()) CHECK(d.capacity == C + stream_slots);  // the stream slots follow the pool
   const std::vector<std::int32_t> host = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 12, -1, 0};  // 12 unique, more than max_ids
-  RuntimeBuffer<SimRuntime> ids(rt, host.size() * sizeof(std::int32_t), MemoryKind::device);
-  rt.host_access(ids.data(), host.size() * sizeof(std::int32_t), AccessMode::write);
-  std::memcpy(ids.data(), host.data(), host.size() * sizeof(std::int32_t));
+  const RuntimeBuffer<SimRuntime> ids = device_ids(rt, host, host.size());
   const auto* dev = reinterpret_cast<const std::int32_t*>(ids.data());
   auto mapped = std::make_shared<std::vector<std::int32_t>>();
   std::uint32_t rounds = 0;
@@ -731,13 +741,7 @@ TEST_CASE("CacheBridge::prepare_wide_device with stream slots: read back, stream
     ++rounds;
     CHECK(info.slot_count == C + stream_slots);
     CHECK(info.experts.size() == info.slots.size());
-    const auto* map = reinterpret_cast<const std::int32_t*>(info.expert_map);
-    const Access a{map, E * sizeof(std::int32_t), AccessMode::read};
-    return rt.launch(s, std::span<const Access>(&a, 1), [map, mapped, n = E] {
-      for (std::int32_t e = 0; e < n; ++e) {
-        if (map[e] >= 0) mapped->push_back(e);
-      }
-    });
+    return collect_mapped(rt, s, info, E, mapped);
   });
   REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
   rt.drain();

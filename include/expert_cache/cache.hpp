@@ -651,7 +651,7 @@ class ExpertCacheWithEdges {
   }
 
   // WideAdmission::stream: detail::run_stream_rounds on the planner's pool, round maps on the
-  // fill stream (upload_round_map), the pool's speculative fills a hit reads waited for first
+  // fill stream (into round_map_device), the pool's speculative fills a hit reads waited for first
   // (edge 9), a stale resident map uploaded with the first fill.
   template <class Consumer>
   Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
