@@ -573,7 +573,8 @@ inline bool overlap_w13_first(const BenchArgs& a, const Model& m, const GpuConte
 template <class Policy>
 RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                           Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
-                          bool fill_only, const std::string& budget = "", bool one_pass = false) {
+                          bool fill_only, const std::string& budget = "", bool one_pass = false,
+                          FillEngine engine = FillEngine::sm_loads) {
   using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>;
   const bool router_only = budget == budget_router_staging, plan_only = budget == budget_plan_staging;
   const bool plan_x2 = budget == budget_plan_x2_staging, consumer_x2 = budget == budget_consumer_x2_staging;
@@ -583,7 +584,8 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                       : (fill_only ? device_fill_only_staging
                                    : (overlap ? device_overlap_staging
                                               : (one_pass ? device_one_pass_staging : bench::device_staging)));
-  const char* const device_staging = device_staging_text.c_str();
+  const std::string device_staging_label = device_staging_text + (budget.empty() ? fill_engine_suffix(to_string(engine)) : "");
+  const char* const device_staging = device_staging_label.c_str();
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
@@ -597,10 +599,24 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
     o.overlap = overlap;
     o.fill_by_consumer = one_pass;
+    o.fill_engine = engine;
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
+  if (engine == FillEngine::automatic) {
+    // Which engine automatic picked, and why (the profile is measured once per process).
+    int device = 0;
+    check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+    LinkProfile lp;
+    if (Status st = link_profile_for(device, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
+    std::string reason;
+    (void)lp.choose_engine(&reason);
+    notes.push_back(std::string("device/") + device_staging + ": automatic picked " + reason);
+  }
+  // With automatic picking the copy engine, fill_by_consumer became overlap (no missing flags).
+  one_pass = one_pass && caches[0]->view().missing != nullptr;
+  overlap = overlap || caches[0]->readiness().enabled();
   const ExpertTensorBytes tensors = m.layout.tensors();
   parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
     auto& st = caches[static_cast<std::size_t>(l)]->storage();
@@ -878,9 +894,10 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
 RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      Progress& progress, std::vector<std::string>& notes, bool overlap = false,
                      const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "",
-                     bool one_pass = false) {
+                     bool one_pass = false, FillEngine engine = FillEngine::sm_loads) {
   return visit_device_policy(a.device_policy, [&]<class Policy>(Policy) {
-    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget, one_pass);
+    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget, one_pass,
+                                   engine);
   });
 }
 
@@ -943,6 +960,15 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     ~StreamGuard() { cudaStreamDestroy(s); }
   } guard{ctx.consumer};
   rep.pcie_ceiling_bytes_per_s = measure_pcie_ceiling(ctx.consumer);
+  {
+    // The host's link at this model's expert size: what FillEngine::automatic decides from.
+    LinkProfile lp;
+    if (Status st = link_profile_for(0, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
+    std::string reason;
+    (void)lp.choose_engine(&reason);
+    rep.notes.push_back(lp.describe());
+    rep.notes.push_back("fill engine automatic: " + reason);
+  }
   ctx.moe = std::make_unique<device::MoeConsumer>(m.layout, m.batch, m.top_k);
   ctx.moe->set_pair_order(a.consumer_order == "experts" ? device::MoePairOrder::experts : device::MoePairOrder::pairs);
   const std::size_t n_ids = static_cast<std::size_t>(m.ids_per_forward());
@@ -967,10 +993,12 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     if (cfg.provider == "resident") {
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {
+      const std::string base = staging_without_engine(cfg.staging);
+      const Result<FillEngine> engine = parse_fill_engine(fill_engine_of_staging(cfg.staging));
       rep.runs.push_back(run_device(m, routing, with_device_policy(a, cfg), ctx, rt, progress, rep.notes,
-                                    cfg.staging == device_overlap_staging, cfg.prefetch,
-                                    cfg.staging == device_fill_only_staging, budget_staging(cfg.staging) ? cfg.staging : "",
-                                    cfg.staging == device_one_pass_staging));
+                                    base == device_overlap_staging, cfg.prefetch, base == device_fill_only_staging,
+                                    budget_staging(cfg.staging) ? cfg.staging : "", base == device_one_pass_staging,
+                                    engine.ok() ? engine.value() : FillEngine::sm_loads));
       rep.runs.back().device_policy = cfg.device_policy;
     } else if (cfg.provider == "row") {
       rep.runs.push_back(run_cached_staging<TensorMajorStorage, Lru>(m, routing, a, ctx, rt, cfg, progress));
@@ -979,6 +1007,20 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     }
   }
   progress.finish();
+  // Every copy-engine / automatic row against its SM-load twin (same row, same lookahead).
+  for (const RunResult& r : rep.runs) {
+    if (r.provider != "device" || fill_engine_of_staging(r.staging) == "sm_loads") continue;
+    for (const RunResult& t : rep.runs) {
+      if (t.provider != "device" || t.staging != staging_without_engine(r.staging) || t.prefetch != r.prefetch ||
+          t.device_policy != r.device_policy || t.tokens_per_second() <= 0)
+        continue;
+      char buf[256];
+      std::snprintf(buf, sizeof buf, "device/%s: %.3fx the tokens per second of device/%s%s%s", r.staging.c_str(),
+                    r.tokens_per_second() / t.tokens_per_second(), t.staging.c_str(), r.prefetch.empty() ? "" : " with ",
+                    r.prefetch.c_str());
+      rep.notes.emplace_back(buf);
+    }
+  }
   // The overlap row's gain over the plain graph row, measured in the same run.
   const RunResult* plain = nullptr;
   const RunResult* ov = nullptr;

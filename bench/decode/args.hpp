@@ -50,6 +50,9 @@ struct BenchArgs {
   bool overlap = false;  // the device provider also with per-slot readiness (measured only)
   bool one_pass = false;  // the device provider also with the consumer copying its misses (measured only)
   bool fill_only = false;  // the device provider also without its consumer (a timing decomposition)
+  // --fill-engine: the engines the device rows move their fills with (sm_loads, copy_engine,
+  // automatic; DeviceCacheOptions::fill_engine), one row each; measured only beyond sm_loads.
+  std::vector<std::string> fill_engines{"sm_loads"};
   // The device provider's per-layer time budget: rows that leave a stage out or double it
   // (budget_stagings), and the table derived from them (measured only).
   bool budget = false;
@@ -126,6 +129,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      consumer (overlap: per-slot ready words); measured on a GPU only\n"
                "  --one-pass          the device provider once more with the consumer copying the misses from\n"
                "                      mapped host memory as it computes (one_pass: no fill node); GPU only\n"
+               "  --fill-engine E,... the engines of the device rows' fills: sm_loads (default: the SMs read\n"
+               "                      mapped host memory), copy_engine (a host proxy copies the plan's fill list;\n"
+               "                      rows +ce), automatic (the link profile decides; rows +auto), or all; GPU only\n"
                "  --device-policy P,... the device provider's planning policy: lru (default), lfru, crf, a comma\n"
                "                      list, or all (docs/policies.md); one device row per policy, same routing\n"
                "  --crf-half-life H   the device crf policy's half-life in forwards (default 8; DeviceCacheOptions\n"
@@ -284,6 +290,19 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--one-pass") {
       no_value();
       a.one_pass = true;
+    } else if (arg == "--fill-engine") {
+      const std::string_view list = value();
+      a.fill_engines.clear();
+      for (const std::string_view item : split_commas(list)) {
+        const std::string e(item);
+        if (e == "all") {
+          a.fill_engines = {"sm_loads", "copy_engine", "automatic"};
+          break;
+        }
+        if (e != "sm_loads" && e != "copy_engine" && e != "automatic")
+          throw UsageError{"--fill-engine: '" + e + "' in '" + std::string(list) + "' (sm_loads, copy_engine, automatic or all)"};
+        if (std::find(a.fill_engines.begin(), a.fill_engines.end(), e) == a.fill_engines.end()) a.fill_engines.push_back(e);
+      }
     } else if (arg == "--device-policy") {
       const std::string_view list = value();
       a.device_policies.clear();
@@ -369,6 +388,22 @@ inline constexpr const char* device_overlap_staging = "overlap";
 // the consumer reads each missing expert from mapped host memory and writes its slot).
 inline constexpr const char* device_one_pass_staging = "one_pass";
 inline constexpr const char* device_fill_only_staging = "fill_only";
+// --fill-engine: a device row's staging label ends in the engine's suffix (sm_loads: none).
+inline std::string fill_engine_suffix(std::string_view engine) {
+  if (engine == "copy_engine") return "+ce";
+  if (engine == "automatic") return "+auto";
+  return "";
+}
+// The engine of a device row's staging label, and the label without the suffix.
+inline std::string_view fill_engine_of_staging(std::string_view staging) {
+  if (staging.ends_with("+ce")) return "copy_engine";
+  if (staging.ends_with("+auto")) return "automatic";
+  return "sm_loads";
+}
+inline std::string staging_without_engine(std::string_view staging) {
+  const auto plus = staging.rfind('+');
+  return std::string(plus == std::string_view::npos ? staging : staging.substr(0, plus));
+}
 // --budget rows of the device provider (stages left out or doubled; outputs unchecked):
 // router kernels only; router + plan (no fill, no consumer); fill_only with a second plan of the
 // same ids on a shadow state in front of each layer's; the full step with the consumer twice.
@@ -436,15 +471,19 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
           out.push_back({p, budget_plan_staging, "", dp});
           out.push_back({p, budget_plan_x2_staging, "", dp});
         }
-        if (a.fill_only) out.push_back({p, device_fill_only_staging, "", dp});
         if (a.budget) out.push_back({p, budget_consumer_x2_staging, "", dp});
-        std::vector<std::string> rows{device_staging};
-        if (a.overlap) rows.emplace_back(device_overlap_staging);
-        if (a.one_pass) rows.emplace_back(device_one_pass_staging);
-        for (const std::string& s : rows) {
-          out.push_back({p, s, a.prefetch.empty() ? "" : "none", dp});
-          for (const std::string& spec : a.prefetch)
-            if (spec != "none") out.push_back({p, s, spec, dp});
+        for (const std::string& engine : a.fill_engines) {
+          const std::string suffix = fill_engine_suffix(engine);
+          if (a.fill_only) out.push_back({p, device_fill_only_staging + suffix, "", dp});
+          std::vector<std::string> rows{device_staging};
+          if (a.overlap) rows.emplace_back(device_overlap_staging);
+          // The one-pass consumer reads host memory with SM loads: no copy-engine twin.
+          if (a.one_pass && engine != "copy_engine") rows.emplace_back(device_one_pass_staging);
+          for (const std::string& s : rows) {
+            out.push_back({p, s + suffix, a.prefetch.empty() ? "" : "none", dp});
+            for (const std::string& spec : a.prefetch)
+              if (spec != "none") out.push_back({p, s + suffix, spec, dp});
+          }
         }
       }
       continue;

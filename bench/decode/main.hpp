@@ -60,6 +60,11 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
         throw UsageError{"--one-pass needs the device provider (--provider device or all)"};
       if (!use_gpu) throw UsageError{"--one-pass needs the CUDA runtime (a GPU): the modelled run has no one-pass consumer"};
     }
+    if (args.fill_engines != std::vector<std::string>{"sm_loads"}) {
+      if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())
+        throw UsageError{"--fill-engine needs the device provider (--provider device or all)"};
+      if (!use_gpu) throw UsageError{"--fill-engine needs the CUDA runtime (a GPU): the modelled run has no proxy"};
+    }
     if (args.fill_only) {
       const char* flag = args.budget ? "--budget" : "--fill-only";
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())

@@ -112,6 +112,10 @@ struct AnyCacheConfig {
   PoolLayout pool{};           // lrfu, layershare: experts_per_layer of a pool shared by layers
   std::int32_t max_ids = 0;    // device: the largest prepare() (tokens * top_k); required > 0
   bool fused_plan_fill = true; // device on CUDA: plan + first fill in one kernel
+  // device: the engine that moves fills (DeviceCacheOptions::fill_engine) and a stored link
+  // profile for automatic (DeviceCacheOptions::link_profile).
+  FillEngine fill_engine = FillEngine::automatic;
+  std::optional<LinkProfile> link_profile;
 };
 
 inline constexpr std::array<std::string_view, 3> any_cache_providers = {"row", "cached", "device"};
@@ -266,8 +270,18 @@ struct DeviceExecutorVariantOf<Runtime, TypeList<Ps...>> {
 // step (a plan is a kernel launch or a simulated op; the switch is noise beside it).
 template <class Runtime>
 class AnyDevicePlanExecutor {
+  using Held = typename DeviceExecutorVariantOf<Runtime, AnyDevicePolicies>::type;
+  using First = std::variant_alternative_t<0, Held>;
+
  public:
   using Stream = typename Runtime::Stream;
+
+  // The runtime's resolution of FillEngine::automatic (the same for every policy).
+  static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, std::uint64_t expert_bytes)
+    requires requires { First::resolve_fill_engine(o, expert_bytes); }
+  {
+    return First::resolve_fill_engine(std::move(o), expert_bytes);
+  }
 
   AnyDevicePlanExecutor(Runtime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
                         const CopyRegions& regions, const DeviceCacheOptions& options)
@@ -317,7 +331,6 @@ class AnyDevicePlanExecutor {
   }
 
  private:
-  using Held = typename DeviceExecutorVariantOf<Runtime, AnyDevicePolicies>::type;
   Held held_;
 };
 
@@ -911,6 +924,8 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
           o.capacity = inner.capacity;
           o.max_ids = config.max_ids;
           o.fused_plan_fill = config.fused_plan_fill;
+          o.fill_engine = config.fill_engine;
+          o.link_profile = config.link_profile;
           o.stream_slots = inner.stream_slots;
           o.max_wide_ids = inner.max_wide_ids;
           o.label = inner.label;

@@ -70,6 +70,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/status.hpp"
@@ -127,6 +128,25 @@ struct DeviceCacheOptions {
   std::int32_t stream_slots = 0;
   // Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
   std::int64_t max_wide_ids = default_max_wide_ids;
+  // Which engine moves the fills' bytes (docs/design.md, "Copy-engine fills"): the SMs reading
+  // mapped host memory (sm_loads: the fill kernels, the overlapped fill, fill_by_consumer), or a
+  // copy engine driven by the device's proxy thread from the plan's fill list (copy_engine: the
+  // plan stays on the GPU and in the captured step). automatic: the link profile decides
+  // (LinkProfile::choose_engine; measured once per device and expert size, or `link_profile`).
+  // When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
+  // overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
+  // computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
+  // refused (ErrorCode::invalid_argument). SimRuntime runs its own fill op for either engine.
+  FillEngine fill_engine = FillEngine::automatic;
+  // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
+  // measurement. One from another device or expert size is refused at construction.
+  std::optional<LinkProfile> link_profile;
+  // Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
+  // the post publishes before the fill list is written (P1), the proxy publishes a ready word
+  // before its copies (P2); test_fail_copies makes the proxy's copies fail.
+  bool test_post_before_list = false;
+  bool test_ready_before_copy = false;
+  bool test_fail_copies = false;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -606,7 +626,7 @@ class DeviceExpertCacheWithEdges {
   // layout that does not validate, sizes that cannot be allocated).
   DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
       : rt_(&rt),
-        options_(validated(std::move(options))),
+        options_(resolve_fill_engine(validated(std::move(options)), layout)),
         layout_(validated(layout)),
         storage_(rt, CacheShape{options_.num_experts, options_.capacity + options_.stream_slots}, layout_.tensors(),
                  options_.memory),
@@ -632,7 +652,8 @@ class DeviceExpertCacheWithEdges {
       options_.log(options_.label + ": device-planned " + std::string(Policy::name) + "/inline/" + std::string(StorageType::name) + "/" +
                    std::string(Layout::name) + ", " + std::to_string(options_.capacity) + " of " +
                    std::to_string(options_.num_experts) + " experts, up to " + std::to_string(options_.max_ids) +
-                   " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes));
+                   " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes) +
+                   ", fill engine " + std::string(to_string(options_.fill_engine)));
     }
   }
   DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
@@ -952,6 +973,8 @@ class DeviceExpertCacheWithEdges {
   // Reads and clears the device error word (PlanErrorBit: bad ids, overflow, ...). Call it
   // while the cache's streams are idle (the device ORs bits with a plain load + store).
   [[nodiscard]] std::uint32_t take_errors() noexcept { return exec_.take_error_word(); }
+  // The engine that moves this cache's fills (FillEngine::automatic resolved at construction).
+  [[nodiscard]] FillEngine fill_engine() const noexcept { return options_.fill_engine; }
 
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
@@ -976,6 +999,23 @@ class DeviceExpertCacheWithEdges {
   [[nodiscard]] const OrderingCounters& ordering_counters() const noexcept { return core_.counters(); }
 
  private:
+  // FillEngine::automatic resolved by the executor (the CUDA one from the link profile); an
+  // executor that resolves nothing (SimRuntime's) takes sm_loads. After validated(): a bad
+  // configuration is refused before any measurement.
+  static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, const Layout& layout) {
+    if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the "
+                                 "copy_engine fill engine (use overlap)",
+                                 o.label.c_str()));
+    }
+    if constexpr (requires { Executor::resolve_fill_engine(o, std::uint64_t{}); }) {
+      return Executor::resolve_fill_engine(std::move(o), total_bytes_per_expert(layout.tensors()));
+    } else {
+      if (o.fill_engine == FillEngine::automatic) o.fill_engine = FillEngine::sm_loads;
+      return o;
+    }
+  }
   static DeviceCacheOptions validated(DeviceCacheOptions o) {
     if (o.capacity <= 0 || o.capacity > o.num_experts) {
       throw Error(Status::format(ErrorCode::invalid_capacity, "%s: capacity %d for %d experts (need 1..num_experts)",

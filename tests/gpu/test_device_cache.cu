@@ -131,6 +131,9 @@ struct Config {
   // layer l + 1 (mostly that step's true ids, some wrong ones) and dev[l + 1] prefetches them
   // there, overlapping layer l's consumer; the host reference prefetches the same ids.
   std::int32_t hint_ids = 0;  // 0: no prefetch
+  // The engine that moves the fills: SM loads (the fill kernels) or the copy engine (the
+  // device's proxy thread, device/copy_proxy.cuh).
+  FillEngine engine = FillEngine::sm_loads;
 };
 
 // The predictor stand-in: hint ids of step *counter, layer `layer`, from a device table.
@@ -252,6 +255,7 @@ struct RigT {
       o.capacity = c.capacity;
       o.max_ids = c.n_ids;
       o.fused_plan_fill = c.fused;
+      o.fill_engine = c.engine;
       dev.push_back(std::make_unique<Dev>(cuda_runtime(), o, test_layout()));
       CacheOptions ho;
       ho.num_experts = c.experts;
@@ -441,7 +445,7 @@ void run_eager(const Config& c) {
     misses += r.check_step(s, before);
   }
   MESSAGE("eager: " << c.steps << " steps x " << c.layers << " layers, " << r.rounds << " rounds, misses " << misses
-                    << ", fused " << c.fused << ", hint ids " << c.hint_ids);
+                    << ", fused " << c.fused << ", hint ids " << c.hint_ids << ", engine " << to_string(c.engine));
   report_speculative(r);
 }
 
@@ -466,7 +470,8 @@ void run_graph(const Config& c) {
   // The host saw no cache call during the replays: every prepare was captured once.
   for (const auto& d : r.dev) CHECK(d->stats().prepare_calls == 1);
   MESSAGE("graph: " << nodes << " nodes, replayed " << c.steps << " times x " << c.layers << " layers, " << r.rounds
-                    << " rounds, misses " << misses << ", fused " << c.fused << ", hint ids " << c.hint_ids);
+                    << " rounds, misses " << misses << ", fused " << c.fused << ", hint ids " << c.hint_ids
+                    << ", engine " << to_string(c.engine));
   report_speculative(r);
   (void)cudaGraphExecDestroy(exec);
   (void)cudaGraphDestroy(graph);
@@ -485,6 +490,17 @@ TEST_CASE("device cache == host-planned CudaRowCache, captured graph replayed wi
 }
 TEST_CASE("device cache == host-planned CudaRowCache, captured graph replayed with new ids (two nodes, general path)") {
   run_graph(Config{2, 64, 12, 40, steps_requested(), false});
+}
+
+// The copy engine (the proxy copies the plan's fill list; the post node waits for the ready
+// words): the same plans, maps and bytes as the host-planned cache, in rounds, captured and
+// replayed, and with prefetches on a side stream that a later forward may read.
+TEST_CASE("device cache with the copy engine == host-planned CudaRowCache: eager, graph, rounds, prefetch") {
+  const std::int32_t steps = std::max(100, steps_requested() / 4);
+  run_eager(Config{2, 64, 12, 40, steps, false, 0, FillEngine::copy_engine});
+  run_graph(Config{4, 64, 12, 16, steps, true, 0, FillEngine::copy_engine});
+  run_eager(Config{4, 64, 12, 16, steps, true, 6, FillEngine::copy_engine});
+  run_graph(Config{4, 64, 12, 16, steps, false, 6, FillEngine::copy_engine});
 }
 
 TEST_CASE("device cache: invalidate on the device, owner change between two streams, rejected input") {

@@ -322,7 +322,7 @@ struct FillParts {
 };
 std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, bool overlap, std::uint32_t delay_ns,
                                             FillParts parts = {}, std::int32_t capacity = 4, std::int32_t max_ids = 4,
-                                            bool fill_by_consumer = false) {
+                                            bool fill_by_consumer = false, FillEngine engine = FillEngine::sm_loads) {
   DeviceCacheOptions o;
   o.fill_by_consumer = fill_by_consumer;
   o.num_experts = static_cast<std::int32_t>(L.experts);
@@ -330,6 +330,7 @@ std::unique_ptr<DevCache> make_device_cache(CudaRuntime& rt, const Layer& L, boo
   o.max_ids = max_ids;
   o.overlap = overlap;
   o.test_fill_delay_ns = delay_ns;
+  o.fill_engine = engine;  // the delay knob is the fill kernel's (sm_loads)
   o.test_fill_delay_index = 0;
   o.ready_first_regions = parts.first_regions;
   o.test_fill_delay_part = parts.delay_part;
@@ -607,7 +608,8 @@ TEST_CASE("moe consumer + overlapped device cache (edge D4c): W13 parts first on
   }
 }
 
-TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions and a captured graph replayed with new ids equal the all-resident run") {
+namespace {
+void overlapped_steps_equal_resident(FillEngine engine, FillParts parts) {
   const Layer L = make_layer(512, 256, 16, 73);
   const ResidentLayer res(L);
   CudaRuntime rt;
@@ -616,7 +618,9 @@ TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions an
   device::MoeConsumer moe(L.layout, 1, 4);
   DevArray<float> d_x(random_x(1, 512, 5)), d_w(std::vector<float>{0.1f, 0.2f, 0.3f, 0.4f}), d_out(512), d_ref(512);
   DevArray<std::int32_t> d_ids(4), d_ids_ref(4);
-  auto cache = make_device_cache(rt, L, true, 20'000);  // 20 us on every step's first fill
+  // SM loads: 20 us on every step's first fill (the knob of the fill kernel).
+  auto cache = make_device_cache(rt, L, true, engine == FillEngine::sm_loads ? 20'000 : 0, parts, 4, 4, false, engine);
+  REQUIRE(cache->fill_engine() == engine);
   std::mt19937_64 rng(11);
   auto random_ids = [&] {
     std::vector<std::int32_t> ids(4);
@@ -666,6 +670,16 @@ TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions an
   REQUIRE_CUDA_OK(cudaGraphExecDestroy(exec));
   REQUIRE_CUDA_OK(cudaGraphDestroy(graph));
   REQUIRE_CUDA_OK(cudaStreamDestroy(stream));
+}
+}  // namespace
+
+TEST_CASE("moe consumer + overlapped device cache: eager steps with evictions and a captured graph replayed with new ids equal the all-resident run") {
+  overlapped_steps_equal_resident(FillEngine::sm_loads, {});
+}
+// The copy engine publishes the same ready words (the W13 part first on its own word, D4c).
+TEST_CASE("moe consumer + overlapped device cache with the copy engine: eager and replayed steps equal the all-resident run, W13 part first") {
+  overlapped_steps_equal_resident(FillEngine::copy_engine, FillParts{device::MoeConsumer::first_pass_regions});
+  overlapped_steps_equal_resident(FillEngine::copy_engine, {});
 }
 
 TEST_CASE("moe consumer + overlapped device cache, 8 tokens: blocks in pair order and in expert order equal the all-resident run") {

@@ -22,6 +22,10 @@
 //                   drop_missing_kernel: drop_unfilled (fill_by_consumer)
 //   fill_by_consumer  plan_forward / plan_group only (the consumer copies the misses); on sm_90
 //                   the plan is launched programmatically (edge D6)
+//   copy engine     (FillEngine::copy_engine) every fill above is replaced by proxy_post: the
+//                   plan's fill list goes to the device's CopyProxy, which copies on a copy
+//                   engine and publishes each slot's ready word (device/copy_proxy.cuh); without
+//                   overlap the post node also waits for the ready words. Never fused.
 #if !defined(__CUDACC__)
 #error "expert_cache/device/device_cache_cuda.cuh needs nvcc"
 #endif
@@ -31,11 +35,16 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
 
+#include "expert_cache/device/copy_proxy.cuh"
 #include "expert_cache/device/plan_kernel.cuh"
 #include "expert_cache/device_cache.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
+#include "expert_cache/runtime/link_profile.cuh"
 #include "expert_cache/runtime/resources.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
@@ -73,6 +82,18 @@ class BasicCudaPlanExecutor {
         use_debug_(options.test_fill_delay_ns != 0 || options.test_publish_first_early),
         fill_pdl_(options.overlap && plan_fill_ready_pdl_supported()) {
     check_first_part(regions, options);
+    if (options.fill_engine == FillEngine::automatic) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: the executor needs a resolved fill engine (copy_engine or sm_loads)",
+                                 options.label.c_str()));
+    }
+    copy_engine_ = options.fill_engine == FillEngine::copy_engine;
+    if (copy_engine_ && by_consumer_) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the copy_engine "
+                                 "fill engine (use overlap)",
+                                 options.label.c_str()));
+    }
     RuntimeStream<CudaRuntime> init(rt);
     throw_on(storage_.template create<Policy>(num_experts, capacity, init.get(), options.crf_decay_q32), "DevicePlanStorage::create");
     CopyRegions mapped = regions;
@@ -80,6 +101,36 @@ class BasicCudaPlanExecutor {
     throw_on(make_plan_fill_params(mapped, storage_.state(), fill_, options.ready_first_regions),
              "make_plan_fill_params");
     throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
+    if (copy_engine_) start_proxy(regions, options);
+  }
+  ~BasicCudaPlanExecutor() {
+    if (channel_) (void)proxy_->detach(channel_);
+  }
+
+  // FillEngine::automatic -> the engine the link profile picks for this device and expert size
+  // (options.link_profile when given, checked against both; else measured once per process). When
+  // it picks copy_engine for fill_by_consumer, the cache overlaps instead (DeviceCacheOptions).
+  static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, std::uint64_t expert_bytes) {
+    if (o.fill_engine != FillEngine::automatic) return o;
+    int device = 0;
+    throw_on(cudaGetDevice(&device), "cudaGetDevice");
+    LinkProfile p;
+    if (o.link_profile) {
+      char bus[32] = {};
+      throw_on(cudaDeviceGetPCIBusId(bus, static_cast<int>(sizeof bus), device), "cudaDeviceGetPCIBusId");
+      if (Status s = o.link_profile->check_matches(device, bus, expert_bytes); !s) {
+        throw Error(s.with_context("%s: DeviceCacheOptions::link_profile", o.label.c_str()));
+      }
+      p = *o.link_profile;
+    } else if (Status s = link_profile_for(device, expert_bytes, p); !s) {
+      throw Error(s.with_context("%s: measuring the link profile for FillEngine::automatic", o.label.c_str()));
+    }
+    o.fill_engine = p.choose_engine();
+    if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
+      o.fill_by_consumer = false;
+      o.overlap = true;
+    }
+    return o;
   }
   BasicCudaPlanExecutor(const BasicCudaPlanExecutor&) = delete;
   BasicCudaPlanExecutor& operator=(const BasicCudaPlanExecutor&) = delete;
@@ -102,7 +153,7 @@ class BasicCudaPlanExecutor {
       planned = true;
       return rt_->after_enqueue(s, "plan_forward_kernel");
     }
-    if (fused_ && !overlap_) {
+    if (fused_ && !overlap_ && !copy_engine_) {
       // One node: nothing is enqueued unless the whole step is.
       EXPERT_CACHE_TRY_CUDA((launch_plan_forward_fill<4, Policy>(st, ids, n, sanitized_ids(), fill_, s)));
       planned = true;
@@ -125,9 +176,21 @@ class BasicCudaPlanExecutor {
   }
 
   // Nothing to join on the GPU: the next call's kernels are stream ordered after the fill grid
-  // (a readiness consumer waits for it before it completes, docs/design.md edge D4).
-  Status join_fills() noexcept { return {}; }
+  // (a readiness consumer waits for it before it completes, docs/design.md edge D4). The copy
+  // engine: a copy the proxy could not issue since the last call surfaces here.
+  Status join_fills() noexcept {
+    if (!channel_) return {};
+    Status s = CopyProxy::take_status(*channel_);
+    if (!s) return s.with_context("%s: a copy-engine fill failed", label_.c_str());
+    return s;
+  }
   [[nodiscard]] bool overlap() const noexcept { return overlap_; }
+  [[nodiscard]] FillEngine fill_engine() const noexcept {
+    return copy_engine_ ? FillEngine::copy_engine : FillEngine::sm_loads;
+  }
+  // Requests and fills the proxy took for this cache (copy engine; 0 otherwise).
+  [[nodiscard]] std::uint64_t proxy_requests() const noexcept { return channel_ ? channel_->requests.load() : 0; }
+  [[nodiscard]] std::uint64_t proxy_fills() const noexcept { return channel_ ? channel_->fills.load() : 0; }
 
   // plan_prefetch (one warp), then the fill of its list: with overlap the ready-word fill
   // (launched in plain stream order), so a later readiness consumer finds every prefetched
@@ -138,6 +201,10 @@ class BasicCudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch<Policy>(state(), ids, n, max_fills, expires_after, s));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_prefetch_kernel"); !st) return st;
+    if (copy_engine_) {  // posted only: a later forward waits for the slots it reads
+      EXPERT_CACHE_TRY_CUDA(launch_proxy_post(post_, false, s));
+      return rt_->after_enqueue(s, "proxy_post_kernel (prefetch)");
+    }
     if (overlap_) {
       EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, nullptr, plan_fill_max_blocks, false));
       return rt_->after_enqueue(s, "plan_fill_ready_kernel (prefetch)");
@@ -169,6 +236,10 @@ class BasicCudaPlanExecutor {
 
  private:
   Status fill(Stream s) noexcept {
+    if (copy_engine_) {
+      EXPERT_CACHE_TRY_CUDA(launch_proxy_post(post_, !overlap_, s, overlap_ && fill_pdl_));
+      return rt_->after_enqueue(s, "proxy_post_kernel");
+    }
     if (overlap_) {
       EXPERT_CACHE_TRY_CUDA(launch_plan_fill_ready(fill_, s, use_debug_ ? &debug_ : nullptr, plan_fill_max_blocks, fill_pdl_));
       return rt_->after_enqueue(s, "plan_fill_ready_kernel");
@@ -183,6 +254,57 @@ class BasicCudaPlanExecutor {
     void* args[] = {const_cast<DevicePlanState*>(&st)};
     EXPERT_CACHE_TRY_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(kernel), dim3(1), dim3(1), args, 0, s));
     return rt_->after_enqueue(s, what);
+  }
+
+  // The ring (mapped pinned), the device's post counter, and the channel of the device's proxy.
+  void start_proxy(const CopyRegions& regions, const DeviceCacheOptions& o) {
+    const DevicePlanState& st = state();
+    void* ring = nullptr;
+    throw_on(cudaHostAlloc(&ring, proxy_ring_bytes(st.capacity), cudaHostAllocMapped | cudaHostAllocPortable),
+             "cudaHostAlloc (copy proxy ring)");
+    ring_.reset(static_cast<unsigned char*>(ring));
+    std::memset(ring_.get(), 0, proxy_ring_bytes(st.capacity));
+    unsigned char* ring_dev = nullptr;
+    throw_on(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev), ring_.get(), 0),
+             "cudaHostGetDevicePointer (copy proxy ring)");
+    void* count = nullptr;
+    throw_on(cudaMalloc(&count, sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
+    post_count_.reset(static_cast<std::uint32_t*>(count));
+    throw_on(cudaMemset(post_count_.get(), 0, sizeof(std::uint32_t)), "cudaMemset (copy proxy post count)");
+    label_ = o.label;
+    post_.fills = st.fills.data;
+    post_.scalars = st.scalars;
+    post_.slot_needed = st.slot_needed.data;
+    post_.slot_ready = st.slot_ready.data;
+    post_.post_count = post_count_.get();
+    post_.ring = ring_dev;
+    post_.error_word = st.error_word;
+    post_.capacity = st.capacity;
+    post_.test_post_before_list = o.test_post_before_list;
+    ProxyChannelConfig c;
+    c.ring_host = reinterpret_cast<ProxyRingHeader*>(ring_.get());
+    // The first part's regions first, as make_plan_fill_params orders them (host addresses).
+    for (int pass = 0; pass < 2; ++pass) {
+      for (std::size_t i = 0; i < regions.count; ++i) {
+        const bool first = ((o.ready_first_regions >> i) & 1u) != 0;
+        if (first == (pass == 0)) c.regions.regions[c.regions.count++] = regions.regions[i];
+      }
+      if (pass == 0) c.first_part_regions = c.regions.count;
+    }
+    if (c.first_part_regions == regions.count) c.first_part_regions = 0;
+    c.slot_ready = st.slot_ready.data;
+    c.slot_ready_first = st.slot_ready_first.data;
+    c.error_word_host = storage_.host_error_word();
+    c.num_experts = st.num_experts;
+    c.capacity = st.capacity;
+    c.test_ready_before_copy = o.test_ready_before_copy;
+    c.test_fail_copies = o.test_fail_copies;
+    int device = 0;
+    throw_on(cudaGetDevice(&device), "cudaGetDevice");
+    Result<std::shared_ptr<CopyProxy>> proxy = CopyProxy::for_device(device);
+    if (!proxy.ok()) throw Error(proxy.status());
+    proxy_ = std::move(proxy).value();
+    channel_ = proxy_->attach(c);
   }
 
   // ready_first_regions names regions the storage has (checked before anything is enqueued).
@@ -210,6 +332,20 @@ class BasicCudaPlanExecutor {
   // fill_by_consumer on sm_90: the plan is launched programmatically (it waits for the kernel
   // before it, edge D6), and so is the one-pass consumer after it (it waits for the plan, D7).
   bool plan_pdl_ = by_consumer_ && plan_fill_ready_pdl_supported();
+  // The copy engine (FillEngine::copy_engine): every fill is a post to the device's proxy.
+  bool copy_engine_ = false;
+  std::string label_ = "device_expert_cache";
+  struct FreeHost {
+    void operator()(void* p) const noexcept { (void)cudaFreeHost(p); }
+  };
+  struct FreeDevice {
+    void operator()(void* p) const noexcept { (void)cudaFree(p); }
+  };
+  std::unique_ptr<unsigned char, FreeHost> ring_;        // mapped pinned: ProxyRingHeader + requests
+  std::unique_ptr<std::uint32_t, FreeDevice> post_count_;  // device memory
+  ProxyPostParams post_{};
+  std::shared_ptr<CopyProxy> proxy_;
+  std::shared_ptr<CopyProxy::Channel> channel_;
 };
 using CudaPlanExecutor = BasicCudaPlanExecutor<DeviceLru>;
 static_assert(device_plan_executor<CudaPlanExecutor>);

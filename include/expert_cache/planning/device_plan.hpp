@@ -134,6 +134,10 @@ enum PlanErrorBit : std::uint32_t {
   // a readiness consumer's wait for a slot's ready word (device/plan_kernel.cuh). The kernel
   // went on instead of hanging; what it computed is not trustworthy.
   plan_error_wait_timeout = 1u << 4,
+  // The copy engine's proxy could not issue a fill's copy (device/copy_proxy.cuh): the slot's
+  // ready word was published all the same, its bytes are not trustworthy; the cache's next call
+  // returns the failure as a Status.
+  plan_error_fill_failed = 1u << 5,
 };
 
 // Mutable scalars of one cache's planning state (device memory on the GPU).

@@ -1,0 +1,255 @@
+// The copy-engine fill of DeviceExpertCache (device/copy_proxy.cuh): the plan's fill list goes
+// to the device's proxy thread, which copies on a copy engine and publishes each slot's ready
+// word. Each ordering edge of the protocol (docs/design.md, P1-P2) is removed through a test
+// knob and the test shows that a consumer then reads wrong bytes; a refused copy surfaces as a
+// Status from the next call and as plan_error_fill_failed, without a hang; a cache destroyed
+// with copies in flight leaves the proxy serving the next cache.
+// (The step-by-step comparison with the host-planned cache, eager, captured and with prefetch,
+// is in test_device_cache.cu.)
+#include <doctest/doctest.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "expert_cache/cuda.hpp"
+#include "expert_cache/device/device_cache_cuda.cuh"
+#include "support/cuda_support.hpp"
+
+using namespace expert_cache;
+using namespace test_support;
+
+namespace {
+
+using CeCache = DeviceExpertCache<TensorMajorStorage, ExplicitLayout, CudaRuntime>;
+
+// Big experts (4 MiB + 64 KiB + a 4-byte scale): a fill takes about 80 us on the link, so a
+// consumer that does not wait for it reads the slot's previous bytes.
+ExplicitLayout big_layout() {
+  return ExplicitLayout{{{{"w13", std::size_t{4} << 20}, {"w2", std::size_t{64} << 10}, {"w13_scale_2", 4}}}};
+}
+
+std::uint32_t word_of(std::size_t t, std::int32_t e, std::size_t i) {
+  return static_cast<std::uint32_t>((t + 1) * 0x9E3779B9u ^ (static_cast<std::uint32_t>(e) + 7) * 0x85EBCA6Bu ^
+                                    static_cast<std::uint32_t>(i) * 0xC2B2AE35u);
+}
+
+void fill_big_pools(CeCache& c, std::int32_t experts) {
+  const auto& tensors = c.storage().tensors();
+  for (std::int32_t e = 0; e < experts; ++e) {
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+      auto* p = reinterpret_cast<std::uint32_t*>(c.storage().host_tensor(t, e));
+      for (std::size_t i = 0; i < tensors[t].bytes_per_expert / 4; ++i) p[i] = word_of(t, e, i);
+    }
+  }
+}
+
+struct CheckParams {
+  const std::int32_t* ids;
+  std::int32_t n_ids;
+  const std::int32_t* map;
+  SlotTensor tensors[num_expert_tensors];
+  SlotReadiness ready;  // empty: no wait (stream-ordered consumer)
+  unsigned long long* bad;
+};
+
+// One block per id: waits for the slot when given readiness, then compares every word.
+template <int U = 0>
+__global__ void check_slots_kernel(const CheckParams p) {
+  const std::int32_t e = p.ids[blockIdx.x];
+  const std::int32_t slot = p.map[e];
+  if (slot < 0) return;
+  __shared__ bool ok;
+  if (threadIdx.x == 0) ok = expert_cache::device::wait_slot_ready(p.ready, slot);
+  __syncthreads();
+  unsigned long long bad = 0;
+  for (std::size_t t = 0; t < num_expert_tensors; ++t) {
+    const SlotTensor& st = p.tensors[t];
+    const auto* w = reinterpret_cast<const std::uint32_t*>(st.base + static_cast<std::size_t>(slot) * st.slot_stride);
+    for (std::size_t i = threadIdx.x; i < st.bytes / 4; i += blockDim.x) {
+      const std::uint32_t want = static_cast<std::uint32_t>((t + 1) * 0x9E3779B9u ^ (static_cast<std::uint32_t>(e) + 7) * 0x85EBCA6Bu ^
+                                                            static_cast<std::uint32_t>(i) * 0xC2B2AE35u);
+      if (__ldcg(w + i) != want) ++bad;
+    }
+  }
+  if (!ok) ++bad;
+  if (bad != 0) atomicAdd(p.bad, bad);
+}
+
+struct CeRig {
+  static constexpr std::int32_t experts = 24, capacity = 8, n = 6;
+  std::unique_ptr<CeCache> cache;
+  cudaStream_t x = nullptr;
+  DeviceBuffer<std::int32_t> ids{static_cast<std::size_t>(n)};
+  DeviceBuffer<unsigned long long> bad{1};
+
+  explicit CeRig(DeviceCacheOptions o) {
+    o.num_experts = experts;
+    o.capacity = capacity;
+    o.max_ids = n;
+    o.fill_engine = FillEngine::copy_engine;
+    cache = std::make_unique<CeCache>(cuda_runtime(), o, big_layout());
+    fill_big_pools(*cache, experts);
+    REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+  }
+  ~CeRig() {
+    (void)cudaStreamSynchronize(x);
+    cache.reset();
+    (void)cudaStreamDestroy(x);
+  }
+
+  // prepare(step's ids) -> check kernel, synchronised; returns the words that differed.
+  unsigned long long step(int s, bool with_readiness) {
+    std::vector<std::int32_t> h(n);
+    for (std::int32_t i = 0; i < n; ++i) h[static_cast<std::size_t>(i)] = (s * n + i) % experts;  // all misses
+    REQUIRE_CUDA_OK(cudaMemcpyAsync(ids.get(), h.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice, x));
+    REQUIRE_CUDA_OK(cudaMemsetAsync(bad.get(), 0, sizeof(unsigned long long), x));
+    auto v = cache->prepare(ids.get(), n, x);
+    REQUIRE_MESSAGE(v.ok(), std::string(v.status().message()));
+    CheckParams p{};
+    p.ids = cache->sanitized_ids_device();
+    p.n_ids = n;
+    p.map = v.value().expert_map;
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) p.tensors[t] = v.value().tensors[t];
+    if (with_readiness) p.ready = cache->readiness();
+    p.bad = bad.get();
+    check_slots_kernel<0><<<n, 256, 0, x>>>(p);
+    REQUIRE_CUDA_OK(cudaGetLastError());
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(x));
+    return bad.download()[0];
+  }
+};
+
+}  // namespace
+
+TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and with per-slot readiness") {
+  for (const bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    DeviceCacheOptions o;
+    o.overlap = overlap;
+    CeRig r(o);
+    CHECK(r.cache->fill_engine() == FillEngine::copy_engine);
+    unsigned long long bad = 0;
+    for (int s = 0; s < 12; ++s) bad += r.step(s, overlap);
+    CHECK(bad == 0ull);
+    CHECK(r.cache->take_errors() == 0u);
+    CHECK(r.cache->executor().proxy_fills() == r.cache->device_stats().misses);
+    CHECK(r.cache->executor().proxy_fills() == 12u * CeRig::n);
+  }
+}
+
+TEST_CASE("copy engine: edge P2 removed (ready word before the copy) -> the consumer reads stale slots") {
+  for (const bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    DeviceCacheOptions o;
+    o.overlap = overlap;
+    o.test_ready_before_copy = true;
+    CeRig r(o);
+    unsigned long long bad = 0;
+    for (int s = 0; s < 12; ++s) bad += r.step(s, overlap);
+    CHECK(bad > 0ull);
+  }
+}
+
+TEST_CASE("copy engine: edge P1 removed (posted before the fill list) -> the proxy copies a stale list") {
+  DeviceCacheOptions o;
+  o.test_post_before_list = true;
+  o.overlap = true;
+  CeRig r(o);
+  unsigned long long bad = 0;
+  for (int s = 0; s < 6; ++s) bad += r.step(s, true);
+  // The proxy read the entry before it was written: wrong experts, or none (then the readiness
+  // wait gives up and flags the error word).
+  const std::uint32_t err = r.cache->take_errors();
+  CHECK((bad > 0ull || (err & plan_error_wait_timeout) != 0u));
+}
+
+TEST_CASE("copy engine: a refused copy surfaces as a Status from the next call and in the error word, no hang") {
+  DeviceCacheOptions o;
+  o.test_fail_copies = true;
+  CeRig r(o);
+  (void)r.step(0, false);  // the copies fail; the ready words are still published
+  const std::uint32_t err = r.cache->take_errors();
+  CHECK((err & plan_error_fill_failed) != 0u);
+  CHECK((err & plan_error_wait_timeout) == 0u);
+  auto next = r.cache->prepare(r.ids.get(), CeRig::n, r.x);
+  REQUIRE_FALSE(next.ok());
+  CHECK(next.status().code() == ErrorCode::runtime_failure);
+  CHECK(std::string(next.status().message()).find("copy-engine fill failed") != std::string::npos);
+  // Reported once: the call after it runs (its copies fail again, reported by the call after).
+  CHECK(r.cache->prepare(r.ids.get(), CeRig::n, r.x).ok());
+  REQUIRE_CUDA_OK(cudaStreamSynchronize(r.x));
+}
+
+TEST_CASE("copy engine: a cache destroyed with copies in flight; the proxy serves the next cache; bad options refused") {
+  {
+    DeviceCacheOptions o;
+    CeRig r(o);
+    std::vector<std::int32_t> h = {1, 2, 3, 4, 5, 6};
+    REQUIRE_CUDA_OK(cudaMemcpyAsync(r.ids.get(), h.data(), h.size() * 4, cudaMemcpyHostToDevice, r.x));
+    auto p = r.cache->prefetch(r.ids.get(), CeRig::n, r.x, PrefetchOptions{std::int64_t{1} << 30, 1});
+    REQUIRE(p.ok());
+    r.cache.reset();  // waits for the proxy to take the request and for its copies (edge P4)
+  }
+  DeviceCacheOptions o;
+  o.overlap = true;
+  CeRig r(o);
+  CHECK(r.step(0, true) == 0ull);
+  // fill_by_consumer reads host memory with SM loads: refused with the copy engine.
+  DeviceCacheOptions bad;
+  bad.num_experts = 8;
+  bad.capacity = 4;
+  bad.max_ids = 4;
+  bad.fill_engine = FillEngine::copy_engine;
+  bad.fill_by_consumer = true;
+  try {
+    CeCache c(cuda_runtime(), bad, big_layout());
+    FAIL("constructed");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::invalid_argument);
+    CHECK(std::string(e.what()).find("fill_by_consumer") != std::string::npos);
+  }
+}
+
+TEST_CASE("fill engine automatic: resolved from the link profile; a stored profile of another expert size is refused") {
+  DeviceCacheOptions o;
+  o.num_experts = 8;
+  o.capacity = 4;
+  o.max_ids = 4;
+  CeCache c(cuda_runtime(), o, big_layout());
+  CHECK(c.fill_engine() != FillEngine::automatic);
+  LinkProfile p;
+  int device = 0;
+  REQUIRE_CUDA_OK(cudaGetDevice(&device));
+  REQUIRE(link_profile_for(device, total_bytes_per_expert(big_layout().tensors()), p).ok());
+  CHECK(c.fill_engine() == p.choose_engine());
+  LinkProfile other = p;
+  other.expert_bytes += 4;
+  o.link_profile = other;
+  try {
+    CeCache d(cuda_runtime(), o, big_layout());
+    FAIL("constructed");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::invalid_argument);
+  }
+  // A stored profile that says SM loads are slow picks the copy engine, and one that says they
+  // are as fast picks SM loads, without measuring.
+  other = p;
+  other.sm_load_gbps = other.copy_engine_gbps_batch * 0.5;
+  o.link_profile = other;
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::copy_engine);
+  other.sm_load_gbps = other.copy_engine_gbps_batch;
+  o.link_profile = other;
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
+  // fill_by_consumer where the copy engine is picked: the cache overlaps instead.
+  other.sm_load_gbps = other.copy_engine_gbps_batch * 0.5;
+  o.link_profile = other;
+  o.fill_by_consumer = true;
+  CeCache e(cuda_runtime(), o, big_layout());
+  CHECK(e.fill_engine() == FillEngine::copy_engine);
+  CHECK(e.view().missing == nullptr);
+  CHECK(e.readiness().enabled());
+}
