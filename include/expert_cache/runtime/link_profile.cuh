@@ -2,7 +2,7 @@
 // Measures a LinkProfile (runtime/link_profile.hpp) on a CUDA device (needs nvcc: it launches
 // the Gather fill kernel), and keeps one per (device, expert size) per process.
 //
-//   measure_link_profile(device, expert_bytes, out)  measures now (about 10-100 ms)
+//   measure_link_profile(device, expert_bytes, out)  measures now (meant to take under 200 ms)
 //   link_profile_for(device, expert_bytes, out)      measured once per process, then cached
 //   set_link_profile(profile)                        installs a stored profile into that cache
 //                                                    (no probe), after checking its PCI bus id
@@ -13,8 +13,8 @@
 // toolkit has it: the better of the two); a 4 KiB copy from an idle stream; the Gather fill
 // kernel (device/fill_gather.cuh, the Gather policy's grid) over the same batch read from mapped
 // pinned memory; a 4 KiB fill kernel captured in a CUDA graph and replayed. Buffers: at most
-// 16 experts and 64 MiB (an expert above 32 MiB is measured with 32 MiB copies: the link runs
-// at its plateau there). Every function restores the caller's current device, frees what it
+// 16 experts and 64 MiB (an expert above 32 MiB is measured with 32 MiB copies: a single copy
+// runs near the link's plateau there). Every function restores the caller's current device, frees what it
 // allocated on every path and returns errors as Status; none throws.
 #if !defined(__CUDACC__)
 #error "expert_cache/runtime/link_profile.cuh needs nvcc"

@@ -58,9 +58,10 @@ enum class FillEngine : std::uint8_t { automatic, copy_engine, sm_loads };
 }
 
 /// SM loads are chosen only when they reach this share of the copy engine's batch bandwidth.
-/// The SMs need no host proxy thread and no per-copy round trip, and a kernel launch can be
-/// captured in a graph, so they win at equal speed; but they also take SMs from the compute
-/// that overlaps the fill, so a clearly slower SM path (below 0.95) loses to the copy engine.
+/// They avoid the host proxy's round trip (one kernel launch for all misses, capturable in a
+/// graph; no copy command per expert), which is worth a small bandwidth deficit but no more:
+/// they also take SMs from the compute that overlaps the fill, so they win only when they are
+/// nearly as fast as the copy engine.
 inline constexpr double sm_load_min_share = 0.95;
 
 /// One device's link at one expert size. Bandwidths in GB/s (1e9 bytes/s), latencies in us.
