@@ -46,7 +46,7 @@ TEST_CASE("link profile of device 0 at 1.69 MiB: sane numbers, within 200 ms, de
   const CurrentDeviceBack device_back;
   int device_count = 0;
   REQUIRE(cudaGetDeviceCount(&device_count) == cudaSuccess);
-  // The caller's device stays current (the last device, so that a missed restore to 0 shows).
+  // The caller's device stays current (the last one: with two or more devices a missed restore shows).
   const int callers_device = device_count - 1;
   REQUIRE(cudaSetDevice(callers_device) == cudaSuccess);
 
@@ -57,6 +57,7 @@ TEST_CASE("link profile of device 0 at 1.69 MiB: sane numbers, within 200 ms, de
   int current = -1;
   REQUIRE(cudaGetDevice(&current) == cudaSuccess);
   CHECK(current == callers_device);
+  CHECK(cudaGetLastError() == cudaSuccess);  // no error left behind for the caller's own checks
 
   cudaDeviceProp prop{};
   REQUIRE(cudaGetDeviceProperties(&prop, 0) == cudaSuccess);
