@@ -41,6 +41,14 @@ class Gather {
   static constexpr int blocks = 32;
   static constexpr int threads = 512;
 
+  // Blocks of a launch of `items` work items: never more than the items need (a single small
+  // expert launches few blocks), at most `blocks`. Also the grid of the link profile's SM-load
+  // probe (runtime/link_profile.cuh).
+  [[nodiscard]] static constexpr int grid_for(std::uint64_t items) noexcept {
+    const std::uint64_t per_block = static_cast<std::uint64_t>(threads) * 4;
+    return static_cast<int>(items / per_block + 1 < static_cast<std::uint64_t>(blocks) ? items / per_block + 1 : blocks);
+  }
+
   template <class Storage>
   Status issue(CudaRuntime& rt, cudaStream_t stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
@@ -129,10 +137,7 @@ class Gather {
       p.expert[i] = fills[i].expert.value;
       p.slot[i] = fills[i].slot.value;
     }
-    // Never more blocks than items need (a single small expert launches few blocks).
-    const std::uint64_t items = static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill;
-    const std::uint64_t per_block = static_cast<std::uint64_t>(threads) * 4;
-    const int grid = static_cast<int>(items / per_block + 1 < static_cast<std::uint64_t>(blocks) ? items / per_block + 1 : blocks);
+    const int grid = grid_for(static_cast<std::uint64_t>(p.num_fills) * p.items_per_fill);
     if (Status s = cuda_status(device::launch_fill_gather(p, grid, threads, stream), "fill_gather_kernel launch"); !s) return s;
     return rt.after_enqueue(stream, "fill_gather_kernel");
   }
