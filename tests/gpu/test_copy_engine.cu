@@ -133,9 +133,15 @@ TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and 
     CeRig r(o);
     CHECK(r.cache->fill_engine() == FillEngine::copy_engine);
     unsigned long long bad = 0;
-    for (int s = 0; s < 12; ++s) bad += r.step(s, overlap);
+    for (int s = 0; s < 12; ++s) {
+      const unsigned long long b = r.step(s, overlap);
+      const std::uint32_t err = r.cache->take_errors();
+      CAPTURE(s);
+      CHECK(b == 0ull);
+      CHECK(err == 0u);
+      bad += b;
+    }
     CHECK(bad == 0ull);
-    CHECK(r.cache->take_errors() == 0u);
     CHECK(r.cache->executor().proxy_fills() == r.cache->device_stats().misses);
     CHECK(r.cache->executor().proxy_fills() == 12u * CeRig::n);
   }

@@ -157,6 +157,10 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(proxy_post_threads) proxy_post_kernel
     if (threadIdx.x == 0) {
       __threadfence_system();
       cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>(header->posted).store(seq + 1, cuda::memory_order_release);
+      // And out now: without a fence after it, the store may sit in the GPU's write path while
+      // this kernel spins below (WaitAll), and the proxy would not see the request until the
+      // kernel gave up (measured: a bounded wait that timed out).
+      __threadfence_system();
       *p.post_count = seq + 1;
     }
   }
