@@ -19,10 +19,11 @@
 // the round: every configuration's last-layer output must be bit-identical to the all-resident
 // prefill's (same kernels, same bytes), else the run fails.
 //
-// Per prompt length, after --warmup decode steps from an emptied cache: the all-resident
-// prefill (every expert on the device, one round per layer), then stream admission with each
-// WideCopy (runs, span, automatic; the pool is not changed, so they see the same residents), a
-// fill-only pass (the rounds with a consumer that enqueues nothing: the transfer pipeline
+// The prompts and decode steps are generated, or a trace's (--prompt-trace, prompt_trace.hpp).
+// Per prompt (each --prompt length, or the trace's), after --warmup decode steps from an emptied
+// cache: the all-resident prefill (every expert on the device, one round per layer), then stream
+// admission with each WideCopy (runs, span, automatic; the pool is not changed, so they see the
+// same residents), a fill-only pass (the rounds with a consumer that enqueues nothing: the transfer pipeline
 // alone, whose bytes / time is the rounds' achieved link rate), and admit admission last.
 // Compute is the sum of the rounds' consumer times (events around each round's work, which
 // starts after the round's fill: edge 3). The streaming bound is the non-resident experts'

@@ -7,7 +7,8 @@
 // DeviceLru, the same stream slots; its decode steps planned by the library's SimRuntime planner,
 // modelled_device.hpp), whose prepare_wide reads the pool's resident map back first. Per layer the
 // host first waits for the consumer stream (the router's ids on the host), then prepare_wide; each
-// round's consumer is one modelled kernel. Host-only. On a CUDA build with a device the tables are
+// round's consumer is one modelled kernel. The prompts and decode steps are generated, or a trace's
+// (--prompt-trace, prompt_trace.hpp). Host-only. On a CUDA build with a device the tables are
 // measured instead (prompt_measured.cuh).
 #include <algorithm>
 #include <cstdint>
