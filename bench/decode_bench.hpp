@@ -9,6 +9,8 @@
 //   progress.hpp      progress lines on stderr
 //   modelled_run.hpp  the MODELLED run on SimRuntime with a cost model
 //   modelled_device.hpp  the device provider's MODELLED run (DeviceExpertCache on SimRuntime)
+//   prompt_trace.hpp  the prompt mode's routing: generated, or a trace's prompt (--prompt-trace)
+//   prompt_run.hpp    the prompt mode's MODELLED tables (--prompt, --prompt-trace, --prompt-every)
 //   main.hpp          bench_main: validate, run (measured or modelled), report
 //
 // The decode loop is the same on both runtimes. Per step (B tokens) and MoE layer:

@@ -4,7 +4,10 @@
 usage: test_bench_cli.py PATH_TO_BENCH CASE
 Cases: smoke (a short modelled run of every provider, the device provider alone too, table +
 Google-Benchmark JSON, host synchronisations per token, a modelled --prompt run), bad_args (every rejection
-exits 2 with a clear message and prints no table), prefetch (--prefetch rows: columns, JSON
+exits 2 with a clear message and prints no table), prompt_trace (--prompt-trace: a prompt from a trace
+file written here, the modelled table's rows and bounds, the trace's decode steps in the warm-up and the mixed
+run), prompt_trace_bad_args (each bad trace or combination exits 2 naming the file and line or step, runs
+nothing and writes no --json file), prefetch (--prefetch rows: columns, JSON
 fields, budget 0 = no prefetch, emulated-hint labels; the output without --prefetch keeps its
 table), prefetch_bad_args (its rejections). 'all' runs every case. Always forces --runtime sim
 so the tests behave the same with or without a GPU.
@@ -276,7 +279,178 @@ def case_prefetch_bad_args():
            "--help documents --prefetch", out, err)
 
 
-CASES = {"smoke": case_smoke, "bad_args": case_bad_args, "prefetch": case_prefetch,
+# A trace with sparse layer numbers (5 and 7: the model's layers 0 and 1) for a 2-layer model of 16
+# experts, top-2. Step 3 and steps 11-14 are one-token (decode) steps routed to experts 0 and 1 in
+# both layers; step 10 (lines 4-11) is a 4-token prompt, step 20 (lines 20-25) a 3-token one. A
+# record may name fewer than top-k distinct experts ("5 5"; "11").
+PROMPT_TRACE = """# expert-cache trace v1: a prompt between decode steps
+3 5 0 1
+3 7 0 1
+10 5 0 2
+10 5 3 4
+10 5 5 5
+10 5 6 0
+10 7 1 8
+10 7 9 10
+10 7 11
+10 7 12 1
+""" + "".join(f"{s} 5 0 1\n{s} 7 1 0\n" for s in range(11, 15)) + """20 5 13 14
+20 5 15
+20 5 0 13
+20 7 2 3
+20 7 4
+20 7 1 4
+"""
+PROMPT_MODEL = ["--runtime", "sim", "--layers", "2", "--experts", "16", "--topk", "2", "--capacity", "4"]
+
+
+def prompt_rows(out):
+    """{table title: [row dicts]} of a modelled prompt run's TTFT tables, and its mixed tables."""
+    ttft, mixed, title, kind, header = {}, {}, None, None, None
+    for line in out.split("\n"):
+        if ": TTFT (" in line:
+            title, kind = line.split(":")[0], "ttft"
+            ttft[title] = []
+        elif line.startswith("mixed: "):
+            kind = "mixed"
+            mixed[title] = {}
+        elif kind == "ttft" and line.split()[:1] == ["tokens"]:
+            header = line.split()
+        elif kind == "ttft" and line.strip() and line.split()[0].isdigit():
+            ttft[title].append(dict(zip(header, (float(v) for v in line.split()))))
+        elif kind == "mixed" and line.strip() and not line.startswith(("admission", "(")):
+            parts = line.rsplit(None, 2)
+            if len(parts) == 3 and parts[2].replace(".", "").isdigit():
+                mixed[title][parts[0].strip()] = (float(parts[1]), float(parts[2]))
+    return ttft, mixed
+
+
+def expected_bound_ms(out, experts):
+    """The streaming bound of `experts` non-resident experts, from the run's printed expert size and link rate."""
+    mib = float(out.split(" MiB")[0].rsplit("expert ", 1)[1])
+    gbs = float(out.split(" GB/s)")[0].rsplit("/ ", 1)[1])
+    return experts * mib * (1 << 20) / (gbs * 1e9) * 1e3
+
+
+def case_prompt_trace():
+    trace = write("prompt.trace", PROMPT_TRACE)
+    host = "host-planned whole-expert cache (Lfru, copy stream)"
+    # Default step: the first with a wide forward (10, not the one-token step 3). From an empty
+    # cache (no warm-up) every expert of the prompt is missing: layer 5 (model layer 0) routes
+    # {0, 2, 3, 4, 5, 6}, layer 7 {1, 8, 9, 10, 11, 12}: 12 experts.
+    rc, out, err = run(*PROMPT_MODEL, "--prompt-trace", trace, "--warmup", "0")
+    expect(rc == 0, "--prompt-trace exits 0", out, err)
+    expect("MODELLED on SimRuntime" in out, "labelled MODELLED", out)
+    expect(f"routing: prompt = {trace} step 10 (the first step with a wide forward), lines 4-11, 4 tokens per layer; "
+           "decode steps = the trace's 5 one-token steps, in file order, cycled; 1 other step(s) not used" in out,
+           "the routing line names the file, the step, its lines, its tokens and the decode steps", out)
+    ttft, mixed = prompt_rows(out)
+    expect(list(ttft) == [host] and len(ttft[host]) == 1 and not mixed, "one TTFT row of the host-planned cache", out)
+    row = ttft[host][0]
+    for col in ("tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s", "compute_ms", "resident_ms", "rounds", "copies"):
+        expect(col in row, f"the row has {col}", row)
+    expect(row["tokens"] == 4, "the prompt's tokens: records per layer at the step", row)
+    bound = expected_bound_ms(out, 12)
+    expect(abs(row["bound_ms"] - bound) <= 0.01 * bound, "cold bound = the prompt's 12 experts", row, bound)
+    expect(row["ttft_ms"] >= row["bound_ms"] and 0 < row["bound/ttft"] <= 1 and row["GB/s"] > 0, "TTFT >= bound", row)
+    expect(row["rounds"] >= 2 and row["copies"] >= 2 and row["resident_ms"] > 0 and row["compute_ms"] > 0,
+           "every layer ran rounds and copies", row)
+    cold_ttft = row["ttft_ms"]
+
+    # After warm-up on the trace's decode steps (experts 0 and 1 in both layers) those two are
+    # resident in each layer: 10 experts missing. The device-planned cache serves the same prompt.
+    rc, out, err = run(*PROMPT_MODEL, "--prompt-trace", trace, "--warmup", "2", "--provider", "device,cached")
+    expect(rc == 0, "--prompt-trace with both caches exits 0", out, err)
+    ttft, _ = prompt_rows(out)
+    expect(len(ttft) == 2 and all(len(rows) == 1 for rows in ttft.values()), "one row per cache", out)
+    bound = expected_bound_ms(out, 10)
+    for title, rows in ttft.items():
+        expect(rows[0]["tokens"] == 4 and abs(rows[0]["bound_ms"] - bound) <= 0.01 * bound,
+               f"{title}: warm bound = 10 non-resident experts", rows, bound)
+    expect(ttft[host][0]["ttft_ms"] < cold_ttft, "the warm cache serves the prompt faster", ttft, cold_ttft)
+
+    # An explicit step: 20 (3 tokens; layer 5 routes {0, 13, 14, 15}, layer 7 {1, 2, 3, 4}: 8 cold).
+    rc, out, err = run(*PROMPT_MODEL, "--prompt-trace", trace + ":20", "--warmup", "0")
+    expect(rc == 0, "--prompt-trace FILE:20 exits 0", out, err)
+    expect(f"prompt = {trace} step 20, lines 20-25, 3 tokens per layer" in out and "1 other step(s) not used" in out,
+           "step 20 named, step 10 left out of the decode steps", out)
+    row = prompt_rows(out)[0][host][0]
+    bound = expected_bound_ms(out, 8)
+    expect(row["tokens"] == 3 and abs(row["bound_ms"] - bound) <= 0.01 * bound, "step 20's row", row, bound)
+
+    # The mixed run: the trace's prompt every 2 decode tokens, decode on the trace's steps. Those
+    # route only experts 0 and 1, resident after the warm-up: every decode hit is certain, and
+    # stream admission keeps it so (generated decode steps would miss).
+    rc, out, err = run(*PROMPT_MODEL, "--prompt-trace", trace, "--warmup", "2", "--prompt-every", "2", "--steps", "4")
+    expect(rc == 0, "--prompt-trace --prompt-every exits 0", out, err)
+    expect("mixed: the trace's 4-token prompt every 2 decode tokens, 4 decode tokens measured" in out,
+           "the mixed run names the trace's prompt", out)
+    _, mixed = prompt_rows(out)
+    rows = mixed[host]
+    expect(set(rows) == {"decode only", "stream (scan resistant)", "admit (reference)"}, "three admission rows", out)
+    expect(rows["decode only"][1] == 1.0 and rows["stream (scan resistant)"][1] == 1.0,
+           "decode on the trace's steps hits every time; stream admission leaves it so", rows)
+    # Admitted, the prompt's 6 experts per layer pass through the 4 slots and evict decode's.
+    expect(rows["admit (reference)"][1] < 1.0, "admitting the trace's prompt costs decode hits", rows)
+
+    # A trace that is one prompt only: the decode steps are generated, and the run says so.
+    only = write("only.trace", "".join(f"0 {l} {t} {t + 4}\n" for l in (0, 1) for t in range(3)))
+    rc, out, err = run(*PROMPT_MODEL, "--prompt-trace", only, "--warmup", "1")
+    expect(rc == 0 and "decode steps = generated (" in out and "the trace has no step with one record in every layer"
+           in out, "generated decode steps for a prompt-only trace, labelled", out, err)
+    expect(prompt_rows(out)[0][host][0]["tokens"] == 3, "the prompt-only trace's row", out)
+
+    rc, out, err = run("--help")
+    expect(rc == 0 and "--prompt-trace FILE[:STEP]" in out and "first step with more than one record" in out,
+           "--help documents --prompt-trace", out, err)
+
+
+def case_prompt_trace_bad_args():
+    trace = write("prompt.trace", PROMPT_TRACE)
+    out_json = os.path.join(h.TMP, "never.json")
+
+    def reject(args, needle, model=PROMPT_MODEL):
+        _, out, _ = h.expect_usage_error([*model, *args, "--json", out_json], needle)
+        expect(out == "", f"nothing run for {args}", out)
+        expect(not os.path.exists(out_json), f"no --json file written for {args}", out_json)
+
+    missing = os.path.join(h.TMP, "missing.trace")
+    reject(["--prompt-trace", missing], f"--prompt-trace: cannot open trace file '{missing}'")
+    reject(["--prompt-trace", write("syntax.trace", "0 0 1 2\n0 0 3 x\n")], "syntax.trace: line 2: expert id 'x'")
+    reject(["--prompt-trace", write("split.trace", "0 0 1\n0 1 2\n0 0 3\n")], "split.trace: line 3: records of step 0 "
+           "layer 0 must be contiguous")
+    reject(["--prompt-trace", write("nothing.trace", "# no records\n")], "nothing.trace: the trace has no records")
+    decode = write("decode.trace", "".join(f"{s} {l} 0 1\n" for s in range(4) for l in (0, 1)))
+    reject(["--prompt-trace", decode], "decode.trace: no step has a wide forward")
+    reject(["--prompt-trace", trace + ":3"], "prompt.trace: step 3 (line 2) has no wide forward")
+    reject(["--prompt-trace", trace + ":99"], "prompt.trace: step 99 is not in the trace")
+    reject(["--prompt-trace", trace + ":99999999999"], "--prompt-trace STEP: 99999999999 is outside")
+    reject(["--prompt-trace", ":5"], "--prompt-trace needs a file name")
+    # Layer count against the model's (--layers 2).
+    three = write("three.trace", "0 5 0 1\n0 5 2 3\n0 7 0 1\n0 7 2 3\n0 9 0 1\n0 9 2 3\n")
+    reject(["--prompt-trace", three], "three.trace: the trace has 3 layers (5 to 9) but the model has 2 (--layers); "
+           "layer 9, the trace's 3rd, first appears on line 5")
+    reject(["--prompt-trace", write("one.trace", "0 5 0 1\n0 5 2 3\n")],
+           "one.trace: the trace has 1 layer (5) but the model has 2 (--layers)")
+    # Experts and top-k against the model's (16 experts, top-2).
+    reject(["--prompt-trace", write("wide_id.trace", PROMPT_TRACE.replace("10 7 11\n", "10 7 16\n"))],
+           "wide_id.trace: line 10: expert id 16 is outside the model's 16 experts (--experts)")
+    reject(["--prompt-trace", write("topk.trace", PROMPT_TRACE.replace("14 5 0 1\n", "14 5 0 1 2\n"))],
+           "topk.trace: line 18: a record (one token) of 3 distinct experts, more than the model's top-k 2 (--topk)")
+    # The prompt step's layers: every layer, the same number of tokens.
+    reject(["--prompt-trace", write("gap.trace", "0 5 0 1\n0 7 0 1\n1 5 0 1\n1 5 2 3\n")],
+           "gap.trace: step 1 (line 3) has no records for layer 7: a prompt's tokens pass every layer")
+    reject(["--prompt-trace", write("uneven.trace", PROMPT_TRACE.replace("10 7 12 1\n", ""))],
+           "uneven.trace: line 8: step 10 layer 7 has 3 record(s) but layer 5 has 4 (line 4)")
+    # Combinations.
+    reject(["--prompt-trace", trace, "--prompt", "16"], "--prompt-trace and --prompt: give one")
+    reject(["--prompt-every", "4"], "--prompt-every needs --prompt or --prompt-trace")
+    reject(["--prompt-trace", trace], "--prompt-trace " + trace + ": the trace has 2 layers (5 to 7) but the model has 48",
+           model=["--runtime", "sim"])
+
+
+CASES = {"smoke": case_smoke, "bad_args": case_bad_args, "prompt_trace": case_prompt_trace,
+         "prompt_trace_bad_args": case_prompt_trace_bad_args, "prefetch": case_prefetch,
          "prefetch_bad_args": case_prefetch_bad_args}
 
 

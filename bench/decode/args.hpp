@@ -72,6 +72,10 @@ struct BenchArgs {
   bool help = false;
   // --prompt: prompt lengths (tokens) of the TTFT mode (prompt_run.hpp); empty = the decode run.
   std::vector<std::int32_t> prompts;
+  // --prompt-trace FILE[:STEP]: the TTFT mode's prompt from a trace file, the wide forward of each
+  // layer at STEP (default: the first step with one); prompt_trace.hpp.
+  std::optional<std::string> prompt_trace_path;
+  std::optional<std::int32_t> prompt_trace_step;
   std::int32_t prompt_every = 0;  // --prompt-every K: the mixed run, one prompt every K decode tokens
   std::int32_t stream_slots = 0;  // --stream-slots N: per layer for the prompt mode (0: recommended_stream_slots)
   // --prompt-lists: how a round's pair and tile lists reach the consumer's kernels: read by the
@@ -157,8 +161,17 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      wide forward per layer, next to the streaming bound and an all-resident prefill;\n"
                "                      --provider picks the caches: cached (the default), row, device (the device-planned\n"
                "                      cache, its groups planned and filled on the device; measured on a GPU only)\n"
-               "  --prompt-every K    also the mixed run: one prompt (the last length) every K decode tokens over\n"
-               "                      --steps tokens, decode tok/s and hit rate, scan resistant vs admit-everything\n"
+               "  --prompt-trace FILE[:STEP]\n"
+               "                      TTFT of a real prompt instead of --prompt's generated ones: the wide forward\n"
+               "                      (every record of one step and layer, one record per token) of each layer at\n"
+               "                      trace step STEP, default the first step with more than one record in a layer;\n"
+               "                      STEP is the text after the last ':' when it is all digits. The trace's layers,\n"
+               "                      ascending, are the model's: as many as --layers; its records must fit --experts\n"
+               "                      and --topk. Its steps with one record in every layer are the decode steps\n"
+               "                      (warm-up, mixed run), generated when it has none\n"
+               "  --prompt-every K    also the mixed run: one prompt (the last length, or the trace's prompt) every K\n"
+               "                      decode tokens over --steps tokens, decode tok/s and hit rate, scan resistant vs\n"
+               "                      admit-everything\n"
                "  --stream-slots N    stream slots per layer of the prompt mode (default recommended_stream_slots)\n"
                "  --prompt-precision P bf16 (default: the prompt consumer's activations rounded to bf16, as an\n"
                "                      engine's prefill GEMM) or exact (fp32 activations as three bf16 terms)\n"
@@ -358,6 +371,18 @@ inline BenchArgs parse_args(int argc, char** argv) {
         a.prompts.push_back(static_cast<std::int32_t>(parse_int(arg, item, 1, 1 << 16)));
       }
       if (a.prompts.empty()) throw UsageError{"--prompt needs at least one prompt length"};
+    } else if (arg == "--prompt-trace") {
+      const std::string_view v = value();
+      std::string_view path = v;
+      a.prompt_trace_step.reset();
+      if (const std::size_t colon = v.rfind(':'); colon != std::string_view::npos && colon + 1 < v.size() &&
+                                                  std::all_of(v.begin() + static_cast<std::ptrdiff_t>(colon) + 1, v.end(),
+                                                              [](char c) { return c >= '0' && c <= '9'; })) {
+        a.prompt_trace_step = static_cast<std::int32_t>(parse_int("--prompt-trace STEP", v.substr(colon + 1), 0, INT32_MAX));
+        path = v.substr(0, colon);
+      }
+      if (path.empty()) throw UsageError{"--prompt-trace needs a file name (FILE or FILE:STEP)"};
+      a.prompt_trace_path = std::string(path);
     } else if (arg == "--prompt-every") {
       a.prompt_every = static_cast<std::int32_t>(parse_int(arg, value(), 1, 1 << 20));
     } else if (arg == "--stream-slots") {

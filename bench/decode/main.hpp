@@ -7,6 +7,7 @@
 #include <exception>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -25,13 +26,15 @@ struct GpuHooks {
   bool built = false;
   std::function<bool(std::string& why)> device_available;
   std::function<Report(const Model&, const Routing&, const BenchArgs&, Progress&)> run;
-  std::function<int(const Model&, const BenchArgs&)> prompt;  // --prompt measured (exit code)
+  // --prompt / --prompt-trace measured (exit code); the trace is null for generated prompts.
+  std::function<int(const Model&, const BenchArgs&, const PromptTrace*)> prompt;
 };
 
 inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
   BenchArgs args;
   Model model;
   Routing routing;
+  std::optional<PromptTrace> prompt_trace;
   bool use_gpu = false;
   try {
     args = parse_args(argc, argv);
@@ -44,6 +47,12 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     }
     // Arguments and the routing are validated completely before any device work.
     std::tie(model, routing) = build_model_and_routing(args);
+    if (args.prompt_trace_path) {
+      if (!args.prompts.empty()) throw UsageError{"--prompt-trace and --prompt: give one (a trace's prompt or generated ones)"};
+      prompt_trace = load_prompt_trace(*args.prompt_trace_path, args.prompt_trace_step, model);
+    }
+    if (args.prompt_every > 0 && args.prompts.empty() && !prompt_trace)
+      throw UsageError{"--prompt-every needs --prompt or --prompt-trace"};
     if (args.runtime != RuntimeChoice::sim && gpu.built) {
       std::string why;
       use_gpu = gpu.device_available(why);
@@ -97,18 +106,15 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     return exit_usage;
   }
 
-  if (!args.prompts.empty()) {  // measured on a GPU (prompt_measured.cuh), else modelled (prompt_run.hpp)
+  if (!args.prompts.empty() || prompt_trace) {  // measured on a GPU (prompt_measured.cuh), else modelled (prompt_run.hpp)
+    const PromptTrace* trace = prompt_trace ? &*prompt_trace : nullptr;
     try {
-      if (use_gpu && gpu.prompt) return gpu.prompt(model, args);
-      return run_prompt_mode(model, args);
+      if (use_gpu && gpu.prompt) return gpu.prompt(model, args, trace);
+      return run_prompt_mode(model, args, trace);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "expert-cache-bench: prompt run failed: %s\n", e.what());
       return exit_failure;
     }
-  }
-  if (args.prompt_every > 0) {
-    std::fprintf(stderr, "expert-cache-bench: --prompt-every needs --prompt\n");
-    return exit_usage;
   }
   const bool tty = stderr_is_tty();
   Progress progress(args.progress || tty, tty);

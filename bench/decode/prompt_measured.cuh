@@ -19,10 +19,11 @@
 // the round: every configuration's last-layer output must be bit-identical to the all-resident
 // prefill's (same kernels, same bytes), else the run fails.
 //
-// Per prompt length, after --warmup decode steps from an emptied cache: the all-resident
-// prefill (every expert on the device, one round per layer), then stream admission with each
-// WideCopy (runs, span, automatic; the pool is not changed, so they see the same residents), a
-// fill-only pass (the rounds with a consumer that enqueues nothing: the transfer pipeline
+// The prompts and decode steps are generated, or a trace's (--prompt-trace, prompt_trace.hpp).
+// Per prompt (each --prompt length, or the trace's), after --warmup decode steps from an emptied
+// cache: the all-resident prefill (every expert on the device, one round per layer), then stream
+// admission with each WideCopy (runs, span, automatic; the pool is not changed, so they see the
+// same residents), a fill-only pass (the rounds with a consumer that enqueues nothing: the transfer pipeline
 // alone, whose bytes / time is the rounds' achieved link rate), and admit admission last.
 // Compute is the sum of the rounds' consumer times (events around each round's work, which
 // starts after the round's fill: edge 3). The streaming bound is the non-resident experts'
@@ -54,7 +55,6 @@
 #include "expert_cache/device/moe_consumer.cuh"
 #include "expert_cache/device/moe_grouped.cuh"
 #include "expert_cache/expert_cache.hpp"
-#include "expert_cache/tools/trace_generator.hpp"
 #include "prompt_run.hpp"
 
 namespace expert_cache::bench {
@@ -142,34 +142,8 @@ __global__ void reduce_pairs_kernel(const float* pair_out, const std::int32_t* i
   }
 }
 
-// A prompt's routing: per layer tokens * top_k ids (-1 padded) and top-k weights (1 / top_k).
-struct Prompt {
-  std::int32_t tokens = 0;
-  std::vector<std::vector<std::int32_t>> ids;
-};
-
-inline Prompt make_prompt(const Model& m, const BenchArgs& a, std::int32_t tokens, std::uint64_t seed) {
-  GeneratorSpec spec;
-  spec.layers = m.layers;
-  spec.experts = m.experts;
-  spec.top_k = m.top_k;
-  spec.steps = tokens;
-  spec.zipf_s = a.zipf;
-  spec.sticky = a.sticky;
-  spec.seed = seed;
-  const Trace t = generate_trace(spec);
-  Prompt p;
-  p.tokens = tokens;
-  const auto k = static_cast<std::size_t>(m.top_k);
-  p.ids.assign(static_cast<std::size_t>(m.layers), std::vector<std::int32_t>(static_cast<std::size_t>(tokens) * k, -1));
-  for (std::size_t f = 0; f < t.forwards.size(); ++f) {
-    const auto e = t.experts(f);
-    auto& dst = p.ids[static_cast<std::size_t>(t.forwards[f].layer)];
-    const auto at = static_cast<std::size_t>(t.forwards[f].step) * k;
-    for (std::size_t j = 0; j < std::min(k, e.size()); ++j) dst[at + j] = e[j];
-  }
-  return p;
-}
+// A prompt's routing: per layer tokens * top_k ids (-1 padded); top-k weights 1 / top_k.
+using Prompt = PromptRouting;
 
 struct PromptTimes {
   double ttft_ns = 0, compute_ns = 0, bound_ns = 0, bytes = 0;
@@ -250,7 +224,7 @@ class PromptRunner {
   static constexpr std::int32_t chunk_pairs = 16384;  // GroupedMoe rows per run (workspace ~19 KB per row)
 
   PromptRunner(const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer, std::int32_t stream_slots,
-               std::int32_t max_tokens, const ResidentWeights& resident)
+               std::int32_t max_tokens, const ResidentWeights& resident, const DecodeSteps& decode)
       : m_(m),
         consumer_(consumer),
         resident_(resident),
@@ -258,7 +232,8 @@ class PromptRunner {
         max_pairs_(static_cast<std::size_t>(max_tokens) * static_cast<std::size_t>(m.top_k)),
         prompt_moe_(m.layout, chunk_pairs, chunk_pairs,
                     a.prompt_bf16 ? device::GroupedPrecision::bf16 : device::GroupedPrecision::exact),
-        decode_moe_(m.layout, 1, m.top_k) {
+        decode_moe_(m.layout, 1, m.top_k),
+        decode_(decode) {
     if constexpr (device_planned) check_cuda(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking), "cudaStreamCreate");
     for (std::int32_t l = 0; l < m.layers; ++l) {
       if constexpr (device_planned) {
@@ -313,7 +288,7 @@ class PromptRunner {
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&layer_ids_dev_), layer_ids_, 0),
                "cudaHostGetDevicePointer");
     check_cuda(cudaHostGetDevicePointer(reinterpret_cast<void**>(&tiles_dev_), tiles_, 0), "cudaHostGetDevicePointer");
-    // Decode: batch 1, the decode generator's routing, weights 1 / top_k.
+    // Decode: batch 1, the decode steps' routing (generated or a trace's), weights 1 / top_k.
     const auto K = static_cast<std::size_t>(m.top_k);
     x_dec_ = DeviceBuffer(H * sizeof(float));
     input_kernel<<<8, 256, 0, consumer_>>>(x_dec_.as<float>(), H);
@@ -324,15 +299,6 @@ class PromptRunner {
     const std::vector<float> w(K, 1.0f / static_cast<float>(K));
     check_cuda(cudaMemcpy(dec_w_.p, w.data(), K * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy(decode weights)");
     dec_stage_ = std::make_unique<PinnedBuffer>(K * sizeof(std::int32_t));
-    GeneratorSpec spec;
-    spec.layers = m.layers;
-    spec.experts = m.experts;
-    spec.top_k = m.top_k;
-    spec.steps = 4096;
-    spec.zipf_s = a.zipf;
-    spec.sticky = a.sticky;
-    spec.seed = a.seed;
-    decode_ = generate_trace(spec);
     counts_.assign(static_cast<std::size_t>(m.experts) + 1, 0);
     for (int i = 0; i < 4096; ++i) {  // two per round; more are made when a prompt needs them
       cudaEvent_t e = nullptr;
@@ -387,8 +353,7 @@ class PromptRunner {
     const auto K = static_cast<std::size_t>(m_.top_k);
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       check_cuda(cudaStreamSynchronize(consumer_), "cudaStreamSynchronize");
-      const auto ids = decode_.experts(static_cast<std::size_t>(step_ % 4096) * static_cast<std::size_t>(m_.layers) +
-                                       static_cast<std::size_t>(l));
+      const auto ids = decode_.ids(step_, l);
       auto* stage = dec_stage_->as<std::int32_t>();
       std::fill(stage, stage + K, -1);
       std::copy_n(ids.begin(), std::min(K, ids.size()), stage);
@@ -399,7 +364,7 @@ class PromptRunner {
       Result<ForwardView> v = [&] {
         if constexpr (device_planned) {
           // Planned on the device from the uploaded ids; the consumer reads the plan's sanitized
-          // copy (equal here: every generated id is valid).
+          // copy (equal here: every id is valid or -1 padding).
           consumer_ids = cache.sanitized_ids_device();
           return cache.prepare(dec_ids_.as<std::int32_t>(), static_cast<std::int32_t>(K), consumer_);
         } else {
@@ -761,7 +726,7 @@ class PromptRunner {
   std::int32_t* layer_ids_dev_ = nullptr;
   DeviceBuffer x_dec_, out_dec_, dec_ids_, dec_w_;
   std::unique_ptr<PinnedBuffer> dec_stage_;
-  Trace decode_;
+  const DecodeSteps& decode_;
   std::int64_t step_ = 0;
   std::vector<std::uint32_t> counts_, cursor_, order_;
   std::vector<std::int32_t> unique_;
@@ -780,12 +745,14 @@ inline bool same_bytes(const std::vector<float>& a, const std::vector<float>& b)
 // device planner's groups, which admit).
 template <class Cache>
 int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRuntime& rt, cudaStream_t consumer,
-                 double ceiling, const ResidentWeights& resident) {
+                 double ceiling, const ResidentWeights& resident, const std::vector<Prompt>& prompts,
+                 const DecodeSteps& decode, const PromptTrace* trace) {
   constexpr bool device_planned = PromptRunner<Cache>::device_planned;
   const std::int32_t stream_slots = prompt_stream_slots(m, a);
-  const std::int32_t max_tokens = *std::max_element(a.prompts.begin(), a.prompts.end());
+  std::int32_t max_tokens = 0;
+  for (const Prompt& p : prompts) max_tokens = std::max(max_tokens, p.tokens);
   std::fprintf(stderr, "expert-cache-bench --prompt: %s: allocating and filling pinned host pools\n", name);
-  PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident);
+  PromptRunner<Cache> b(m, a, rt, consumer, stream_slots, max_tokens, resident, decode);
   const double eb = static_cast<double>(m.expert_bytes());
   if constexpr (device_planned) {
     std::printf("\n%s: %d slots per layer and %d stream slots; rows: stream (prepare_wide from the host ids: the "
@@ -805,8 +772,8 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
               "spans", "waste", "output");
   int failures = 0;
   std::vector<std::pair<std::int32_t, PromptTimes>> tails;  // the runs rows, for the note below the table
-  for (const std::int32_t tokens : a.prompts) {
-    const Prompt p = make_prompt(m, a, tokens, a.seed + 7919);
+  for (const Prompt& p : prompts) {
+    const std::int32_t tokens = p.tokens;
     b.reset();
     for (std::int32_t s = 0; s < a.warmup; ++s) (void)b.decode_step();
     const PromptTimes res = b.prompt(p, PromptMode::resident, {});
@@ -886,9 +853,10 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
     }
   }
   if (a.prompt_every > 0) {
-    const std::int32_t tokens = a.prompts.back();
-    std::printf("\n%s mixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", name,
-                tokens, a.prompt_every, a.steps);
+    // Generated: a new prompt of the last --prompt length each time; a trace: its prompt each time.
+    const std::int32_t tokens = trace != nullptr ? trace->prompt.tokens : a.prompts.back();
+    std::printf("\n%s mixed: %s %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n",
+                name, trace != nullptr ? "the trace's" : "a", tokens, a.prompt_every, a.steps);
     std::printf("%-24s %12s %14s\n", "admission", "decode_tok/s", "decode_hit_rate");
     for (int mode = 0; mode < 3; ++mode) {
       b.reset();
@@ -900,7 +868,11 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
         if (mode > 0 && s % a.prompt_every == 0) {
           WideOptions o;
           o.admission = mode == 1 ? WideAdmission::stream : WideAdmission::admit;
-          (void)b.prompt(make_prompt(m, a, tokens, seed++), PromptMode::wide, o);
+          if (trace != nullptr) {
+            (void)b.prompt(trace->prompt, PromptMode::wide, o);
+          } else {
+            (void)b.prompt(generate_prompt(m, a, tokens, seed++), PromptMode::wide, o);
+          }
         }
         const auto [h0, m0] = b.hits_misses();
         decode_ns += b.decode_step();
@@ -920,8 +892,9 @@ int run_provider(const char* name, const Model& m, const BenchArgs& a, CudaRunti
 
 }  // namespace prompt_gpu
 
-// The --prompt tables, MEASURED. Returns the process exit code.
-inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
+// The --prompt / --prompt-trace tables, MEASURED; `trace` null: generated prompts. Returns the
+// process exit code.
+inline int run_prompt_measured(const Model& m, const BenchArgs& a, const PromptTrace* trace) {
   using namespace prompt_gpu;
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -941,6 +914,9 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
               a.prompt_bf16 ? "bf16" : "exact fp32", device::grouped_tile_rows,
               a.prompt_lists_copied ? "copied to device memory" : "read from mapped host memory");
+  std::printf("%s\n", prompt_routing_line(a, trace).c_str());
+  const std::vector<Prompt> prompts = table_prompts(m, a, trace);
+  const DecodeSteps decode = prompt_decode_steps(m, a, trace);
   std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
   const ResidentWeights resident(m);
   CudaRuntime rt;
@@ -951,11 +927,11 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
   int failures = 0;
   if (all || want("cached")) {
     failures += run_provider<ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Nvfp4Marlin, CudaRuntime>>(
-        "cached (whole-expert, Lfru, copy_stream)", m, a, rt, consumer, ceiling, resident);
+        "cached (whole-expert, Lfru, copy_stream)", m, a, rt, consumer, ceiling, resident, prompts, decode, trace);
   }
   if (!all && want("row")) {
     failures += run_provider<ExpertCache<TensorMajorStorage, Lru, CopyStream, Nvfp4Marlin, CudaRuntime>>(
-        "row (tensor-major, Lru, copy_stream)", m, a, rt, consumer, ceiling, resident);
+        "row (tensor-major, Lru, copy_stream)", m, a, rt, consumer, ceiling, resident, prompts, decode, trace);
   }
   if (!all && want("device")) {
     // The decode benchmark's device provider (tensor-major, planned on the GPU), once per
@@ -968,7 +944,7 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a) {
         type[0] = static_cast<char>(type[0] - 'a' + 'A');
         const std::string name = "device (tensor-major, Device" + type + ", planned on the GPU)";
         return run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>>(
-            name.c_str(), m, pa, rt, consumer, ceiling, resident);
+            name.c_str(), m, pa, rt, consumer, ceiling, resident, prompts, decode, trace);
       });
     }
   }

@@ -7,7 +7,8 @@
 // DeviceLru, the same stream slots; its decode steps planned by the library's SimRuntime planner,
 // modelled_device.hpp), whose prepare_wide reads the pool's resident map back first. Per layer the
 // host first waits for the consumer stream (the router's ids on the host), then prepare_wide; each
-// round's consumer is one modelled kernel. Host-only. On a CUDA build with a device the tables are
+// round's consumer is one modelled kernel. The prompts and decode steps are generated, or a trace's
+// (--prompt-trace, prompt_trace.hpp). Host-only. On a CUDA build with a device the tables are
 // measured instead (prompt_measured.cuh).
 #include <algorithm>
 #include <cstdint>
@@ -18,10 +19,10 @@
 
 #include "args.hpp"
 #include "expert_cache/expert_cache.hpp"
-#include "expert_cache/tools/trace_generator.hpp"
 #include "model.hpp"
 #include "modelled_device.hpp"
 #include "modelled_run.hpp"
+#include "prompt_trace.hpp"
 
 namespace expert_cache::bench {
 
@@ -35,31 +36,6 @@ inline std::int32_t prompt_stream_slots(const Model& m, const BenchArgs& a) noex
   return std::min(m.experts, a.stream_slots > 0 ? a.stream_slots : recommended_stream_slots(m.capacity, m.top_k));
 }
 
-struct PromptRouting {
-  std::vector<std::vector<std::int32_t>> ids;  // per layer: tokens * top_k ids
-};
-
-// Generated routing of a `tokens`-token prompt (the decode generator with its own seed).
-inline PromptRouting generate_prompt(const Model& m, const BenchArgs& a, std::int32_t tokens, std::uint64_t seed) {
-  GeneratorSpec spec;
-  spec.layers = m.layers;
-  spec.experts = m.experts;
-  spec.top_k = m.top_k;
-  spec.steps = tokens;
-  spec.zipf_s = a.zipf;
-  spec.sticky = a.sticky;
-  spec.seed = seed;
-  const Trace t = generate_trace(spec);
-  PromptRouting p;
-  p.ids.resize(static_cast<std::size_t>(m.layers));
-  for (std::size_t f = 0; f < t.forwards.size(); ++f) {
-    const auto e = t.experts(f);
-    auto& dst = p.ids[static_cast<std::size_t>(t.forwards[f].layer)];
-    dst.insert(dst.end(), e.begin(), e.end());
-  }
-  return p;
-}
-
 // Device = false: the host-planned whole-expert cache; true: the device-planned cache.
 template <bool Device>
 class PromptBench {
@@ -67,7 +43,8 @@ class PromptBench {
   using Cache = std::conditional_t<Device, DeviceExpertCache<TensorMajorStorage, ExplicitLayout, ModelledSim, DeviceLru>,
                                    ExpertCache<ExpertMajorStorage, Lfru, CopyStream, ExplicitLayout, ModelledSim>>;
 
-  PromptBench(const Model& m, const BenchArgs& a, const SimCosts& costs) : m_(m), a_(a), rt_(costs) {
+  PromptBench(const Model& m, const BenchArgs& a, const SimCosts& costs, const DecodeSteps& decode)
+      : m_(m), a_(a), rt_(costs), decode_(decode) {
     consumer_ = rt_.create_stream().value();
     const ExpertTensorBytes real = m.layout.tensors();
     const ExplicitLayout layout = scaled_layout(real, a.sim_scale);
@@ -92,15 +69,6 @@ class PromptBench {
       fill_sim_pools(*caches_.back(), rt_, l, real);
     }
     if constexpr (Device) ids_dev_ = RuntimeBuffer<ModelledSim>(rt_, static_cast<std::size_t>(m.top_k) * sizeof(std::int32_t), MemoryKind::device);
-    GeneratorSpec spec;
-    spec.layers = m.layers;
-    spec.experts = m.experts;
-    spec.top_k = m.top_k;
-    spec.steps = 4096;
-    spec.zipf_s = a.zipf;
-    spec.sticky = a.sticky;
-    spec.seed = a.seed;
-    decode_ = generate_trace(spec);
   }
 
   [[nodiscard]] double expert_bytes() const noexcept { return static_cast<double>(m_.expert_bytes()); }
@@ -116,8 +84,7 @@ class PromptBench {
   void decode_step() {
     for (std::int32_t l = 0; l < m_.layers; ++l) {
       (void)rt_.synchronize(consumer_);
-      const auto ids = decode_.experts(static_cast<std::size_t>(step_ % 4096) * static_cast<std::size_t>(m_.layers) +
-                                       static_cast<std::size_t>(l));
+      const auto ids = decode_.ids(step_, l);
       Result<ForwardView> v = [&] {
         if constexpr (Device) {
           // The router stand-in writes the step's ids into device memory; the plan reads them there.
@@ -154,8 +121,12 @@ class PromptBench {
       const auto& ids = p.ids[static_cast<std::size_t>(l)];
       // Tokens per expert of this layer (the consumer's work per round).
       std::vector<std::int32_t> pairs(static_cast<std::size_t>(m_.experts), 0);
-      for (const std::int32_t e : ids)
-        if (e >= 0) ++pairs[static_cast<std::size_t>(e)];
+      std::size_t routed = 0;  // (token, expert) pairs
+      for (const std::int32_t e : ids) {
+        if (e < 0) continue;  // padding: a token with fewer than top-k experts
+        ++pairs[static_cast<std::size_t>(e)];
+        ++routed;
+      }
       std::size_t missing = 0, unique = 0;
       const std::int32_t* device_map = nullptr;
       if constexpr (Device) {  // the pool's residency, read with the stream idle (not timed: the bound's input)
@@ -175,7 +146,7 @@ class PromptBench {
       }
       t.bound_ns += static_cast<double>(missing) * expert_bytes() / c.pcie_bytes_per_ns;
       t.resident_ns += c.consumer_fixed_ns + static_cast<double>(unique) * expert_bytes() / c.hbm_bytes_per_ns +
-                       static_cast<double>(ids.size()) * pair_ns();
+                       static_cast<double>(routed) * pair_ns();
       auto r = cache.prepare_wide(ids, consumer_, [&](const WideRound& round) noexcept {
         double work = 0;
         for (const std::int32_t e : round.experts) work += pairs[static_cast<std::size_t>(e)];
@@ -223,13 +194,14 @@ class PromptBench {
   SimRuntime::Stream consumer_{};
   std::vector<std::unique_ptr<Cache>> caches_;
   RuntimeBuffer<ModelledSim> ids_dev_;  // Device: a decode step's ids
-  Trace decode_;
+  const DecodeSteps& decode_;
   std::int64_t step_ = 0;
 };
 
-// One provider's --prompt tables (MODELLED): TTFT per prompt length, then the mixed run.
+// One provider's --prompt tables (MODELLED): TTFT per prompt, then the mixed run.
 template <bool Device>
-void print_prompt_tables(const Model& m, const BenchArgs& a, const SimCosts& costs) {
+void print_prompt_tables(const Model& m, const BenchArgs& a, const SimCosts& costs, const std::vector<PromptRouting>& prompts,
+                         const DecodeSteps& decode, const PromptTrace* trace) {
   std::printf("\n%s: TTFT (one wide forward per layer, stream admission, after %d decode warm-up steps; bound = "
               "non-resident bytes / %.1f GB/s)\n",
               Device ? "device-planned cache (tensor-major, DeviceLru; prepare_wide reads the resident map back first)"
@@ -238,31 +210,37 @@ void print_prompt_tables(const Model& m, const BenchArgs& a, const SimCosts& cos
   std::printf("%8s %10s %10s %10s %8s %12s %12s %8s %8s\n", "tokens", "ttft_ms", "bound_ms", "bound/ttft", "GB/s",
               "compute_ms", "resident_ms", "rounds", "copies");
   using Bench = PromptBench<Device>;
-  for (const std::int32_t tokens : a.prompts) {
-    Bench b(m, a, costs);
+  for (const PromptRouting& p : prompts) {
+    Bench b(m, a, costs, decode);
     for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
-    const typename Bench::PromptTimes t = b.prompt(generate_prompt(m, a, tokens, a.seed + 7919), WideAdmission::stream);
-    std::printf("%8d %10.3f %10.3f %10.3f %8.1f %12.3f %12.3f %8llu %8llu\n", tokens, t.ttft_ns / 1e6, t.bound_ns / 1e6,
+    const typename Bench::PromptTimes t = b.prompt(p, WideAdmission::stream);
+    std::printf("%8d %10.3f %10.3f %10.3f %8.1f %12.3f %12.3f %8llu %8llu\n", p.tokens, t.ttft_ns / 1e6, t.bound_ns / 1e6,
                 t.ttft_ns > 0 ? t.bound_ns / t.ttft_ns : 0.0, t.ttft_ns > 0 ? t.bytes / t.ttft_ns : 0.0,
                 t.compute_ns / 1e6, t.resident_ns / 1e6, static_cast<unsigned long long>(t.rounds),
                 static_cast<unsigned long long>(t.copies));
   }
   if (a.prompt_every > 0) {
-    const std::int32_t tokens = a.prompts.back();
-    std::printf("\nmixed: a %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n", tokens,
-                a.prompt_every, a.steps);
+    // Generated: a new prompt of the last --prompt length each time; a trace: its prompt each time.
+    const std::int32_t tokens = trace != nullptr ? trace->prompt.tokens : a.prompts.back();
+    std::printf("\nmixed: %s %d-token prompt every %d decode tokens, %d decode tokens measured after warm-up\n",
+                trace != nullptr ? "the trace's" : "a", tokens, a.prompt_every, a.steps);
     std::printf("%-24s %12s %14s\n", "admission", "decode_tok/s", "decode_hit_rate");
     // The device-planned cache's admit is its groups through the pool (prepare in rounds +
     // prepare_group): measured on a GPU only.
     for (int mode = 0; mode < (Device ? 2 : 3); ++mode) {
-      Bench b(m, a, costs);
+      Bench b(m, a, costs, decode);
       for (std::int32_t s = 0; s < a.warmup; ++s) b.decode_step();
       double decode_ns = 0;
       std::uint64_t hits = 0, misses = 0;
       std::uint64_t prompt_seed = a.seed + 104729;
       for (std::int32_t s = 0; s < a.steps; ++s) {
         if (mode > 0 && s % a.prompt_every == 0) {
-          (void)b.prompt(generate_prompt(m, a, tokens, prompt_seed++), mode == 1 ? WideAdmission::stream : WideAdmission::admit);
+          const WideAdmission admission = mode == 1 ? WideAdmission::stream : WideAdmission::admit;
+          if (trace != nullptr) {
+            (void)b.prompt(trace->prompt, admission);
+          } else {
+            (void)b.prompt(generate_prompt(m, a, tokens, prompt_seed++), admission);
+          }
         }
         const CacheStats s0 = b.totals();
         const double t0 = b.now();
@@ -280,8 +258,9 @@ void print_prompt_tables(const Model& m, const BenchArgs& a, const SimCosts& cos
   }
 }
 
-// The --prompt tables (MODELLED). Returns the process exit code.
-inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
+// The --prompt / --prompt-trace tables (MODELLED); `trace` null: generated prompts. Returns the
+// process exit code.
+inline int run_prompt_mode(const Model& m, const BenchArgs& a, const PromptTrace* trace) {
   const SimCosts costs;
   std::printf("expert-cache-bench --prompt: MODELLED on SimRuntime (no GPU measurement; costs as the decode run's, "
               "compute %.0f TFLOP/s assumed)\n",
@@ -289,13 +268,16 @@ inline int run_prompt_mode(const Model& m, const BenchArgs& a) {
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB, %d stream slots per layer\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
               prompt_stream_slots(m, a));
+  std::printf("%s\n", prompt_routing_line(a, trace).c_str());
+  const std::vector<PromptRouting> prompts = table_prompts(m, a, trace);
+  const DecodeSteps decode = prompt_decode_steps(m, a, trace);
   // The host-planned cache always; the device-planned one when --provider names it (its groups
   // rows, which admit, are measured on a GPU only).
   const bool all = a.providers.size() == provider_names().size();
   const bool device = !all && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end();
-  print_prompt_tables<false>(m, a, costs);
+  print_prompt_tables<false>(m, a, costs, prompts, decode, trace);
   if (device) {
-    print_prompt_tables<true>(m, a, costs);
+    print_prompt_tables<true>(m, a, costs, prompts, decode, trace);
     std::printf("device: its groups rows (prepare in rounds + prepare_group) measured on a GPU only\n");
   }
   return 0;
