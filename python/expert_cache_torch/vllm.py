@@ -497,7 +497,22 @@ def _serve_wide_forward(provider, topk_ids, run, split):
     if rows == 0:
         return run(provider.prepare(topk_ids), slice(0, 0), True)
     if split == "expert":
-        return _serve_expert_rounds(provider, topk_ids, run, rows)
+        if provider._device_planned:
+            return _serve_expert_rounds(provider, topk_ids, run, rows, topk_ids)
+        # Host semantics: one read-back of the ids plans the groups. A forward that fits is one
+        # prepare and one run, whose output comes back untouched (vLLM's single group); a wider one
+        # goes to the rounds with the ids already on the host (no second read-back).
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ExpertCacheValueError(f"{provider.label}: topk_ids must be int32 or int64 (got {topk_ids.dtype})")
+        if torch.cuda.is_current_stream_capturing():
+            raise ExpertCacheError(f"{provider.label}: semantics {provider.semantics!r} plans on the host and cannot "
+                                   f"be captured in a CUDA graph")
+        host = topk_ids.to(device="cpu", dtype=torch.int64)
+        parts = _C.plan_split(host.reshape(-1).tolist(), int(topk_ids.shape[1]), provider.capacity,
+                              provider.num_experts, "expert")
+        if len(parts) == 1:
+            return run(provider.prepare(topk_ids, parts[0][2], _checked=True), slice(0, rows), True)
+        return _serve_expert_rounds(provider, topk_ids, run, rows, host)
     parts = provider._plan(topk_ids, split)
     if len(parts) == 1:
         unique = None if provider._device_planned else parts[0][2]
@@ -510,7 +525,7 @@ def _serve_wide_forward(provider, topk_ids, run, split):
     return torch.cat(outs, dim=0)
 
 
-def _serve_expert_rounds(provider, topk_ids, run, rows):
+def _serve_expert_rounds(provider, topk_ids, run, rows, wide_ids):
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ExpertCacheValueError(f"{provider.label}: topk_ids must be int32 or int64 (got {topk_ids.dtype})")
     if not provider._device_planned and torch.cuda.is_current_stream_capturing():
@@ -544,7 +559,7 @@ def _serve_expert_rounds(provider, topk_ids, run, rows):
         state["dtype"] = part.dtype
         state["acc"] = part.float() if state["acc"] is None else state["acc"] + part.float()
 
-    ids = topk_ids
+    ids = wide_ids.contiguous()
     if provider._device_planned and not ids.is_cuda:
         raise ExpertCacheValueError(f"{provider.label}: semantics 'device' takes CUDA topk_ids, got a tensor on "
                                     f"{ids.device}")
