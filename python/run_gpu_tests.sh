@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Builds the PyTorch extension in place and runs its GPU tests (python/tests/test_extension.py:
+# Builds the PyTorch extension in place and runs its tests (python/tests/test_extension.py:
 # the ExpertCache API; python/tests/test_vllm.py: the vLLM-surface providers, prefetch, the
-# model-level cache, policies by name).
+# model-level cache, policies by name; python/tests/test_vllm_contract.py: vLLM's
+# CachedWeightProvider contract call by call, through the compatibility views;
+# python/tests/test_vllm_state.py: the views' bookkeeping, torch-free, also meson test vllm_state).
 #
 #   python/run_gpu_tests.sh OUT        # from the repository root; OUT receives the logs
 #
 # Needs python with torch (CUDA build), nvcc and a CUDA device. Logs: OUT/build_ext.log (the
-# build), OUT/test_extension.log and OUT/test_vllm.log (the tests). Prints a summary; exits 0 when everything passed,
+# build), OUT/test_extension.log, OUT/test_vllm.log, OUT/test_vllm_contract.log and
+# OUT/test_vllm_state.log (the tests). Prints a summary; exits 0 when everything passed,
 # 77 when the tests skipped (no torch / no device), 1 otherwise.
 set -u
 OUT=${1:?usage: python/run_gpu_tests.sh OUT_DIR}
@@ -46,7 +49,7 @@ ls -l "$HERE"/expert_cache_torch/_C*.so
 # Each test file in its own process (its own CUDA context and registrations); the worst exit
 # status wins (1 over 77 over 0).
 test_rc=0
-for t in test_extension test_vllm; do
+for t in test_extension test_vllm test_vllm_contract test_vllm_state; do
   echo "== $t (log: $OUT/$t.log)"
   (cd "$HERE" && "$PY" "tests/$t.py") > "$OUT/$t.log" 2>&1
   rc=$?

@@ -7,10 +7,15 @@
 // - a CacheBridge over six vLLM-shaped tensors, semantics "lfru" and "row", equal to the
 //   reference planner call by call (hits, misses, fills, victims, forward map, slot bytes of all
 //   six tensors), with explicit unique lists, invalidate, and refused calls changing nothing;
-// - prefetch through the bridge; the token / expert split plans.
+// - invalidate_if_held (vLLM's invalidate: every id not held is a no-op) next to the native
+//   invalidate, which keeps refusing ids outside [0, E);
+// - prefetch through the bridge; the token / expert split plans (a row wider than the slots
+//   refused in vLLM's words).
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <map>
 #include <random>
 #include <string>
@@ -472,6 +477,53 @@ TEST_CASE("CacheBridge: refused prepares, unique lists and prefetches change no 
   CHECK(rt.race_count() == 0);
 }
 
+TEST_CASE("invalidate_if_held: vLLM's invalidate, a no-op for every id not held; the native invalidate still refuses") {
+  constexpr std::int64_t E = 10;
+  const ProviderSpec spec = validate_provider_sources(4, nvfp4_sources(E)).value();
+  for (const char* semantics : {"lfru", "row"}) {
+    CAPTURE(semantics);
+    SimRuntime rt(sim_options());
+    const Stream s = rt.create_stream().value();
+    HostSources h(spec);
+    auto made = Bridge::create(rt, provider_config(spec, provider_semantics(semantics).value()), h.args);
+    REQUIRE(made.ok());
+    Bridge& b = *made.value();
+    REQUIRE(b.prepare(std::vector<std::int64_t>{1, 2, 5}, s).ok());
+    const Observed before = observe(rt, b);
+    const std::vector<std::int32_t> resident_before(b.resident_map_host().begin(), b.resident_map_host().end());
+    // Not held: negative, E, far beyond E, the int64 ends, in range but never loaded.
+    for (const std::int64_t e : {std::int64_t{-1}, std::int64_t{-7}, E, E + 1, std::int64_t{1} << 40,
+                                 std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max(),
+                                 std::int64_t{0}, std::int64_t{9}}) {
+      CAPTURE(e);
+      REQUIRE(invalidate_if_held(b, E, e, s).ok());
+      CHECK(observe(rt, b) == before);
+      CHECK(std::vector<std::int32_t>(b.resident_map_host().begin(), b.resident_map_host().end()) == resident_before);
+    }
+    // The native API keeps its error for ids outside [0, E), and changes nothing either.
+    refused_with(b.invalidate(-1, s), "invalidate(-1): expert out of range [0, 10)");
+    refused_with(b.invalidate(E, s), "invalidate(10): expert out of range [0, 10)");
+    CHECK(observe(rt, b) == before);
+    // A held expert is dropped exactly as the native invalidate drops it: its slot is the next
+    // miss's (LIFO), the counters say one invalidation.
+    const std::int32_t slot = resident_before[2];
+    REQUIRE(slot >= 0);
+    REQUIRE(invalidate_if_held(b, E, 2, s).ok());
+    CHECK(b.resident_map_host()[2] == -1);
+    std::map<std::string, std::int64_t> st;
+    for (const StatEntry& x : b.stats()) st[x.name] = x.int_value;
+    CHECK(st["invalidations"] == 1);
+    CHECK(st["resident"] == 2);
+    REQUIRE(invalidate_if_held(b, E, 2, s).ok());  // held no more: a no-op
+    for (const StatEntry& x : b.stats()) st[x.name] = x.int_value;
+    CHECK(st["invalidations"] == 1);
+    REQUIRE(b.prepare(std::vector<std::int64_t>{7}, s).ok());
+    CHECK(b.last_fills() == Pairs{{7, slot}});
+    check_slots(rt, b, h);
+    CHECK(rt.race_count() == 0);
+  }
+}
+
 TEST_CASE("CacheBridge prefetch: host ids fill free slots within the byte budget; the next prepare hits them") {
   constexpr std::int64_t E = 10;
   const ProviderSpec spec = validate_provider_sources(4, nvfp4_sources(E)).value();
@@ -534,5 +586,24 @@ TEST_CASE("plan_split: token chunks keep whole rows, expert groups cut the sorte
   refused_with(plan_split(ids, 2, 3, 8, "rows").status(), "unknown split 'rows' (valid: token, expert)");
   refused_with(plan_split(std::vector<std::int64_t>{0, 9}, 2, 3, 8, "token").status(), "topk_ids[1] = 9 outside [0, 8)");
   refused_with(plan_split(std::vector<std::int64_t>{0, 1, 2}, 2, 3, 8, "expert").status(), "not a multiple of top_k 2");
-  refused_with(plan_split(std::vector<std::int64_t>{0, 1, 2, 3}, 4, 3, 8, "token").status(), "");  // one row > capacity
+  // One row needing more experts than slots: vLLM's wording, the row and the capacity.
+  const auto wide_row = plan_split(std::vector<std::int64_t>{5, 6, 5, -1, 0, 1, 2, 3}, 4, 3, 8, "token");
+  refused_with(wide_row.status(), "one token routes to 4 experts (row 1) but capacity is 3 slots: no split fits it");
+  CHECK(wide_row.status().code() == ErrorCode::row_exceeds_capacity);
+  // Padding and repeats do not count: 3 distinct experts fit 3 slots.
+  auto padded = plan_split(std::vector<std::int64_t>{0, 1, 1, 2, -1, -1, 2, 0}, 4, 3, 8, "token");
+  REQUIRE(padded.ok());
+  CHECK(padded.value().size() == 1);
+  // The expert split has no such limit: the row's experts go to two groups.
+  auto groups = plan_split(std::vector<std::int64_t>{0, 1, 2, 3}, 4, 3, 8, "expert");
+  REQUIRE(groups.ok());
+  CHECK(groups.value().size() == 2);
+  // An empty forward: no token chunk, one empty expert group.
+  auto empty_token = plan_split(std::vector<std::int64_t>{}, 2, 3, 8, "token");
+  REQUIRE(empty_token.ok());
+  CHECK(empty_token.value().empty());
+  auto empty_expert = plan_split(std::vector<std::int64_t>{}, 2, 3, 8, "expert");
+  REQUIRE(empty_expert.ok());
+  REQUIRE(empty_expert.value().size() == 1);
+  CHECK(empty_expert.value()[0].unique_ids.empty());
 }

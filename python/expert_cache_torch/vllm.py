@@ -20,11 +20,14 @@ vLLM's providers do) and cannot be captured in a CUDA graph: prepare() raises Ru
 inside a capture.
 """
 
+import dataclasses
 import operator
+import types
 
 import torch
 
 from . import ExpertCache, ExpertCacheError, ExpertCacheValueError, ExplicitBytes, _C, _id_list
+from ._vllm_state import StateLedger
 
 __all__ = ["ExpertCacheProvider", "CachedWeightProvider", "RowCacheWeightProvider", "DeviceWeightProvider",
            "ExpertWeightResult", "run_with_expert_cache", "SEMANTICS"]
@@ -34,25 +37,31 @@ SEMANTICS = ("lfru", "row", "device")
 _SOURCES = ("w13_weight", "w2_weight", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2")
 
 
+@dataclasses.dataclass
 class ExpertWeightResult:
     """One prepare(): the slot buffers to hand the fused-MoE kernel and the two id conventions.
+    A dataclass with vLLM's fields first, in vLLM's order (w1, w2, expert_map, w1_scale,
+    w2_scale), then the additions.
 
     w1, w2, w1_scale, w2_scale, w13_scale_2, w2_scale_2: the slot buffers (None when absent).
     expert_map: int32 [E] on the cache's GPU, this call's experts -> slot, -1 for every other
     expert (forward-scoped). topk_ids: the input ids remapped to slot ids, same dtype, shape and
-    device as the input (-1 for padding and for experts this call did not prepare).
-    hits, misses: this call's unique experts found resident / copied in (None for "device").
+    device as the input (-1 for padding and for experts this call did not prepare; None when
+    prepare got topk_ids None with unique_ids). hits, misses: this call's unique experts found
+    resident / copied in (None for "device" and for the rounds of an expert split).
     """
 
-    __slots__ = ("w1", "w2", "w1_scale", "w2_scale", "w13_scale_2", "w2_scale_2", "expert_map", "topk_ids", "hits",
-                 "misses", "generation")
-
-    def __init__(self, **kw):
-        for k in self.__slots__:
-            setattr(self, k, kw.get(k))
-
-    def __repr__(self):
-        return f"ExpertWeightResult(generation={self.generation}, hits={self.hits}, misses={self.misses})"
+    w1: torch.Tensor
+    w2: torch.Tensor
+    expert_map: torch.Tensor
+    w1_scale: "torch.Tensor | None" = None
+    w2_scale: "torch.Tensor | None" = None
+    topk_ids: "torch.Tensor | None" = None
+    w13_scale_2: "torch.Tensor | None" = None
+    w2_scale_2: "torch.Tensor | None" = None
+    hits: "int | None" = None
+    misses: "int | None" = None
+    generation: "int | None" = None
 
 
 def _record(name, t):
@@ -72,6 +81,24 @@ def _pinned(t):
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t)
     return out
+
+
+def _compiler_disabled(fn):
+    """vLLM marks its providers' host-side methods torch.compiler.disable (they read ids back and
+    branch on them); the same here, where this torch has it."""
+    compiler = getattr(torch, "compiler", None)
+    disable = getattr(compiler, "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
+def _expert_key(expert_id, label):
+    """The integer an expert id stands for (operator.index: ints, NumPy integers, one-element
+    integer tensors), or None for an integer no expert can have (outside int64)."""
+    try:
+        e = operator.index(expert_id)
+    except TypeError:
+        raise TypeError(f"{label}: invalidate takes an integer expert id, got {type(expert_id).__name__}") from None
+    return e if -2**63 <= e < 2**63 else None
 
 
 def _contiguous_strides(shape):
@@ -156,6 +183,12 @@ class ExpertCacheProvider:
         self.policy = self._cache.policy
         self.semantics = semantics
         self._device_planned = provider == "device"
+        # vLLM's private state (_lru, _free_slots / _free, _clock) for the two reference
+        # semantics, rebuilt from the planner's decisions (_vllm_state.py); other policies and
+        # "device" (state on the GPU) have none.
+        self._ledger = None
+        if (semantics, self.policy) in (("lfru", "lfru"), ("row", "lru")):
+            self._ledger = StateLedger(capacity, recency=semantics == "row")
 
         # Slot buffers of the sources' dtypes and trailing shapes, over the cache's slot arrays
         # (allocated once with the cache; they never move).
@@ -202,15 +235,22 @@ class ExpertCacheProvider:
         return self._cache
 
     # ---- the forward ----
+    @_compiler_disabled
     def prepare(self, topk_ids, unique_ids=None, *, _checked=False):
         """Makes this call's experts resident on torch.cuda.current_stream() and returns an
         ExpertWeightResult (valid until the next prepare/invalidate; docs/python.md stream contract).
 
         topk_ids: int32/int64 [tokens, top_k] (any shape), CPU or CUDA ("device": CUDA only);
         negative ids are padding. unique_ids (host semantics): the experts to prepare, in this
-        order (distinct, in [0, E)); default: the sorted unique ids of topk_ids. More unique experts
-        than capacity raises RuntimeError (serve such forwards with run_with_expert_cache).
+        order (distinct, in [0, E)); default: the sorted unique ids of topk_ids. With unique_ids,
+        topk_ids may be None, as vLLM does not read it then (result.topk_ids is None). More unique
+        experts than capacity raises RuntimeError (serve such forwards with run_with_expert_cache).
         """
+        if topk_ids is None and unique_ids is not None and not self._device_planned:
+            ids = _id_list(unique_ids, "unique_ids")
+            view = self._cache.prepare_unique(ids)
+            self._follow_forward(ids, view)
+            return self._result(view, None)
         if not isinstance(topk_ids, torch.Tensor):
             raise TypeError(f"{self.label}: topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
         if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -238,32 +278,65 @@ class ExpertCacheProvider:
                     if top >= self.num_experts:
                         raise ExpertCacheValueError(f"{self.label}: topk_ids holds {top}, outside [0, "
                                                     f"{self.num_experts})")
+                unique_ids = _id_list(unique_ids, "unique_ids")
                 view = self._cache.prepare_unique(unique_ids)
+            self._follow_forward(unique_ids, view)
             emap = view.expert_map if topk_ids.is_cuda else view.expert_map_host
         valid = topk_ids >= 0
         slots = emap[topk_ids.clamp(0, self.num_experts - 1).long()]
         remapped = torch.where(valid, slots, torch.full_like(slots, -1)).to(topk_ids.dtype)
-        return ExpertWeightResult(w1=self._buf["w13"], w2=self._buf["w2"], w1_scale=self._buf.get("w13_scale"),
-                                  w2_scale=self._buf.get("w2_scale"), w13_scale_2=self._buf.get("w13_scale_2"),
-                                  w2_scale_2=self._buf.get("w2_scale_2"), expert_map=view.expert_map,
-                                  topk_ids=remapped, hits=view.hits, misses=view.misses, generation=view.generation)
+        return self._result(view, remapped)
+
+    def _result(self, view, remapped):
+        return ExpertWeightResult(w1=self._buf["w13"], w2=self._buf["w2"], expert_map=view.expert_map,
+                                  w1_scale=self._buf.get("w13_scale"), w2_scale=self._buf.get("w2_scale"),
+                                  topk_ids=remapped, w13_scale_2=self._buf.get("w13_scale_2"),
+                                  w2_scale_2=self._buf.get("w2_scale_2"), hits=view.hits, misses=view.misses,
+                                  generation=view.generation)
+
+    def _follow_forward(self, unique_ids, view):
+        """Tells the ledger one accepted host plan: the experts in processing order (the given
+        list, else ascending) and their slots (the forward map)."""
+        if self._ledger is None:
+            return
+        slots = view.expert_map_host.tolist()
+        order = unique_ids if unique_ids is not None else [e for e, s in enumerate(slots) if s >= 0]
+        self._ledger.forward(order, slots)
 
     def prefetch(self, predicted_ids, max_bytes=None, expires_after=1):
         """Speculative fills of predicted experts (ExpertCache.prefetch): CPU ids for every
         semantics, CUDA ids planned on the GPU for "device". Returns the counts dict."""
-        return self._cache.prefetch(predicted_ids, max_bytes=max_bytes, expires_after=expires_after)
+        counts = self._cache.prefetch(predicted_ids, max_bytes=max_bytes, expires_after=expires_after)
+        if self._ledger is not None and counts["issued"]:
+            predicted = _id_list(predicted_ids, "predicted_ids")
+            self._ledger.prefetched(predicted, self._cache.resident_map_host().tolist())
+        return counts
 
     def invalidate(self, expert_id):
-        """Drops expert_id (its slot is reused first by the next miss); a no-op when it is absent.
-        Ids outside [0, E) raise ValueError."""
-        self._cache.invalidate(int(expert_id))
+        """vLLM's invalidate: drops expert_id when it is held (its slot is the next miss's); an id
+        that is not held, in [0, E) or not (negative, >= E), is a no-op. Not an integer: TypeError."""
+        e = _expert_key(expert_id, self.label)
+        if e is None:
+            return
+        self._cache._impl.invalidate_if_held(e)
+        if self._ledger is not None:
+            self._ledger.invalidate(e)
 
+    @_compiler_disabled
     def plan_chunks(self, topk_ids):
-        """Token split of a [tokens, top_k] forward: [(row_begin, row_end, unique_ids)], each fitting."""
-        return [(b, e, u) for b, e, u, _ in self._plan(topk_ids, "token")]
+        """vLLM's token split of a [tokens, top_k] forward: [(rows, unique_ids)] with rows a slice of
+        topk_ids' rows and unique_ids its ascending experts, each fitting the cache; one
+        (slice(0, tokens), unique) when the forward fits, [(slice(0, 0), [])] for no tokens. A token
+        needing more experts than slots raises RuntimeError ("one token routes to ...")."""
+        parts = self._plan(topk_ids, "token")
+        if not parts:
+            return [(slice(0, 0), [])]
+        return [(slice(b, e), u) for b, e, u, _ in parts]
 
+    @_compiler_disabled
     def plan_expert_groups(self, topk_ids):
-        """Expert split: [unique_ids] groups of at most capacity ascending ids."""
+        """vLLM's expert split: [unique_ids] groups of at most capacity ascending ids ([[]] when
+        there are none)."""
         return [u for _, _, u, _ in self._plan(topk_ids, "expert")]
 
     def _plan(self, topk_ids, split):
@@ -306,6 +379,75 @@ class ExpertCacheProvider:
     def resident_map(self):
         """Every resident expert -> slot (int32 [E], persistent address)."""
         return self._cache.resident_map
+
+    # ---- compatibility views of vLLM's private state (docs/python.md: not API) ----
+    def _synced_ledger(self, name, semantics):
+        if self._ledger is None or self.semantics != semantics:
+            raise AttributeError(f"{type(self).__name__}.{name}: vLLM's private state exists for semantics "
+                                 f"{semantics!r} with its own policy only (this provider: semantics "
+                                 f"{self.semantics!r}, policy {self.policy!r})")
+        self._ledger.sync(self._cache.resident_map_host().tolist())
+        return self._ledger
+
+    @property
+    def _lru(self):
+        """vLLM's _lru, read-only, from the live cache: "lfru" (CachedWeightProvider)
+        {expert: [slot, freq, last]} in insertion order; "row" (RowCacheWeightProvider)
+        {expert: slot} in LRU order."""
+        if self.semantics == "row":
+            return types.MappingProxyType(self._synced_ledger("_lru", "row").lru_view())
+        return types.MappingProxyType(self._synced_ledger("_lru", "lfru").lfru_view())
+
+    @property
+    def _free_slots(self):
+        """CachedWeightProvider._free_slots: the free slots, next one last (a copy)."""
+        return self._synced_ledger("_free_slots", "lfru").free_view()
+
+    @property
+    def _free(self):
+        """RowCacheWeightProvider._free: the free slots, next one last (a copy)."""
+        return self._synced_ledger("_free", "row").free_view()
+
+    @property
+    def _clock(self):
+        """CachedWeightProvider._clock: one tick per expert a forward or a prefetch touched."""
+        return self._synced_ledger("_clock", "lfru").clock
+
+    @property
+    def _num_experts(self):
+        return self.num_experts
+
+    @property
+    def _cpu_w13(self):
+        """The pinned host source of w13_weight the cache copies from (vLLM's _cpu_w13)."""
+        return self._host["w13"]
+
+    @property
+    def _cpu_w2(self):
+        return self._host["w2"]
+
+    @property
+    def _cpu_w13_scale(self):
+        return self._host.get("w13_scale")
+
+    @property
+    def _cpu_w2_scale(self):
+        return self._host.get("w2_scale")
+
+    @property
+    def _cpu_w13_scale_2(self):
+        return self._host.get("w13_scale_2")
+
+    @property
+    def _cpu_w2_scale_2(self):
+        return self._host.get("w2_scale_2")
+
+    @property
+    def _cpu(self):
+        """RowCacheWeightProvider._cpu: {w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2} ->
+        pinned host source or None (a copy of the dict)."""
+        return {name: self._host.get(name) for name in ("w13", "w2", "w13_scale", "w2_scale", "w13_scale_2",
+                                                         "w2_scale_2")}
 
     def __repr__(self):
         return (f"{type(self).__name__}(semantics={self.semantics!r}, policy={self.policy!r}, "
@@ -355,7 +497,22 @@ def _serve_wide_forward(provider, topk_ids, run, split):
     if rows == 0:
         return run(provider.prepare(topk_ids), slice(0, 0), True)
     if split == "expert":
-        return _serve_expert_rounds(provider, topk_ids, run, rows)
+        if provider._device_planned:
+            return _serve_expert_rounds(provider, topk_ids, run, rows, topk_ids)
+        # Host semantics: one read-back of the ids plans the groups. A forward that fits is one
+        # prepare and one run, whose output comes back untouched (vLLM's single group); a wider one
+        # goes to the rounds with the ids already on the host (no second read-back).
+        if topk_ids.dtype not in (torch.int32, torch.int64):
+            raise ExpertCacheValueError(f"{provider.label}: topk_ids must be int32 or int64 (got {topk_ids.dtype})")
+        if torch.cuda.is_current_stream_capturing():
+            raise ExpertCacheError(f"{provider.label}: semantics {provider.semantics!r} plans on the host and cannot "
+                                   f"be captured in a CUDA graph")
+        host = topk_ids.to(device="cpu", dtype=torch.int64)
+        parts = _C.plan_split(host.reshape(-1).tolist(), int(topk_ids.shape[1]), provider.capacity,
+                              provider.num_experts, "expert")
+        if len(parts) == 1:
+            return run(provider.prepare(topk_ids, parts[0][2], _checked=True), slice(0, rows), True)
+        return _serve_expert_rounds(provider, topk_ids, run, rows, host)
     parts = provider._plan(topk_ids, split)
     if len(parts) == 1:
         unique = None if provider._device_planned else parts[0][2]
@@ -368,7 +525,7 @@ def _serve_wide_forward(provider, topk_ids, run, split):
     return torch.cat(outs, dim=0)
 
 
-def _serve_expert_rounds(provider, topk_ids, run, rows):
+def _serve_expert_rounds(provider, topk_ids, run, rows, wide_ids):
     if topk_ids.dtype not in (torch.int32, torch.int64):
         raise ExpertCacheValueError(f"{provider.label}: topk_ids must be int32 or int64 (got {topk_ids.dtype})")
     if not provider._device_planned and torch.cuda.is_current_stream_capturing():
@@ -377,9 +534,14 @@ def _serve_expert_rounds(provider, topk_ids, run, rows):
     topk_ids = topk_ids.contiguous()
     valid = topk_ids >= 0
     clamped = topk_ids.clamp(0, provider.num_experts - 1).long()
-    state = {"acc": None, "dtype": None}
+    state = {"acc": None, "dtype": None, "part": None}
+    # Rounds through the pool (no stream slots) are plans like prepare()'s: the ledger follows
+    # them; streamed rounds leave the pool and its policy as they were.
+    follow = provider._ledger if provider._cache.stream_slots < 2 else None
 
     def consume(wide_round):
+        if follow is not None:
+            follow.forward(wide_round.experts, dict(zip(wide_round.experts, wide_round.slots)))
         # The round's expert map names its experts only: the other (token, k) pairs map to -1,
         # which the fused-MoE kernel skips, so each round adds its experts' share.
         emap = wide_round.expert_map if topk_ids.is_cuda else wide_round.expert_map.cpu()
@@ -391,12 +553,17 @@ def _serve_expert_rounds(provider, topk_ids, run, rows):
                                     w2_scale_2=provider._buf.get("w2_scale_2"), expert_map=wide_round.expert_map,
                                     topk_ids=remapped, hits=None, misses=None, generation=None)
         part = run(result, slice(0, rows), wide_round.include_shared)
+        if wide_round.rounds == 1:
+            state["part"] = part  # one round: its output as run returned it, as vLLM's single group
+            return
         state["dtype"] = part.dtype
         state["acc"] = part.float() if state["acc"] is None else state["acc"] + part.float()
 
-    ids = topk_ids
+    ids = wide_ids.contiguous()
     if provider._device_planned and not ids.is_cuda:
         raise ExpertCacheValueError(f"{provider.label}: semantics 'device' takes CUDA topk_ids, got a tensor on "
                                     f"{ids.device}")
     provider._cache.prepare_wide(ids, consume)
+    if state["part"] is not None:
+        return state["part"]
     return state["acc"].to(state["dtype"])

@@ -284,6 +284,13 @@ class TorchCache {
     check(bridge_->invalidate(expert, static_cast<void*>(stream.stream())));
   }
 
+  // vLLM's invalidate (the vLLM-surface classes): an id the cache does not hold, in [0, E) or
+  // not, is a no-op.
+  void invalidate_if_held(std::int64_t expert) {
+    const c10::cuda::CUDAStream stream = current_stream();
+    check(ec::invalidate_if_held(*bridge_, num_experts_, expert, static_cast<void*>(stream.stream())));
+  }
+
   // Device provider: its counters live in mapped host memory written by the device, so the
   // current stream is synchronised first (not inside a capture).
   py::dict stats() {
@@ -702,6 +709,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("last_evictions", &TorchCache::last_evictions)
       .def("resident_map_host", &TorchCache::resident_map_host)
       .def("invalidate", &TorchCache::invalidate, py::arg("expert"))
+      .def("invalidate_if_held", &TorchCache::invalidate_if_held, py::arg("expert"))
       .def("stats", &TorchCache::stats)
       .def("device_errors", &TorchCache::device_errors)
       .def("slot_tensors", &TorchCache::slot_tensors)

@@ -182,6 +182,16 @@ inline Result<ProviderSpec> validate_provider_sources(std::int64_t capacity, std
   return spec;
 }
 
+// vLLM's invalidate(expert_id) looks the id up among the experts the provider holds, so an id it
+// does not hold is a no-op whatever its value: never loaded, already dropped, negative or >= E.
+// The vLLM-surface classes invalidate through this; the native API (CacheBridge::invalidate,
+// ExpertCache.invalidate) keeps refusing ids outside [0, E). Works with CacheBridge and CudaBridge.
+template <class Bridge, class Stream>
+Status invalidate_if_held(Bridge& bridge, std::int64_t num_experts, std::int64_t expert, Stream stream) noexcept {
+  if (expert < 0 || expert >= num_experts) return {};
+  return bridge.invalidate(expert, stream);
+}
+
 // The semantics of one vLLM provider, as AnyExpertCache names.
 struct ProviderChoice {
   std::string provider;  // cached | row | device
@@ -323,6 +333,23 @@ inline Result<std::vector<SplitPart>> plan_split(std::span<const std::int64_t> i
   }
   std::vector<SplitPart> parts;
   const auto rows = static_cast<std::int64_t>(ids.size() / static_cast<std::size_t>(top_k));
+  if (split == "token" && ids.size() % static_cast<std::size_t>(top_k) == 0) {
+    // No split helps a token that alone needs more experts than slots: vLLM's plan_chunks words
+    // it "one token routes to N experts"; said here with the row and the capacity.
+    std::vector<std::int32_t> row;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const auto first = ids32.begin() + r * top_k;
+      row.assign(first, first + top_k);
+      std::sort(row.begin(), row.end());
+      row.erase(std::unique(row.begin(), row.end()), row.end());
+      const auto n = static_cast<std::int64_t>(row.size()) - (row.front() < 0 ? 1 : 0);
+      if (n > capacity) {
+        return Status::format(ErrorCode::row_exceeds_capacity,
+                              "one token routes to %lld experts (row %lld) but capacity is %d slots: no split fits it",
+                              static_cast<long long>(n), static_cast<long long>(r), capacity);
+      }
+    }
+  }
   if (split == "token") {
     auto chunks = plan_token_chunks(ids32, top_k, capacity, num_experts);
     if (!chunks.ok()) return chunks.status();

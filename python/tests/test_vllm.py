@@ -138,6 +138,20 @@ class VllmProviderTest(unittest.TestCase):
         self.assertIs(result.w1_scale, provider.buf_w13_scale)
         self.assertIs(result.w2_scale, provider.buf_w2_scale)
 
+    def check_views(self, p, ref, py, where):
+        """vLLM's private state views against the reference planner's residents and, for "lfru",
+        the LFRU transcription's dict (order, slot, freq, last), free list and clock."""
+        live = {e: s for e, s in enumerate(ref.resident_map()) if s >= 0}
+        lru = p._lru
+        if py is not None:
+            self.assertEqual(list(lru.items()), list(py.resident.items()), where)
+            self.assertEqual(p._free_slots, py.free, where)
+            self.assertEqual(p._clock, py.clock, where)
+        else:
+            self.assertEqual(dict(lru), live, where)
+            self.assertEqual(sorted(p._free), sorted(set(range(C)) - set(live.values())), where)
+        self.assertTrue(p._ledger.exact, where)
+
     def test_equal_to_reference(self):
         for semantics, cls, policy in (("lfru", ev.CachedWeightProvider, "lfru"), ("row", ev.RowCacheWeightProvider, "lru")):
             with self.subTest(semantics=semantics):
@@ -152,11 +166,14 @@ class VllmProviderTest(unittest.TestCase):
                 hits = misses = 0
                 for step in range(120):
                     if step % 11 == 10:
-                        e = int(torch.randint(0, E, (1,), generator=g))
+                        # vLLM's invalidate: ids not held, out of range included, are no-ops.
+                        e = int(torch.randint(-2, E + 2, (1,), generator=g))
                         p.invalidate(e)
-                        ref.invalidate(e)
+                        if 0 <= e < E:
+                            ref.invalidate(e)
                         if py:
                             py.invalidate(e)
+                        self.check_views(p, ref, py, f"step {step}")
                         continue
                     ids = random_topk(g, 3, 2)
                     ids = ids.to(torch.int32 if step % 2 else torch.int64)
@@ -183,6 +200,7 @@ class VllmProviderTest(unittest.TestCase):
                     self.check_result(p, r, ids, src, ref.forward_map())
                     torch.cuda.synchronize()
                     self.assertEqual(p.resident_map.cpu().tolist(), list(ref.resident_map()))
+                    self.check_views(p, ref, py, f"step {step}")
                     hits += rh
                     misses += rm
                 self.assertEqual((p.hits, p.misses), (hits, misses))
@@ -349,7 +367,7 @@ class VllmProviderTest(unittest.TestCase):
             (lambda: p.prepare(torch.arange(C + 1).view(1, -1)), RuntimeError,
              "5 unique experts in one forward, capacity 4 slots"),
             (lambda: p.prepare(torch.tensor([[0, 1]]), [0, 1, 2, 3, 4]), RuntimeError, "capacity 4"),
-            (lambda: p.invalidate(E), ValueError, "out of range"),
+            (lambda: p.invalidate(1.0), TypeError, "invalidate takes an integer expert id, got float"),
             (lambda: p.prefetch([3, 3]), ValueError, "appears twice"),
             (lambda: p.prefetch([E]), ValueError, "outside [0, 12)"),
             (lambda: p.prefetch([1], max_bytes=-1), ValueError, "max_bytes = -1"),
@@ -367,6 +385,19 @@ class VllmProviderTest(unittest.TestCase):
             self.assertEqual(after[0], before[0], f"stats changed by a refused call ({cm.exception})")
             for a, b in zip(after[1:], before[1:]):
                 self.assertTrue(torch.equal(a, b), f"a map or slot changed by a refused call ({cm.exception})")
+        # vLLM's invalidate of an expert not held is a no-op, whatever the id (the native
+        # ExpertCache.invalidate keeps its error: test_extension.py).
+        for e in (E, E + 5, -1, -E, 2**40, 2**70, -2**70, 0, torch.tensor(E), torch.tensor(3)):
+            p.invalidate(e)
+            d.invalidate(e)
+            torch.cuda.synchronize()
+            after = (p.stats(), p.expert_map.cpu(), p.resident_map.cpu(), p.buf_w13.cpu(), p.buf_w2_scale_2.cpu())
+            self.assertEqual(after[0], before[0], f"invalidate({e}) changed the stats")
+            for a, b in zip(after[1:], before[1:]):
+                self.assertTrue(torch.equal(a, b), f"invalidate({e}) changed a map or slot")
+        with self.assertRaises(ValueError) as cm:
+            p.cache.invalidate(E)
+        self.assertIn("invalidate(12): expert out of range [0, 12)", str(cm.exception))
 
     def test_run_with_expert_cache(self):
         """A small fused MoE (dense bf16 weights, silu-and-mul) through the returned expert_map,
@@ -417,6 +448,14 @@ class VllmProviderTest(unittest.TestCase):
                 torch.cuda.synchronize()
                 self.assertGreater(len(seen), 1, "the forward was wider than the cache: split into parts")
                 torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+                if semantics != "device":
+                    # The compatibility views followed every plan of the split (rounds through
+                    # the pool included) and agree with the live resident map.
+                    torch.cuda.synchronize()
+                    live = {e: s for e, s in enumerate(p.cache.resident_map_host().tolist()) if s >= 0}
+                    self.assertEqual(dict(p._lru) if semantics == "row" else {e: v[0] for e, v in p._lru.items()},
+                                     live)
+                    self.assertTrue(p._ledger.exact)
                 if split == "token":
                     self.assertEqual(seen[0][0], 0)
                     self.assertEqual(seen[-1][1], tokens)
