@@ -157,10 +157,14 @@ def case_bad_args():
     expect_usage_error(["--crf-half-life", "8x"], "--crf-half-life")
     expect_usage_error(["--consumer-order", "tokens"], "--consumer-order")
     expect_usage_error(["--overlap-parts", "w2-first"], "--overlap-parts")
+    expect_usage_error(["--fill-engine", "dma"], "'dma' in 'dma' (sm_loads, copy_engine, automatic or all)")
+    expect_usage_error(["--fill-engine", "copy_engine", "--runtime", "sim"], "--fill-engine needs the CUDA runtime")
+    expect_usage_error(["--fill-engine", "all", "--provider", "row"], "--fill-engine needs the device provider")
     rc, out, err = run("--help")
     expect(rc == 0 and "--provider" in out and "--staging" in out and "--trace" in out, "--help", out, err)
     expect("row, cached, device, resident" in out, "--help names the device provider", out)
     expect("--one-pass" in out, "--help names --one-pass", out)
+    expect("--fill-engine" in out, "--help names --fill-engine", out)
 
 
 PREFETCH_FIELDS = ("prefetch", "prefetch_label", "prefetch_emulated", "prefetch_budget", "speculative_issued_per_token",
