@@ -3,12 +3,14 @@
 // every bad input refused with a specific message before the cache is touched (nothing
 // allocated or registered, stats and maps unchanged), slot descriptors that describe the
 // layout's slot arrays exactly, results equal to the static caches on the same ids, and the
-// device provider on device ids.
+// device provider on device ids; the fill engine and stored link profile of the device provider
+// parsed, checked and reported as the cache resolves them.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <random>
 #include <string>
@@ -757,4 +759,201 @@ TEST_CASE("CacheBridge::prepare_wide_device with stream slots: read back, stream
                                          [](const WideRoundInfo&) { return Status(); }, "admit");
   CHECK(std::string(big.status().message()).find("0..max_ids = 4") != std::string::npos);
   CHECK(rt.races().empty());
+}
+
+namespace {
+
+// A complete profile of device 0 at the dense test layout's 768 bytes per expert, as a stored
+// file holds it (LinkProfile::serialize).
+LinkProfile stored_profile() {
+  LinkProfile p;
+  p.device = 0;
+  p.device_name = "Test GPU";
+  p.pci_bus_id = "0000:19:00.0";
+  p.expert_bytes = 768;
+  p.copy_engine_gbps_one = 40.5;
+  p.copy_engine_gbps_batch = 50;
+  p.copy_latency_us = 9.5;
+  p.sm_load_gbps = 49.5;
+  p.graph_fill_latency_us = 7;
+  p.measure_ms = 80;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("fill_engine_choice: engine names and stored profiles parsed, misplaced ones refused") {
+  BridgeConfig c = dense_config("device", 6, 3, 1);
+  SUBCASE("default: automatic, no profile") {
+    const auto r = fill_engine_choice(c);
+    REQUIRE(r.ok());
+    CHECK(r.value().engine == FillEngine::automatic);
+    CHECK(!r.value().profile);
+  }
+  SUBCASE("every engine by its name") {
+    for (FillEngine e : {FillEngine::automatic, FillEngine::copy_engine, FillEngine::sm_loads}) {
+      c.fill_engine = std::string(to_string(e));
+      const auto r = fill_engine_choice(c);
+      REQUIRE(r.ok());
+      CHECK(r.value().engine == e);
+    }
+  }
+  SUBCASE("a stored profile reads back equal") {
+    c.link_profile = stored_profile().serialize();
+    const auto r = fill_engine_choice(c);
+    REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+    REQUIRE(r.value().profile);
+    CHECK(*r.value().profile == stored_profile());
+  }
+  const auto refused = [&](const BridgeConfig& bad, const std::string& expected) {
+    const auto r = fill_engine_choice(bad);
+    REQUIRE(!r.ok());
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    const std::string m(r.status().message());
+    INFO("message: " << m);
+    CHECK(m.find(expected) != std::string::npos);
+  };
+  SUBCASE("unknown engine: the library's message, with the label") {
+    c.fill_engine = "copy";
+    refused(c, "layer0: unknown fill engine 'copy' (available: automatic, copy_engine, sm_loads)");
+    c.fill_engine = "Copy_Engine";  // exact spelling only
+    refused(c, "unknown fill engine 'Copy_Engine'");
+    c.fill_engine = "";
+    refused(c, "unknown fill engine ''");
+  }
+  SUBCASE("unparsable profiles: the parser's message, naming the line and key") {
+    c.link_profile = "expert_cache link profile v2\ndevice=0\n";
+    refused(c, "layer0: link_profile: link profile line 1: expected 'expert_cache link profile v1'");
+    std::string text = stored_profile().serialize();
+    c.link_profile = text.substr(0, text.find("measure_ms="));
+    refused(c, "layer0: link_profile: link profile: missing key 'measure_ms'");
+    c.link_profile = text + "measure_ms=1\n";
+    refused(c, "line 12: key 'measure_ms' appears twice");
+    const std::size_t at = text.find("sm_load_gbps=");
+    c.link_profile = text.substr(0, at) + "sm_load_gbps=fast" + text.substr(text.find('\n', at));
+    refused(c, "line 9: sm_load_gbps: 'fast' is not a number");
+  }
+  SUBCASE("host providers: no engine to choose") {
+    for (const char* provider : {"row", "cached"}) {
+      CAPTURE(provider);
+      c.provider = provider;
+      c.fill_engine = "copy_engine";
+      c.link_profile.clear();
+      refused(c, "layer0: fill_engine 'copy_engine': the fill engine is chosen for provider 'device' only (provider '" +
+                     std::string(provider) + "'");
+      c.fill_engine = "automatic";
+      c.link_profile = stored_profile().serialize();
+      refused(c, "fill_engine 'automatic' with a link_profile: the fill engine is chosen for provider 'device' only");
+      c.link_profile.clear();
+      CHECK(fill_engine_choice(c).ok());  // the defaults are every provider's
+    }
+  }
+  SUBCASE("a profile with a named engine: one or the other") {
+    c.link_profile = stored_profile().serialize();
+    c.fill_engine = "sm_loads";
+    refused(c, "a link_profile is read by fill_engine 'automatic' only (got fill_engine 'sm_loads'");
+  }
+}
+
+TEST_CASE("CacheBridge: a bad fill engine or profile is refused before anything is built") {
+  constexpr std::int32_t E = 6, C = 3;
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  BridgeConfig c = dense_config("device", E, C, 1);
+  c.max_ids = 4;
+  const auto refuse = [&](const BridgeConfig& bad, const std::string& expected) {
+    SimRuntime rt(sim_options());
+    auto made = Bridge::create(rt, bad, w.args);
+    REQUIRE(!made.ok());
+    CHECK(made.status().code() == ErrorCode::invalid_argument);
+    const std::string m(made.status().message());
+    INFO("message: " << m);
+    CHECK(m.find(expected) != std::string::npos);
+    CHECK(rt.allocated_bytes() == 0);
+    CHECK(rt.registered_ranges() == 0);
+  };
+  {
+    SimRuntime rt(sim_options());
+    REQUIRE(Bridge::create(rt, c, w.args).ok());  // the base case is accepted
+  }
+  SUBCASE("unknown engine") {
+    BridgeConfig bad = c;
+    bad.fill_engine = "dma";
+    refuse(bad, "unknown fill engine 'dma'");
+  }
+  SUBCASE("unparsable profile") {
+    BridgeConfig bad = c;
+    bad.link_profile = "device=0\n";
+    refuse(bad, "link_profile: link profile line 1: expected 'expert_cache link profile v1', got 'device=0'");
+  }
+  SUBCASE("an engine for a host provider") {
+    BridgeConfig bad = c;
+    bad.provider = "row";
+    bad.fill_engine = "sm_loads";
+    refuse(bad, "provider 'device' only (provider 'row'");
+  }
+}
+
+TEST_CASE("CacheBridge: the device provider reports the fill engine its cache runs, as DeviceExpertCache resolves it") {
+  constexpr std::int32_t E = 8, C = 3, max_ids = 4;
+  HostWeights w(dense_tensors, E, DType::bfloat16);
+  const auto reference_engine = [&](FillEngine requested) {
+    SimRuntime rt(sim_options());
+    DeviceCacheOptions o;
+    o.num_experts = E;
+    o.capacity = C;
+    o.max_ids = max_ids;
+    o.fill_engine = requested;
+    o.memory.host_tensors[0] = MemorySpan{w.data(0), w.args[0].bytes};
+    o.memory.host_tensors[1] = MemorySpan{w.data(1), w.args[1].bytes};
+    const DeviceExpertCache<TensorMajorStorage, DenseBf16, SimRuntime> ref(rt, o, DenseBf16{16, 8});
+    return ref.fill_engine();
+  };
+  for (FillEngine requested : {FillEngine::automatic, FillEngine::copy_engine, FillEngine::sm_loads}) {
+    CAPTURE(to_string(requested));
+    SimRuntime rt(sim_options());
+    BridgeConfig c = dense_config("device", E, C, 1);
+    c.max_ids = max_ids;
+    c.fill_engine = std::string(to_string(requested));
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+    const std::optional<FillEngine> engine = made.value()->fill_engine();
+    REQUIRE(engine);
+    CHECK(*engine != FillEngine::automatic);
+    CHECK(*engine == reference_engine(requested));
+    if (requested != FillEngine::automatic) CHECK(*engine == requested);
+  }
+  SUBCASE("a stored profile is accepted by the device provider") {
+    SimRuntime rt(sim_options());
+    BridgeConfig c = dense_config("device", E, C, 1);
+    c.max_ids = max_ids;
+    c.link_profile = stored_profile().serialize();
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+    // SimRuntime's executor resolves nothing from a profile: automatic runs its fill op (sm_loads).
+    CHECK(made.value()->fill_engine() == FillEngine::sm_loads);
+  }
+  SUBCASE("host providers report none") {
+    for (const char* provider : {"row", "cached"}) {
+      SimRuntime rt(sim_options());
+      auto made = Bridge::create(rt, dense_config(provider, E, C, 1), w.args);
+      REQUIRE(made.ok());
+      CHECK(!made.value()->fill_engine());
+    }
+  }
+}
+
+TEST_CASE("check_link_profile_request: a device ordinal and a positive expert size") {
+  CHECK(check_link_profile_request(0, 1).ok());
+  CHECK(check_link_profile_request(7, std::int64_t{1} << 40).ok());
+  const auto refused = [](Status s, const std::string& expected) {
+    REQUIRE(!s.ok());
+    CHECK(s.code() == ErrorCode::invalid_argument);
+    const std::string m(s.message());
+    INFO("message: " << m);
+    CHECK(m.find(expected) != std::string::npos);
+  };
+  refused(check_link_profile_request(-1, 1024), "link_profile: device -1 is not a CUDA device ordinal");
+  refused(check_link_profile_request(std::int64_t{1} << 31, 1024), "device 2147483648 is not a CUDA device ordinal");
+  refused(check_link_profile_request(0, 0), "link_profile: expert_bytes 0 (accepted: > 0");
+  refused(check_link_profile_request(0, -5), "expert_bytes -5 (accepted: > 0");
 }

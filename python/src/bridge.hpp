@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "expert_cache/any_cache.hpp"
+#include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
@@ -78,7 +80,69 @@ struct BridgeConfig {
   std::int32_t stream_slots = 0; // slots after `capacity` for wide forwards' scan-resistant streaming (wide.hpp)
   std::string label = "expert_cache";
   bool host_registered = false;  // the host tensors are pinned already (torch pin_memory())
+  // Device provider: who moves the fills' bytes, "automatic" | "copy_engine" | "sm_loads"
+  // (DeviceCacheOptions::fill_engine), and a stored profile for automatic: the text of
+  // LinkProfile::serialize() ("" = none: measured once per process and expert size).
+  std::string fill_engine = "automatic";
+  std::string link_profile;
 };
+
+// BridgeConfig::fill_engine and link_profile parsed.
+struct FillEngineChoice {
+  FillEngine engine = FillEngine::automatic;
+  std::optional<LinkProfile> profile;
+};
+
+// Parses and checks the fill engine and the stored profile: a name parse_fill_engine knows, a
+// text LinkProfile::parse reads; both only for provider 'device' (host providers copy on the
+// copy stream: no engine to pick), and a profile only with "automatic" (the one engine that
+// reads it). Whether the profile belongs to this device and expert size is checked by the cache
+// when it is built (LinkProfile::check_matches).
+inline Result<FillEngineChoice> fill_engine_choice(const BridgeConfig& config) {
+  const char* label = config.label.c_str();
+  Result<FillEngine> engine = parse_fill_engine(config.fill_engine);
+  if (!engine.ok()) return engine.status().with_context("%s", label);
+  FillEngineChoice choice;
+  choice.engine = engine.value();
+  if (!config.link_profile.empty()) {
+    LinkProfile p;
+    if (Status s = LinkProfile::parse(config.link_profile, p); !s) return s.with_context("%s: link_profile", label);
+    choice.profile = std::move(p);
+  }
+  const bool known_host_provider =
+      config.provider != "device" &&
+      std::find(any_cache_providers.begin(), any_cache_providers.end(), config.provider) != any_cache_providers.end();
+  if (known_host_provider && (choice.engine != FillEngine::automatic || choice.profile)) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s: fill_engine '%s'%s: the fill engine is chosen for provider 'device' only (provider '%s' "
+                          "copies on its copy stream)",
+                          label, std::string(to_string(choice.engine)).c_str(), choice.profile ? " with a link_profile" : "",
+                          config.provider.c_str());
+  }
+  if (choice.profile && choice.engine != FillEngine::automatic) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s: a link_profile is read by fill_engine 'automatic' only (got fill_engine '%s': pass one "
+                          "or the other)",
+                          label, std::string(to_string(choice.engine)).c_str());
+  }
+  return choice;
+}
+
+// The arguments of expert_cache_torch.link_profile(device, expert_bytes), checked before any
+// CUDA call: a device ordinal in [0, 2^31) and a positive byte count (the library checks the
+// device against the device count).
+inline Status check_link_profile_request(std::int64_t device, std::int64_t expert_bytes) noexcept {
+  if (device < 0 || device > std::numeric_limits<std::int32_t>::max()) {
+    return Status::format(ErrorCode::invalid_argument, "link_profile: device %lld is not a CUDA device ordinal",
+                          static_cast<long long>(device));
+  }
+  if (expert_bytes <= 0) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "link_profile: expert_bytes %lld (accepted: > 0, the bytes of one expert, all tensors)",
+                          static_cast<long long>(expert_bytes));
+  }
+  return {};
+}
 
 // One caller host tensor: [E, ...] contiguous, E * bytes-per-expert bytes. `shape` (optional)
 // is checked against [E, per-slot shape] unless the dtype is uint8 (a byte view).
@@ -265,6 +329,8 @@ class CacheBridge {
       return Status::format(ErrorCode::invalid_argument, "%s: num_experts %d (accepted: 1..2^24)", label.c_str(),
                             config.num_experts);
     }
+    Result<FillEngineChoice> engine = fill_engine_choice(config);
+    if (!engine.ok()) return engine.status();
     // The caller's tensors are [E, ...] per tensor: tensor-major host pools only.
     std::string storage = config.storage.empty() ? std::string("tensor_major") : config.storage;
     if (storage == "expert_major" || storage == "expert_major_host") {
@@ -336,6 +402,8 @@ class CacheBridge {
     c.staging = config.staging;
     c.storage = storage;
     c.max_ids = config.max_ids;
+    c.fill_engine = engine.value().engine;
+    c.link_profile = engine.value().profile;
     c.options.stream_slots = config.stream_slots;
     c.options.num_experts = config.num_experts;
     c.options.capacity = config.capacity;
@@ -361,6 +429,12 @@ class CacheBridge {
     b->cache_ = std::make_unique<AnyExpertCache<Runtime>>(std::move(made.value()));
     b->device_ = b->cache_->provider() == "device";
     b->stamps_.assign(E, 0u);
+    if (b->device_) {
+      Result<FillEngine> resolved = resolved_fill_engine(std::move(engine.value()), label,
+                                                         total_bytes_per_expert(b->cache_->tensors()));
+      if (!resolved.ok()) return resolved.status();
+      b->fill_engine_ = resolved.value();
+    }
 
     for (std::size_t t = 0; t < b->typed_.size(); ++t) {
       const std::size_t index = find_tensor(b->cache_->tensors(), b->typed_[t].name);
@@ -614,6 +688,9 @@ class CacheBridge {
   }
 
   [[nodiscard]] bool device_provider() const noexcept { return device_; }
+  // The device provider's fill engine as the cache resolved it (never automatic); nullopt for
+  // the host providers.
+  [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept { return fill_engine_; }
   [[nodiscard]] const BridgeConfig& config() const noexcept { return config_; }
   [[nodiscard]] std::string_view provider() const noexcept { return cache_->provider(); }
   [[nodiscard]] std::string_view policy() const noexcept { return cache_->policy(); }
@@ -623,6 +700,33 @@ class CacheBridge {
 
  private:
   CacheBridge() = default;
+
+  // The engine the device cache just built runs: FillEngine::automatic resolved by the
+  // runtime's plan executor, the same static function the cache called (CudaRuntime: from the
+  // stored profile, or the profile measured once per process and expert size, so this reads
+  // the cached one and measures nothing); an executor without one (SimRuntime's) takes
+  // sm_loads, as DeviceExpertCache does. AnyExpertCache does not report the engine, hence the
+  // second call.
+  static Result<FillEngine> resolved_fill_engine(FillEngineChoice choice, const std::string& label,
+                                                 std::uint64_t expert_bytes) {
+    if constexpr (has_device_plan_executor<Runtime>) {
+      using Executor = typename DevicePlanExecutorFor<Runtime>::type;
+      DeviceCacheOptions o;
+      o.fill_engine = choice.engine;
+      o.link_profile = std::move(choice.profile);
+      o.label = label;
+      if constexpr (requires { Executor::resolve_fill_engine(o, expert_bytes); }) {
+        try {
+          return Executor::resolve_fill_engine(std::move(o), expert_bytes).fill_engine;
+        } catch (const Error& e) {
+          return ::expert_cache::detail::status_of(e);
+        } catch (const std::exception& e) {
+          return Status(ErrorCode::runtime_failure, e.what());
+        }
+      }
+    }
+    return choice.engine == FillEngine::automatic ? FillEngine::sm_loads : choice.engine;
+  }
 
   [[nodiscard]] std::string names_text() const {
     std::string s;
@@ -768,6 +872,7 @@ class CacheBridge {
   std::vector<std::uint32_t> stamps_;  // [num_experts]: seen in the current check (== epoch_)
   std::uint32_t epoch_ = 0;
   bool device_ = false;
+  std::optional<FillEngine> fill_engine_;
   std::unique_ptr<AnyExpertCache<Runtime>> cache_;  // last: destroyed before the names it views
 };
 
@@ -805,6 +910,8 @@ class CudaBridge {
   [[nodiscard]] virtual std::span<const std::int32_t> expert_map_host() const noexcept = 0;
   [[nodiscard]] virtual Result<std::uintptr_t> host_pointer(std::string_view name, std::int64_t expert) const = 0;
   [[nodiscard]] virtual bool device_provider() const noexcept = 0;
+  // The device provider's resolved fill engine ("copy_engine" | "sm_loads"); "" for host providers.
+  [[nodiscard]] virtual std::string fill_engine() const = 0;
   [[nodiscard]] virtual std::string provider() const = 0;
   [[nodiscard]] virtual std::string policy() const = 0;
   [[nodiscard]] virtual std::string staging() const = 0;
@@ -813,5 +920,14 @@ class CudaBridge {
 
 // Defined in bridge_cuda.cu (nvcc): the CUDA runtime on the current device plus the bridge.
 Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config, std::span<const HostTensorArg> host);
+
+// Defined in bridge_cuda.cu (nvcc; runtime/link_profile.cuh). The link profile of `device` at
+// `expert_bytes` (check_link_profile_request first): measured on the first call of this process
+// for that pair, then the same profile (link_profile_for); the caller's current device is kept.
+Result<LinkProfile> cuda_link_profile(std::int64_t device, std::int64_t expert_bytes);
+// Installs a stored profile (the text of LinkProfile::serialize()) for later caches and
+// cuda_link_profile calls of its device and expert size: parsed, then set_link_profile (refused
+// when the text is malformed or the device's PCI bus id differs; nothing changes then).
+Status cuda_set_link_profile(std::string_view text);
 
 }  // namespace expert_cache::inline v0::python

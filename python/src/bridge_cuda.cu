@@ -2,9 +2,13 @@
 // .cuh headers (gather staging, the device planner) and torch never meet in one translation
 // unit. The extension (extension.cpp, g++ + torch) only sees the non-template CudaBridge.
 #include "expert_cache/any_cache_cuda.cuh"  // first: the CUDA staging list before make_expert_cache
+#include "expert_cache/runtime/link_profile.cuh"
 
 #include "bridge.hpp"
 #include "model_bridge.hpp"
+
+#include <optional>
+#include <string>
 
 namespace expert_cache::inline v0::python {
 
@@ -79,6 +83,10 @@ class CudaBridgeImpl final : public CudaBridge {
     return bridge_->host_pointer(name, expert);
   }
   [[nodiscard]] bool device_provider() const noexcept override { return bridge_->device_provider(); }
+  [[nodiscard]] std::string fill_engine() const override {
+    const std::optional<FillEngine> e = bridge_->fill_engine();
+    return e ? std::string(to_string(*e)) : std::string();
+  }
   [[nodiscard]] std::string provider() const override { return std::string(bridge_->provider()); }
   [[nodiscard]] std::string policy() const override { return std::string(bridge_->policy()); }
   [[nodiscard]] std::string staging() const override { return std::string(bridge_->staging()); }
@@ -152,6 +160,19 @@ Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config,
   } catch (const std::exception& e) {
     return Status(ErrorCode::runtime_failure, e.what());
   }
+}
+
+Result<LinkProfile> cuda_link_profile(std::int64_t device, std::int64_t expert_bytes) {
+  if (Status s = check_link_profile_request(device, expert_bytes); !s) return s;
+  LinkProfile p;
+  if (Status s = link_profile_for(static_cast<int>(device), static_cast<std::uint64_t>(expert_bytes), p); !s) return s;
+  return p;
+}
+
+Status cuda_set_link_profile(std::string_view text) {
+  LinkProfile p;
+  if (Status s = LinkProfile::parse(text, p); !s) return s.with_context("set_link_profile");
+  return set_link_profile(p);
 }
 
 }  // namespace expert_cache::inline v0::python
