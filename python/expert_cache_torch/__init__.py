@@ -15,12 +15,14 @@ the host and synchronises the current stream once per prepare(); provider "devic
 they are, never synchronises, and can be captured in torch.cuda.graph.
 """
 
+import operator
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 
 __all__ = ["DenseBf16", "Nvfp4Marlin", "ExplicitBytes", "ExpertCache", "ModelExpertCache", "ForwardView", "WideRound",
-           "ExpertCacheError", "ExpertCacheValueError", "host_empty", "to_host"]
+           "ExpertCacheError", "ExpertCacheValueError", "host_empty", "to_host", "link_profile", "set_link_profile"]
 
 _PAGE = 4096
 
@@ -42,6 +44,59 @@ def host_empty(shape, dtype):
     raw = torch.empty(padded + _PAGE, dtype=torch.uint8)
     offset = (-raw.data_ptr()) % _PAGE
     return raw[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def link_profile(device=None, *, expert_bytes):
+    """What the host -> GPU link of `device` (None: the current CUDA device; an index, "cuda:N" or a
+    torch.device) delivers for experts of `expert_bytes` bytes (all tensors of one expert, e.g.
+    cache.bytes_per_expert): measured on the first call of this process for that device and size
+    (well under a second), then the same profile; provider "device" with fill_engine="automatic"
+    picks its engine from it (docs/python.md "Fill engine and link profile").
+
+    Returns a dict: device, device_name, pci_bus_id, expert_bytes, copy_engine_gbps_one,
+    copy_engine_gbps_batch, copy_latency_us, sm_load_gbps, graph_fill_latency_us, measure_ms,
+    sm_load_share, engine (what "automatic" picks: "copy_engine" | "sm_loads"), reason (the numbers
+    that decided), text (the stored form: give it to set_link_profile or to a cache's link_profile in
+    a later process) and describe (one line)."""
+    return _C.link_profile(_device_index(device), _int_arg(expert_bytes, "expert_bytes"))
+
+
+def set_link_profile(text):
+    """Installs a stored profile (link_profile(...)["text"] of an earlier process on this machine, or
+    that dict itself) for its device and expert size: later caches with fill_engine="automatic" and
+    link_profile() calls use it without measuring. Raises ExpertCacheValueError, changing nothing,
+    when the text does not parse or names another device (its PCI bus id differs)."""
+    _C.set_link_profile(_profile_text(text, "set_link_profile"))
+
+
+def _device_index(device):
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, (str, torch.device)):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ExpertCacheValueError(f"link_profile: device must be a CUDA device, got {device}")
+        return torch.cuda.current_device() if device.index is None else device.index
+    return _int_arg(device, "device")
+
+
+def _int_arg(value, name):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _profile_text(profile, where):
+    """A stored link profile's text from a str or a link_profile() dict; "" for None."""
+    if profile is None:
+        return ""
+    if isinstance(profile, dict) and isinstance(profile.get("text"), str):
+        return profile["text"]
+    if not isinstance(profile, str):
+        raise TypeError(f"{where}: a link profile is its stored text (a str) or a link_profile() dict, "
+                        f"got {type(profile).__name__}")
+    return profile
 
 
 def to_host(tensor):
@@ -166,10 +221,18 @@ class ExpertCache:
     stream_slots: extra GPU slots after the pool for prepare_wide's scan-resistant streaming (0: wide
     forwards go through the pool; provider "device": through the device planner's groups); slot_tensors
     then have capacity + stream_slots rows.
+    fill_engine: provider "device" only, who moves the misses' bytes: "copy_engine" (the GPU's copy
+    engines, driven from the plan's fill list), "sm_loads" (the fill kernel reading mapped host
+    memory) or "automatic" (default: chosen from the link profile, see link_profile()).
+    link_profile: provider "device" with fill_engine "automatic" only, a stored profile (the "text"
+    of link_profile(), or that dict) used instead of measuring; refused if it is for another device
+    or expert size. After construction, `fill_engine` is the engine the cache runs (None for host
+    providers).
     """
 
     def __init__(self, layout, host_tensors, num_experts, capacity, top_k=1, provider="row", policy="",
-                 staging="", storage="", max_ids=0, label="expert_cache", stream_slots=0):
+                 staging="", storage="", max_ids=0, label="expert_cache", stream_slots=0, fill_engine="automatic",
+                 link_profile=None):
         if not hasattr(layout, "_args"):
             raise TypeError(f"layout must be ect.DenseBf16, ect.Nvfp4Marlin or ect.ExplicitBytes, got {type(layout).__name__}")
         if not isinstance(host_tensors, dict) or not all(isinstance(t, torch.Tensor) for t in host_tensors.values()):
@@ -179,7 +242,8 @@ class ExpertCache:
         self._host_tensors = dict(host_tensors)  # kept alive with the cache
         self._impl = _C.Cache(name, hidden, intermediate, group_size, explicit, str(provider), str(policy),
                               str(staging), str(storage), int(num_experts), int(capacity), int(top_k), int(max_ids),
-                              str(label), self._host_tensors, int(stream_slots))
+                              str(label), self._host_tensors, int(stream_slots), str(fill_engine),
+                              _profile_text(link_profile, str(label)))
         self.num_experts = int(num_experts)
         self.capacity = int(capacity)
         self.top_k = int(top_k)
@@ -189,6 +253,9 @@ class ExpertCache:
         self.policy = self._impl.policy
         self.staging = self._impl.staging
         self.storage = self._impl.storage
+        #: Provider "device": the engine its fills run on ("copy_engine" | "sm_loads", "automatic"
+        #: resolved); None for host providers.
+        self.fill_engine = self._impl.fill_engine
         #: {name: CUDA tensor [capacity, ...]} aliasing the slot arrays, stable for the cache's life.
         self.slot_tensors = self._impl.slot_tensors()
         self._expert_map = self._impl.expert_map()
@@ -283,8 +350,9 @@ class ExpertCache:
         return self._resident_map
 
     def __repr__(self):
+        engine = "" if self.fill_engine is None else f", fill_engine={self.fill_engine!r}"
         return (f"ExpertCache({self.layout!r}, provider={self.provider!r}, policy={self.policy!r}, "
-                f"staging={self.staging!r}, capacity={self.capacity}/{self.num_experts}, label={self.label!r})")
+                f"staging={self.staging!r}{engine}, capacity={self.capacity}/{self.num_experts}, label={self.label!r})")
 
 
 

@@ -26,7 +26,8 @@ import types
 
 import torch
 
-from . import ExpertCache, ExpertCacheError, ExpertCacheValueError, ExplicitBytes, _C, _id_list
+from . import (ExpertCache, ExpertCacheError, ExpertCacheValueError, ExplicitBytes, _C, _id_list,
+               _profile_text)
 from ._vllm_state import StateLedger
 
 __all__ = ["ExpertCacheProvider", "CachedWeightProvider", "RowCacheWeightProvider", "DeviceWeightProvider",
@@ -123,14 +124,17 @@ class ExpertCacheProvider:
     a device policy: "lru" (its default), "lfru" or "crf". split: "token" | "expert", used by run_with_expert_cache. max_ids: "device"
     only, the largest topk_ids.numel() of one prepare (required there). stream_slots: host
     semantics, extra slots the expert split streams wide forwards through (the cache's
-    prepare_wide, scan resistant; 0: its rounds go through the pool).
+    prepare_wide, scan resistant; 0: its rounds go through the pool). fill_engine, link_profile:
+    "device" only, who moves the misses' bytes ("automatic" (default) | "copy_engine" | "sm_loads")
+    and a stored link profile for "automatic" (expert_cache_torch.ExpertCache; docs/python.md "Fill
+    engine and link profile"); `fill_engine` then reads the engine the cache runs.
     """
 
     semantics = "lfru"
 
     def __init__(self, capacity, w13_weight, w2_weight, w13_scale=None, w2_scale=None, split="token", *,
                  w13_scale_2=None, w2_scale_2=None, semantics=None, policy=None, max_ids=None, device=None,
-                 label="expert_cache", stream_slots=0):
+                 label="expert_cache", stream_slots=0, fill_engine="automatic", link_profile=None):
         semantics = self.semantics if semantics is None else str(semantics)
         given = dict(zip(_SOURCES, (w13_weight, w2_weight, w13_scale, w2_scale, w13_scale_2, w2_scale_2)))
         records = [_record(name, t) for name, t in given.items()]
@@ -140,6 +144,8 @@ class ExpertCacheProvider:
             raise TypeError(f"capacity must be an int, got {type(capacity).__name__}") from None
         num_experts, capacity, sources = _C.validate_provider_sources(capacity, records, str(label))
         provider, policy = _C.provider_semantics(semantics, "" if policy is None else str(policy))
+        link_profile = _profile_text(link_profile, str(label))
+        _C.check_fill_engine(provider, str(fill_engine), link_profile, str(label))
         if split not in ("token", "expert"):
             raise ExpertCacheValueError(f"{label}: unknown split {split!r} (valid: token, expert)")
         if provider == "device":
@@ -174,7 +180,8 @@ class ExpertCacheProvider:
             self._cache = ExpertCache(ExplicitBytes(layout), host_tensors=host_bytes, num_experts=num_experts,
                                       capacity=capacity, top_k=1, provider=provider, policy=policy,
                                       max_ids=int(max_ids) if provider == "device" else 0, label=str(label),
-                                      stream_slots=int(stream_slots))
+                                      stream_slots=int(stream_slots), fill_engine=fill_engine,
+                                      link_profile=link_profile)
         self.device = device
         self.capacity = capacity
         self.num_experts = num_experts
@@ -233,6 +240,12 @@ class ExpertCacheProvider:
     def cache(self):
         """The underlying expert_cache_torch.ExpertCache."""
         return self._cache
+
+    @property
+    def fill_engine(self):
+        """Semantics "device": the engine the cache's fills run on ("copy_engine" | "sm_loads"); None
+        for the host semantics."""
+        return self._cache.fill_engine
 
     # ---- the forward ----
     @_compiler_disabled

@@ -83,6 +83,29 @@ at::ScalarType scalar_type_of(ec::DType d) {
   }
 }
 
+// A LinkProfile's fields, the engine FillEngine::automatic picks from it and why, its stored
+// text (serialize()) and its one-line description.
+py::dict link_profile_dict(const expert_cache::LinkProfile& p) {
+  py::dict d;
+  d["device"] = p.device;
+  d["device_name"] = p.device_name;
+  d["pci_bus_id"] = p.pci_bus_id;
+  d["expert_bytes"] = p.expert_bytes;
+  d["copy_engine_gbps_one"] = p.copy_engine_gbps_one;
+  d["copy_engine_gbps_batch"] = p.copy_engine_gbps_batch;
+  d["copy_latency_us"] = p.copy_latency_us;
+  d["sm_load_gbps"] = p.sm_load_gbps;
+  d["graph_fill_latency_us"] = p.graph_fill_latency_us;
+  d["measure_ms"] = p.measure_ms;
+  d["sm_load_share"] = p.sm_load_share();
+  std::string reason;
+  d["engine"] = std::string(expert_cache::to_string(p.choose_engine(&reason)));
+  d["reason"] = reason;
+  d["text"] = p.serialize();
+  d["describe"] = p.describe();
+  return d;
+}
+
 py::dict wide_summary_dict(const expert_cache::WideSummary& w) {
   py::dict d;
   d["rounds"] = w.rounds;
@@ -168,9 +191,12 @@ class TorchCache {
              const std::vector<std::pair<std::string, std::size_t>>& explicit_tensors, const std::string& provider,
              const std::string& policy, const std::string& staging, const std::string& storage, std::int32_t num_experts,
              std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids, const std::string& label,
-             const std::map<std::string, at::Tensor>& host_tensors, std::int32_t stream_slots) {
+             const std::map<std::string, at::Tensor>& host_tensors, std::int32_t stream_slots,
+             const std::string& fill_engine, const std::string& link_profile) {
     ec::BridgeConfig c;
     c.stream_slots = stream_slots;
+    c.fill_engine = fill_engine;
+    c.link_profile = link_profile;
     c.layout = ec::LayoutConfig{layout, hidden, intermediate, group_size, explicit_tensors};
     c.provider = provider;
     c.policy = policy;
@@ -181,6 +207,9 @@ class TorchCache {
     c.top_k = top_k;
     c.max_ids = max_ids;
     c.label = label;
+    // A bad engine name or profile text is refused before CUDA is touched (the bridge checks
+    // it again where it builds the cache).
+    check(ec::fill_engine_choice(c).status());
 
     std::vector<ec::HostTensorArg> args;
     std::vector<at::Tensor> host;
@@ -394,6 +423,11 @@ class TorchCache {
   std::string staging() const { return bridge_->staging(); }
   std::string storage() const { return bridge_->storage(); }
   bool device_provider() const { return bridge_->device_provider(); }
+  // The device provider's resolved fill engine ("copy_engine" | "sm_loads"); None for host providers.
+  py::object fill_engine() const {
+    const std::string e = bridge_->fill_engine();
+    return e.empty() ? py::object(py::none()) : py::object(py::str(e));
+  }
 
  private:
   // Device provider: CUDA ids as they are, no synchronisation.
@@ -691,15 +725,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        const std::string& policy, const std::string& staging, const std::string& storage,
                        std::int32_t num_experts, std::int32_t capacity, std::int32_t top_k, std::int32_t max_ids,
                        const std::string& label, const std::map<std::string, at::Tensor>& host_tensors,
-                       std::int32_t stream_slots) {
+                       std::int32_t stream_slots, const std::string& fill_engine, const std::string& link_profile) {
              return std::make_shared<TorchCache>(layout, hidden, intermediate, group_size, explicit_tensors, provider,
                                                  policy, staging, storage, num_experts, capacity, top_k, max_ids, label,
-                                                 host_tensors, stream_slots);
+                                                 host_tensors, stream_slots, fill_engine, link_profile);
            }),
            py::arg("layout"), py::arg("hidden"), py::arg("intermediate"), py::arg("group_size"),
            py::arg("explicit_tensors"), py::arg("provider"), py::arg("policy"), py::arg("staging"), py::arg("storage"),
            py::arg("num_experts"), py::arg("capacity"), py::arg("top_k"), py::arg("max_ids"), py::arg("label"),
-           py::arg("host_tensors"), py::arg("stream_slots") = 0)
+           py::arg("host_tensors"), py::arg("stream_slots") = 0, py::arg("fill_engine") = "automatic",
+           py::arg("link_profile") = "")
       .def("prepare_wide", &TorchCache::prepare_wide, py::arg("topk_ids"), py::arg("consumer"),
            py::arg("admission") = "stream", py::arg("copy") = "automatic")
       .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
@@ -721,7 +756,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("policy", &TorchCache::policy)
       .def_property_readonly("staging", &TorchCache::staging)
       .def_property_readonly("storage", &TorchCache::storage)
-      .def_property_readonly("device_provider", &TorchCache::device_provider);
+      .def_property_readonly("device_provider", &TorchCache::device_provider)
+      .def_property_readonly("fill_engine", &TorchCache::fill_engine);
+
+  // ---- the link profile (runtime/link_profile.cuh, through bridge_cuda.cu) ----
+  m.def("link_profile",
+        [](std::int64_t device, std::int64_t expert_bytes) {
+          const expert_cache::Result<expert_cache::LinkProfile> r = [&] {
+            py::gil_scoped_release released;  // the first call of a (device, size) pair measures
+            return ec::cuda_link_profile(device, expert_bytes);
+          }();
+          check(r.status());
+          return link_profile_dict(r.value());
+        },
+        py::arg("device"), py::arg("expert_bytes"));
+  m.def("set_link_profile", [](const std::string& text) { check(ec::cuda_set_link_profile(text)); }, py::arg("text"));
 
   py::class_<TorchModelCache, std::shared_ptr<TorchModelCache>>(m, "ModelCache")
       .def(py::init([](const std::string& layout, std::int64_t hidden, std::int64_t intermediate, std::int64_t group_size,
@@ -770,6 +819,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return py::make_tuple(r.value().num_experts, r.value().capacity, sources);
         },
         py::arg("capacity"), py::arg("records"), py::arg("label"));
+  // The fill engine and stored link profile of a cache of `provider` checked (fill_engine_choice),
+  // before its sources are pinned; -> the engine named (automatic unresolved).
+  m.def("check_fill_engine",
+        [](const std::string& provider, const std::string& fill_engine, const std::string& link_profile,
+           const std::string& label) {
+          ec::BridgeConfig c;
+          c.provider = provider;
+          c.fill_engine = fill_engine;
+          c.link_profile = link_profile;
+          c.label = label;
+          auto r = ec::fill_engine_choice(c);
+          check(r.status());
+          return std::string(expert_cache::to_string(r.value().engine));
+        },
+        py::arg("provider"), py::arg("fill_engine"), py::arg("link_profile"), py::arg("label"));
   m.def("provider_semantics",
         [](const std::string& semantics, const std::string& policy) {
           auto r = ec::provider_semantics(semantics, policy);

@@ -6,8 +6,9 @@ Covers: host tensors adopted without copy (the cache's host addresses are the te
 prepare with CPU and CUDA ids (int32/int64) for the row / cached / device providers, slot tensor
 contents equal to the mapped experts' host weights, expert_map / resident_map / expert_map_host
 semantics, errors as ExpertCacheError with the library's message and stats unchanged, invalidate,
-the stats dict, and a torch.cuda.graph capture of a device-provider prepare plus a gather of slot
-rows, replayed with new ids (equal to eager).
+the stats dict, a torch.cuda.graph capture of a device-provider prepare plus a gather of slot
+rows, replayed with new ids (equal to eager), and the device provider's fill engines with the link
+profile (link_profile, set_link_profile, stored profiles that decide "automatic").
 """
 import os
 import sys
@@ -362,6 +363,159 @@ class ExtensionTest(unittest.TestCase):
                 self.assertIn("cannot be captured", str(cm.exception))
                 torch.cuda.synchronize()
                 del graph, view, out13, out2
+
+    def test_fill_engine_and_link_profile(self):
+        """Provider "device" with each fill engine (slots hold the experts' bytes; the cache reports the
+        engine it runs), link_profile() / set_link_profile(), stored profiles that force the automatic
+        choice either way, and every bad engine, profile or argument refused with ValueError."""
+        device = torch.cuda.current_device()
+        profile_keys = {"device", "device_name", "pci_bus_id", "expert_bytes", "copy_engine_gbps_one",
+                       "copy_engine_gbps_batch", "copy_latency_us", "sm_load_gbps", "graph_fill_latency_us",
+                       "measure_ms", "sm_load_share", "engine", "reason", "text", "describe"}
+        dense_bytes = (2 * N * K + K * N) * 2  # bf16 w13 + w2 of one expert
+
+        def with_field(text, key, value):
+            lines = [f"{key}={value}" if line.startswith(key + "=") else line for line in text.splitlines()]
+            self.assertIn(f"{key}={value}", lines, f"no line {key}= in the profile")
+            return "\n".join(lines) + "\n"
+
+        def run_cache(cache, w13, w2, seed):
+            g = torch.Generator().manual_seed(seed)
+            for step in range(12):
+                ids = random_ids(g, 1 + step % 4)
+                self.check_view(cache, cache.prepare(ids.cuda()), ids, w13, w2)
+            self.assertEqual(cache.device_errors(), 0)
+            self.assertGreater(cache.stats()["misses"], 0)
+
+        # Each engine by name moves the right bytes; host providers report no engine.
+        for engine in ("copy_engine", "sm_loads"):
+            with self.subTest(engine=engine):
+                w13, w2 = dense_weights(20)
+                cache = make_cache(w13, w2, "device", fill_engine=engine)
+                self.assertEqual(cache.fill_engine, engine)
+                self.assertIn(f"fill_engine={engine!r}", repr(cache))
+                run_cache(cache, w13, w2, 21)
+                del cache
+        self.assertIsNone(make_cache(*dense_weights(22), "row").fill_engine)
+
+        # The profile of this device at the dense expert size: measured once, then the same.
+        profile = ect.link_profile(expert_bytes=dense_bytes)
+        self.assertEqual(set(profile), profile_keys)
+        self.assertEqual(profile["device"], device)
+        self.assertEqual(profile["expert_bytes"], dense_bytes)
+        for key in ("copy_engine_gbps_one", "copy_engine_gbps_batch", "copy_latency_us", "sm_load_gbps",
+                    "graph_fill_latency_us"):
+            self.assertGreater(profile[key], 0, key)
+        self.assertIn(profile["engine"], ("copy_engine", "sm_loads"))
+        self.assertTrue(profile["reason"].startswith(profile["engine"] + ": SM loads"), profile["reason"])
+        self.assertTrue(profile["describe"].startswith(f"link profile: device {device}, "), profile["describe"])
+        self.assertTrue(profile["text"].startswith("expert_cache link profile v1\n"))
+        self.assertEqual(ect.link_profile(f"cuda:{device}", expert_bytes=dense_bytes), profile)
+        self.assertEqual(ect.link_profile(torch.device("cuda", device), expert_bytes=dense_bytes), profile)
+        print(f"  {profile['describe']}\n  automatic: {profile['reason']}")
+
+        # automatic: the engine the profile picks; the cache's bytes per expert are the profile's size.
+        w13, w2 = dense_weights(23)
+        cache = make_cache(w13, w2, "device")
+        self.assertEqual(cache.bytes_per_expert, dense_bytes)
+        self.assertEqual(cache.fill_engine, profile["engine"])
+        run_cache(cache, w13, w2, 24)
+        del cache
+        for stored in (profile["text"], profile):  # the text, or the dict that carries it
+            self.assertEqual(make_cache(*dense_weights(25), "device", link_profile=stored).fill_engine,
+                             profile["engine"])
+
+        # A stored profile decides automatic whatever this machine measures: SM loads at twice the
+        # copy engine's batch bandwidth pick sm_loads, at a tenth copy_engine.
+        batch = profile["copy_engine_gbps_batch"]
+        forced = {"sm_loads": with_field(profile["text"], "sm_load_gbps", repr(2 * batch)),
+                  "copy_engine": with_field(profile["text"], "sm_load_gbps", repr(batch / 10))}
+        for engine, text in forced.items():
+            with self.subTest(stored=engine):
+                w13, w2 = dense_weights(26)
+                cache = make_cache(w13, w2, "device", link_profile=text)
+                self.assertEqual(cache.fill_engine, engine)
+                run_cache(cache, w13, w2, 27)
+                del cache
+        # set_link_profile installs one for later caches of its size (one this process has not
+        # measured: an explicit layout of 3 pages per expert), without measuring.
+        for engine, page_count in (("sm_loads", 3), ("copy_engine", 5)):
+            with self.subTest(installed=engine):
+                nbytes = page_count * PAGE
+                text = with_field(with_field(forced[engine], "expert_bytes", nbytes), "measure_ms", "1.25")
+                ect.set_link_profile(text)
+                installed = ect.link_profile(expert_bytes=nbytes)
+                self.assertEqual(installed["text"], text)  # the installed profile, not a measurement
+                self.assertEqual(installed["measure_ms"], 1.25)
+                self.assertEqual(installed["engine"], engine)
+                host = {"blob": page_aligned((E, nbytes), torch.uint8)}
+                host["blob"].copy_(torch.randint(0, 256, host["blob"].shape, dtype=torch.uint8))
+                cache = ect.ExpertCache(ect.ExplicitBytes({"blob": nbytes}), host_tensors=host, num_experts=E,
+                                        capacity=C, top_k=1, provider="device", max_ids=8)
+                self.assertEqual(cache.fill_engine, engine)
+                cache.prepare(torch.tensor([2, 7], device="cuda"))
+                torch.cuda.synchronize()
+                self.assertEqual(cache.device_errors(), 0)
+                emap = cache.expert_map.cpu()
+                for e in (2, 7):
+                    self.assertTrue(torch.equal(cache.slot_tensors["blob"][int(emap[e])].cpu(), host["blob"][e]))
+                del cache
+
+        # Bad engines and profiles: ValueError with the library's message, nothing registered (the
+        # same tensors build a cache afterwards).
+        w13, w2 = dense_weights(28)
+        other_size = with_field(profile["text"], "expert_bytes", dense_bytes + 16)
+        other_device = with_field(profile["text"], "pci_bus_id", "0000:ff:1f.7")
+        bad_builds = [
+            (dict(provider="device", fill_engine="dma"), "unknown fill engine 'dma' (available: automatic, "
+                                                        "copy_engine, sm_loads)"),
+            (dict(provider="device", fill_engine="Sm_Loads"), "unknown fill engine 'Sm_Loads'"),
+            (dict(provider="device", link_profile="device=0"), "link profile line 1: expected 'expert_cache link "
+                                                               "profile v1'"),
+            (dict(provider="device", link_profile=profile["text"].replace("measure_ms=", "measure_seconds=")),
+             "unknown key 'measure_seconds'"),
+            (dict(provider="device", link_profile=other_size),
+             f"link profile is for experts of {dense_bytes + 16} bytes, not {dense_bytes}"),
+            (dict(provider="device", link_profile=other_device), "link profile is for device"),
+            (dict(provider="device", fill_engine="sm_loads", link_profile=profile["text"]),
+             "a link_profile is read by fill_engine 'automatic' only"),
+            (dict(provider="row", fill_engine="copy_engine"), "the fill engine is chosen for provider 'device' only"),
+            (dict(provider="cached", link_profile=profile["text"]), "for provider 'device' only"),
+        ]
+        for kw, text in bad_builds:
+            with self.subTest(bad=text):
+                with self.assertRaises(ect.ExpertCacheValueError) as cm:
+                    make_cache(w13, w2, kw.pop("provider"), **kw)
+                self.assertIsInstance(cm.exception, ValueError)
+                self.assertIn(text, str(cm.exception))
+        with self.assertRaises(TypeError):
+            make_cache(w13, w2, "device", link_profile=42)
+        make_cache(w13, w2, "device", fill_engine="sm_loads")
+
+        # Bad link_profile() / set_link_profile() arguments; a refused profile changes nothing.
+        calls = [
+            (lambda: ect.link_profile(expert_bytes=0), ValueError, "expert_bytes 0"),
+            (lambda: ect.link_profile(expert_bytes=-4096), ValueError, "expert_bytes -4096"),
+            (lambda: ect.link_profile(-1, expert_bytes=4096), ValueError, "device -1 is not a CUDA device ordinal"),
+            (lambda: ect.link_profile(torch.cuda.device_count(), expert_bytes=4096), ValueError,
+             f"device {torch.cuda.device_count()} is outside [0, {torch.cuda.device_count()})"),
+            (lambda: ect.link_profile("cpu", expert_bytes=4096), ValueError, "must be a CUDA device"),
+            (lambda: ect.link_profile(expert_bytes=1.5), TypeError, "expert_bytes must be an int"),
+            (lambda: ect.set_link_profile("expert_cache link profile v2\n"), ValueError,
+             "set_link_profile: link profile line 1"),
+            (lambda: ect.set_link_profile(with_field(profile["text"], "sm_load_gbps", "0")), ValueError,
+             "sm_load_gbps: 0 is not a finite number > 0"),
+            (lambda: ect.set_link_profile(other_device), ValueError, "link profile is for device"),
+            (lambda: ect.set_link_profile(3), TypeError, "a link profile is its stored text"),
+        ]
+        for fn, exc, text in calls:
+            with self.subTest(call=text):
+                with self.assertRaises(exc) as cm:
+                    fn()
+                self.assertIn(text, str(cm.exception))
+                if exc is ValueError:
+                    self.assertIsInstance(cm.exception, ect.ExpertCacheValueError)
+        self.assertEqual(ect.link_profile(expert_bytes=dense_bytes), profile)
 
     def test_nvfp4_marlin_layout(self):
         hidden, inter = 128, 96  # Np = 128

@@ -14,7 +14,8 @@ Covers:
   stable addresses;
 - bad input: ValueError / RuntimeError naming the tensor and the expected value, nothing changed;
 - run_with_expert_cache (token and expert split) equal to an uncached MoE;
-- "device": captured in a CUDA graph and replayed; host semantics refuse a capture;
+- "device": captured in a CUDA graph and replayed, with each fill engine; host semantics refuse a
+  capture;
 - prefetch (host and device ids), the model-level cache (per_layer equal to per-layer caches,
   global), policies by name (unknown names refused with the valid ones listed).
 """
@@ -344,6 +345,15 @@ class VllmProviderTest(unittest.TestCase):
             (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16, policy="s3fifo"),
              ValueError, "provider 'device' plans on the device with policy lru, lfru or crf"),
             (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"]), ValueError, "needs max_ids"),
+            (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16, fill_engine="dma"),
+             ValueError, "unknown fill engine 'dma' (available: automatic, copy_engine, sm_loads)"),
+            (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16,
+                                             link_profile="device=0"),
+             ValueError, "link_profile: link profile line 1: expected 'expert_cache link profile v1'"),
+            (lambda: ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], max_ids=16, link_profile=7),
+             TypeError, "a link profile is its stored text"),
+            (lambda: build(fill_engine="sm_loads"), ValueError,
+             "the fill engine is chosen for provider 'device' only (provider 'cached'"),
             (lambda: build(w13="weights"), TypeError, "w13_weight must be a torch.Tensor"),
         ]
         for fn, exc, text in builds:
@@ -479,11 +489,19 @@ class VllmProviderTest(unittest.TestCase):
                     self.assertIn("error word 0x2", str(cm.exception))
 
     def test_device_semantics_cuda_graph(self):
+        for engine in ("automatic", "copy_engine", "sm_loads"):
+            with self.subTest(fill_engine=engine):
+                self.device_semantics_cuda_graph(engine)
+
+    def device_semantics_cuda_graph(self, fill_engine):
         src = nvfp4_sources(8)
         tokens, top_k = 4, 2
         p = ev.DeviceWeightProvider(C, src["w13_weight"], src["w2_weight"], src["w13_scale"], src["w2_scale"],
                                     w13_scale_2=src["w13_scale_2"], w2_scale_2=src["w2_scale_2"],
-                                    max_ids=tokens * top_k)
+                                    max_ids=tokens * top_k, fill_engine=fill_engine)
+        self.assertIn(p.fill_engine, ("copy_engine", "sm_loads"))
+        if fill_engine != "automatic":
+            self.assertEqual(p.fill_engine, fill_engine)
         g = torch.Generator().manual_seed(9)
         static_ids = random_topk(g, tokens, top_k, pad=False).cuda()
         side = torch.cuda.Stream()
@@ -508,6 +526,7 @@ class VllmProviderTest(unittest.TestCase):
         self.assertGreater(p.misses, 0)
         # Host-planned semantics refuse a capture, before touching anything.
         row = ev.RowCacheWeightProvider(C, src["w13_weight"], src["w2_weight"])
+        self.assertIsNone(row.fill_engine)
         with self.assertRaises(RuntimeError) as cm:
             with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
                 row.prepare(static_ids)
