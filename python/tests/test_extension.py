@@ -428,8 +428,8 @@ class ExtensionTest(unittest.TestCase):
         # A stored profile decides automatic whatever this machine measures: SM loads at twice the
         # copy engine's batch bandwidth pick sm_loads, at a tenth copy_engine.
         batch = profile["copy_engine_gbps_batch"]
-        forced = {"sm_loads": with_field(profile["text"], "sm_load_gbps", repr(2 * batch)),
-                  "copy_engine": with_field(profile["text"], "sm_load_gbps", repr(batch / 10))}
+        sm_gbps = {"sm_loads": 2 * batch, "copy_engine": batch / 10}
+        forced = {engine: with_field(profile["text"], "sm_load_gbps", repr(gbps)) for engine, gbps in sm_gbps.items()}
         for engine, text in forced.items():
             with self.subTest(stored=engine):
                 w13, w2 = dense_weights(26)
@@ -445,8 +445,11 @@ class ExtensionTest(unittest.TestCase):
                 text = with_field(with_field(forced[engine], "expert_bytes", nbytes), "measure_ms", "1.25")
                 ect.set_link_profile(text)
                 installed = ect.link_profile(expert_bytes=nbytes)
-                self.assertEqual(installed["text"], text)  # the installed profile, not a measurement
+                # The installed profile, not a measurement: its numbers come back as written.
                 self.assertEqual(installed["measure_ms"], 1.25)
+                self.assertEqual(installed["expert_bytes"], nbytes)
+                self.assertEqual(installed["sm_load_gbps"], sm_gbps[engine])
+                self.assertEqual(installed["copy_engine_gbps_batch"], batch)
                 self.assertEqual(installed["engine"], engine)
                 host = {"blob": page_aligned((E, nbytes), torch.uint8)}
                 host["blob"].copy_(torch.randint(0, 256, host["blob"].shape, dtype=torch.uint8))
