@@ -45,6 +45,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -332,18 +333,64 @@ class CopyProxy {
       return Status(ErrorCode::not_supported, "copy proxy: the driver has no cuStreamWriteValue32");
     }
     write_value_ = reinterpret_cast<WriteValue32>(fn);
+    std::promise<Status> warmed;
+    std::future<Status> ready = warmed.get_future();
     try {
-      thread_ = std::thread([this] { run(); });
+      thread_ = std::thread([this, w = std::move(warmed)]() mutable { run(w); });
     } catch (...) {
       return Status(ErrorCode::runtime_failure, "copy proxy: could not start its thread");
     }
-    return {};
+    // The proxy serves nothing before its first copy and memop completed: a driver's first use
+    // of these calls on a new thread may wait for the device, and a post kernel that waits for
+    // its ready words would then wait until its bounded wait gave up (seen on an H100 host).
+    Status warm = ready.get();
+    if (!warm) {
+      stop_.store(true, std::memory_order_release);
+      thread_.join();
+    }
+    return warm;
+  }
+
+  // One batch copy, one plain copy and one memop on the proxy's stream, waited for.
+  Status warm_up() {
+    void* host = nullptr;
+    void* dev = nullptr;
+    cudaError_t err = cudaHostAlloc(&host, 64, cudaHostAllocDefault);
+    if (err == cudaSuccess) err = cudaMalloc(&dev, 64);
+    if (err == cudaSuccess) {
+      std::memset(host, 0, 64);
+      void* dsts[2] = {dev, static_cast<char*>(dev) + 32};
+      const void* srcs[2] = {host, static_cast<char*>(host) + 32};
+      std::size_t sizes[2] = {16, 16};
+      cudaMemcpyAttributes attr{};
+      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+      std::size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+      err = cudaMemcpyBatchAsync(dsts, srcs, sizes, 2, &attr, &attr_index, 1, stream_);
+#elif CUDART_VERSION >= 12080
+      std::size_t fail_index = 0;
+      err = cudaMemcpyBatchAsync(dsts, const_cast<void**>(srcs), sizes, 2, &attr, &attr_index, 1, &fail_index, stream_);
+#endif
+      if (err == cudaSuccess) err = cudaMemcpyAsync(dev, host, 4, cudaMemcpyHostToDevice, stream_);
+      if (err == cudaSuccess &&
+          write_value_(reinterpret_cast<CUstream>(stream_), reinterpret_cast<CUdeviceptr>(dev), 1u, 0) != CUDA_SUCCESS) {
+        err = cudaErrorUnknown;
+      }
+      if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+    }
+    if (dev != nullptr) (void)cudaFree(dev);
+    if (host != nullptr) (void)cudaFreeHost(host);
+    return err == cudaSuccess ? Status{} : cuda_status(err, "copy proxy: warm-up copy and memop");
   }
 
   // Polls every ring; spins while requests come (a post is seen within a microsecond or so),
   // sleeps briefly after a long idle stretch so that an idle process does not hold a core.
-  void run() {
-    (void)cudaSetDevice(device_);
+  void run(std::promise<Status>& warmed) {
+    Status warm = cuda_status(cudaSetDevice(device_), "copy proxy: cudaSetDevice");
+    if (warm) warm = warm_up();
+    const bool ok = warm.ok();
+    warmed.set_value(std::move(warm));
+    if (!ok) return;
     auto last_work = std::chrono::steady_clock::now();
     std::vector<ProxyFill> fills;
     while (!stop_.load(std::memory_order_acquire)) {
