@@ -887,6 +887,22 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                 key.c_str(), nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
+  if (caches[0]->fill_engine() == FillEngine::copy_engine) {
+    std::uint64_t requests = 0, fills = 0, issue_ns = 0;
+    for (const auto& c : caches) {
+      requests += c->executor().proxy_requests();
+      fills += c->executor().proxy_fills();
+      issue_ns += c->executor().proxy_issue_ns();
+    }
+    std::snprintf(buf, sizeof buf,
+                  "%s: copy proxy served %llu requests of %.2f fills on average (warm-up included); host time "
+                  "issuing a request %.2f us, %.2f us per fill",
+                  key.c_str(), static_cast<unsigned long long>(requests),
+                  requests ? static_cast<double>(fills) / static_cast<double>(requests) : 0.0,
+                  requests ? static_cast<double>(issue_ns) * 1e-3 / static_cast<double>(requests) : 0.0,
+                  fills ? static_cast<double>(issue_ns) * 1e-3 / static_cast<double>(fills) : 0.0);
+    notes.emplace_back(buf);
+  }
   return r;
 }
 

@@ -96,7 +96,10 @@ struct ProxyPostParams {
   const DevicePlanScalars* scalars = nullptr;  // its fill_count
   const std::uint32_t* slot_needed = nullptr;
   const std::uint32_t* slot_ready = nullptr;
-  std::uint32_t* post_count = nullptr;         // device memory: requests this cache posted
+  // Device memory, two words: requests this cache posted, and the proxy's `taken` as the post
+  // kernel last read it (a post reads the mapped word over PCIe only when that copy shows the
+  // ring full).
+  std::uint32_t* post_count = nullptr;
   unsigned char* ring = nullptr;               // device address of the mapped ring
   std::uint32_t* error_word = nullptr;
   std::int32_t capacity = 0;
@@ -130,8 +133,14 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(proxy_post_threads) proxy_post_kernel
     n = c < 0 ? 0 : (c > p.capacity ? p.capacity : c);
     seq = *p.post_count;
     const std::uint32_t s = seq;
-    room = n == 0 || bounded_spin([&] { return s - detail::load_mapped_word(&header->taken) < proxy_ring_depth; },
-                                  p.timeout_ns, p.error_word);
+    std::uint32_t& known_taken = p.post_count[1];
+    room = n == 0 || s - known_taken < proxy_ring_depth ||
+           bounded_spin(
+               [&] {
+                 known_taken = detail::load_mapped_word(&header->taken);
+                 return s - known_taken < proxy_ring_depth;
+               },
+               p.timeout_ns, p.error_word);
   }
   __syncthreads();
   if (n > 0 && room) {
@@ -230,6 +239,8 @@ class CopyProxy {
     std::mutex status_mutex;
     Status status;            // the first failure since the cache last asked
     std::atomic<std::uint64_t> requests{0}, fills{0};
+    // Host time from seeing a request to the last call issued for it, summed (nanoseconds).
+    std::atomic<std::uint64_t> issue_ns{0};
   };
 
   /// The device's proxy, started on first use and shared by every cache of the device.
@@ -425,7 +436,11 @@ class CopyProxy {
       std::memcpy(fills.data(), req + 16, n * sizeof(ProxyFill));
       ++c.taken;
       std::atomic_ref<std::uint32_t>(h->taken).store(c.taken, std::memory_order_release);
+      const auto t0 = std::chrono::steady_clock::now();
       issue(c, fills);
+      c.issue_ns.fetch_add(static_cast<std::uint64_t>(
+                               std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()),
+                           std::memory_order_relaxed);
       c.requests.fetch_add(1, std::memory_order_relaxed);
       c.fills.fetch_add(n, std::memory_order_relaxed);
       worked = true;

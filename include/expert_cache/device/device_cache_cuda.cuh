@@ -191,6 +191,8 @@ class BasicCudaPlanExecutor {
   // Requests and fills the proxy took for this cache (copy engine; 0 otherwise).
   [[nodiscard]] std::uint64_t proxy_requests() const noexcept { return channel_ ? channel_->requests.load() : 0; }
   [[nodiscard]] std::uint64_t proxy_fills() const noexcept { return channel_ ? channel_->fills.load() : 0; }
+  // The proxy's host time issuing this cache's requests, summed (ns).
+  [[nodiscard]] std::uint64_t proxy_issue_ns() const noexcept { return channel_ ? channel_->issue_ns.load() : 0; }
 
   // plan_prefetch (one warp), then the fill of its list: with overlap the ready-word fill
   // (launched in plain stream order), so a later readiness consumer finds every prefetched
@@ -268,9 +270,9 @@ class BasicCudaPlanExecutor {
     throw_on(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev), ring_.get(), 0),
              "cudaHostGetDevicePointer (copy proxy ring)");
     void* count = nullptr;
-    throw_on(cudaMalloc(&count, sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
+    throw_on(cudaMalloc(&count, 2 * sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
     post_count_.reset(static_cast<std::uint32_t*>(count));
-    throw_on(cudaMemset(post_count_.get(), 0, sizeof(std::uint32_t)), "cudaMemset (copy proxy post count)");
+    throw_on(cudaMemset(post_count_.get(), 0, 2 * sizeof(std::uint32_t)), "cudaMemset (copy proxy post count)");
     label_ = o.label;
     post_.fills = st.fills.data;
     post_.scalars = st.scalars;
@@ -342,7 +344,7 @@ class BasicCudaPlanExecutor {
     void operator()(void* p) const noexcept { (void)cudaFree(p); }
   };
   std::unique_ptr<unsigned char, FreeHost> ring_;        // mapped pinned: ProxyRingHeader + requests
-  std::unique_ptr<std::uint32_t, FreeDevice> post_count_;  // device memory
+  std::unique_ptr<std::uint32_t, FreeDevice> post_count_;  // device memory: ProxyPostParams::post_count
   ProxyPostParams post_{};
   std::shared_ptr<CopyProxy> proxy_;
   std::shared_ptr<CopyProxy::Channel> channel_;
