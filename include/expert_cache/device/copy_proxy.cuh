@@ -14,8 +14,9 @@
 //           visible before the proxy reads it). It first waits (bounded) for a free entry:
 //           posted - taken < depth.
 //   proxy   polls `posted` of every registered ring, copies the entry out, stores `taken`, and
-//           for each fill issues the fill's copies (cudaMemcpyBatchAsync, outside any capture)
-//           and then cuStreamWriteValue32(slot_ready[slot], tag) on its copy stream. The write
+//           issues the fills in chunks of 1, 2, 4, ... (one cudaMemcpyBatchAsync per chunk,
+//           outside any capture), each chunk followed by cuStreamWriteValue32(slot_ready[slot],
+//           tag) for its slots, on its copy stream. The write
 //           memop carries a memory barrier and runs after the copies in stream order (P2: a
 //           ready word is set only after its bytes landed). With a first part (edge D4c) every
 //           fill's first part is copied and published on slot_ready_first, then the rest.
@@ -66,6 +67,9 @@ namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 /// Requests a ring holds: a prefetch, the forward and its overflow groups may be posted before
 /// the proxy took the first.
 inline constexpr std::uint32_t proxy_ring_depth = 8;
+
+/// The most fills the proxy issues in one batch call (its chunks grow 1, 2, 4, ... up to this).
+inline constexpr std::size_t proxy_max_chunk = 16;
 
 /// One fill of a posted request.
 struct ProxyFill {
@@ -448,57 +452,72 @@ class CopyProxy {
     return worked;
   }
 
+  // The fills in chunks of 1, 2, 4, ... (at most proxy_max_chunk) fills, each chunk's regions in
+  // ONE batch call followed by its slots' ready words: the first expert starts the link as soon
+  // as possible, the later ones cost one driver call per chunk instead of one per expert (the
+  // proxy's host time per call, not the link, would otherwise bound a layer of many small fills).
   void issue(Channel& c, const std::vector<ProxyFill>& fills) {
     const ProxyChannelConfig& k = c.config;
+    valid_.clear();
+    for (const ProxyFill& f : fills) {
+      // The list comes from the planner; checked anyway so nothing outside the pools is touched.
+      if (f.expert >= 0 && f.expert < k.num_experts && f.slot >= 0 && f.slot < k.capacity) valid_.push_back(f);
+    }
     const std::size_t count = k.regions.count;
     const bool split = k.first_part_regions > 0 && k.first_part_regions < count;
     for (int part = 0; part < (split ? 2 : 1); ++part) {
       const std::size_t lo = split && part == 1 ? k.first_part_regions : 0;
       const std::size_t hi = split && part == 0 ? k.first_part_regions : count;
-      for (const ProxyFill& f : fills) {
-        // The list comes from the planner; checked anyway so nothing outside the pools is touched.
-        if (f.expert < 0 || f.expert >= k.num_experts || f.slot < 0 || f.slot >= k.capacity) continue;
-        if (k.test_ready_before_copy) publish(c, f, split, part);
-        copy(c, f, lo, hi);
-        if (!k.test_ready_before_copy) publish(c, f, split, part);
+      std::size_t chunk = 1;
+      for (std::size_t at = 0; at < valid_.size(); at += chunk, chunk = std::min(chunk * 2, proxy_max_chunk)) {
+        const std::size_t end = std::min(valid_.size(), at + chunk);
+        if (k.test_ready_before_copy) {
+          for (std::size_t i = at; i < end; ++i) publish(c, valid_[i], split, part);
+        }
+        copy(c, at, end, lo, hi);
+        if (!k.test_ready_before_copy) {
+          for (std::size_t i = at; i < end; ++i) publish(c, valid_[i], split, part);
+        }
       }
     }
   }
 
-  void copy(Channel& c, const ProxyFill& f, std::size_t lo, std::size_t hi) {
-    void* dsts[max_copy_regions];
-    const void* srcs[max_copy_regions];
-    std::size_t sizes[max_copy_regions];
-    std::size_t n = 0;
-    for (std::size_t r = lo; r < hi; ++r) {
-      const CopyRegion& g = c.config.regions.regions[r];
-      if (g.bytes == 0) continue;
-      dsts[n] = g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride;
-      srcs[n] = g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride;
-      sizes[n] = g.bytes;
-      ++n;
+  // Regions [lo, hi) of fills valid_[at, end) in one call.
+  void copy(Channel& c, std::size_t at, std::size_t end, std::size_t lo, std::size_t hi) {
+    dsts_.clear();
+    srcs_.clear();
+    sizes_.clear();
+    for (std::size_t i = at; i < end; ++i) {
+      const ProxyFill& f = valid_[i];
+      for (std::size_t r = lo; r < hi; ++r) {
+        const CopyRegion& g = c.config.regions.regions[r];
+        if (g.bytes == 0) continue;
+        dsts_.push_back(g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride);
+        srcs_.push_back(g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride);
+        sizes_.push_back(g.bytes);
+      }
     }
+    const std::size_t n = dsts_.size();
     if (n == 0) return;
     cudaError_t err = cudaSuccess;
     if (c.config.test_fail_copies) {
       err = cudaErrorInvalidValue;
     } else if (n == 1) {
-      err = cudaMemcpyAsync(dsts[0], srcs[0], sizes[0], cudaMemcpyHostToDevice, stream_);
+      err = cudaMemcpyAsync(dsts_[0], srcs_[0], sizes_[0], cudaMemcpyHostToDevice, stream_);
     } else {
-      // One call for the expert's regions: fewer API calls, and the copy engine takes the small
-      // scale tensors without a full per-copy overhead each.
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
       attr.flags = cudaMemcpyFlagDefault;
       std::size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
-      err = cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attr_index, 1, stream_);
+      err = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), n, &attr, &attr_index, 1, stream_);
 #elif CUDART_VERSION >= 12080
       std::size_t fail_index = 0;
-      err = cudaMemcpyBatchAsync(dsts, const_cast<void**>(srcs), sizes, n, &attr, &attr_index, 1, &fail_index, stream_);
+      err = cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()), sizes_.data(), n, &attr, &attr_index, 1,
+                                 &fail_index, stream_);
 #else
       for (std::size_t i = 0; i < n && err == cudaSuccess; ++i) {
-        err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream_);
+        err = cudaMemcpyAsync(dsts_[i], srcs_[i], sizes_[i], cudaMemcpyHostToDevice, stream_);
       }
 #endif
     }
@@ -540,6 +559,11 @@ class CopyProxy {
   std::mutex mutex_;
   std::vector<std::shared_ptr<Channel>> channels_;
   std::chrono::milliseconds idle_spin_{20};
+  // The proxy thread's scratch (capacity kept between requests: no allocation once warm).
+  std::vector<ProxyFill> valid_;
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<std::size_t> sizes_;
 };
 
 }  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS
