@@ -14,6 +14,7 @@
 #include <cmath>
 #include <limits>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <set>
@@ -114,7 +115,8 @@ struct Fixture {
   bool by_consumer = false;  // fill_by_consumer: read() first copies the flagged misses (consume_missing)
 
   Fixture(std::int32_t e, std::int32_t c, std::uint64_t seed = 1, bool with_overlap = false,
-          std::uint64_t crf_decay = crf_default_decay_q32, bool fill_by_consumer = false)
+          std::uint64_t crf_decay = crf_default_decay_q32, bool fill_by_consumer = false,
+          const std::function<void(DeviceCacheOptions&)>& tweak = {})
       : rt(SimRuntime::Options{.memory_limit = std::size_t{1} << 30, .seed = seed, .max_races = 64, .max_streams = 64}),
         experts(e),
         capacity(c),
@@ -132,6 +134,7 @@ struct Fixture {
     o.overlap = with_overlap;
     o.crf_decay_q32 = crf_decay;
     o.fill_by_consumer = fill_by_consumer;
+    if (tweak) tweak(o);
     dev = std::make_unique<Dev>(rt, o, six_tensor_layout());
     host = std::make_unique<Host>(host_rt, quiet_options(e, c, 1), six_tensor_layout());
     host_stream = host_rt.create_stream().value();
@@ -451,8 +454,9 @@ namespace {
 // final state against the host reference.
 template <class Edges>
 std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false, bool prefetches = false,
-                           bool by_consumer = false) {
-  Fixture<Edges> f(12, 4, seed, overlap, crf_default_decay_q32, by_consumer);
+                           bool by_consumer = false, FillEngine engine = FillEngine::sm_loads) {
+  Fixture<Edges> f(12, 4, seed, overlap, crf_default_decay_q32, by_consumer,
+                   [engine](DeviceCacheOptions& o) { o.fill_engine = engine; });
   std::mt19937_64 rng(seed);
   const int actions = 6 + static_cast<int>(rng() % 8);
   bool last_full = true;
@@ -1429,4 +1433,94 @@ TEST_CASE("fill_by_consumer: drop_unfilled drops a group whose consumer never ra
       CHECK(std::string(e.what()).find("fill_by_consumer with overlap") != std::string::npos);
     }
   }
+}
+
+// ---- the copy engine (docs/design.md "Copy-engine fills"): the proxy is an agent of its own --
+
+TEST_CASE("copy engine (SimRuntime): no race over seeded random schedules; state equal to the host reference") {
+  std::uint64_t races = 0, runs = 0;
+  for (const bool overlap : {false, true}) {
+    for (const bool prefetches : {false, true}) {
+      for (std::uint64_t seed = 1; seed <= 400; ++seed) {
+        races += run_schedule<OrderingEdges>(seed, true, overlap, prefetches, false, FillEngine::copy_engine);
+        ++runs;
+      }
+    }
+  }
+  MESSAGE("copy-engine schedules checked: " << runs);
+  CHECK(races == 0);
+  Fixture<> f(12, 4, 1, false, crf_default_decay_q32, false, [](DeviceCacheOptions& o) { o.fill_engine = FillEngine::copy_engine; });
+  CHECK(f.dev->fill_engine() == FillEngine::copy_engine);
+  // automatic on SimRuntime: SM loads (the runtime has no link to profile).
+  Fixture<> g(12, 4);
+  CHECK(g.dev->fill_engine() == FillEngine::sm_loads);
+}
+
+namespace {
+// A forward, then one that misses expert 5 into slot 2 while expert 0 hits.
+void copy_engine_steps(Fixture<>& f) {
+  (void)f.step(0, {0, 1});
+  f.settle();
+  (void)f.step(0, {0, 5});
+  f.settle();
+  CHECK(f.dev->resident_map_device()[5] == 2);
+}
+auto copy_engine_with(bool overlap, bool post_before_list, bool ready_before_copy) {
+  return std::make_unique<Fixture<>>(12, 4, 1, overlap, crf_default_decay_q32, false, [=](DeviceCacheOptions& o) {
+    o.fill_engine = FillEngine::copy_engine;
+    o.test_post_before_list = post_before_list;
+    o.test_ready_before_copy = ready_before_copy;
+  });
+}
+}  // namespace
+
+TEST_CASE("negative (edge P1): a proxy that takes the fill list without waiting for the post races the post") {
+  auto f = copy_engine_with(false, true, false);
+  copy_engine_steps(*f);
+  REQUIRE(f->rt.race_count() > 0);
+  const std::string d = f->rt.races()[0].description;
+  MESSAGE(d);
+  CHECK(d.find("proxy take") != std::string::npos);
+  CHECK(d.find("device proxy_post") != std::string::npos);
+  auto g = copy_engine_with(false, false, false);
+  copy_engine_steps(*g);
+  g->check_clean();
+  g->check_equal(true);
+}
+
+TEST_CASE("negative (edge P2): ready words published before the proxy's copies: the consumer races the copy") {
+  for (const bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    auto f = copy_engine_with(overlap, false, true);
+    copy_engine_steps(*f);
+    REQUIRE(f->rt.race_count() > 0);
+    const std::string d = f->rt.races()[0].description;
+    MESSAGE(d);
+    CHECK(d.find("proxy copy") != std::string::npos);
+    CHECK(d.find("consumer") != std::string::npos);
+    auto g = copy_engine_with(overlap, false, false);
+    copy_engine_steps(*g);
+    g->check_clean();
+    g->check_equal(true);
+  }
+}
+
+TEST_CASE("copy engine (SimRuntime): a failed copy flags the error word, publishes the ready words, and the next call returns it") {
+  Fixture<> f(12, 4, 1, true, crf_default_decay_q32, false, [](DeviceCacheOptions& o) {
+    o.fill_engine = FillEngine::copy_engine;
+    o.test_fail_copies = true;
+  });
+  const std::int32_t* ids = f.ids_of(0);
+  REQUIRE(f.route(0, {0, 1}).ok());
+  REQUIRE(f.dev->prepare(ids, 2, f.streams[0]).ok());
+  f.settle();
+  const DevicePlanState& st = f.dev->plan_state();
+  CHECK(slot_seq_reached(st.slot_ready[0], st.slot_needed[0]));  // published: no consumer waits forever
+  CHECK((f.dev->take_errors() & plan_error_fill_failed) != 0u);
+  auto next = f.dev->prepare(ids, 2, f.streams[0]);
+  REQUIRE_FALSE(next.ok());
+  CHECK(next.status().code() == ErrorCode::runtime_failure);
+  CHECK(std::string(next.status().message()).find("copy-engine fill failed") != std::string::npos);
+  CHECK(f.dev->prepare(ids, 2, f.streams[0]).ok());  // reported once
+  f.settle();
 }

@@ -235,6 +235,18 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_missing(Block& b, const DevicePlanState&
 //          plan). join_fills() (the cache calls it before its next call, so before the core's
 //          records on X) makes X wait for every lane: on the GPU the next kernels on X run
 //          after the fill grid, because a readiness consumer waits for it before it completes.
+//   copy engine (FillEngine::copy_engine, docs/design.md "Copy-engine fills"): the proxy is an
+//          agent of its own, one stream P per cache. A fill is a post op on X (reads the fill list,
+//          the scalars and slot_needed; writes the ring entry seq % proxy_ring_depth), recorded
+//          as `posted` (edge P1); P waits for it, runs "take" (reads that entry; its `taken` event
+//          frees the entry for the post that reuses it, the ring-room wait), then "copy" (reads the
+//          WHOLE pools, writes the WHOLE slots and every ready word: the list is the device's), and
+//          records `proxy_done` (edge P2: the ready words after the bytes). Without overlap X waits
+//          for `proxy_done` (the post kernel's wait for the ready words); with overlap a consumer's
+//          ready_event(j) is `proxy_done`. Prefetches post without the wait. The knobs
+//          test_post_before_list (P1 removed) and test_ready_before_copy (P2 removed) record the
+//          events early; test_fail_copies makes "copy" skip its bytes, flag plan_error_fill_failed
+//          and publish the ready words, and the next call return the failure.
 //
 // Overlap = false: no overlapped fill is compiled and options.overlap is refused
 // (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
@@ -260,6 +272,10 @@ class BasicSimPlanExecutor {
       : rt_(&rt),
         overlap_(options.overlap),
         by_consumer_(options.fill_by_consumer),
+        copy_engine_(options.fill_engine == FillEngine::copy_engine),
+        post_before_list_(options.test_post_before_list),
+        ready_before_copy_(options.test_ready_before_copy),
+        fail_copies_(options.test_fail_copies),
         block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
         words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
@@ -290,8 +306,17 @@ class BasicSimPlanExecutor {
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
       slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
     }
+    if (copy_engine_) {
+      proxy_stream_ = RuntimeStream<SimRuntime>(rt);
+      posted_ = RuntimeEvent<SimRuntime>(rt);
+      proxy_done_ = RuntimeEvent<SimRuntime>(rt);
+      ring_ = RuntimeBuffer<SimRuntime>(rt, proxy_ring_depth * static_cast<std::size_t>(capacity) * sizeof(SimProxyFill),
+                                        MemoryKind::pinned_host);
+      for (std::uint32_t k = 0; k < proxy_ring_depth; ++k) taken_.emplace_back(rt);
+      proxy_failed_ = std::make_shared<bool>(false);
+    }
     if constexpr (Overlap) {
-      if (overlap_) {
+      if (overlap_ && !copy_engine_) {
         planned_ = RuntimeEvent<SimRuntime>(rt);
         for (std::int32_t j = 0; j < capacity; ++j) {
           lanes_.emplace_back(rt);
@@ -306,11 +331,17 @@ class BasicSimPlanExecutor {
   // The event that stands for slot j's ready word (overlap only): recorded after the lane's
   // fill of slot j in the latest step. A consumer waits for it before reading slot j.
   [[nodiscard]] SimRuntime::Event ready_event(std::int32_t j) const noexcept {
+    if (copy_engine_) return proxy_done_.get();
     return ready_[static_cast<std::size_t>(j)].get();
   }
 
-  // Overlap: the stream the last fill forked from waits for every lane (see above).
+  // Overlap: the stream the last fill forked from waits for every lane (see above). The copy
+  // engine: a failed copy since the last call is returned once.
   Status join_fills() noexcept {
+    if (copy_engine_ && *proxy_failed_) {
+      *proxy_failed_ = false;
+      return Status(ErrorCode::runtime_failure, "device_expert_cache: a copy-engine fill failed (simulated)");
+    }
     if (!fork_) return {};
     const Stream x = *fork_;
     fork_.reset();
@@ -389,6 +420,7 @@ class BasicSimPlanExecutor {
       return r;
     }
     planned = true;
+    if (copy_engine_) return fill_by_proxy(s, false);
     return fill_stream_ordered(s, overlap_);
   }
 
@@ -472,9 +504,14 @@ class BasicSimPlanExecutor {
     add(acc, state_.fills);
     add(acc, state_.evictions);
     add(acc, state_.slot_needed);
-    add(acc, state_.slot_ready);
+    // The ready words: no planning step touches them (only the reset at construction). With the
+    // copy engine the proxy stores them while later plans run (the words are its release flags,
+    // not data), so they are left out there; otherwise declared, as the fills are joined.
+    if (!copy_engine_) {
+      add(acc, state_.slot_ready);
+      add(acc, state_.slot_ready_first);
+    }
     add(acc, state_.fill_arrivals);
-    add(acc, state_.slot_ready_first);
     add(acc, state_.fill_arrivals_first);
     add(acc, state_.slot_spec_left);
     // The policies' state: every plan step may read and write it (a prior's bias is read).
@@ -489,10 +526,95 @@ class BasicSimPlanExecutor {
   }
 
   Status fill(Stream s) noexcept {
+    if (copy_engine_) return fill_by_proxy(s, !overlap_);
     if constexpr (Overlap) {
       if (overlap_) return fill_overlapped(s);
     }
     return fill_stream_ordered(s);
+  }
+
+  // The copy engine (see the class comment): post on s, take + copy on the proxy's stream.
+  Status fill_by_proxy(Stream s, bool wait_all) noexcept {
+    const DevicePlanState st = state_;
+    const std::uint32_t k = post_seq_++ % proxy_ring_depth;
+    auto* entry = reinterpret_cast<SimProxyFill*>(ring_.data()) + static_cast<std::size_t>(k) * static_cast<std::size_t>(st.capacity);
+    const std::size_t entry_bytes = static_cast<std::size_t>(st.capacity) * sizeof(SimProxyFill);
+    const std::size_t words = static_cast<std::size_t>(st.capacity) * sizeof(std::uint32_t);
+    const Stream p = proxy_stream_.get();
+    // The ring-room wait: the entry is free once the proxy took its previous request.
+    if (Status r = rt_->wait(s, taken_[k].get()); !r) return r;
+    if (post_before_list_) {
+      if (Status r = rt_->record(posted_.get(), s); !r) return r;
+    }
+    {
+      std::vector<Access> acc{{st.scalars, sizeof(DevicePlanScalars), AccessMode::read},
+                              {st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read},
+                              {st.slot_needed.data, words, AccessMode::read},
+                              {entry, entry_bytes, AccessMode::write}};
+      rt_->set_next_label("device proxy_post");
+      if (Status r = rt_->launch(s, acc, [st, entry] {
+            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+            for (std::int32_t i = 0; i < st.capacity; ++i) {
+              const PlanEntry f = i < n ? st.fills[i] : PlanEntry{-1, -1};
+              const bool ok = f.slot >= 0 && f.slot < st.capacity;
+              entry[i] = SimProxyFill{f.expert, ok ? f.slot : -1, ok ? st.slot_needed[f.slot] : 0u};
+            }
+          });
+          !r) {
+        return r;
+      }
+    }
+    if (!post_before_list_) {
+      if (Status r = rt_->record(posted_.get(), s); !r) return r;
+    }
+    if (Status r = rt_->wait(p, posted_.get()); !r) return r;
+    auto list = std::make_shared<std::vector<SimProxyFill>>();
+    {
+      const Access a{entry, entry_bytes, AccessMode::read};
+      rt_->set_next_label("proxy take");
+      if (Status r = rt_->launch(p, std::span<const Access>(&a, 1),
+                                 [entry, list, c = st.capacity] { list->assign(entry, entry + c); });
+          !r) {
+        return r;
+      }
+      if (Status r = rt_->record(taken_[k].get(), p); !r) return r;
+    }
+    if (ready_before_copy_) {
+      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
+    }
+    {
+      std::vector<Access> acc;
+      acc.insert(acc.end(), pools_.begin(), pools_.end());
+      acc.insert(acc.end(), slots_.begin(), slots_.end());
+      acc.push_back({st.slot_ready.data, words, AccessMode::write});
+      acc.push_back({st.slot_ready_first.data, words, AccessMode::write});
+      if (fail_copies_) acc.push_back({st.error_word, sizeof(std::uint32_t), AccessMode::write});
+      const CopyRegions regions = regions_;
+      rt_->set_next_label("proxy copy");
+      if (Status r = rt_->launch(p, acc, [st, regions, list, fail = fail_copies_, failed = proxy_failed_] {
+            for (const SimProxyFill& f : *list) {
+              if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
+              if (!fail) {
+                for (const CopyRegion& r : regions) {
+                  std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
+                              r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
+                }
+              } else {
+                *failed = true;
+                *st.error_word |= plan_error_fill_failed;
+              }
+              st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = f.tag;  // after the bytes (P2)
+            }
+          });
+          !r) {
+        return r;
+      }
+    }
+    if (!ready_before_copy_) {
+      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
+    }
+    // Without overlap the post waits for the ready words; with it the consumer waits per slot.
+    return wait_all ? rt_->wait(s, proxy_done_.get()) : Status{};
   }
 
   // `publish_ready` (a prefetch's fill with overlap): also stores each filled slot's ready word,
@@ -568,9 +690,23 @@ class BasicSimPlanExecutor {
     return {};
   }
 
+  struct SimProxyFill {
+    std::int32_t expert;
+    std::int32_t slot;
+    std::uint32_t tag;
+  };
+
   SimRuntime* rt_;
   bool overlap_;
   bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
+  bool copy_engine_;  // FillEngine::copy_engine: fills through the modelled proxy
+  bool post_before_list_, ready_before_copy_, fail_copies_;  // test knobs (edges P1, P2; failures)
+  RuntimeStream<SimRuntime> proxy_stream_;
+  RuntimeEvent<SimRuntime> posted_, proxy_done_;
+  std::vector<RuntimeEvent<SimRuntime>> taken_;  // per ring entry
+  RuntimeBuffer<SimRuntime> ring_;
+  std::uint32_t post_seq_ = 0;
+  std::shared_ptr<bool> proxy_failed_;
   RuntimeEvent<SimRuntime> planned_;
   std::vector<RuntimeStream<SimRuntime>> lanes_;
   std::vector<RuntimeEvent<SimRuntime>> ready_;

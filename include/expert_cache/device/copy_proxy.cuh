@@ -64,10 +64,6 @@
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
-/// Requests a ring holds: a prefetch, the forward and its overflow groups may be posted before
-/// the proxy took the first.
-inline constexpr std::uint32_t proxy_ring_depth = 8;
-
 /// The most fills the proxy issues in one batch call (its chunks grow 1, 2, 4, ... up to this).
 inline constexpr std::size_t proxy_max_chunk = 16;
 

@@ -140,6 +140,11 @@ enum PlanErrorBit : std::uint32_t {
   plan_error_fill_failed = 1u << 5,
 };
 
+// Requests the copy engine's ring of one cache holds (device/copy_proxy.cuh; the SimRuntime
+// model uses the same depth): a prefetch, the forward and its overflow groups may be posted
+// before the proxy took the first.
+inline constexpr std::uint32_t proxy_ring_depth = 8;
+
 // Mutable scalars of one cache's planning state (device memory on the GPU).
 struct DevicePlanScalars {
   std::uint64_t tick = 1;          // next recency tick (slot_tick 0 = never used)
