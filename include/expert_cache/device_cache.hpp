@@ -136,7 +136,7 @@ struct DeviceCacheOptions {
   // When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
   // overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
   // computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
-  // refused (ErrorCode::invalid_argument). SimRuntime runs its own fill op for either engine.
+  // refused (ErrorCode::invalid_argument). SimRuntime models the proxy (automatic there: sm_loads).
   FillEngine fill_engine = FillEngine::automatic;
   // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
   // measurement. One from another device or expert size is refused at construction.
