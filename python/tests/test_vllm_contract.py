@@ -6,27 +6,10 @@ tests do. Plain unittest; exits 77 (skip) when torch or a CUDA device is missing
 after `python setup.py build_ext --inplace` (python/run_gpu_tests.sh does both).
 """
 import dataclasses
-import os
 import sys
-import traceback
 import unittest
 
-try:
-    import torch
-except ImportError as e:
-    print(f"SKIP: torch is not importable ({e})")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print(f"SKIP: torch {torch.__version__} sees no CUDA device")
-    sys.exit(77)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python/ (in-place build)
-try:
-    from expert_cache_torch import vllm as ev
-except ImportError:
-    print("FAIL: expert_cache_torch is not importable (build it: cd python && python setup.py build_ext --inplace)")
-    traceback.print_exc()
-    sys.exit(1)
+from cuda_or_skip import torch, ev
 
 HIDDEN, INTER = 16, 32
 
