@@ -14,9 +14,8 @@
 //           visible before the proxy reads it). It first waits (bounded) for a free entry:
 //           posted - taken < depth.
 //   proxy   polls `posted` of every registered ring, copies the entry out, stores `taken`, and
-//           issues the fills in chunks of 1, 2, 4, ... (one cudaMemcpyBatchAsync per chunk,
-//           outside any capture), each chunk followed by cuStreamWriteValue32(slot_ready[slot],
-//           tag) for its slots, on its copy stream. The write
+//           for each fill issues its regions (cudaMemcpyAsync, outside any capture) and then
+//           cuStreamWriteValue32(slot_ready[slot], tag) on its copy stream. The write
 //           memop carries a memory barrier and runs after the copies in stream order (P2: a
 //           ready word is set only after its bytes landed). With a first part (edge D4c) every
 //           fill's first part is copied and published on slot_ready_first, then the rest.
@@ -64,8 +63,6 @@
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
-/// The most fills the proxy issues in one batch call (its chunks grow 1, 2, 4, ... up to this).
-inline constexpr std::size_t proxy_max_chunk = 16;
 
 /// One fill of a posted request.
 struct ProxyFill {
@@ -270,10 +267,24 @@ class CopyProxy {
     }
   }
 
-  /// Adds a cache's ring; the proxy serves it from its next poll.
-  std::shared_ptr<Channel> attach(const ProxyChannelConfig& config) {
+  /// Adds a cache's ring; the proxy serves it from its next poll. First copies expert 0 into
+  /// slot 0 and rewrites slot 0's ready words with their value (0: the state was just reset),
+  /// on the proxy's stream, waited for: the first use of the cache's pools, slots and ready
+  /// words by these calls happens here, while no kernel waits for them.
+  Result<std::shared_ptr<Channel>> attach(const ProxyChannelConfig& config) {
     auto c = std::make_shared<Channel>();
     c->config = config;
+    if (config.capacity > 0 && config.num_experts > 0 && !config.test_fail_copies) {
+      int previous = 0;
+      EXPERT_CACHE_TRY_CUDA(cudaGetDevice(&previous));
+      EXPERT_CACHE_TRY_CUDA(cudaSetDevice(device_));
+      copy(*c, ProxyFill{0, 0, 0u, 0u}, 0, config.regions.count);
+      publish(*c, ProxyFill{0, 0, 0u, 0u}, false, 0);
+      const cudaError_t err = cudaStreamSynchronize(stream_);
+      (void)cudaSetDevice(previous);
+      if (err != cudaSuccess) return cuda_status(err, "copy proxy: the cache's first copy");
+      if (Status s = take_status(*c); !s) return s;
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     channels_.push_back(c);
     return c;
@@ -351,9 +362,9 @@ class CopyProxy {
     } catch (...) {
       return Status(ErrorCode::runtime_failure, "copy proxy: could not start its thread");
     }
-    // The proxy serves nothing before its first copy and memop completed: a driver's first use
-    // of these calls on a new thread may wait for the device, and a post kernel that waits for
-    // its ready words would then wait until its bounded wait gave up (seen on an H100 host).
+    // The proxy serves nothing before its first copy and memop completed on its thread: a
+    // driver's first use of a call may wait for the device, and a kernel that waits for the
+    // proxy would then hold it until the kernel's bounded wait gave up.
     Status warm = ready.get();
     if (!warm) {
       stop_.store(true, std::memory_order_release);
@@ -362,7 +373,7 @@ class CopyProxy {
     return warm;
   }
 
-  // One batch copy, one plain copy and one memop on the proxy's stream, waited for.
+  // A copy and a memop on the proxy's stream, waited for.
   Status warm_up() {
     void* host = nullptr;
     void* dev = nullptr;
@@ -370,19 +381,7 @@ class CopyProxy {
     if (err == cudaSuccess) err = cudaMalloc(&dev, 64);
     if (err == cudaSuccess) {
       std::memset(host, 0, 64);
-      void* dsts[2] = {dev, static_cast<char*>(dev) + 32};
-      const void* srcs[2] = {host, static_cast<char*>(host) + 32};
-      std::size_t sizes[2] = {16, 16};
-      cudaMemcpyAttributes attr{};
-      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      std::size_t attr_index = 0;
-#if CUDART_VERSION >= 13000
-      err = cudaMemcpyBatchAsync(dsts, srcs, sizes, 2, &attr, &attr_index, 1, stream_);
-#elif CUDART_VERSION >= 12080
-      std::size_t fail_index = 0;
-      err = cudaMemcpyBatchAsync(dsts, const_cast<void**>(srcs), sizes, 2, &attr, &attr_index, 1, &fail_index, stream_);
-#endif
-      if (err == cudaSuccess) err = cudaMemcpyAsync(dev, host, 4, cudaMemcpyHostToDevice, stream_);
+      err = cudaMemcpyAsync(dev, host, 64, cudaMemcpyHostToDevice, stream_);
       if (err == cudaSuccess &&
           write_value_(reinterpret_cast<CUstream>(stream_), reinterpret_cast<CUdeviceptr>(dev), 1u, 0) != CUDA_SUCCESS) {
         err = cudaErrorUnknown;
@@ -448,74 +447,41 @@ class CopyProxy {
     return worked;
   }
 
-  // The fills in chunks of 1, 2, 4, ... (at most proxy_max_chunk) fills, each chunk's regions in
-  // ONE batch call followed by its slots' ready words: the first expert starts the link as soon
-  // as possible, the later ones cost one driver call per chunk instead of one per expert (the
-  // proxy's host time per call, not the link, would otherwise bound a layer of many small fills).
+  // Each fill's regions, then its slot's ready word. Plain cudaMemcpyAsync calls, not the batch
+  // API: a call here must never wait for the device, since the kernels it unblocks may be the
+  // ones keeping the device busy. With cudaMemcpyBatchAsync the first requests of a new proxy
+  // landed only after the waiting kernel's bounded wait gave up (H100 hosts, CUDA 13.0; the
+  // likeliest cause is the batch call growing a driver buffer); per-copy calls from pinned
+  // memory only queue commands. The proxy's host time per fill (a few microseconds for six
+  // regions) stays below the link time of an expert of a few hundred KiB or more.
   void issue(Channel& c, const std::vector<ProxyFill>& fills) {
     const ProxyChannelConfig& k = c.config;
-    valid_.clear();
-    for (const ProxyFill& f : fills) {
-      // The list comes from the planner; checked anyway so nothing outside the pools is touched.
-      if (f.expert >= 0 && f.expert < k.num_experts && f.slot >= 0 && f.slot < k.capacity) valid_.push_back(f);
-    }
     const std::size_t count = k.regions.count;
     const bool split = k.first_part_regions > 0 && k.first_part_regions < count;
     for (int part = 0; part < (split ? 2 : 1); ++part) {
       const std::size_t lo = split && part == 1 ? k.first_part_regions : 0;
       const std::size_t hi = split && part == 0 ? k.first_part_regions : count;
-      std::size_t chunk = 1;
-      for (std::size_t at = 0; at < valid_.size(); at += chunk, chunk = std::min(chunk * 2, proxy_max_chunk)) {
-        const std::size_t end = std::min(valid_.size(), at + chunk);
-        if (k.test_ready_before_copy) {
-          for (std::size_t i = at; i < end; ++i) publish(c, valid_[i], split, part);
-        }
-        copy(c, at, end, lo, hi);
-        if (!k.test_ready_before_copy) {
-          for (std::size_t i = at; i < end; ++i) publish(c, valid_[i], split, part);
-        }
+      for (const ProxyFill& f : fills) {
+        // The list comes from the planner; checked anyway so nothing outside the pools is touched.
+        if (f.expert < 0 || f.expert >= k.num_experts || f.slot < 0 || f.slot >= k.capacity) continue;
+        if (k.test_ready_before_copy) publish(c, f, split, part);
+        copy(c, f, lo, hi);
+        if (!k.test_ready_before_copy) publish(c, f, split, part);
       }
     }
   }
 
-  // Regions [lo, hi) of fills valid_[at, end) in one call.
-  void copy(Channel& c, std::size_t at, std::size_t end, std::size_t lo, std::size_t hi) {
-    dsts_.clear();
-    srcs_.clear();
-    sizes_.clear();
-    for (std::size_t i = at; i < end; ++i) {
-      const ProxyFill& f = valid_[i];
-      for (std::size_t r = lo; r < hi; ++r) {
-        const CopyRegion& g = c.config.regions.regions[r];
-        if (g.bytes == 0) continue;
-        dsts_.push_back(g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride);
-        srcs_.push_back(g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride);
-        sizes_.push_back(g.bytes);
-      }
-    }
-    const std::size_t n = dsts_.size();
-    if (n == 0) return;
+  // Regions [lo, hi) of one fill.
+  void copy(Channel& c, const ProxyFill& f, std::size_t lo, std::size_t hi) {
     cudaError_t err = cudaSuccess;
-    if (c.config.test_fail_copies) {
-      err = cudaErrorInvalidValue;
-    } else if (n == 1) {
-      err = cudaMemcpyAsync(dsts_[0], srcs_[0], sizes_[0], cudaMemcpyHostToDevice, stream_);
-    } else {
-      cudaMemcpyAttributes attr{};
-      attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-      attr.flags = cudaMemcpyFlagDefault;
-      std::size_t attr_index = 0;
-#if CUDART_VERSION >= 13000
-      err = cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), n, &attr, &attr_index, 1, stream_);
-#elif CUDART_VERSION >= 12080
-      std::size_t fail_index = 0;
-      err = cudaMemcpyBatchAsync(dsts_.data(), const_cast<void**>(srcs_.data()), sizes_.data(), n, &attr, &attr_index, 1,
-                                 &fail_index, stream_);
-#else
-      for (std::size_t i = 0; i < n && err == cudaSuccess; ++i) {
-        err = cudaMemcpyAsync(dsts_[i], srcs_[i], sizes_[i], cudaMemcpyHostToDevice, stream_);
-      }
-#endif
+    for (std::size_t r = lo; r < hi && err == cudaSuccess; ++r) {
+      const CopyRegion& g = c.config.regions.regions[r];
+      if (g.bytes == 0) continue;
+      err = c.config.test_fail_copies
+                ? cudaErrorInvalidValue
+                : cudaMemcpyAsync(g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride,
+                                  g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride, g.bytes,
+                                  cudaMemcpyHostToDevice, stream_);
     }
     if (err != cudaSuccess) fail(c, cuda_status(err, "copy proxy: the fill's copy"));
   }
@@ -555,11 +521,7 @@ class CopyProxy {
   std::mutex mutex_;
   std::vector<std::shared_ptr<Channel>> channels_;
   std::chrono::milliseconds idle_spin_{20};
-  // The proxy thread's scratch (capacity kept between requests: no allocation once warm).
-  std::vector<ProxyFill> valid_;
-  std::vector<void*> dsts_;
-  std::vector<const void*> srcs_;
-  std::vector<std::size_t> sizes_;
+
 };
 
 }  // namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS

@@ -306,7 +306,9 @@ class BasicCudaPlanExecutor {
     Result<std::shared_ptr<CopyProxy>> proxy = CopyProxy::for_device(device);
     if (!proxy.ok()) throw Error(proxy.status());
     proxy_ = std::move(proxy).value();
-    channel_ = proxy_->attach(c);
+    Result<std::shared_ptr<CopyProxy::Channel>> channel = proxy_->attach(c);
+    if (!channel.ok()) throw Error(channel.status().with_context("%s: attaching to the copy proxy", o.label.c_str()));
+    channel_ = std::move(channel).value();
   }
 
   // ready_first_regions names regions the storage has (checked before anything is enqueued).
