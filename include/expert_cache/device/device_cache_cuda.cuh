@@ -272,7 +272,9 @@ class BasicCudaPlanExecutor {
     void* count = nullptr;
     throw_on(cudaMalloc(&count, 2 * sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
     post_count_.reset(static_cast<std::uint32_t*>(count));
+    // Synchronous: the caller's streams may be non-blocking, unordered with the legacy stream.
     throw_on(cudaMemset(post_count_.get(), 0, 2 * sizeof(std::uint32_t)), "cudaMemset (copy proxy post count)");
+    throw_on(cudaDeviceSynchronize(), "cudaDeviceSynchronize (copy proxy post count)");
     label_ = o.label;
     post_.fills = st.fills.data;
     post_.scalars = st.scalars;
@@ -301,6 +303,13 @@ class BasicCudaPlanExecutor {
     c.capacity = st.capacity;
     c.test_ready_before_copy = o.test_ready_before_copy;
     c.test_fail_copies = o.test_fail_copies;
+    // Both post kernels loaded now (with lazy module loading a first launch loads the module,
+    // which may wait for the device; here nothing waits for the proxy yet).
+    cudaFuncAttributes attributes{};
+    throw_on(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&proxy_post_kernel<true>)),
+             "cudaFuncGetAttributes (proxy_post_kernel)");
+    throw_on(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&proxy_post_kernel<false>)),
+             "cudaFuncGetAttributes (proxy_post_kernel)");
     int device = 0;
     throw_on(cudaGetDevice(&device), "cudaGetDevice");
     Result<std::shared_ptr<CopyProxy>> proxy = CopyProxy::for_device(device);
