@@ -272,9 +272,12 @@ class BasicCudaPlanExecutor {
     void* count = nullptr;
     throw_on(cudaMalloc(&count, 2 * sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
     post_count_.reset(static_cast<std::uint32_t*>(count));
-    // Synchronous: the caller's streams may be non-blocking, unordered with the legacy stream.
-    throw_on(cudaMemset(post_count_.get(), 0, 2 * sizeof(std::uint32_t)), "cudaMemset (copy proxy post count)");
-    throw_on(cudaDeviceSynchronize(), "cudaDeviceSynchronize (copy proxy post count)");
+    // Waited for: the caller's streams may be non-blocking, unordered with the legacy stream.
+    {
+      RuntimeStream<CudaRuntime> zero(*rt_);
+      throw_on(cudaMemsetAsync(post_count_.get(), 0, 2 * sizeof(std::uint32_t), zero.get()), "cudaMemsetAsync (copy proxy post count)");
+      throw_on(cudaStreamSynchronize(zero.get()), "cudaStreamSynchronize (copy proxy post count)");
+    }
     label_ = o.label;
     post_.fills = st.fills.data;
     post_.scalars = st.scalars;
