@@ -769,6 +769,20 @@ using AnyDeviceCache = DeviceExpertCache<AnyArrangementStorage, ExplicitLayout, 
 
 }  // namespace detail
 
+// The device provider's wide rounds copy through the host providers' staging type, holding
+// CopyStream (what a static DeviceExpertCache copies with): one instantiation of the rounds
+// serves both providers.
+template <class Runtime>
+struct DeviceWideStaging<detail::AnyDevicePolicy, Runtime> {
+  using type = detail::AnyStagingFor<Runtime>;
+  [[nodiscard]] static type make() {
+    constexpr auto names = detail::names_of(typename AnyCacheStagings<Runtime>::type{});
+    constexpr std::optional<std::size_t> copy_stream = detail::index_of(names, CopyStream::name);
+    static_assert(copy_stream.has_value(), "the staging list offers CopyStream");
+    return type(*copy_stream);
+  }
+};
+
 namespace detail {
 
 // What a config chose: each name's index in the list make_expert_cache offers, and the names.

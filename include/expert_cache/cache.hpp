@@ -141,7 +141,8 @@ namespace detail {
 // residents (`resident`: expert -> pool slot, host memory), read in place and spread over the
 // rounds, and the others, streamed into stream half r % 2 (slots `capacity` on) by the copies of
 // `staging` from `storage`'s regions. The ordering is the core's wide entries (edges 3 and 10);
-// the caller ran wide_begin. What differs between the caches comes from `hooks`:
+// the caller ran wide_begin. What differs between the caches comes from `hooks` (a cache's own
+// hooks object behind StreamRoundHooks::of):
 //   hooks.before_rounds(hits) -> Status   once, before the first fill (e.g. edge 9's waits)
 //   hooks.resident_upload() -> MapUpload  the resident map a round's fill uploads (empty: none)
 //   hooks.uploaded()                      after a fill that uploaded it
@@ -150,11 +151,54 @@ namespace detail {
 //   hooks.consume(round) -> Status        the caller's consumer, its failure in context
 //   hooks.served(hits, streamed)          after a round's consumer
 //   hooks.fault()                         a runtime failure (not the consumer's)
-template <class Core, class Staging, class R, class Storage, class Hooks>
+// A cache's stream-round hooks behind function pointers (the members run_stream_rounds calls):
+// the rounds are then compiled once per cache type, not once per consumer type, and a
+// run-time-selected cache's host and device providers share one copy of them. A round is a
+// fill and a consumer call, so the indirect calls are noise beside it.
+struct StreamRoundHooks {
+  void* self = nullptr;
+  Status (*before_rounds_)(void*, std::span<const std::int32_t>) noexcept = nullptr;
+  MapUpload (*resident_upload_)(void*) noexcept = nullptr;
+  void (*uploaded_)(void*) noexcept = nullptr;
+  std::int32_t* (*round_map_)(void*, std::size_t) noexcept = nullptr;
+  ForwardView (*view_)(void*) noexcept = nullptr;
+  Status (*consume_)(void*, const WideRound&) noexcept = nullptr;
+  void (*served_)(void*, std::size_t, std::size_t) noexcept = nullptr;
+  void (*fault_)(void*) noexcept = nullptr;
+
+  template <class Hooks>
+  [[nodiscard]] static StreamRoundHooks of(Hooks& h) noexcept {
+    StreamRoundHooks r;
+    r.self = &h;
+    r.before_rounds_ = [](void* p, std::span<const std::int32_t> hits) noexcept {
+      return static_cast<Hooks*>(p)->before_rounds(hits);
+    };
+    r.resident_upload_ = [](void* p) noexcept { return static_cast<Hooks*>(p)->resident_upload(); };
+    r.uploaded_ = [](void* p) noexcept { static_cast<Hooks*>(p)->uploaded(); };
+    r.round_map_ = [](void* p, std::size_t round) noexcept { return static_cast<Hooks*>(p)->round_map(round); };
+    r.view_ = [](void* p) noexcept { return static_cast<const Hooks*>(p)->view(); };
+    r.consume_ = [](void* p, const WideRound& round) noexcept { return static_cast<Hooks*>(p)->consume(round); };
+    r.served_ = [](void* p, std::size_t hits, std::size_t streamed) noexcept {
+      static_cast<Hooks*>(p)->served(hits, streamed);
+    };
+    r.fault_ = [](void* p) noexcept { static_cast<Hooks*>(p)->fault(); };
+    return r;
+  }
+  Status before_rounds(std::span<const std::int32_t> hits) const noexcept { return before_rounds_(self, hits); }
+  MapUpload resident_upload() const noexcept { return resident_upload_(self); }
+  void uploaded() const noexcept { uploaded_(self); }
+  std::int32_t* round_map(std::size_t r) const noexcept { return round_map_(self, r); }
+  ForwardView view() const noexcept { return view_(self); }
+  Status consume(const WideRound& round) const noexcept { return consume_(self, round); }
+  void served(std::size_t hits, std::size_t streamed) const noexcept { served_(self, hits, streamed); }
+  void fault() const noexcept { fault_(self); }
+};
+
+template <class Core, class Staging, class R, class Storage>
 Status run_stream_rounds(Core& core, Staging& staging, R& rt, const Storage& storage, typename R::Stream stream,
                          std::span<const std::int32_t> resident, std::int32_t capacity, std::int32_t stream_slots,
-                         std::uint64_t bytes_per_expert, const WideOptions& options, WideScratch& w, Hooks& hooks,
-                         WideSummary& summary) noexcept {
+                         std::uint64_t bytes_per_expert, const WideOptions& options, WideScratch& w,
+                         const StreamRoundHooks& hooks, WideSummary& summary) noexcept {
   w.hits.clear();
   w.misses.clear();
   for (const std::int32_t e : w.unique) {
@@ -684,7 +728,7 @@ class ExpertCacheWithEdges {
     } hooks{*this, consumer, resident, stream};
     return detail::run_stream_rounds(core_, staging_, *rt_, storage_, stream, resident, options_.capacity,
                                      options_.stream_slots, total_bytes_per_expert(layout_.tensors()), options, wide_,
-                                     hooks, summary);
+                                     detail::StreamRoundHooks::of(hooks), summary);
   }
 
   // WideAdmission::admit: ascending groups of capacity / 2 through the planner. With room for

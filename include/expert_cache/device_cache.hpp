@@ -63,6 +63,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -743,6 +744,16 @@ struct DevicePlanExecutorOf<Runtime, DeviceLru> {
   using type = typename DevicePlanExecutorFor<Runtime>::type;
 };
 
+// The staging policy of a wide forward's round copies for `Policy` on `Runtime`: CopyStream (plain
+// copies, coalesced and batched by the rounds). make() builds the one a cache holds. The
+// run-time-selected cache (any_cache.hpp) names its host caches' staging type, holding
+// CopyStream: the same copies, and the rounds' code is then shared with its host providers'.
+template <class Policy, class Runtime>
+struct DeviceWideStaging {
+  using type = CopyStream;
+  [[nodiscard]] static type make() noexcept { return {}; }
+};
+
 // ---- the cache ----------------------------------------------------------------------------
 
 namespace detail {
@@ -1333,7 +1344,8 @@ class DeviceExpertCacheWithEdges {
       void fault() noexcept { ++c.faults_; }
     } hooks{*this, consumer};
     return detail::run_stream_rounds(core_, wide_staging_, *rt_, storage_, stream, resident, options_.capacity,
-                                     options_.stream_slots, bytes_per_expert_, options, wide_, hooks, summary);
+                                     options_.stream_slots, bytes_per_expert_, options, wide_,
+                                     detail::StreamRoundHooks::of(hooks), summary);
   }
 
   // A stream the runtime does not know is refused before anything is enqueued.
@@ -1346,9 +1358,18 @@ class DeviceExpertCacheWithEdges {
   }
 
   // One call through the core's write entry. Before its own step, a pending recovery drops the
-  // experts of a plan whose fill never got enqueued.
+  // experts of a plan whose fill never got enqueued. The step is called through a pointer, so
+  // the entry is compiled once per cache, not once per caller (each runs a plan: the call is
+  // noise beside it).
   template <class Step>
   Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
+    using S = std::remove_reference_t<Step>;
+    return write_step(stream, purpose, &step, [](void* p, Stream f, bool& planned) noexcept -> Status {
+      return (*static_cast<S*>(p))(f, planned);
+    });
+  }
+  [[gnu::noinline]] Status write_step(Stream stream, WritePurpose purpose, void* step,
+                                      Status (*call)(void*, Stream, bool&) noexcept) noexcept {
     bool planned = false;
     // Overlap: the last fill joins its stream first, so the core's records there cover it.
     if (Status j = exec_.join_fills(); !j) {
@@ -1360,7 +1381,7 @@ class DeviceExpertCacheWithEdges {
         if (Status d = exec_.drop_fills(f); !d) return d;
         drop_pending_ = false;
       }
-      Status r = step(f, planned);
+      Status r = call(step, f, planned);
       if (!r && planned) drop_pending_ = true;
       return r;
     });
@@ -1388,7 +1409,8 @@ class DeviceExpertCacheWithEdges {
     RuntimeEvent<Runtime> read_back_done;  // recorded after the read-back's copies
   };
   std::optional<WideState> wide_state_;
-  CopyStream wide_staging_;  // a wide round's copies: plain copies (coalesced, batched by the rounds)
+  // A wide round's copies: plain copies (coalesced, batched by the rounds).
+  typename DeviceWideStaging<Policy, Runtime>::type wide_staging_ = DeviceWideStaging<Policy, Runtime>::make();
   detail::WideScratch wide_;
   std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0;
   std::uint64_t wide_bytes_ = 0, wide_copies_ = 0;

@@ -100,10 +100,7 @@ class AnyPolicy {
   // Holds `policy`, a policy for `shape` that has seen no call yet.
   template <class P>
     requires(!std::is_same_v<std::remove_cvref_t<P>, AnyPolicy> && std::is_constructible_v<Variant, P &&>)
-  AnyPolicy(P&& policy, CacheShape shape)
-      : held_(std::make_unique<Variant>(std::forward<P>(policy))),
-        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
-        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
+  AnyPolicy(P&& policy, CacheShape shape) : AnyPolicy(std::make_unique<Variant>(std::forward<P>(policy)), shape) {}
 
   // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
   // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
@@ -227,11 +224,23 @@ class AnyPolicy {
 
  private:
 
+  AnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
+      : held_(std::move(held)),
+        resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
+        forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
+
+  // One small function per policy (its constructor, then the heap block it moves into, as the
+  // public constructor orders them), picked from a table; the rest of the construction is
+  // shared, so a build compiles it once, not once per policy.
+  template <std::size_t I>
+  static std::unique_ptr<Variant> make_held(CacheShape shape, const PoolLayout& pool) {
+    return std::make_unique<Variant>(std::in_place_index<I>, build<std::variant_alternative_t<I, Variant>>(shape, pool));
+  }
   template <std::size_t... I>
   static AnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
-    std::optional<AnyPolicy> out;
-    ((I == index ? (void)out.emplace(build<std::variant_alternative_t<I, Variant>>(shape, pool), shape) : void()), ...);
-    return std::move(*out);
+    using MakeHeld = std::unique_ptr<Variant> (*)(CacheShape, const PoolLayout&);
+    static constexpr std::array<MakeHeld, sizeof...(I)> makers = {&make_held<I>...};
+    return AnyPolicy(makers[index](shape, pool), shape);  // index: from index_of, in range
   }
   template <class P>
   static P build(CacheShape shape, const PoolLayout& pool) {
