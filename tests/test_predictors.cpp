@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "expert_cache/detail/splitmix64.hpp"
@@ -539,4 +540,86 @@ TEST_CASE("prefetch spec: parsing and errors") {
   o.budget = 1;
   o.capacities = {9};
   CHECK(replay_with_prefetch(trace, o).status().code() == ErrorCode::invalid_capacity);
+}
+
+// ---- the hint model's wrong ids (docs/prefetch.md, "The hint model") ----------------------------
+
+TEST_CASE("hint wrong ids, recent: drawn from the next layer's last 8 forwards, the rest uniformly") {
+  EmulatedHintPredictor p(2, 64, 0.5, 11, HintWrongIds::recent);
+  CHECK(p.wrong_ids() == HintWrongIds::recent);
+  // Layer 1 chose experts 40..47 in its last forwards (older choices 20..23 fall out of the window).
+  for (std::int32_t s = 0; s < 4; ++s) observe(p, s, 1, {20, 21, 22, 23});
+  for (std::int32_t s = 4; s < 12; ++s) observe(p, s, 1, {40, 41, 42, 43, 44, 45, 46, 47});
+  const Ids truth{1, 2, 3, 4, 5, 6};  // 3 true, 3 wrong per list at recall 0.5
+  for (int q = 0; q < 50; ++q) {
+    const Ids got = predict(p, 0, {0}, 64, truth);
+    REQUIRE(got.size() == truth.size());
+    for (const std::int32_t id : got) {
+      if (std::find(truth.begin(), truth.end(), id) != truth.end()) continue;
+      CAPTURE(id);
+      CHECK((id >= 40 && id <= 47));  // a recent choice, never an older or a never-chosen one
+    }
+  }
+  CHECK(p.true_returned() * 2 == p.truth_total());
+  // Too few recent ids outside the truth: the rest uniformly, no id twice.
+  EmulatedHintPredictor q(2, 64, 0.25, 3, HintWrongIds::recent);
+  observe(q, 0, 1, {1, 2, 50});
+  const Ids got = predict(q, 0, {0}, 64, Ids{1, 2, 3, 4, 5, 6, 7, 8});  // 2 true, 6 wrong: 50 and 5 uniform
+  REQUIRE(got.size() == 8);
+  CHECK(std::count(got.begin(), got.end(), 50) == 1);
+  Ids sorted = got;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end());
+  // Nothing observed yet: uniform.
+  EmulatedHintPredictor fresh(2, 16, 0.5, 1, HintWrongIds::recent);
+  CHECK(predict(fresh, 0, {0}, 64, Ids{1, 2}).size() == 2);
+}
+
+TEST_CASE("hint wrong ids, coact: the next layer's experts most often seen with the current ones") {
+  EmulatedHintPredictor p(2, 32, 0.5, 5, HintWrongIds::coact);
+  // Layer 0 expert 7 is always followed by layer 1 experts 20, 21 (often) and 22 (less often).
+  for (std::int32_t s = 0; s < 40; ++s) {
+    observe(p, s, 0, {7});
+    observe(p, s, 1, s % 4 == 0 ? Ids{20, 21, 22} : Ids{20, 21});
+  }
+  // Truth {1, 2, 3, 4}: 2 true ids and 2 wrong ones, the two most co-activated: 20 and 21.
+  const Ids got = predict(p, 0, {7}, 64, Ids{1, 2, 3, 4});
+  REQUIRE(got.size() == 4);
+  CHECK(std::count(got.begin(), got.end(), 20) == 1);
+  CHECK(std::count(got.begin(), got.end(), 21) == 1);
+  CHECK(std::count(got.begin(), got.end(), 22) == 0);
+  // A co-activated expert that is in the truth is a true id, not a wrong one: 22 is next.
+  const Ids got2 = predict(p, 0, {7}, 64, Ids{20, 1, 2, 3, 4, 5});  // 3 true (truth_total 10 -> 5), 3 wrong
+  Ids wrong;
+  for (const std::int32_t id : got2) {
+    if (id != 20 && (id < 1 || id > 5)) wrong.push_back(id);
+  }
+  CHECK(std::count(wrong.begin(), wrong.end(), 21) == 1);
+  CHECK(std::count(wrong.begin(), wrong.end(), 22) == 1);
+  // Bad current ids are refused (the table's own check), the state unchanged.
+  std::span<const std::int32_t> out;
+  const Ids bad{40};
+  CHECK(p.predict(PredictionQuery{0, 0, bad, Ids{1}}, 8, out).code() == ErrorCode::expert_out_of_range);
+}
+
+TEST_CASE("hint spelling: hint:R[:uniform|recent|coact], the plain one uniform, bad models refused") {
+  const auto plain = parse_prefetch_spec("hint:0.8");
+  REQUIRE(plain.ok());
+  CHECK(plain.value().wrong == HintWrongIds::uniform);
+  CHECK(to_string(plain.value()) == "hint:0.8");
+  for (const char* text : {"hint:0.9:recent", "hint:0.5:coact"}) {
+    CAPTURE(text);
+    const auto s = parse_prefetch_spec(text);
+    REQUIRE(s.ok());
+    CHECK(to_string(s.value()) == text);
+    CHECK(to_label(s.value()).find("emulated") != std::string::npos);
+  }
+  const auto u = parse_prefetch_spec("hint:0.5:uniform");
+  REQUIRE(u.ok());
+  CHECK(to_string(u.value()) == "hint:0.5");
+  const auto bad = parse_prefetch_spec("hint:0.5:nearby");
+  REQUIRE_FALSE(bad.ok());
+  CHECK(std::string(bad.status().message()).find("'uniform', 'recent' or 'coact', not 'nearby'") != std::string::npos);
+  CHECK_FALSE(parse_prefetch_spec("hint::recent").ok());
+  CHECK_FALSE(parse_prefetch_spec("hint:1.5:recent").ok());
 }

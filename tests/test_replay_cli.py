@@ -233,13 +233,24 @@ def case_prefetch():
     rc, out, err = run("--help")
     expect(rc == 0 and "--prefetch" in out and "hint:R" in out and "--prefetch-budget" in out and "--expert-bytes" in out,
            "--help lists the prefetch options", out)
+    # The hint model's wrong-id draws: each spelling runs, is labelled emulated, and keeps the recall.
+    for model in ("uniform", "recent", "coact"):
+        rc, out, err = run("--trace", path, "--capacity", "12", "--policy", "lru", "--json", "--prefetch",
+                           "hint:0.5:" + model)
+        expect(rc == 0, f"--prefetch hint:0.5:{model} runs", out, err)
+        doc = json.loads(out)
+        label = json.dumps(doc["prefetch"])
+        expect("emulated" in label, f"hint:0.5:{model} is labelled emulated", label)
+        expect(("hint:0.5" + ("" if model == "uniform" else ":" + model)) in label, f"hint:0.5:{model} named", label)
 
 
 def case_prefetch_bad_args():
     path = generated_file()
     for bad, needle in [("hint:0", "outside (0, 1]"), ("hint:1.5", "outside (0, 1]"), ("hint:-1", "outside (0, 1]"),
                         ("hint:abc", "decimal number"), ("hint:", "decimal number"), ("hint:0.5x", "decimal number"),
-                        ("hint:nan", "decimal number"), ("bogus", "unknown prefetch 'bogus'"), ("", "unknown prefetch")]:
+                        ("hint:nan", "decimal number"), ("bogus", "unknown prefetch 'bogus'"), ("", "unknown prefetch"),
+                        ("hint:0.8:nearby", "'uniform', 'recent' or 'coact', not 'nearby'"),
+                        ("hint::recent", "decimal number")]:
         rc, out, err = expect_usage_error(["--trace", path, "--prefetch", bad], needle)
         expect("--prefetch" in err and out == "", f"--prefetch {bad!r} names the flag, prints nothing", err, out)
     expect_usage_error(["--trace", path, "--prefetch", "coact", "--prefetch-budget", "-1"], "is negative")

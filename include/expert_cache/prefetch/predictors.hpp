@@ -19,6 +19,8 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -288,40 +290,82 @@ class PreviousTokenPredictor {
   std::vector<std::size_t> count_;
 };
 
+/// Where an emulated hint list's wrong ids come from (docs/prefetch.md, "The hint model"):
+///  uniform  any expert of layer L+1 not in the truth, uniformly;
+///  recent   experts layer L+1 chose in its last `hint_recent_window` observed forwards (not in
+///           the truth), uniformly; a router's near misses tend to be experts it picks often;
+///  coact    the experts layer L+1 chose most often together with layer L's current experts
+///           (a co-activation table, as CoactivationPredictor keeps), best first: the wrong ids
+///           a predictor that learned the routing would make.
+/// Where the chosen source has too few ids, the rest is drawn uniformly.
+enum class HintWrongIds : std::uint8_t { uniform, recent, coact };
+inline constexpr std::int32_t hint_recent_window = 8;
+
+[[nodiscard]] constexpr std::string_view to_string(HintWrongIds w) noexcept {
+  switch (w) {
+    case HintWrongIds::uniform: return "uniform";
+    case HintWrongIds::recent: return "recent";
+    case HintWrongIds::coact: return "coact";
+  }
+  return "?";
+}
+
 /// EMULATED engine hints, drawn from the routing's future (a trace has no hidden states). For a
 /// query with k = |truth| true experts of layer L+1 it returns a list of k ids: n of them true
-/// (a uniformly drawn subset of truth) and k - n wrong ones (uniformly drawn from the experts not
-/// in truth; fewer when not that many exist), shuffled so the position says nothing, then cut to
+/// (a uniformly drawn subset of truth) and k - n wrong ones (drawn as HintWrongIds says; fewer
+/// when not that many experts exist), shuffled so the position says nothing, then cut to
 /// max_ids. n makes the running share of true ids track the recall R exactly: after queries with
 /// k_1..k_m true experts, the true ids returned total round(R * (k_1 + ... + k_m)), so the first
 /// query gets round(R * k) and each later one floor or ceil of R * k. Seeded SplitMix64:
-/// the same seed and queries give the same lists. observe() only validates.
+/// the same seed and queries give the same lists. observe() validates and, for `recent` and
+/// `coact`, records what each layer chose.
 class EmulatedHintPredictor {
  public:
   static constexpr std::string_view name = "hint";
 
-  EmulatedHintPredictor(std::int32_t num_layers, std::int32_t num_experts, double recall, std::uint64_t seed = 1)
-      : layers_(num_layers), experts_(num_experts), recall_(checked(num_layers, num_experts, recall)),
+  EmulatedHintPredictor(std::int32_t num_layers, std::int32_t num_experts, double recall, std::uint64_t seed = 1,
+                        HintWrongIds wrong = HintWrongIds::uniform)
+      : layers_(num_layers), experts_(num_experts), recall_(checked(num_layers, num_experts, recall)), wrong_(wrong),
         ids_(num_experts), rng_{seed} {
     pool_.assign(static_cast<std::size_t>(num_experts), 0);
     out_.assign(static_cast<std::size_t>(num_experts), 0);
+    taken_.assign(static_cast<std::size_t>(num_experts), 0);
+    if (wrong == HintWrongIds::recent) {
+      // Never chosen: older than any window.
+      seen_at_.assign(static_cast<std::size_t>(num_layers) * static_cast<std::size_t>(num_experts),
+                      std::numeric_limits<std::int64_t>::min());
+      observed_.assign(static_cast<std::size_t>(num_layers), 0);
+    }
+    if (wrong == HintWrongIds::coact) coact_.emplace(num_layers, num_experts);
   }
 
   [[nodiscard]] double recall() const noexcept { return recall_; }
+  [[nodiscard]] HintWrongIds wrong_ids() const noexcept { return wrong_; }
   // Totals over all queries: true experts asked about, true ids returned (before max_ids cuts).
   [[nodiscard]] std::uint64_t truth_total() const noexcept { return truth_total_; }
   [[nodiscard]] std::uint64_t true_returned() const noexcept { return true_returned_; }
 
   Status observe(std::int32_t step, std::int32_t layer, std::span<const std::int32_t> experts) noexcept {
-    (void)step;
     if (Status s = detail::check_layer(layer, layers_); !s) return s.with_context("hint observe");
-    return ids_.check(experts, "hint observe", true);
+    if (Status s = ids_.check(experts, "hint observe", true); !s) return s;
+    if (wrong_ == HintWrongIds::recent) {
+      const auto l = static_cast<std::size_t>(layer);
+      const std::int64_t at = observed_[l]++;
+      for (std::int32_t e : experts) seen_at_[l * static_cast<std::size_t>(experts_) + static_cast<std::size_t>(e)] = at;
+    }
+    if (coact_) return coact_->observe(step, layer, experts);
+    return {};
   }
 
   Status predict(const PredictionQuery& q, std::int32_t max_ids, std::span<const std::int32_t>& out) noexcept {
     out = {};
     if (Status s = detail::check_layer(q.layer, layers_); !s) return s.with_context("hint predict");
     if (Status s = detail::check_max_ids(max_ids); !s) return s.with_context("hint predict");
+    // The co-activation ranking first (it checks q.current and uses the id checker itself).
+    std::span<const std::int32_t> ranked;
+    if (coact_ && q.layer + 1 < layers_) {
+      if (Status s = coact_->predict(q, experts_, ranked); !s) return s.with_context("hint predict (coact)");
+    }
     if (Status s = ids_.check(q.truth, "hint predict (truth)", true); !s) return s;
     if (q.layer + 1 >= layers_ || q.truth.empty()) return {};
     const std::size_t k = q.truth.size();
@@ -339,16 +383,37 @@ class EmulatedHintPredictor {
       std::swap(pool_[i], pool_[j]);
       out_[len++] = pool_[i];
     }
-    // k - n_true wrong ids from the complement (ids_ marks the truth after the check above).
-    std::size_t m = 0;
-    for (std::int32_t id = 0; id < experts_; ++id) {
-      if (!ids_.marked(id)) pool_[m++] = id;
+    // k - n_true wrong ids (ids_ marks the truth after the check above): from the model's source
+    // first, then uniformly from what is left.
+    const std::size_t want = k - n_true;
+    std::size_t n_wrong = 0;
+    ++epoch_;
+    auto take = [&](std::int32_t id) {
+      out_[len++] = id;
+      taken_[static_cast<std::size_t>(id)] = epoch_;
+      ++n_wrong;
+    };
+    if (wrong_ == HintWrongIds::coact) {
+      for (std::size_t i = 0; i < ranked.size() && n_wrong < want; ++i) {
+        if (!ids_.marked(ranked[i])) take(ranked[i]);
+      }
+    } else if (wrong_ == HintWrongIds::recent && observed_[static_cast<std::size_t>(q.layer + 1)] > 0) {
+      const auto l = static_cast<std::size_t>(q.layer + 1);
+      const std::int64_t since = observed_[l] - hint_recent_window;
+      std::size_t m = 0;
+      for (std::int32_t id = 0; id < experts_; ++id) {
+        if (!ids_.marked(id) && seen_at_[l * static_cast<std::size_t>(experts_) + static_cast<std::size_t>(id)] >= since) {
+          pool_[m++] = id;
+        }
+      }
+      draw(m, want, take, n_wrong);
     }
-    const std::size_t n_wrong = std::min(k - n_true, m);
-    for (std::size_t i = 0; i < n_wrong; ++i) {
-      const std::size_t j = i + rng_.below(static_cast<std::uint32_t>(m - i));
-      std::swap(pool_[i], pool_[j]);
-      out_[len++] = pool_[i];
+    if (n_wrong < want) {
+      std::size_t m = 0;
+      for (std::int32_t id = 0; id < experts_; ++id) {
+        if (!ids_.marked(id) && taken_[static_cast<std::size_t>(id)] != epoch_) pool_[m++] = id;
+      }
+      draw(m, want, take, n_wrong);
     }
     for (std::size_t i = len; i > 1; --i) {  // shuffle: the order carries no hint
       std::swap(out_[i - 1], out_[rng_.below(static_cast<std::uint32_t>(i))]);
@@ -358,6 +423,15 @@ class EmulatedHintPredictor {
   }
 
  private:
+  // Draws from pool_[0, m) without replacement until `want` wrong ids were taken.
+  template <class Take>
+  void draw(std::size_t m, std::size_t want, Take& take, const std::size_t& n_wrong) {
+    for (std::size_t i = 0; i < m && n_wrong < want; ++i) {
+      const std::size_t j = i + rng_.below(static_cast<std::uint32_t>(m - i));
+      std::swap(pool_[i], pool_[j]);
+      take(pool_[i]);
+    }
+  }
   static double checked(std::int32_t num_layers, std::int32_t num_experts, double recall) {
     detail::check_predictor_shape(num_layers, num_experts);
     if (!(recall > 0.0 && recall <= 1.0)) {
@@ -368,12 +442,18 @@ class EmulatedHintPredictor {
   std::int32_t layers_;
   std::int32_t experts_;
   double recall_;
+  HintWrongIds wrong_;
   detail::IdChecker ids_;
   detail::SplitMix64 rng_;
   std::uint64_t truth_total_ = 0;
   std::uint64_t true_returned_ = 0;
-  std::vector<std::int32_t> pool_;  // scratch: truth copy, then the complement
+  std::vector<std::int32_t> pool_;  // scratch: truth copy, then the wrong ids' candidates
   std::vector<std::int32_t> out_;   // predict() result
+  std::vector<std::uint32_t> taken_;  // epoch marks: wrong ids already in this list
+  std::uint32_t epoch_ = 0;
+  std::vector<std::int64_t> seen_at_;   // recent: [layer][expert] index of the last forward that chose it
+  std::vector<std::int64_t> observed_;  // recent: forwards observed per layer
+  std::optional<CoactivationPredictor> coact_;  // coact: the co-activation table
 };
 
 static_assert(expert_predictor<CoactivationPredictor>);

@@ -42,10 +42,12 @@ namespace expert_cache::inline v0 {
 
 enum class PrefetchKind : std::uint8_t { none, coact, prev, hint };
 
-// Which predictor, and its knobs. Spelled none | coact | prev | hint:R on the command line.
+// Which predictor, and its knobs. Spelled none | coact | prev | hint:R[:uniform|recent|coact]
+// on the command line.
 struct PrefetchSpec {
   PrefetchKind kind = PrefetchKind::none;
   double recall = 1.0;     // hint: share of the true experts among the hinted ones, (0, 1]
+  HintWrongIds wrong = HintWrongIds::uniform;  // hint: where its wrong ids come from
   std::uint64_t seed = 1;  // hint: SplitMix64 seed of the draws
   double decay = 1.0;      // coact: weight factor per update, (0, 1] (1 = plain counts)
   friend bool operator==(const PrefetchSpec&, const PrefetchSpec&) = default;
@@ -59,9 +61,10 @@ struct PrefetchSpec {
     case PrefetchKind::coact: return "coact";
     case PrefetchKind::prev: return "prev";
     case PrefetchKind::hint: {
-      char buf[48];
+      char buf[64];
       std::snprintf(buf, sizeof buf, "hint:%g", s.recall);
-      return buf;
+      // uniform is the plain spelling's meaning
+      return s.wrong == HintWrongIds::uniform ? std::string(buf) : std::string(buf) + ":" + std::string(to_string(s.wrong));
     }
   }
   return "?";
@@ -71,7 +74,8 @@ struct PrefetchSpec {
   return to_string(s) + (is_emulated(s) ? " (emulated engine hints)" : "");
 }
 
-// Parses none | coact | prev | hint:R with R a decimal in (0, 1].
+// Parses none | coact | prev | hint:R[:W] with R a decimal in (0, 1] and W the wrong-id model
+// (uniform when absent).
 [[nodiscard]] inline Result<PrefetchSpec> parse_prefetch_spec(std::string_view text) {
   PrefetchSpec s;
   if (text == "none") return s;
@@ -85,7 +89,22 @@ struct PrefetchSpec {
   }
   constexpr std::string_view hint = "hint:";
   if (text.starts_with(hint)) {
-    const std::string_view r = text.substr(hint.size());
+    std::string_view r = text.substr(hint.size());
+    HintWrongIds wrong = HintWrongIds::uniform;
+    if (const auto colon = r.find(':'); colon != std::string_view::npos) {
+      const std::string_view w = r.substr(colon + 1);
+      if (w == "uniform") {
+        wrong = HintWrongIds::uniform;
+      } else if (w == "recent") {
+        wrong = HintWrongIds::recent;
+      } else if (w == "coact") {
+        wrong = HintWrongIds::coact;
+      } else {
+        return Status(ErrorCode::invalid_argument, "'" + std::string(text) + "': the wrong ids after the recall are drawn "
+                                                   "'uniform', 'recent' or 'coact', not '" + std::string(w) + "'");
+      }
+      r = r.substr(0, colon);
+    }
     double v = 0.0;
     const auto [ptr, ec] = std::from_chars(r.data(), r.data() + r.size(), v, std::chars_format::fixed);
     if (r.empty() || ec != std::errc() || ptr != r.data() + r.size() || !std::isfinite(v)) {
@@ -98,10 +117,12 @@ struct PrefetchSpec {
     }
     s.kind = PrefetchKind::hint;
     s.recall = v;
+    s.wrong = wrong;
     return s;
   }
   return Status(ErrorCode::invalid_argument,
-                "unknown prefetch '" + std::string(text) + "' (available: none, coact, prev, hint:R with R in (0, 1])");
+                "unknown prefetch '" + std::string(text) +
+                    "' (available: none, coact, prev, hint:R[:uniform|recent|coact] with R in (0, 1])");
 }
 
 struct PrefetchReplayOptions {
@@ -196,7 +217,7 @@ inline AnyPredictor make_predictor(const PrefetchSpec& s, std::int32_t layers, s
   switch (s.kind) {
     case PrefetchKind::coact: return CoactivationPredictor(layers, experts, s.decay);
     case PrefetchKind::prev: return PreviousTokenPredictor(layers, experts);
-    case PrefetchKind::hint: return EmulatedHintPredictor(layers, experts, s.recall, s.seed);
+    case PrefetchKind::hint: return EmulatedHintPredictor(layers, experts, s.recall, s.seed, s.wrong);
     case PrefetchKind::none: break;
   }
   return NoPredictor{};
