@@ -61,6 +61,8 @@ struct BenchArgs {
   // row by with_device_policy).
   std::vector<std::string> device_policies{"lru"};
   std::string device_policy = "lru";
+  // The fill engine one device run moves its fills with (one of fill_engines; set per run).
+  std::string fill_engine = "sm_loads";
   // Lookahead (lookahead.hpp): predictor names (none | coact | prev | hint:R) of the extra rows of
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
   std::vector<std::string> prefetch;

@@ -245,6 +245,7 @@ class PromptRunner {
         o.max_ids = static_cast<std::int32_t>(max_pairs_);
         o.crf_decay_q32 = crf_decay_for_half_life(a.crf_half_life);
         o.stream_slots = stream_slots;  // prepare_wide's stream rounds
+        o.fill_engine = parse_fill_engine(a.fill_engine).value();  // checked by the argument parser
         o.log = {};
         caches_.push_back(std::make_unique<Cache>(rt, o, m.layout));
       } else {
@@ -915,6 +916,14 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a, const PromptT
               a.prompt_bf16 ? "bf16" : "exact fp32", device::grouped_tile_rows,
               a.prompt_lists_copied ? "copied to device memory" : "read from mapped host memory");
   std::printf("%s\n", prompt_routing_line(a, trace).c_str());
+  {
+    // The host's link at this expert size: what the device rows' FillEngine::automatic decides from.
+    LinkProfile lp;
+    if (Status st = link_profile_for(0, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
+    std::string reason;
+    (void)lp.choose_engine(&reason);
+    std::printf("%s\nfill engine automatic: %s\n", lp.describe().c_str(), reason.c_str());
+  }
   const std::vector<Prompt> prompts = table_prompts(m, a, trace);
   const DecodeSteps decode = prompt_decode_steps(m, a, trace);
   std::fprintf(stderr, "expert-cache-bench --prompt: filling the all-resident weights\n");
@@ -936,16 +945,20 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a, const PromptT
   if (!all && want("device")) {
     // The decode benchmark's device provider (tensor-major, planned on the GPU), once per
     // --device-policy (named in the table's title).
+    // Once per fill engine too (--fill-engine; sm_loads by default).
     for (const std::string& policy : a.device_policies) {
-      BenchArgs pa = a;
-      pa.device_policy = policy;
-      failures += visit_device_policy(policy, [&]<class Policy>(Policy) {
-        std::string type(Policy::name);  // lru -> DeviceLru, as the policy's type is spelled
-        type[0] = static_cast<char>(type[0] - 'a' + 'A');
-        const std::string name = "device (tensor-major, Device" + type + ", planned on the GPU)";
-        return run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>>(
-            name.c_str(), m, pa, rt, consumer, ceiling, resident, prompts, decode, trace);
-      });
+      for (const std::string& engine : a.fill_engines) {
+        BenchArgs pa = a;
+        pa.device_policy = policy;
+        pa.fill_engine = engine;
+        failures += visit_device_policy(policy, [&]<class Policy>(Policy) {
+          std::string type(Policy::name);  // lru -> DeviceLru, as the policy's type is spelled
+          type[0] = static_cast<char>(type[0] - 'a' + 'A');
+          const std::string name = "device (tensor-major, Device" + type + ", planned on the GPU, fill engine " + engine + ")";
+          return run_provider<DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>>(
+              name.c_str(), m, pa, rt, consumer, ceiling, resident, prompts, decode, trace);
+        });
+      }
     }
   }
   if (failures != 0) {
