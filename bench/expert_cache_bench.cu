@@ -584,7 +584,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                       : (fill_only ? device_fill_only_staging
                                    : (overlap ? device_overlap_staging
                                               : (one_pass ? device_one_pass_staging : bench::device_staging)));
-  const std::string device_staging_label = device_staging_text + (budget.empty() ? fill_engine_suffix(to_string(engine)) : "");
+  const std::string device_staging_label = device_staging_text + fill_engine_suffix(to_string(engine));
   const char* const device_staging = device_staging_label.c_str();
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
@@ -919,10 +919,12 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
 
 // --budget: the per-layer time budget of the device step from the rows that leave a stage out
 // or double it (same run). Each line is a difference of two rows' time per layer.
-void budget_notes(const Model& m, const Report& rep, std::vector<std::string>& notes) {
+// The budget table of one fill engine's rows (staging names ending in `suffix`).
+void budget_notes_for(const Model& m, const Report& rep, std::vector<std::string>& notes, const char* suffix) {
   auto us_per_layer = [&](const char* staging) -> double {
+    const std::string name = std::string(staging) + suffix;
     for (const RunResult& r : rep.runs) {
-      if (r.provider == "device" && r.staging == staging && !r.is_lookahead_row() && r.tokens_per_second() > 0)
+      if (r.provider == "device" && r.staging == name && !r.is_lookahead_row() && r.tokens_per_second() > 0)
         return 1e6 * m.batch / r.tokens_per_second() / m.layers;
     }
     return -1;
@@ -931,33 +933,41 @@ void budget_notes(const Model& m, const Report& rep, std::vector<std::string>& n
   const double fill = us_per_layer(device_fill_only_staging), plan2 = us_per_layer(budget_plan_x2_staging);
   const double graph = us_per_layer(bench::device_staging), overlap = us_per_layer(device_overlap_staging);
   const double cons2 = us_per_layer(budget_consumer_x2_staging);
+  const std::string engine(fill_engine_of_staging(std::string(device_fill_only_staging) + suffix));
   if (router < 0 || plan < 0 || fill < 0 || plan2 < 0 || graph < 0 || cons2 < 0) return;
   double bytes = 0;  // the fills' bytes per layer (the graph row's misses)
   for (const RunResult& r : rep.runs) {
-    if (r.provider == "device" && r.staging == bench::device_staging && !r.is_lookahead_row() && r.tokens > 0)
+    if (r.provider == "device" && r.staging == std::string(bench::device_staging) + suffix && !r.is_lookahead_row() &&
+        r.tokens > 0)
       bytes = r.pcie_bytes / (static_cast<double>(r.tokens) / m.batch) / m.layers;
   }
   const double at_ceiling = rep.pcie_ceiling_bytes_per_s > 0 ? 1e6 * bytes / rep.pcie_ceiling_bytes_per_s : 0;
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "budget (us per layer; batch %d): router %.2f | plan %.2f (router+plan - router) | fill %.2f "
+                "budget (us per layer; batch %d; fill engine %s): router %.2f | plan %.2f (router+plan - router) | fill %.2f "
                 "(fill_only - router+plan), of which %.2f is the layer's %.0f KB at the pinned ceiling and %.2f "
                 "launch gap, ramp-up and tail | consumer after the fill %.2f (graph - fill_only)",
-                m.batch, router, plan - router, fill - plan, at_ceiling, bytes / 1024, fill - plan - at_ceiling,
+                m.batch, engine.c_str(), router, plan - router, fill - plan, at_ceiling, bytes / 1024, fill - plan - at_ceiling,
                 graph - fill);
   notes.emplace_back(buf);
   std::snprintf(buf, sizeof buf,
-                "budget (us per layer): a second plan adds %.2f (plan_x2 - fill_only); a second consumer adds %.2f "
+                "budget (us per layer; fill engine %s): a second plan adds %.2f (plan_x2 - fill_only); a second consumer adds %.2f "
                 "(consumer_x2 - graph)%s",
-                plan2 - fill, cons2 - graph, overlap > 0 ? "" : "; add --overlap for the overlapped row");
+                engine.c_str(), plan2 - fill, cons2 - graph, overlap > 0 ? "" : "; add --overlap for the overlapped row");
   notes.emplace_back(buf);
   if (overlap > 0) {
     std::snprintf(buf, sizeof buf,
-                  "budget (us per layer): overlap %.2f, %.2f below graph; its consumer tail after the fill is %.2f "
+                  "budget (us per layer; fill engine %s): overlap %.2f, %.2f below graph; its consumer tail after the fill is %.2f "
                   "(overlap - fill_only)",
-                  overlap, graph - overlap, overlap - fill);
+                  engine.c_str(), overlap, graph - overlap, overlap - fill);
     notes.emplace_back(buf);
   }
+}
+
+// One table per fill engine whose rows ran (suffix "" = sm_loads, "+ce", "+auto"; the engine is
+// named in each line).
+void budget_notes(const Model& m, const Report& rep, std::vector<std::string>& notes) {
+  for (const char* suffix : {"", "+ce", "+auto"}) budget_notes_for(m, rep, notes, suffix);
   notes.emplace_back("budget rows (device/budget:*): router only; router + plan (no fill, no consumer); plan_x2 = "
                      "fill_only with a second plan of the same ids on a shadow state; consumer_x2 = the full step "
                      "with the consumer run twice. Outputs not checked.");
@@ -1013,7 +1023,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
       const Result<FillEngine> engine = parse_fill_engine(fill_engine_of_staging(cfg.staging));
       rep.runs.push_back(run_device(m, routing, with_device_policy(a, cfg), ctx, rt, progress, rep.notes,
                                     base == device_overlap_staging, cfg.prefetch, base == device_fill_only_staging,
-                                    budget_staging(cfg.staging) ? cfg.staging : "", base == device_one_pass_staging,
+                                    budget_staging(base) ? base : "", base == device_one_pass_staging,
                                     engine.ok() ? engine.value() : FillEngine::sm_loads));
       rep.runs.back().device_policy = cfg.device_policy;
     } else if (cfg.provider == "row") {

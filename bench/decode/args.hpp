@@ -494,14 +494,15 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
       // device from a side stream of the captured step; measured runs only).
       for (const std::string& policy : a.device_policies) {
         const std::string dp = device_policy_labelled(a) ? policy : std::string();
-        if (a.budget) {
-          out.push_back({p, budget_router_staging, "", dp});
-          out.push_back({p, budget_plan_staging, "", dp});
-          out.push_back({p, budget_plan_x2_staging, "", dp});
-        }
-        if (a.budget) out.push_back({p, budget_consumer_x2_staging, "", dp});
         for (const std::string& engine : a.fill_engines) {
           const std::string suffix = fill_engine_suffix(engine);
+          // The time budget's rows once per engine (its table is given per engine).
+          if (a.budget) {
+            out.push_back({p, budget_router_staging + suffix, "", dp});
+            out.push_back({p, budget_plan_staging + suffix, "", dp});
+            out.push_back({p, budget_plan_x2_staging + suffix, "", dp});
+            out.push_back({p, budget_consumer_x2_staging + suffix, "", dp});
+          }
           if (a.fill_only) out.push_back({p, device_fill_only_staging + suffix, "", dp});
           std::vector<std::string> rows{device_staging};
           if (a.overlap) rows.emplace_back(device_overlap_staging);
