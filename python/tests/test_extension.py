@@ -12,25 +12,9 @@ profile (link_profile, set_link_profile, stored profiles that decide "automatic"
 """
 import os
 import sys
-import traceback
 import unittest
 
-try:
-    import torch
-except ImportError as e:
-    print(f"SKIP: torch is not importable ({e})")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print(f"SKIP: torch {torch.__version__} sees no CUDA device")
-    sys.exit(77)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python/ (in-place build)
-try:
-    import expert_cache_torch as ect
-except ImportError:
-    print("FAIL: expert_cache_torch is not importable (build it: cd python && python setup.py build_ext --inplace)")
-    traceback.print_exc()
-    sys.exit(1)
+from cuda_or_skip import torch, ect
 
 PAGE = 4096
 K, N = 256, 128        # hidden, intermediate

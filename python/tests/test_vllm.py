@@ -21,27 +21,10 @@ Covers:
 """
 import os
 import sys
-import traceback
 import unittest
 
-try:
-    import torch
-except ImportError as e:
-    print(f"SKIP: torch is not importable ({e})")
-    sys.exit(77)
-if not torch.cuda.is_available():
-    print(f"SKIP: torch {torch.__version__} sees no CUDA device")
-    sys.exit(77)
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python/ (in-place build)
-try:
-    import expert_cache_torch as ect
-    from expert_cache_torch import vllm as ev
-    from expert_cache_torch import _C
-except ImportError:
-    print("FAIL: expert_cache_torch is not importable (build it: cd python && python setup.py build_ext --inplace)")
-    traceback.print_exc()
-    sys.exit(1)
+from cuda_or_skip import torch, ect, ev
+from expert_cache_torch import _C
 
 E, C = 12, 4
 SLOT_NAMES = {"w13_weight": "w13", "w2_weight": "w2", "w13_scale": "w13_scale", "w2_scale": "w2_scale",
