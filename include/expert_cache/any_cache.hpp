@@ -456,6 +456,7 @@ class AnyCacheBase {
   [[nodiscard]] virtual std::optional<Stream> owner() const noexcept = 0;
   virtual Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) = 0;
   [[nodiscard]] virtual std::uint32_t take_errors() noexcept = 0;
+  [[nodiscard]] virtual std::optional<FillEngine> fill_engine() const noexcept = 0;
 };
 
 // Shared by both models: the storage accessors and what both caches spell alike (invalidate).
@@ -528,6 +529,7 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
     return {};
   }
   [[nodiscard]] std::uint32_t take_errors() noexcept final { return 0; }
+  [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept final { return std::nullopt; }
 };
 
 // A DeviceExpertCache (provider device): ids are device memory, no host maps or plans.
@@ -613,6 +615,7 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
     return Status(ErrorCode::not_supported, "the device provider has no stats callback (read stats())");
   }
   [[nodiscard]] std::uint32_t take_errors() noexcept final { return this->cache_.take_errors(); }
+  [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept final { return this->cache_.fill_engine(); }
 };
 
 }  // namespace detail
@@ -714,6 +717,9 @@ class AnyExpertCache {
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return impl_->owner(); }
   // Device provider: read and clear the device error word (0 for host providers).
   [[nodiscard]] std::uint32_t take_errors() noexcept { return impl_->take_errors(); }
+  /// The engine the device provider's fills run on (FillEngine::automatic resolved when the
+  /// cache was made); none for the host-planned providers, which copy on their copy stream.
+  [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept { return impl_->fill_engine(); }
   // Host providers (the device provider returns not_supported).
   Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
     return impl_->set_stats_callback(std::move(callback), every);

@@ -429,12 +429,7 @@ class CacheBridge {
     b->cache_ = std::make_unique<AnyExpertCache<Runtime>>(std::move(made.value()));
     b->device_ = b->cache_->provider() == "device";
     b->stamps_.assign(E, 0u);
-    if (b->device_) {
-      Result<FillEngine> resolved = resolved_fill_engine(std::move(engine.value()), label,
-                                                         total_bytes_per_expert(b->cache_->tensors()));
-      if (!resolved.ok()) return resolved.status();
-      b->fill_engine_ = resolved.value();
-    }
+    b->fill_engine_ = b->cache_->fill_engine();
 
     for (std::size_t t = 0; t < b->typed_.size(); ++t) {
       const std::size_t index = find_tensor(b->cache_->tensors(), b->typed_[t].name);
@@ -701,32 +696,6 @@ class CacheBridge {
  private:
   CacheBridge() = default;
 
-  // The engine the device cache just built runs: FillEngine::automatic resolved by the
-  // runtime's plan executor, the same static function the cache called (CudaRuntime: from the
-  // stored profile, or the profile measured once per process and expert size, so this reads
-  // the cached one and measures nothing); an executor without one (SimRuntime's) takes
-  // sm_loads, as DeviceExpertCache does. AnyExpertCache does not report the engine, hence the
-  // second call.
-  static Result<FillEngine> resolved_fill_engine(FillEngineChoice choice, const std::string& label,
-                                                 std::uint64_t expert_bytes) {
-    if constexpr (has_device_plan_executor<Runtime>) {
-      using Executor = typename DevicePlanExecutorFor<Runtime>::type;
-      DeviceCacheOptions o;
-      o.fill_engine = choice.engine;
-      o.link_profile = std::move(choice.profile);
-      o.label = label;
-      if constexpr (requires { Executor::resolve_fill_engine(o, expert_bytes); }) {
-        try {
-          return Executor::resolve_fill_engine(std::move(o), expert_bytes).fill_engine;
-        } catch (const Error& e) {
-          return ::expert_cache::detail::status_of(e);
-        } catch (const std::exception& e) {
-          return Status(ErrorCode::runtime_failure, e.what());
-        }
-      }
-    }
-    return choice.engine == FillEngine::automatic ? FillEngine::sm_loads : choice.engine;
-  }
 
   [[nodiscard]] std::string names_text() const {
     std::string s;
