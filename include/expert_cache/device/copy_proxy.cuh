@@ -164,9 +164,8 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(proxy_post_threads) proxy_post_kernel
     if (threadIdx.x == 0) {
       __threadfence_system();
       cuda::atomic_ref<std::uint32_t, cuda::thread_scope_system>(header->posted).store(seq + 1, cuda::memory_order_release);
-      // And out now: without a fence after it, the store may sit in the GPU's write path while
-      // this kernel spins below (WaitAll), and the proxy would not see the request until the
-      // kernel gave up (measured: a bounded wait that timed out).
+      // And out now: the proxy must see the request while this kernel goes on (WaitAll spins
+      // below until the proxy's copies landed).
       __threadfence_system();
       *p.post_count = seq + 1;
     }
@@ -285,7 +284,7 @@ class CopyProxy {
       if (err != cudaSuccess) return cuda_status(err, "copy proxy: the cache's first copy");
       if (Status s = take_status(*c); !s) return s;
     }
-    std::lock_guard<std::mutex> lock(mutex_);
+    const CallerLock lock(*this);
     channels_.push_back(c);
     return c;
   }
@@ -300,7 +299,7 @@ class CopyProxy {
       const std::uint32_t posted = std::atomic_ref<std::uint32_t>(c->config.ring_host->posted).load(std::memory_order_acquire);
       std::uint32_t taken;
       {
-        std::lock_guard<std::mutex> lock(mutex_);
+        const CallerLock lock(*this);
         taken = c->taken;
       }
       if (posted == taken) break;
@@ -311,7 +310,7 @@ class CopyProxy {
       std::this_thread::yield();
     }
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      const CallerLock lock(*this);
       channels_.erase(std::remove(channels_.begin(), channels_.end(), c), channels_.end());
     }
     int previous = 0;
@@ -338,6 +337,22 @@ class CopyProxy {
   using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
   explicit CopyProxy(int device) : device_(device) {}
+
+  // mutex_ for a caller's thread, announced to the polling thread.
+  class CallerLock {
+   public:
+    explicit CallerLock(CopyProxy& p) : p_(p) {
+      p_.callers_waiting_.fetch_add(1, std::memory_order_relaxed);
+      p_.mutex_.lock();
+      p_.callers_waiting_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    ~CallerLock() { p_.mutex_.unlock(); }
+    CallerLock(const CallerLock&) = delete;
+    CallerLock& operator=(const CallerLock&) = delete;
+
+   private:
+    CopyProxy& p_;
+  };
 
   Status start() {
     int previous = 0;
@@ -409,6 +424,7 @@ class CopyProxy {
         std::lock_guard<std::mutex> lock(mutex_);
         for (const std::shared_ptr<Channel>& c : channels_) worked |= serve(*c, fills);
       }
+      if (callers_waiting_.load(std::memory_order_relaxed) > 0) std::this_thread::yield();
       if (worked) {
         last_work = std::chrono::steady_clock::now();
       } else if (std::chrono::steady_clock::now() - last_work > idle_spin_) {
@@ -519,6 +535,9 @@ class CopyProxy {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
+  // Callers waiting for mutex_ (attach, detach): the polling thread, which takes the lock again
+  // right after it let go, yields to them so that they are not starved.
+  std::atomic<int> callers_waiting_{0};
   std::vector<std::shared_ptr<Channel>> channels_;
   std::chrono::milliseconds idle_spin_{20};
 
