@@ -852,7 +852,7 @@ TEST_CASE("overlap (edge D4): the plan tags the slots, the fill's ready word rea
   CHECK(slot_seq_reached(0x00000002u, 0xFFFFFFFEu));
   CHECK(!slot_seq_reached(0xFFFFFFFEu, 0x00000002u));
   CHECK(!slot_seq_reached(4u, 5u));
-  // Without overlap the view is empty (today's path).
+  // Without overlap the view is empty (the stream-ordered path).
   Fixture<> plain(12, 4);
   CHECK(!plain.dev->readiness().enabled());
 }

@@ -7,7 +7,7 @@
 //   EvictionPolicy  any eviction_policy (Lru, Lfru, ...)
 //   StagingPolicy   Inline | CopyStream | Batched | (CUDA tier: Gather, ...)
 //   Layout          any expert_layout (Nvfp4Marlin | DenseBf16 | ExplicitLayout): the
-//                   per-expert tensors and their sizes (formerly named ScaleLayout)
+//                   per-expert tensors and their sizes
 //   Runtime         SimRuntime (host model) | CudaRuntime
 //
 // prepare(ids, stream) plans the forward, hands its fills to the ordering core's one write

@@ -89,8 +89,8 @@ struct DeviceCacheOptions {
   // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
   bool fused_plan_fill = true;
   // Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
-  // used), a consumer given readiness() may run concurrently with the fill. false: today's
-  // stream-ordered path exactly (readiness() is empty).
+  // used), a consumer given readiness() may run concurrently with the fill. false: the
+  // stream-ordered path (readiness() is empty).
   bool overlap = false;
   // Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
   // each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),

@@ -59,7 +59,7 @@
 // only once every moe_w13 block is running or done: a spinning moe_w2 block can never keep a
 // moe_w13 block it waits for from being scheduled. Without the launch attribute stream order
 // applies and every wait is already satisfied.
-// Without readiness (default): the kernels are today's and the pair counts are not touched.
+// Without readiness (default): the stream-ordered kernels, with no wait; the pair counts are not touched.
 // Block order (readiness only, MoePairOrder): blocks take the pairs in pair order (default), or in
 // ascending (expert, pair) order, the order in which the overlapped fill copies the missing
 // experts (the plan's fill list follows its ascending unique list), so that a grid larger than
@@ -74,8 +74,9 @@
 // copies). Their pairs' blocks load their share of the weights, scales and g' from host memory
 // instead of the slot, compute as usual, and the expert's first pair stores those bytes into
 // the slot: no separate fill, and the slot is complete once the consumer completed (edge D7).
-// Separate kernel entry points (moe_w13_one_pass, moe_w2_one_pass); today's kernels are
-// unchanged. Bit-identical to filling first (the same bytes, the same arithmetic and order).
+// Separate kernel entry points (moe_w13_one_pass, moe_w2_one_pass); the stream-ordered kernels
+// do not carry its code. Bit-identical to filling first (the same bytes, the same arithmetic
+// and order).
 //
 // Limits: inputs and activations below 2^63 in magnitude (they are pre-scaled by 2^62); scale
 // bytes 1-7 (never produced by the repack) go through bf16 subnormals in the MMA.
@@ -189,7 +190,7 @@ EXPERT_CACHE_HOST_DEVICE inline float s0e5m3_decode(std::uint32_t b) noexcept {
 
 namespace moe_detail {
 
-// Which kernel instantiation: today's (no readiness), waiting on ready words and pair progress,
+// Which kernel instantiation: stream-ordered (no readiness), waiting on ready words and pair progress,
 // or (tests only) one wait left out, to show that the wait is what orders the reads:
 // ready_test_skip_wait drops the slot waits of both kernels (moe_w2 still waits for all of
 // moe_w13 before it reads act); ready_test_skip_act_wait keeps moe_w13's slot waits but runs
@@ -301,7 +302,7 @@ __device__ __forceinline__ uint2 load_slot8(const unsigned char* p) {
     return load_cg8(p);
   }
 }
-// The one-pass mode (MoeConsumer::run_one_pass): host_none is today's kernels; host_one_pass
+// The one-pass mode (MoeConsumer::run_one_pass): host_none is the stream-ordered kernels; host_one_pass
 // reads missing experts from host memory and writes them into their slots; (tests only)
 // host_test_skip_start_wait is host_one_pass without moe_w13's griddepcontrol.wait at its
 // start, to show that this wait is what orders the slot writes after the previous kernel's
@@ -609,7 +610,7 @@ __device__ __forceinline__ float global_of(const MoeWeights& w, int tensor, std:
 // the last block of (pair, j), A = silu(gate) * up for k in [64 j, 64 j + 64) as bf16 terms in
 // fragment order: act[pair][kt][term][a_frag_index(kk)]. Grid (Np / 64, splits, pairs).
 // A template (Mode: ready_none / ready_wait / ready_test_skip_wait) so that every translation
-// unit may define it; moe_w13<> is today's kernel.
+// unit may define it; moe_w13<> is the stream-ordered kernel.
 // Host != host_none (the one-pass mode, with Mode == ready_none): a pair whose expert is missing
 // loads its weights, scales and g' from `host` instead of the slot, computes with them exactly as
 // with the slot's bytes, and, in the expert's writer pair, stores what it loaded into the slot at
@@ -914,7 +915,7 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(threads) moe_w2(MoeWeights w, const s
 }
 
 // The one-pass kernels (MoeConsumer::run_one_pass; Host = host_one_pass or
-// host_test_skip_start_wait): their own entry points, so that today's kernels keep their
+// host_test_skip_start_wait): their own entry points, so that the stream-ordered kernels keep their
 // parameters. Stream-ordered like moe_w13<> / moe_w2<> (no readiness).
 template <int Host>
 EXPERT_CACHE_KERNEL void __launch_bounds__(threads, w13_blocks_per_sm)
@@ -994,7 +995,7 @@ class MoeConsumer {
 
   // `ready`: DeviceExpertCache::readiness() of an overlapping cache (the kernels then wait per
   // slot and moe_w2 per pair, see the top of this file; run() must then directly follow that
-  // cache's prepare on `stream`); empty: today's stream-ordered kernels. Tests only:
+  // cache's prepare on `stream`); empty: the stream-ordered kernels. Tests only:
   // test_skip_wait runs the readiness kernels without the slot waits, test_skip_act_wait runs
   // moe_w2 without any wait before it reads act (moe_w13 still waits for its slots).
   [[nodiscard]] Status run(const MoeWeights& w, const std::int32_t* ids, const float* topk_weights, const float* x,

@@ -524,7 +524,7 @@ EXPERT_CACHE_HOST_DEVICE constexpr bool slot_seq_reached(std::uint32_t have, std
 // lifetime, so a graph keeps it): before it reads slot s, it waits until
 // slot_seq_reached(ready[s], needed[s]) (acquire), bounded by timeout_ns (0: the default,
 // about 1.5 s), after which it sets plan_error_wait_timeout in error_word and goes on.
-// A default-constructed view (ready == nullptr) means: no overlap, today's stream-ordered path.
+// A default-constructed view (ready == nullptr) means: no overlap, the stream-ordered path.
 struct SlotReadiness {
   const std::uint32_t* ready = nullptr;
   const std::uint32_t* needed = nullptr;
