@@ -452,3 +452,18 @@ TEST_CASE("tensor names: a present tensor needs a unique, non-empty name") {
   unnamed.bytes[7] = TensorBytes{"", 16};
   CHECK(contains(rejected<ExpertMajorStorage>(rt, StorageMemory{}, unnamed), "no name"));
 }
+
+TEST_CASE("first_part_first: the named regions first, each part in its own order") {
+  CopyRegions r;
+  r.count = 5;
+  for (std::size_t i = 0; i < r.count; ++i) r.regions[i].bytes = 10 + i;
+  std::size_t first = 99;
+  const CopyRegions out = first_part_first(r, 0b10110u, first);  // regions 1, 2, 4 first
+  CHECK(first == 3);
+  REQUIRE(out.count == 5);
+  const std::size_t want[] = {11, 12, 14, 10, 13};
+  for (std::size_t i = 0; i < out.count; ++i) CHECK(out.regions[i].bytes == want[i]);
+  const CopyRegions none = first_part_first(r, 0u, first);
+  CHECK(first == 0);
+  for (std::size_t i = 0; i < none.count; ++i) CHECK(none.regions[i].bytes == 10 + i);
+}

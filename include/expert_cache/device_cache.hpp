@@ -462,6 +462,13 @@ class BasicSimPlanExecutor {
     std::uint32_t error_word = 0;
   };
 
+  // Every region of `expert` from the host pools into `slot` (the simulated fills' bytes).
+  static void copy_expert(const CopyRegions& regions, std::int32_t expert, std::int32_t slot) noexcept {
+    for (const CopyRegion& r : regions) {
+      std::memcpy(r.slot_base + static_cast<std::size_t>(slot) * r.slot_stride,
+                  r.host_base + static_cast<std::size_t>(expert) * r.host_stride, r.bytes);
+    }
+  }
   static std::size_t extent(std::size_t stride, std::int32_t rows, std::size_t bytes) noexcept {
     return rows <= 0 ? 0 : stride * static_cast<std::size_t>(rows - 1) + bytes;
   }
@@ -596,10 +603,7 @@ class BasicSimPlanExecutor {
             for (const SimProxyFill& f : *list) {
               if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
               if (!fail) {
-                for (const CopyRegion& r : regions) {
-                  std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
-                              r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
-                }
+                copy_expert(regions, f.expert, f.slot);
               } else {
                 *failed = true;
                 *st.error_word |= plan_error_fill_failed;
@@ -641,10 +645,7 @@ class BasicSimPlanExecutor {
         const PlanEntry f = st.fills[i];
         // Checked like the kernel: nothing outside the pools is touched, whatever the list says.
         if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
-        for (const CopyRegion& r : regions) {
-          std::memcpy(r.slot_base + static_cast<std::size_t>(f.slot) * r.slot_stride,
-                      r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
-        }
+        copy_expert(regions, f.expert, f.slot);
         if (publish_ready) st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = st.slot_needed[f.slot];
       }
     });
@@ -675,10 +676,7 @@ class BasicSimPlanExecutor {
             for (std::int32_t i = 0; i < n; ++i) {
               const PlanEntry f = st.fills[i];
               if (f.slot != j || f.expert < 0 || f.expert >= st.num_experts) continue;
-              for (const CopyRegion& r : regions) {
-                std::memcpy(r.slot_base + static_cast<std::size_t>(j) * r.slot_stride,
-                            r.host_base + static_cast<std::size_t>(f.expert) * r.host_stride, r.bytes);
-              }
+              copy_expert(regions, f.expert, j);
               // The release stores (after the bytes; the model has no first part of its own).
               st.slot_ready_first[j] = st.slot_ready[j] = st.slot_needed[j];
             }

@@ -234,6 +234,7 @@ class CopyProxy {
     std::uint32_t taken = 0;  // the proxy's own count (mirrored into the ring)
     std::mutex status_mutex;
     Status status;            // the first failure since the cache last asked
+    std::atomic<bool> failed{false};  // status holds one: the cache's calls lock only then
     std::atomic<std::uint64_t> requests{0}, fills{0};
     // Host time from seeing a request to the last call issued for it, summed (nanoseconds).
     std::atomic<std::uint64_t> issue_ns{0};
@@ -257,12 +258,10 @@ class CopyProxy {
     stop_.store(true, std::memory_order_release);
     if (thread_.joinable()) thread_.join();
     if (stream_ != nullptr) {
-      int previous = 0;
-      const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+      const expert_cache::detail::DeviceRestore restore;
       (void)cudaSetDevice(device_);
       (void)cudaStreamSynchronize(stream_);
       (void)cudaStreamDestroy(stream_);
-      if (restore) (void)cudaSetDevice(previous);
     }
   }
 
@@ -274,14 +273,11 @@ class CopyProxy {
     auto c = std::make_shared<Channel>();
     c->config = config;
     if (config.capacity > 0 && config.num_experts > 0 && !config.test_fail_copies) {
-      int previous = 0;
-      EXPERT_CACHE_TRY_CUDA(cudaGetDevice(&previous));
+      const expert_cache::detail::DeviceRestore restore;
       EXPERT_CACHE_TRY_CUDA(cudaSetDevice(device_));
       copy(*c, ProxyFill{0, 0, 0u, 0u}, 0, config.regions.count);
       publish(*c, ProxyFill{0, 0, 0u, 0u}, false, 0);
-      const cudaError_t err = cudaStreamSynchronize(stream_);
-      (void)cudaSetDevice(previous);
-      if (err != cudaSuccess) return cuda_status(err, "copy proxy: the cache's first copy");
+      EXPERT_CACHE_TRY_CUDA(cudaStreamSynchronize(stream_));
       if (Status s = take_status(*c); !s) return s;
     }
     const CallerLock lock(*this);
@@ -313,20 +309,20 @@ class CopyProxy {
       const CallerLock lock(*this);
       channels_.erase(std::remove(channels_.begin(), channels_.end(), c), channels_.end());
     }
-    int previous = 0;
-    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    const expert_cache::detail::DeviceRestore restore;
     (void)cudaSetDevice(device_);
     const cudaError_t err = cudaStreamSynchronize(stream_);
-    if (restore) (void)cudaSetDevice(previous);
     if (err != cudaSuccess && result.ok()) result = cuda_status(err, "cudaStreamSynchronize (copy proxy stream)");
     return result;
   }
 
   /// The first failure of the channel's copies since the last call (then cleared).
   static Status take_status(Channel& c) {
+    if (!c.failed.load(std::memory_order_acquire)) return {};
     std::lock_guard<std::mutex> lock(c.status_mutex);
     Status s = c.status;
     c.status = Status{};
+    c.failed.store(false, std::memory_order_relaxed);
     return s;
   }
 
@@ -355,17 +351,14 @@ class CopyProxy {
   };
 
   Status start() {
-    int previous = 0;
-    EXPERT_CACHE_TRY_CUDA(cudaGetDevice(&previous));
-    EXPERT_CACHE_TRY_CUDA(cudaSetDevice(device_));
-    cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    if (err == cudaSuccess) {
-      err = cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found);
+    {
+      const expert_cache::detail::DeviceRestore restore;
+      EXPERT_CACHE_TRY_CUDA(cudaSetDevice(device_));
+      EXPERT_CACHE_TRY_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      EXPERT_CACHE_TRY_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &found));
     }
-    (void)cudaSetDevice(previous);
-    if (err != cudaSuccess) return cuda_status(err, "copy proxy: stream or cuStreamWriteValue32 entry point");
     if (found != cudaDriverEntryPointSuccess || fn == nullptr) {
       return Status(ErrorCode::not_supported, "copy proxy: the driver has no cuStreamWriteValue32");
     }
@@ -522,6 +515,7 @@ class CopyProxy {
     {
       std::lock_guard<std::mutex> lock(c.status_mutex);
       if (c.status.ok()) c.status = std::move(s);
+      c.failed.store(true, std::memory_order_release);
     }
     if (c.config.error_word_host != nullptr) {
       std::atomic_ref<std::uint32_t> w(*c.config.error_word_host);

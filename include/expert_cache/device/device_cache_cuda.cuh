@@ -291,13 +291,7 @@ class BasicCudaPlanExecutor {
     ProxyChannelConfig c;
     c.ring_host = reinterpret_cast<ProxyRingHeader*>(ring_.get());
     // The first part's regions first, as make_plan_fill_params orders them (host addresses).
-    for (int pass = 0; pass < 2; ++pass) {
-      for (std::size_t i = 0; i < regions.count; ++i) {
-        const bool first = ((o.ready_first_regions >> i) & 1u) != 0;
-        if (first == (pass == 0)) c.regions.regions[c.regions.count++] = regions.regions[i];
-      }
-      if (pass == 0) c.first_part_regions = c.regions.count;
-    }
+    c.regions = first_part_first(regions, o.ready_first_regions, c.first_part_regions);
     if (c.first_part_regions == regions.count) c.first_part_regions = 0;
     c.slot_ready = st.slot_ready.data;
     c.slot_ready_first = st.slot_ready_first.data;

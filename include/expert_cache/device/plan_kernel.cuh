@@ -569,15 +569,8 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   if (regions.count > max_copy_regions || !plan_view_ok(s)) return cudaErrorInvalidValue;
   if (regions.count < 32 && (first_part_regions >> regions.count) != 0) return cudaErrorInvalidValue;
   PlanFillParams p;
-  std::size_t first_count = 0, at = 0;
-  p.regions.count = regions.count;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (std::size_t i = 0; i < regions.count; ++i) {
-      const bool first = ((first_part_regions >> i) & 1u) != 0;
-      if (first == (pass == 0)) p.regions.regions[at++] = regions.regions[i];
-    }
-    if (pass == 0) first_count = at;
-  }
+  std::size_t first_count = 0;
+  p.regions = first_part_first(regions, first_part_regions, first_count);
   p.num_experts = s.num_experts;
   p.capacity = s.capacity;
   p.fills = s.fills.data;

@@ -17,6 +17,27 @@ namespace expert_cache::inline v0 {
                         cudaGetErrorString(err));
 }
 
+namespace detail {
+// The calling thread's current device, set back on destruction (for code that works on another
+// device for a while: the link probe, the copy proxy).
+class DeviceRestore {
+ public:
+  DeviceRestore() noexcept : ok_(cudaGetDevice(&previous_) == cudaSuccess) {
+    if (!ok_) (void)cudaGetLastError();
+  }
+  ~DeviceRestore() {
+    if (ok_) (void)cuda_status(cudaSetDevice(previous_), "cudaSetDevice (restoring the caller's device)");
+  }
+  DeviceRestore(const DeviceRestore&) = delete;
+  DeviceRestore& operator=(const DeviceRestore&) = delete;
+  [[nodiscard]] bool ok() const noexcept { return ok_; }
+
+ private:
+  int previous_ = 0;
+  bool ok_ = false;
+};
+}  // namespace detail
+
 }  // namespace expert_cache::inline v0
 
 // Evaluates `expr` (a cudaError_t) and, when it failed, returns cuda_status(err, "<expr>") from

@@ -64,23 +64,6 @@ inline Registry& registry() noexcept {
   return r;
 }
 
-// The caller's current device, set back on destruction.
-class DeviceRestore {
- public:
-  DeviceRestore() noexcept : ok_(cudaGetDevice(&previous_) == cudaSuccess) {
-    if (!ok_) (void)cudaGetLastError();
-  }
-  ~DeviceRestore() {
-    if (ok_) (void)cuda_status(cudaSetDevice(previous_), "cudaSetDevice (restoring the caller's device)");
-  }
-  DeviceRestore(const DeviceRestore&) = delete;
-  DeviceRestore& operator=(const DeviceRestore&) = delete;
-  [[nodiscard]] bool ok() const noexcept { return ok_; }
-
- private:
-  int previous_ = 0;
-  bool ok_ = false;
-};
 
 struct PinnedBuffer {
   void* host = nullptr;
@@ -339,7 +322,7 @@ inline namespace EXPERT_CACHE_ARCH_NS {
 [[nodiscard]] inline Status measure_link_profile(int device, std::uint64_t expert_bytes, LinkProfile& out) noexcept {
   if (expert_bytes == 0) return Status(ErrorCode::invalid_argument, "link profile: expert_bytes is 0");
   if (Status s = detail::link_probe::check_device(device); !s) return s;
-  detail::link_probe::DeviceRestore restore;
+  expert_cache::detail::DeviceRestore restore;
   if (!restore.ok()) return Status(ErrorCode::runtime_failure, "link profile: cudaGetDevice failed");
   EXPERT_CACHE_TRY_CUDA(cudaSetDevice(device));
   // The context and the fill kernel's module (a JIT compile where only PTX is embedded) are

@@ -39,4 +39,23 @@ struct CopyRegions {
   }
 };
 
+// `regions` with the ones `first_part` names (bit r = regions.regions[r]) moved to the front,
+// the order within each part kept: the order of a fill that copies and publishes a first part
+// before the rest (the device-planned cache's fills, edge D4c). `first_count` gets the size of
+// the first part. Bits at or past regions.count are the caller's to refuse.
+[[nodiscard]] constexpr CopyRegions first_part_first(const CopyRegions& regions, std::uint32_t first_part,
+                                                     std::size_t& first_count) noexcept {
+  CopyRegions out;
+  out.count = regions.count;
+  std::size_t at = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t i = 0; i < regions.count; ++i) {
+      const bool first = i < 32 && ((first_part >> i) & 1u) != 0;
+      if (first == (pass == 0)) out.regions[at++] = regions.regions[i];
+    }
+    if (pass == 0) first_count = at;
+  }
+  return out;
+}
+
 }  // namespace expert_cache::inline v0
