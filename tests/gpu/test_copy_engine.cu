@@ -123,6 +123,17 @@ struct CeRig {
   }
 };
 
+// Construction with `o` throws invalid_argument naming `needle`.
+void expect_refused(const DeviceCacheOptions& o, const char* needle) {
+  try {
+    CeCache c(cuda_runtime(), o, big_layout());
+    FAIL("constructed");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::invalid_argument);
+    CHECK(std::string(e.what()).find(needle) != std::string::npos);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and with per-slot readiness") {
@@ -211,13 +222,7 @@ TEST_CASE("copy engine: a cache destroyed with copies in flight; the proxy serve
   bad.max_ids = 4;
   bad.fill_engine = FillEngine::copy_engine;
   bad.fill_by_consumer = true;
-  try {
-    CeCache c(cuda_runtime(), bad, big_layout());
-    FAIL("constructed");
-  } catch (const Error& e) {
-    CHECK(e.code() == ErrorCode::invalid_argument);
-    CHECK(std::string(e.what()).find("fill_by_consumer") != std::string::npos);
-  }
+  expect_refused(bad, "fill_by_consumer");
 }
 
 TEST_CASE("fill engine automatic: resolved from the link profile; a stored profile of another expert size is refused") {
@@ -235,12 +240,7 @@ TEST_CASE("fill engine automatic: resolved from the link profile; a stored profi
   LinkProfile other = p;
   other.expert_bytes += 4;
   o.link_profile = other;
-  try {
-    CeCache d(cuda_runtime(), o, big_layout());
-    FAIL("constructed");
-  } catch (const Error& e) {
-    CHECK(e.code() == ErrorCode::invalid_argument);
-  }
+  expect_refused(o, "link profile is for experts of");
   // A stored profile that says SM loads are slow picks the copy engine, and one that says they
   // are as fast picks SM loads, without measuring.
   other = p;
