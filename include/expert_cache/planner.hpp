@@ -11,6 +11,7 @@
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/fixed_vector.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
@@ -40,11 +41,12 @@ struct PrefetchPlan {
   std::vector<SlotEviction> evictions;   // residents dropped for them
   std::uint32_t skipped_resident = 0;    // predicted entries already resident (or already in flight)
   std::uint32_t skipped_no_victim = 0;   // distinct predicted ids dropped: no slot may be evicted for them
+  std::uint32_t skipped_unlikely = 0;    // scored entries below min_score, never considered
 
   void clear() noexcept {
     fills.clear();
     evictions.clear();
-    skipped_resident = skipped_no_victim = 0;
+    skipped_resident = skipped_no_victim = skipped_unlikely = 0;
   }
 };
 
@@ -90,7 +92,8 @@ class ForwardPlanner {
         previous_forward_(static_cast<std::size_t>(shape.capacity)),
         spec_left_(static_cast<std::size_t>(shape.num_experts), 0u),
         spec_pos_(static_cast<std::size_t>(shape.num_experts), -1),
-        spec_live_(static_cast<std::size_t>(shape.capacity)) {
+        spec_live_(static_cast<std::size_t>(shape.capacity)),
+        hints_(shape.num_experts) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
       free_slots_.push_back(free_slot_order_of(policy_) == FreeSlotOrder::lowest_first
@@ -168,6 +171,97 @@ class ForwardPlanner {
   // or expires_after == 0 (invalid_argument).
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::int32_t max_fills, std::uint32_t expires_after,
                        PrefetchPlan& out) noexcept {
+    if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
+    return plan_prefetch_checked(predicted, max_fills, expires_after, out);
+  }
+
+  // The same with the caller's scores (PrefetchOptions in cache.hpp states the contract):
+  // scores[i] is the probability that the next forward reads predicted[i]. Empty `scores`: the
+  // overload above, exactly. Otherwise the entries scoring below `min_score` are skipped
+  // (out.skipped_unlikely; they are not protected either) and the others are planned highest
+  // score first, equal scores in the given order (HintSelector, prefetch/hint_selection.hpp),
+  // under the rules above: the same protections, at most max_fills fills.
+  // Errors, before any state change: those above (every entry's id is checked, skipped ones
+  // too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
+  // than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
+  Status plan_prefetch(std::span<const std::int32_t> predicted, std::span<const float> scores, float min_score,
+                       std::int32_t max_fills, std::uint32_t expires_after, PrefetchPlan& out) noexcept {
+    if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
+    if (Status s = hints_.select(predicted, scores, min_score); !s) return s;
+    const Status s = plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out);
+    out.skipped_unlikely = hints_.skipped_unlikely();
+    return s;
+  }
+
+  // Issued by plan_prefetch and not yet used, expired, evicted or invalidated.
+  [[nodiscard]] bool is_speculative(std::int32_t expert) const noexcept {
+    return expert >= 0 && expert < shape_.num_experts && spec_left_[static_cast<std::size_t>(expert)] != 0;
+  }
+  [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(spec_live_.size()); }
+
+  // Drop `expert` from residency. Returns the freed slot, or an invalid SlotId when the
+  // expert was not resident (a no-op, like the reference providers).
+  Result<SlotId> invalidate(std::int32_t expert) noexcept {
+    if (expert < 0 || expert >= shape_.num_experts) return out_of_range(expert);
+    const auto e = static_cast<std::size_t>(expert);
+    const std::int32_t slot = resident_map_[e];
+    if (slot == absent_slot) return SlotId();
+    if (spec_left_[e] != 0) {
+      drop_speculative(ExpertId(expert));
+      ++counters_.speculative_wasted;
+    }
+    policy_.on_remove(ExpertId(expert));
+    resident_map_[e] = absent_slot;
+    forward_map_[e] = absent_slot;
+    slot_owner_[static_cast<std::size_t>(slot)] = -1;
+    free_slots_.push_back(slot);
+    ++counters_.invalidations;
+    ++counters_.generation;
+    return SlotId(slot);
+  }
+
+  [[nodiscard]] std::span<const std::int32_t> resident_map() const noexcept { return resident_map_; }
+  [[nodiscard]] std::span<const std::int32_t> forward_map() const noexcept { return forward_map_; }
+  [[nodiscard]] std::span<const std::int32_t> slot_owner() const noexcept { return slot_owner_; }
+  [[nodiscard]] const PlannerCounters& counters() const noexcept { return counters_; }
+  [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
+  [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
+  [[nodiscard]] std::int32_t top_k() const noexcept { return top_k_; }
+  [[nodiscard]] std::int32_t resident_count() const noexcept {
+    return shape_.capacity - static_cast<std::int32_t>(free_slots_.size());
+  }
+  [[nodiscard]] bool is_resident(std::int32_t expert) const noexcept {
+    return expert >= 0 && expert < shape_.num_experts &&
+           resident_map_[static_cast<std::size_t>(expert)] != absent_slot;
+  }
+
+  [[nodiscard]] Snapshot snapshot() const {
+    return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
+                    policy_, counters_, spec_left_};
+  }
+
+  static CacheShape validated(CacheShape shape, std::int32_t top_k) {
+    if (shape.num_experts <= 0) {
+      throw Error(ErrorCode::invalid_argument,
+                  "num_experts must be positive, got " + std::to_string(shape.num_experts));
+    }
+    if (shape.capacity <= 0 || shape.capacity > shape.num_experts) {
+      throw Error(ErrorCode::invalid_capacity,
+                  "capacity must be in [1, num_experts=" + std::to_string(shape.num_experts) +
+                      "], got " + std::to_string(shape.capacity));
+    }
+    if (top_k <= 0 || top_k > shape.capacity) {
+      throw Error(ErrorCode::invalid_capacity,
+                  "capacity " + std::to_string(shape.capacity) + " is below top_k " +
+                      std::to_string(top_k) + " (top_k must be in [1, capacity])");
+    }
+    return shape;
+  }
+
+ private:
+  // plan_prefetch's checks, before any state change.
+  Status check_prefetch(std::span<const std::int32_t> predicted, std::int32_t max_fills,
+                        std::uint32_t expires_after) const noexcept {
     if (max_fills < 0) {
       return Status::format(ErrorCode::invalid_argument, "prefetch max_fills must be >= 0, got %d", max_fills);
     }
@@ -181,6 +275,12 @@ class ForwardPlanner {
     for (const std::int32_t id : predicted) {
       if (id < 0 || id >= shape_.num_experts) return out_of_range(id);
     }
+    return {};
+  }
+
+  // plan_prefetch once its arguments were checked.
+  Status plan_prefetch_checked(std::span<const std::int32_t> predicted, std::int32_t max_fills,
+                               std::uint32_t expires_after, PrefetchPlan& out) noexcept {
     out.clear();
     reserve(out);
     // Protected residents: the most recent forward's, the live speculative fills, and (below)
@@ -254,72 +354,7 @@ class ForwardPlanner {
     return {};
   }
 
-  // Issued by plan_prefetch and not yet used, expired, evicted or invalidated.
-  [[nodiscard]] bool is_speculative(std::int32_t expert) const noexcept {
-    return expert >= 0 && expert < shape_.num_experts && spec_left_[static_cast<std::size_t>(expert)] != 0;
-  }
-  [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(spec_live_.size()); }
 
-  // Drop `expert` from residency. Returns the freed slot, or an invalid SlotId when the
-  // expert was not resident (a no-op, like the reference providers).
-  Result<SlotId> invalidate(std::int32_t expert) noexcept {
-    if (expert < 0 || expert >= shape_.num_experts) return out_of_range(expert);
-    const auto e = static_cast<std::size_t>(expert);
-    const std::int32_t slot = resident_map_[e];
-    if (slot == absent_slot) return SlotId();
-    if (spec_left_[e] != 0) {
-      drop_speculative(ExpertId(expert));
-      ++counters_.speculative_wasted;
-    }
-    policy_.on_remove(ExpertId(expert));
-    resident_map_[e] = absent_slot;
-    forward_map_[e] = absent_slot;
-    slot_owner_[static_cast<std::size_t>(slot)] = -1;
-    free_slots_.push_back(slot);
-    ++counters_.invalidations;
-    ++counters_.generation;
-    return SlotId(slot);
-  }
-
-  [[nodiscard]] std::span<const std::int32_t> resident_map() const noexcept { return resident_map_; }
-  [[nodiscard]] std::span<const std::int32_t> forward_map() const noexcept { return forward_map_; }
-  [[nodiscard]] std::span<const std::int32_t> slot_owner() const noexcept { return slot_owner_; }
-  [[nodiscard]] const PlannerCounters& counters() const noexcept { return counters_; }
-  [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
-  [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
-  [[nodiscard]] std::int32_t top_k() const noexcept { return top_k_; }
-  [[nodiscard]] std::int32_t resident_count() const noexcept {
-    return shape_.capacity - static_cast<std::int32_t>(free_slots_.size());
-  }
-  [[nodiscard]] bool is_resident(std::int32_t expert) const noexcept {
-    return expert >= 0 && expert < shape_.num_experts &&
-           resident_map_[static_cast<std::size_t>(expert)] != absent_slot;
-  }
-
-  [[nodiscard]] Snapshot snapshot() const {
-    return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_, spec_left_};
-  }
-
-  static CacheShape validated(CacheShape shape, std::int32_t top_k) {
-    if (shape.num_experts <= 0) {
-      throw Error(ErrorCode::invalid_argument,
-                  "num_experts must be positive, got " + std::to_string(shape.num_experts));
-    }
-    if (shape.capacity <= 0 || shape.capacity > shape.num_experts) {
-      throw Error(ErrorCode::invalid_capacity,
-                  "capacity must be in [1, num_experts=" + std::to_string(shape.num_experts) +
-                      "], got " + std::to_string(shape.capacity));
-    }
-    if (top_k <= 0 || top_k > shape.capacity) {
-      throw Error(ErrorCode::invalid_capacity,
-                  "capacity " + std::to_string(shape.capacity) + " is below top_k " +
-                      std::to_string(top_k) + " (top_k must be in [1, capacity])");
-    }
-    return shape;
-  }
-
- private:
   // Everything was validated; from here on nothing can fail except a broken policy.
   Status apply(ForwardPlan& plan) noexcept {
     plan.clear();
@@ -469,6 +504,7 @@ class ForwardPlanner {
   std::vector<std::uint32_t> spec_left_;
   std::vector<std::int32_t> spec_pos_;
   detail::FixedVector<ExpertId> spec_live_;
+  HintSelector hints_;  // scored plan_prefetch's selection (scratch sized at construction, not state)
 };
 
 }  // namespace expert_cache::inline v0
