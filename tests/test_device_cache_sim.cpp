@@ -280,6 +280,20 @@ struct Fixture {
     REQUIRE(host->prefetch(predicted, host_stream, o).ok());
     host_rt.drain();
   }
+  // Host ids with scores: the device cache selects on the host and plans the selected ids on
+  // the device; the host reference plans the same scored call. Returns the device call's view.
+  PrefetchView prefetch_scored(std::size_t s, const Ids& predicted, const std::vector<float>& scores, float min_score,
+                               std::int32_t max_fills, std::uint32_t expires_after) {
+    const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
+    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, scores, min_score};
+    auto r = dev->prefetch(std::span<const std::int32_t>(predicted), streams[s], o);
+    REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+    auto h = host->prefetch(predicted, host_stream, o);
+    REQUIRE(h.ok());
+    CHECK(r.value().skipped_unlikely == h.value().skipped_unlikely);
+    host_rt.drain();
+    return r.value();
+  }
   std::int32_t* prefetch_ids_of(std::size_t s) const {
     return reinterpret_cast<std::int32_t*>(prefetch_buffers[s].data());
   }
@@ -897,6 +911,106 @@ TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's p
   CHECK(issued > 200);
   CHECK(used > 50);
   CHECK(wasted > 50);
+}
+
+TEST_CASE("device prefetch from host ids with scores: step by step equal to the host-planned scored prefetch") {
+  std::uint64_t issued = 0, unlikely = 0, evictions = 0;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    Fixture<> f(20, 6, seed);
+    std::mt19937_64 rng(seed * 7919);
+    for (int step = 0; step < 50; ++step) {
+      const std::size_t s = rng() % 4 == 0 ? rng() % 3 : 0;
+      (void)f.step(s, random_ids(rng, 1 + static_cast<std::int32_t>(rng() % 6), 20, false));
+      Ids predicted;
+      std::vector<float> scores;
+      for (auto n = rng() % 8; n > 0; --n) {
+        predicted.push_back(static_cast<std::int32_t>(rng() % 20));
+        scores.push_back(static_cast<float>(rng() % 5) / 4.0f);  // ties are common
+      }
+      const float min_score = static_cast<float>(rng() % 3) / 4.0f;
+      const PrefetchView v = f.prefetch_scored(rng() % 3, predicted, scores, min_score,
+                                               static_cast<std::int32_t>(rng() % 4), 1 + static_cast<std::uint32_t>(rng() % 2));
+      unlikely += v.skipped_unlikely;
+      f.settle();
+      f.check_equal(true);
+    }
+    f.check_clean();
+    const CacheStats cs = f.dev->stats(), hs = f.host->stats();
+    CHECK(cs.hits == hs.hits);
+    CHECK(cs.misses == hs.misses);
+    CHECK(cs.evictions == hs.evictions);
+    CHECK(cs.speculative_issued == hs.speculative_issued);
+    CHECK(cs.speculative_used == hs.speculative_used);
+    CHECK(cs.speculative_wasted == hs.speculative_wasted);
+    issued += cs.speculative_issued;
+    evictions += cs.evictions;
+  }
+  MESSAGE("scored speculative fills issued " << issued << ", hints skipped as unlikely " << unlikely);
+  CHECK(issued > 50);
+  CHECK(unlikely > 50);
+  CHECK(evictions > 0);
+}
+
+TEST_CASE("device prefetch with scores: the selected ids in score order; bad scores and device-id scores refused") {
+  Fixture<> f(12, 4);
+  (void)f.step(0, {0, 1});
+  f.settle();
+  // Two free slots, budget 2: of {5: 0.6, 6: 0.95, 7: 0.2, 8: 0.7} the device fills 6 and 8.
+  const PrefetchView v = f.prefetch_scored(1, Ids{5, 6, 7, 8}, {0.6f, 0.95f, 0.2f, 0.7f}, 0.5f, 2, 1);
+  CHECK(v.skipped_unlikely == 1);
+  f.settle();
+  f.check_equal(true);
+  CHECK(f.dev->resident_map_device()[6] >= 0);
+  CHECK(f.dev->resident_map_device()[8] >= 0);
+  CHECK(f.dev->resident_map_device()[5] == -1);
+  CHECK(f.dev->resident_map_device()[7] == -1);
+  CHECK(f.dev->stats().speculative_issued == 2);
+  // Every hint below min_score: accepted, nothing enqueued.
+  const SimCounters calls = f.rt.counters();
+  const PrefetchView none = f.prefetch_scored(1, Ids{9, 10}, {0.1f, 0.4f}, 0.5f, 2, 1);
+  CHECK(none.skipped_unlikely == 2);
+  CHECK(f.rt.counters() == calls);
+
+  const CacheStats before = f.dev->stats();
+  const DevicePlanStats dev_before = f.dev->device_stats();
+  const Ids resident(f.dev->resident_map_device(), f.dev->resident_map_device() + 12);
+  const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
+  const Ids host_ids{9, 10};
+  auto call = [&](std::vector<float> scores, float min_score) {
+    return f.dev->prefetch(std::span<const std::int32_t>(host_ids), f.streams[0],
+                           PrefetchOptions{2 * bytes, 1, scores, min_score});
+  };
+  auto r = call({0.9f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("1 scores for 2 predicted ids") != std::string::npos);
+  r = call({0.9f, std::numeric_limits<float>::quiet_NaN()}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("score nan at index 1 (expert 10)") != std::string::npos);
+  CHECK(call({0.9f, 2.0f}, 0.5f).status().code() == ErrorCode::invalid_argument);
+  r = call({0.9f, 0.9f}, 1.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("min_score 1.5 is not in [0, 1]") != std::string::npos);
+  CHECK(call({}, std::numeric_limits<float>::quiet_NaN()).status().code() == ErrorCode::invalid_argument);
+  // An id out of range is refused even with a score that would skip it.
+  const Ids bad{9, 12};
+  const std::vector<float> bad_scores{0.9f, 0.1f};
+  CHECK(f.dev->prefetch(std::span<const std::int32_t>(bad), f.streams[0], PrefetchOptions{2 * bytes, 1, bad_scores})
+            .status()
+            .code() == ErrorCode::expert_out_of_range);
+  // Device ids take no scores: not_supported, nothing enqueued.
+  std::int32_t* ids = f.prefetch_ids_of(0);
+  const std::vector<float> two{0.9f, 0.9f};
+  r = f.dev->prefetch(ids, 2, f.streams[0], PrefetchOptions{2 * bytes, 1, two});
+  CHECK(r.status().code() == ErrorCode::not_supported);
+  CHECK(std::string(r.status().message()).find("device ids takes no scores") != std::string::npos);
+  CHECK(f.dev->prefetch(ids, 2, f.streams[0], PrefetchOptions{2 * bytes, 1, {}, -0.5f}).status().code() ==
+        ErrorCode::invalid_argument);
+  CHECK(f.rt.counters() == calls);
+  CHECK(f.dev->device_stats() == dev_before);
+  CHECK(Ids(f.dev->resident_map_device(), f.dev->resident_map_device() + 12) == resident);
+  CHECK(f.dev->stats().generation == before.generation);
+  CHECK(f.dev->stats().speculative_issued == before.speculative_issued);
+  f.check_clean();
 }
 
 // A consumer of one group that reads only that group's slots (`slots`: where the host reference

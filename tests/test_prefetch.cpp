@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <type_traits>
@@ -460,6 +462,178 @@ TEST_CASE("prefetch: bad input gets a specific error and leaves stats, maps, pla
   same();
   REQUIRE(f.forward(Ids{3, 5}, f.streams[0]).ok());
   f.check_clean_after_drain();
+}
+
+// ---- scored hints (PrefetchOptions::scores, min_score) ----------------------------------------
+
+TEST_CASE_TEMPLATE("prefetch with scores: highest first within the budget, the unlikely skipped and counted", Cache,
+                   RowSim, WholeSim, InlineSim, BatchedSim, LayerShareSim) {
+  Fixture<Cache> f(12, 6, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  const std::vector<float> scores{0.6f, 0.9f, 0.3f, 0.8f, 0.6f};
+  PrefetchOptions o = f.budget(2);
+  o.scores = scores;
+  auto pv = f.cache->prefetch(Ids{2, 3, 4, 5, 0}, f.streams[0], o);
+  REQUIRE(pv.ok());
+  CHECK(pv.value().issued == 2);  // 3 (0.9) and 5 (0.8); 2 and 0 (0.6) are past the budget
+  CHECK(pv.value().skipped_unlikely == 1);  // 4 (0.3)
+  CHECK(pv.value().skipped_resident == 0);   // the loop stopped at the budget, before 0
+  CHECK(pv.value().bytes == static_cast<std::uint64_t>(2 * f.bytes_per_expert()));
+  CHECK(f.cache->planner().is_speculative(3));
+  CHECK(f.cache->planner().is_speculative(5));
+  CHECK_FALSE(f.cache->planner().is_resident(2));
+  CHECK_FALSE(f.cache->planner().is_resident(4));
+  CHECK(f.cache->last_prefetch().skipped_unlikely == 1);
+  REQUIRE(f.forward_map_reader(f.streams[0]).ok());
+  // Ties keep the caller's order: 2 before 0 (resident; still counted after the budget is spent),
+  // and 4 is still unlikely.
+  o = f.budget(1);
+  o.scores = scores;
+  pv = f.cache->prefetch(Ids{2, 3, 4, 5, 0}, f.streams[1], o);
+  REQUIRE(pv.ok());
+  CHECK(pv.value().issued == 1);
+  CHECK(f.cache->planner().is_speculative(2));
+  CHECK(pv.value().skipped_resident == 3);  // 3 and 5 (in flight), 0
+  f.rt.run_random(3, 5);
+  REQUIRE(f.forward(Ids{3, 5, 2}, f.streams[1]).ok());  // all three used, read complete
+  CHECK(f.cache->last_plan().hits == 3);
+  CHECK(f.cache->last_plan().misses == 0);
+  const CacheStats st = f.cache->stats();
+  CHECK(st.speculative_issued == 3);
+  CHECK(st.speculative_used == 3);
+  CHECK(st.speculative_wasted == 0);
+  f.check_clean_after_drain();
+}
+
+TEST_CASE("prefetch with scores: every bad input is a specific error and changes nothing") {
+  Fixture<RowSim> f(10, 4, 2);
+  REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{3}, f.streams[0], f.budget(1, 2)).ok());
+  f.rt.drain();
+  const auto snap = f.cache->planner().snapshot();
+  const CacheStats stats_before = f.cache->stats();
+  const auto ops_before = f.rt.counters();
+  const Ids resident_before(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end());
+  const Ids forward_before(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end());
+  const PrefetchPlan plan_before = f.cache->last_prefetch();
+  auto same = [&] {
+    CHECK(f.cache->planner().snapshot() == snap);
+    check_stats_equal(f.cache->stats(), stats_before);
+    CHECK(f.rt.counters() == ops_before);
+    CHECK(Ids(f.cache->resident_map_host().begin(), f.cache->resident_map_host().end()) == resident_before);
+    CHECK(Ids(f.cache->forward_map_host().begin(), f.cache->forward_map_host().end()) == forward_before);
+    CHECK(f.cache->last_prefetch().fills == plan_before.fills);
+  };
+  const Stream s = f.streams[1];
+  auto call = [&](const Ids& ids, std::vector<float> scores, float min_score) {
+    PrefetchOptions o = f.budget(2);
+    o.scores = scores;
+    o.min_score = min_score;
+    return f.cache->prefetch(ids, s, o);
+  };
+  auto r = call(Ids{4, 5}, {0.9f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("1 scores for 2 predicted ids") != std::string::npos);
+  same();
+  r = call(Ids{4, 5}, {0.9f, 0.8f, 0.7f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  same();
+  r = call(Ids{4, 5}, {0.9f, std::numeric_limits<float>::quiet_NaN()}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("score nan at index 1 (expert 5)") != std::string::npos);
+  same();
+  r = call(Ids{4, 5}, {-std::numeric_limits<float>::infinity(), 0.8f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("score -inf at index 0 (expert 4)") != std::string::npos);
+  same();
+  r = call(Ids{4, 5}, {0.9f, 1.25f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::invalid_argument);
+  CHECK(std::string(r.status().message()).find("score 1.25 at index 1") != std::string::npos);
+  same();
+  for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -0.1f, 1.5f}) {
+    CAPTURE(bad);
+    r = call(Ids{4, 5}, {0.9f, 0.8f}, bad);
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    CHECK(std::string(r.status().message()).find("min_score") != std::string::npos);
+    same();
+    r = call(Ids{4, 5}, {}, bad);  // without scores too
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    same();
+  }
+  // A bad id is refused even where its score would skip it.
+  r = call(Ids{4, 10}, {0.9f, 0.1f}, 0.5f);
+  CHECK(r.status().code() == ErrorCode::expert_out_of_range);
+  same();
+  // A budget below one expert still checks the scores.
+  PrefetchOptions tiny{f.bytes_per_expert() - 1, 1};
+  const std::vector<float> one_bad{2.0f};
+  tiny.scores = one_bad;
+  CHECK(f.cache->prefetch(Ids{4}, s, tiny).status().code() == ErrorCode::invalid_argument);
+  same();
+  // Every hint unlikely: accepted, nothing happens, the skips are counted.
+  auto none = call(Ids{4, 5}, {0.2f, 0.49f}, 0.5f);
+  REQUIRE(none.ok());
+  CHECK(none.value().issued == 0);
+  CHECK(none.value().skipped_unlikely == 2);
+  CHECK(f.cache->planner().snapshot() == snap);
+  CHECK(f.rt.counters() == ops_before);
+  REQUIRE(f.forward(Ids{3, 5}, f.streams[0]).ok());
+  f.check_clean_after_drain();
+}
+
+TEST_CASE("prefetch with scores through AnyExpertCache: host and device providers select; prefetch_device refuses") {
+  const std::int64_t per = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().bytes));
+  const std::vector<float> scores{0.55f, 0.3f, 0.95f, 0.7f};
+  const Ids predicted{5, 6, 7, 8};
+  for (const char* provider : {"row", "cached", "device"}) {
+    CAPTURE(provider);
+    SimRuntime rt;
+    const Stream st = rt.create_stream().value();
+    AnyCacheConfig config;
+    config.provider = provider;
+    config.options = quiet_options(10, 4, 2);
+    config.layout = AnyLayout::explicit_bytes(six_tensor_layout().bytes);
+    config.max_ids = 4;  // the device provider's bound on a forward's ids
+    auto made = make_expert_cache(rt, config);
+    REQUIRE_MESSAGE(made.ok(), made.status().to_string());
+    auto& cache = made.value();
+    // The device provider reads its forward's ids from device memory.
+    RuntimeBuffer<SimRuntime> forward_ids(rt, 4 * sizeof(std::int32_t), MemoryKind::device);
+    const bool device = std::string_view(provider) == "device";
+    auto prepare = [&](const Ids& ids) {
+      if (!device) return cache.prepare(ids, st).ok();
+      rt.host_access(forward_ids.data(), ids.size() * sizeof(std::int32_t), AccessMode::write);
+      std::memcpy(forward_ids.data(), ids.data(), ids.size() * sizeof(std::int32_t));
+      return cache.prepare(std::span<const std::int32_t>(reinterpret_cast<const std::int32_t*>(forward_ids.data()), ids.size()), st)
+          .ok();
+    };
+    REQUIRE(prepare(Ids{0, 1}));
+    rt.drain();
+    REQUIRE(rt.synchronize(st).ok());
+    // Two free slots, budget 2: 7 (0.95) and 8 (0.7); 5 (0.55) past the budget, 6 unlikely.
+    auto pv = cache.prefetch(predicted, st, PrefetchOptions{2 * per, 1, scores});
+    REQUIRE(pv.ok());
+    CHECK(pv.value().skipped_unlikely == 1);
+    rt.drain();
+    REQUIRE(rt.synchronize(st).ok());
+    CHECK(cache.stats().speculative_issued == 2);
+    REQUIRE(prepare(Ids{7, 8}));
+    rt.drain();
+    REQUIRE(rt.synchronize(st).ok());
+    CHECK(cache.stats().speculative_used == 2);
+    CHECK(cache.stats().misses == 2);  // the first forward's only
+    const CacheStats before = cache.stats();
+    const std::vector<float> short_scores{0.9f};
+    CHECK(cache.prefetch(predicted, st, PrefetchOptions{2 * per, 1, short_scores}).status().code() ==
+          ErrorCode::invalid_argument);
+    RuntimeBuffer<SimRuntime> ids(rt, 4 * sizeof(std::int32_t), MemoryKind::device);
+    const auto r = cache.prefetch_device(reinterpret_cast<const std::int32_t*>(ids.data()), 2, st,
+                                         PrefetchOptions{2 * per, 1, std::span<const float>(scores).first(2)});
+    CHECK(r.status().code() == ErrorCode::not_supported);
+    check_stats_equal(before, cache.stats());
+    rt.drain();
+    CHECK(rt.races().empty());
+  }
 }
 
 TEST_CASE("prefetch: a runtime failure drops the call's fills, counts a fault; the cache goes on") {

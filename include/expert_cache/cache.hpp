@@ -36,6 +36,7 @@
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/nvtx.hpp"
 #include "expert_cache/planner.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
@@ -125,13 +126,35 @@ struct WideRound {
   [[nodiscard]] bool include_shared() const noexcept { return index == 0; }
 };
 
-/// Budget and lifetime of one prefetch() call.
+/// Budget, lifetime and (optionally) the caller's confidence of one prefetch() call.
+///
+/// Scored hints (docs/prefetch.md "Scored hints"): `scores[i]` is the caller's estimate of the
+/// probability that the next forward reads `predicted[i]`, in [0, 1]. Without scores (an empty
+/// span, the default) the ids are taken best first as given. With scores the cache
+///  (a) takes the hints highest score first; equal scores keep the caller's order;
+///  (b) skips every hint scoring below `min_score` (PrefetchView::skipped_unlikely): it is never
+///      fetched and, like an unhinted resident, not protected;
+///  (c) evicts for the others only what an unscored prefetch may evict: never an expert of the
+///      most recent forward, an unused unexpired speculative fill, or a hint taken earlier in
+///      this call (a higher-scored one);
+///  (d) copies at most `max_bytes`, as without scores.
+/// The selection rule lives in one place, HintSelector (prefetch/hint_selection.hpp), which
+/// also says why `min_score` defaults to 0.5: from there on a fill is at least as likely used as
+/// wasted, so on a busy link its expected saving covers its expected waste.
+/// Errors (invalid_argument, before any state change): a number of scores other than the
+/// number of ids, a score that is NaN, infinite or outside [0, 1] (the message names its index
+/// and value), a `min_score` that is NaN or outside [0, 1] (checked with or without scores).
+/// The span is read during the call only.
 struct PrefetchOptions {
   /// Bytes this call may copy: max_bytes / bytes per expert fills (0 = none; < 0 is an error).
   std::int64_t max_bytes = 0;
   /// Accepted forwards a fill stays protected unused before it counts wasted (>= 1): 1 for a
   /// per-layer cache prefetched one forward ahead, L for a cache shared by L layers.
   std::uint32_t expires_after = 1;
+  /// Per-id probability of use, parallel to the predicted ids; empty = no scores.
+  std::span<const float> scores{};
+  /// Scored hints below this probability are skipped, in [0, 1] (hint_selection.hpp: why 0.5).
+  float min_score = default_min_score;
 };
 
 namespace detail {
@@ -324,6 +347,7 @@ struct PrefetchView {
   std::uint32_t evictions = 0;          ///< residents dropped for them
   std::uint32_t skipped_resident = 0;   ///< predicted entries already resident or in flight
   std::uint32_t skipped_no_victim = 0;  ///< predicted ids dropped: every slot was protected
+  std::uint32_t skipped_unlikely = 0;   ///< scored entries below min_score, never considered
   std::uint64_t bytes = 0;              ///< bytes enqueued
 };
 
@@ -440,10 +464,13 @@ class ExpertCacheWithEdges {
   /// forward uses a fill makes its stream wait for exactly that fill (edge 9). The device
   /// resident map names a speculative slot before its bytes land: read slots through the
   /// forward map (expert_map), whose entries are always ordered for the prepare's stream.
-  /// Errors (before any state change): expert_out_of_range, too_many_experts (more entries
-  /// than num_experts), invalid_argument (max_bytes < 0, expires_after == 0),
-  /// capture_unsupported (`stream` is capturing: the per-slot events must be eager). A runtime
-  /// failure drops the call's fills (counted wasted and invalidated).
+  /// With `options.scores`, the hints are selected first (PrefetchOptions: below min_score
+  /// skipped, the rest highest score first).
+  /// Errors (before any state change): expert_out_of_range (any entry, a skipped one too),
+  /// too_many_experts (more entries than num_experts), invalid_argument (max_bytes < 0,
+  /// expires_after == 0, and the scored-hint errors of PrefetchOptions), capture_unsupported
+  /// (`stream` is capturing: the per-slot events must be eager). A runtime failure drops the
+  /// call's fills (counted wasted and invalidated).
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prefetch");
@@ -468,7 +495,11 @@ class ExpertCacheWithEdges {
     if (max_fills > 0) {
       if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;
     }
-    if (Status s = planner_.plan_prefetch(predicted, max_fills, options.expires_after, prefetch_plan_); !s) return s;
+    if (Status s = planner_.plan_prefetch(predicted, options.scores, options.min_score, max_fills,
+                                          options.expires_after, prefetch_plan_);
+        !s) {
+      return s;
+    }
     if (prefetch_plan_.fills.empty()) return prefetch_view(bytes_per_expert);
     resident_dirty_ = true;
     Status s = core_.write(stream, WritePurpose::speculative, resident_upload(), [&](Stream fill) noexcept {
@@ -864,6 +895,7 @@ class ExpertCacheWithEdges {
     v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
     v.skipped_resident = prefetch_plan_.skipped_resident;
     v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
+    v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
     v.bytes = v.issued * bytes_per_expert;
     return v;
   }

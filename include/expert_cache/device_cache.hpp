@@ -779,7 +779,8 @@ class DeviceExpertCacheWithEdges {
         // prefetch uploads and, with stream slots, every round map of one wide forward.
         core_(rt, false, static_cast<std::size_t>(options_.num_experts), wide_ring_size(options_)),
         exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_),
-        prefetch_ids_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device) {
+        prefetch_ids_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device),
+        hints_(options_.num_experts) {
     if (options_.stream_slots >= 2) {
       const std::size_t map = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
       core_.add_wide_stream();
@@ -947,12 +948,23 @@ class DeviceExpertCacheWithEdges {
   // cannot know which slots a device-planned fill wrote). Capturable, with ids that change
   // between replays. The returned view counts nothing (decisions are made on the device):
   // stats() has speculative_issued / used / wasted / bytes.
+  // Scores are not taken here (not_supported when options.scores is not empty): the ids are in
+  // device memory and the device plan takes them in the given order; an engine with scores passes
+  // its ids best first, or calls the host-ids overload below, which selects on the host.
   // Errors, nothing enqueued: n_ids outside [0, E] (too_many_experts above E), null ids with
-  // n_ids > 0, max_bytes < 0, expires_after == 0, a stream the runtime refuses.
+  // n_ids > 0, max_bytes < 0, expires_after == 0, min_score NaN or outside [0, 1], scores
+  // (not_supported), a stream the runtime refuses.
   Result<PrefetchView> prefetch(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     Result<std::int32_t> max_fills = prefetch_budget(n_ids, options);
     if (!max_fills.ok()) return max_fills.status();
+    if (!options.scores.empty()) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prefetch from device ids takes no scores (%zu given): the device plan takes the "
+                            "ids in the given order; select on the host (prefetch from host ids with scores) or "
+                            "pass the ids best first",
+                            options_.label.c_str(), options.scores.size());
+    }
     if (device_ids == nullptr && n_ids > 0) {
       return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %d ids from a null pointer",
                             options_.label.c_str(), n_ids);
@@ -969,7 +981,11 @@ class DeviceExpertCacheWithEdges {
 
   // The same for predicted ids in host memory, validated like ExpertCache::prefetch (every id in
   // [0, E), at most E of them: otherwise refused before anything is enqueued), then uploaded on
-  // `stream` through the ordering core's staging ring (graph-safe like its map uploads).
+  // `stream` through the ordering core's staging ring (graph-safe like its map uploads). With
+  // options.scores the hints are selected on the host first, as ExpertCache::prefetch selects
+  // them (PrefetchOptions; HintSelector), and only the selected ids, highest score first, are
+  // uploaded and planned; the view counts skipped_unlikely (the rest is decided on the device).
+  // The scored-hint errors are PrefetchOptions', before anything is enqueued.
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     if (predicted.size() > static_cast<std::size_t>(options_.num_experts)) {
@@ -985,16 +1001,23 @@ class DeviceExpertCacheWithEdges {
                               options_.label.c_str(), id, options_.num_experts);
       }
     }
+    if (Status s = hints_.select(predicted, options.scores, options.min_score); !s) {
+      return s.with_context("%s", options_.label.c_str());
+    }
     if (Status s = check_stream(stream, "prefetch"); !s) return s;
-    if (n == 0 || max_fills.value() == 0) return PrefetchView{};
+    PrefetchView view;
+    view.skipped_unlikely = hints_.skipped_unlikely();
+    const std::span<const std::int32_t> chosen = hints_.ids();
+    const auto n_chosen = static_cast<std::int32_t>(chosen.size());
+    if (n_chosen == 0 || max_fills.value() == 0) return view;
     auto* ids = reinterpret_cast<std::int32_t*>(prefetch_ids_.data());
     Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
-      if (Status u = core_.upload_map(predicted.data(), ids, f, static_cast<std::size_t>(n)); !u) return u;
-      return exec_.prefetch(f, ids, n, max_fills.value(), options.expires_after, planned);
+      if (Status u = core_.upload_map(chosen.data(), ids, f, static_cast<std::size_t>(n_chosen)); !u) return u;
+      return exec_.prefetch(f, ids, n_chosen, max_fills.value(), options.expires_after, planned);
     });
     if (!s) return s.with_context("%s: prefetch(%d host ids)", options_.label.c_str(), n);
     ++generation_;
-    return PrefetchView{};
+    return view;
   }
 
   // A wide forward from HOST ids (a prompt, a large batch; wide.hpp), served eagerly in rounds
@@ -1211,6 +1234,7 @@ class DeviceExpertCacheWithEdges {
       return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after must be >= 1 forward",
                             options_.label.c_str());
     }
+    if (Status s = check_hint_scores({}, {}, o.min_score); !s) return s.with_context("%s", options_.label.c_str());
     const std::uint64_t fills = bytes_per_expert_ == 0 ? 0 : static_cast<std::uint64_t>(o.max_bytes) / bytes_per_expert_;
     return static_cast<std::int32_t>(std::min<std::uint64_t>(fills, static_cast<std::uint64_t>(options_.capacity)));
   }
@@ -1394,6 +1418,7 @@ class DeviceExpertCacheWithEdges {
   OrderingCore<Runtime, Edges> core_;
   Executor exec_;
   RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
+  HintSelector hints_;                   // the host-ids prefetch's scored-hint selection (E ids)
   // Wide forwards (stream_slots >= 2 only): the resident map read back, the two round maps, and
   // the event the host waits for before it plans the rounds.
   struct WideState {

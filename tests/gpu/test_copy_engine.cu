@@ -94,6 +94,7 @@ struct CeRig {
     cache = std::make_unique<CeCache>(cuda_runtime(), o, big_layout());
     fill_big_pools(*cache, experts);
     REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
+    load_kernels(&check_slots_kernel<0>);
   }
   ~CeRig() {
     (void)cudaStreamSynchronize(x);

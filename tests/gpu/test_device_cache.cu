@@ -285,6 +285,7 @@ struct RigT {
       readers.push_back(r);
     }
     rounds = dev[0]->max_groups(c.n_ids);
+    load_kernels(&router_kernel<0>, &hint_kernel<0>, &reader_kernel<0>, &bump_kernel<0>);
     REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   }
   ~RigT() {

@@ -86,4 +86,16 @@ class PinnedBuffer : public RuntimeArray<T, expert_cache::MemoryKind::pinned_hos
   }
 };
 
+// Loads kernels now, as an engine does before its first step: with lazy module loading (the
+// CUDA default) a kernel's first launch loads it and may wait for the device, which a waiting
+// copy-engine fill then holds until its bounded wait gives up.
+template <class... Kernels>
+void load_kernels(Kernels... kernels) {
+  const auto load = [](const void* k) {
+    cudaFuncAttributes a{};
+    REQUIRE_CUDA_OK(cudaFuncGetAttributes(&a, k));
+  };
+  (load(reinterpret_cast<const void*>(kernels)), ...);
+}
+
 }  // namespace test_support

@@ -300,13 +300,7 @@ class BasicCudaPlanExecutor {
     c.capacity = st.capacity;
     c.test_ready_before_copy = o.test_ready_before_copy;
     c.test_fail_copies = o.test_fail_copies;
-    // Both post kernels loaded now (with lazy module loading a first launch loads the module,
-    // which may wait for the device; here nothing waits for the proxy yet).
-    cudaFuncAttributes attributes{};
-    throw_on(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&proxy_post_kernel<true>)),
-             "cudaFuncGetAttributes (proxy_post_kernel)");
-    throw_on(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(&proxy_post_kernel<false>)),
-             "cudaFuncGetAttributes (proxy_post_kernel)");
+    load_step_kernels();
     int device = 0;
     throw_on(cudaGetDevice(&device), "cudaGetDevice");
     Result<std::shared_ptr<CopyProxy>> proxy = CopyProxy::for_device(device);
@@ -315,6 +309,34 @@ class BasicCudaPlanExecutor {
     Result<std::shared_ptr<CopyProxy::Channel>> channel = proxy_->attach(c);
     if (!channel.ok()) throw Error(channel.status().with_context("%s: attaching to the copy proxy", o.label.c_str()));
     channel_ = std::move(channel).value();
+  }
+
+  // Every kernel this executor may launch, loaded now. With lazy module loading (the CUDA
+  // default since 12.2) a kernel's first launch loads it, and loading may wait for the device to
+  // go idle while holding the driver's lock; if a kernel on the device is then waiting for the
+  // proxy, the proxy's next copy call waits for that lock, and the wait only ends when the
+  // kernel's bounded wait gives up. Here nothing waits for the proxy yet. The engine's own
+  // kernels need the same (docs/design.md, "Copy-engine fills": lazy loading).
+  static void load_step_kernels() {
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(&proxy_post_kernel<true>),
+        reinterpret_cast<const void*>(&proxy_post_kernel<false>),
+        reinterpret_cast<const void*>(&plan_forward_kernel<plan_block_threads, Policy>),
+        reinterpret_cast<const void*>(&plan_forward_warp_kernel<0, Policy>),
+        reinterpret_cast<const void*>(&plan_group_kernel<plan_block_threads, Policy>),
+        reinterpret_cast<const void*>(&plan_invalidate_kernel<32>),
+        reinterpret_cast<const void*>(&plan_prefetch_kernel<0, Policy>),
+        reinterpret_cast<const void*>(&plan_forward_fill_kernel<4, Policy>),
+        reinterpret_cast<const void*>(&plan_fill_kernel<4>),
+        reinterpret_cast<const void*>(&plan_fill_ready_kernel<4, false>),
+        reinterpret_cast<const void*>(&plan_fill_ready_kernel<4, true>),
+        reinterpret_cast<const void*>(&drop_fills_kernel<0>),
+        reinterpret_cast<const void*>(&drop_missing_kernel<0>),
+    };
+    for (const void* k : kernels) {
+      cudaFuncAttributes attributes{};
+      throw_on(cudaFuncGetAttributes(&attributes, k), "cudaFuncGetAttributes (loading the step's kernels)");
+    }
   }
 
   // ready_first_regions names regions the storage has (checked before anything is enqueued).

@@ -983,6 +983,7 @@ class MoeConsumer {
     unbias_ = marlin::exp2i(-marlin::dtype_bias(layout.dtype));
     use_pdl_ = pdl_supported();
     w13_resident_ = resident_blocks(moe_detail::moe_w13<moe_detail::ready_wait>);
+    load_kernels();
   }
   MoeConsumer(const MoeConsumer&) = delete;
   MoeConsumer& operator=(const MoeConsumer&) = delete;
@@ -1201,6 +1202,27 @@ class MoeConsumer {
       return 0;
     }
     return static_cast<long long>(sms) * per_sm;
+  }
+
+  // Every mode's kernels loaded at construction, as an engine loads its own before the first
+  // step: with lazy module loading a first launch loads the kernel and may wait for the device,
+  // which a copy-engine fill then holds until its bounded wait gives up (docs/design.md,
+  // "Copy-engine fills").
+  static void load_kernels() {
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(&moe_detail::moe_w13<moe_detail::ready_none>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w13<moe_detail::ready_wait>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w13<moe_detail::ready_test_skip_wait>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w13<moe_detail::ready_test_skip_act_wait>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w2<moe_detail::ready_none>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w2<moe_detail::ready_wait>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w2<moe_detail::ready_test_skip_wait>),
+        reinterpret_cast<const void*>(&moe_detail::moe_w2<moe_detail::ready_test_skip_act_wait>),
+    };
+    for (const void* k : kernels) {
+      cudaFuncAttributes a{};
+      check(cudaFuncGetAttributes(&a, k), "cudaFuncGetAttributes (loading the consumer's kernels)");
+    }
   }
 
   // PDL needs sm_90 and kernels whose code has the waits (PTX for sm_90 or newer): a kernel
