@@ -75,13 +75,17 @@ void print_help(std::ostream& out) {
          "                        (the earlier steps replay as a warm-up); JSON gains forwards_by_misses\n"
          "  --prefetch P          after each forward, prefetch the next layer's predicted experts:\n"
          "                        none (default), coact (co-activation table learned online), prev\n"
-         "                        (the previous token's experts), or hint:R[:W] (EMULATED engine hints\n"
-         "                        drawn from the trace's future with recall R in (0, 1]; wrong ids W:\n"
-         "                        uniform (default), recent (the next layer's recent choices) or\n"
-         "                        coact (its most co-activated experts)); adds the\n"
-         "                        columns with prefetch: hit rate, OPT's, coverage, precision,\n"
-         "                        fills issued / used / wasted, extra MB per token (docs/prefetch.md)\n"
+         "                        (the previous token's experts), or hint:R[:W][:noise=N] (EMULATED\n"
+         "                        engine hints drawn from the trace's future with recall R in (0, 1];\n"
+         "                        wrong ids W: uniform (default), recent (the next layer's recent\n"
+         "                        choices) or coact (its most co-activated experts); noise=N in [0, 1]:\n"
+         "                        scored hints, a true id scoring 1 - N*u and a wrong one N*u, u\n"
+         "                        uniform in [0, 1)); adds the columns with prefetch: hit rate, OPT's,\n"
+         "                        coverage, precision, fills issued / used / wasted, extra MB per\n"
+         "                        token, and with scores the hints skipped as unlikely (docs/prefetch.md)\n"
          "  --prefetch-budget N   speculative fills per forward (default: the widest forward, top_k)\n"
+         "  --min-score S         scored hints (hint:...:noise=N) below S in [0, 1] are not fetched\n"
+         "                        (default 0.5: from there a fill is at least as likely used as wasted)\n"
          "  --expert-bytes N      bytes per expert for the byte columns (default "
       << default_expert_bytes()
       << ",\n"
@@ -116,6 +120,7 @@ struct Args {
   std::optional<std::int32_t> experts;
   ec::PrefetchSpec prefetch;
   std::optional<std::int32_t> prefetch_budget;
+  std::optional<float> min_score;
   std::uint64_t expert_bytes = 0;
   double calibrate = 0.0;
   double prior_weight = 1.0;
@@ -189,6 +194,12 @@ Args parse_args(int argc, char** argv) {
       const std::int32_t n = parse_int_arg("--expert-bytes", value());
       if (n < 1) throw UsageError{"--expert-bytes: " + std::to_string(n) + " is below 1"};
       a.expert_bytes = static_cast<std::uint64_t>(n);
+    } else if (arg == "--min-score") {
+      const std::string v(value());
+      const std::optional<double> x = ec::detail::parse_fixed_decimal(v);
+      if (!x) throw UsageError{"--min-score: '" + v + "' is not a decimal number"};
+      if (!(*x >= 0.0 && *x <= 1.0)) throw UsageError{"--min-score: " + v + " is not in [0, 1]"};
+      a.min_score = static_cast<float>(*x);
     } else if (arg == "--calibrate" || arg == "--prior-weight" || arg == "--prior-pin" || arg == "--crf-half-life") {
       const std::string v(value());
       char* end = nullptr;
@@ -233,6 +244,9 @@ Args parse_args(int argc, char** argv) {
   }
   if (a.miss_histogram_from && a.prefetch.kind != ec::PrefetchKind::none) {
     throw UsageError{"--miss-histogram and --prefetch cannot be combined (the histogram counts plain replays)"};
+  }
+  if (a.min_score && !ec::is_scored(a.prefetch)) {
+    throw UsageError{"--min-score applies to scored hints only (--prefetch hint:R[:W]:noise=N)"};
   }
   if (a.policies.empty()) a.policies = ec::replay_policy_names();
   if (a.expert_bytes == 0) a.expert_bytes = default_expert_bytes();
@@ -445,7 +459,10 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
       << ",\n  \"records\": " << r.records << ",\n  \"forwards\": " << r.forwards
       << ",\n  \"accesses\": " << r.accesses << ",\n  \"has_opt\": " << (r.has_opt ? "true" : "false")
       << ",\n  \"prefetch\": {\"predictor\": " << json_string(ec::to_string(p.prefetch))
-      << ", \"emulated\": " << (ec::is_emulated(p.prefetch) ? "true" : "false") << ", \"budget\": " << p.budget
+      << ", \"emulated\": " << (ec::is_emulated(p.prefetch) ? "true" : "false")
+      << ", \"scored\": " << (ec::is_scored(p.prefetch) ? "true" : "false") << ", \"min_score\": "
+      << (p.min_score ? json_number(std::optional<double>(*p.min_score)) : std::string("null"))
+      << ", \"budget\": " << p.budget
       << ", \"list_length\": " << p.list_length << ", \"expires_after\": " << p.expires_after
       << ", \"expert_bytes\": " << p.expert_bytes << ", \"tokens\": " << json_number(p.tokens) << "}"
       << ",\n  \"results\": [";
@@ -476,6 +493,7 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
         << ", \"pending\": " << ops_number(field(&ec::PrefetchCounts::pending))
         << ", \"skipped_resident\": " << ops_number(field(&ec::PrefetchCounts::skipped_resident))
         << ", \"skipped_no_victim\": " << ops_number(field(&ec::PrefetchCounts::skipped_no_victim))
+        << ", \"skipped_unlikely\": " << ops_number(field(&ec::PrefetchCounts::skipped_unlikely))
         << ", \"extra_bytes_per_token\": " << json_number(row.extra_bytes_per_token)
         << ", \"bytes_per_token\": " << json_number(row.bytes_per_token_without)
         << ", \"prefetch_bytes_per_token\": " << json_number(row.bytes_per_token_with);
@@ -495,6 +513,13 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
       << "prefetch: " << ec::to_label(p.prefetch) << ": after each forward of layer L, up to " << p.budget
       << " speculative fills of layer L+1's predicted experts " << prefetch_scope_text(p) << " (unused after "
       << p.expires_after << (p.expires_after == 1 ? " forward" : " forwards") << " = wasted)\n";
+  if (p.min_score) {
+    char line[160];
+    std::snprintf(line, sizeof line,
+                  "  scored hints: highest score first, those below min_score %g skipped (column 'unlikely')\n",
+                  static_cast<double>(*p.min_score));
+    out << line;
+  }
   char buf[320];
   std::snprintf(buf, sizeof buf, "  bytes: %llu per expert, %.6g tokens (records / layers)\n\n",
                 static_cast<unsigned long long>(p.expert_bytes), p.tokens);
@@ -505,9 +530,15 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
     std::snprintf(buf, sizeof buf, " %9s %9s", "hits/OPT", "OPT_rate");
     out << buf;
   }
-  std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s\n", "+prefetch", "coverage", "precision",
+  const bool scored = p.min_score.has_value();
+  std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s", "+prefetch", "coverage", "precision",
                 "issued", "used", "wasted", "extraMB/tok", "MB/tok(pf)");
   out << buf;
+  if (scored) {
+    std::snprintf(buf, sizeof buf, " %10s", "unlikely");
+    out << buf;
+  }
+  out << '\n';
   std::int32_t last_capacity = -1;
   for (std::size_t i = 0; i < p.rows.size(); ++i) {
     const ec::PrefetchRow& row = p.rows[i];
@@ -530,16 +561,22 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
       std::snprintf(b, sizeof b, "%.3f", *v / 1e6);
       return std::string(b);
     };
-    std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s\n", percent_text(hit_rate_of(row.with)).c_str(),
+    std::snprintf(buf, sizeof buf, " | %9s %9s %9s %10s %10s %10s %11s %11s", percent_text(hit_rate_of(row.with)).c_str(),
                   percent_text(row.coverage).c_str(), percent_text(row.precision).c_str(),
                   count(&ec::PrefetchCounts::issued).c_str(), count(&ec::PrefetchCounts::used).c_str(),
                   count(&ec::PrefetchCounts::wasted).c_str(), mb(row.extra_bytes_per_token).c_str(),
                   mb(row.bytes_per_token_with).c_str());
     out << buf;
+    if (scored) {
+      std::snprintf(buf, sizeof buf, " %10s", count(&ec::PrefetchCounts::skipped_unlikely).c_str());
+      out << buf;
+    }
+    out << '\n';
   }
   if (ec::is_emulated(p.prefetch)) {
     out << "\n(" << ec::to_string(p.prefetch)
-        << " is EMULATED: hints drawn from the trace's own future at the given recall, not a real predictor)\n";
+        << " is EMULATED: hints drawn from the trace's own future at the given recall"
+        << (ec::is_scored(p.prefetch) ? ", scores drawn with the given noise" : "") << ", not a real predictor)\n";
   }
 }
 
@@ -642,6 +679,7 @@ int run(int argc, char** argv) {
     po.policies = options.policies;
     po.prefetch = args.prefetch;
     po.budget = args.prefetch_budget;
+    if (args.min_score) po.min_score = *args.min_score;
     po.expert_bytes = args.expert_bytes;
     po.progress = options.progress;
     po.progress_every = options.progress_every;

@@ -284,6 +284,16 @@ TEST_CASE("predictors: bad input is an error and changes nothing") {
   CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 1.5), Error);
   CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, -0.5), Error);
   CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, std::numeric_limits<double>::quiet_NaN()), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 0.5, 1, HintWrongIds::uniform, -0.1), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 0.5, 1, HintWrongIds::uniform, 1.5), Error);
+  CHECK_THROWS_AS(EmulatedHintPredictor(2, 4, 0.5, 1, HintWrongIds::uniform, std::numeric_limits<double>::quiet_NaN()),
+                  Error);
+  EmulatedHintPredictor hs(2, 4, 0.5, 1, HintWrongIds::uniform, 0.2);
+  REQUIRE(hs.predict(PredictionQuery{0, 0, ok, Ids{1, 2}}, 4, out).ok());
+  CHECK(hs.scores().size() == 2);
+  CHECK(hs.predict(PredictionQuery{0, 0, ok, Ids{4}}, 4, out).code() == ErrorCode::expert_out_of_range);
+  CHECK(out.empty());
+  CHECK(hs.scores().empty());  // a rejected query leaves no scores behind either
   CHECK_THROWS_AS(CoactivationPredictor(2, 4, 0.0), Error);
   CHECK_THROWS_AS(CoactivationPredictor(2, 4, 1.01), Error);
   CHECK_THROWS_AS(CoactivationPredictor(0, 4), Error);
@@ -296,6 +306,7 @@ TEST_CASE("predictors: observe and predict allocate nothing after construction")
   CoactivationPredictor c(4, 32, 0.95);
   PreviousTokenPredictor p(4, 32);
   EmulatedHintPredictor h(4, 32, 0.7, 3);
+  EmulatedHintPredictor scored(4, 32, 0.7, 3, HintWrongIds::recent, 0.4);
   std::vector<Ids> layers(4);
   detail::SplitMix64 rng{8};
   for (Ids& e : layers) {
@@ -311,12 +322,15 @@ TEST_CASE("predictors: observe and predict allocate nothing after construction")
       const std::span<const std::int32_t> cur(layers[static_cast<std::size_t>(l)]);
       const std::span<const std::int32_t> next(layers[static_cast<std::size_t>((l + 1) % 4)]);
       const PredictionQuery q{s, l, cur, next};
-      bool ok = c.observe(s, l, cur).ok() && p.observe(s, l, cur).ok() && h.observe(s, l, cur).ok();
+      bool ok = c.observe(s, l, cur).ok() && p.observe(s, l, cur).ok() && h.observe(s, l, cur).ok() &&
+                scored.observe(s, l, cur).ok();
       ok = ok && c.predict(q, 8, out).ok();
       returned += out.size();
       ok = ok && p.predict(q, 8, out).ok();
       returned += out.size();
       ok = ok && h.predict(q, 8, out).ok();
+      returned += out.size();
+      ok = ok && scored.predict(q, 8, out).ok() && scored.scores().size() == out.size();
       returned += out.size();
       if (!ok) break;
     }
@@ -378,7 +392,8 @@ void check_invariants(const PrefetchReplayReport& r) {
     CHECK(row.with->accesses() == r.plain.accesses);
     CHECK(c.used <= c.issued);
     CHECK(c.issued == c.used + c.wasted + c.pending);
-    CHECK(c.predicted >= c.issued + c.skipped_resident + c.skipped_no_victim);
+    CHECK(c.predicted >= c.issued + c.skipped_resident + c.skipped_no_victim + c.skipped_unlikely);
+    if (!is_scored(r.prefetch)) CHECK(c.skipped_unlikely == 0);
     CHECK(c.issued <= static_cast<std::uint64_t>(r.budget) * r.plain.forwards);
     CHECK(row.with->hits >= c.used);  // a used fill is a hit
     if (row.without.misses > 0) {
@@ -455,7 +470,7 @@ TEST_CASE("prefetch replay: budget 0 and prefetch none equal the plain replay ex
     CAPTURE(to_string(scope));
     std::vector<std::string> policies = online_policies();
     policies.emplace_back(opt_policy_alias);
-    for (const char* predictor : {"coact", "prev", "hint:1", "hint:0.5", "none"}) {
+    for (const char* predictor : {"coact", "prev", "hint:1", "hint:0.5", "hint:0.5:noise=0.3", "none"}) {
       CAPTURE(predictor);
       const bool none = std::string_view(predictor) == "none";
       const PrefetchReplayReport r =
@@ -489,7 +504,7 @@ TEST_CASE("prefetch replay: hint:1 with enough budget never lowers the hit rate;
       CHECK(row.precision.value() == 1.0);  // every hinted id is a true one
       if (scope == ReplayScope::layer) CHECK(row.speculative->pending == 0);  // each fill meets its forward
     }
-    for (const char* predictor : {"coact", "prev", "hint:0.8", "hint:0.3"}) {
+    for (const char* predictor : {"coact", "prev", "hint:0.8", "hint:0.3", "hint:0.5:recent:noise=0.7"}) {
       CAPTURE(predictor);
       const PrefetchReplayReport r = prefetch_replay(trace, scope, caps, online_policies(), predictor);
       check_invariants(r);
@@ -622,4 +637,249 @@ TEST_CASE("hint spelling: hint:R[:uniform|recent|coact], the plain one uniform, 
   CHECK(std::string(bad.status().message()).find("'uniform', 'recent' or 'coact', not 'nearby'") != std::string::npos);
   CHECK_FALSE(parse_prefetch_spec("hint::recent").ok());
   CHECK_FALSE(parse_prefetch_spec("hint:1.5:recent").ok());
+}
+
+// ---- scored hints: the hint model's noise and the replay's min_score ------------------------------
+
+namespace {
+
+// Scores of `queries` random queries of a scored hint predictor, split by true and wrong ids.
+struct ScoreSample {
+  std::vector<float> true_scores, wrong_scores;
+};
+
+ScoreSample sample_scores(double noise, std::uint64_t seed, int queries = 3000) {
+  EmulatedHintPredictor p(2, 64, 0.5, seed, HintWrongIds::uniform, noise);
+  detail::SplitMix64 rng{seed + 100};
+  ScoreSample out;
+  for (int q = 0; q < queries; ++q) {
+    Ids truth;
+    while (truth.size() < 6) {
+      const auto id = static_cast<std::int32_t>(rng.below(64));
+      if (std::find(truth.begin(), truth.end(), id) == truth.end()) truth.push_back(id);
+    }
+    std::span<const std::int32_t> ids;
+    REQUIRE(p.predict(PredictionQuery{q, 0, Ids{0}, truth}, 64, ids).ok());
+    const std::span<const float> scores = p.scores();
+    REQUIRE(scores.size() == ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      const bool is_true = std::find(truth.begin(), truth.end(), ids[i]) != truth.end();
+      (is_true ? out.true_scores : out.wrong_scores).push_back(scores[i]);
+    }
+  }
+  return out;
+}
+
+double share_at_least(const std::vector<float>& v, float threshold) {
+  return static_cast<double>(std::count_if(v.begin(), v.end(), [&](float x) { return x >= threshold; })) /
+         static_cast<double>(v.size());
+}
+
+double mean_of(const std::vector<float>& v) {
+  double sum = 0.0;
+  for (const float x : v) sum += x;
+  return sum / static_cast<double>(v.size());
+}
+
+}  // namespace
+
+TEST_CASE("hint scores: noise 0 separates true and wrong ids exactly") {
+  const ScoreSample s = sample_scores(0.0, 5);
+  REQUIRE(s.true_scores.size() == 3000 * 3);
+  REQUIRE(s.wrong_scores.size() == 3000 * 3);
+  CHECK(std::all_of(s.true_scores.begin(), s.true_scores.end(), [](float x) { return x == 1.0f; }));
+  CHECK(std::all_of(s.wrong_scores.begin(), s.wrong_scores.end(), [](float x) { return x == 0.0f; }));
+}
+
+TEST_CASE("hint scores: noise N keeps true ids above 1 - N and wrong ids below N, each uniform there") {
+  const ScoreSample s = sample_scores(0.3, 6);
+  CHECK(std::all_of(s.true_scores.begin(), s.true_scores.end(), [](float x) { return x > 0.7f - 1e-6f && x <= 1.0f; }));
+  CHECK(std::all_of(s.wrong_scores.begin(), s.wrong_scores.end(), [](float x) { return x >= 0.0f && x < 0.3f + 1e-6f; }));
+  CHECK(mean_of(s.true_scores) == doctest::Approx(0.85).epsilon(0.01));
+  CHECK(mean_of(s.wrong_scores) == doctest::Approx(0.15).epsilon(0.03));
+  // So min_score 0.5 keeps every true id and no wrong one.
+  CHECK(share_at_least(s.true_scores, 0.5f) == 1.0);
+  CHECK(share_at_least(s.wrong_scores, 0.5f) == 0.0);
+  // At noise 0.7 they overlap on [0.3, 0.7): a threshold of 0.5 keeps 5/7 of the true ids and
+  // 2/7 of the wrong ones.
+  const ScoreSample o = sample_scores(0.7, 7);
+  CHECK(share_at_least(o.true_scores, 0.5f) == doctest::Approx(5.0 / 7).epsilon(0.03));
+  CHECK(share_at_least(o.wrong_scores, 0.5f) == doctest::Approx(2.0 / 7).epsilon(0.06));
+}
+
+TEST_CASE("hint scores: noise 1 carries no information (true and wrong ids score alike)") {
+  const ScoreSample s = sample_scores(1.0, 8);
+  for (const auto* v : {&s.true_scores, &s.wrong_scores}) {
+    CHECK(std::all_of(v->begin(), v->end(), [](float x) { return x >= 0.0f && x <= 1.0f; }));
+    CHECK(mean_of(*v) == doctest::Approx(0.5).epsilon(0.03));
+    for (const float t : {0.25f, 0.5f, 0.75f}) {
+      CAPTURE(t);
+      CHECK(share_at_least(*v, t) == doctest::Approx(1.0 - t).epsilon(0.06));
+    }
+  }
+  // The same threshold keeps the same share of both.
+  CHECK(share_at_least(s.true_scores, 0.5f) == doctest::Approx(share_at_least(s.wrong_scores, 0.5f)).epsilon(0.06));
+}
+
+TEST_CASE("hint scores: parallel to the list, cut with it; the ids do not depend on the noise") {
+  const Ids truth{1, 4, 6, 9};
+  EmulatedHintPredictor plain(3, 16, 0.5, 9);
+  EmulatedHintPredictor scored(3, 16, 0.5, 9, HintWrongIds::uniform, 0.4);
+  EmulatedHintPredictor exact(3, 16, 0.5, 9, HintWrongIds::uniform, 0.0);
+  for (int q = 0; q < 50; ++q) {
+    const Ids a = predict(plain, q % 2, {0}, 64, truth);
+    const Ids b = predict(scored, q % 2, {0}, 64, truth);
+    const Ids c = predict(exact, q % 2, {0}, 64, truth);
+    CHECK(a == b);  // the same ids, whatever the noise
+    CHECK(a == c);
+    CHECK(plain.scores().empty());  // unscored
+    REQUIRE(scored.scores().size() == b.size());
+    REQUIRE(exact.scores().size() == c.size());
+    for (std::size_t i = 0; i < c.size(); ++i) {
+      const bool is_true = count_in(Ids{c[i]}, truth) == 1;
+      CHECK(exact.scores()[i] == (is_true ? 1.0f : 0.0f));
+    }
+  }
+  CHECK(predict(scored, 0, {0}, 2, truth).size() == 2);
+  CHECK(scored.scores().size() == 2);  // cut to max_ids with the ids
+  CHECK(predict(scored, 2, {0}, 64, truth).empty());  // the last layer predicts nothing
+  CHECK(scored.scores().empty());
+  CHECK(scored.noise() == 0.4);
+  CHECK(!plain.noise());
+}
+
+TEST_CASE("hint spelling with noise: hint:R[:W][:noise=N]; bad spellings refused with the reason") {
+  for (const char* text : {"hint:0.9:recent:noise=0.3", "hint:0.5:noise=0", "hint:1:coact:noise=1", "hint:0.8:noise=0.25"}) {
+    CAPTURE(text);
+    const auto s = parse_prefetch_spec(text);
+    REQUIRE(s.ok());
+    CHECK(to_string(s.value()) == text);
+    CHECK(is_scored(s.value()));
+  }
+  const PrefetchSpec a = parse_prefetch_spec("hint:0.9:recent:noise=0.3").value();
+  CHECK(a.recall == 0.9);
+  CHECK(a.wrong == HintWrongIds::recent);
+  CHECK(a.noise == 0.3);
+  CHECK(parse_prefetch_spec("hint:0.5:uniform:noise=0.5").value() == parse_prefetch_spec("hint:0.5:noise=0.5").value());
+  CHECK(!is_scored(parse_prefetch_spec("hint:0.5:recent").value()));
+  CHECK(!is_scored(parse_prefetch_spec("coact").value()));
+  struct Bad {
+    const char* text;
+    const char* reason;
+  };
+  for (const Bad bad : {Bad{"hint:0.5:noise=1.5", "noise 1.5 is outside [0, 1]"},
+                        Bad{"hint:0.5:noise=-0.1", "noise -0.1 is outside [0, 1]"},
+                        Bad{"hint:0.5:noise=x", "decimal number in [0, 1]"},
+                        Bad{"hint:0.5:noise=", "decimal number in [0, 1]"},
+                        Bad{"hint:0.5:noise=nan", "decimal number in [0, 1]"},
+                        Bad{"hint:0.5:noise=1e-1", "decimal number in [0, 1]"},
+                        Bad{"hint:0.5:noise=0.1:recent", "'recent' is out of place"},
+                        Bad{"hint:0.5:recent:coact", "'coact' is out of place"},
+                        Bad{"hint:0.5:noise=0.1:noise=0.2", "given twice"},
+                        Bad{"hint:0.5:", "not ''"},
+                        Bad{"hint:0.5:noise", "not 'noise'"},
+                        Bad{"hint:2:noise=0.1", "recall 2 is outside (0, 1]"}}) {
+    CAPTURE(bad.text);
+    const auto r = parse_prefetch_spec(bad.text);
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    CHECK(std::string(r.status().message()).find(bad.reason) != std::string::npos);
+  }
+}
+
+TEST_CASE("prefetch replay with scores: counts by hand; noise 0 fetches the true ids only") {
+  // Two layers, six experts (the trace's largest id + 1), two per forward. Layer 0 runs {0, 1}
+  // every step; layer 1 runs {0, 1}, {2, 3}, {4, 5}: never seen before, so without prefetch
+  // every layer-1 request misses. Recall 0.5 with k = 2: every list is one true and one wrong id.
+  // Layer scope, 6 slots (every expert: no eviction), budget 2, expires after 1 forward.
+  const Trace trace = parsed("0 0 0 1\n0 1 0 1\n1 0 0 1\n1 1 2 3\n2 0 0 1\n2 1 4 5\n");
+  const auto run = [&](const char* predictor, float min_score) {
+    PrefetchReplayOptions o;
+    o.capacities = {6};
+    o.policies = {"lru"};
+    o.prefetch = parse_prefetch_spec(predictor).value();
+    o.budget = 2;
+    o.expert_bytes = 1000;
+    o.min_score = min_score;
+    Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    check_invariants(r.value());
+    return r.value();
+  };
+  {
+    // Noise 0, min_score 0.5: per step the true id is fetched (a free slot) and used, the wrong
+    // one skipped. Layer 1: 3 hits of 6; layer 0: 4 hits of 6.
+    const PrefetchReplayReport r = run("hint:0.5:noise=0", 0.5f);
+    const PrefetchRow& row = r.rows[0];
+    CHECK(r.min_score == 0.5f);
+    CHECK(row.without == ReplayCounts{4, 8, 0});
+    CHECK(row.speculative->predicted == 6);
+    CHECK(row.speculative->skipped_unlikely == 3);
+    CHECK(row.speculative->issued == 3);
+    CHECK(row.speculative->used == 3);
+    CHECK(row.speculative->wasted == 0);
+    CHECK(row.with->hits == 4 + 3);
+    CHECK(row.with->misses == 5);
+    CHECK(row.precision.value() == 1.0);
+    CHECK(row.coverage.value() == doctest::Approx(3.0 / 8));
+    CHECK(row.extra_bytes_per_token.value() == 0.0);
+  }
+  {
+    // min_score 0 with enough budget and room: every hinted id is fetched, as without scores
+    // (the order differs, the set does not).
+    const PrefetchReplayReport scored = run("hint:0.5:noise=0", 0.0f);
+    const PrefetchReplayReport plain = run("hint:0.5", 0.5f);
+    CHECK(!plain.min_score);
+    CHECK(scored.rows[0].speculative->skipped_unlikely == 0);
+    CHECK(scored.rows[0].speculative->issued == plain.rows[0].speculative->issued);
+    CHECK(scored.rows[0].speculative->used == plain.rows[0].speculative->used);
+    CHECK(*scored.rows[0].with == *plain.rows[0].with);
+    CHECK(plain.rows[0].speculative->issued >= 3);  // the true ones, and the wrong ones not resident
+  }
+  {
+    // Noise 1, min_score 1: a true id scores 1 - u, a wrong one u < 1: nothing is fetched (but a
+    // true id drawn with u = 0 exactly, which does not happen here).
+    const PrefetchReplayReport r = run("hint:0.5:noise=1", 1.0f);
+    CHECK(r.rows[0].speculative->issued == 0);
+    CHECK(r.rows[0].speculative->skipped_unlikely == 6);
+    CHECK(*r.rows[0].with == r.rows[0].without);
+  }
+  // A min_score outside [0, 1] is refused before any run.
+  PrefetchReplayOptions bad;
+  bad.capacities = {6};
+  bad.policies = {"lru"};
+  bad.prefetch = parse_prefetch_spec("hint:0.5:noise=0").value();
+  for (const float m : {-0.5f, 1.5f, std::numeric_limits<float>::quiet_NaN()}) {
+    CAPTURE(m);
+    bad.min_score = m;
+    const auto r = replay_with_prefetch(trace, bad);
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+    CHECK(std::string(r.status().message()).find("min_score") != std::string::npos);
+  }
+}
+
+TEST_CASE("prefetch replay with scores: noise 0 wastes nothing where unscored hints waste, on a generated trace") {
+  const Trace trace = generate_trace(GeneratorSpec{6, 32, 4, 400, 0.8, 0.3, 9});
+  for (const ReplayScope scope : {ReplayScope::layer, ReplayScope::global}) {
+    CAPTURE(to_string(scope));
+    const std::vector<std::int32_t> caps = scope == ReplayScope::layer ? std::vector<std::int32_t>{8}
+                                                                       : std::vector<std::int32_t>{48};
+    const PrefetchReplayReport plain = prefetch_replay(trace, scope, caps, {"lru"}, "hint:0.5");
+    const PrefetchReplayReport exact = prefetch_replay(trace, scope, caps, {"lru"}, "hint:0.5:noise=0");
+    const PrefetchReplayReport blind = prefetch_replay(trace, scope, caps, {"lru"}, "hint:0.5:noise=1");
+    check_invariants(exact);
+    check_invariants(blind);
+    const PrefetchCounts& p = *plain.rows[0].speculative;
+    const PrefetchCounts& e = *exact.rows[0].speculative;
+    const PrefetchCounts& b = *blind.rows[0].speculative;
+    CHECK(e.predicted == p.predicted);  // the same lists
+    CHECK(p.wasted > 0);
+    CHECK(e.wasted <= e.issued / 20);  // true ids only: the few wasted are evicted before use
+    CHECK(e.issued < p.issued);
+    CHECK(exact.rows[0].precision.value() > 0.95);
+    CHECK(plain.rows[0].precision.value() < 0.8);
+    // No information: about half of the entries skipped, precision as without scores.
+    CHECK(static_cast<double>(b.skipped_unlikely) / static_cast<double>(b.predicted) == doctest::Approx(0.5).epsilon(0.1));
+    CHECK(blind.rows[0].precision.value() == doctest::Approx(plain.rows[0].precision.value()).epsilon(0.15));
+  }
 }

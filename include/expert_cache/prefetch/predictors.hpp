@@ -11,6 +11,8 @@
 //      first, at most max_ids of them (a view into the predictor, valid until its next call).
 // `truth` (layer L+1's real experts at this step) is read by EmulatedHintPredictor only: it
 // stands in for an engine that computes hints from hidden states, which a routing trace lacks.
+// With a score noise it also gives emulated per-id confidences (scores(), for
+// PrefetchOptions::scores).
 // The last layer predicts nothing (empty list): the next token's first layer is not predicted.
 //
 // Errors (Status, state unchanged): a layer outside [0, num_layers), an id outside
@@ -319,16 +321,25 @@ inline constexpr std::int32_t hint_recent_window = 8;
 /// query gets round(R * k) and each later one floor or ceil of R * k. Seeded SplitMix64:
 /// the same seed and queries give the same lists. observe() validates and, for `recent` and
 /// `coact`, records what each layer chose.
+///
+/// Scores (with `noise`, in [0, 1]): predict() also gives each returned id an EMULATED
+/// confidence, scores() parallel to the list (PrefetchOptions::scores): a true id 1 - noise * u,
+/// a wrong one noise * u, with u uniform in [0, 1) drawn per id. Noise 0 separates them exactly
+/// (1 and 0); noise 1 makes both uniform on [0, 1], so the score says nothing; in between, true
+/// ids score above 1 - noise and wrong ones below noise. The u come from a second SplitMix64
+/// stream of the same seed, so the ids are the same with and without scores (and any noise).
+/// Without `noise`, scores() is empty: an unscored list.
 class EmulatedHintPredictor {
  public:
   static constexpr std::string_view name = "hint";
 
   EmulatedHintPredictor(std::int32_t num_layers, std::int32_t num_experts, double recall, std::uint64_t seed = 1,
-                        HintWrongIds wrong = HintWrongIds::uniform)
+                        HintWrongIds wrong = HintWrongIds::uniform, std::optional<double> noise = std::nullopt)
       : layers_(num_layers), experts_(num_experts), recall_(checked(num_layers, num_experts, recall)), wrong_(wrong),
-        ids_(num_experts), rng_{seed} {
+        noise_(checked_noise(noise)), ids_(num_experts), rng_{seed}, score_rng_{score_seed(seed)} {
     pool_.assign(static_cast<std::size_t>(num_experts), 0);
     out_.assign(static_cast<std::size_t>(num_experts), 0);
+    if (noise_) scores_.assign(static_cast<std::size_t>(num_experts), 0.0f);
     taken_.assign(static_cast<std::size_t>(num_experts), 0);
     if (wrong == HintWrongIds::recent) {
       // Never chosen: older than any window.
@@ -341,6 +352,12 @@ class EmulatedHintPredictor {
 
   [[nodiscard]] double recall() const noexcept { return recall_; }
   [[nodiscard]] HintWrongIds wrong_ids() const noexcept { return wrong_; }
+  [[nodiscard]] std::optional<double> noise() const noexcept { return noise_; }
+  // The last predict()'s scores, parallel to its list (empty without noise, or after an error
+  // or an empty list); a view into the predictor, valid until its next call.
+  [[nodiscard]] std::span<const float> scores() const noexcept {
+    return std::span<const float>(scores_.data(), scored_);
+  }
   // Totals over all queries: true experts asked about, true ids returned (before max_ids cuts).
   [[nodiscard]] std::uint64_t truth_total() const noexcept { return truth_total_; }
   [[nodiscard]] std::uint64_t true_returned() const noexcept { return true_returned_; }
@@ -359,6 +376,7 @@ class EmulatedHintPredictor {
 
   Status predict(const PredictionQuery& q, std::int32_t max_ids, std::span<const std::int32_t>& out) noexcept {
     out = {};
+    scored_ = 0;
     if (Status s = detail::check_layer(q.layer, layers_); !s) return s.with_context("hint predict");
     if (Status s = detail::check_max_ids(max_ids); !s) return s.with_context("hint predict");
     // The co-activation ranking first (it checks q.current and uses the id checker itself).
@@ -418,7 +436,16 @@ class EmulatedHintPredictor {
     for (std::size_t i = len; i > 1; --i) {  // shuffle: the order carries no hint
       std::swap(out_[i - 1], out_[rng_.below(static_cast<std::uint32_t>(i))]);
     }
-    out = std::span<const std::int32_t>(out_.data(), std::min(len, static_cast<std::size_t>(max_ids)));
+    const std::size_t kept = std::min(len, static_cast<std::size_t>(max_ids));
+    if (noise_) {
+      // One draw per listed id (before the cut, so max_ids does not shift later draws).
+      for (std::size_t i = 0; i < len; ++i) {
+        const double spread = *noise_ * score_rng_.uniform();
+        scores_[i] = static_cast<float>(ids_.marked(out_[i]) ? 1.0 - spread : spread);
+      }
+      scored_ = kept;
+    }
+    out = std::span<const std::int32_t>(out_.data(), kept);
     return {};
   }
 
@@ -432,6 +459,14 @@ class EmulatedHintPredictor {
       take(pool_[i]);
     }
   }
+  static std::optional<double> checked_noise(std::optional<double> noise) {
+    if (noise && !(*noise >= 0.0 && *noise <= 1.0)) {
+      throw Error(ErrorCode::invalid_argument, "emulated hint score noise must be in [0, 1], got " + std::to_string(*noise));
+    }
+    return noise;
+  }
+  // The scores' own stream: another SplitMix64 sequence of the same seed.
+  static std::uint64_t score_seed(std::uint64_t seed) noexcept { return detail::SplitMix64{~seed}.next(); }
   static double checked(std::int32_t num_layers, std::int32_t num_experts, double recall) {
     detail::check_predictor_shape(num_layers, num_experts);
     if (!(recall > 0.0 && recall <= 1.0)) {
@@ -443,12 +478,16 @@ class EmulatedHintPredictor {
   std::int32_t experts_;
   double recall_;
   HintWrongIds wrong_;
+  std::optional<double> noise_;  // scores: none without
   detail::IdChecker ids_;
   detail::SplitMix64 rng_;
+  detail::SplitMix64 score_rng_;  // the scores' u, apart from the ids' draws
   std::uint64_t truth_total_ = 0;
   std::uint64_t true_returned_ = 0;
   std::vector<std::int32_t> pool_;  // scratch: truth copy, then the wrong ids' candidates
   std::vector<std::int32_t> out_;   // predict() result
+  std::vector<float> scores_;       // predict() scores, parallel to out_ (noise only)
+  std::size_t scored_ = 0;          // entries of scores_ that belong to the last list
   std::vector<std::uint32_t> taken_;  // epoch marks: wrong ids already in this list
   std::uint32_t epoch_ = 0;
   std::vector<std::int64_t> seen_at_;   // recent: [layer][expert] index of the last forward that chose it

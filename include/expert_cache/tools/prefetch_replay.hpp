@@ -6,7 +6,8 @@
 // For each forward (step, layer L) in trace order:
 //   1. the forward is planned on its cache (demand: hits and misses as in the plain replay),
 //   2. the predictor observes it, then ranks layer L+1's experts for the same step,
-//   3. plan_prefetch(ranked, max_fills = budget, expires_after) on the cache of layer L+1:
+//   3. plan_prefetch(ranked, max_fills = budget, expires_after) on the cache of layer L+1 (with
+//      a scored predictor, its scores and min_score: the scored plan_prefetch):
 //        layer scope  - layer L+1's own cache, expires_after = 1 (its next forward),
 //        global scope - the shared cache, keys layer_index*E + e, expires_after = layers
 //                       (one token's worth of forwards of that cache).
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "expert_cache/planner.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/prefetch/predictors.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/tools/replay.hpp"
@@ -42,12 +44,13 @@ namespace expert_cache::inline v0 {
 
 enum class PrefetchKind : std::uint8_t { none, coact, prev, hint };
 
-// Which predictor, and its knobs. Spelled none | coact | prev | hint:R[:uniform|recent|coact]
-// on the command line.
+// Which predictor, and its knobs. Spelled none | coact | prev |
+// hint:R[:uniform|recent|coact][:noise=N] on the command line.
 struct PrefetchSpec {
   PrefetchKind kind = PrefetchKind::none;
   double recall = 1.0;     // hint: share of the true experts among the hinted ones, (0, 1]
   HintWrongIds wrong = HintWrongIds::uniform;  // hint: where its wrong ids come from
+  std::optional<double> noise;  // hint: score noise in [0, 1]; none = unscored hints
   std::uint64_t seed = 1;  // hint: SplitMix64 seed of the draws
   double decay = 1.0;      // coact: weight factor per update, (0, 1] (1 = plain counts)
   friend bool operator==(const PrefetchSpec&, const PrefetchSpec&) = default;
@@ -63,19 +66,42 @@ struct PrefetchSpec {
     case PrefetchKind::hint: {
       char buf[64];
       std::snprintf(buf, sizeof buf, "hint:%g", s.recall);
+      std::string text(buf);
       // uniform is the plain spelling's meaning
-      return s.wrong == HintWrongIds::uniform ? std::string(buf) : std::string(buf) + ":" + std::string(to_string(s.wrong));
+      if (s.wrong != HintWrongIds::uniform) text += ":" + std::string(to_string(s.wrong));
+      if (s.noise) {
+        std::snprintf(buf, sizeof buf, ":noise=%g", *s.noise);
+        text += buf;
+      }
+      return text;
     }
   }
   return "?";
 }
 [[nodiscard]] inline bool is_emulated(const PrefetchSpec& s) noexcept { return s.kind == PrefetchKind::hint; }
+// Whether the predictor gives scores (PrefetchOptions::scores): emulated hints with a noise.
+[[nodiscard]] inline bool is_scored(const PrefetchSpec& s) noexcept {
+  return s.kind == PrefetchKind::hint && s.noise.has_value();
+}
 [[nodiscard]] inline std::string to_label(const PrefetchSpec& s) {
   return to_string(s) + (is_emulated(s) ? " (emulated engine hints)" : "");
 }
 
-// Parses none | coact | prev | hint:R[:W] with R a decimal in (0, 1] and W the wrong-id model
-// (uniform when absent).
+namespace detail {
+
+// A decimal number (no exponent, no inf/nan) of the whole text, or nothing.
+inline std::optional<double> parse_fixed_decimal(std::string_view text) {
+  double v = 0.0;
+  const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v, std::chars_format::fixed);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || !std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+}  // namespace detail
+
+// Parses none | coact | prev | hint:R[:W][:noise=N] with R a decimal in (0, 1], W the wrong-id
+// model (uniform when absent) and N the score noise, a decimal in [0, 1] (no noise part:
+// unscored hints).
 [[nodiscard]] inline Result<PrefetchSpec> parse_prefetch_spec(std::string_view text) {
   PrefetchSpec s;
   if (text == "none") return s;
@@ -89,40 +115,66 @@ struct PrefetchSpec {
   }
   constexpr std::string_view hint = "hint:";
   if (text.starts_with(hint)) {
-    std::string_view r = text.substr(hint.size());
+    const auto quoted = [&] { return "'" + std::string(text) + "'"; };
+    const std::string_view rest = text.substr(hint.size());
+    const auto colon = rest.find(':');
+    const std::string_view r = rest.substr(0, colon);
     HintWrongIds wrong = HintWrongIds::uniform;
-    if (const auto colon = r.find(':'); colon != std::string_view::npos) {
-      const std::string_view w = r.substr(colon + 1);
-      if (w == "uniform") {
-        wrong = HintWrongIds::uniform;
-      } else if (w == "recent") {
+    std::optional<double> noise;
+    bool wrong_given = false;
+    constexpr std::string_view noise_key = "noise=";
+    // The parts after the recall, each after a ':' (an empty one included).
+    for (std::size_t at = colon; at != std::string_view::npos;) {
+      const std::size_t end = rest.find(':', at + 1);
+      const std::string_view part = rest.substr(at + 1, end == std::string_view::npos ? end : end - at - 1);
+      at = end;
+      if (part.starts_with(noise_key)) {
+        if (noise) return Status(ErrorCode::invalid_argument, quoted() + ": 'noise=' is given twice");
+        const std::string_view v = part.substr(noise_key.size());
+        const std::optional<double> n = detail::parse_fixed_decimal(v);
+        if (!n) {
+          return Status(ErrorCode::invalid_argument,
+                        quoted() + ": the score noise after 'noise=' must be a decimal number in [0, 1]");
+        }
+        if (!(*n >= 0.0 && *n <= 1.0)) {
+          return Status(ErrorCode::invalid_argument, quoted() + ": noise " + std::string(v) + " is outside [0, 1]");
+        }
+        noise = n;
+      } else if (noise || wrong_given) {
+        return Status(ErrorCode::invalid_argument, quoted() + ": '" + std::string(part) +
+                                                       "' is out of place (spelled hint:R[:uniform|recent|coact]"
+                                                       "[:noise=N])");
+      } else if (part == "uniform") {
+        wrong_given = true;
+      } else if (part == "recent") {
         wrong = HintWrongIds::recent;
-      } else if (w == "coact") {
+        wrong_given = true;
+      } else if (part == "coact") {
         wrong = HintWrongIds::coact;
+        wrong_given = true;
       } else {
-        return Status(ErrorCode::invalid_argument, "'" + std::string(text) + "': the wrong ids after the recall are drawn "
-                                                   "'uniform', 'recent' or 'coact', not '" + std::string(w) + "'");
+        return Status(ErrorCode::invalid_argument, quoted() + ": the wrong ids after the recall are drawn "
+                                                   "'uniform', 'recent' or 'coact', not '" + std::string(part) +
+                                                   "' (then ':noise=N' may follow)");
       }
-      r = r.substr(0, colon);
     }
-    double v = 0.0;
-    const auto [ptr, ec] = std::from_chars(r.data(), r.data() + r.size(), v, std::chars_format::fixed);
-    if (r.empty() || ec != std::errc() || ptr != r.data() + r.size() || !std::isfinite(v)) {
-      return Status(ErrorCode::invalid_argument,
-                    "'" + std::string(text) + "': the recall after 'hint:' must be a decimal number in (0, 1]");
+    const std::optional<double> v = detail::parse_fixed_decimal(r);
+    if (!v) {
+      return Status(ErrorCode::invalid_argument, quoted() + ": the recall after 'hint:' must be a decimal number in (0, 1]");
     }
-    if (!(v > 0.0 && v <= 1.0)) {
-      return Status(ErrorCode::invalid_argument,
-                    "'" + std::string(text) + "': recall " + std::string(r) + " is outside (0, 1]");
+    if (!(*v > 0.0 && *v <= 1.0)) {
+      return Status(ErrorCode::invalid_argument, quoted() + ": recall " + std::string(r) + " is outside (0, 1]");
     }
     s.kind = PrefetchKind::hint;
-    s.recall = v;
+    s.recall = *v;
     s.wrong = wrong;
+    s.noise = noise;
     return s;
   }
   return Status(ErrorCode::invalid_argument,
                 "unknown prefetch '" + std::string(text) +
-                    "' (available: none, coact, prev, hint:R[:uniform|recent|coact] with R in (0, 1])");
+                    "' (available: none, coact, prev, hint:R[:uniform|recent|coact][:noise=N] with R in (0, 1] and N "
+                    "in [0, 1])");
 }
 
 struct PrefetchReplayOptions {
@@ -134,6 +186,8 @@ struct PrefetchReplayOptions {
   // at batch 1).
   std::optional<std::int32_t> budget;
   std::uint64_t expert_bytes = 0;  // bytes per expert, for the byte metrics
+  // Scored predictors (is_scored): hints scoring below this are skipped (PrefetchOptions::min_score).
+  float min_score = default_min_score;
   std::function<void(const ReplayProgress&)> progress;  // optional (plain and prefetch runs)
   std::uint64_t progress_every = 1u << 16;
 };
@@ -147,6 +201,7 @@ struct PrefetchCounts {
   std::uint64_t pending = 0;            // ... still speculative when the trace ended
   std::uint64_t skipped_resident = 0;   // predicted ids already resident
   std::uint64_t skipped_no_victim = 0;  // predicted ids dropped: no evictable slot
+  std::uint64_t skipped_unlikely = 0;   // scored ids below min_score, never considered
   friend bool operator==(const PrefetchCounts&, const PrefetchCounts&) = default;
 };
 
@@ -171,6 +226,7 @@ struct PrefetchReplayReport {
   std::int32_t budget = 0;       // max fills per forward
   std::int32_t list_length = 0;  // ids asked of the predictor per forward: max(budget, widest forward)
   std::uint32_t expires_after = 0;
+  std::optional<float> min_score;  // scored predictors only
   std::uint64_t expert_bytes = 0;
   double tokens = 0.0;           // records / layers (a record is one token at one layer)
   std::vector<PrefetchRow> rows;
@@ -217,7 +273,7 @@ inline AnyPredictor make_predictor(const PrefetchSpec& s, std::int32_t layers, s
   switch (s.kind) {
     case PrefetchKind::coact: return CoactivationPredictor(layers, experts, s.decay);
     case PrefetchKind::prev: return PreviousTokenPredictor(layers, experts);
-    case PrefetchKind::hint: return EmulatedHintPredictor(layers, experts, s.recall, s.seed, s.wrong);
+    case PrefetchKind::hint: return EmulatedHintPredictor(layers, experts, s.recall, s.seed, s.wrong, s.noise);
     case PrefetchKind::none: break;
   }
   return NoPredictor{};
@@ -291,14 +347,17 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
             std::span<const std::int32_t> ranked;
             if (Status s = p.predict(PredictionQuery{f.step, li, local, truth}, list_length, ranked); !s) return s;
             run.speculative.predicted += ranked.size();
+            std::span<const float> scores;  // parallel to `ranked`; empty = unscored
+            if constexpr (requires { p.scores(); }) scores = p.scores();
             ForwardPlanner<P>& target = planners[global ? 0 : static_cast<std::size_t>(li + 1)];
-            if (Status s = target.plan_prefetch(to_keys(ranked, global ? (li + 1) * E : 0), budget, expires_after,
-                                                prefetch);
+            if (Status s = target.plan_prefetch(to_keys(ranked, global ? (li + 1) * E : 0), scores, options.min_score,
+                                                budget, expires_after, prefetch);
                 !s) {
               return s;
             }
             run.speculative.skipped_resident += prefetch.skipped_resident;
             run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
+            run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
             return {};
           }
         },
@@ -340,13 +399,15 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
 }  // namespace detail
 
 // Replay `trace` without and with prefetch for every (capacity, policy). Errors: those of
-// replay(), and invalid_argument for a negative budget or a predictor that cannot be built.
+// replay(), and invalid_argument for a negative budget, a min_score outside [0, 1] (checked for
+// every predictor) or a predictor that cannot be built.
 [[nodiscard]] inline Result<PrefetchReplayReport> replay_with_prefetch(const Trace& trace,
                                                                        const PrefetchReplayOptions& options) noexcept {
   try {
     if (options.budget && *options.budget < 0) {
       return Status::format(ErrorCode::invalid_argument, "prefetch budget %d is negative", *options.budget);
     }
+    if (Status s = check_hint_scores({}, {}, options.min_score); !s) return s;
     // A predictor's own limits (e.g. the coact table size) are errors before any run.
     if (!trace.forwards.empty() && trace.num_experts > 0) {
       (void)detail::make_predictor(options.prefetch, static_cast<std::int32_t>(trace.layers().size()), trace.num_experts);
@@ -366,6 +427,7 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
     report.expert_bytes = options.expert_bytes;
     const std::int32_t num_layers = report.plain.num_layers;
     report.expires_after = options.scope == ReplayScope::global ? static_cast<std::uint32_t>(num_layers) : 1u;
+    if (is_scored(options.prefetch)) report.min_score = options.min_score;
     report.tokens = static_cast<double>(trace.records) / static_cast<double>(num_layers);
     const detail::PrefetchForwards index = detail::index_prefetch_forwards(trace, report.plain.layers);
     report.budget = options.budget.value_or(index.widest);
