@@ -260,6 +260,70 @@ def case_prefetch_bad_args():
     expect_usage_error(["--trace", path, "--prefetch", "coact", "--capacity", "2"], "needs 3 unique experts")
 
 
+def case_prefetch_scores():
+    # Two layers, six experts: layer 0 runs {0, 1} every step, layer 1 runs {0, 1}, {2, 3}, {4, 5}
+    # (new every step). hint:0.5 lists one true and one wrong id per step; with noise 0 the true
+    # one scores 1 and the wrong one 0. By hand, 6 slots per layer (no eviction), budget 2: the
+    # true id is fetched and used each step (3 issued, 3 used), the wrong one skipped (3 unlikely);
+    # layer 1 hits 3 of 6 instead of 0, layer 0 hits 4 of 6 either way.
+    path = write("scored.trace", "0 0 0 1\n0 1 0 1\n1 0 0 1\n1 1 2 3\n2 0 0 1\n2 1 4 5\n")
+    base = ["--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch-budget", "2", "--json"]
+    rc, out, err = run(*base, "--prefetch", "hint:0.5:noise=0")
+    expect(rc == 0, "scored hints run", out, err)
+    doc = json.loads(out)
+    p = doc["prefetch"]
+    expect(p["predictor"] == "hint:0.5:noise=0" and p["emulated"] and p["scored"] and p["min_score"] == 0.5,
+           "prefetch header names the scores and the default min_score", p)
+    r = doc["results"][0]
+    expect((r["hits"], r["misses"]) == (4, 8), "plain counts by hand", r)
+    expect((r["prefetch_hits"], r["prefetch_misses"]) == (7, 5), "scored counts by hand", r)
+    expect((r["predicted"], r["issued"], r["used"], r["wasted"], r["skipped_unlikely"]) == (6, 3, 3, 0, 3),
+           "fills and skips by hand", r)
+    expect(r["precision"] == 1.0 and r["extra_bytes_per_token"] == 0.0, "noise 0: no wasted fill", r)
+    # --min-score 0: every hint considered (nothing skipped as unlikely); 1 with noise 1: nothing fetched.
+    rc, out, err = run(*base, "--prefetch", "hint:0.5:noise=0", "--min-score", "0")
+    r0 = json.loads(out)["results"][0]
+    expect(rc == 0 and r0["skipped_unlikely"] == 0 and json.loads(out)["prefetch"]["min_score"] == 0.0,
+           "--min-score 0 keeps every hint", out, err)
+    rc, out, err = run(*base, "--prefetch", "hint:0.5:noise=1", "--min-score", "1")
+    r1 = json.loads(out)["results"][0]
+    expect(rc == 0 and (r1["issued"], r1["skipped_unlikely"]) == (0, 6) and r1["prefetch_hits"] == r1["hits"],
+           "--min-score 1 with noise 1 fetches nothing", out, err)
+    # Unscored hints: no scores in the header, no skip.
+    rc, out, err = run(*base, "--prefetch", "hint:0.5")
+    doc = json.loads(out)
+    expect(rc == 0 and not doc["prefetch"]["scored"] and doc["prefetch"]["min_score"] is None
+           and doc["results"][0]["skipped_unlikely"] == 0, "unscored hints keep their output", out, err)
+    # The table gains the 'unlikely' column with scores only.
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch-budget", "2",
+                       "--prefetch", "hint:0.5:noise=0")
+    expect(rc == 0 and "unlikely" in out and "min_score 0.5" in out and "EMULATED" in out and "noise" in out,
+           "scored table", out, err)
+    rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "lru", "--prefetch", "hint:0.5")
+    expect(rc == 0 and "unlikely" not in out, "unscored table has no 'unlikely' column", out, err)
+    rc, out, err = run("--help")
+    expect("--min-score" in out and "noise=N" in out, "--help lists the scored hints", out)
+
+
+def case_prefetch_scores_bad_args():
+    path = generated_file()
+    for bad, needle in [("hint:0.5:noise=1.5", "noise 1.5 is outside [0, 1]"),
+                        ("hint:0.5:noise=x", "decimal number in [0, 1]"),
+                        ("hint:0.5:noise=0.1:recent", "'recent' is out of place"),
+                        ("hint:0.5:noise=0.1:noise=0.2", "given twice"),
+                        ("hint:0.5:", "not ''")]:
+        rc, out, err = expect_usage_error(["--trace", path, "--prefetch", bad], needle)
+        expect("--prefetch" in err and out == "", f"--prefetch {bad!r} names the flag, prints nothing", err, out)
+    for bad, needle in [("1.5", "--min-score: 1.5 is not in [0, 1]"), ("-0.1", "--min-score: -0.1 is not in [0, 1]"),
+                        ("x", "--min-score: 'x' is not a decimal number"), ("nan", "not a decimal number")]:
+        rc, out, err = expect_usage_error(["--trace", path, "--prefetch", "hint:0.5:noise=0.2", "--min-score", bad],
+                                          needle)
+        expect(out == "", f"--min-score {bad!r} prints nothing", out)
+    for pf in ("hint:0.5", "coact", "prev"):
+        expect_usage_error(["--trace", path, "--prefetch", pf, "--min-score", "0.5"], "applies to scored hints only")
+    expect_usage_error(["--trace", path, "--min-score", "0.5"], "applies to scored hints only")
+
+
 def case_calibrate():
     path = generated_file()
     rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "crf,crf+prior,crf+pin,opt", "--json",
@@ -322,6 +386,8 @@ CASES = {
     "malformed_traces": case_malformed_traces,
     "prefetch": case_prefetch,
     "prefetch_bad_args": case_prefetch_bad_args,
+    "prefetch_scores": case_prefetch_scores,
+    "prefetch_scores_bad_args": case_prefetch_scores_bad_args,
     "calibrate": case_calibrate,
     "miss_histogram": case_miss_histogram,
 }
