@@ -453,9 +453,48 @@ def case_prompt_trace_bad_args():
            model=["--runtime", "sim"])
 
 
+def case_prefetch_scores():
+    # Scored emulated hints in the modelled decode loop (the same small model as case_prefetch):
+    # noise 0 scores true ids 1 and wrong ids 0, so only true ids are fetched, and each is used
+    # by the next forward of its layer (a per-layer cache, one forward later): nothing wasted.
+    base = ["--runtime", "sim", "--experts", "64", "--capacity", "24", "--topk", "4", "--layers", "4", "--steps", "8",
+            "--warmup", "8", "--provider", "cached", "--staging", "copy_stream"]
+    out_json = os.path.join(h.TMP, "scores.json")
+    rc, out, err = run(*base, "--prefetch", "hint:0.5,hint:0.5:noise=0,hint:0.5:noise=1,hint:0.5:recent:noise=0.3",
+                       "--json", out_json)
+    expect(rc == 0, "scored prefetch run exits 0", out, err)
+    by = {b["name"]: b for b in load(out_json)["benchmarks"]}
+    key = "decode/cached/copy_stream/prefetch:"
+    plain, exact, blind = by[key + "hint:0.5"], by[key + "hint:0.5:noise=0"], by[key + "hint:0.5:noise=1"]
+    recent = by[key + "hint:0.5:recent:noise=0.3"]
+    for b in (exact, blind, recent):
+        expect(b["prefetch_emulated"] and "emulated hint" in b["prefetch_label"], f"{b['name']} labelled emulated", b)
+        expect(b["check_failures"] == 0, f"{b['name']} consumer checks", b)
+    expect(plain["speculative_wasted_per_token"] > 0, "unscored uniform wrong ids waste fills", plain)
+    expect(exact["speculative_wasted_per_token"] == 0 and recent["speculative_wasted_per_token"] == 0,
+           "noise 0 and 0.3 with min_score 0.5: true ids only, none wasted", exact, recent)
+    expect(exact["speculative_issued_per_token"] < plain["speculative_issued_per_token"]
+           and exact["bytes_moved_per_token"] < plain["bytes_moved_per_token"],
+           "the scores drop the wrong ids' fills", exact, plain)
+    expect(exact["hit_rate"] > by["decode/cached/copy_stream"]["hit_rate"], "the true ids still raise the hit rate",
+           exact)
+    expect(blind["speculative_issued_per_token"] < plain["speculative_issued_per_token"],
+           "noise 1: about half of the hints skipped, true and wrong alike", blind, plain)
+    expect("hint:0.5:recent:noise=0.3 (emulated hint)" in out, "the table names the scored row", out)
+
+
+def case_prefetch_scores_bad_args():
+    expect_usage_error(["--prefetch", "hint:0.5:noise=2"], "noise 2 is outside [0, 1]")
+    expect_usage_error(["--prefetch", "hint:0.5:noise=x"], "decimal number in [0, 1]")
+    expect_usage_error(["--prefetch", "hint:0.5:noise=0.1:recent"], "'recent' is out of place")
+    rc, out, err = run("--help")
+    expect(rc == 0 and "noise=N" in out, "--help documents the score noise", out, err)
+
+
 CASES = {"smoke": case_smoke, "bad_args": case_bad_args, "prompt_trace": case_prompt_trace,
          "prompt_trace_bad_args": case_prompt_trace_bad_args, "prefetch": case_prefetch,
-         "prefetch_bad_args": case_prefetch_bad_args}
+         "prefetch_bad_args": case_prefetch_bad_args, "prefetch_scores": case_prefetch_scores,
+         "prefetch_scores_bad_args": case_prefetch_scores_bad_args}
 
 
 if __name__ == "__main__":

@@ -155,9 +155,11 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
                "                      the device rows: after layer L's prepare, prefetch layer L+1's predicted\n"
                "                      experts (device: on a side stream inside the captured step): none, coact\n"
-               "                      (co-activation table), prev (previous token), hint:R[:W] (EMULATED engine\n"
-               "                      hints of recall R in (0, 1], drawn from the routing's future; wrong ids W:\n"
-               "                      uniform (default), recent (the next layer's recent choices) or coact)\n"
+               "                      (co-activation table), prev (previous token), hint:R[:W][:noise=N]\n"
+               "                      (EMULATED engine hints of recall R in (0, 1], drawn from the routing's\n"
+               "                      future; wrong ids W: uniform (default), recent (the next layer's recent\n"
+               "                      choices) or coact; noise=N in [0, 1]: scored hints, those below 0.5 not\n"
+               "                      fetched, modelled runs only)\n"
                "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
                "prompts (measured on a GPU, else MODELLED; docs/benchmarks.md \"Prompts\")\n"
                "  --prompt LIST       TTFT of prompts of these lengths (e.g. 128,512,2048,8192), each served as one\n"
@@ -365,7 +367,7 @@ inline BenchArgs parse_args(int argc, char** argv) {
         const std::string name = to_string(spec.value());
         if (std::find(a.prefetch.begin(), a.prefetch.end(), name) == a.prefetch.end()) a.prefetch.push_back(name);
       }
-      if (a.prefetch.empty()) throw UsageError{"--prefetch needs a predictor (none, coact, prev, hint:R)"};
+      if (a.prefetch.empty()) throw UsageError{"--prefetch needs a predictor (none, coact, prev, hint:R[:W][:noise=N])"};
     } else if (arg == "--prefetch-budget") {
       a.prefetch_budget = static_cast<std::int32_t>(parse_int(arg, value(), 0, 1 << 16));
     } else if (arg == "--prompt") {

@@ -10,6 +10,7 @@
 #include <variant>
 #include <vector>
 
+#include "expert_cache/cache.hpp"
 #include "expert_cache/prefetch/predictors.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
@@ -44,7 +45,10 @@ class Lookahead {
       case PrefetchKind::none: break;
       case PrefetchKind::coact: predictor_.emplace<CoactivationPredictor>(layers, experts, s.value().decay); break;
       case PrefetchKind::prev: predictor_.emplace<PreviousTokenPredictor>(layers, experts); break;
-      case PrefetchKind::hint: predictor_.emplace<EmulatedHintPredictor>(layers, experts, s.value().recall, seed); break;
+      case PrefetchKind::hint:
+        predictor_.emplace<EmulatedHintPredictor>(layers, experts, s.value().recall, seed, s.value().wrong,
+                                                  s.value().noise);
+        break;
     }
     current_.reserve(static_cast<std::size_t>(experts));
     truth_.reserve(static_cast<std::size_t>(experts));
@@ -52,6 +56,24 @@ class Lookahead {
   [[nodiscard]] bool active() const noexcept { return !std::holds_alternative<std::monostate>(predictor_); }
   [[nodiscard]] std::int32_t budget() const noexcept { return budget_; }
   [[nodiscard]] std::int32_t list_length() const noexcept { return list_length_; }
+  // Scored hints (hint:R[:W]:noise=N): after_layer()'s list comes with scores, parallel to it
+  // (scores(); empty otherwise), and prefetch() takes them with the default min_score.
+  [[nodiscard]] bool scored() const noexcept {
+    const auto* h = std::get_if<EmulatedHintPredictor>(&predictor_);
+    return h != nullptr && h->noise().has_value();
+  }
+  // The last after_layer() list's scores (empty for unscored predictors), valid until its next call.
+  [[nodiscard]] std::span<const float> scores() const noexcept {
+    const auto* h = std::get_if<EmulatedHintPredictor>(&predictor_);
+    return h == nullptr ? std::span<const float>() : h->scores();
+  }
+  // The options of the prefetch() of the last after_layer() list: `max_bytes`, expiry after one
+  // forward, and its scores (if any).
+  [[nodiscard]] PrefetchOptions prefetch_options(std::int64_t max_bytes) const noexcept {
+    PrefetchOptions o{max_bytes, 1};
+    o.scores = scores();
+    return o;
+  }
 
   // Layer `layer` of step `step` ran with `ids`; `next` is layer+1's routing of the same step
   // (read by the emulated hints only; empty for the last layer). Returns layer+1's predicted

@@ -416,7 +416,7 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
           const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, ids, next, last);
           if (!last) {
             Result<PrefetchView> pv =
-                caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, consumer, PrefetchOptions{prefetch_bytes, 1});
+                caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, consumer, lookahead.prefetch_options(prefetch_bytes));
             if (!pv.ok()) throw Error(pv.status());
           }
         }
