@@ -93,7 +93,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       });
       if (scored && use_gpu)
         throw UsageError{"--prefetch with scored hints (noise=N) runs modelled only (--runtime sim): the measured "
-                         "decode loop does not pass the scores to prefetch() yet"};
+                         "decode loop does not pass scores to prefetch()"};
       if (host_planned && args.staging_given &&
           std::find(args.staging.begin(), args.staging.end(), std::string(prefetch_staging)) == args.staging.end())
         throw UsageError{"--prefetch needs --staging copy_stream (the staging whose fills run on the copy stream, so "
