@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -456,13 +457,11 @@ class CopyProxy {
     return worked;
   }
 
-  // Each fill's regions, then its slot's ready word. Plain cudaMemcpyAsync calls, not the batch
-  // API: a call here must never wait for the device, since the kernels it unblocks may be the
-  // ones keeping the device busy. With cudaMemcpyBatchAsync the first requests of a new proxy
-  // landed only after the waiting kernel's bounded wait gave up (H100 hosts, CUDA 13.0; the
-  // likeliest cause is the batch call growing a driver buffer); per-copy calls from pinned
-  // memory only queue commands. The proxy's host time per fill (a few microseconds for six
-  // regions) stays below the link time of an expert of a few hundred KiB or more.
+  // Each fill's regions, then its slot's ready word: per fill (and part) one cudaMemcpyBatchAsync
+  // where the toolkit has it and one memop. Driver calls cost the proxy's thread a few
+  // microseconds each (H100 hosts, CUDA 13.0), so one call per region (six for an NVFP4 expert)
+  // made issuing a request take longer than its copies; per fill, a slot's ready word still
+  // follows its own bytes, so the consumer starts on it before the request's later fills land.
   void issue(Channel& c, const std::vector<ProxyFill>& fills) {
     const ProxyChannelConfig& k = c.config;
     const std::size_t count = k.regions.count;
@@ -480,19 +479,55 @@ class CopyProxy {
     }
   }
 
-  // Regions [lo, hi) of one fill.
+  // Regions [lo, hi) of one fill: one batch call (per-region copies where it is missing or
+  // refused).
   void copy(Channel& c, const ProxyFill& f, std::size_t lo, std::size_t hi) {
-    cudaError_t err = cudaSuccess;
-    for (std::size_t r = lo; r < hi && err == cudaSuccess; ++r) {
+    if (c.config.test_fail_copies) {
+      fail(c, cuda_status(cudaErrorInvalidValue, "copy proxy: the fill's copy"));
+      return;
+    }
+    std::array<void*, max_copy_regions> dsts{};
+    std::array<const void*, max_copy_regions> srcs{};
+    std::array<std::size_t, max_copy_regions> sizes{};
+    std::size_t n = 0;
+    for (std::size_t r = lo; r < hi && n < max_copy_regions; ++r) {
       const CopyRegion& g = c.config.regions.regions[r];
-      if (g.bytes == 0) continue;
-      err = c.config.test_fail_copies
-                ? cudaErrorInvalidValue
-                : cudaMemcpyAsync(g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride,
-                                  g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride, g.bytes,
-                                  cudaMemcpyHostToDevice, stream_);
+      if (g.bytes == 0) continue;  // CUDA rejects empty copies
+      dsts[n] = g.slot_base + static_cast<std::size_t>(f.slot) * g.slot_stride;
+      srcs[n] = g.host_base + static_cast<std::size_t>(f.expert) * g.host_stride;
+      sizes[n] = g.bytes;
+      ++n;
+    }
+    if (n == 0) return;
+    const bool batch = n > 1 && batch_supported_.load(std::memory_order_relaxed);
+    cudaError_t err = batch ? copy_batch(dsts.data(), srcs.data(), sizes.data(), n) : cudaErrorNotSupported;
+    if (err == cudaErrorNotSupported) {
+      (void)cudaGetLastError();
+      if (batch) batch_supported_.store(false, std::memory_order_relaxed);
+      err = cudaSuccess;
+      for (std::size_t i = 0; i < n && err == cudaSuccess; ++i) {
+        err = cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream_);
+      }
     }
     if (err != cudaSuccess) fail(c, cuda_status(err, "copy proxy: the fill's copy"));
+  }
+
+  cudaError_t copy_batch(void** dsts, const void** srcs, std::size_t* sizes, std::size_t n) noexcept {
+#if CUDART_VERSION >= 12080
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagDefault;
+    std::size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+    return cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attr_index, 1, stream_);
+#else
+    std::size_t fail_index = 0;
+    return cudaMemcpyBatchAsync(dsts, const_cast<void**>(srcs), sizes, n, &attr, &attr_index, 1, &fail_index, stream_);
+#endif
+#else
+    (void)dsts, (void)srcs, (void)sizes, (void)n;
+    return cudaErrorNotSupported;
+#endif
   }
 
   void publish(Channel& c, const ProxyFill& f, bool split, int part) {
@@ -526,6 +561,7 @@ class CopyProxy {
   int device_;
   cudaStream_t stream_ = nullptr;
   WriteValue32 write_value_ = nullptr;
+  std::atomic<bool> batch_supported_{true};  // cleared when the driver refuses the batch call
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::mutex mutex_;

@@ -231,7 +231,10 @@ inline Status check_device(int device) noexcept {
 
 // The measurement proper, on the current device; every resource is released when it returns.
 inline Status run_probes(std::uint64_t expert_bytes, LinkProfile& p) noexcept {
-  const std::uint64_t copy_bytes = std::min(expert_bytes, link_probe_max_copy_bytes);
+  // Rounded up to 16 bytes: an expert's large tensors are 16-byte multiples, which the fill
+  // kernels read with 16-byte loads; an odd total (small scale tensors) would make the probe's
+  // one-blob fill use 4-byte loads, which cross the link far slower than the cache's fills do.
+  const std::uint64_t copy_bytes = (std::min(expert_bytes, link_probe_max_copy_bytes) + 15) / 16 * 16;
   const int batch = static_cast<int>(std::clamp<std::uint64_t>(link_probe_buffer_bytes / copy_bytes, 2, link_probe_max_batch));
   const std::uint64_t buffer_bytes = std::max<std::uint64_t>(static_cast<std::uint64_t>(batch) * copy_bytes,
                                                              link_probe_small_bytes);
