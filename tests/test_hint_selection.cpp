@@ -31,15 +31,21 @@ Ids selected(const HintSelector& h) { return Ids(h.ids().begin(), h.ids().end())
 
 bool contains(std::string_view text, std::string_view part) { return text.find(part) != std::string_view::npos; }
 
-// The rule written out plainly: keep score >= min, order by score descending, stable.
+// The rule written out plainly: for each score at or above min_score, highest first, the ids
+// with that score in the caller's order. (No std::stable_sort: its buffer comes from a nothrow
+// operator new, which this program's allocation counter does not replace.)
 Ids reference_selection(const Ids& ids, const Scores& scores, float min_score) {
-  std::vector<std::size_t> keep;
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    if (scores[i] >= min_score) keep.push_back(i);
+  Scores levels;
+  for (const float s : scores) {
+    if (s >= min_score && std::find(levels.begin(), levels.end(), s) == levels.end()) levels.push_back(s);
   }
-  std::stable_sort(keep.begin(), keep.end(), [&](std::size_t a, std::size_t b) { return scores[a] > scores[b]; });
+  std::sort(levels.begin(), levels.end(), [](float a, float b) { return a > b; });
   Ids out;
-  for (std::size_t i : keep) out.push_back(ids[i]);
+  for (const float level : levels) {
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (scores[i] == level) out.push_back(ids[i]);
+    }
+  }
   return out;
 }
 
