@@ -156,21 +156,21 @@ TEST_CASE("LinkProfile::parse rejects bad numbers and empty strings, naming key 
   }
 }
 
-TEST_CASE("LinkProfile::choose_engine: SM loads from 0.95 of the copy engine's batch bandwidth") {
-  CHECK(sm_load_min_share == 0.95);
+TEST_CASE("LinkProfile::choose_engine: SM loads from 0.8 of the copy engine's batch bandwidth") {
+  CHECK(sm_load_min_share == 0.8);
   LinkProfile p = sample_profile();
   p.copy_engine_gbps_one = 40.0;  // the rule reads the batch bandwidth, not this one
   p.copy_engine_gbps_batch = 100.0;
 
-  p.sm_load_gbps = 94.0;  // 0.94: below the threshold
+  p.sm_load_gbps = 79.0;  // 0.79: below the threshold
   std::string reason;
   CHECK(p.choose_engine(&reason) == FillEngine::copy_engine);
-  CHECK(reason == "copy_engine: SM loads 94.0 GB/s are 0.940 of the copy engine's batch 100.0 GB/s (below 0.95)");
+  CHECK(reason == "copy_engine: SM loads 79.0 GB/s are 0.790 of the copy engine's batch 100.0 GB/s (below 0.80)");
   CHECK(p.choose_engine() == FillEngine::copy_engine);
 
-  p.sm_load_gbps = 95.0;  // exactly 0.95: at the threshold
+  p.sm_load_gbps = 80.0;  // exactly 0.8: at the threshold
   CHECK(p.choose_engine(&reason) == FillEngine::sm_loads);
-  CHECK(reason == "sm_loads: SM loads 95.0 GB/s are 0.950 of the copy engine's batch 100.0 GB/s (at least 0.95)");
+  CHECK(reason == "sm_loads: SM loads 80.0 GB/s are 0.800 of the copy engine's batch 100.0 GB/s (at least 0.80)");
 
   p.sm_load_gbps = 120.0;  // faster than the copy engine
   CHECK(p.choose_engine(&reason) == FillEngine::sm_loads);

@@ -57,12 +57,13 @@ enum class FillEngine : std::uint8_t { automatic, copy_engine, sm_loads };
                         static_cast<int>(std::min<std::size_t>(text.size(), 64)), text.data());
 }
 
-/// SM loads are chosen only when they reach this share of the copy engine's batch bandwidth.
-/// They avoid the host proxy's round trip (one kernel launch for all misses, capturable in a
-/// graph; no copy command per expert), which is worth a small bandwidth deficit but no more:
-/// they also take SMs from the compute that overlaps the fill, so they win only when they are
-/// nearly as fast as the copy engine.
-inline constexpr double sm_load_min_share = 0.95;
+/// SM loads are chosen when they reach this share of the copy engine's batch bandwidth. They
+/// avoid the host proxy's round trip in every layer (post kernel, the proxy's reaction, its
+/// driver calls, the first copy's latency), which on H100 hosts was worth more than a 20 %
+/// bandwidth deficit: where SM loads reached 0.92 of the link the SM-load rows of the decode
+/// benchmark beat the copy engine's by 1.3-1.6x, and where they reached 0.53 the copy engine won
+/// by 1.08-1.21x (docs/cuda_backend.md "Link profile").
+inline constexpr double sm_load_min_share = 0.8;
 
 /// One device's link at one expert size. Bandwidths in GB/s (1e9 bytes/s), latencies in us.
 struct LinkProfile {
