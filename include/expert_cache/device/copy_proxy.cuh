@@ -221,7 +221,8 @@ struct ProxyChannelConfig {
   std::uint32_t* error_word_host = nullptr;   // mapped: the cache's error word, host address
   std::int32_t num_experts = 0;
   std::int32_t capacity = 0;
-  // Test-only: publish each ready word before its copies (edge P2 removed).
+  // Test-only: publish each ready word before its copies, which then start 200 us late (edge P2
+  // removed, with a window no reader misses).
   bool test_ready_before_copy = false;
   // Test-only: the proxy fails every copy of this channel (a refused copy, as from the driver).
   bool test_fail_copies = false;
@@ -472,7 +473,10 @@ class CopyProxy {
       for (const ProxyFill& f : fills) {
         // The list comes from the planner; checked anyway so nothing outside the pools is touched.
         if (f.expert < 0 || f.expert >= k.num_experts || f.slot < 0 || f.slot >= k.capacity) continue;
-        if (k.test_ready_before_copy) publish(c, f, split, part);
+        if (k.test_ready_before_copy) {  // the edge removed, and the copy 200 us late so the reader wins
+          publish(c, f, split, part);
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
         copy(c, f, lo, hi);
         if (!k.test_ready_before_copy) publish(c, f, split, part);
       }
