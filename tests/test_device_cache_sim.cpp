@@ -1619,6 +1619,31 @@ TEST_CASE("negative (edge P2): ready words published before the proxy's copies: 
   }
 }
 
+TEST_CASE("negative (edge P4): a cache destroyed without waiting for its proxy frees memory the proxy's copy still writes") {
+  for (const bool skip_wait : {true, false}) {
+    CAPTURE(skip_wait);
+    Fixture<> f(12, 4, 1, false, crf_default_decay_q32, false, [=](DeviceCacheOptions& o) {
+      o.fill_engine = FillEngine::copy_engine;
+      o.test_skip_shutdown_wait = skip_wait;
+    });
+    const std::int32_t* ids = f.ids_of(0);
+    REQUIRE(f.route(0, {0, 1}).ok());
+    REQUIRE(f.dev->prepare(ids, 2, f.streams[0]).ok());  // two misses: the proxy's take and copy pend
+    REQUIRE(f.rt.race_count() == 0);
+    f.dev.reset();
+    if (skip_wait) {
+      REQUIRE(f.rt.race_count() > 0);
+      const std::string d = f.rt.races()[0].description;
+      MESSAGE(d);
+      CHECK(d.find("freed while") != std::string::npos);
+      CHECK(d.find("proxy") != std::string::npos);
+      CHECK(d.find("issued by a host thread") != std::string::npos);
+    } else {
+      CHECK(f.rt.race_count() == 0);  // the destructor waited for the proxy's stream
+    }
+  }
+}
+
 TEST_CASE("copy engine (SimRuntime): a failed copy flags the error word, publishes the ready words, and the next call returns it") {
   Fixture<> f(12, 4, 1, true, crf_default_decay_q32, false, [](DeviceCacheOptions& o) {
     o.fill_engine = FillEngine::copy_engine;

@@ -533,6 +533,41 @@ TEST_CASE("allocation: absurd and zero sizes are rejected, the limit is enforced
   CHECK(rt.allocate(1 << 20, MemoryKind::pinned_host).ok());
 }
 
+TEST_CASE("deallocate under a pending op of a host-issued stream is reported, and the block stays allocated") {
+  SimRuntime rt;
+  const SimRuntime::Stream device_stream = rt.create_stream().value();
+  const SimRuntime::Stream proxy = rt.create_stream().value();
+  rt.set_host_issued(proxy);
+  void* a = rt.allocate(256, MemoryKind::device).value();
+  void* b = rt.allocate(256, MemoryKind::device).value();
+  const Access on_a[] = {{a, 256, AccessMode::write}};
+  const Access on_b[] = {{b, 256, AccessMode::write}};
+  rt.set_next_label("device work");
+  REQUIRE(rt.launch(device_stream, on_a).ok());
+  rt.set_next_label("proxy work");
+  REQUIRE(rt.launch(proxy, on_b).ok());
+  // A device stream's pending op is not checked (cudaFree waits for the device).
+  CHECK(rt.deallocate(a).ok());
+  CHECK(rt.races().empty());
+  CHECK(rt.allocated_bytes() == 256);
+  // The host-issued stream's is: one report, and the block is kept until reset.
+  CHECK(rt.deallocate(b).ok());
+  REQUIRE(rt.races().size() == 1);
+  const std::string d = rt.races()[0].description;
+  CHECK(d.find("device allocation") != std::string::npos);
+  CHECK(d.find("freed while write by launch 'proxy work'") != std::string::npos);
+  CHECK(d.find("issued by a host thread") != std::string::npos);
+  CHECK(rt.allocated_bytes() == 256);
+  CHECK(rt.synchronize(proxy).ok());  // the pending op writes memory that is still allocated
+  // Once the op has completed, freeing is silent.
+  void* c = rt.allocate(64, MemoryKind::device).value();
+  const Access on_c[] = {{c, 64, AccessMode::write}};
+  REQUIRE(rt.launch(proxy, on_c).ok());
+  CHECK(rt.synchronize(proxy).ok());
+  CHECK(rt.deallocate(c).ok());
+  CHECK(rt.races().size() == 1);
+}
+
 TEST_CASE_FIXTURE(OneStream, "capture flag: is_capturing, capture-illegal calls, batch copies rejected") {
   auto* a = alloc<std::uint8_t>(rt, 64, MemoryKind::pinned_host);
   auto* b = alloc<std::uint8_t>(rt, 64, MemoryKind::device);

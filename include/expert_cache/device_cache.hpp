@@ -148,6 +148,8 @@ struct DeviceCacheOptions {
   bool test_post_before_list = false;
   bool test_ready_before_copy = false;
   bool test_fail_copies = false;
+  // Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
+  bool test_skip_shutdown_wait = false;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -247,7 +249,10 @@ EXPERT_CACHE_HOST_DEVICE void plan_drop_missing(Block& b, const DevicePlanState&
 //          ready_event(j) is `proxy_done`. Prefetches post without the wait. The knobs
 //          test_post_before_list (P1 removed) and test_ready_before_copy (P2 removed) record the
 //          events early; test_fail_copies makes "copy" skip its bytes, flag plan_error_fill_failed
-//          and publish the ready words, and the next call return the failure.
+//          and publish the ready words, and the next call return the failure. P is a host-issued
+//          stream (SimRuntime::set_host_issued): the executor's destructor waits for it (edge P4);
+//          test_skip_shutdown_wait removes that wait, and freeing the slots under its pending
+//          copy is then reported.
 //
 // Overlap = false: no overlapped fill is compiled and options.overlap is refused
 // (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
@@ -277,6 +282,7 @@ class BasicSimPlanExecutor {
         post_before_list_(options.test_post_before_list),
         ready_before_copy_(options.test_ready_before_copy),
         fail_copies_(options.test_fail_copies),
+        skip_shutdown_wait_(options.test_skip_shutdown_wait),
         block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
         words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
         sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
@@ -309,6 +315,7 @@ class BasicSimPlanExecutor {
     }
     if (copy_engine_) {
       proxy_stream_ = RuntimeStream<SimRuntime>(rt);
+      rt.set_host_issued(proxy_stream_.get());  // its ops stand for the proxy thread's calls
       posted_ = RuntimeEvent<SimRuntime>(rt);
       proxy_done_ = RuntimeEvent<SimRuntime>(rt);
       ring_ = RuntimeBuffer<SimRuntime>(rt, proxy_ring_depth * static_cast<std::size_t>(capacity) * sizeof(SimProxyFill),
@@ -328,6 +335,15 @@ class BasicSimPlanExecutor {
   }
 
  public:
+  // Edge P4: the proxy's pending work (its take and copy ops) completes before the cache's
+  // memory goes, as the CUDA executor's detach waits for the proxy to take every request and
+  // synchronises its copy stream.
+  ~BasicSimPlanExecutor() {
+    if (copy_engine_ && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
+  }
+  BasicSimPlanExecutor(const BasicSimPlanExecutor&) = delete;
+  BasicSimPlanExecutor& operator=(const BasicSimPlanExecutor&) = delete;
+
   [[nodiscard]] bool overlap() const noexcept { return overlap_; }
   // The event that stands for slot j's ready word (overlap only): recorded after the lane's
   // fill of slot j in the latest step. A consumer waits for it before reading slot j.
@@ -700,6 +716,7 @@ class BasicSimPlanExecutor {
   bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
   bool copy_engine_;  // FillEngine::copy_engine: fills through the modelled proxy
   bool post_before_list_, ready_before_copy_, fail_copies_;  // test knobs (edges P1, P2; failures)
+  bool skip_shutdown_wait_;                                    // test knob (edge P4)
   RuntimeStream<SimRuntime> proxy_stream_;
   RuntimeEvent<SimRuntime> posted_, proxy_done_;
   std::vector<RuntimeEvent<SimRuntime>> taken_;  // per ring entry

@@ -419,12 +419,21 @@ class SimRuntime {
     return p;
   }
 
-  // Frees an allocate()d block and forgets its access history. No pending op may touch it.
+  // Marks `s` as a host-issued stream (a copy proxy's): deallocate reports memory freed while
+  // one of its pending ops touches it.
+  void set_host_issued(Stream s) noexcept {
+    if (StreamState* st = live_stream(s)) st->host_issued = true;
+  }
+
+  // Frees an allocate()d block and forgets its access history. No pending op may touch it: a
+  // pending op of a host-issued stream that does is reported as a race ("freed while ..."), and
+  // the block then stays allocated until reset() or the destructor, so the op stays harmless.
   Status deallocate(void* p) noexcept {
     const auto it = allocations_.find(reinterpret_cast<std::uintptr_t>(p));
     if (it == allocations_.end())
       return Status(ErrorCode::invalid_argument,
                     "SimRuntime: deallocate of a pointer allocate() did not return");
+    if (report_freed_under_pending(it->first, it->first + it->second.bytes, it->second)) return {};
     shadow_.forget(it->first, it->first + it->second.bytes);
     allocated_bytes_ -= it->second.bytes;
     ::operator delete(p, std::align_val_t{alignment});
@@ -730,6 +739,40 @@ class SimRuntime {
   }
 
   // ---- race reports ----
+
+  // A pending op of a host-issued stream touching [lo, hi): one report, true.
+  bool report_freed_under_pending(std::uintptr_t lo, std::uintptr_t hi, const Allocation& a) noexcept {
+    const auto touches = [&](const void* ptr, std::size_t bytes) {
+      const auto b = reinterpret_cast<std::uintptr_t>(ptr);
+      return bytes != 0 && b < hi && lo < b + bytes;
+    };
+    for (std::size_t k = 0; k < streams_.size(); ++k) {
+      const StreamState& st = *streams_[k];
+      if (!st.host_issued) continue;
+      for (std::size_t i = st.head; i < st.ops.size(); ++i) {
+        const Op& op = st.ops[i];
+        bool hit = false;
+        for (const CopyDesc& c : op.copies) hit = hit || touches(c.src, c.bytes) || touches(c.dst, c.bytes);
+        for (const Access& x : op.accesses) hit = hit || touches(x.ptr, x.bytes);
+        if (!hit) continue;
+        try {
+          RaceReport r;
+          r.earlier = RaceReport::Side{op.kind, AccessMode::write, static_cast<std::uint32_t>(k + 1), op.seq,
+                                       op.label ? *op.label : std::string()};
+          r.later = RaceReport::Side{SimOpKind::host, AccessMode::write, 0, next_seq_, "deallocate"};
+          r.begin = lo;
+          r.end = hi;
+          r.description = std::string(to_string(a.kind)) + " allocation #" + std::to_string(a.id) +
+                          " freed while " + describe_side(r.earlier) +
+                          ", issued by a host thread, is still pending and touches it";
+          shadow_.add_report(std::move(r), options_.max_races);
+        } catch (...) {
+        }
+        return true;
+      }
+    }
+    return false;
+  }
 
   void check_access(std::uintptr_t lo, std::size_t bytes, const AccessRec& acc, const Clock& clock) {
     shadow_.check(lo, bytes, acc, clock, options_.max_races, [this](RaceReport& r) { describe(r); });

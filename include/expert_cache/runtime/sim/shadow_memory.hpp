@@ -116,6 +116,12 @@ class ShadowMemory {
     }
   }
 
+  // A report made outside an access check (memory freed under a pending op).
+  void add_report(RaceReport r, std::size_t max_races) {
+    ++race_count_;
+    if (races_.size() < max_races) races_.push_back(std::move(r));
+  }
+
   [[nodiscard]] std::span<const RaceReport> races() const noexcept { return races_; }
   [[nodiscard]] std::uint64_t race_count() const noexcept { return race_count_; }  // incl. dropped
   void clear_races() noexcept {

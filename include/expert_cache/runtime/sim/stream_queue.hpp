@@ -47,6 +47,10 @@ struct StreamState {
   double time_ns = 0.0;
   bool alive = true;
   bool capturing = false;
+  // Its ops stand for work a host thread issues later (a copy proxy): freeing memory does not
+  // wait for them, as cudaFree's implicit device synchronisation does not wait for calls a host
+  // thread has yet to make.
+  bool host_issued = false;
   std::string name;
 
   [[nodiscard]] bool empty() const noexcept { return head == ops.size(); }
