@@ -37,6 +37,7 @@
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device/device_cache_cuda.cuh"
 #include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "pinned_ceiling.cuh"
 
 namespace expert_cache::bench {
@@ -450,7 +451,7 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
     if (last) return;
     Result<PrefetchView> pv =
-        caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, ctx.consumer, PrefetchOptions{prefetch_bytes, 1});
+        caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, ctx.consumer, lookahead.prefetch_options(prefetch_bytes));
     if (!pv.ok()) throw Error(pv.status());
   };
   decode_loop(m, routing, a, ctx, r, progress, key, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
@@ -647,11 +648,19 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   std::vector<std::int32_t> hints;
   if (lookahead.active()) {
     hints.assign(static_cast<std::size_t>(routing.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), -1);
+    // Scored hints: selected on the host as the cache's host-ids prefetch selects them (score
+    // order, below min_score dropped); the device prefetch then takes the selected ids.
+    HintSelector selector(m.experts);
     for (std::int32_t s = 0; s < routing.steps; ++s) {
       for (std::int32_t l = 0; l < m.layers; ++l) {
         const bool last = l + 1 == m.layers;
         const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
-        const std::span<const std::int32_t> p = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
+        std::span<const std::int32_t> p = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
+        if (lookahead.scored()) {
+          const PrefetchOptions o = lookahead.prefetch_options(0);
+          if (Status st = selector.select(p, o.scores, o.min_score); !st) throw Error(st);
+          p = selector.ids();
+        }
         std::copy(p.begin(), p.end(),
                   hints.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(s) * m.layers + l) * list_n));
       }

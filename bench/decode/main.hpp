@@ -87,13 +87,6 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (!host_planned && !(device && use_gpu))
         throw UsageError{"--prefetch needs a host-planned provider (--provider row or cached), or the device provider "
                          "on the CUDA runtime (the modelled run has no device lookahead)"};
-      const bool scored = std::any_of(args.prefetch.begin(), args.prefetch.end(), [](const std::string& spec) {
-        const Result<PrefetchSpec> s = parse_prefetch_spec(spec);
-        return s.ok() && is_scored(s.value());
-      });
-      if (scored && use_gpu)
-        throw UsageError{"--prefetch with scored hints (noise=N) runs modelled only (--runtime sim): the measured "
-                         "decode loop does not pass scores to prefetch()"};
       if (host_planned && args.staging_given &&
           std::find(args.staging.begin(), args.staging.end(), std::string(prefetch_staging)) == args.staging.end())
         throw UsageError{"--prefetch needs --staging copy_stream (the staging whose fills run on the copy stream, so "
