@@ -4,11 +4,14 @@
 // allocated or registered, stats and maps unchanged), slot descriptors that describe the
 // layout's slot arrays exactly, results equal to the static caches on the same ids, and the
 // device provider on device ids; the fill engine and stored link profile of the device provider
-// parsed, checked and reported as the cache resolves them.
+// parsed, checked and reported as the cache resolves them; scored prefetches (hints below
+// min_score skipped and counted, the rest highest score first, every provider) and their bad
+// scores and min_scores refused with the library's message, nothing changed.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -956,4 +959,186 @@ TEST_CASE("check_link_profile_request: a device ordinal and a positive expert si
   refused(check_link_profile_request(std::int64_t{1} << 31, 1024), "device 2147483648 is not a CUDA device ordinal");
   refused(check_link_profile_request(0, 0), "link_profile: expert_bytes 0 (accepted: > 0");
   refused(check_link_profile_request(0, -5), "expert_bytes -5 (accepted: > 0");
+}
+
+namespace {
+
+// A bridge of `provider` over dense weights (E 12, C 4) whose last forward was expert 0: host ids
+// for the host providers, device ids for the device provider.
+struct ScoredSetup {
+  static constexpr std::int32_t E = 12, C = 4;
+  static constexpr std::int64_t per_expert = 512 + 256;  // dense_tensors: w13 + w2 bytes
+  SimRuntime rt{sim_options()};
+  Stream s = rt.create_stream().value();
+  HostWeights w{dense_tensors, E, DType::bfloat16};
+  std::unique_ptr<Bridge> bridge;
+
+  explicit ScoredSetup(const char* provider) {
+    BridgeConfig c = dense_config(provider, E, C, 2);
+    c.max_ids = 8;
+    auto made = Bridge::create(rt, c, w.args);
+    REQUIRE(made.ok());
+    bridge = std::move(made.value());
+    prepare({0});
+  }
+  void prepare(const std::vector<std::int32_t>& ids) {
+    if (bridge->device_provider()) {
+      RuntimeBuffer<SimRuntime> dev = device_ids(rt, ids, ids.size());
+      REQUIRE(bridge->prepare_device(reinterpret_cast<const std::int32_t*>(dev.data()),
+                                     static_cast<std::int64_t>(ids.size()), s)
+                  .ok());
+      rt.drain();
+    } else {
+      REQUIRE(bridge->prepare(ids, s).ok());
+    }
+  }
+  // The device resident map after the queued work ran: expert -> slot, -1 absent (every provider).
+  std::vector<std::int32_t> resident() {
+    rt.drain();
+    const auto* rd = reinterpret_cast<const std::int32_t*>(bridge->resident_map_device());
+    return {rd, rd + E};
+  }
+  std::int64_t stat(const std::string& name) {
+    rt.drain();
+    for (const StatEntry& e : bridge->stats()) {
+      if (e.name == name) return e.int_value;
+    }
+    FAIL("no stat " << name);
+    return -1;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("CacheBridge prefetch with scores: below min_score skipped, the rest highest score first, every provider") {
+  for (const std::string provider : {"row", "cached", "device"}) {
+    CAPTURE(provider);
+    ScoredSetup x(provider.c_str());
+    Bridge& b = *x.bridge;
+    const bool device = b.device_provider();
+    // 7 scores below 0.5: skipped. Then 6 (0.9), 8 (0.7), 5 (0.6); the budget takes two.
+    const std::vector<std::int64_t> ids{5, 6, 7, 8};
+    const std::vector<float> scores{0.6f, 0.9f, 0.3f, 0.7f};
+    const auto p = b.prefetch(ids, 2 * ScoredSetup::per_expert, 1, x.s, HintScores{scores, 0.5f});
+    REQUIRE_MESSAGE(p.ok(), std::string(p.status().message()));
+    CHECK(p.value().skipped_unlikely == 1);
+    if (!device) {  // the device provider's view counts only the host selection
+      CHECK(p.value().issued == 2);
+      CHECK(p.value().skipped_resident == 0);
+      CHECK(p.value().skipped_no_victim == 0);
+      CHECK(p.value().bytes == 2 * ScoredSetup::per_expert);
+    } else {
+      CHECK(p.value().issued == 0);
+    }
+    std::vector<std::int32_t> r = x.resident();
+    CHECK(r[0] >= 0);
+    CHECK(r[6] >= 0);
+    CHECK(r[8] >= 0);
+    CHECK(r[5] == -1);  // over the budget
+    CHECK(r[7] == -1);  // below min_score
+    CHECK(x.stat("speculative_issued") == 2);
+    check_slots_hold_host_bytes(x.rt, b, x.w);
+    // The next forward finds both.
+    x.prepare({6, 8});
+    CHECK(x.stat("speculative_used") == 2);
+    if (!device) {
+      const ForwardPlan* plan = b.cache().last_plan();
+      REQUIRE(plan != nullptr);
+      CHECK(plan->fills.empty());
+    }
+
+    // Equal scores keep the caller's order: one free slot, the first of three equal hints.
+    const auto q = b.prefetch(std::vector<std::int64_t>{9, 3, 4}, ScoredSetup::per_expert, 1, x.s,
+                              HintScores{std::vector<float>{0.8f, 0.8f, 0.8f}, 0.5f});
+    REQUIRE(q.ok());
+    CHECK(q.value().skipped_unlikely == 0);
+    r = x.resident();
+    CHECK(r[9] >= 0);
+    CHECK(r[3] == -1);
+    CHECK(r[4] == -1);
+
+    // min_score is inclusive at both ends: 0 keeps a score of 0, 1 keeps only a score of 1.
+    const std::vector<float> low{0.0f, 1.0f};
+    const auto z = b.prefetch(std::vector<std::int64_t>{10, 11}, 0, 1, x.s, HintScores{low, 0.0f});
+    REQUIRE(z.ok());
+    CHECK(z.value().skipped_unlikely == 0);
+    const auto one = b.prefetch(std::vector<std::int64_t>{10, 11}, 0, 1, x.s, HintScores{low, 1.0f});
+    REQUIRE(one.ok());
+    CHECK(one.value().skipped_unlikely == 1);
+    // No ids, no scores (an empty list with its empty scores): nothing to do.
+    const auto none = b.prefetch(std::vector<std::int64_t>{}, ScoredSetup::per_expert, 1, x.s,
+                                 HintScores{std::span<const float>{}, 0.5f});
+    REQUIRE(none.ok());
+    CHECK(none.value().issued == 0);
+    CHECK(none.value().skipped_unlikely == 0);
+    CHECK(x.stat("speculative_issued") == 3);  // 6, 8 and 9
+    CHECK(x.rt.races().empty());
+  }
+}
+
+TEST_CASE("CacheBridge prefetch: bad scores and min_score are refused with the library's message, nothing changed") {
+  for (const std::string provider : {"row", "device"}) {
+    CAPTURE(provider);
+    ScoredSetup x(provider.c_str());
+    Bridge& b = *x.bridge;
+    const Snapshot before = snapshot(x.rt, b);
+    const auto refused = [&](const Status& st, const std::string& expected,
+                             ErrorCode code = ErrorCode::invalid_argument) {
+      REQUIRE(!st.ok());
+      CHECK(st.code() == code);
+      const std::string m(st.message());
+      INFO("message: " << m);
+      CHECK(m.find(expected) != std::string::npos);
+      CHECK(snapshot(x.rt, b) == before);
+    };
+    using V = std::vector<std::int64_t>;
+    using F = std::vector<float>;
+    const std::int64_t budget = 4 * ScoredSetup::per_expert;
+    const auto with = [&](V ids, F scores, float min_score = 0.5f) {
+      return b.prefetch(ids, budget, 1, x.s, HintScores{std::span<const float>(scores), min_score}).status();
+    };
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float inf = std::numeric_limits<float>::infinity();
+    refused(with(V{3, 7}, F{0.9f, 0.8f, 0.7f}),
+            "layer0: prefetch got 3 scores for 2 predicted ids (scores[i] belongs to ids[i]; no scores: None)");
+    refused(with(V{3, 7}, F{}), "layer0: prefetch got 0 scores for 2 predicted ids");
+    refused(with(V{3, 7}, F{0.9f, nan}), "layer0: prefetch score nan at index 1 (expert 7) is not a probability in [0, 1]");
+    refused(with(V{3, 7}, F{1.5f, 0.9f}), "prefetch score 1.5 at index 0 (expert 3) is not a probability");
+    refused(with(V{3, 7}, F{0.9f, -0.25f}), "prefetch score -0.25 at index 1 (expert 7)");
+    refused(with(V{3, 7}, F{inf, 0.9f}), "prefetch score inf at index 0 (expert 3)");
+    refused(with(V{3, 7}, F{0.9f, 0.8f}, nan), "layer0: prefetch min_score nan is not in [0, 1]");
+    // min_score is checked without scores too.
+    refused(b.prefetch(V{3, 7}, budget, 1, x.s, HintScores{std::nullopt, 1.5f}).status(),
+            "layer0: prefetch min_score 1.5 is not in [0, 1]");
+    refused(b.prefetch(V{3}, budget, 1, x.s, HintScores{std::nullopt, -0.5f}).status(), "prefetch min_score -0.5");
+    // The ids are checked first, a skipped one too.
+    refused(with(V{3, 3}, F{0.9f, nan}), "predicted ids[1] = 3 appears twice", ErrorCode::duplicate_expert);
+    refused(with(V{3, 12}, F{0.9f, 0.1f}), "predicted ids[1] = 12 outside [0, 12)", ErrorCode::expert_out_of_range);
+    // Device ids: the device plan takes them in the given order, so no scores.
+    RuntimeBuffer<SimRuntime> dev = device_ids(x.rt, {3, 7}, 2);
+    const auto* ids = reinterpret_cast<const std::int32_t*>(dev.data());
+    const F two{0.9f, 0.8f};
+    if (b.device_provider()) {
+      refused(b.prefetch_device(ids, 2, budget, 1, x.s, HintScores{std::span<const float>(two), 0.5f}).status(),
+              "layer0: prefetch with CUDA ids takes no scores (2 given): provider 'device' plans CUDA ids on the GPU");
+      refused(b.prefetch_device(ids, 2, budget, 1, x.s, HintScores{std::nullopt, 2.0f}).status(),
+              "layer0: prefetch min_score 2 is not in [0, 1]");
+    } else {
+      refused(b.prefetch_device(ids, 2, budget, 1, x.s, HintScores{std::span<const float>(two), 0.5f}).status(),
+              "prefetch with CUDA ids needs provider 'device'");
+    }
+    // The cache is usable after every refusal: the same call with good scores is accepted.
+    const auto ok = b.prefetch(V{3, 7}, budget, 1, x.s, HintScores{std::span<const float>(two), 0.85f});
+    REQUIRE(ok.ok());
+    CHECK(ok.value().skipped_unlikely == 1);
+    const std::vector<std::int32_t> r = x.resident();
+    CHECK(r[3] >= 0);
+    CHECK(r[7] == -1);
+    if (b.device_provider()) {
+      // Device ids without scores (min_score alone, in range) are still planned.
+      REQUIRE(b.prefetch_device(ids, 2, budget, 1, x.s, HintScores{std::nullopt, 0.9f}).ok());
+      CHECK(x.resident()[7] >= 0);
+    }
+    CHECK(x.rt.races().empty());
+  }
 }

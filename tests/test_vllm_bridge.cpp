@@ -10,7 +10,9 @@
 // - invalidate_if_held (vLLM's invalidate: every id not held is a no-op) next to the native
 //   invalidate, which keeps refusing ids outside [0, E);
 // - prefetch through the bridge; the token / expert split plans (a row wider than the slots
-//   refused in vLLM's words).
+//   refused in vLLM's words);
+// - prefetch_order (the order a scored prefetch considers its hints) and a scored prefetch
+//   filling the free slots in that order, which the providers' compatibility state follows.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -606,4 +608,70 @@ TEST_CASE("plan_split: token chunks keep whole rows, expert groups cut the sorte
   REQUIRE(empty_expert.ok());
   REQUIRE(empty_expert.value().size() == 1);
   CHECK(empty_expert.value()[0].unique_ids.empty());
+}
+
+TEST_CASE("prefetch_order: the scored hints a prefetch considers, highest score first, ties as given") {
+  using V = std::vector<std::int64_t>;
+  using F = std::vector<float>;
+  const auto order = [](V ids, F scores, float min_score) {
+    auto r = prefetch_order(ids, scores, min_score);
+    REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
+    return r.value();
+  };
+  CHECK(order(V{5, 6, 7, 8}, F{0.6f, 0.9f, 0.3f, 0.7f}, 0.5f) == V{6, 8, 5});
+  CHECK(order(V{9, 3, 4}, F{0.8f, 0.8f, 0.8f}, 0.5f) == V{9, 3, 4});
+  CHECK(order(V{1, 2, 3, 4}, F{0.5f, 0.7f, 0.5f, 0.49f}, 0.5f) == V{2, 1, 3});  // min_score inclusive
+  CHECK(order(V{1, 2}, F{0.0f, 0.0f}, 0.0f) == V{1, 2});
+  CHECK(order(V{1, 2}, F{0.2f, 0.1f}, 0.5f).empty());
+  CHECK(order(V{}, F{}, 0.5f).empty());
+  const auto refused = [](V ids, F scores, float min_score, const std::string& expected) {
+    refused_with(prefetch_order(ids, scores, min_score).status(), expected);
+  };
+  refused(V{1, 2}, F{0.5f}, 0.5f, "prefetch_order: 1 scores for 2 ids (one score per id)");
+  refused(V{1, 2}, F{}, 0.5f, "prefetch_order: 0 scores for 2 ids");
+  refused(V{1, std::int64_t{1} << 40}, F{0.5f, 0.5f}, 0.5f, "prefetch_order: ids[1] = 1099511627776 is not an expert id");
+  refused(V{1, 2}, F{0.5f, std::numeric_limits<float>::quiet_NaN()}, 0.5f,
+          "prefetch score nan at index 1 (expert 2) is not a probability in [0, 1]");
+  refused(V{1, 2}, F{0.5f, 0.5f}, 1.25f, "prefetch min_score 1.25 is not in [0, 1]");
+}
+
+TEST_CASE("CacheBridge: a scored prefetch fills in prefetch_order's order (what the providers' ledger follows)") {
+  constexpr std::int64_t E = 10;
+  const ProviderSpec spec = validate_provider_sources(4, nvfp4_sources(E)).value();
+  std::int64_t per_expert = 0;
+  for (const ProviderSource& src : spec.sources) per_expert += static_cast<std::int64_t>(src.bytes_per_expert);
+  // lfru takes free slots from the top (the first miss gets slot C-1), row from slot 0.
+  for (const auto& [semantics, first_free] : {std::pair{std::string("lfru"), 3}, std::pair{std::string("row"), 0}}) {
+    CAPTURE(semantics);
+    SimRuntime rt(sim_options());
+    const Stream s = rt.create_stream().value();
+    HostSources h(spec);
+    auto made = Bridge::create(rt, provider_config(spec, provider_semantics(semantics).value()), h.args);
+    REQUIRE(made.ok());
+    Bridge& b = *made.value();
+    const std::vector<std::int64_t> ids{5, 6, 7, 8};
+    const std::vector<float> scores{0.6f, 0.9f, 0.3f, 0.7f};
+    const auto order = prefetch_order(ids, scores, 0.5f);
+    REQUIRE(order.ok());
+    REQUIRE(order.value() == std::vector<std::int64_t>{6, 8, 5});
+    const auto p = b.prefetch(ids, 3 * per_expert, 1, s, HintScores{scores, 0.5f});
+    REQUIRE(p.ok());
+    CHECK(p.value().issued == 3);
+    CHECK(p.value().skipped_unlikely == 1);
+    // Three fills into an empty cache: the free slots in the semantics' order, taken by the
+    // experts in prefetch_order's order.
+    const auto resident = b.resident_map_host();
+    const int step = first_free == 0 ? 1 : -1;
+    for (std::size_t k = 0; k < order.value().size(); ++k) {
+      CHECK(resident[static_cast<std::size_t>(order.value()[k])] == first_free + step * static_cast<int>(k));
+    }
+    CHECK(resident[7] == -1);
+    // The next forward finds all three in their slots.
+    const auto r = b.prepare(std::vector<std::int64_t>{5, 6, 8}, s);
+    REQUIRE(r.ok());
+    CHECK(r.value().hits == 3);
+    CHECK(r.value().misses == 0);
+    check_slots(rt, b, h);
+    CHECK(rt.race_count() == 0);
+  }
 }

@@ -223,6 +223,14 @@ inline Status call_wide_consumer(const WideConsumerFn& consumer, const WideRound
 }
 }  // namespace detail
 
+// The scored-hint arguments of one prefetch as Python gives them (PrefetchOptions::scores and
+// min_score; docs/prefetch.md "Scored hints"): `scores` nullopt for None (no scores), else one
+// score per predicted id (an empty span for an empty id list). The span is read during the call.
+struct HintScores {
+  std::optional<std::span<const float>> scores;
+  float min_score = default_min_score;
+};
+
 struct PrepareResult {
   bool has_counts = true;  // false for the device provider (counts live on the device)
   std::int64_t hits = 0;
@@ -493,18 +501,32 @@ class CacheBridge {
 
   // Speculative fills of predicted experts in host memory (every provider; the device provider
   // uploads and plans them on the device). Ids in [0, num_experts), distinct, at most
-  // num_experts of them; max_bytes >= 0 bounds the bytes copied (0: nothing).
+  // num_experts of them; max_bytes >= 0 bounds the bytes copied (0: nothing). With
+  // hints.scores, one score per id, each in [0, 1]: the hints below hints.min_score are skipped
+  // (PrefetchView::skipped_unlikely), the others taken highest score first (PrefetchOptions).
+  // Every check runs before the cache is touched; the scores' messages are the library's
+  // (check_hint_scores), prefixed with the label.
   Result<PrefetchView> prefetch(std::span<const std::int64_t> predicted, std::int64_t max_bytes,
-                                std::int64_t expires_after, Stream stream) noexcept {
+                                std::int64_t expires_after, Stream stream, const HintScores& hints = {}) noexcept {
     if (Status s = prefetch_options(max_bytes, expires_after); !s) return s;
     if (Status s = narrow_unique(predicted, "predicted ids"); !s) return s;
-    return cache_->prefetch(std::span<const std::int32_t>(ids32_), stream,
-                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after)});
+    const std::span<const std::int32_t> ids(ids32_);
+    if (hints.scores && hints.scores->size() != ids.size()) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prefetch got %zu scores for %zu predicted ids (scores[i] belongs to ids[i]; no "
+                            "scores: None)",
+                            config_.label.c_str(), hints.scores->size(), ids.size());
+    }
+    const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
+    if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
+    return cache_->prefetch(ids, stream,
+                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score});
   }
   // Predicted int32 ids in device memory (written by a kernel, e.g. inside a captured step):
-  // the device provider only; planned on the device.
+  // the device provider only; planned on the device in the given order, so no scores (the
+  // device plan takes none: DeviceExpertCache::prefetch); hints.min_score is checked all the same.
   Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int64_t n, std::int64_t max_bytes,
-                                       std::int64_t expires_after, Stream stream) noexcept {
+                                       std::int64_t expires_after, Stream stream, const HintScores& hints = {}) noexcept {
     if (!device_) {
       return Status::format(ErrorCode::invalid_argument,
                             "%s: prefetch with CUDA ids needs provider 'device' (provider '%s' plans on the host: "
@@ -520,8 +542,16 @@ class CacheBridge {
       return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %lld ids from a null pointer",
                             config_.label.c_str(), static_cast<long long>(n));
     }
-    return cache_->prefetch_device(device_ids, static_cast<std::int32_t>(n), stream,
-                                   PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after)});
+    if (hints.scores) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prefetch with CUDA ids takes no scores (%zu given): provider 'device' plans CUDA ids "
+                            "on the GPU in the given order; pass CPU ids with the scores, or the CUDA ids best first",
+                            config_.label.c_str(), hints.scores->size());
+    }
+    if (Status s = check_hint_scores({}, {}, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
+    PrefetchOptions options{max_bytes, static_cast<std::uint32_t>(expires_after)};
+    options.min_score = hints.min_score;
+    return cache_->prefetch_device(device_ids, static_cast<std::int32_t>(n), stream, options);
   }
 
   // The last accepted prepare's misses (expert, slot) and victims (expert, slot): host providers;
@@ -864,9 +894,11 @@ class CudaBridge {
                                                   const WideConsumerFn& consumer, std::string_view admission,
                                                   std::string_view copy) noexcept = 0;
   virtual Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
-                                             std::int64_t expires_after, void* stream) noexcept = 0;
+                                             std::int64_t expires_after, void* stream,
+                                             const HintScores& hints) noexcept = 0;
   virtual Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,
-                                               std::int64_t expires_after, void* stream) noexcept = 0;
+                                               std::int64_t expires_after, void* stream,
+                                               const HintScores& hints) noexcept = 0;
   [[nodiscard]] virtual std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const = 0;
   [[nodiscard]] virtual std::vector<std::pair<std::int32_t, std::int32_t>> last_evictions() const = 0;
   [[nodiscard]] virtual std::span<const std::int32_t> resident_map_host() const noexcept = 0;

@@ -52,12 +52,13 @@ class CudaBridgeImpl final : public CudaBridge {
     return bridge_->prepare_wide_device(ids, n, static_cast<cudaStream_t>(stream), consumer, admission, copy);
   }
   Result<PrefetchView> prefetch_host(std::span<const std::int64_t> ids, std::int64_t max_bytes,
-                                     std::int64_t expires_after, void* stream) noexcept override {
-    return bridge_->prefetch(ids, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+                                     std::int64_t expires_after, void* stream, const HintScores& hints) noexcept override {
+    return bridge_->prefetch(ids, max_bytes, expires_after, static_cast<cudaStream_t>(stream), hints);
   }
   Result<PrefetchView> prefetch_device(const std::int32_t* ids, std::int64_t n, std::int64_t max_bytes,
-                                       std::int64_t expires_after, void* stream) noexcept override {
-    return bridge_->prefetch_device(ids, n, max_bytes, expires_after, static_cast<cudaStream_t>(stream));
+                                       std::int64_t expires_after, void* stream,
+                                       const HintScores& hints) noexcept override {
+    return bridge_->prefetch_device(ids, n, max_bytes, expires_after, static_cast<cudaStream_t>(stream), hints);
   }
   [[nodiscard]] std::vector<std::pair<std::int32_t, std::int32_t>> last_fills() const override {
     return bridge_->last_fills();

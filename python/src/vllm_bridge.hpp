@@ -11,13 +11,15 @@
 //   ReferencePlanner           the library's host planners (Lfru, Lru) alone: hits, misses,
 //                              fills, victims and maps of every call, the oracle the GPU test
 //                              compares the providers with;
-//   plan_split                 the token / expert split of a forward wider than the cache.
+//   plan_split                 the token / expert split of a forward wider than the cache;
+//   prefetch_order             the order a scored prefetch considers its hints (HintSelector).
 //
 // Host tier: g++ alone.
 #include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -29,6 +31,7 @@
 #include "expert_cache/eviction/lru.hpp"
 #include "expert_cache/layout/tensor_bytes.hpp"
 #include "expert_cache/planner.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/split.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"  // max_pool_bytes
@@ -190,6 +193,35 @@ template <class Bridge, class Stream>
 Status invalidate_if_held(Bridge& bridge, std::int64_t num_experts, std::int64_t expert, Stream stream) noexcept {
   if (expert < 0 || expert >= num_experts) return {};
   return bridge.invalidate(expert, stream);
+}
+
+// The order in which a scored prefetch considers its hints (HintSelector, the rule every prefetch
+// entry applies: the ids scoring below min_score dropped, the others highest score first, equal
+// scores in the given order). An accepted scored prefetch fills in this order, so it is the
+// processing order the providers' compatibility state (_vllm_state.StateLedger) follows.
+// `scores`: one per id. Errors (invalid_argument): another number of scores, an id outside
+// int32, and those of check_hint_scores.
+inline Result<std::vector<std::int64_t>> prefetch_order(std::span<const std::int64_t> ids, std::span<const float> scores,
+                                                        float min_score) {
+  if (scores.size() != ids.size()) {
+    return Status::format(ErrorCode::invalid_argument, "prefetch_order: %zu scores for %zu ids (one score per id)",
+                          scores.size(), ids.size());
+  }
+  if (ids.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    return Status::format(ErrorCode::invalid_argument, "prefetch_order: %zu ids (at most 2^31 - 1)", ids.size());
+  }
+  std::vector<std::int32_t> narrow(ids.size());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < std::numeric_limits<std::int32_t>::min() || ids[i] > std::numeric_limits<std::int32_t>::max()) {
+      return Status::format(ErrorCode::invalid_argument, "prefetch_order: ids[%zu] = %lld is not an expert id", i,
+                            static_cast<long long>(ids[i]));
+    }
+    narrow[i] = static_cast<std::int32_t>(ids[i]);
+  }
+  HintSelector selector(static_cast<std::int32_t>(narrow.size()));
+  if (Status s = selector.select(narrow, scores, min_score); !s) return s;
+  const std::span<const std::int32_t> chosen = selector.ids();
+  return std::vector<std::int64_t>(chosen.begin(), chosen.end());
 }
 
 // The semantics of one vLLM provider, as AnyExpertCache names.
