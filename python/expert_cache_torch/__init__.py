@@ -295,18 +295,23 @@ class ExpertCache:
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, self._impl.expert_map_host(),
                            hits, misses, generation)
 
-    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1):
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
         """Speculative fills of predicted experts (distinct ids in [0, num_experts), best first),
         on the current stream, within max_bytes (None: up to every slot). A prefetched expert is
         protected from eviction until `expires_after` further prepares have passed without using
         it. CPU ids: every provider. CUDA ids: provider "device" plans them on the GPU (no
         synchronisation, capturable); a host-planned provider reads them back (one synchronisation).
-        Returns {issued, evictions, skipped_resident, skipped_no_victim, bytes}."""
+        `scores` (None: no scores): one probability in [0, 1] per id, the chance the next forward
+        reads it (a float tensor or a sequence of numbers, read as float32); the ids scoring below
+        `min_score` are skipped (counted in skipped_unlikely, not fetched), the others taken highest
+        score first (docs/prefetch.md "Scored hints"). Scores need CPU ids with provider "device".
+        Returns {issued, evictions, skipped_resident, skipped_no_victim, skipped_unlikely, bytes}."""
         if not isinstance(predicted_ids, torch.Tensor):
             predicted_ids = torch.tensor(_id_list(predicted_ids, "predicted_ids"), dtype=torch.int64)
         if max_bytes is None:
             max_bytes = self.capacity * self.bytes_per_expert
-        return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after))
+        return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after), _score_tensor(scores),
+                                   _real_arg(min_score, "min_score"))
 
     def resident_map_host(self):
         """Host-planned providers: the planner's resident map (int32 [E] CPU tensor, expert -> pool
@@ -453,6 +458,39 @@ class ModelExpertCache:
     def __repr__(self):
         return (f"ModelExpertCache({self.layout!r}, pool={self.pool!r}, policy={self.policy!r}, "
                 f"layers={self.num_layers}, capacity={self.capacity}, experts={self.num_experts}, label={self.label!r})")
+
+def _score_tensor(scores):
+    """Prefetch scores as the extension takes them: None, a tensor as given (its dtype and device are
+    checked there) or a float32 tensor of a sequence of numbers."""
+    if scores is None or isinstance(scores, torch.Tensor):
+        return scores
+    what = f"scores must be a tensor or a sequence of numbers (got {type(scores).__name__})"
+    if isinstance(scores, (str, bytes)):
+        raise ExpertCacheValueError(what)
+    try:
+        items = list(scores)
+    except TypeError:
+        raise ExpertCacheValueError(what) from None
+    values = []
+    for i, x in enumerate(items):
+        try:
+            if isinstance(x, (str, bytes)):
+                raise TypeError
+            values.append(float(x))
+        except (TypeError, ValueError):
+            raise ExpertCacheValueError(f"scores[{i}] is not a number (got {type(x).__name__})") from None
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _real_arg(value, name):
+    """A float from a real number (an int, float or numpy/torch scalar); TypeError otherwise."""
+    if isinstance(value, (str, bytes, bool)) or value is None:
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
+
 
 def _id_list(ids, name):
     """A list of Python ints from a tensor (read back if on a GPU), a list or a tuple."""

@@ -27,7 +27,7 @@ import types
 import torch
 
 from . import (ExpertCache, ExpertCacheError, ExpertCacheValueError, ExplicitBytes, _C, _id_list,
-               _profile_text)
+               _profile_text, _score_tensor)
 from ._vllm_state import StateLedger
 
 __all__ = ["ExpertCacheProvider", "CachedWeightProvider", "RowCacheWeightProvider", "DeviceWeightProvider",
@@ -316,12 +316,19 @@ class ExpertCacheProvider:
         order = unique_ids if unique_ids is not None else [e for e, s in enumerate(slots) if s >= 0]
         self._ledger.forward(order, slots)
 
-    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1):
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
         """Speculative fills of predicted experts (ExpertCache.prefetch): CPU ids for every
-        semantics, CUDA ids planned on the GPU for "device". Returns the counts dict."""
-        counts = self._cache.prefetch(predicted_ids, max_bytes=max_bytes, expires_after=expires_after)
+        semantics, CUDA ids planned on the GPU for "device". `scores` (None: none): one probability
+        in [0, 1] per id; the ids below `min_score` are skipped, the others taken highest score
+        first (CPU ids for "device"). Returns the counts dict (skipped_unlikely: the ids skipped)."""
+        scores = _score_tensor(scores)
+        counts = self._cache.prefetch(predicted_ids, max_bytes=max_bytes, expires_after=expires_after, scores=scores,
+                                      min_score=min_score)
         if self._ledger is not None and counts["issued"]:
             predicted = _id_list(predicted_ids, "predicted_ids")
+            if scores is not None:
+                # The fills were taken in the selection's order (HintSelector), which the ledger follows.
+                predicted = _C.prefetch_order(predicted, scores, float(min_score))
             self._ledger.prefetched(predicted, self._cache.resident_map_host().tolist())
         return counts
 

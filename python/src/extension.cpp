@@ -60,8 +60,24 @@ py::dict prefetch_dict(const expert_cache::PrefetchView& v) {
   d["evictions"] = v.evictions;
   d["skipped_resident"] = v.skipped_resident;
   d["skipped_no_victim"] = v.skipped_no_victim;
+  d["skipped_unlikely"] = v.skipped_unlikely;
   d["bytes"] = v.bytes;
   return d;
+}
+
+// Prefetch scores as the library reads them: float32 on the host, flattened (one per id, as the
+// ids are flattened). Any floating-point dtype, on the CPU or a CUDA device (read back: one
+// synchronisation). Integer and other tensors are refused, naming the dtype.
+at::Tensor host_scores(const at::Tensor& scores, const std::string& label) {
+  if (!scores.defined()) fail_value(label + ": prefetch scores are undefined");
+  if (!at::isFloatingType(scores.scalar_type())) {
+    fail_value(label + ": prefetch scores must be a floating-point tensor (got " +
+               std::string(c10::toString(scores.scalar_type())) + ")");
+  }
+  if (!scores.is_cuda() && scores.device().type() != at::kCPU) {
+    fail_value(label + ": prefetch scores must be a CPU or CUDA tensor (got " + scores.device().str() + ")");
+  }
+  return scores.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kFloat)).contiguous();
 }
 
 ec::DType dtype_of(at::ScalarType t) {
@@ -269,20 +285,34 @@ class TorchCache {
   // Speculative fills of predicted experts (int32/int64, distinct, in [0, E)). CPU ids: every
   // provider (the device provider uploads them). CUDA ids: the device provider plans them on the
   // device as they are (no synchronisation; capturable); a host-planned provider reads them back
-  // first (one synchronisation of the current stream).
-  py::dict prefetch(const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after) {
+  // first (one synchronisation of the current stream). `scores` (undefined: none): one
+  // floating-point score per id (host_scores), the hints selected on the host (bridge.hpp
+  // HintScores); with CUDA ids the device provider refuses them (its plan takes the ids as given).
+  py::dict prefetch(const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after,
+                    const std::optional<at::Tensor>& scores, double min_score) {
     if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
     if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
       fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
     }
     const c10::cuda::CUDAStream stream = current_stream();
+    if (scores && scores->defined() && scores->is_cuda() && capturing(stream.stream())) {
+      fail(label_ + ": prefetch scores on the GPU are read back to the host (the hints are selected there), which a "
+                    "CUDA graph cannot capture: pass CPU scores");
+    }
+    at::Tensor score_tensor;
+    ec::HintScores hints;
+    hints.min_score = static_cast<float>(min_score);
+    if (scores) {
+      score_tensor = host_scores(*scores, label_);
+      hints.scores = std::span<const float>(score_tensor.data_ptr<float>(), static_cast<std::size_t>(score_tensor.numel()));
+    }
     if (ids.is_cuda() && bridge_->device_provider()) {
       if (ids.device().index() != device_) {
         fail_value(label_ + ": prefetch ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
       }
       last_prefetch_ids_ = ids.reshape({-1}).to(at::kInt).contiguous();
       const auto r = bridge_->prefetch_device(last_prefetch_ids_.data_ptr<std::int32_t>(), last_prefetch_ids_.numel(),
-                                              max_bytes, expires_after, static_cast<void*>(stream.stream()));
+                                              max_bytes, expires_after, static_cast<void*>(stream.stream()), hints);
       check(r.status());
       return prefetch_dict(r.value());
     }
@@ -291,7 +321,7 @@ class TorchCache {
     const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
     const auto n = static_cast<std::size_t>(host.numel());
     const auto r = bridge_->prefetch_host(std::span<const std::int64_t>(host.data_ptr<std::int64_t>(), n), max_bytes,
-                                          expires_after, static_cast<void*>(stream.stream()));
+                                          expires_after, static_cast<void*>(stream.stream()), hints);
     check(r.status());
     return prefetch_dict(r.value());
   }
@@ -739,7 +769,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("admission") = "stream", py::arg("copy") = "automatic")
       .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
       .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
-      .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"))
+      .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"),
+           py::arg("scores") = py::none(), py::arg("min_score") = static_cast<double>(expert_cache::default_min_score))
       .def("last_fills", &TorchCache::last_fills)
       .def("last_evictions", &TorchCache::last_evictions)
       .def("resident_map_host", &TorchCache::resident_map_host)
@@ -841,6 +872,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return py::make_tuple(r.value().provider, r.value().policy);
         },
         py::arg("semantics"), py::arg("policy"));
+  // The order a scored prefetch of `ids` considers them (HintSelector): what the vLLM-surface
+  // providers' compatibility state follows after one. `scores` as prefetch takes them.
+  m.def("prefetch_order",
+        [](const std::vector<std::int64_t>& ids, const at::Tensor& scores, double min_score) {
+          const at::Tensor host = host_scores(scores, "prefetch_order");
+          auto r = ec::prefetch_order(ids, std::span<const float>(host.data_ptr<float>(), static_cast<std::size_t>(host.numel())),
+                                      static_cast<float>(min_score));
+          check(r.status());
+          return r.value();
+        },
+        py::arg("ids"), py::arg("scores"), py::arg("min_score"));
   // -> [(row_begin, row_end, unique ids, include_shared)]
   m.def("plan_split",
         [](const std::vector<std::int64_t>& ids, std::int32_t top_k, std::int32_t capacity, std::int32_t num_experts,
