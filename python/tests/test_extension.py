@@ -7,8 +7,10 @@ prepare with CPU and CUDA ids (int32/int64) for the row / cached / device provid
 contents equal to the mapped experts' host weights, expert_map / resident_map / expert_map_host
 semantics, errors as ExpertCacheError with the library's message and stats unchanged, invalidate,
 the stats dict, a torch.cuda.graph capture of a device-provider prepare plus a gather of slot
-rows, replayed with new ids (equal to eager), and the device provider's fill engines with the link
-profile (link_profile, set_link_profile, stored profiles that decide "automatic").
+rows, replayed with new ids (equal to eager), the device provider's fill engines with the link
+profile (link_profile, set_link_profile, stored profiles that decide "automatic"), and scored
+prefetch hints (skipped below min_score, the rest highest score first; bad scores refused, nothing
+changed).
 """
 import os
 import sys
@@ -264,6 +266,133 @@ class ExtensionTest(unittest.TestCase):
         # undone), the same tensors build a cache again.
         del cache
         make_cache(w13, w2, "row")
+
+    def test_prefetch_scores(self):
+        """Scored hints (docs/prefetch.md "Scored hints"): below min_score skipped and counted, the rest
+        highest score first within max_bytes, every provider; the fills are the experts' bytes."""
+        keys = {"issued", "evictions", "skipped_resident", "skipped_no_victim", "skipped_unlikely", "bytes"}
+        for provider in ("row", "cached", "device"):
+            with self.subTest(provider=provider):
+                w13, w2 = dense_weights(21)
+                cache = make_cache(w13, w2, provider)
+                per = cache.bytes_per_expert
+                cache.prepare(torch.tensor([[0, 1]], device="cuda"))
+                # 7 (0.3) is below 0.5; then 6 (0.9), 8 (0.7), 5 (0.6): a budget of two takes 6 and 8.
+                v = cache.prefetch([8, 6, 7, 5], max_bytes=2 * per, scores=[0.7, 0.9, 0.3, 0.6])
+                self.assertEqual(set(v), keys)
+                self.assertEqual(v["skipped_unlikely"], 1)
+                if provider == "device":
+                    self.assertEqual(v["issued"], 0)  # decided on the GPU: stats() counts the fills
+                else:
+                    self.assertEqual((v["issued"], v["bytes"], v["skipped_resident"]), (2, 2 * per, 0))
+                    held = cache.resident_map_host()
+                    self.assertGreaterEqual(int(held[6]), 0)
+                    self.assertGreaterEqual(int(held[8]), 0)
+                    self.assertEqual(int(held[5]), -1)
+                    self.assertEqual(int(held[7]), -1)
+                self.assertEqual(cache.stats()["speculative_issued"], 2)
+                # The next forward finds 6 and 8: both fills used, their slots hold their weights.
+                ids = torch.tensor([[6, 8]])
+                view = cache.prepare(ids.cuda())
+                self.check_view(cache, view, ids, w13, w2)
+                if provider != "device":
+                    self.assertEqual((view.hits, view.misses), (2, 0))
+                s = cache.stats()
+                self.assertEqual((s["speculative_issued"], s["speculative_used"]), (2, 2))
+                # Scores as tensors of any floating dtype, on the CPU or the GPU, shaped like the ids;
+                # equal scores keep the given order (one expert's budget: 9, then 3 resident by then).
+                for scores in (torch.tensor([[0.8, 0.8]], dtype=torch.float64), torch.full((1, 2), 0.8).cuda(),
+                               torch.tensor([[0.8, 0.8]], dtype=torch.bfloat16)):
+                    v = cache.prefetch(torch.tensor([[9, 3]]), max_bytes=per, scores=scores)
+                    self.assertEqual(v["skipped_unlikely"], 0)
+                self.assertEqual(cache.stats()["speculative_issued"], 4)  # 9, then 3 (9 resident), then none
+                view = cache.prepare(torch.tensor([[9, 3]], device="cuda"))
+                if provider != "device":
+                    self.assertEqual((view.hits, view.misses), (2, 0))
+                self.assertEqual(cache.stats()["speculative_used"], 4)
+                # min_score is inclusive: 0 keeps a score of 0, 1 keeps only a score of 1.
+                self.assertEqual(cache.prefetch([10, 11], max_bytes=0, scores=[0.0, 1.0], min_score=0)
+                                 ["skipped_unlikely"], 0)
+                self.assertEqual(cache.prefetch([10, 11], max_bytes=0, scores=[0.0, 1.0], min_score=1)
+                                 ["skipped_unlikely"], 1)
+                self.assertEqual(cache.prefetch([], scores=[])["issued"], 0)
+                if provider != "device":
+                    # CUDA ids with scores: read back, selected on the host.
+                    v = cache.prefetch(torch.tensor([12, 13], device="cuda"), max_bytes=per, scores=[0.2, 0.9])
+                    self.assertEqual((v["issued"], v["skipped_unlikely"]), (1, 1))
+                    self.assertGreaterEqual(int(cache.resident_map_host()[13]), 0)
+                    self.assertEqual(int(cache.resident_map_host()[12]), -1)
+                else:
+                    self.assertEqual(cache.device_errors(), 0)
+
+    def test_prefetch_scores_refused(self):
+        """Bad scores and min_scores raise ExpertCacheValueError (a ValueError) with the library's message;
+        nothing changes."""
+        for provider in ("row", "device"):
+            with self.subTest(provider=provider):
+                w13, w2 = dense_weights(22)
+                cache = make_cache(w13, w2, provider)
+                cache.prepare(torch.tensor([[0, 1]], device="cuda"))
+                torch.cuda.synchronize()
+                before = (cache.stats(), cache.resident_map.clone(), cache.expert_map.clone())
+                nan = float("nan")
+                cases = [
+                    (lambda: cache.prefetch([3, 7], scores=[0.9]), ValueError,
+                     f"test_{provider}: prefetch got 1 scores for 2 predicted ids (scores[i] belongs to ids[i]; "
+                     f"no scores: None)"),
+                    (lambda: cache.prefetch([3, 7], scores=[]), ValueError, "prefetch got 0 scores for 2 predicted ids"),
+                    (lambda: cache.prefetch([3, 7], scores=[0.9, nan]), ValueError,
+                     "prefetch score nan at index 1 (expert 7) is not a probability in [0, 1]"),
+                    (lambda: cache.prefetch([3, 7], scores=torch.tensor([1.5, 0.2])), ValueError,
+                     "prefetch score 1.5 at index 0 (expert 3)"),
+                    (lambda: cache.prefetch([3, 7], scores=[0.2, -0.25]), ValueError, "prefetch score -0.25 at index 1"),
+                    (lambda: cache.prefetch([3, 7], scores=[float("inf"), 0.2]), ValueError, "prefetch score inf"),
+                    (lambda: cache.prefetch([3, 7], scores=torch.tensor([1, 0])), ValueError,
+                     "prefetch scores must be a floating-point tensor (got Long)"),
+                    (lambda: cache.prefetch([3, 7], scores="high"), ValueError,
+                     "scores must be a tensor or a sequence of numbers (got str)"),
+                    (lambda: cache.prefetch([3, 7], scores=[0.9, "x"]), ValueError, "scores[1] is not a number (got str)"),
+                    (lambda: cache.prefetch([3, 7], scores=0.9), ValueError,
+                     "scores must be a tensor or a sequence of numbers (got float)"),
+                    (lambda: cache.prefetch([3, 7], scores=[0.9, 0.8], min_score=nan), ValueError,
+                     "prefetch min_score nan is not in [0, 1]"),
+                    (lambda: cache.prefetch([3, 7], min_score=1.5), ValueError, "prefetch min_score 1.5 is not in [0, 1]"),
+                    (lambda: cache.prefetch([3], min_score=-0.5), ValueError, "prefetch min_score -0.5"),
+                    (lambda: cache.prefetch([3], min_score="0.5"), TypeError, "min_score must be a number, got str"),
+                    (lambda: cache.prefetch([3, 3], scores=[0.9, nan]), ValueError, "predicted ids[1] = 3 appears twice"),
+                    (lambda: cache.prefetch([3, E], scores=[0.9, 0.1]), ValueError, f"predicted ids[1] = {E} outside"),
+                ]
+                if provider == "device":
+                    cases.append((lambda: cache.prefetch(torch.tensor([3, 7], device="cuda"), scores=[0.9, 0.8]),
+                                  ValueError, "prefetch with CUDA ids takes no scores (2 given): provider 'device' "
+                                  "plans CUDA ids on the GPU in the given order"))
+                    cases.append((lambda: cache.prefetch(torch.tensor([3, 7], device="cuda"), min_score=2), ValueError,
+                                  "prefetch min_score 2 is not in [0, 1]"))
+                for fn, exc, text in cases:
+                    with self.assertRaises(exc) as cm:
+                        fn()
+                    if exc is ValueError:
+                        self.assertIsInstance(cm.exception, ect.ExpertCacheValueError)
+                    self.assertIn(text, str(cm.exception))
+                    torch.cuda.synchronize()
+                    self.assertEqual(cache.stats(), before[0], f"stats changed by a refused call ({cm.exception})")
+                    self.assertTrue(torch.equal(cache.resident_map, before[1]), f"resident map changed ({cm.exception})")
+                    self.assertTrue(torch.equal(cache.expert_map, before[2]), f"expert map changed ({cm.exception})")
+                # Usable after every refusal: the same hints with good scores are taken.
+                v = cache.prefetch([3, 7], max_bytes=2 * cache.bytes_per_expert, scores=[0.9, 0.1])
+                self.assertEqual(v["skipped_unlikely"], 1)
+                self.assertEqual(cache.stats()["speculative_issued"], 1)
+                if provider == "device":
+                    # GPU scores are read back on the host: not inside a CUDA graph (refused before any work).
+                    side = torch.cuda.Stream()
+                    side.wait_stream(torch.cuda.current_stream())
+                    gpu_scores = torch.tensor([0.9], device="cuda")
+                    with self.assertRaises(ect.ExpertCacheError) as cm:
+                        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+                            cache.prefetch([4], scores=gpu_scores)
+                    self.assertIn("prefetch scores on the GPU are read back", str(cm.exception))
+                    torch.cuda.synchronize()
+                    self.assertEqual(cache.stats()["speculative_issued"], 1)
 
     def test_invalidate(self):
         for provider in ("row", "device"):

@@ -16,7 +16,8 @@ Covers:
 - run_with_expert_cache (token and expert split) equal to an uncached MoE;
 - "device": captured in a CUDA graph and replayed, with each fill engine; host semantics refuse a
   capture;
-- prefetch (host and device ids), the model-level cache (per_layer equal to per-layer caches,
+- prefetch (host and device ids; scored hints, the compatibility views following the fills in
+  the selection's order), the model-level cache (per_layer equal to per-layer caches,
   global), policies by name (unknown names refused with the valid ones listed).
 """
 import os
@@ -364,6 +365,10 @@ class VllmProviderTest(unittest.TestCase):
             (lambda: p.prefetch([3, 3]), ValueError, "appears twice"),
             (lambda: p.prefetch([E]), ValueError, "outside [0, 12)"),
             (lambda: p.prefetch([1], max_bytes=-1), ValueError, "max_bytes = -1"),
+            (lambda: p.prefetch([3, 4], scores=[0.5]), ValueError, "prefetch got 1 scores for 2 predicted ids"),
+            (lambda: p.prefetch([3, 4], scores=[0.5, float("nan")]), ValueError, "prefetch score nan at index 1 (expert 4)"),
+            (lambda: p.prefetch([3], min_score=2.0), ValueError, "prefetch min_score 2 is not in [0, 1]"),
+            (lambda: d.prefetch(torch.tensor([3], device="cuda"), scores=[0.9]), ValueError, "takes no scores"),
             (lambda: d.prepare(torch.tensor([[0, 1]])), ValueError, "semantics 'device' takes CUDA topk_ids"),
             (lambda: d.prepare(torch.tensor([[0, 1]], device="cuda"), [0, 1]), ValueError, "takes no unique_ids"),
             (lambda: d.prepare(torch.zeros(17, dtype=torch.int32, device="cuda")), ValueError, "max_ids"),
@@ -549,6 +554,51 @@ class PrefetchModelPolicyTest(unittest.TestCase):
                 else:
                     with self.assertRaises(ValueError):
                         p.prefetch([E + 1])
+
+    def test_prefetch_scores(self):
+        """Scored hints through the providers: below min_score skipped, the rest highest score first; for
+        "lfru" and "row" the compatibility views follow the fills in that order (given order 8 before 6,
+        filled 6 first)."""
+        src = nvfp4_sources(12)
+        # After a forward of 1 and 2: lfru's free list [0, 1] (the next miss takes 1), row's [3, 2].
+        expected = {"lfru": [(1, [3, 1, 1]), (2, [2, 1, 2]), (6, [1, 1, 3]), (8, [0, 1, 4])],
+                    "row": [(1, 0), (2, 1), (6, 2), (8, 3)]}
+        for semantics in ("lfru", "row", "device"):
+            with self.subTest(semantics=semantics):
+                kw = dict(max_ids=16) if semantics == "device" else {}
+                p = ev.ExpertCacheProvider(C, src["w13_weight"], src["w2_weight"], semantics=semantics, **kw)
+                p.prepare(torch.tensor([[1, 2]], device="cuda"))
+                per = p.cache.bytes_per_expert
+                v = p.prefetch([8, 6, 7, 5], max_bytes=2 * per, scores=[0.7, 0.9, 0.3, 0.6])
+                self.assertEqual(v["skipped_unlikely"], 1)
+                self.assertEqual(p.stats()["speculative_issued"], 2)
+                if semantics != "device":
+                    self.assertEqual(v["issued"], 2)
+                    self.assertEqual(list(p._lru.items()), expected[semantics])
+                    self.assertEqual(p._free_slots if semantics == "lfru" else p._free, [])
+                    if semantics == "lfru":
+                        self.assertEqual(p._clock, 4)
+                    with self.assertRaises(ValueError) as cm:
+                        p.prefetch(torch.tensor([3, 4], device="cuda"), scores=[0.9])
+                    self.assertIn("prefetch got 1 scores for 2 predicted ids", str(cm.exception))
+                else:
+                    # CUDA ids are planned on the GPU as given: no scores there.
+                    with self.assertRaises(ValueError) as cm:
+                        p.prefetch(torch.tensor([3, 4], device="cuda"), scores=[0.9, 0.8])
+                    self.assertIn("prefetch with CUDA ids takes no scores (2 given)", str(cm.exception))
+                    p.check_device_errors()
+                self.assertEqual(p.stats()["speculative_issued"], 2)
+                r = p.prepare(torch.tensor([[6, 8]], device="cuda"))
+                if semantics != "device":
+                    self.assertEqual((r.hits, r.misses), (2, 0))
+                self.assertEqual(p.stats()["speculative_used"], 2)
+                torch.cuda.synchronize()
+                for e in (6, 8):
+                    slot = int(p.resident_map[e])
+                    self.assertTrue(torch.equal(p.buf_w13[slot].cpu(), src["w13_weight"][e]))
+                    self.assertTrue(torch.equal(p.buf_w2[slot].cpu(), src["w2_weight"][e]))
+                self.assertEqual(int(p.resident_map[7]), -1)
+                self.assertEqual(int(p.resident_map[5]), -1)
 
     def test_model_cache(self):
         L, experts, hidden, inter = 3, 8, 32, 16
