@@ -693,6 +693,81 @@ TEST_CASE("negative (edge 9): removing the speculative-slot wait lets a prepare 
   CHECK(without.races > 0);  // the detector itself fires, whatever the reader happened to see
 }
 
+// ---- speculative fills after the latest forward's adoption (edges 1 and 11) -----------------
+
+namespace {
+
+// forward {0, 1}, a first prefetch (reserves the speculative stream), forward {2, 3} (adopted:
+// the latest forward), then prefetch(4): it evicts 0 or 1, whose slot was filled and read for
+// forward {0, 1}; only the event recorded when {2, 3} was adopted orders the fill after both.
+template <class Edges>
+Detected overwrite_older_forward_slot() {
+  Fixture<EdgeCache<Edges>> f(8, 4, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{0}, f.streams[0], f.budget(1)).ok());  // resident: no fill
+  REQUIRE(f.forward(Ids{2, 3}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{4}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.cache->stats().speculative_issued == 1);
+  f.rt.drain();
+  if (!f.rt.races().empty()) MESSAGE(f.rt.races()[0].description);
+  return {f.rt.races().size(), f.log->mismatches};
+}
+
+// As above, then invalidate(4) (its slot freed, the fill still pending) and a forward that
+// fills the freed slot: only the slot's pending-fill event orders that write after the fill.
+template <class Edges>
+Detected refill_slot_of_pending_fill() {
+  Fixture<EdgeCache<Edges>> f(8, 4, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{0}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.forward(Ids{2, 3}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{4}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.cache->invalidate(4, f.streams[0]).ok());
+  REQUIRE(f.forward(Ids{2, 5}, f.streams[0]).ok());  // 5 takes the freed slot
+  f.rt.drain();
+  if (!f.rt.races().empty()) MESSAGE(f.rt.races()[0].description);
+  return {f.rt.races().size(), f.log->mismatches};
+}
+
+}  // namespace
+
+TEST_CASE("negative (edge 1, speculative): a fill ordered only by the latest forward's adoption; without it, it races the slot's earlier use") {
+  const Detected with = overwrite_older_forward_slot<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const Detected without = overwrite_older_forward_slot<NoReleaseWait>();
+  CHECK(without.races > 0);
+}
+
+TEST_CASE("negative (edge 11): a slot write waits for the slot's pending speculative fill; without it, the two writes race") {
+  const Detected with = refill_slot_of_pending_fill<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const Detected without = refill_slot_of_pending_fill<NoSpeculativeOverwriteWait>();
+  CHECK(without.races > 0);
+}
+
+TEST_CASE("prefetch after an adopted forward: the fills do not wait for that forward's consumer, nor the next prepare for them") {
+  Fixture<RowSim> f(8, 4, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{0}, f.streams[0], f.budget(1)).ok());
+  REQUIRE(f.forward(Ids{2, 3}, f.streams[0]).ok());
+  REQUIRE(f.cache->copy_stream().has_value());
+  const Stream copy = *f.cache->copy_stream();
+  const std::size_t total = f.rt.pending_ops(), on_caller = f.rt.pending_ops(f.streams[0]),
+                    on_copy = f.rt.pending_ops(copy);
+  REQUIRE(f.cache->prefetch(Ids{4}, f.streams[0], f.budget(1)).ok());
+  // Enqueued on a stream of its own: nothing behind the caller's consumer, nothing in front of
+  // the next prepare's own writes on the copy stream.
+  CHECK(f.rt.pending_ops() > total);
+  CHECK(f.rt.pending_ops(f.streams[0]) == on_caller);
+  CHECK(f.rt.pending_ops(copy) == on_copy);
+  CHECK(f.cache->resident_map_behind());  // the map goes with the next prepare
+  REQUIRE(f.forward(Ids{2, 4}, f.streams[0]).ok());
+  CHECK_FALSE(f.cache->resident_map_behind());
+  f.check_clean_after_drain();
+}
+
 TEST_CASE("edge 9 waits for exactly the slot's event: a later prefetch's fill still in flight does not hold the reader") {
   Fixture<RowSim> f(10, 5, 2);
   REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());

@@ -993,8 +993,12 @@ struct ScoredSetup {
     }
   }
   // The device resident map after the queued work ran: expert -> slot, -1 absent (every provider).
+  // The host planner's resident map where there is one (a host-planned cache's device copy may
+  // be behind after a prefetch until the next prepare), else the device's.
   std::vector<std::int32_t> resident() {
     rt.drain();
+    const std::span<const std::int32_t> host = bridge->resident_map_host();
+    if (host.size() == static_cast<std::size_t>(E)) return {host.begin(), host.end()};
     const auto* rd = reinterpret_cast<const std::int32_t*>(bridge->resident_map_device());
     return {rd, rd + E};
   }

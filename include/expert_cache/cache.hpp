@@ -96,7 +96,10 @@ struct ForwardView {
   /// Slot buffers per tensor: expert in slot s at tensors[t].slot(s); bytes == 0: tensor absent.
   std::array<SlotTensor, num_expert_tensors> tensors{};
   const std::int32_t* expert_map = nullptr;    ///< [num_experts] forward-scoped: this forward's experts -> slot, else -1
-  const std::int32_t* resident_map = nullptr;  ///< [num_experts] every resident expert -> slot, else -1
+  /// [num_experts] every resident expert -> slot, else -1, as of this forward's prepare() (a
+  /// later prefetch() may leave the device copy behind until the next prepare()). Read slots
+  /// through expert_map.
+  const std::int32_t* resident_map = nullptr;
   /// [num_experts] non-zero = a miss of this forward that the consumer must copy from the host
   /// pools into its slot (the expert map's) itself: DeviceExpertCache with
   /// DeviceCacheOptions::fill_by_consumer only; null otherwise (the cache filled every slot).
@@ -502,24 +505,29 @@ class ExpertCacheWithEdges {
     }
     if (prefetch_plan_.fills.empty()) return prefetch_view(bytes_per_expert);
     resident_dirty_ = true;
-    Status s = core_.write(stream, WritePurpose::speculative, resident_upload(), [&](Stream fill) noexcept {
+    const auto fills = [&](Stream fill) noexcept {
       for (const SlotFill& f : prefetch_plan_.fills) {
+        if (Status w = core_.order_slot_write(f.slot.index(), fill); !w) return w;
         if (Status w = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(&f, 1)); !w) return w;
         if (Status w = core_.record_speculative(f.slot.index(), fill); !w) return w;
       }
       return Status();
-    });
+    };
+    // The fills never touch a slot of the latest forward (plan_prefetch protects its experts), so
+    // where the core can, they follow that forward's adoption rather than its consumers, and the
+    // resident map goes with the next prepare (OrderingCore::write_speculative_slots).
+    const bool before_forward = core_.speculative_before_forward();
+    Status s = before_forward ? core_.write_speculative_slots(fills)
+                              : core_.write(stream, WritePurpose::speculative, resident_upload(), fills);
     if (!s) {
       // As roll_back(): the slots' contents are unknown; drop them, re-upload the map next time.
-      for (const SlotFill& f : prefetch_plan_.fills) {
-        (void)planner_.invalidate(f.expert.value);
-        core_.forget_speculative(f.slot.index());
-      }
+      // A fill already recorded stays pending: the slot's next write waits for it (edge 11).
+      for (const SlotFill& f : prefetch_plan_.fills) (void)planner_.invalidate(f.expert.value);
       ++faults_;
       return s.with_context("prefetch failed after planning (%zu speculative experts dropped)",
                             prefetch_plan_.fills.size());
     }
-    resident_dirty_ = false;
+    if (!before_forward) resident_dirty_ = false;
     total_copies_ += prefetch_plan_.fills.size() * copies_per_fill_;
     speculative_bytes_ += prefetch_plan_.fills.size() * bytes_per_expert;
     return prefetch_view(bytes_per_expert);
@@ -603,7 +611,8 @@ class ExpertCacheWithEdges {
     Result<SlotId> freed = planner_.invalidate(expert);
     if (!freed.ok()) return freed.status();
     if (!freed.value().valid()) return {};
-    core_.forget_speculative(freed.value().index());  // rewritten only after edges 1/2 order it
+    // A speculative fill of the slot still pending stays pending: the slot's next write waits
+    // for it (edge 11).
     resident_dirty_ = true;
     // Only the resident map changes: no slot writes, the owner keeps reading.
     Status s = core_.write(stream, WritePurpose::invalidate, resident_upload(), [](Stream) noexcept { return Status(); });
@@ -672,6 +681,9 @@ class ExpertCacheWithEdges {
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return planner_.resident_map(); }
   [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept { return planner_.forward_map(); }
   [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
+  /// Whether the device resident map is behind the host's (a prefetch() since the last upload:
+  /// the next prepare() uploads it).
+  [[nodiscard]] bool resident_map_behind() const noexcept { return resident_dirty_; }
   [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
 
   void set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
@@ -782,11 +794,13 @@ class ExpertCacheWithEdges {
       if (Status p = planner_.plan_unique(ids(r), plan_, keep); !p) return p;
       next_hits = plan_.hits;
       next_misses = plan_.misses;
-      for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
       if (!plan_.fills.empty()) resident_dirty_ = true;
       // Always a wide_fill: the round's map goes on the fill stream even when nothing is copied.
       const bool upload = resident_dirty_;
       Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
+        for (const SlotFill& x : plan_.fills) {
+          if (Status w = core_.order_slot_write(x.slot.index(), f); !w) return w;
+        }
         if (Status m = upload_round_map(planner_.forward_map().data(), r, f); !m) return m;
         return staging_.issue(*rt_, f, storage_, std::span<const SlotFill>(plan_.fills));
       });
@@ -856,6 +870,11 @@ class ExpertCacheWithEdges {
     const bool writes = !plan_.fills.empty() || resident_dirty_;
     Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
                            [&](Stream fill) noexcept {
+                             if (core_.any_speculative_pending()) {
+                               for (const SlotFill& f : plan_.fills) {
+                                 if (Status w = core_.order_slot_write(f.slot.index(), fill); !w) return w;
+                               }
+                             }
                              return staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
                            });
     if (s) s = wait_speculative_fills(stream);
@@ -875,12 +894,12 @@ class ExpertCacheWithEdges {
   }
 
   // Edge 9: the forward's hits that are speculative fills no prepare waited for yet: `stream`
-  // waits for each one's own event. Slots this forward fills again are covered by `ready`.
+  // waits for each one's own event. Slots this forward fills again were waited for by the
+  // fill's stream (order_slot_write, edge 11).
   // Runs on every prepare: with no fill pending (a cache that never prefetched, or all waited
   // for) it returns before touching the plan.
   Status wait_speculative_fills(Stream stream) noexcept {
     if (!core_.any_speculative_pending()) return {};
-    for (const SlotFill& f : plan_.fills) core_.forget_speculative(f.slot.index());
     const auto map = planner_.forward_map();
     for (const ExpertId e : plan_.unique) {
       if (!core_.any_speculative_pending()) break;  // the rest cannot be pending

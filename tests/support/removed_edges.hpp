@@ -39,5 +39,8 @@ struct NoWideBufferRelease : OrderingEdges {  // 10 (tests/test_wide_forward.cpp
 struct NoWideResidentReadWait : OrderingEdges {  // D10 (tests/test_device_wide.cpp)
   static constexpr bool wide_resident_read_wait = false;
 };
+struct NoSpeculativeOverwriteWait : OrderingEdges {  // 11 (tests/test_prefetch.cpp)
+  static constexpr bool speculative_overwrite_wait = false;
+};
 
 }  // namespace expert_cache::test

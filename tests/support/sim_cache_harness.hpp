@@ -163,9 +163,13 @@ struct SimCacheFixture {
     CHECK(log->mismatches == 0);
     if (log->mismatches != 0) MESSAGE(log->first_mismatch);
     CHECK(log->runs == launched);
-    // The device resident map ends at the final generation.
+    // The device resident map ends at the final generation, unless a prefetch since the last
+    // prepare left it for the next one to upload.
     const auto host = cache->resident_map_host();
     const std::int32_t* dev = cache->resident_map_device();
+    if constexpr (requires { cache->resident_map_behind(); }) {
+      if (cache->resident_map_behind()) return;
+    }
     CHECK(std::equal(host.begin(), host.end(), dev));
   }
 };

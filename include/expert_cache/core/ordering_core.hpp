@@ -73,6 +73,7 @@ struct OrderingEdges {
   static constexpr bool speculative_slot_wait = true;    // 9: a forward using a speculative fill waits for its slot's event
   static constexpr bool wide_buffer_release = true;      // 10: a wide round refills a buffer after the consumer that read it
   static constexpr bool wide_resident_read_wait = true;  // D10: the host plans a device-planned wide forward after its pool read-back
+  static constexpr bool speculative_overwrite_wait = true;  // 11: a slot write waits for the slot's pending speculative fill
 };
 
 // What a call through OrderingCore::write() does.
@@ -115,7 +116,8 @@ class OrderingCore {
         map_bytes_(map_entries * sizeof(std::int32_t)),
         release_owner_(rt),
         release_fill_(rt),
-        ready_(rt) {
+        ready_(rt),
+        before_forward_(rt) {
     if (staging_ring < 2) throw Error(ErrorCode::invalid_argument, "staging ring needs at least 2 buffers");
     if (readers < 1) throw Error(ErrorCode::invalid_argument, "an ordering core needs at least 1 reader");
     owners_.resize(readers);
@@ -171,6 +173,9 @@ class OrderingCore {
                             owners_.size());
     }
     if (purpose == WritePurpose::read_only) return adopt_reader(caller, false, reader);
+    // invalidate() may free a slot the latest forward's consumers still read: a speculative
+    // write into it must follow them (the owner's release made then), until the next forward.
+    if (purpose == WritePurpose::invalidate) before_forward_valid_ = false;
     const Stream fill = fill_stream(caller);
     if (purpose == WritePurpose::speculative) {
       // Edges 1 and 2 as for a fill. The resident map goes first and `ready` right after it, so
@@ -198,9 +203,59 @@ class OrderingCore {
     return s;
   }
 
+  // Whether write_speculative_slots may run: one reader, whose latest forward reads only its own
+  // experts' slots and was adopted after the first prefetch, and no invalidate() since.
+  [[nodiscard]] bool speculative_before_forward() const noexcept {
+    return before_forward_valid_ && owners_.size() == 1 && speculative_stream_.has_value();
+  }
+
+  // Speculative slot writes that touch no slot of the latest forward (ExpertCache::prefetch,
+  // where speculative_before_forward()): on the speculative stream S, after the owner's stream
+  // as it was when that forward was adopted (edge 1; the consumers of earlier forwards), not
+  // after everything enqueued there since, so a prefetch of layer L+1 made after layer L's
+  // consumer copies while that consumer runs. No map and no `ready`: the caller uploads the
+  // resident map with its next forward, a forward using a fill waits for its slot (edge 9), and
+  // a later write of a slot waits for its pending fill (order_slot_write, edge 11). F never
+  // holds these fills, so the next forward's own writes do not queue behind them.
+  template <class Writes>
+    requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
+  Status write_speculative_slots(Writes&& writes) noexcept {
+    if (!speculative_before_forward()) {
+      return Status(ErrorCode::internal, "write_speculative_slots without an adopted forward to order after");
+    }
+    const Stream spec = speculative_stream_->get();
+    if constexpr (Edges::release_wait) {
+      if (owners_[0] && *owners_[0] != spec) {
+        if (Status s = rt_->wait(spec, before_forward_.get()); !s) return s;
+        ++counters_.release_edges;
+      }
+    }
+    return writes(spec);
+  }
+
+  // Before a write of `slot` on `stream`: a speculative fill of it still pending (made on S, or
+  // one no forward waited for) is waited for first (edge 11), and is then no longer pending.
+  Status order_slot_write(std::size_t slot, Stream stream) noexcept {
+    if (slot >= speculative_.size() || !speculative_[slot].pending) return {};
+    if constexpr (Edges::speculative_overwrite_wait) {
+      if (Status s = rt_->wait(stream, speculative_[slot].event.get()); !s) return s;
+    }
+    forget_speculative(slot);
+    return {};
+  }
+
   // Per-slot events of speculative fills (edge 9), created on the first prefetch: `slots` is the
   // cache's capacity. An event that cannot be made fails the call (the events made so far are kept).
   Status reserve_speculative_slots(std::size_t slots) noexcept {
+    if (owners_.size() == 1 && !speculative_stream_) {
+      try {
+        speculative_stream_.emplace(*rt_);
+      } catch (const Error& e) {
+        return Status(e.code(), e.what());
+      } catch (...) {
+        return Status(ErrorCode::runtime_failure, "could not create the speculative fills' stream");
+      }
+    }
     if (speculative_.size() >= slots) return {};
     try {
       speculative_.reserve(slots);
@@ -281,7 +336,7 @@ class OrderingCore {
         if (s) ++counters_.release_edges;
       }
     }
-    if (s) s = adopt_reader(caller, false, reader);
+    if (s) s = adopt_reader(caller, false, reader, false);
     if (s) wide_reader_ = caller;
     return s;
   }
@@ -392,8 +447,11 @@ class OrderingCore {
   // capture_join: when the caller's stream is being captured into a graph and F is another
   // stream, F first waits for a record made on the caller inside the capture, which forks F
   // into the same capture (otherwise F's writes would run eagerly, outside the graph).
+  // `owner_before_forward`: the owner's release is before_forward_ (recorded when its latest
+  // forward was adopted) instead of a record made now.
   template <bool OwnerRelease, bool LastFillRelease>
-  Status order_writes_after_previous_use(Stream fill, Stream caller, std::size_t reader) noexcept {
+  Status order_writes_after_previous_use(Stream fill, Stream caller, std::size_t reader,
+                                         bool owner_before_forward = false) noexcept {
     const std::optional<Stream>& owner = owners_[reader];  // this reader's owner
     (void)owner;  // unused only when a test removes both edges below
     if (fill != caller) {
@@ -406,8 +464,12 @@ class OrderingCore {
     }
     if constexpr (OwnerRelease) {
       if (owner && *owner != fill) {
-        if (Status s = rt_->record(release_owner_.get(), *owner); !s) return s;
-        if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
+        if (owner_before_forward) {
+          if (Status s = rt_->wait(fill, before_forward_.get()); !s) return s;
+        } else {
+          if (Status s = rt_->record(release_owner_.get(), *owner); !s) return s;
+          if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
+        }
         ++counters_.release_edges;
       }
     }
@@ -443,7 +505,9 @@ class OrderingCore {
   // the latest writes (fills or an invalidate's map upload, possibly issued from another stream)
   // and, on an owner change, after the previous owner's readers of the forward map this call
   // overwrites. With writes, order_writes/publish_writes already did both.
-  Status adopt_reader(Stream caller, bool writes_done, std::size_t reader) noexcept {
+  // `slots_of_own_experts`: the forward's consumers read only its own experts' slots (a wide
+  // forward may read any resident in place: false).
+  Status adopt_reader(Stream caller, bool writes_done, std::size_t reader, bool slots_of_own_experts = true) noexcept {
     std::optional<Stream>& reader_owner = owners_[reader];
     const bool owner_changed = reader_owner && *reader_owner != caller;
     if (owner_changed) ++counters_.owner_changes;
@@ -462,6 +526,11 @@ class OrderingCore {
           note_ready_seen(caller);
         }
       }
+    }
+    before_forward_valid_ = false;
+    if (slots_of_own_experts && owners_.size() == 1 && !speculative_.empty()) {
+      if (Status s = rt_->record(before_forward_.get(), caller); !s) return s;
+      before_forward_valid_ = true;
     }
     reader_owner = caller;
     owner_ = caller;
@@ -508,9 +577,15 @@ class OrderingCore {
   std::size_t map_bytes_;
   std::optional<RuntimeStream<R>> copy_stream_;
   std::optional<RuntimeStream<R>> wide_stream_;  // inline mode, add_wide_stream(): wide fills only
+  std::optional<RuntimeStream<R>> speculative_stream_;  // S: write_speculative_slots (one reader)
   RuntimeEvent<R> release_owner_;
   RuntimeEvent<R> release_fill_;
   RuntimeEvent<R> ready_;
+  // Single-reader cores after the first prefetch: recorded on the reader's stream when a forward
+  // that reads only its own experts' slots is adopted, i.e. after every earlier forward's
+  // consumer and before this one's (see write_speculative_slots).
+  RuntimeEvent<R> before_forward_;
+  bool before_forward_valid_ = false;
   bool ready_recorded_ = false;
   std::array<Stream, 4> ready_seen_{};  // streams that already waited for the latest `ready`
   std::size_t ready_seen_count_ = 0;
