@@ -641,7 +641,9 @@ TEST_CASE("CacheBridge: a scored prefetch fills in prefetch_order's order (what 
   std::int64_t per_expert = 0;
   for (const ProviderSource& src : spec.sources) per_expert += static_cast<std::int64_t>(src.bytes_per_expert);
   // lfru takes free slots from the top (the first miss gets slot C-1), row from slot 0.
-  for (const auto& [semantics, first_free] : {std::pair{std::string("lfru"), 3}, std::pair{std::string("row"), 0}}) {
+  for (const auto& semantics_and_slot : {std::pair{std::string("lfru"), 3}, std::pair{std::string("row"), 0}}) {
+    const std::string& semantics = semantics_and_slot.first;  // a plain reference: CAPTURE takes it in a lambda
+    const int first_free = semantics_and_slot.second;
     CAPTURE(semantics);
     SimRuntime rt(sim_options());
     const Stream s = rt.create_stream().value();
