@@ -1,6 +1,9 @@
 #include <doctest/doctest.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "expert_cache/status.hpp"
@@ -78,4 +81,21 @@ TEST_CASE("Status is a trivially copyable value: copies keep code and message") 
   CHECK(b.message() == "expert 3 twice");
   CHECK(Error(b).code() == ErrorCode::duplicate_expert);
   CHECK(std::string(Error(b).what()) == "duplicate_expert: expert 3 twice");
+}
+
+TEST_CASE("detail::join and DecimalText spell messages as std::to_string and concatenation do") {
+  using detail::DecimalText;
+  CHECK(std::string_view(DecimalText(0)) == "0");
+  CHECK(std::string_view(DecimalText(-7)) == std::to_string(-7));
+  CHECK(std::string_view(DecimalText(std::numeric_limits<std::int64_t>::min())) ==
+        std::to_string(std::numeric_limits<std::int64_t>::min()));
+  CHECK(std::string_view(DecimalText(std::numeric_limits<std::uint64_t>::max())) ==
+        std::to_string(std::numeric_limits<std::uint64_t>::max()));
+  CHECK(std::string_view(DecimalText(std::numeric_limits<std::int32_t>::min())) ==
+        std::to_string(std::numeric_limits<std::int32_t>::min()));
+  CHECK(std::string_view(DecimalText(std::size_t{4096})) == "4096");
+  const std::string label = "layer 3";
+  CHECK(detail::join({label, ": ", DecimalText(16), " of ", DecimalText(64), " experts"}) == "layer 3: 16 of 64 experts");
+  CHECK(detail::join({}).empty());
+  CHECK(detail::join({std::string_view("a\0b", 3)}) == std::string("a\0b", 3));
 }

@@ -193,7 +193,8 @@ Variant emplace_alternative(std::size_t which, Args&... args) {
   if constexpr (I + 1 < std::variant_size_v<Variant>) {
     if (which != I) return emplace_alternative<Variant, I + 1>(which, args...);
   } else if (which != I) {
-    throw Error(ErrorCode::internal, "make_expert_cache: choice " + std::to_string(which) + " outside the erased list");
+    throw Error(ErrorCode::internal,
+                join({"make_expert_cache: choice ", DecimalText(which), " outside the erased list"}));
   }
   return Variant(std::in_place_index<I>, args...);
 }
@@ -352,7 +353,8 @@ class AnyDevicePlanExecutor<SimRuntime> : public BasicSimPlanExecutor<DeviceRunt
       return std::array<DevicePolicyKind, sizeof...(Ps)>{Ps::kind...};
     }(AnyDevicePolicies{});
     if (which >= kinds.size()) {
-      throw Error(ErrorCode::internal, "make_expert_cache: device policy " + std::to_string(which) + " outside the erased list");
+      throw Error(ErrorCode::internal,
+                  join({"make_expert_cache: device policy ", DecimalText(which), " outside the erased list"}));
     }
     return kinds[which];
   }
@@ -996,12 +998,12 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   cache.layout_ = config.layout.name;
   if (config.options.log) {
     const CacheStats s = cache.stats();
-    config.options.log(config.options.label + ": " + std::string(cache.provider_) + " provider, " +
-                       std::string(cache.policy_) + "/" + std::string(cache.staging_) + "/" +
-                       std::string(cache.storage_) + "/" + cache.layout_ + ", " +
-                       std::to_string(config.options.capacity) + " of " + std::to_string(config.options.num_experts) +
-                       " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
-                       std::to_string(s.host_bytes));
+    config.options.log(detail::join({config.options.label, ": ", cache.provider_, " provider, ", cache.policy_, "/",
+                                     cache.staging_, "/", cache.storage_, "/", cache.layout_, ", ",
+                                     detail::DecimalText(config.options.capacity), " of ",
+                                     detail::DecimalText(config.options.num_experts), " experts, slot bytes ",
+                                     detail::DecimalText(s.slot_bytes), ", host bytes ",
+                                     detail::DecimalText(s.host_bytes)}));
   }
   return Result<AnyExpertCache<Runtime>>(std::move(cache));
 }

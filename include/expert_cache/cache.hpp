@@ -424,11 +424,10 @@ class ExpertCacheWithEdges {
     wide_.reserve(experts, copies_per_fill_);
     if (options_.log) {
       const CacheStats s = stats();
-      options_.log(options_.label + ": " + std::string(EvictionPolicy::name) + "/" + std::string(StagingPolicy::name) +
-                   "/" + std::string(StorageType::name) + "/" + std::string(Layout::name) + ", " +
-                   std::to_string(options_.capacity) + " of " + std::to_string(options_.num_experts) +
-                   " experts, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " +
-                   std::to_string(s.host_bytes));
+      options_.log(join({options_.label, ": ", EvictionPolicy::name, "/", StagingPolicy::name, "/", StorageType::name, "/",
+                         Layout::name, ", ", DecimalText(options_.capacity), " of ", DecimalText(options_.num_experts),
+                         " experts, slot bytes ", DecimalText(s.slot_bytes), ", host bytes ",
+                         DecimalText(s.host_bytes)}));
     }
   }
 
@@ -584,11 +583,11 @@ class ExpertCacheWithEdges {
     if (fell_back && !wide_fallback_logged_ && options_.log) {
       wide_fallback_logged_ = true;
       try {
-        options_.log(options_.label +
-                     ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan resistant): "
-                     "CacheOptions::stream_slots is " +
-                     std::to_string(options_.stream_slots) + "; recommended_stream_slots() gives " +
-                     std::to_string(recommended_stream_slots(options_.capacity, options_.top_k)));
+        options_.log(join({options_.label,
+                           ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan "
+                           "resistant): CacheOptions::stream_slots is ",
+                           DecimalText(options_.stream_slots), "; recommended_stream_slots() gives ",
+                           DecimalText(recommended_stream_slots(options_.capacity, options_.top_k))}));
       } catch (...) {  // a failing log sink does not fail the forward
       }
     }
@@ -702,12 +701,11 @@ class ExpertCacheWithEdges {
   // The pool's slots plus the stream slots (checked here: the storage is sized from it).
   static CacheShape storage_shape(CacheShape pool, const CacheOptions& o) {
     if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
-      throw Error(ErrorCode::invalid_argument, "stream_slots must be in [0, num_experts=" +
-                                                   std::to_string(o.num_experts) + "], got " +
-                                                   std::to_string(o.stream_slots));
+      throw Error(ErrorCode::invalid_argument, join({"stream_slots must be in [0, num_experts=", DecimalText(o.num_experts),
+                                                     "], got ", DecimalText(o.stream_slots)}));
     }
     if (o.max_wide_ids < 0) {
-      throw Error(ErrorCode::invalid_argument, "max_wide_ids must be >= 0, got " + std::to_string(o.max_wide_ids));
+      throw Error(ErrorCode::invalid_argument, join({"max_wide_ids must be >= 0, got ", DecimalText(o.max_wide_ids)}));
     }
     return CacheShape{pool.num_experts, pool.capacity + o.stream_slots};
   }

@@ -812,11 +812,11 @@ class DeviceExpertCacheWithEdges {
     bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
     if (options_.log) {
       const CacheStats s = stats();
-      options_.log(options_.label + ": device-planned " + std::string(Policy::name) + "/inline/" + std::string(StorageType::name) + "/" +
-                   std::string(Layout::name) + ", " + std::to_string(options_.capacity) + " of " +
-                   std::to_string(options_.num_experts) + " experts, up to " + std::to_string(options_.max_ids) +
-                   " ids, slot bytes " + std::to_string(s.slot_bytes) + ", host bytes " + std::to_string(s.host_bytes) +
-                   ", fill engine " + std::string(to_string(options_.fill_engine)));
+      options_.log(join({options_.label, ": device-planned ", Policy::name, "/inline/", StorageType::name, "/",
+                         Layout::name, ", ", DecimalText(options_.capacity), " of ", DecimalText(options_.num_experts),
+                         " experts, up to ", DecimalText(options_.max_ids), " ids, slot bytes ",
+                         DecimalText(s.slot_bytes), ", host bytes ", DecimalText(s.host_bytes), ", fill engine ",
+                         to_string(options_.fill_engine)}));
     }
   }
   DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;

@@ -243,17 +243,17 @@ class ForwardPlanner {
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
     if (shape.num_experts <= 0) {
       throw Error(ErrorCode::invalid_argument,
-                  "num_experts must be positive, got " + std::to_string(shape.num_experts));
+                  detail::join({"num_experts must be positive, got ", detail::DecimalText(shape.num_experts)}));
     }
     if (shape.capacity <= 0 || shape.capacity > shape.num_experts) {
       throw Error(ErrorCode::invalid_capacity,
-                  "capacity must be in [1, num_experts=" + std::to_string(shape.num_experts) +
-                      "], got " + std::to_string(shape.capacity));
+                  detail::join({"capacity must be in [1, num_experts=", detail::DecimalText(shape.num_experts), "], got ",
+                                detail::DecimalText(shape.capacity)}));
     }
     if (top_k <= 0 || top_k > shape.capacity) {
       throw Error(ErrorCode::invalid_capacity,
-                  "capacity " + std::to_string(shape.capacity) + " is below top_k " +
-                      std::to_string(top_k) + " (top_k must be in [1, capacity])");
+                  detail::join({"capacity ", detail::DecimalText(shape.capacity), " is below top_k ",
+                                detail::DecimalText(top_k), " (top_k must be in [1, capacity])"}));
     }
     return shape;
   }

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
@@ -147,6 +149,48 @@ class [[nodiscard]] Status {
   char text_[message_capacity];  // only the first length_ bytes are meaningful
 };
 static_assert(Status::message_capacity <= 255, "length_ is one byte");
+
+namespace detail {
+
+// Decimal text of an integer, held inline (trivially destructible, no allocation): a piece of
+// join() where a message would append std::to_string(value).
+class DecimalText {
+ public:
+  template <class T>
+    requires(std::is_integral_v<T> && !std::is_same_v<T, bool>)
+  DecimalText(T value) noexcept {  // NOLINT: implicit, a piece of a join() list
+    const bool negative = value < 0;
+    // The magnitude as unsigned (two's complement negation also holds the lowest value).
+    unsigned long long v = static_cast<unsigned long long>(value);
+    if (negative) v = 0ULL - v;
+    do {
+      text_[--begin_] = static_cast<char>('0' + v % 10);
+      v /= 10;
+    } while (v != 0);
+    if (negative) text_[--begin_] = '-';
+  }
+  operator std::string_view() const noexcept {  // NOLINT: implicit, a piece of a join() list
+    return std::string_view(text_ + begin_, sizeof text_ - begin_);
+  }
+
+ private:
+  char text_[24];
+  std::size_t begin_ = sizeof text_;
+};
+
+// The pieces as one string. Messages of cold paths (log lines, construction errors) are built
+// with one call of it instead of a chain of std::string temporaries, whose inlined code (and
+// its exception cleanups) every caller would otherwise compile.
+[[nodiscard, gnu::cold]] inline std::string join(std::initializer_list<std::string_view> pieces) {
+  std::size_t size = 0;
+  for (const std::string_view p : pieces) size += p.size();
+  std::string out;
+  out.reserve(size);
+  for (const std::string_view p : pieces) out.append(p);
+  return out;
+}
+
+}  // namespace detail
 
 /// Exception thrown by constructors (and by Result::value() on error).
 class Error : public std::runtime_error {

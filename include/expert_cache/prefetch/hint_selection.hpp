@@ -120,7 +120,8 @@ class HintSelector {
  private:
   static std::size_t checked(std::int32_t max_hints) {
     if (max_hints < 0) {
-      throw Error(ErrorCode::invalid_argument, "a hint selector needs max_hints >= 0, got " + std::to_string(max_hints));
+      throw Error(ErrorCode::invalid_argument,
+                  detail::join({"a hint selector needs max_hints >= 0, got ", detail::DecimalText(max_hints)}));
     }
     return static_cast<std::size_t>(max_hints);
   }

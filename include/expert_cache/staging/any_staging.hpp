@@ -50,9 +50,8 @@ class AnyStaging {
   // an index past the list (the factory passes only the index of a name it found).
   explicit AnyStaging(std::size_t index) {
     if (index >= size) {
-      throw Error(ErrorCode::invalid_argument,
-                  "AnyStaging: staging index " + std::to_string(index) + " outside the " + std::to_string(size) +
-                      " listed policies");
+      throw Error(ErrorCode::invalid_argument, detail::join({"AnyStaging: staging index ", detail::DecimalText(index),
+                                                             " outside the ", detail::DecimalText(size), " listed policies"}));
     }
     emplace_at(index, std::make_index_sequence<size>{});
   }

@@ -66,8 +66,8 @@ struct BlobLayout {
 namespace detail {
 inline std::size_t checked_pool_bytes(std::size_t rows, std::size_t row_bytes, const char* what) {
   if (row_bytes != 0 && rows > max_pool_bytes / row_bytes) {
-    throw Error(ErrorCode::invalid_argument, std::string(what) + ": " + std::to_string(rows) + " rows of " +
-                                                 std::to_string(row_bytes) + " bytes exceed the 1 TiB pool limit");
+    throw Error(ErrorCode::invalid_argument, join({what, ": ", DecimalText(rows), " rows of ", DecimalText(row_bytes),
+                                                   " bytes exceed the 1 TiB pool limit"}));
   }
   return rows * row_bytes;
 }
@@ -77,19 +77,19 @@ inline void check_tensors(const ExpertTensorBytes& tensors) {
   }
   for (const auto& t : tensors) {
     if (t.bytes_per_expert > max_pool_bytes) {
-      throw Error(ErrorCode::invalid_argument, std::string("tensor ") + std::string(t.name) + " of " +
-                                                   std::to_string(t.bytes_per_expert) + " bytes per expert is too large");
+      throw Error(ErrorCode::invalid_argument,
+                  join({"tensor ", t.name, " of ", DecimalText(t.bytes_per_expert), " bytes per expert is too large"}));
     }
   }
   // Present tensors are found by name (find_tensor), so each needs a distinct one.
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].bytes_per_expert == 0) continue;
     if (tensors[i].name.empty()) {
-      throw Error(ErrorCode::invalid_argument, "tensor #" + std::to_string(i) + " has bytes but no name");
+      throw Error(ErrorCode::invalid_argument, join({"tensor #", DecimalText(i), " has bytes but no name"}));
     }
     for (std::size_t j = 0; j < i; ++j) {
       if (tensors[j].bytes_per_expert != 0 && tensors[j].name == tensors[i].name) {
-        throw Error(ErrorCode::invalid_argument, "two tensors are named " + std::string(tensors[i].name));
+        throw Error(ErrorCode::invalid_argument, join({"two tensors are named ", tensors[i].name}));
       }
     }
   }
@@ -104,19 +104,19 @@ constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors, std::size_t a
   return l;
 }
 
-[[noreturn]] inline void bad_memory(const std::string& what) {
-  throw Error(ErrorCode::invalid_argument, "caller memory: " + what);
+[[noreturn]] inline void bad_memory(std::string_view what) {
+  throw Error(ErrorCode::invalid_argument, join({"caller memory: ", what}));
 }
 
 // A caller span must be exactly `bytes` (or at least, for a workspace), non-null, aligned.
-inline void check_span(const MemorySpan& s, std::size_t bytes, bool exact, const std::string& what) {
-  if (s.data == nullptr) bad_memory(what + ": null pointer (" + std::to_string(s.bytes) + " bytes)");
+inline void check_span(const MemorySpan& s, std::size_t bytes, bool exact, std::string_view what) {
+  if (s.data == nullptr) bad_memory(join({what, ": null pointer (", DecimalText(s.bytes), " bytes)"}));
   if (exact ? s.bytes != bytes : s.bytes < bytes) {
-    bad_memory(what + ": " + std::to_string(s.bytes) + " bytes, " + (exact ? "expected exactly " : "needs at least ") +
-               std::to_string(bytes));
+    bad_memory(join({what, ": ", DecimalText(s.bytes), " bytes, ", exact ? "expected exactly " : "needs at least ",
+                     DecimalText(bytes)}));
   }
   if (reinterpret_cast<std::uintptr_t>(s.data) % caller_memory_alignment != 0) {
-    bad_memory(what + " is not " + std::to_string(caller_memory_alignment) + "-byte aligned");
+    bad_memory(join({what, " is not ", DecimalText(caller_memory_alignment), "-byte aligned"}));
   }
 }
 
@@ -126,10 +126,10 @@ template <class R>
 class HostRegistration {
  public:
   HostRegistration() = default;
-  HostRegistration(R& rt, void* p, std::size_t bytes, const std::string& what) {
+  HostRegistration(R& rt, void* p, std::size_t bytes, std::string_view what) {
     if constexpr (requires { rt.register_host(p, bytes); rt.unregister_host(p); }) {
       Status s = rt.register_host(p, bytes);
-      if (!s) throw Error(s.code(), "caller memory: registering " + what + ": " + std::string(s.message()));
+      if (!s) throw Error(s.code(), join({"caller memory: registering ", what, ": ", s.message()}));
       rt_ = &rt;
       p_ = p;
     }
@@ -215,7 +215,7 @@ class BasicSlotStorage {
         if (caller) {
           host_base_[t] = static_cast<std::byte*>(memory.host_tensors[t].data);
           if (!memory.host_registered)
-            host_reg_[t] = HostRegistration<R>(rt, host_base_[t], experts * row, "the host pool of tensor " + std::string(tensors[t].name));
+            host_reg_[t] = HostRegistration<R>(rt, host_base_[t], experts * row, join({"the host pool of tensor ", tensors[t].name}));
         } else {
           host_owned_[t] = RuntimeBuffer<R>(rt, experts * row, MemoryKind::pinned_host);
           host_base_[t] = host_owned_[t].data();
@@ -343,7 +343,7 @@ class BasicSlotStorage {
       }
       if (!m.host_pool.empty()) {
         check_span(m.host_pool, host_bytes_, true,
-                   "host pool (" + std::to_string(experts) + " experts * " + std::to_string(blob_bytes_) + " blob bytes)");
+                   join({"host pool (", DecimalText(experts), " experts * ", DecimalText(blob_bytes_), " blob bytes)"}));
         caller_host_ = true;
       }
     } else {
@@ -354,20 +354,20 @@ class BasicSlotStorage {
         for (std::size_t t = 0; t < max_expert_tensors; ++t) {
           const std::size_t row = tensors_[t].bytes_per_expert;
           const MemorySpan& s = m.host_tensors[t];
-          const std::string name = row != 0 ? "tensor " + std::string(tensors_[t].name) : "tensor #" + std::to_string(t);
+          const std::string name = row != 0 ? join({"tensor ", tensors_[t].name}) : join({"tensor #", DecimalText(t)});
           if (row == 0) {
-            if (!s.empty()) bad_memory(name + ": the layout has no such tensor, but a host span was given");
+            if (!s.empty()) bad_memory(join({name, ": the layout has no such tensor, but a host span was given"}));
             continue;
           }
-          check_span(s, experts * row,
-                     true, name + " host span (" + std::to_string(experts) + " experts * " + std::to_string(row) + " bytes)");
+          check_span(s, experts * row, true,
+                     join({name, " host span (", DecimalText(experts), " experts * ", DecimalText(row), " bytes)"}));
           const auto b = reinterpret_cast<std::uintptr_t>(s.data);
           for (std::size_t u = 0; u < t; ++u) {
             const MemorySpan& o = m.host_tensors[u];
             if (tensors_[u].bytes_per_expert == 0) continue;
             const auto ob = reinterpret_cast<std::uintptr_t>(o.data);
             if (b < ob + o.bytes && ob < b + s.bytes) {
-              bad_memory(name + ": host span overlaps the one of tensor " + std::string(tensors_[u].name));
+              bad_memory(join({name, ": host span overlaps the one of tensor ", tensors_[u].name}));
             }
           }
         }
