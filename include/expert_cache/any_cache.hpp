@@ -179,13 +179,6 @@ inline const AnyChoice& pending_any_choice(const char* what) {
   return *any_choice_pending;
 }
 
-template <class R, class List>
-struct StorageVariantOf;
-template <class R, class... Tags>
-struct StorageVariantOf<R, TypeList<Tags...>> {
-  using type = std::variant<typename Tags::template type<R>...>;
-};
-
 // Constructs alternative `which` of a variant in place (the variant is returned as a prvalue, so
 // the alternative is never moved: neither storages nor executors need to be movable).
 template <class Variant, std::size_t I = 0, class... Args>
@@ -208,47 +201,52 @@ decltype(auto) with_alternative(Variant& v, F&& f) {
   return f(*std::get_if<I>(&v));
 }
 
+// The arrangements of the erased storages, in AnyStorages' order.
+template <class... Tags>
+constexpr auto arrangements_of(TypeList<Tags...>) noexcept {
+  return std::array<std::pair<HostArrangement, SlotArrangement>, sizeof...(Tags)>{
+      std::pair{Tags::template type<RuntimeArchetype>::host_arrangement,
+                Tags::template type<RuntimeArchetype>::slot_arrangement}...};
+}
+
 // A storage whose arrangement (tensor_major, expert_major, expert_major_host) is chosen at run
-// time: it holds the chosen static storage, built with the same arguments, and answers the
-// storage accessors the caches and staging policies use from copies taken at construction (the
-// copy regions and slot tensors never change), so a fill reads the regions as it does from the
-// static storage, with no dispatch.
+// time: the storages' one implementation with the arrangement as a value (BasicSlotStorage's
+// Dynamic form), built with the chosen storage's arrangement and the same arguments, so it
+// allocates, validates and lays out the slots exactly as the chosen static storage does, and
+// one instantiation serves all three.
 template <allocating_runtime R>
-class AnyArrangementStorage {
+class AnyArrangementStorage
+    : private BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor, true> {
+  using Base = BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor, true>;
+
  public:
   // The chosen arrangement's name is AnyExpertCache::storage(); the factory never lets the
   // static cache log this one.
   static constexpr std::string_view name = "any_arrangement";
 
   AnyArrangementStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : held_(emplace_alternative<Held>(pending_any_choice("AnyArrangementStorage").storage, rt, shape, tensors,
-                                        memory)) {
-    with_alternative(held_, [&](const auto& s) {
-      regions_ = s.copy_regions();
-      for (std::size_t t = 0; t < max_expert_tensors; ++t) slot_tensors_[t] = s.slot_tensor(t);
-      host_bytes_ = s.host_bytes();
-      slot_bytes_ = s.slot_bytes();
-    });
-  }
+      : AnyArrangementStorage(rt, shape, tensors, memory, arrangement(pending_any_choice("AnyArrangementStorage").storage)) {}
 
-  [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
-  [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept { return slot_tensors_[t]; }
-  [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept {
-    return with_alternative(held_, [](const auto& s) -> const ExpertTensorBytes& { return s.tensors(); });
-  }
-  [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
-    return with_alternative(held_, [&](const auto& s) { return s.host_tensor(t, expert); });
-  }
-  [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
-  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
+  // The storage accessors the caches and staging policies use.
+  using Base::copy_regions;
+  using Base::host_bytes;
+  using Base::host_tensor;
+  using Base::slot_bytes;
+  using Base::slot_tensor;
+  using Base::tensors;
 
  private:
-  using Held = typename StorageVariantOf<R, AnyStorages>::type;
-  Held held_;
-  CopyRegions regions_{};
-  std::array<SlotTensor, max_expert_tensors> slot_tensors_{};
-  std::size_t host_bytes_ = 0;
-  std::size_t slot_bytes_ = 0;
+  AnyArrangementStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
+                        std::pair<HostArrangement, SlotArrangement> a)
+      : Base(rt, shape, tensors, memory, a.first, a.second) {}
+  static std::pair<HostArrangement, SlotArrangement> arrangement(std::size_t which) {
+    constexpr auto arrangements = arrangements_of(AnyStorages{});
+    if (which >= arrangements.size()) {
+      throw Error(ErrorCode::internal,
+                  join({"make_expert_cache: choice ", DecimalText(which), " outside the erased list"}));
+    }
+    return arrangements[which];
+  }
 };
 
 // DeviceExpertCache's policy parameter for a policy chosen at run time: the cache's executor is

@@ -158,8 +158,10 @@ class HostRegistration {
 };
 
 // The one implementation of the three arrangements. Construction validates the layout and
-// the caller's memory before anything is allocated or registered.
-template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots>
+// the caller's memory before anything is allocated or registered. Dynamic: the arrangement is
+// the constructor's (host, slots) arguments instead of Host and Slots, so that one
+// instantiation serves all three (the run-time-selected cache's storage, any_cache.hpp).
+template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots, bool Dynamic = false>
 class BasicSlotStorage {
  public:
   static constexpr HostArrangement host_arrangement = Host;
@@ -175,20 +177,33 @@ class BasicSlotStorage {
     return detail::blob_layout(tensors, tensor_alignment);
   }
   // Bytes a caller slot workspace must have for this arrangement.
-  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors) {
+  [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors)
+    requires(!Dynamic)
+  {
     check_tensors(tensors);
-    return slot_layout(shape, tensors).total;
+    return slot_layout(shape, tensors, Slots == SlotArrangement::blob).total;
   }
 
   BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
-      : tensors_(tensors) {
+    requires(!Dynamic)
+      : BasicSlotStorage(rt, shape, tensors, memory, Host, Slots, Arranged{}) {}
+  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
+                   HostArrangement host, SlotArrangement slots)
+    requires Dynamic
+      : BasicSlotStorage(rt, shape, tensors, memory, host, slots, Arranged{}) {}
+
+ private:
+  struct Arranged {};
+  BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
+                   HostArrangement host, SlotArrangement slots, Arranged)
+      : tensors_(tensors), host_(host), slots_(slots) {
     check_tensors(tensors);
     const auto experts = static_cast<std::size_t>(shape.num_experts);
     const BlobLayout blob = blob_layout(tensors);
     offsets_ = blob.offsets;
     blob_bytes_ = blob.blob_bytes;
-    const SlotPlan plan = slot_layout(shape, tensors);
-    if constexpr (Host == HostArrangement::expert_major) {
+    const SlotPlan plan = slot_layout(shape, tensors, blob_slots());
+    if (expert_major_host()) {
       host_bytes_ = checked_pool_bytes(experts, blob_bytes_, "host pool");
     } else {
       for (std::size_t t = 0; t < max_expert_tensors; ++t)
@@ -198,7 +213,7 @@ class BasicSlotStorage {
     validate_memory(memory, experts, plan);  // throws before anything is allocated or registered
 
     // Host pools: the caller's (registered unless it says they are) or allocated.
-    if constexpr (Host == HostArrangement::expert_major) {
+    if (expert_major_host()) {
       if (!memory.host_pool.empty()) {
         host_pool_ = static_cast<std::byte*>(memory.host_pool.data);
         if (!memory.host_registered) host_reg_[0] = HostRegistration<R>(rt, host_pool_, host_bytes_, "the host pool");
@@ -225,7 +240,7 @@ class BasicSlotStorage {
 
     // Slots: carved from the caller's workspace or allocated (one buffer per tensor, or one blob buffer).
     std::byte* workspace = static_cast<std::byte*>(memory.slot_workspace.data);
-    if constexpr (Slots == SlotArrangement::blob) {
+    if (blob_slots()) {
       if (workspace != nullptr) {
         slot_pool_ = workspace;
       } else {
@@ -246,7 +261,7 @@ class BasicSlotStorage {
     }
 
     // Copy regions.
-    if constexpr (Host == HostArrangement::expert_major && Slots == SlotArrangement::blob) {
+    if (expert_major_host() && blob_slots()) {
       regions_.regions[0] = CopyRegion{host_pool_, slot_pool_, blob_bytes_, blob_bytes_, blob_bytes_};
       regions_.count = 1;
     } else {
@@ -258,6 +273,8 @@ class BasicSlotStorage {
     }
   }
 
+
+ public:
   // One region per present tensor, in tensor order (expert-major host + blob slots: one region,
   // the whole padded blob, so a fill is ONE transfer).
   [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
@@ -267,7 +284,7 @@ class BasicSlotStorage {
     return host_base_[t] + static_cast<std::size_t>(expert) * host_stride(t);
   }
   [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
-    if constexpr (Slots == SlotArrangement::blob) {
+    if (blob_slots()) {
       return SlotTensor{slot_base_[t], blob_bytes_, tensors_[t].bytes_per_expert};
     } else {
       return SlotTensor{slot_base_[t], tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
@@ -312,10 +329,10 @@ class BasicSlotStorage {
     std::size_t total = 0;  // workspace bytes incl. alignment padding between arrays
   };
 
-  static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors) {
+  static SlotPlan slot_layout(CacheShape shape, const ExpertTensorBytes& tensors, bool blob) {
     SlotPlan p;
     const auto cap = static_cast<std::size_t>(shape.capacity);
-    if constexpr (Slots == SlotArrangement::blob) {
+    if (blob) {
       p.bytes = checked_pool_bytes(cap, detail::blob_layout(tensors, tensor_alignment).blob_bytes, "slot buffer");
       p.total = p.bytes;
     } else {
@@ -332,12 +349,28 @@ class BasicSlotStorage {
     return p;
   }
 
+  // The arrangement: compile-time constants, or the constructor's arguments when Dynamic.
+  [[nodiscard]] bool expert_major_host() const noexcept {
+    if constexpr (Dynamic) {
+      return host_ == HostArrangement::expert_major;
+    } else {
+      return Host == HostArrangement::expert_major;
+    }
+  }
+  [[nodiscard]] bool blob_slots() const noexcept {
+    if constexpr (Dynamic) {
+      return slots_ == SlotArrangement::blob;
+    } else {
+      return Slots == SlotArrangement::blob;
+    }
+  }
+
   [[nodiscard]] std::size_t host_stride(std::size_t t) const noexcept {
-    return Host == HostArrangement::expert_major ? blob_bytes_ : tensors_[t].bytes_per_expert;
+    return expert_major_host() ? blob_bytes_ : tensors_[t].bytes_per_expert;
   }
 
   void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
-    if constexpr (Host == HostArrangement::expert_major) {
+    if (expert_major_host()) {
       if (m.caller_host_tensors()) {
         bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
       }
@@ -381,6 +414,8 @@ class BasicSlotStorage {
   }
 
   ExpertTensorBytes tensors_;
+  HostArrangement host_;  // Dynamic: the arrangement (otherwise Host and Slots, unread)
+  SlotArrangement slots_;
   std::array<std::size_t, max_expert_tensors> offsets_{};  // blob offsets
   std::size_t blob_bytes_ = 0;
   std::size_t host_bytes_ = 0;
