@@ -41,7 +41,8 @@
 
 namespace expert_cache::inline v0 {
 
-class AnyPolicy {
+template <class = void>
+class BasicAnyPolicy {
  public:
   // Belady is not here: it needs the future trace (make_policy<Belady>, the replay tool).
   using Variant = std::variant<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Crf>;
@@ -80,17 +81,16 @@ class AnyPolicy {
   static_assert(std::variant_size_v<Variant> == 9, "visit_at: one case per alternative");
 
   template <std::size_t I>
-  static void begin_forward_as(AnyPolicy& self, std::span<const ExpertId> ids) noexcept {
+  static void begin_forward_as(BasicAnyPolicy& self, std::span<const ExpertId> ids) noexcept {
     auto& p = *std::get_if<I>(self.held_.get());
     self.replay_hits(p);
     if constexpr (has_begin_forward<std::variant_alternative_t<I, Variant>>) p.begin_forward(ids);
     // The hits before the forward's first miss are told now (all of an all-hit forward's).
-    std::size_t i = 0;
-    for (; i < ids.size() && self.resident_[ids[i].index()] != 0; ++i) p.on_hit(ids[i]);
+    const std::size_t i = tell_hits(p, ids.data(), ids.size(), self.resident_.data());
     self.forward_.assign(ids.begin() + static_cast<std::ptrdiff_t>(i), ids.end());
     self.replayed_ = 0;
   }
-  using BeginForward = void (*)(AnyPolicy&, std::span<const ExpertId>) noexcept;
+  using BeginForward = void (*)(BasicAnyPolicy&, std::span<const ExpertId>) noexcept;
   template <std::size_t... I>
   static constexpr std::array<BeginForward, sizeof...(I)> begin_table(std::index_sequence<I...>) noexcept {
     return {&begin_forward_as<I>...};
@@ -99,14 +99,14 @@ class AnyPolicy {
  public:
   // Holds `policy`, a policy for `shape` that has seen no call yet.
   template <class P>
-    requires(!std::is_same_v<std::remove_cvref_t<P>, AnyPolicy> && std::is_constructible_v<Variant, P &&>)
-  AnyPolicy(P&& policy, CacheShape shape) : AnyPolicy(std::make_unique<Variant>(std::forward<P>(policy)), shape) {}
+    requires(!std::is_same_v<std::remove_cvref_t<P>, BasicAnyPolicy> && std::is_constructible_v<Variant, P &&>)
+  BasicAnyPolicy(P&& policy, CacheShape shape) : BasicAnyPolicy(std::make_unique<Variant>(std::forward<P>(policy)), shape) {}
 
   // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
   // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
   // accepts is refused as the planner refuses it (before anything is allocated), a policy
   // constructor's Error comes back as its Status.
-  [[nodiscard]] static Result<AnyPolicy> make(std::string_view policy_name, CacheShape shape,
+  [[nodiscard]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
                                               const PoolLayout& pool = {}) {
     const std::optional<std::size_t> index = index_of(policy_name);
     if (!index) {
@@ -190,20 +190,20 @@ class AnyPolicy {
   // A value like the policies it holds (copies are deep); the held policy lives on the heap so
   // that the planner holding an AnyPolicy stays as compact as one holding Lru (the largest
   // policies are several hundred bytes, and the planner's hot members come after its policy).
-  AnyPolicy(const AnyPolicy& o)
+  BasicAnyPolicy(const BasicAnyPolicy& o)
       : held_(std::make_unique<Variant>(*o.held_)), resident_(o.resident_), forward_(o.forward_), replayed_(o.replayed_) {}
-  AnyPolicy& operator=(const AnyPolicy& o) {
-    if (this != &o) *this = AnyPolicy(o);
+  BasicAnyPolicy& operator=(const BasicAnyPolicy& o) {
+    if (this != &o) *this = BasicAnyPolicy(o);
     return *this;
   }
-  AnyPolicy(AnyPolicy&&) noexcept = default;
-  AnyPolicy& operator=(AnyPolicy&&) noexcept = default;
-  ~AnyPolicy() = default;
+  BasicAnyPolicy(BasicAnyPolicy&&) noexcept = default;
+  BasicAnyPolicy& operator=(BasicAnyPolicy&&) noexcept = default;
+  ~BasicAnyPolicy() = default;
   // A copy of the held policy with every recorded hit applied (tests compare it with a static
   // one); nullopt when another policy is held.
   template <class P>
   [[nodiscard]] std::optional<P> held() const {
-    AnyPolicy copy = *this;
+    BasicAnyPolicy copy = *this;
     copy.flush();
     if (const P* p = std::get_if<P>(copy.held_.get())) return *p;
     return std::nullopt;
@@ -215,8 +215,8 @@ class AnyPolicy {
 
   // The same held policy in the same state once told every hit (on copies: equality is for tests
   // and snapshots, never the hot path).
-  friend bool operator==(const AnyPolicy& a, const AnyPolicy& b) {
-    AnyPolicy x = a, y = b;
+  friend bool operator==(const BasicAnyPolicy& a, const BasicAnyPolicy& b) {
+    BasicAnyPolicy x = a, y = b;
     x.flush();
     y.flush();
     return *x.held_ == *y.held_;
@@ -224,7 +224,7 @@ class AnyPolicy {
 
  private:
 
-  AnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
+  BasicAnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
       : held_(std::move(held)),
         resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
         forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
@@ -237,10 +237,10 @@ class AnyPolicy {
     return std::make_unique<Variant>(std::in_place_index<I>, build<std::variant_alternative_t<I, Variant>>(shape, pool));
   }
   template <std::size_t... I>
-  static AnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
+  static BasicAnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
     using MakeHeld = std::unique_ptr<Variant> (*)(CacheShape, const PoolLayout&);
     static constexpr std::array<MakeHeld, sizeof...(I)> makers = {&make_held<I>...};
-    return AnyPolicy(makers[index](shape, pool), shape);  // index: from index_of, in range
+    return BasicAnyPolicy(makers[index](shape, pool), shape);  // index: from index_of, in range
   }
   template <class P>
   static P build(CacheShape shape, const PoolLayout& pool) {
@@ -272,7 +272,20 @@ class AnyPolicy {
   // once the forward is done every id of it is resident, so all of them).
   template <class P>
   void replay_hits(P& p) noexcept {
-    while (replayed_ < forward_.size() && resident_[forward_[replayed_].index()] != 0) p.on_hit(forward_[replayed_++]);
+    if (replayed_ < forward_.size()) {
+      replayed_ += tell_hits(p, forward_.begin() + replayed_, forward_.size() - replayed_, resident_.data());
+    }
+  }
+  // Tells `p` the leading hits of [ids, ids + n) (the ids resident now, up to the first that is
+  // not) and returns how many: the one loop over a policy's on_hit, out of line, so that each
+  // policy's on_hit is compiled once, not once per caller (a forward's first hits, and the
+  // replay before each miss-path call).
+  template <class P>
+  [[gnu::noinline]] static std::size_t tell_hits(P& p, const ExpertId* ids, std::size_t n,
+                                                 const std::uint8_t* resident) noexcept {
+    std::size_t i = 0;
+    for (; i < n && resident[ids[i].index()] != 0; ++i) p.on_hit(ids[i]);
+    return i;
   }
 
   std::unique_ptr<Variant> held_;         // never null but after a move
@@ -280,6 +293,10 @@ class AnyPolicy {
   detail::FixedVector<ExpertId> forward_; // the current forward's unique ids, in processing order
   std::size_t replayed_ = 0;              // forward_[0, replayed_) were told (hit or insert)
 };
+
+// A class template only so that what a program does not call (copies, comparisons, held<P>())
+// is compiled where it is called, not in every translation unit that includes this header.
+using AnyPolicy = BasicAnyPolicy<void>;
 
 static_assert(eviction_policy<AnyPolicy>);
 static_assert(has_begin_forward<AnyPolicy>);
