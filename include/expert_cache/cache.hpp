@@ -865,6 +865,12 @@ class ExpertCacheWithEdges {
     }
     Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
     if (!planned) return planned;  // validation failed: nothing changed
+    return serve_plan(stream);
+  }
+
+  // The planned forward (plan_) made resident and published: the part prepare() and
+  // prepare_unique() share, one copy for both.
+  Result<ForwardView> serve_plan(Stream stream) noexcept {
     const bool writes = !plan_.fills.empty() || resident_dirty_;
     Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
                            [&](Stream fill) noexcept {

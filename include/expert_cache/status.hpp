@@ -159,29 +159,37 @@ class DecimalText {
   template <class T>
     requires(std::is_integral_v<T> && !std::is_same_v<T, bool>)
   DecimalText(T value) noexcept {  // NOLINT: implicit, a piece of a join() list
-    const bool negative = value < 0;
+    bool negative = false;
+    if constexpr (std::is_signed_v<T>) negative = value < 0;
     // The magnitude as unsigned (two's complement negation also holds the lowest value).
-    unsigned long long v = static_cast<unsigned long long>(value);
-    if (negative) v = 0ULL - v;
-    do {
-      text_[--begin_] = static_cast<char>('0' + v % 10);
-      v /= 10;
-    } while (v != 0);
-    if (negative) text_[--begin_] = '-';
+    const auto bits = static_cast<unsigned long long>(value);
+    begin_ = spell(text_, negative ? 0ULL - bits : bits, negative);
   }
   operator std::string_view() const noexcept {  // NOLINT: implicit, a piece of a join() list
     return std::string_view(text_ + begin_, sizeof text_ - begin_);
   }
 
  private:
+  // The digits (and sign) right-aligned in `text`; returns where they start. Out of line: one
+  // copy for every message.
+  [[gnu::cold, gnu::noinline]] static std::size_t spell(char (&text)[24], unsigned long long v, bool negative) noexcept {
+    std::size_t at = sizeof text;
+    do {
+      text[--at] = static_cast<char>('0' + v % 10);
+      v /= 10;
+    } while (v != 0);
+    if (negative) text[--at] = '-';
+    return at;
+  }
+
   char text_[24];
-  std::size_t begin_ = sizeof text_;
+  std::size_t begin_ = 0;
 };
 
 // The pieces as one string. Messages of cold paths (log lines, construction errors) are built
 // with one call of it instead of a chain of std::string temporaries, whose inlined code (and
 // its exception cleanups) every caller would otherwise compile.
-[[nodiscard, gnu::cold]] inline std::string join(std::initializer_list<std::string_view> pieces) {
+[[nodiscard, gnu::cold, gnu::noinline]] inline std::string join(std::initializer_list<std::string_view> pieces) {
   std::size_t size = 0;
   for (const std::string_view p : pieces) size += p.size();
   std::string out;
