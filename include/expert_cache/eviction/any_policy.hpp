@@ -44,7 +44,9 @@ namespace expert_cache::inline v0 {
 template <class = void>
 class BasicAnyPolicy {
  public:
-  // Belady is not here: it needs the future trace (make_policy<Belady>, the replay tool).
+  // Belady is not here: it needs the future trace (make_policy<Belady>, the replay tool). The
+  // list of held types: only its size and alternatives are read (the held policy is one heap
+  // object of its own type, not a std::variant, whose machinery every build would instantiate).
   using Variant = std::variant<Lru, Lfru, Sieve, S3Fifo, Arc, WTinyLfu, Lrfu, LayerShare, Crf>;
   static constexpr std::array<std::string_view, std::variant_size_v<Variant>> names = {
       Lru::name, Lfru::name, Sieve::name, S3Fifo::name, Arc::name, WTinyLfu::name, Lrfu::name, LayerShare::name,
@@ -53,38 +55,67 @@ class BasicAnyPolicy {
   static constexpr std::string_view name = "any";
 
  private:
-  // A switch over the index (the same code std::visit generates for a short list, spelled out
-  // so that no exception path is left for valueless_by_exception: the variant is never left
-  // valueless, as no alternative's move throws).
+  template <std::size_t I>
+  using Alternative = std::variant_alternative_t<I, Variant>;
+  static constexpr std::size_t count = std::variant_size_v<Variant>;
+  // The index of P in the list (count when P is not in it).
+  template <class P, std::size_t... I>
+  static constexpr std::size_t index_of_type(std::index_sequence<I...>) noexcept {
+    std::size_t k = count;
+    ((std::is_same_v<P, Alternative<I>> ? (void)(k = I) : void()), ...);
+    return k;
+  }
+  template <class P>
+  static constexpr std::size_t type_index = index_of_type<P>(std::make_index_sequence<count>{});
+
+  // A switch over the held index (what std::visit generates for a short list, spelled out):
+  // f(the held policy as its own type), `p` pointing to the held policy of index `index`.
+  template <class Ptr, class F>
+  static decltype(auto) visit_ptr(std::size_t index, Ptr p, F&& f) {
+    switch (index) {
+      case 0: return f(*cast<0>(p));
+      case 1: return f(*cast<1>(p));
+      case 2: return f(*cast<2>(p));
+      case 3: return f(*cast<3>(p));
+      case 4: return f(*cast<4>(p));
+      case 5: return f(*cast<5>(p));
+      case 6: return f(*cast<6>(p));
+      case 7: return f(*cast<7>(p));
+      default: return f(*cast<8>(p));
+    }
+  }
+  static_assert(count == 9, "visit_ptr: one case per alternative");
+  template <std::size_t I>
+  static Alternative<I>* cast(void* p) noexcept {
+    return static_cast<Alternative<I>*>(p);
+  }
+  template <std::size_t I>
+  static const Alternative<I>* cast(const void* p) noexcept {
+    return static_cast<const Alternative<I>*>(p);
+  }
   template <class F>
   decltype(auto) visit(F&& f) {
-    return visit_at(*held_, std::forward<F>(f));
+    return visit_ptr(held_.get_deleter().index, held_.get(), std::forward<F>(f));
   }
   template <class F>
   decltype(auto) visit(F&& f) const {
-    return visit_at(*held_, std::forward<F>(f));
+    return visit_ptr(held_.get_deleter().index, static_cast<const void*>(held_.get()), std::forward<F>(f));
   }
-  template <class V, class F>
-  static decltype(auto) visit_at(V& v, F&& f) {
-    switch (v.index()) {
-      case 0: return f(*std::get_if<0>(&v));
-      case 1: return f(*std::get_if<1>(&v));
-      case 2: return f(*std::get_if<2>(&v));
-      case 3: return f(*std::get_if<3>(&v));
-      case 4: return f(*std::get_if<4>(&v));
-      case 5: return f(*std::get_if<5>(&v));
-      case 6: return f(*std::get_if<6>(&v));
-      case 7: return f(*std::get_if<7>(&v));
-      default: return f(*std::get_if<8>(&v));
+
+  // Owns the held policy: deletes it as its own type.
+  struct Deleter {
+    std::size_t index = 0;
+    void operator()(void* p) const noexcept {
+      visit_ptr(index, p, [](auto& policy) noexcept { delete &policy; });
     }
-  }
-  static_assert(std::variant_size_v<Variant> == 9, "visit_at: one case per alternative");
+  };
+  using Held = std::unique_ptr<void, Deleter>;
 
   template <std::size_t I>
   static void begin_forward_as(BasicAnyPolicy& self, std::span<const ExpertId> ids) noexcept {
-    auto& p = *std::get_if<I>(self.held_.get());
+    auto& p = *cast<I>(self.held_.get());
     self.replay_hits(p);
-    if constexpr (has_begin_forward<std::variant_alternative_t<I, Variant>>) p.begin_forward(ids);
+    if constexpr (has_begin_forward<Alternative<I>>) p.begin_forward(ids);
     // The hits before the forward's first miss are told now (all of an all-hit forward's).
     const std::size_t i = tell_hits(p, ids.data(), ids.size(), self.resident_.data());
     self.forward_.assign(ids.begin() + static_cast<std::ptrdiff_t>(i), ids.end());
@@ -97,16 +128,19 @@ class BasicAnyPolicy {
   }
 
  public:
-  // Holds `policy`, a policy for `shape` that has seen no call yet.
+  // Holds `policy` (one of the listed policies), a policy for `shape` that has seen no call yet.
   template <class P>
-    requires(!std::is_same_v<std::remove_cvref_t<P>, BasicAnyPolicy> && std::is_constructible_v<Variant, P &&>)
-  BasicAnyPolicy(P&& policy, CacheShape shape) : BasicAnyPolicy(std::make_unique<Variant>(std::forward<P>(policy)), shape) {}
+    requires(type_index<std::remove_cvref_t<P>> < count)
+  BasicAnyPolicy(P&& policy, CacheShape shape)
+      : BasicAnyPolicy(Adopt{},
+                       Held(new std::remove_cvref_t<P>(std::forward<P>(policy)), Deleter{type_index<std::remove_cvref_t<P>>}),
+                       shape) {}
 
   // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
   // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
   // accepts is refused as the planner refuses it (before anything is allocated), a policy
   // constructor's Error comes back as its Status.
-  [[nodiscard]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
+  [[gnu::cold]]   [[nodiscard]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
                                               const PoolLayout& pool = {}) {
     const std::optional<std::size_t> index = index_of(policy_name);
     if (!index) {
@@ -122,7 +156,7 @@ class BasicAnyPolicy {
                             shape.num_experts, shape.capacity);
     }
     try {
-      return make_at(*index, shape, pool, std::make_index_sequence<std::variant_size_v<Variant>>{});
+      return make_at(*index, shape, pool, std::make_index_sequence<count>{});
     } catch (const Error& e) {  // the message without the "code: " prefix Error adds
       std::string_view m = e.what();
       const std::string_view code = to_string(e.code());
@@ -153,8 +187,8 @@ class BasicAnyPolicy {
   // One indirect call per forward into the held policy's own begin_forward_as<P> (a table, not
   // the switch: nine policies' hit loops inlined into the planner's forward would crowd it).
   void begin_forward(std::span<const ExpertId> ids) noexcept {
-    static constexpr auto table = begin_table(std::make_index_sequence<std::variant_size_v<Variant>>{});
-    table[held_->index()](*this, ids);
+    static constexpr auto table = begin_table(std::make_index_sequence<count>{});
+    table[index()](*this, ids);
   }
   // The miss-path calls stay out of line: one copy of the nine policies' code per program, not
   // one per call site (a miss costs a copy, which dwarfs the call).
@@ -184,14 +218,17 @@ class BasicAnyPolicy {
     return visit([](const auto& p) noexcept { return free_slot_order_of<std::remove_cvref_t<decltype(p)>>(); });
   }
 
-  [[nodiscard]] std::string_view held_name() const noexcept { return names[held_->index()]; }
-  [[nodiscard]] std::size_t index() const noexcept { return held_->index(); }
+  [[nodiscard]] std::string_view held_name() const noexcept { return names[index()]; }
+  [[nodiscard]] std::size_t index() const noexcept { return held_.get_deleter().index; }
 
   // A value like the policies it holds (copies are deep); the held policy lives on the heap so
   // that the planner holding an AnyPolicy stays as compact as one holding Lru (the largest
   // policies are several hundred bytes, and the planner's hot members come after its policy).
   BasicAnyPolicy(const BasicAnyPolicy& o)
-      : held_(std::make_unique<Variant>(*o.held_)), resident_(o.resident_), forward_(o.forward_), replayed_(o.replayed_) {}
+      : held_(o.visit([](const auto& p) -> void* { return new std::remove_cvref_t<decltype(p)>(p); }), o.held_.get_deleter()),
+        resident_(o.resident_),
+        forward_(o.forward_),
+        replayed_(o.replayed_) {}
   BasicAnyPolicy& operator=(const BasicAnyPolicy& o) {
     if (this != &o) *this = BasicAnyPolicy(o);
     return *this;
@@ -205,7 +242,8 @@ class BasicAnyPolicy {
   [[nodiscard]] std::optional<P> held() const {
     BasicAnyPolicy copy = *this;
     copy.flush();
-    if (const P* p = std::get_if<P>(copy.held_.get())) return *p;
+    static_assert(type_index<P> < count, "held<P>: P is not a listed policy");
+    if (copy.index() == type_index<P>) return *static_cast<const P*>(copy.held_.get());
     return std::nullopt;
   }
   // Tells the held policy the hits it has not been told yet.
@@ -219,12 +257,15 @@ class BasicAnyPolicy {
     BasicAnyPolicy x = a, y = b;
     x.flush();
     y.flush();
-    return *x.held_ == *y.held_;
+    return x.index() == y.index() && x.visit([&](const auto& p) {
+             return p == *static_cast<const std::remove_cvref_t<decltype(p)>*>(y.held_.get());
+           });
   }
 
  private:
 
-  BasicAnyPolicy(std::unique_ptr<Variant> held, CacheShape shape)
+  struct Adopt {};
+  BasicAnyPolicy(Adopt, Held held, CacheShape shape)
       : held_(std::move(held)),
         resident_(static_cast<std::size_t>(std::max(shape.num_experts, 0)), 0),
         forward_(static_cast<std::size_t>(std::max(shape.capacity, 0))) {}
@@ -233,14 +274,15 @@ class BasicAnyPolicy {
   // public constructor orders them), picked from a table; the rest of the construction is
   // shared, so a build compiles it once, not once per policy.
   template <std::size_t I>
-  static std::unique_ptr<Variant> make_held(CacheShape shape, const PoolLayout& pool) {
-    return std::make_unique<Variant>(std::in_place_index<I>, build<std::variant_alternative_t<I, Variant>>(shape, pool));
+  [[gnu::cold]]   static Held make_held(CacheShape shape, const PoolLayout& pool) {
+    Alternative<I> policy = build<Alternative<I>>(shape, pool);
+    return Held(new Alternative<I>(std::move(policy)), Deleter{I});
   }
   template <std::size_t... I>
-  static BasicAnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
-    using MakeHeld = std::unique_ptr<Variant> (*)(CacheShape, const PoolLayout&);
+  [[gnu::cold]]   static BasicAnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
+    using MakeHeld = Held (*)(CacheShape, const PoolLayout&);
     static constexpr std::array<MakeHeld, sizeof...(I)> makers = {&make_held<I>...};
-    return BasicAnyPolicy(makers[index](shape, pool), shape);  // index: from index_of, in range
+    return BasicAnyPolicy(Adopt{}, makers[index](shape, pool), shape);  // index: from index_of, in range
   }
   template <class P>
   static P build(CacheShape shape, const PoolLayout& pool) {
@@ -288,7 +330,7 @@ class BasicAnyPolicy {
     return i;
   }
 
-  std::unique_ptr<Variant> held_;         // never null but after a move
+  Held held_;                             // never null but after a move; its deleter holds the index
   std::vector<std::uint8_t> resident_;    // per expert: 1 while resident (from on_insert / on_remove)
   detail::FixedVector<ExpertId> forward_; // the current forward's unique ids, in processing order
   std::size_t replayed_ = 0;              // forward_[0, replayed_) were told (hit or insert)

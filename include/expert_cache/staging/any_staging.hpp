@@ -15,8 +15,8 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <tuple>
 #include <utility>
-#include <variant>
 
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/status.hpp"
@@ -37,8 +37,11 @@ struct CopyRegionsView {
 template <class... Stagings>
 class AnyStaging {
   static_assert(sizeof... (Stagings) >= 1 && sizeof...(Stagings) <= 8, "AnyStaging: one to eight policies");
-  using Variant = std::variant<Stagings...>;
-  using First = std::variant_alternative_t<0, Variant>;
+  // Every listed policy, default-constructed (stateless, or empty until it issues), and the
+  // index of the held one: the others are never called. A tuple, not a std::variant, whose
+  // machinery every build would instantiate.
+  using Held = std::tuple<Stagings...>;
+  using First = std::tuple_element_t<0, Held>;
 
  public:
   static constexpr std::string_view name = "any";
@@ -53,10 +56,10 @@ class AnyStaging {
       throw Error(ErrorCode::invalid_argument, detail::join({"AnyStaging: staging index ", detail::DecimalText(index),
                                                              " outside the ", detail::DecimalText(size), " listed policies"}));
     }
-    emplace_at(index, std::make_index_sequence<size>{});
+    index_ = index;
   }
 
-  [[nodiscard]] std::size_t index() const noexcept { return staging_.index(); }
+  [[nodiscard]] std::size_t index() const noexcept { return index_; }
   [[nodiscard]] std::string_view held_name() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return std::string_view(std::remove_cvref_t<decltype(g)>::name); });
   }
@@ -109,26 +112,23 @@ class AnyStaging {
     });
   }
 
-  template <std::size_t... I>
-  void emplace_at(std::size_t index, std::index_sequence<I...>) {
-    ((I == index ? (void)staging_.template emplace<I>() : void()), ...);
-  }
   // A switch over the held index (see AnyPolicy): predicted, and the held policy's code inlined.
   template <class V, class F>
-  static decltype(auto) visit_at(V& v, F&& f) {
+  decltype(auto) visit_at(V& v, F&& f) const {
     return visit_from<0>(v, f);
   }
   template <std::size_t I, class V, class F>
-  static decltype(auto) visit_from(V& v, F& f) {
+  decltype(auto) visit_from(V& v, F& f) const {
     if constexpr (I + 1 == size) {
-      return f(*std::get_if<I>(&v));
+      return f(std::get<I>(v));
     } else {
-      if (v.index() == I) return f(*std::get_if<I>(&v));
+      if (index_ == I) return f(std::get<I>(v));
       return visit_from<I + 1>(v, f);
     }
   }
 
-  Variant staging_;
+  Held staging_{};
+  std::size_t index_ = 0;
 };
 
 }  // namespace expert_cache::inline v0
