@@ -624,7 +624,7 @@ template <allocating_runtime Runtime>
 class AnyExpertCache;
 
 template <allocating_runtime Runtime>
-Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config);
+[[gnu::cold]] Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config);
 
 // The type-erased cache. Move-only; a moved-from object may only be destroyed or assigned.
 template <allocating_runtime Runtime>
@@ -746,7 +746,7 @@ namespace detail {
 
 // An exception from a static cache's constructor as the factory's Status (same code; the
 // message without the "code: " prefix Error adds).
-inline Status status_of(const Error& e) noexcept {
+[[gnu::cold]] inline Status status_of(const Error& e) noexcept {
   std::string_view m = e.what();
   const std::string_view code = to_string(e.code());
   if (m.size() > code.size() + 2 && m.substr(0, code.size()) == code && m.substr(code.size(), 2) == ": ") {
@@ -802,7 +802,7 @@ struct AnyCacheChoices {
 // Every name, every combination and the device provider's sizes, checked before anything is
 // constructed. Not a template (the runtime only changes the staging list and whether it has a
 // device-plan executor), so a build compiles it once.
-inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<const std::string_view> staging_names,
+[[gnu::cold]] inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<const std::string_view> staging_names,
                                      bool has_device_executor, AnyCacheChoices& out) noexcept {
   constexpr auto policy_names = AnyPolicy::names;
   constexpr auto storage_names = names_of(AnyStorages{});
