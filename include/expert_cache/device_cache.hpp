@@ -502,49 +502,58 @@ class BasicSimPlanExecutor {
     });
   }
 
+  // One array of the state and when a step declares it (a table, so that the accesses are
+  // pushed by one loop instead of one inlined push per array and mode).
+  enum class Declared : std::uint8_t { always, forward, unless_copy_engine };
+  struct StateArray {
+    const void* data;
+    std::size_t bytes;
+    Declared when;
+  };
   template <class T>
-  static void add(std::vector<Access>& acc, PlanSpan<T> span) {
-    const std::size_t bytes = static_cast<std::size_t>(span.size) * sizeof(T);
-    acc.push_back({span.data, bytes, AccessMode::read});
-    acc.push_back({span.data, bytes, AccessMode::write});
+  static StateArray array_of(PlanSpan<T> span, Declared when = Declared::always) noexcept {
+    return StateArray{span.data, static_cast<std::size_t>(span.size) * sizeof(T), when};
   }
-  // `forward`: the current forward's arrays too (forward map, unique list, its group's
-  // experts). plan_prefetch never touches them, so a consumer of the forward may read its
-  // forward map while a prefetch runs beside it.
+  // Every array read and written, in this order; `forward`: the current forward's arrays too
+  // (forward map, unique list, its group's experts). plan_prefetch never touches them, so a
+  // consumer of the forward may read its forward map while a prefetch runs beside it.
   void add_state_accesses(std::vector<Access>& acc, bool forward = true) const {
-    add(acc, PlanSpan<DevicePlanScalars>{state_.scalars, 1});
-    add(acc, PlanSpan<DevicePlanStats>{state_.counters, 1});
-    add(acc, state_.slot_tick);
-    add(acc, state_.resident_map);
-    if (forward) {
-      add(acc, state_.forward_map);
-      add(acc, state_.unique);
-      add(acc, state_.prev_forward);
-      add(acc, state_.missing);
+    const StateArray arrays[] = {
+        array_of(PlanSpan<DevicePlanScalars>{state_.scalars, 1}),
+        array_of(PlanSpan<DevicePlanStats>{state_.counters, 1}),
+        array_of(state_.slot_tick),
+        array_of(state_.resident_map),
+        array_of(state_.forward_map, Declared::forward),
+        array_of(state_.unique, Declared::forward),
+        array_of(state_.prev_forward, Declared::forward),
+        array_of(state_.missing, Declared::forward),
+        array_of(state_.marks),
+        array_of(state_.slot_owner),
+        array_of(state_.free_stack),
+        array_of(state_.fills),
+        array_of(state_.evictions),
+        array_of(state_.slot_needed),
+        // The ready words: no planning step touches them (only the reset at construction). With
+        // the copy engine the proxy stores them while later plans run (the words are its release
+        // flags, not data), so they are left out there; otherwise declared, as the fills are joined.
+        array_of(state_.slot_ready, Declared::unless_copy_engine),
+        array_of(state_.slot_ready_first, Declared::unless_copy_engine),
+        array_of(state_.fill_arrivals),
+        array_of(state_.fill_arrivals_first),
+        array_of(state_.slot_spec_left),
+        // The policies' state: every plan step may read and write it (a prior's bias is read).
+        array_of(state_.slot_freq),
+        array_of(state_.slot_order),
+        array_of(state_.expert_crf),
+        array_of(state_.expert_bias),
+        array_of(state_.expert_last),
+        array_of(state_.crf_pow),
+    };
+    for (const StateArray& a : arrays) {
+      if ((a.when == Declared::forward && !forward) || (a.when == Declared::unless_copy_engine && copy_engine_)) continue;
+      acc.push_back({a.data, a.bytes, AccessMode::read});
+      acc.push_back({a.data, a.bytes, AccessMode::write});
     }
-    add(acc, state_.marks);
-    add(acc, state_.slot_owner);
-    add(acc, state_.free_stack);
-    add(acc, state_.fills);
-    add(acc, state_.evictions);
-    add(acc, state_.slot_needed);
-    // The ready words: no planning step touches them (only the reset at construction). With the
-    // copy engine the proxy stores them while later plans run (the words are its release flags,
-    // not data), so they are left out there; otherwise declared, as the fills are joined.
-    if (!copy_engine_) {
-      add(acc, state_.slot_ready);
-      add(acc, state_.slot_ready_first);
-    }
-    add(acc, state_.fill_arrivals);
-    add(acc, state_.fill_arrivals_first);
-    add(acc, state_.slot_spec_left);
-    // The policies' state: every plan step may read and write it (a prior's bias is read).
-    add(acc, state_.slot_freq);
-    add(acc, state_.slot_order);
-    add(acc, state_.expert_crf);
-    add(acc, state_.expert_bias);
-    add(acc, state_.expert_last);
-    add(acc, state_.crf_pow);
     acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
     acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
   }
