@@ -802,7 +802,8 @@ struct AnyCacheChoices {
 // Every name, every combination and the device provider's sizes, checked before anything is
 // constructed. Not a template (the runtime only changes the staging list and whether it has a
 // device-plan executor), so a build compiles it once.
-[[gnu::cold]] inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<const std::string_view> staging_names,
+[[gnu::cold]]
+inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<const std::string_view> staging_names,
                                      bool has_device_executor, AnyCacheChoices& out) noexcept {
   constexpr auto policy_names = AnyPolicy::names;
   constexpr auto storage_names = names_of(AnyStorages{});

@@ -403,7 +403,7 @@ class ExpertCacheWithEdges {
   /// layout that does not validate, sizes that cannot be allocated). `staging`: a staging
   /// policy value (AnyStaging holds the one picked at run time; the others are stateless or
   /// start empty).
-  [[gnu::cold]]   ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy,
+  [[gnu::cold]] ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy,
                        StagingPolicy staging = StagingPolicy{})
       : rt_(&rt),
         options_(std::move(options)),

@@ -273,7 +273,8 @@ class BasicSimPlanExecutor {
 
  private:
   struct Bound {};
-  [[gnu::cold]]   BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+  [[gnu::cold]]
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
                        const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind, Bound)
       : rt_(&rt),
         overlap_(options.overlap),
@@ -338,7 +339,7 @@ class BasicSimPlanExecutor {
   // Edge P4: the proxy's pending work (its take and copy ops) completes before the cache's
   // memory goes, as the CUDA executor's detach waits for the proxy to take every request and
   // synchronises its copy stream.
-  [[gnu::cold]]   ~BasicSimPlanExecutor() {
+  [[gnu::cold]] ~BasicSimPlanExecutor() {
     if (copy_engine_ && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
   }
   BasicSimPlanExecutor(const BasicSimPlanExecutor&) = delete;
@@ -795,7 +796,7 @@ class DeviceExpertCacheWithEdges {
 
   // Throws Error on an impossible configuration (capacity 0 or > num_experts, max_ids <= 0, a
   // layout that does not validate, sizes that cannot be allocated).
-  [[gnu::cold]]   DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
+  [[gnu::cold]] DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
       : rt_(&rt),
         options_(resolve_fill_engine(validated(std::move(options)), layout)),
         layout_(validated(layout)),
@@ -1196,7 +1197,7 @@ class DeviceExpertCacheWithEdges {
   // FillEngine::automatic resolved by the executor (the CUDA one from the link profile); an
   // executor that resolves nothing (SimRuntime's) takes sm_loads. After validated(): a bad
   // configuration is refused before any measurement.
-  [[gnu::cold]]   static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, const Layout& layout) {
+  [[gnu::cold]] static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, const Layout& layout) {
     if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
       throw Error(Status::format(ErrorCode::invalid_argument,
                                  "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the "
@@ -1210,7 +1211,7 @@ class DeviceExpertCacheWithEdges {
       return o;
     }
   }
-  [[gnu::cold]]   static DeviceCacheOptions validated(DeviceCacheOptions o) {
+  [[gnu::cold]] static DeviceCacheOptions validated(DeviceCacheOptions o) {
     if (o.capacity <= 0 || o.capacity > o.num_experts) {
       throw Error(Status::format(ErrorCode::invalid_capacity, "%s: capacity %d for %d experts (need 1..num_experts)",
                                  o.label.c_str(), o.capacity, o.num_experts));

@@ -172,7 +172,8 @@ class DecimalText {
  private:
   // The digits (and sign) right-aligned in `text`; returns where they start. Out of line: one
   // copy for every message.
-  [[gnu::cold, gnu::noinline]] static std::size_t spell(char (&text)[24], unsigned long long v, bool negative) noexcept {
+  [[gnu::cold, gnu::noinline]] static std::size_t spell(char (&text)[24], unsigned long long v,
+                                                       bool negative) noexcept {
     std::size_t at = sizeof text;
     do {
       text[--at] = static_cast<char>('0' + v % 10);

@@ -140,7 +140,7 @@ class BasicAnyPolicy {
   // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
   // accepts is refused as the planner refuses it (before anything is allocated), a policy
   // constructor's Error comes back as its Status.
-  [[gnu::cold]]   [[nodiscard]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
+  [[nodiscard, gnu::cold]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
                                               const PoolLayout& pool = {}) {
     const std::optional<std::size_t> index = index_of(policy_name);
     if (!index) {
@@ -274,12 +274,13 @@ class BasicAnyPolicy {
   // public constructor orders them), picked from a table; the rest of the construction is
   // shared, so a build compiles it once, not once per policy.
   template <std::size_t I>
-  [[gnu::cold]]   static Held make_held(CacheShape shape, const PoolLayout& pool) {
+  [[gnu::cold]] static Held make_held(CacheShape shape, const PoolLayout& pool) {
     Alternative<I> policy = build<Alternative<I>>(shape, pool);
     return Held(new Alternative<I>(std::move(policy)), Deleter{I});
   }
   template <std::size_t... I>
-  [[gnu::cold]]   static BasicAnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool, std::index_sequence<I...>) {
+  [[gnu::cold]] static BasicAnyPolicy make_at(std::size_t index, CacheShape shape, const PoolLayout& pool,
+                                             std::index_sequence<I...>) {
     using MakeHeld = Held (*)(CacheShape, const PoolLayout&);
     static constexpr std::array<MakeHeld, sizeof...(I)> makers = {&make_held<I>...};
     return BasicAnyPolicy(Adopt{}, makers[index](shape, pool), shape);  // index: from index_of, in range

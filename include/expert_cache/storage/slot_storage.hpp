@@ -194,7 +194,7 @@ class BasicSlotStorage {
 
  private:
   struct Arranged {};
-  [[gnu::cold]]   BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
+  [[gnu::cold]] BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
                    HostArrangement host, SlotArrangement slots, Arranged)
       : tensors_(tensors), host_(host), slots_(slots) {
     check_tensors(tensors);
@@ -369,7 +369,7 @@ class BasicSlotStorage {
     return expert_major_host() ? blob_bytes_ : tensors_[t].bytes_per_expert;
   }
 
-  [[gnu::cold]]   void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
+  [[gnu::cold]] void validate_memory(const StorageMemory& m, std::size_t experts, const SlotPlan& plan) {
     if (expert_major_host()) {
       if (m.caller_host_tensors()) {
         bad_memory("host_tensors given to an expert-major host layout (it takes one host_pool of num_experts * blob bytes)");
