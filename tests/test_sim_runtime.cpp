@@ -667,6 +667,72 @@ TEST_CASE("virtual time follows stream order, event edges and host synchronizati
   CHECK(rt.host_time_ns() == doctest::Approx(230));
 }
 
+TEST_CASE("copies_share_link: copies of two streams take turns on one link, launches do not") {
+  SimRuntime rt;
+  SimCostModel cost;
+  cost.copy_bytes_per_ns = 10;  // 1000 bytes: 100 ns
+  cost.launch_ns = 100;
+  std::vector<std::uint8_t> host(1000), a(1000), b(1000);
+  for (const bool shared : {false, true}) {
+    CAPTURE(shared);
+    rt.reset();
+    cost.copies_share_link = shared;
+    rt.set_cost_model(cost);
+    const Stream s1 = rt.create_stream().value();
+    const Stream s2 = rt.create_stream().value();
+    REQUIRE(rt.copy_async(a.data(), host.data(), 1000, s1).ok());
+    REQUIRE(rt.copy_async(b.data(), host.data(), 1000, s2).ok());
+    REQUIRE(rt.launch(s1, {}).ok());
+    rt.drain();
+    // Shared: one copy takes [0, 100), the other [100, 200); the launch follows its stream's copy.
+    const double t1 = rt.stream_time_ns(s1), t2 = rt.stream_time_ns(s2);
+    if (shared) {
+      CHECK(std::min(t1 - 100.0, t2) == doctest::Approx(100));
+      CHECK(std::max(t1 - 100.0, t2) == doctest::Approx(200));
+    } else {
+      CHECK(t1 == doctest::Approx(200));
+      CHECK(t2 == doctest::Approx(100));
+    }
+  }
+}
+
+TEST_CASE("copies_share_link: copies take the link in the order they become ready, in the first gap that holds them") {
+  std::vector<std::uint8_t> host(1000), a(1000), b(1000);
+  for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+    CAPTURE(seed);
+    SimRuntime::Options o;
+    o.seed = seed;  // without a shared link drain() would pick among ready streams at random
+    SimRuntime rt(o);
+    SimCostModel cost;
+    cost.copy_bytes_per_ns = 10;  // 1000 bytes: 100 ns
+    cost.copies_share_link = true;
+    rt.set_cost_model(cost);
+    const Stream slow = rt.create_stream().value();
+    const Stream late = rt.create_stream().value();
+    const Stream early = rt.create_stream().value();
+    const Event gate = rt.create_event().value();
+    // `late`'s copy is enqueued first but ready at 500 (after a 500 ns launch on `slow`),
+    // `early`'s at 0: `early` takes [0, 100), `late` [500, 600).
+    rt.set_next_duration_ns(500);
+    REQUIRE(rt.launch(slow, {}).ok());
+    REQUIRE(rt.record(gate, slow).ok());
+    REQUIRE(rt.wait(late, gate).ok());
+    REQUIRE(rt.copy_async(a.data(), host.data(), 1000, late).ok());
+    REQUIRE(rt.copy_async(b.data(), host.data(), 1000, early).ok());
+    rt.drain();
+    CHECK(rt.stream_time_ns(late) == doctest::Approx(600));
+    CHECK(rt.stream_time_ns(early) == doctest::Approx(100));
+    // A third copy ready at 550 finds [500, 600) busy: it takes [600, 700).
+    rt.set_next_duration_ns(50);
+    REQUIRE(rt.launch(slow, {}).ok());
+    REQUIRE(rt.record(gate, slow).ok());
+    REQUIRE(rt.wait(early, gate).ok());
+    REQUIRE(rt.copy_async(b.data(), host.data(), 1000, early).ok());
+    rt.drain();
+    CHECK(rt.stream_time_ns(early) == doctest::Approx(700));
+  }
+}
+
 TEST_CASE_FIXTURE(OneStream, "reset returns to the constructed state") {
   auto* x = alloc<std::uint8_t>(rt, 8, MemoryKind::device);
   REQUIRE(rt.launch(s, std::array{Access{x, 8, AccessMode::write}}).ok());

@@ -198,6 +198,7 @@ class ModelledSim {
     c.host_call_ns = graph_replay_ ? 0.0 : host_ns;
     c.copy_latency_ns = latency_ns;
     c.copy_bytes_per_ns = 0.0;  // the latency carries the whole duration
+    c.copies_share_link = true;  // demand and speculative copies queue on one PCIe link
     sim_.set_cost_model(c);
   }
   double real_bytes(const void* src, std::size_t n, bool& weights) const noexcept {

@@ -228,6 +228,7 @@ class SimRuntime {
       Op& op = push_op(s, SimOpKind::copy, std::move(label));
       op.copies.push_back(CopyDesc{dst, src, bytes});
       op.duration_ns = cost_.copy_cost(bytes);
+      op.shares_link = cost_.model().copies_share_link;
       ++counters_.copies;
       counters_.copy_bytes += bytes;
       trace(SimCall::copy, s.id, 0, bytes, op.label);
@@ -304,6 +305,7 @@ class SimRuntime {
         cost += cost_.copy_cost(c.bytes);
       }
       op.duration_ns = cost;
+      op.shares_link = cost_.model().copies_share_link;
       ++counters_.copy_batches;
       counters_.batch_copies += op.copies.size();
       counters_.copy_bytes += total;
@@ -523,6 +525,7 @@ class SimRuntime {
     next_seq_ = 1;
     allocation_ids_ = 0;
     host_time_ns_ = 0.0;
+    link_.clear();
     async_error_ = {};
     rng_ = Rng(seed_);
     reset_clocks();
@@ -647,7 +650,12 @@ class SimRuntime {
 
   // ---- scheduling ----
 
-  std::uint32_t pick_ready(Rng& rng) { return detail::sim::pick_ready(streams_, gates_, rng, ready_); }
+  // With a shared link the heads complete in virtual-time order (the link is booked as a real
+  // one serves it); otherwise in a seeded random order (the schedules the race detector explores).
+  std::uint32_t pick_ready(Rng& rng) {
+    if (cost_.model().copies_share_link) return detail::sim::pick_earliest(streams_, gates_);
+    return detail::sim::pick_ready(streams_, gates_, rng, ready_);
+  }
 
   std::size_t run_some(Rng& rng, std::size_t max_ops) noexcept {
     std::size_t done = 0;
@@ -722,6 +730,7 @@ class SimRuntime {
           break;
         default: break;
       }
+      if (op.shares_link) start = link_.book(start, op.duration_ns);
       st.time_ns = start + op.duration_ns;
       if (op.kind == SimOpKind::record) {
         op.record->clock = st.clock;
@@ -827,6 +836,7 @@ class SimRuntime {
   std::vector<GateState> gates_;
   Clock host_clock_;
   double host_time_ns_ = 0.0;
+  detail::sim::LinkTimeline link_;  // SimCostModel::copies_share_link
   std::uint64_t next_seq_ = 1;
   Label next_label_;
   detail::sim::ShadowMemory shadow_;

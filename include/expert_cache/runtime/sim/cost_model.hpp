@@ -3,7 +3,9 @@
 // awaited record / gate time) + cost. Independent of the schedule chosen by run_random.
 // Host-only.
 #include "expert_cache/version.hpp"
+#include <algorithm>
 #include <cstddef>
+#include <vector>
 
 namespace expert_cache::inline v0 {
 
@@ -13,9 +15,48 @@ struct SimCostModel {
   double copy_bytes_per_ns = 0.0;  // bandwidth; 0 = infinite
   double launch_ns = 0.0;          // default duration of a launch (see set_next_duration_ns)
   double host_call_ns = 0.0;       // host time spent per enqueueing call
+  // Copies of every stream take turns on one link (a PCIe direction is one link, whichever
+  // stream or engine issues the copy): a copy enqueued under this model occupies the link for
+  // its duration, starting in the first gap at or after its ready time that holds it whole.
+  // Off: each stream copies at full bandwidth, however many copy at once.
+  bool copies_share_link = false;
 };
 
 namespace detail::sim {
+
+// The shared link's busy intervals [start, end), sorted and disjoint. A copy takes the first
+// gap at or after its ready time that holds its whole duration (first fit): the result does
+// not depend on which of two ready streams the scheduler completes first, as long as both
+// fit where they would go. Only the latest `max_intervals` are kept (a copy older than those
+// sees a free link), so a long run costs bounded memory.
+class LinkTimeline {
+ public:
+  static constexpr std::size_t max_intervals = 4096;
+
+  // The start of a copy of `duration` ready at `ready`, and its interval booked.
+  double book(double ready, double duration) {
+    if (duration <= 0.0) return ready;
+    double start = ready;
+    std::size_t i = 0;
+    while (i < busy_.size() && busy_[i].end <= start) ++i;  // intervals wholly before it
+    for (; i < busy_.size(); ++i) {
+      if (start + duration <= busy_[i].start) break;  // fits in the gap before interval i
+      start = std::max(start, busy_[i].end);
+    }
+    busy_.insert(busy_.begin() + static_cast<std::ptrdiff_t>(i), Interval{start, start + duration});
+    if (busy_.size() > max_intervals) busy_.erase(busy_.begin());
+    return start;
+  }
+  void clear() noexcept { busy_.clear(); }
+  [[nodiscard]] std::size_t size() const noexcept { return busy_.size(); }
+
+ private:
+  struct Interval {
+    double start;
+    double end;
+  };
+  std::vector<Interval> busy_;
+};
 
 // The model plus the one-shot duration override of the next launch.
 class CostClock {

@@ -44,4 +44,32 @@ inline std::uint32_t pick_ready(const std::vector<std::unique_ptr<StreamState>>&
   return ready[ready.size() == 1 ? 0 : rng.below(ready.size())];
 }
 
+// The virtual time at which a ready head can start: after its stream's last op, its enqueue on
+// the host, and (wait) the awaited record or (gate) the gate's opening.
+[[nodiscard]] inline double head_start_ns(const StreamState& st, const std::vector<GateState>& gates) noexcept {
+  const Op& op = st.front();
+  double t = st.time_ns > op.host_time_ns ? st.time_ns : op.host_time_ns;
+  if (op.kind == SimOpKind::wait && op.record->time_ns > t) t = op.record->time_ns;
+  if (op.kind == SimOpKind::gate && gates[op.gate - 1].time_ns > t) t = gates[op.gate - 1].time_ns;
+  return t;
+}
+
+// The ready stream whose head starts earliest in virtual time (ties: the lowest id), 0 when
+// none: the order of a discrete-event simulation, so that a shared resource (the link of
+// SimCostModel::copies_share_link) is booked in the order its users become ready.
+inline std::uint32_t pick_earliest(const std::vector<std::unique_ptr<StreamState>>& streams,
+                                   const std::vector<GateState>& gates) noexcept {
+  std::uint32_t best = 0;
+  double best_t = 0.0;
+  for (std::size_t i = 0; i < streams.size(); ++i) {
+    if (!head_ready(*streams[i], gates)) continue;
+    const double t = head_start_ns(*streams[i], gates);
+    if (best == 0 || t < best_t) {
+      best = static_cast<std::uint32_t>(i + 1);
+      best_t = t;
+    }
+  }
+  return best;
+}
+
 }  // namespace expert_cache::inline v0::detail::sim

@@ -31,6 +31,7 @@ struct Op {
   std::uint64_t seq = 0;
   double host_time_ns = 0.0;
   double duration_ns = 0.0;
+  bool shares_link = false;  // a copy under SimCostModel::copies_share_link
   Clock host_clock;  // the host's clock at enqueue: host -> op edge
   std::vector<CopyDesc> copies;
   std::vector<Access> accesses;
