@@ -274,7 +274,9 @@ struct Fixture {
                       [dst, predicted] { std::copy(predicted.begin(), predicted.end(), dst); })
                 .ok());
     const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
-    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after};  // a budget between whole experts
+    // A budget between whole experts; the host reference without precision feedback, which the
+    // device-planned cache does not apply.
+    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, {}, default_min_score, false};
     auto r = dev->prefetch(dst, static_cast<std::int32_t>(predicted.size()), streams[s], o);
     REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
     REQUIRE(host->prefetch(predicted, host_stream, o).ok());
@@ -285,7 +287,7 @@ struct Fixture {
   PrefetchView prefetch_scored(std::size_t s, const Ids& predicted, const std::vector<float>& scores, float min_score,
                                std::int32_t max_fills, std::uint32_t expires_after) {
     const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
-    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, scores, min_score};
+    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, scores, min_score, false};
     auto r = dev->prefetch(std::span<const std::int32_t>(predicted), streams[s], o);
     REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
     auto h = host->prefetch(predicted, host_stream, o);

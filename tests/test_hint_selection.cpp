@@ -447,3 +447,94 @@ TEST_CASE("scored plan_prefetch allocates nothing after the plan's first use") {
   CHECK(after == before);
   CHECK(issued > 0);
 }
+
+// ---- precision feedback (prefetch/rank_precision.hpp) ----
+
+TEST_CASE("rank precision: trusted at first, throttled after wasted fills, probed, and restored by used ones") {
+  RankPrecision r;
+  CHECK(r.precision(0) == 1.0f);
+  CHECK(r.precision(100) == r.precision(RankPrecision::buckets - 1));  // past the last bucket: shared
+  CHECK(r.admit(0, 0.5f));
+  int wasted = 0;
+  while (r.precision(0) >= 0.5f) {
+    r.record(RankPrecision::bucket(0), false);
+    ++wasted;
+  }
+  CHECK(wasted == 11);  // (15/16)^11 < 0.5 <= (15/16)^10
+  CHECK(r.precision(1) == 1.0f);  // other ranks keep their own estimate
+  // Throttled: one hint in probe_every is admitted, the others are not.
+  int admitted = 0;
+  for (std::uint32_t i = 0; i < 4 * RankPrecision::probe_every; ++i) admitted += r.admit(0, 0.5f) ? 1 : 0;
+  CHECK(admitted == 4);
+  CHECK(r.admit(0, 0.0f));  // a threshold of 0 admits everything
+  int used = 0;
+  while (r.precision(0) < 0.5f) {
+    r.record(RankPrecision::bucket(0), true);
+    ++used;
+  }
+  CHECK(used >= 1);
+  CHECK(used <= 11);
+  CHECK(r.admit(0, 0.5f));
+}
+
+TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: ranks whose fills go unused stop fetching, the others keep on",
+                   Policy, Lru, Lfru) {
+  // Each round: a forward of {0, 1}, then a prefetch of [2 + r % 8 (used next round), 20 + r % 8
+  // (never used)], budget 2, expiring after one forward. Rank 0's fills are used, rank 1's wasted.
+  for (const bool feedback : {false, true}) {
+    CAPTURE(feedback);
+    auto p = make_planner<Policy>(CacheShape{40, 8});
+    ForwardPlan fwd;
+    PrefetchPlan pre;
+    std::uint64_t rank1_fills = 0, imprecise = 0;
+    Ids next_forward{0, 1};
+    for (int round = 0; round < 200; ++round) {
+      REQUIRE(p.plan_unique(next_forward, fwd).ok());
+      const std::int32_t good = 2 + round % 8, bad = 20 + round % 8;
+      REQUIRE(p.plan_prefetch(Ids{good, bad}, Scores{}, 0.5f, 2, 1, pre, feedback).ok());
+      for (const SlotFill& f : pre.fills) rank1_fills += f.expert.value == bad ? 1 : 0;
+      imprecise += pre.skipped_imprecise;
+      CHECK(pre.skipped_unlikely == 0);
+      next_forward = Ids{0, good};
+    }
+    const PlannerCounters& c = p.counters();
+    if (!feedback) {
+      CHECK(rank1_fills == 200);
+      CHECK(imprecise == 0);
+    } else {
+      // 11 wasted fills bring rank 1 below 0.5; then one probe in 32 of the remaining rounds.
+      CHECK(rank1_fills >= 11);
+      CHECK(rank1_fills <= 11 + (200 - 11) / RankPrecision::probe_every + 1);
+      CHECK(imprecise == 200 - rank1_fills);
+    }
+    CHECK(c.speculative_used >= 190);  // rank 0 is never throttled (its fills are used)
+    CHECK(c.speculative_wasted + c.speculative_used + static_cast<std::uint64_t>(p.speculative_count()) ==
+          c.speculative_issued);
+  }
+}
+
+TEST_CASE("plan_prefetch with precision feedback: a skipped hint is not protected, and the outcome state is part of the snapshot") {
+  auto p = make_planner<Lru>(CacheShape{10, 3});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  // Rank 0 wasted eleven times: throttled.
+  for (std::int32_t i = 0; i < 11; ++i) {
+    REQUIRE(p.plan_prefetch(Ids{1 + i % 9}, Scores{}, 0.5f, 1, 1, pre, true).ok());
+    REQUIRE(pre.fills.size() == 1);
+    REQUIRE(p.plan_unique(Ids{0}, fwd).ok());  // the fill expires unused
+  }
+  REQUIRE_FALSE(p.is_resident(6));
+  REQUIRE_FALSE(p.is_resident(7));
+  const auto before = p.snapshot();
+  REQUIRE(p.plan_prefetch(Ids{6, 7}, Scores{}, 0.5f, 2, 1, pre, true).ok());
+  CHECK(pre.skipped_imprecise == 1);       // 6, at rank 0
+  CHECK(experts_of(pre.fills) == Ids{7});  // rank 1 is still trusted
+  CHECK_FALSE(p.is_resident(6));
+  CHECK(p.snapshot() != before);  // the probe counter moved
+  // The same call without feedback fetches rank 0 again.
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  REQUIRE(p.plan_prefetch(Ids{6}, Scores{}, 0.5f, 1, 1, pre, false).ok());
+  CHECK(experts_of(pre.fills) == Ids{6});
+  CHECK(pre.skipped_imprecise == 0);
+}

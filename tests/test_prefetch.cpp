@@ -505,6 +505,40 @@ TEST_CASE_TEMPLATE("prefetch with scores: highest first within the budget, the u
   f.check_clean_after_drain();
 }
 
+TEST_CASE_TEMPLATE("prefetch with precision feedback: a rank whose fills go unused stops costing copies; the option turns it off",
+                   Cache, RowSim, WholeSim) {
+  for (const bool feedback : {true, false}) {
+    CAPTURE(feedback);
+    Fixture<Cache> f(16, 6, 2);
+    std::uint64_t issued = 0, imprecise = 0, resident = 0;
+    for (std::int32_t i = 0; i < 40; ++i) {
+      REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+      PrefetchOptions o = f.budget(1);
+      o.precision_feedback = feedback;
+      auto pv = f.cache->prefetch(Ids{2 + i % 12}, f.streams[0], o);  // never read: wasted at the next forward
+      REQUIRE(pv.ok());
+      issued += pv.value().issued;
+      imprecise += pv.value().skipped_imprecise;
+      resident += pv.value().skipped_resident;
+      CHECK(pv.value().issued + pv.value().skipped_imprecise + pv.value().skipped_resident == 1);
+      REQUIRE(f.forward_map_reader(f.streams[0]).ok());
+      f.rt.run_random(2, 4);
+    }
+    const CacheStats st = f.cache->stats();
+    CHECK(st.speculative_issued == issued);
+    CHECK(st.speculative_bytes == issued * static_cast<std::uint64_t>(f.bytes_per_expert()));
+    if (feedback) {
+      CHECK(issued <= 11 + 2);  // eleven wasted fills throttle rank 0; then one probe in 32
+      CHECK(imprecise >= 40 - 13 - resident);
+      CHECK(imprecise > 0);
+    } else {
+      CHECK(imprecise == 0);
+      CHECK(issued + resident == 40);  // every call fetches but for an id still resident from 12 calls before
+    }
+    f.check_clean_after_drain();
+  }
+}
+
 TEST_CASE("prefetch with scores: every bad input is a specific error and changes nothing") {
   Fixture<RowSim> f(10, 4, 2);
   REQUIRE(f.forward(Ids{1, 2}, f.streams[0]).ok());

@@ -158,6 +158,11 @@ struct PrefetchOptions {
   std::span<const float> scores{};
   /// Scored hints below this probability are skipped, in [0, 1] (hint_selection.hpp: why 0.5).
   float min_score = default_min_score;
+  /// The cache measures how often its speculative fills at each rank of the hint list are used
+  /// and skips ranks whose precision is below min_score, but for a periodic probe
+  /// (prefetch/rank_precision.hpp): hints that turn out wrong, scored or not, stop costing link
+  /// time. Host-planned caches; the device-planned cache plans on the device and ignores it.
+  bool precision_feedback = true;
 };
 
 namespace detail {
@@ -351,6 +356,7 @@ struct PrefetchView {
   std::uint32_t skipped_resident = 0;   ///< predicted entries already resident or in flight
   std::uint32_t skipped_no_victim = 0;  ///< predicted ids dropped: every slot was protected
   std::uint32_t skipped_unlikely = 0;   ///< scored entries below min_score, never considered
+  std::uint32_t skipped_imprecise = 0;  ///< entries at a rank whose fills were mostly wasted (precision_feedback)
   std::uint64_t bytes = 0;              ///< bytes enqueued
 };
 
@@ -498,7 +504,7 @@ class ExpertCacheWithEdges {
       if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;
     }
     if (Status s = planner_.plan_prefetch(predicted, options.scores, options.min_score, max_fills,
-                                          options.expires_after, prefetch_plan_);
+                                          options.expires_after, prefetch_plan_, options.precision_feedback);
         !s) {
       return s;
     }
@@ -919,6 +925,7 @@ class ExpertCacheWithEdges {
     v.skipped_resident = prefetch_plan_.skipped_resident;
     v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
     v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
+    v.skipped_imprecise = prefetch_plan_.skipped_imprecise;
     v.bytes = v.issued * bytes_per_expert;
     return v;
   }

@@ -12,6 +12,7 @@
 #include "expert_cache/concepts.hpp"
 #include "expert_cache/eviction/fixed_vector.hpp"
 #include "expert_cache/prefetch/hint_selection.hpp"
+#include "expert_cache/prefetch/rank_precision.hpp"
 #include "expert_cache/status.hpp"
 #include "expert_cache/types.hpp"
 
@@ -42,11 +43,12 @@ struct PrefetchPlan {
   std::uint32_t skipped_resident = 0;    // predicted entries already resident (or already in flight)
   std::uint32_t skipped_no_victim = 0;   // distinct predicted ids dropped: no slot may be evicted for them
   std::uint32_t skipped_unlikely = 0;    // scored entries below min_score, never considered
+  std::uint32_t skipped_imprecise = 0;   // entries at a rank whose measured precision is below the threshold
 
   void clear() noexcept {
     fills.clear();
     evictions.clear();
-    skipped_resident = skipped_no_victim = skipped_unlikely = 0;
+    skipped_resident = skipped_no_victim = skipped_unlikely = skipped_imprecise = 0;
   }
 };
 
@@ -75,6 +77,7 @@ class ForwardPlanner {
     Policy policy;
     PlannerCounters counters;
     std::vector<std::uint32_t> speculative;  // per expert: forwards left before it expires, 0 = not speculative
+    RankPrecision precision;                 // measured precision of speculative fills per rank
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
@@ -92,6 +95,7 @@ class ForwardPlanner {
         previous_forward_(static_cast<std::size_t>(shape.capacity)),
         spec_left_(static_cast<std::size_t>(shape.num_experts), 0u),
         spec_pos_(static_cast<std::size_t>(shape.num_experts), -1),
+        spec_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
         spec_live_(static_cast<std::size_t>(shape.capacity)),
         hints_(shape.num_experts) {
     // The free list is a LIFO stack popped from the back.
@@ -176,19 +180,24 @@ class ForwardPlanner {
   }
 
   // The same with the caller's scores (PrefetchOptions in cache.hpp states the contract):
-  // scores[i] is the probability that the next forward reads predicted[i]. Empty `scores`: the
-  // overload above, exactly. Otherwise the entries scoring below `min_score` are skipped
-  // (out.skipped_unlikely; they are not protected either) and the others are planned highest
-  // score first, equal scores in the given order (HintSelector, prefetch/hint_selection.hpp),
-  // under the rules above: the same protections, at most max_fills fills.
+  // scores[i] is the probability that the next forward reads predicted[i]. Empty `scores` and
+  // no feedback: the overload above, exactly. Otherwise the entries scoring below `min_score`
+  // are skipped (out.skipped_unlikely; they are not protected either) and the others are
+  // planned highest score first, equal scores in the given order (HintSelector,
+  // prefetch/hint_selection.hpp), under the rules above: the same protections, at most
+  // max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
+  // whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
+  // (out.skipped_imprecise, not protected), except for the rank's periodic probe.
   // Errors, before any state change: those above (every entry's id is checked, skipped ones
   // too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
   // than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::span<const float> scores, float min_score,
-                       std::int32_t max_fills, std::uint32_t expires_after, PrefetchPlan& out) noexcept {
+                       std::int32_t max_fills, std::uint32_t expires_after, PrefetchPlan& out,
+                       bool precision_feedback = false) noexcept {
     if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
     if (Status s = hints_.select(predicted, scores, min_score); !s) return s;
-    const Status s = plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out);
+    const Status s =
+        plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out, precision_feedback ? min_score : -1.0f);
     out.skipped_unlikely = hints_.skipped_unlikely();
     return s;
   }
@@ -206,10 +215,7 @@ class ForwardPlanner {
     const auto e = static_cast<std::size_t>(expert);
     const std::int32_t slot = resident_map_[e];
     if (slot == absent_slot) return SlotId();
-    if (spec_left_[e] != 0) {
-      drop_speculative(ExpertId(expert));
-      ++counters_.speculative_wasted;
-    }
+    if (spec_left_[e] != 0) resolve_speculative(ExpertId(expert), false);
     policy_.on_remove(ExpertId(expert));
     resident_map_[e] = absent_slot;
     forward_map_[e] = absent_slot;
@@ -237,7 +243,7 @@ class ForwardPlanner {
 
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_, spec_left_};
+                    policy_, counters_, spec_left_, precision_};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -279,8 +285,9 @@ class ForwardPlanner {
   }
 
   // plan_prefetch once its arguments were checked.
+  // `feedback_threshold` >= 0: the least measured precision a rank needs (< 0: no feedback).
   Status plan_prefetch_checked(std::span<const std::int32_t> predicted, std::int32_t max_fills,
-                               std::uint32_t expires_after, PrefetchPlan& out) noexcept {
+                               std::uint32_t expires_after, PrefetchPlan& out, float feedback_threshold = -1.0f) noexcept {
     out.clear();
     reserve(out);
     // Protected residents: the most recent forward's, the live speculative fills, and (below)
@@ -306,6 +313,10 @@ class ForwardPlanner {
         continue;
       }
       if (static_cast<std::int32_t>(out.fills.size()) >= max_fills) break;
+      if (feedback_threshold >= 0.0f && !precision_.admit(next, feedback_threshold)) {
+        ++out.skipped_imprecise;
+        continue;
+      }
       std::int32_t target;
       if (!free_slots_.empty()) {
         target = free_slots_.back();
@@ -336,6 +347,7 @@ class ForwardPlanner {
       out.fills.push_back({e, SlotId(target)});
       spec_left_[e.index()] = expires_after;
       spec_pos_[e.index()] = static_cast<std::int32_t>(spec_live_.size());
+      spec_rank_[e.index()] = RankPrecision::bucket(next);
       spec_live_.push_back(e);
       ++counters_.speculative_issued;
       protect(e);
@@ -368,10 +380,7 @@ class ForwardPlanner {
       if (slot != absent_slot) {
         policy_.on_hit(e);
         ++plan.hits;
-        if (spec_left_[e.index()] != 0) {
-          drop_speculative(e);
-          ++counters_.speculative_used;
-        }
+        if (spec_left_[e.index()] != 0) resolve_speculative(e, true);
       } else {
         std::int32_t target;
         if (!free_slots_.empty()) {
@@ -384,10 +393,7 @@ class ForwardPlanner {
             return invalid_victim(victim);
           }
           target = resident_map_[victim.index()];
-          if (spec_left_[victim.index()] != 0) {  // a forward may evict an unused fill: wasted
-            drop_speculative(victim);
-            ++counters_.speculative_wasted;
-          }
+          if (spec_left_[victim.index()] != 0) resolve_speculative(victim, false);  // evicted unused: wasted
           policy_.on_remove(victim);
           resident_map_[victim.index()] = absent_slot;
           plan.evictions.push_back({victim, SlotId(target)});
@@ -409,9 +415,10 @@ class ForwardPlanner {
     // Unused speculative fills age by one accepted forward; at zero they are wasted.
     for (std::size_t i = spec_live_.size(); i-- > 0;) {
       const ExpertId e = spec_live_[i];
-      if (--spec_left_[e.index()] == 0) {
-        drop_speculative(e);
-        ++counters_.speculative_wasted;
+      if (spec_left_[e.index()] == 1) {
+        resolve_speculative(e, false);
+      } else {
+        --spec_left_[e.index()];
       }
     }
     ++counters_.prepare_calls;
@@ -427,6 +434,13 @@ class ForwardPlanner {
       plan.evictions.reserve(cap);
     } catch (...) {  // as reserve(ForwardPlan&)
     }
+  }
+
+  // A live speculative fill's outcome: counted, fed to its rank's precision, and dropped.
+  void resolve_speculative(ExpertId e, bool used) noexcept {
+    ++(used ? counters_.speculative_used : counters_.speculative_wasted);
+    precision_.record(spec_rank_[e.index()], used);
+    drop_speculative(e);
   }
 
   // Removes a live speculative entry (swap with the last of spec_live_).
@@ -503,7 +517,9 @@ class ForwardPlanner {
   // live ones as a list (position per expert) so a forward ages them without a full scan.
   std::vector<std::uint32_t> spec_left_;
   std::vector<std::int32_t> spec_pos_;
+  std::vector<std::uint8_t> spec_rank_;  // the rank bucket each live fill was issued at
   detail::FixedVector<ExpertId> spec_live_;
+  RankPrecision precision_;  // outcomes of speculative fills per rank (prefetch/rank_precision.hpp)
   HintSelector hints_;  // scored plan_prefetch's selection (scratch sized at construction, not state)
 };
 

@@ -305,7 +305,10 @@ class ExpertCache:
         reads it (a float tensor or a sequence of numbers, read as float32); the ids scoring below
         `min_score` are skipped (counted in skipped_unlikely, not fetched), the others taken highest
         score first (docs/prefetch.md "Scored hints"). Scores need CPU ids with provider "device".
-        Returns {issued, evictions, skipped_resident, skipped_no_victim, skipped_unlikely, bytes}."""
+        The host-planned providers also skip ids at ranks whose earlier fills went mostly unused
+        (counted in skipped_imprecise; docs/prefetch.md "Precision feedback").
+        Returns {issued, evictions, skipped_resident, skipped_no_victim, skipped_unlikely,
+        skipped_imprecise, bytes}."""
         if not isinstance(predicted_ids, torch.Tensor):
             predicted_ids = torch.tensor(_id_list(predicted_ids, "predicted_ids"), dtype=torch.int64)
         if max_bytes is None:

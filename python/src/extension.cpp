@@ -61,6 +61,7 @@ py::dict prefetch_dict(const expert_cache::PrefetchView& v) {
   d["skipped_resident"] = v.skipped_resident;
   d["skipped_no_victim"] = v.skipped_no_victim;
   d["skipped_unlikely"] = v.skipped_unlikely;
+  d["skipped_imprecise"] = v.skipped_imprecise;
   d["bytes"] = v.bytes;
   return d;
 }

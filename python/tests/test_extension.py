@@ -270,7 +270,8 @@ class ExtensionTest(unittest.TestCase):
     def test_prefetch_scores(self):
         """Scored hints (docs/prefetch.md "Scored hints"): below min_score skipped and counted, the rest
         highest score first within max_bytes, every provider; the fills are the experts' bytes."""
-        keys = {"issued", "evictions", "skipped_resident", "skipped_no_victim", "skipped_unlikely", "bytes"}
+        keys = {"issued", "evictions", "skipped_resident", "skipped_no_victim", "skipped_unlikely", "skipped_imprecise",
+                "bytes"}
         for provider in ("row", "cached", "device"):
             with self.subTest(provider=provider):
                 w13, w2 = dense_weights(21)

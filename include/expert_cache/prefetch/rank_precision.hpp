@@ -1,0 +1,70 @@
+#pragma once
+/// Measured precision of speculative fills by their rank in a prefetch's hint list: what lets a cache throttle hints that turn out wrong, scored or not. Host-only.
+//
+// Why. A speculative fill pays only when a later forward reads it (hint_selection.hpp: on a busy
+// link the break-even probability is min_score, 0.5 by default). Scores say how likely each hint
+// is, but a caller may give none, or scores that are not calibrated. The cache sees the outcome
+// of every fill it issued (used by a forward, or wasted: expired, evicted or invalidated unused),
+// so it can measure, per rank of the list it was given, how often a fill at that rank is used,
+// and stop fetching ranks whose measured precision is below min_score. This is the accuracy
+// feedback of hardware prefetchers (Srinath, Mutlu, Kim and Patt, "Feedback Directed
+// Prefetching", HPCA 2007), per rank because an engine's hint list is ordered best first: its
+// head is usually right, its tail often wrong.
+//
+// The estimate per rank is an exponential moving average of the outcomes (1 used, 0 wasted),
+// weight 1/16, starting at 1 (hints are trusted until their fills are seen wasted: about ten
+// wasted outcomes in a row bring a rank from 1 below 0.5). A rank below the threshold still gets
+// one fill in every `probe_every` hints that reach it, so a predictor that improves is noticed;
+// that probe is the whole cost of a useless predictor (one fill in 32 of what it asked for).
+// Ranks past the last bucket share it.
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "expert_cache/version.hpp"
+
+namespace expert_cache::inline v0 {
+
+class RankPrecision {
+ public:
+  static constexpr std::size_t buckets = 16;
+  static constexpr float weight = 1.0f / 16.0f;
+  static constexpr std::uint32_t probe_every = 32;
+
+  [[nodiscard]] static constexpr std::uint8_t bucket(std::size_t rank) noexcept {
+    return static_cast<std::uint8_t>(std::min<std::size_t>(rank, buckets - 1));
+  }
+
+  /// Whether a hint at `rank` is fetched: its bucket's precision is at least `threshold`, or it
+  /// is the bucket's probe (every probe_every-th hint that reaches a throttled bucket).
+  [[nodiscard]] bool admit(std::size_t rank, float threshold) noexcept {
+    const std::uint8_t b = bucket(rank);
+    if (precision_[b] >= threshold) return true;
+    if (++since_probe_[b] < probe_every) return false;
+    since_probe_[b] = 0;
+    return true;
+  }
+
+  /// The outcome of a fill issued at bucket `b`: used by a forward, or wasted.
+  void record(std::uint8_t b, bool used) noexcept {
+    float& p = precision_[std::min<std::size_t>(b, buckets - 1)];
+    p += weight * ((used ? 1.0f : 0.0f) - p);
+  }
+
+  [[nodiscard]] float precision(std::size_t rank) const noexcept { return precision_[bucket(rank)]; }
+
+  friend bool operator==(const RankPrecision&, const RankPrecision&) = default;
+
+ private:
+  std::array<float, buckets> precision_ = filled(1.0f);
+  std::array<std::uint32_t, buckets> since_probe_{};
+
+  static constexpr std::array<float, buckets> filled(float v) noexcept {
+    std::array<float, buckets> a{};
+    a.fill(v);
+    return a;
+  }
+};
+
+}  // namespace expert_cache::inline v0
