@@ -11,12 +11,13 @@
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
-#include <variant>
 
 namespace expert_cache::inline v0 {
 
@@ -226,42 +227,131 @@ inline void throw_if_error(const Status& status) {
 /// A value or a failed error status (a small stand-in for C++23 std::expected). `E` is Status
 /// for the library; the tools use their own status type (tools/tool_status.hpp). E provides
 /// ok(), a static `unexpected_ok()` (the error that replaces an ok E given without a value),
-/// and a `throw_error(const E&)` found by argument-dependent lookup.
+/// and a `throw_error(const E&)` found by argument-dependent lookup, and its move constructor
+/// does not throw.
+///
+/// The value or the error lives in a union with a flag, not a std::variant: every Result type a
+/// translation unit names would otherwise instantiate the variant's machinery (its converting
+/// constructor's overload set, visitation, get), and a run-time-selected cache names a dozen.
+/// The error is taken by reference, so an error return copies its Status once, inside the cold
+/// constructor, not at every call site.
 template <class T, class E = Status>
 class [[nodiscard]] Result {
  public:
   /// A value (implicit, so `return value;` works).
-  Result(T value) : storage_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : ok_(true) { ::new (static_cast<void*>(std::addressof(value_))) T(std::move(value)); }  // NOLINT
   /// An error (implicit, so `return status;` works); an ok status becomes unexpected_ok().
   /// Cold: every error return builds one, so it stays out of the callers' hot code.
-  [[gnu::cold]] Result(E error) : storage_(std::move(error)) {  // NOLINT
-    if (std::get<E>(storage_).ok()) storage_ = E::unexpected_ok();
+  [[gnu::cold]] Result(const E& error) : ok_(false) {  // NOLINT: implicit by design
+    if (error.ok()) {
+      ::new (static_cast<void*>(std::addressof(error_))) E(E::unexpected_ok());
+    } else {
+      ::new (static_cast<void*>(std::addressof(error_))) E(error);
+    }
   }
+  /// As above, moving an error that is not trivially copyable (a tool status's message).
+  [[gnu::cold]] Result(E&& error)  // NOLINT: implicit by design
+    requires(!std::is_trivially_copyable_v<E>)
+      : ok_(false) {
+    if (error.ok()) {
+      ::new (static_cast<void*>(std::addressof(error_))) E(E::unexpected_ok());
+    } else {
+      ::new (static_cast<void*>(std::addressof(error_))) E(std::move(error));
+    }
+  }
+  Result(const Result& o)
+    requires std::is_copy_constructible_v<T>
+      : ok_(o.ok_) {
+    if (ok_) {
+      ::new (static_cast<void*>(std::addressof(value_))) T(o.value_);
+    } else {
+      ::new (static_cast<void*>(std::addressof(error_))) E(o.error_);
+    }
+  }
+  Result(Result&& o) noexcept(std::is_nothrow_move_constructible_v<T>) : ok_(o.ok_) {
+    if (ok_) {
+      ::new (static_cast<void*>(std::addressof(value_))) T(std::move(o.value_));
+    } else {
+      ::new (static_cast<void*>(std::addressof(error_))) E(std::move(o.error_));
+    }
+  }
+  Result& operator=(const Result& o)
+    requires(std::is_copy_constructible_v<T> && std::is_copy_assignable_v<T>)
+  {
+    if (this != &o) assign(o);
+    return *this;
+  }
+  Result& operator=(Result&& o) noexcept(std::is_nothrow_move_constructible_v<T> &&
+                                         std::is_nothrow_move_assignable_v<T>) {
+    if (this != &o) assign(std::move(o));
+    return *this;
+  }
+  ~Result() { destroy(); }
 
   /// True when a value is held.
-  [[nodiscard]] bool ok() const noexcept { return std::holds_alternative<T>(storage_); }
+  [[nodiscard]] bool ok() const noexcept { return ok_; }
   /// Same as ok().
   explicit operator bool() const noexcept { return ok(); }
-  /// The error, or an ok E when a value is held.
-  [[nodiscard]] E status() const { return ok() ? E() : std::get<E>(storage_); }
+  /// The error, or an ok E when a value is held. Out of line: callers read it on their error
+  /// paths (and g++ would otherwise fold the copies of same-layout Results into one and warn
+  /// about the folded copy, -Warray-bounds).
+  [[nodiscard, gnu::cold, gnu::noinline]] E status() const { return ok() ? E() : error_; }
   /// The value; throws (Error for Status) when there is none.
   [[nodiscard]] T& value() & {
-    if (!ok()) throw_error(std::get<E>(storage_));
-    return std::get<T>(storage_);
+    if (!ok()) throw_error(error_);
+    return value_;
   }
   [[nodiscard]] const T& value() const& {
-    if (!ok()) throw_error(std::get<E>(storage_));
-    return std::get<T>(storage_);
+    if (!ok()) throw_error(error_);
+    return value_;
   }
   [[nodiscard]] T&& value() && {
-    if (!ok()) throw_error(std::get<E>(storage_));
-    return std::get<T>(std::move(storage_));
+    if (!ok()) throw_error(error_);
+    return std::move(value_);
   }
   T* operator->() { return &value(); }
   T& operator*() { return value(); }
 
  private:
-  std::variant<T, E> storage_;
+  void destroy() noexcept {
+    if (ok_) {
+      value_.~T();
+    } else {
+      error_.~E();
+    }
+  }
+  // Assignment from another Result (`o`: const Result& or Result&&). Between a value and an
+  // error the new alternative is built before the old one goes (strong guarantee; E's move
+  // does not throw).
+  template <class R>
+  void assign(R&& o) {
+    if (ok_ && o.ok_) {
+      value_ = std::forward<R>(o).value_;
+    } else if (!ok_ && !o.ok_) {
+      error_ = std::forward<R>(o).error_;
+    } else if (o.ok_) {
+      E saved(std::move(error_));
+      error_.~E();
+      try {
+        ::new (static_cast<void*>(std::addressof(value_))) T(std::forward<R>(o).value_);
+      } catch (...) {
+        ::new (static_cast<void*>(std::addressof(error_))) E(std::move(saved));
+        throw;
+      }
+      ok_ = true;
+    } else {
+      E error(std::forward<R>(o).error_);
+      value_.~T();
+      ::new (static_cast<void*>(std::addressof(error_))) E(std::move(error));
+      ok_ = false;
+    }
+  }
+
+  union {
+    T value_;
+    E error_;
+  };
+  bool ok_;
 };
 
 }  // namespace expert_cache::inline v0
