@@ -62,10 +62,12 @@ class Lookahead {
     const auto* h = std::get_if<EmulatedHintPredictor>(&predictor_);
     return h != nullptr && h->noise().has_value();
   }
-  // The last after_layer() list's scores (empty for unscored predictors), valid until its next call.
+  // The last after_layer() list's scores (empty for unscored predictors and for the last layer's
+  // empty list, whose predictor kept the layer before's scores), valid until its next call.
   [[nodiscard]] std::span<const float> scores() const noexcept {
     const auto* h = std::get_if<EmulatedHintPredictor>(&predictor_);
-    return h == nullptr ? std::span<const float>() : h->scores();
+    if (h == nullptr || last_list_size_ == 0) return {};
+    return h->scores();
   }
   // The options of the prefetch() of the last after_layer() list: `max_bytes`, expiry after one
   // forward, and its scores (if any).
@@ -93,10 +95,13 @@ class Lookahead {
           }
         },
         predictor_);
+    last_list_size_ = out.size();
     return out;
   }
 
  private:
+  std::size_t last_list_size_ = 0;  // the last after_layer() list's length
+
   void unique_into(std::span<const std::int32_t> ids, std::vector<std::int32_t>& out) {
     out.clear();
     if (++epoch_ == 0) {
