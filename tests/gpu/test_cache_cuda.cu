@@ -13,6 +13,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -407,6 +408,75 @@ TEST_CASE_TEMPLATE("a consumer reading through the forward map matches all-resid
   CHECK(wrong == 0);
   CHECK(misses > static_cast<std::uint64_t>(capacity));  // evictions happened
   CHECK(f.cache->stats().faults == 0);
+  f.check_maps_final();
+}
+
+TEST_CASE_TEMPLATE("prefetch on CUDA: speculative fills land before the forward that uses them; outputs match all-resident",
+                   Cache, InlineWhole, CopyRow, CopyWhole, BatchedWhole) {
+  // Per forward: prepare on x (or y), a slow checksum consumer, then a prefetch of the next
+  // forward's experts plus wrong ids (scored: the wrong ones below min_score half of the time).
+  // After the first adopted forward the fills run on the cache's speculative stream (edges 1s,
+  // 9, 11): a forward that reads a prefetched expert must see its bytes, and a prefetch must never
+  // overwrite a slot the running consumer reads.
+  constexpr std::int32_t experts = 24, capacity = 12, top_k = 4, tokens = 1, forwards = 60;
+  constexpr int pairs = top_k * tokens;
+  Fixture<Cache> f(experts, capacity, top_k);
+  std::mt19937 rng(23);
+  std::vector<std::int32_t> all_ids(static_cast<std::size_t>(forwards * pairs));
+  for (auto& id : all_ids) id = static_cast<std::int32_t>(rng() % experts);
+  DeviceBuffer d_ids(all_ids.size() * sizeof(std::int32_t));
+  DeviceBuffer d_out(all_ids.size() * sizeof(unsigned long long));
+  REQUIRE_CUDA_OK(cudaMemcpy(d_ids.get(), all_ids.data(), all_ids.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
+  REQUIRE_CUDA_OK(cudaMemset(d_out.get(), 0, all_ids.size() * sizeof(unsigned long long)));
+  const auto bytes = static_cast<std::int64_t>(f.slot_bytes_total());
+  std::uint64_t issued = 0;
+  for (int fw = 0; fw < forwards; ++fw) {
+    const cudaStream_t s = fw % 5 == 4 ? f.y : f.x;
+    const std::span<const std::int32_t> ids(all_ids.data() + fw * pairs, pairs);
+    auto view = f.cache->prepare(ids, s);
+    REQUIRE_MESSAGE(view.ok(), view.status().to_string());
+    checksum_kernel<<<dim3(8, pairs), 256, 0, s>>>(f.refs(view.value()), d_ids.as<std::int32_t>() + fw * pairs,
+                                                    view.value().expert_map, experts, 100'000,
+                                                    d_out.as<unsigned long long>() + fw * pairs);
+    REQUIRE_CUDA_OK(cudaGetLastError());
+    if (fw + 1 == forwards) break;
+    std::vector<std::int32_t> hints;
+    std::vector<float> scores;
+    for (int i = 0; i < pairs; ++i) {
+      const std::int32_t e = all_ids[static_cast<std::size_t>((fw + 1) * pairs + i)];
+      if (std::find(hints.begin(), hints.end(), e) == hints.end()) {
+        hints.push_back(e);
+        scores.push_back(0.9f);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      const auto e = static_cast<std::int32_t>(rng() % experts);
+      if (std::find(hints.begin(), hints.end(), e) != hints.end()) continue;
+      hints.push_back(e);
+      scores.push_back(fw % 2 == 0 ? 0.2f : 0.7f);
+    }
+    PrefetchOptions o{static_cast<std::int64_t>(pairs) * bytes, 1};
+    if (fw % 3 != 0) o.scores = scores;  // every third call unscored
+    auto pv = f.cache->prefetch(hints, s, o);
+    REQUIRE_MESSAGE(pv.ok(), pv.status().to_string());
+    issued += pv.value().issued;
+  }
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> got(all_ids.size());
+  REQUIRE_CUDA_OK(cudaMemcpy(got.data(), d_out.get(), got.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+  int wrong = 0;
+  for (std::size_t i = 0; i < all_ids.size(); ++i) {
+    const unsigned long long want = f.reference_checksum(all_ids[i]);
+    if (got[i] != want && wrong++ < 5) {
+      MESSAGE("forward " << i / pairs << " pair " << i % pairs << " expert " << all_ids[i] << ": checksum " << got[i]
+                         << ", all-resident reference " << want);
+    }
+  }
+  CHECK(wrong == 0);
+  const CacheStats st = f.cache->stats();
+  CHECK(st.speculative_issued == issued);
+  CHECK(st.speculative_used > 20);  // the prefetches did serve later forwards
+  CHECK(st.faults == 0);
   f.check_maps_final();
 }
 
