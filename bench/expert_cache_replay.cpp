@@ -84,6 +84,9 @@ void print_help(std::ostream& out) {
          "                        coverage, precision, fills issued / used / wasted, extra MB per\n"
          "                        token, and with scores the hints skipped as unlikely (docs/prefetch.md)\n"
          "  --prefetch-budget N   speculative fills per forward (default: the widest forward, top_k)\n"
+         "  --precision-feedback  plan as a cache does by default: skip hint ranks whose fills were mostly\n"
+         "                        wasted, but for one probe in 32 (column 'imprecise'; default off: the\n"
+         "                        predictor's own coverage and waste)\n"
          "  --min-score S         scored hints (hint:...:noise=N) below S in [0, 1] are not fetched\n"
          "                        (default 0.5: from there a fill is at least as likely used as wasted)\n"
          "  --expert-bytes N      bytes per expert for the byte columns (default "
@@ -121,6 +124,7 @@ struct Args {
   ec::PrefetchSpec prefetch;
   std::optional<std::int32_t> prefetch_budget;
   std::optional<float> min_score;
+  bool precision_feedback = false;
   std::uint64_t expert_bytes = 0;
   double calibrate = 0.0;
   double prior_weight = 1.0;
@@ -194,6 +198,8 @@ Args parse_args(int argc, char** argv) {
       const std::int32_t n = parse_int_arg("--expert-bytes", value());
       if (n < 1) throw UsageError{"--expert-bytes: " + std::to_string(n) + " is below 1"};
       a.expert_bytes = static_cast<std::uint64_t>(n);
+    } else if (arg == "--precision-feedback") {
+      a.precision_feedback = true;
     } else if (arg == "--min-score") {
       const std::string v(value());
       const std::optional<double> x = ec::detail::parse_fixed_decimal(v);
@@ -244,6 +250,9 @@ Args parse_args(int argc, char** argv) {
   }
   if (a.miss_histogram_from && a.prefetch.kind != ec::PrefetchKind::none) {
     throw UsageError{"--miss-histogram and --prefetch cannot be combined (the histogram counts plain replays)"};
+  }
+  if (a.precision_feedback && a.prefetch.kind == ec::PrefetchKind::none) {
+    throw UsageError{"--precision-feedback needs --prefetch"};
   }
   if (a.min_score && !ec::is_scored(a.prefetch)) {
     throw UsageError{"--min-score applies to scored hints only (--prefetch hint:R[:W]:noise=N)"};
@@ -462,7 +471,7 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
       << ", \"emulated\": " << (ec::is_emulated(p.prefetch) ? "true" : "false")
       << ", \"scored\": " << (ec::is_scored(p.prefetch) ? "true" : "false") << ", \"min_score\": "
       << (p.min_score ? json_number(std::optional<double>(*p.min_score)) : std::string("null"))
-      << ", \"budget\": " << p.budget
+      << ", \"precision_feedback\": " << (p.precision_feedback ? "true" : "false") << ", \"budget\": " << p.budget
       << ", \"list_length\": " << p.list_length << ", \"expires_after\": " << p.expires_after
       << ", \"expert_bytes\": " << p.expert_bytes << ", \"tokens\": " << json_number(p.tokens) << "}"
       << ",\n  \"results\": [";
@@ -494,6 +503,7 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
         << ", \"skipped_resident\": " << ops_number(field(&ec::PrefetchCounts::skipped_resident))
         << ", \"skipped_no_victim\": " << ops_number(field(&ec::PrefetchCounts::skipped_no_victim))
         << ", \"skipped_unlikely\": " << ops_number(field(&ec::PrefetchCounts::skipped_unlikely))
+        << ", \"skipped_imprecise\": " << ops_number(field(&ec::PrefetchCounts::skipped_imprecise))
         << ", \"extra_bytes_per_token\": " << json_number(row.extra_bytes_per_token)
         << ", \"bytes_per_token\": " << json_number(row.bytes_per_token_without)
         << ", \"prefetch_bytes_per_token\": " << json_number(row.bytes_per_token_with);
@@ -520,6 +530,10 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
                   static_cast<double>(*p.min_score));
     out << line;
   }
+  if (p.precision_feedback) {
+    out << "  precision feedback: hint ranks whose fills were mostly wasted skipped but for one probe in 32 "
+           "(column 'imprecise')\n";
+  }
   char buf[320];
   std::snprintf(buf, sizeof buf, "  bytes: %llu per expert, %.6g tokens (records / layers)\n\n",
                 static_cast<unsigned long long>(p.expert_bytes), p.tokens);
@@ -536,6 +550,10 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
   out << buf;
   if (scored) {
     std::snprintf(buf, sizeof buf, " %10s", "unlikely");
+    out << buf;
+  }
+  if (p.precision_feedback) {
+    std::snprintf(buf, sizeof buf, " %10s", "imprecise");
     out << buf;
   }
   out << '\n';
@@ -569,6 +587,10 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
     out << buf;
     if (scored) {
       std::snprintf(buf, sizeof buf, " %10s", count(&ec::PrefetchCounts::skipped_unlikely).c_str());
+      out << buf;
+    }
+    if (p.precision_feedback) {
+      std::snprintf(buf, sizeof buf, " %10s", count(&ec::PrefetchCounts::skipped_imprecise).c_str());
       out << buf;
     }
     out << '\n';
@@ -680,6 +702,7 @@ int run(int argc, char** argv) {
     po.prefetch = args.prefetch;
     po.budget = args.prefetch_budget;
     if (args.min_score) po.min_score = *args.min_score;
+    po.precision_feedback = args.precision_feedback;
     po.expert_bytes = args.expert_bytes;
     po.progress = options.progress;
     po.progress_every = options.progress_every;

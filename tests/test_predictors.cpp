@@ -883,3 +883,30 @@ TEST_CASE("prefetch replay with scores: noise 0 wastes nothing where unscored hi
     CHECK(blind.rows[0].precision.value() == doctest::Approx(plain.rows[0].precision.value()).epsilon(0.15));
   }
 }
+
+TEST_CASE("replay with precision feedback: wrong hints stop being fetched, right ones are not held back") {
+  const Trace trace = generate_trace(GeneratorSpec{6, 32, 4, 400, 0.8, 0.3, 9});
+  const auto run = [&](const char* predictor, bool feedback) {
+    PrefetchReplayOptions o;
+    o.capacities = {16};
+    o.policies = {"lru"};
+    o.prefetch = parse_prefetch_spec(predictor).value();
+    o.expert_bytes = 1000;
+    o.precision_feedback = feedback;
+    Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
+    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
+    check_invariants(r.value());
+    CHECK(r.value().precision_feedback == feedback);
+    return *r.value().rows[0].speculative;
+  };
+  // Uniform wrong ids at recall 0.2: most fills are wasted, so the feedback throttles them.
+  const PrefetchCounts bad = run("hint:0.2", false), bad_fb = run("hint:0.2", true);
+  CHECK(bad.skipped_imprecise == 0);
+  CHECK(bad_fb.skipped_imprecise > 0);
+  CHECK(bad_fb.issued * 2 < bad.issued);
+  CHECK(bad_fb.wasted * 2 < bad.wasted);
+  // Perfect hints: every fill is used, nothing is throttled, the run is the same.
+  const PrefetchCounts good = run("hint:1", false), good_fb = run("hint:1", true);
+  CHECK(good_fb.skipped_imprecise == 0);
+  CHECK(good_fb == good);
+}

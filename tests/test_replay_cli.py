@@ -324,6 +324,35 @@ def case_prefetch_scores_bad_args():
     expect_usage_error(["--trace", path, "--min-score", "0.5"], "applies to scored hints only")
 
 
+def case_prefetch_feedback():
+    # --precision-feedback: the header, JSON and column say so; hint:1 is never throttled (its runs
+    # equal the plain prefetch run); a long run of hint:0.2 (mostly wrong) fetches fewer ids with it.
+    rc, out, err = run("--generate", "layers=4,experts=32,topk=4,steps=400,seed=3", "--capacity", "12",
+                       "--policy", "lru", "--prefetch", "hint:1", "--json")
+    plain = json.loads(out)["results"][0]
+    rc2, out2, err2 = run("--generate", "layers=4,experts=32,topk=4,steps=400,seed=3", "--capacity", "12",
+                          "--policy", "lru", "--prefetch", "hint:1", "--precision-feedback", "--json")
+    doc = json.loads(out2)
+    fb = doc["results"][0]
+    expect(rc == 0 and rc2 == 0 and doc["prefetch"]["precision_feedback"] is True
+           and json.loads(out)["prefetch"]["precision_feedback"] is False, "header flag", out2, err2)
+    expect(fb["skipped_imprecise"] == 0 and plain["skipped_imprecise"] == 0
+           and (fb["issued"], fb["used"]) == (plain["issued"], plain["used"]), "right hints are never held back", fb)
+    args = ["--generate", "layers=4,experts=32,topk=4,steps=400,seed=3", "--capacity", "12", "--policy", "lru",
+            "--prefetch", "hint:0.2", "--json"]
+    rc, out, err = run(*args)
+    rc2, out2, err2 = run(*args, "--precision-feedback")
+    a, b = json.loads(out)["results"][0], json.loads(out2)["results"][0]
+    expect(rc == 0 and rc2 == 0 and b["skipped_imprecise"] > 0 and 2 * b["wasted"] < a["wasted"],
+           "wrong hints throttled", a, b)
+    rc, out, err = run("--generate", "layers=2,experts=8,topk=2,steps=20,seed=1", "--capacity", "4",
+                       "--prefetch", "hint:0.2", "--precision-feedback")
+    expect(rc == 0 and "imprecise" in out and "precision feedback" in out, "table column and header line", out, err)
+    rc, out, err = run("--generate", "layers=2,experts=8,topk=2,steps=20,seed=1", "--capacity", "4",
+                       "--precision-feedback")
+    expect(rc == 2 and "--precision-feedback needs --prefetch" in err, "needs --prefetch", out, err)
+
+
 def case_calibrate():
     path = generated_file()
     rc, out, err = run("--trace", path, "--capacity", "6", "--policy", "crf,crf+prior,crf+pin,opt", "--json",
@@ -388,6 +417,7 @@ CASES = {
     "prefetch_bad_args": case_prefetch_bad_args,
     "prefetch_scores": case_prefetch_scores,
     "prefetch_scores_bad_args": case_prefetch_scores_bad_args,
+    "prefetch_feedback": case_prefetch_feedback,
     "calibrate": case_calibrate,
     "miss_histogram": case_miss_histogram,
 }

@@ -188,6 +188,9 @@ struct PrefetchReplayOptions {
   std::uint64_t expert_bytes = 0;  // bytes per expert, for the byte metrics
   // Scored predictors (is_scored): hints scoring below this are skipped (PrefetchOptions::min_score).
   float min_score = default_min_score;
+  // The caches' precision feedback (PrefetchOptions::precision_feedback): off by default, so a
+  // replay measures the predictor's own coverage and waste; on, what a cache would fetch of it.
+  bool precision_feedback = false;
   std::function<void(const ReplayProgress&)> progress;  // optional (plain and prefetch runs)
   std::uint64_t progress_every = 1u << 16;
 };
@@ -202,6 +205,7 @@ struct PrefetchCounts {
   std::uint64_t skipped_resident = 0;   // predicted ids already resident
   std::uint64_t skipped_no_victim = 0;  // predicted ids dropped: no evictable slot
   std::uint64_t skipped_unlikely = 0;   // scored ids below min_score, never considered
+  std::uint64_t skipped_imprecise = 0;  // ids at a rank the precision feedback throttled
   friend bool operator==(const PrefetchCounts&, const PrefetchCounts&) = default;
 };
 
@@ -227,6 +231,7 @@ struct PrefetchReplayReport {
   std::int32_t list_length = 0;  // ids asked of the predictor per forward: max(budget, widest forward)
   std::uint32_t expires_after = 0;
   std::optional<float> min_score;  // scored predictors only
+  bool precision_feedback = false;
   std::uint64_t expert_bytes = 0;
   double tokens = 0.0;           // records / layers (a record is one token at one layer)
   std::vector<PrefetchRow> rows;
@@ -351,13 +356,14 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
             if constexpr (requires { p.scores(); }) scores = p.scores();
             ForwardPlanner<P>& target = planners[global ? 0 : static_cast<std::size_t>(li + 1)];
             if (Status s = target.plan_prefetch(to_keys(ranked, global ? (li + 1) * E : 0), scores, options.min_score,
-                                                budget, expires_after, prefetch);
+                                                budget, expires_after, prefetch, options.precision_feedback);
                 !s) {
               return s;
             }
             run.speculative.skipped_resident += prefetch.skipped_resident;
             run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
             run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
+            run.speculative.skipped_imprecise += prefetch.skipped_imprecise;
             return {};
           }
         },
@@ -428,6 +434,7 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
     const std::int32_t num_layers = report.plain.num_layers;
     report.expires_after = options.scope == ReplayScope::global ? static_cast<std::uint32_t>(num_layers) : 1u;
     if (is_scored(options.prefetch)) report.min_score = options.min_score;
+    report.precision_feedback = options.precision_feedback;
     report.tokens = static_cast<double>(trace.records) / static_cast<double>(num_layers);
     const detail::PrefetchForwards index = detail::index_prefetch_forwards(trace, report.plain.layers);
     report.budget = options.budget.value_or(index.widest);
