@@ -352,7 +352,8 @@ Trace parsed(const char* text) {
 
 PrefetchReplayReport prefetch_replay(const Trace& trace, ReplayScope scope, std::vector<std::int32_t> capacities,
                                      std::vector<std::string> policies, const char* predictor,
-                                     std::optional<std::int32_t> budget = std::nullopt, std::uint64_t bytes = 1000) {
+                                     std::optional<std::int32_t> budget = std::nullopt, std::uint64_t bytes = 1000,
+                                     bool precision_feedback = false) {
   PrefetchReplayOptions o;
   o.scope = scope;
   o.capacities = std::move(capacities);
@@ -362,6 +363,7 @@ PrefetchReplayReport prefetch_replay(const Trace& trace, ReplayScope scope, std:
   o.prefetch = spec.value();
   o.budget = budget;
   o.expert_bytes = bytes;
+  o.precision_feedback = precision_feedback;
   Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
   REQUIRE_MESSAGE(r.ok(), r.status().to_string());
   return std::move(r).value();
@@ -887,17 +889,11 @@ TEST_CASE("prefetch replay with scores: noise 0 wastes nothing where unscored hi
 TEST_CASE("replay with precision feedback: wrong hints stop being fetched, right ones are not held back") {
   const Trace trace = generate_trace(GeneratorSpec{6, 32, 4, 400, 0.8, 0.3, 9});
   const auto run = [&](const char* predictor, bool feedback) {
-    PrefetchReplayOptions o;
-    o.capacities = {16};
-    o.policies = {"lru"};
-    o.prefetch = parse_prefetch_spec(predictor).value();
-    o.expert_bytes = 1000;
-    o.precision_feedback = feedback;
-    Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
-    REQUIRE_MESSAGE(r.ok(), r.status().to_string());
-    check_invariants(r.value());
-    CHECK(r.value().precision_feedback == feedback);
-    return *r.value().rows[0].speculative;
+    const PrefetchReplayReport r =
+        prefetch_replay(trace, ReplayScope::layer, {16}, {"lru"}, predictor, std::nullopt, 1000, feedback);
+    check_invariants(r);
+    CHECK(r.precision_feedback == feedback);
+    return *r.rows[0].speculative;
   };
   // Uniform wrong ids at recall 0.2: most fills are wasted, so the feedback throttles them.
   const PrefetchCounts bad = run("hint:0.2", false), bad_fb = run("hint:0.2", true);

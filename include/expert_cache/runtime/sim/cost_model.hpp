@@ -37,8 +37,10 @@ class LinkTimeline {
   double book(double ready, double duration) {
     if (duration <= 0.0) return ready;
     double start = ready;
-    std::size_t i = 0;
-    while (i < busy_.size() && busy_[i].end <= start) ++i;  // intervals wholly before it
+    // Skip the intervals wholly before it (sorted and disjoint, so their ends are sorted too).
+    auto i = static_cast<std::size_t>(
+        std::partition_point(busy_.begin(), busy_.end(), [&](const Interval& b) { return b.end <= start; }) -
+        busy_.begin());
     for (; i < busy_.size(); ++i) {
       if (start + duration <= busy_[i].start) break;  // fits in the gap before interval i
       start = std::max(start, busy_[i].end);
