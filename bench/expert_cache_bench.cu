@@ -115,7 +115,9 @@ struct DeviceBuffer {
 
 struct PinnedBuffer {
   void* p = nullptr;
-  explicit PinnedBuffer(std::size_t bytes) { check_cuda(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc"); }
+  explicit PinnedBuffer(std::size_t bytes, unsigned flags = cudaHostAllocDefault) {
+    check_cuda(cudaHostAlloc(&p, bytes, flags), "cudaHostAlloc");
+  }
   PinnedBuffer(const PinnedBuffer&) = delete;
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
   ~PinnedBuffer() {
@@ -148,7 +150,37 @@ struct GpuContext {
   // Outputs of the check steps per run ("provider/staging" -> step -> [layers, batch, hidden]).
   std::map<std::string, std::map<std::int32_t, std::vector<float>>> snapshots;
   std::string row_reference;  // the first host-planned row run: the device provider's reference
+  // Every layer's tensor-major host pools, pinned, mapped and filled once per run of the bench:
+  // each row's caches adopt them (StorageMemory, host_registered) instead of pinning and filling
+  // the whole model's bytes again, which costs tens of seconds per row at the default model.
+  std::vector<std::array<std::unique_ptr<PinnedBuffer>, num_expert_tensors>> host_pools;
 };
+
+// Layer l's tensor-major host pools as caller memory, made on first use (synth_fill's bytes,
+// the same as a cache's own pools filled by the row).
+StorageMemory shared_host_pools(const Model& m, GpuContext& ctx, Progress& progress, std::int32_t l) {
+  const ExpertTensorBytes tensors = m.layout.tensors();
+  const auto E = static_cast<std::size_t>(m.experts);
+  if (ctx.host_pools.empty()) {
+    progress.note("allocating and filling the pinned host pools of every layer (shared by the rows)");
+    ctx.host_pools.resize(static_cast<std::size_t>(m.layers));
+    for (auto& layer : ctx.host_pools)
+      for (std::size_t t = 0; t < num_expert_tensors; ++t)
+        if (tensors[t].bytes_per_expert > 0)
+          layer[t] = std::make_unique<PinnedBuffer>(tensors[t].bytes_per_expert * E, cudaHostAllocMapped | cudaHostAllocPortable);
+    parallel_experts(m.layers, m.experts, [&](std::int32_t li, std::int32_t e) {
+      for (std::size_t t = 0; t < num_expert_tensors; ++t)
+        if (const auto& buf = ctx.host_pools[static_cast<std::size_t>(li)][t])
+          synth_fill(buf->as<unsigned char>() + static_cast<std::size_t>(e) * tensors[t].bytes_per_expert,
+                     tensors[t].bytes_per_expert, li, e, t);
+    });
+  }
+  StorageMemory mem;
+  mem.host_registered = true;
+  for (std::size_t t = 0; t < num_expert_tensors; ++t)
+    if (const auto& buf = ctx.host_pools[static_cast<std::size_t>(l)][t]) mem.host_tensors[t] = {buf->p, tensors[t].bytes_per_expert * E};
+  return mem;
+}
 
 // Every host wait of a decode loop goes through here, so it is counted.
 void counted_sync(GpuContext& ctx, cudaStream_t s) {
@@ -403,21 +435,26 @@ template <class Cache>
 RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      const RunConfig& cfg, Progress& progress) {
   std::vector<std::unique_ptr<Cache>> caches;
-  progress.note(cfg.provider + "/" + cfg.staging + ": allocating and filling pinned host pools");
+  // Tensor-major rows adopt the shared pools; expert-major ones pin and fill their own.
+  constexpr bool shared_pools = !Cache::StorageType::expert_contiguous;
+  if (!shared_pools) progress.note(cfg.provider + "/" + cfg.staging + ": allocating and filling pinned host pools");
   for (std::int32_t l = 0; l < m.layers; ++l) {
     CacheOptions o;
     o.num_experts = m.experts;
     o.capacity = m.capacity;
     o.top_k = m.top_k;
     o.log = {};
+    if constexpr (shared_pools) o.memory = shared_host_pools(m, ctx, progress, l);
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   const ExpertTensorBytes tensors = m.layout.tensors();
-  parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
-    auto& st = caches[static_cast<std::size_t>(l)]->storage();
-    for (std::size_t t = 0; t < num_expert_tensors; ++t)
-      synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
-  });
+  if constexpr (!shared_pools) {
+    parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
+      auto& st = caches[static_cast<std::size_t>(l)]->storage();
+      for (std::size_t t = 0; t < num_expert_tensors; ++t)
+        synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
+    });
+  }
   std::size_t bytes_per_fill = 0;
   {
     const auto& st = caches[0]->storage();
@@ -590,7 +627,6 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
-  progress.note("device/graph: allocating and filling pinned host pools");
   std::vector<std::unique_ptr<Cache>> caches;
   for (std::int32_t l = 0; l < m.layers; ++l) {
     DeviceCacheOptions o;
@@ -603,6 +639,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.fill_engine = engine;
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
+    o.memory = shared_host_pools(m, ctx, progress, l);
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   if (engine == FillEngine::automatic) {
@@ -619,11 +656,6 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   one_pass = one_pass && caches[0]->view().missing != nullptr;
   overlap = overlap || caches[0]->readiness().enabled();
   const ExpertTensorBytes tensors = m.layout.tensors();
-  parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
-    auto& st = caches[static_cast<std::size_t>(l)]->storage();
-    for (std::size_t t = 0; t < num_expert_tensors; ++t)
-      synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
-  });
   const std::int32_t rounds = caches[0]->max_groups(n);
   // one_pass: each layer's host pools and missing flags as the consumer's source, checked once here.
   std::vector<device::MoeHostSource> host_sources;
