@@ -424,22 +424,19 @@ struct WideConsumerRef {
   Status operator()(const WideRound& round) const { return call(object, round); }
 };
 
-// The erased interface: one vtable per provider kind and storage (and device policy).
+// The erased interface: one vtable per provider kind. It holds what every program calls
+// (prepare, stats, the storage's accessors). The calls a program may never make (prepare_unique,
+// prepare_group, prepare_wide, prefetch, prefetch_device) are the models' plain members, reached
+// through any_call_* below: a virtual one would be compiled with the vtable by every program that
+// makes a cache, whereas these are compiled only where the program calls them, as a static
+// cache's members are.
 template <class Runtime>
 class AnyCacheBase {
  public:
   using Stream = typename Runtime::Stream;
   virtual ~AnyCacheBase() = default;
   virtual Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
-  virtual Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept = 0;
-  virtual Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept = 0;
-  virtual Result<WideSummary> prepare_wide(std::span<const std::int32_t> ids, Stream stream, WideConsumerRef consumer,
-                                           WideOptions options) noexcept = 0;
   virtual Status invalidate(std::int32_t expert, Stream stream) noexcept = 0;
-  virtual Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
-                                        PrefetchOptions options) noexcept = 0;
-  virtual Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
-                                               PrefetchOptions options) noexcept = 0;
   [[nodiscard]] virtual CacheStats stats() const noexcept = 0;
   [[nodiscard]] virtual const ExpertTensorBytes& tensors() const noexcept = 0;
   [[nodiscard]] virtual std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept = 0;
@@ -495,23 +492,23 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   Result<ForwardView> prepare(std::span<const std::int32_t> ids, Stream stream) noexcept final {
     return this->cache_.prepare(ids, stream);
   }
-  Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept final {
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t> ids, Stream stream) noexcept {
     return this->cache_.prepare_unique(ids, stream);
   }
-  Result<ForwardView> prepare_group(std::int32_t, Stream) noexcept final {
+  Result<ForwardView> prepare_group(std::int32_t, Stream) noexcept {
     return Status(ErrorCode::not_supported,
                   "prepare_group is the device provider's overflow round; host providers split with "
                   "plan_expert_groups / plan_token_chunks and prepare_unique");
   }
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> ids, Stream stream, WideConsumerRef consumer,
-                                   WideOptions options) noexcept final {
+                                   WideOptions options) noexcept {
     return this->cache_.prepare_wide(ids, stream, consumer, options);
   }
   Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
-                                PrefetchOptions options) noexcept final {
+                                PrefetchOptions options) noexcept {
     return this->cache_.prefetch(ids, stream, options);
   }
-  Result<PrefetchView> prefetch_device(const std::int32_t*, std::int32_t, Stream, PrefetchOptions) noexcept final {
+  Result<PrefetchView> prefetch_device(const std::int32_t*, std::int32_t, Stream, PrefetchOptions) noexcept {
     return Status(ErrorCode::not_supported,
                   "prefetch_device: a host-planned provider plans host ids; read the predicted ids back and call "
                   "prefetch, or use the device provider");
@@ -547,12 +544,12 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
     }
     return this->cache_.prepare(device_ids.data(), static_cast<std::int32_t>(device_ids.size()), stream);
   }
-  Result<ForwardView> prepare_unique(std::span<const std::int32_t>, Stream) noexcept final {
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t>, Stream) noexcept {
     return Status(ErrorCode::not_supported,
                   "prepare_unique: the device provider plans the router's ids on the device; use prepare and "
                   "prepare_group");
   }
-  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept final {
+  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
     return this->cache_.prepare_group(group, stream);
   }
   // A wide forward on the device planner. Stream admission on a cache with stream slots:
@@ -569,7 +566,7 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   // plan_error_overflow (DeviceForward::in_rounds): a legitimate wide forward leaves the error
   // word clear, while a plain prepare() of the same ids still reports the overflow.
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> device_ids, Stream stream, WideConsumerRef consumer,
-                                   WideOptions options) noexcept final {
+                                   WideOptions options) noexcept {
     if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {
       return Status::format(ErrorCode::invalid_argument, "prepare_wide of %zu ids (device provider: at most max_ids)",
                             device_ids.size());
@@ -600,11 +597,11 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   }
   // Host ids (validated, uploaded, planned on the device), unlike prepare's span.
   Result<PrefetchView> prefetch(std::span<const std::int32_t> ids, Stream stream,
-                                PrefetchOptions options) noexcept final {
+                                PrefetchOptions options) noexcept {
     return this->cache_.prefetch(ids, stream, options);
   }
   Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
-                                       PrefetchOptions options) noexcept final {
+                                       PrefetchOptions options) noexcept {
     return this->cache_.prefetch(device_ids, n_ids, stream, options);
   }
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept final { return {}; }
@@ -617,6 +614,27 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   [[nodiscard]] std::uint32_t take_errors() noexcept final { return this->cache_.take_errors(); }
   [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept final { return this->cache_.fill_engine(); }
 };
+
+// The calls AnyCacheBase leaves out, on the model the provider kind names (defined below,
+// after the cache types). Not inline: the compiled mode declares them extern and instantiates
+// them once, beside the factory.
+template <class Runtime>
+Result<ForwardView> any_call_prepare_unique(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                            typename Runtime::Stream stream) noexcept;
+template <class Runtime>
+Result<ForwardView> any_call_prepare_group(AnyCacheBase<Runtime>& impl, bool device, std::int32_t group,
+                                           typename Runtime::Stream stream) noexcept;
+template <class Runtime>
+Result<WideSummary> any_call_prepare_wide(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                          typename Runtime::Stream stream, WideConsumerRef consumer,
+                                          WideOptions options) noexcept;
+template <class Runtime>
+Result<PrefetchView> any_call_prefetch(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                       typename Runtime::Stream stream, PrefetchOptions options) noexcept;
+template <class Runtime>
+Result<PrefetchView> any_call_prefetch_device(AnyCacheBase<Runtime>& impl, bool device, const std::int32_t* device_ids,
+                                              std::int32_t n_ids, typename Runtime::Stream stream,
+                                              PrefetchOptions options) noexcept;
 
 }  // namespace detail
 
@@ -642,11 +660,11 @@ class AnyExpertCache {
   }
   // Host providers only (the device provider returns not_supported).
   Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
-    return impl_->prepare_unique(unique_ids, stream);
+    return detail::any_call_prepare_unique(*impl_, device_, unique_ids, stream);
   }
   // Device provider only: overflow group g >= 1 of the last prepare (DeviceExpertCache).
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
-    return impl_->prepare_group(group, stream);
+    return detail::any_call_prepare_group(*impl_, device_, group, stream);
   }
   // A forward of any width in rounds (wide.hpp): `consumer(const WideRound&)` returns a Status
   // and enqueues each round's work on `stream`. Host providers: ExpertCache::prepare_wide (ids in
@@ -665,7 +683,7 @@ class AnyExpertCache {
                                       [](void* object, const WideRound& round) -> Status {
                                         return (*static_cast<C*>(object))(round);
                                       }};
-    return impl_->prepare_wide(ids, stream, ref, options);
+    return detail::any_call_prepare_wide(*impl_, device_, ids, stream, ref, options);
   }
   Status invalidate(std::int32_t expert, Stream stream) noexcept { return impl_->invalidate(expert, stream); }
   // Speculative fills of predicted ids in HOST memory, as ExpertCache::prefetch (every
@@ -673,14 +691,14 @@ class AnyExpertCache {
   // see stats()).
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
-    return impl_->prefetch(predicted, stream, options);
+    return detail::any_call_prefetch(*impl_, device_, predicted, stream, options);
   }
   // Predicted ids in DEVICE memory (e.g. written by a kernel inside a captured step), planned on
   // the device: the device provider only (DeviceExpertCache::prefetch); host-planned providers
   // return not_supported.
   Result<PrefetchView> prefetch_device(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
                                        PrefetchOptions options = {}) noexcept {
-    return impl_->prefetch_device(device_ids, n_ids, stream, options);
+    return detail::any_call_prefetch_device(*impl_, device_, device_ids, n_ids, stream, options);
   }
   [[nodiscard]] CacheStats stats() const noexcept { return impl_->stats(); }
 
@@ -737,6 +755,7 @@ class AnyExpertCache {
   AnyExpertCache() = default;
 
   std::unique_ptr<detail::AnyCacheBase<Runtime>> impl_;
+  bool device_ = false;  // impl_ is the device provider's model (the any_call_* casts)
   CacheOptions options_;
   std::string_view provider_, policy_, staging_, storage_;  // static names
   std::string layout_;
@@ -772,6 +791,45 @@ using AnyHostCache = ExpertCache<AnyArrangementStorage, AnyPolicy, AnyStagingFor
 // The one device-planned cache type (storage arrangement and device policy as values).
 template <class Runtime>
 using AnyDeviceCache = DeviceExpertCache<AnyArrangementStorage, ExplicitLayout, Runtime, AnyDevicePolicy>;
+
+// f(the model impl is): the device provider's where `device`, else the host-planned one's.
+template <class Out, class Runtime, class F>
+Out with_any_model(AnyCacheBase<Runtime>& impl, bool device, F&& f) noexcept {
+  if constexpr (has_device_plan_executor<Runtime>) {
+    if (device) return f(static_cast<DeviceCacheModel<Runtime, AnyDeviceCache<Runtime>>&>(impl));
+  }
+  return f(static_cast<HostCacheModel<Runtime, AnyHostCache<Runtime>>&>(impl));
+}
+
+template <class Runtime>
+Result<ForwardView> any_call_prepare_unique(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                            typename Runtime::Stream stream) noexcept {
+  return with_any_model<Result<ForwardView>>(impl, device, [&](auto& m) { return m.prepare_unique(ids, stream); });
+}
+template <class Runtime>
+Result<ForwardView> any_call_prepare_group(AnyCacheBase<Runtime>& impl, bool device, std::int32_t group,
+                                           typename Runtime::Stream stream) noexcept {
+  return with_any_model<Result<ForwardView>>(impl, device, [&](auto& m) { return m.prepare_group(group, stream); });
+}
+template <class Runtime>
+Result<WideSummary> any_call_prepare_wide(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                          typename Runtime::Stream stream, WideConsumerRef consumer,
+                                          WideOptions options) noexcept {
+  return with_any_model<Result<WideSummary>>(
+      impl, device, [&](auto& m) { return m.prepare_wide(ids, stream, consumer, options); });
+}
+template <class Runtime>
+Result<PrefetchView> any_call_prefetch(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
+                                       typename Runtime::Stream stream, PrefetchOptions options) noexcept {
+  return with_any_model<Result<PrefetchView>>(impl, device, [&](auto& m) { return m.prefetch(ids, stream, options); });
+}
+template <class Runtime>
+Result<PrefetchView> any_call_prefetch_device(AnyCacheBase<Runtime>& impl, bool device, const std::int32_t* device_ids,
+                                              std::int32_t n_ids, typename Runtime::Stream stream,
+                                              PrefetchOptions options) noexcept {
+  return with_any_model<Result<PrefetchView>>(
+      impl, device, [&](auto& m) { return m.prefetch_device(device_ids, n_ids, stream, options); });
+}
 
 }  // namespace detail
 
@@ -989,6 +1047,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 
   AnyExpertCache<Runtime> cache;
   cache.impl_ = std::move(made.value());
+  cache.device_ = device;
   cache.options_ = config.options;
   cache.provider_ = any_cache_providers[chosen.provider];
   cache.policy_ = policy_names[chosen.policy];
@@ -1009,13 +1068,26 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 
 }  // namespace expert_cache::inline v0
 
-// Compiled mode (docs/any_cache.md): the SimRuntime factory is instantiated once, in
-// expert_cache/compiled/any_cache_sim.cpp, not in every translation unit that calls it.
+// Compiled mode (docs/any_cache.md): the SimRuntime factory and the non-virtual calls are
+// instantiated once, in expert_cache/compiled/any_cache_sim.cpp, not in every translation unit
+// that calls them.
 #if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
 #include "expert_cache/runtime/sim_runtime.hpp"
 
 namespace expert_cache::inline v0 {
-extern template Result<AnyExpertCache<SimRuntime>> make_expert_cache<SimRuntime>(SimRuntime& rt,
-                                                                                 const AnyCacheConfig& config);
+extern template Result<AnyExpertCache<SimRuntime>> make_expert_cache<SimRuntime>(SimRuntime& rt, const AnyCacheConfig& config);
+extern template Result<ForwardView> detail::any_call_prepare_unique<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
+                                                                  std::span<const std::int32_t>, SimRuntime::Stream) noexcept;
+extern template Result<ForwardView> detail::any_call_prepare_group<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool, std::int32_t,
+                                                                 SimRuntime::Stream) noexcept;
+extern template Result<WideSummary> detail::any_call_prepare_wide<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
+                                                                std::span<const std::int32_t>, SimRuntime::Stream,
+                                                                detail::WideConsumerRef, WideOptions) noexcept;
+extern template Result<PrefetchView> detail::any_call_prefetch<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
+                                                             std::span<const std::int32_t>, SimRuntime::Stream,
+                                                             PrefetchOptions) noexcept;
+extern template Result<PrefetchView> detail::any_call_prefetch_device<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
+                                                                    const std::int32_t*, std::int32_t, SimRuntime::Stream,
+                                                                    PrefetchOptions) noexcept;
 }  // namespace expert_cache::inline v0
 #endif
