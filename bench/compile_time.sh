@@ -7,8 +7,10 @@
 #
 # Default TUs (bench/compile_time/): a static WholeExpertCache<SimRuntime, DenseBf16> program,
 # the same program choosing its provider at run time with make_expert_cache (header-only), the
-# same user TU in the compiled mode (EXPERT_CACHE_SEPARATE_COMPILATION) and the compiled mode's
-# one instantiation unit (include/expert_cache/compiled/any_cache_sim.cpp). --cuda adds their
+# same user TU in the compiled mode (EXPERT_CACHE_SEPARATE_COMPILATION), the compiled mode's
+# one instantiation unit (include/expert_cache/compiled/any_cache_sim.cpp), and the static and
+# header-only programs again with a prefetch and a wide forward beside the prepare (*_calls.cpp:
+# a program compiles the calls it makes). --cuda adds their
 # CudaRuntime twins with nvcc; --tests adds every tests/test_*.cpp (as tests/run.sh's builds compile
 # them: -O0 or -O1, and again at -O0 with ASan + UBSan); --before DIR the static and header-only
 # probes against another checkout's headers (DIR/include, e.g. a `git worktree` of an earlier commit)
@@ -31,7 +33,7 @@ while [ $# -gt 0 ]; do
     --cuda) cuda=1; shift ;;
     --tests) tests=1; shift ;;
     --before) before=$(cd "$2" && pwd); shift 2 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     *) extra+=("$1"); shift ;;
   esac
 done
@@ -48,6 +50,8 @@ jobs=(
   "make_expert_cache, header-only (SimRuntime)|$cxx|$opt|bench/compile_time/any_cache.cpp|0"
   "make_expert_cache, compiled mode: user TU|$cxx|$opt $sep|bench/compile_time/any_cache.cpp|0"
   "make_expert_cache, compiled mode: the instantiation unit|$cxx|$opt $sep|include/expert_cache/compiled/any_cache_sim.cpp|0"
+  "static WholeExpertCache + prefetch + prepare_wide|$cxx|$opt|bench/compile_time/static_cache_calls.cpp|"
+  "make_expert_cache + prefetch + prepare_wide, header-only|$cxx|$opt|bench/compile_time/any_cache_calls.cpp|4"
 )
 if [ -n "$before" ]; then
   b=${#jobs[@]}
