@@ -245,9 +245,10 @@ struct RigT {
       for (std::size_t i = 0; i < hf.size(); i += static_cast<std::size_t>(c.hint_ids)) {
         hints.emplace_back(hf.begin() + static_cast<std::ptrdiff_t>(i), hf.begin() + static_cast<std::ptrdiff_t>(i + c.hint_ids));
       }
-      // Budget: half the hints (whole experts), each fill protected for one forward.
+      // Budget: half the hints (whole experts), each fill protected for one forward; the host
+      // reference without precision feedback, which the device-planned cache does not apply.
       const auto bytes = static_cast<std::int64_t>(total_bytes_per_expert(test_layout().tensors()));
-      prefetch_options = PrefetchOptions{bytes * std::max(1, c.hint_ids / 2), 1};
+      prefetch_options = PrefetchOptions{bytes * std::max(1, c.hint_ids / 2), 1, {}, default_min_score, false};
     }
     for (std::int32_t l = 0; l < c.layers; ++l) {
       DeviceCacheOptions o;
