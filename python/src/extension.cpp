@@ -178,6 +178,19 @@ py::dict round_tensors(const std::vector<ec::SlotDescriptor>& slots, const ec::W
   return d;
 }
 
+// Whether the tensor's own bytes are page-locked and mapped (pin_memory(), or cudaHostRegister,
+// also by another cache over the same tensor, which must then outlive this one).
+// Tensor::is_pinned() asks about the start of the tensor's storage, which for a view into a
+// larger allocation (host_empty's page-aligned views) is not the view's first byte.
+bool host_bytes_pinned(const at::Tensor& t) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, t.data_ptr()) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query leaves its (non-sticky) error: clear it
+    return false;
+  }
+  return a.type == cudaMemoryTypeHost;
+}
+
 // The round as Python sees it: a tuple (index, rounds, streamed, experts, slots, tensors,
 // expert_map) that expert_cache_torch wraps in a WideRound.
 template <class Alias>
@@ -235,7 +248,7 @@ class TorchCache {
       if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
       if (t.device().type() != at::kCPU) fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
       if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
-      if (t.is_pinned()) ++pinned;
+      if (host_bytes_pinned(t)) ++pinned;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
       args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
       host.push_back(t);  // the cache reads this memory for its whole life
@@ -567,7 +580,7 @@ class TorchModelCache {
         fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
       }
       if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
-      if (t.is_pinned()) ++pinned;
+      if (host_bytes_pinned(t)) ++pinned;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
       args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
       host.push_back(t);
