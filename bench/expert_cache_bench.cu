@@ -150,9 +150,10 @@ struct GpuContext {
   // Outputs of the check steps per run ("provider/staging" -> step -> [layers, batch, hidden]).
   std::map<std::string, std::map<std::int32_t, std::vector<float>>> snapshots;
   std::string row_reference;  // the first host-planned row run: the device provider's reference
-  // Every layer's tensor-major host pools, pinned, mapped and filled once per run of the bench:
-  // each row's caches adopt them (StorageMemory, host_registered) instead of pinning and filling
-  // the whole model's bytes again, which costs tens of seconds per row at the default model.
+  // Every layer's tensor-major host pools, pinned, mapped and filled once: each tensor-major
+  // row's caches adopt them (StorageMemory, host_registered) instead of pinning and filling the
+  // whole model's bytes again, which costs tens of seconds per row at the default model. An
+  // expert-major row releases them before it pins its own.
   std::vector<std::array<std::unique_ptr<PinnedBuffer>, num_expert_tensors>> host_pools;
 };
 
@@ -437,7 +438,12 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
   std::vector<std::unique_ptr<Cache>> caches;
   // Tensor-major rows adopt the shared pools; expert-major ones pin and fill their own.
   constexpr bool shared_pools = !Cache::StorageType::expert_contiguous;
-  if (!shared_pools) progress.note(cfg.provider + "/" + cfg.staging + ": allocating and filling pinned host pools");
+  if constexpr (!shared_pools) {
+    // The shared pools go first, so that pinned memory never holds the model twice (a later
+    // tensor-major row pins and fills them again).
+    ctx.host_pools.clear();
+    progress.note(cfg.provider + "/" + cfg.staging + ": allocating and filling pinned host pools");
+  }
   for (std::int32_t l = 0; l < m.layers; ++l) {
     CacheOptions o;
     o.num_experts = m.experts;
