@@ -793,8 +793,8 @@ template <class Runtime>
 using AnyDeviceCache = DeviceExpertCache<AnyArrangementStorage, ExplicitLayout, Runtime, AnyDevicePolicy>;
 
 // f(the model impl is): the device provider's where `device`, else the host-planned one's.
-template <class Out, class Runtime, class F>
-Out with_any_model(AnyCacheBase<Runtime>& impl, bool device, F&& f) noexcept {
+template <class Runtime, class F>
+decltype(auto) with_any_model(AnyCacheBase<Runtime>& impl, bool device, F&& f) noexcept {
   if constexpr (has_device_plan_executor<Runtime>) {
     if (device) return f(static_cast<DeviceCacheModel<Runtime, AnyDeviceCache<Runtime>>&>(impl));
   }
@@ -804,30 +804,30 @@ Out with_any_model(AnyCacheBase<Runtime>& impl, bool device, F&& f) noexcept {
 template <class Runtime>
 Result<ForwardView> any_call_prepare_unique(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
                                             typename Runtime::Stream stream) noexcept {
-  return with_any_model<Result<ForwardView>>(impl, device, [&](auto& m) { return m.prepare_unique(ids, stream); });
+  return with_any_model(impl, device, [&](auto& m) { return m.prepare_unique(ids, stream); });
 }
 template <class Runtime>
 Result<ForwardView> any_call_prepare_group(AnyCacheBase<Runtime>& impl, bool device, std::int32_t group,
                                            typename Runtime::Stream stream) noexcept {
-  return with_any_model<Result<ForwardView>>(impl, device, [&](auto& m) { return m.prepare_group(group, stream); });
+  return with_any_model(impl, device, [&](auto& m) { return m.prepare_group(group, stream); });
 }
 template <class Runtime>
 Result<WideSummary> any_call_prepare_wide(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
                                           typename Runtime::Stream stream, WideConsumerRef consumer,
                                           WideOptions options) noexcept {
-  return with_any_model<Result<WideSummary>>(
+  return with_any_model(
       impl, device, [&](auto& m) { return m.prepare_wide(ids, stream, consumer, options); });
 }
 template <class Runtime>
 Result<PrefetchView> any_call_prefetch(AnyCacheBase<Runtime>& impl, bool device, std::span<const std::int32_t> ids,
                                        typename Runtime::Stream stream, PrefetchOptions options) noexcept {
-  return with_any_model<Result<PrefetchView>>(impl, device, [&](auto& m) { return m.prefetch(ids, stream, options); });
+  return with_any_model(impl, device, [&](auto& m) { return m.prefetch(ids, stream, options); });
 }
 template <class Runtime>
 Result<PrefetchView> any_call_prefetch_device(AnyCacheBase<Runtime>& impl, bool device, const std::int32_t* device_ids,
                                               std::int32_t n_ids, typename Runtime::Stream stream,
                                               PrefetchOptions options) noexcept {
-  return with_any_model<Result<PrefetchView>>(
+  return with_any_model(
       impl, device, [&](auto& m) { return m.prefetch_device(device_ids, n_ids, stream, options); });
 }
 
@@ -1068,6 +1068,25 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 
 }  // namespace expert_cache::inline v0
 
+// The compiled mode's instantiations for one runtime R, listed once: declared with
+// EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(extern, R) where a translation unit only links to them,
+// defined with EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(, R) in the compiled unit (compiled/).
+#define EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(KEYWORD, R)                                                             \
+  KEYWORD template Result<AnyExpertCache<R>> make_expert_cache<R>(R& rt, const AnyCacheConfig& config);               \
+  KEYWORD template Result<ForwardView> detail::any_call_prepare_unique<R>(detail::AnyCacheBase<R>&, bool,              \
+                                                                          std::span<const std::int32_t>,              \
+                                                                          typename R::Stream) noexcept;               \
+  KEYWORD template Result<ForwardView> detail::any_call_prepare_group<R>(detail::AnyCacheBase<R>&, bool, std::int32_t, \
+                                                                         typename R::Stream) noexcept;                \
+  KEYWORD template Result<WideSummary> detail::any_call_prepare_wide<R>(                                              \
+      detail::AnyCacheBase<R>&, bool, std::span<const std::int32_t>, typename R::Stream, detail::WideConsumerRef,     \
+      WideOptions) noexcept;                                                                                          \
+  KEYWORD template Result<PrefetchView> detail::any_call_prefetch<R>(detail::AnyCacheBase<R>&, bool,                  \
+                                                                     std::span<const std::int32_t>,                  \
+                                                                     typename R::Stream, PrefetchOptions) noexcept;   \
+  KEYWORD template Result<PrefetchView> detail::any_call_prefetch_device<R>(                                          \
+      detail::AnyCacheBase<R>&, bool, const std::int32_t*, std::int32_t, typename R::Stream, PrefetchOptions) noexcept
+
 // Compiled mode (docs/any_cache.md): the SimRuntime factory and the non-virtual calls are
 // instantiated once, in expert_cache/compiled/any_cache_sim.cpp, not in every translation unit
 // that calls them.
@@ -1075,19 +1094,6 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 #include "expert_cache/runtime/sim_runtime.hpp"
 
 namespace expert_cache::inline v0 {
-extern template Result<AnyExpertCache<SimRuntime>> make_expert_cache<SimRuntime>(SimRuntime& rt, const AnyCacheConfig& config);
-extern template Result<ForwardView> detail::any_call_prepare_unique<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                  std::span<const std::int32_t>, SimRuntime::Stream) noexcept;
-extern template Result<ForwardView> detail::any_call_prepare_group<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool, std::int32_t,
-                                                                 SimRuntime::Stream) noexcept;
-extern template Result<WideSummary> detail::any_call_prepare_wide<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                std::span<const std::int32_t>, SimRuntime::Stream,
-                                                                detail::WideConsumerRef, WideOptions) noexcept;
-extern template Result<PrefetchView> detail::any_call_prefetch<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                             std::span<const std::int32_t>, SimRuntime::Stream,
-                                                             PrefetchOptions) noexcept;
-extern template Result<PrefetchView> detail::any_call_prefetch_device<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                    const std::int32_t*, std::int32_t, SimRuntime::Stream,
-                                                                    PrefetchOptions) noexcept;
+EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(extern, SimRuntime);
 }  // namespace expert_cache::inline v0
 #endif

@@ -37,20 +37,7 @@ struct AnyCacheStagings<CudaRuntime> {
 #if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
 // Also the non-virtual calls: instantiated here they would cast to the types this translation unit
 // sees, which lack gather and the device planner.
-extern template Result<AnyExpertCache<CudaRuntime>> make_expert_cache<CudaRuntime>(CudaRuntime& rt, const AnyCacheConfig& config);
-extern template Result<ForwardView> detail::any_call_prepare_unique<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                  std::span<const std::int32_t>, CudaRuntime::Stream) noexcept;
-extern template Result<ForwardView> detail::any_call_prepare_group<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool, std::int32_t,
-                                                                 CudaRuntime::Stream) noexcept;
-extern template Result<WideSummary> detail::any_call_prepare_wide<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                std::span<const std::int32_t>, CudaRuntime::Stream,
-                                                                detail::WideConsumerRef, WideOptions) noexcept;
-extern template Result<PrefetchView> detail::any_call_prefetch<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                             std::span<const std::int32_t>, CudaRuntime::Stream,
-                                                             PrefetchOptions) noexcept;
-extern template Result<PrefetchView> detail::any_call_prefetch_device<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                    const std::int32_t*, std::int32_t, CudaRuntime::Stream,
-                                                                    PrefetchOptions) noexcept;
+EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(extern, CudaRuntime);
 #endif
 
 }  // namespace expert_cache::inline v0

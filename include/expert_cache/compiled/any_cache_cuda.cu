@@ -9,19 +9,6 @@
 
 namespace expert_cache::inline v0 {
 
-template Result<AnyExpertCache<CudaRuntime>> make_expert_cache<CudaRuntime>(CudaRuntime& rt, const AnyCacheConfig& config);
-template Result<ForwardView> detail::any_call_prepare_unique<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                  std::span<const std::int32_t>, CudaRuntime::Stream) noexcept;
-template Result<ForwardView> detail::any_call_prepare_group<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool, std::int32_t,
-                                                                 CudaRuntime::Stream) noexcept;
-template Result<WideSummary> detail::any_call_prepare_wide<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                std::span<const std::int32_t>, CudaRuntime::Stream,
-                                                                detail::WideConsumerRef, WideOptions) noexcept;
-template Result<PrefetchView> detail::any_call_prefetch<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                             std::span<const std::int32_t>, CudaRuntime::Stream,
-                                                             PrefetchOptions) noexcept;
-template Result<PrefetchView> detail::any_call_prefetch_device<CudaRuntime>(detail::AnyCacheBase<CudaRuntime>&, bool,
-                                                                    const std::int32_t*, std::int32_t, CudaRuntime::Stream,
-                                                                    PrefetchOptions) noexcept;
+EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(, CudaRuntime);
 
 }  // namespace expert_cache::inline v0

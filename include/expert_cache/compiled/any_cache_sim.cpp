@@ -10,19 +10,6 @@
 
 namespace expert_cache::inline v0 {
 
-template Result<AnyExpertCache<SimRuntime>> make_expert_cache<SimRuntime>(SimRuntime& rt, const AnyCacheConfig& config);
-template Result<ForwardView> detail::any_call_prepare_unique<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                  std::span<const std::int32_t>, SimRuntime::Stream) noexcept;
-template Result<ForwardView> detail::any_call_prepare_group<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool, std::int32_t,
-                                                                 SimRuntime::Stream) noexcept;
-template Result<WideSummary> detail::any_call_prepare_wide<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                std::span<const std::int32_t>, SimRuntime::Stream,
-                                                                detail::WideConsumerRef, WideOptions) noexcept;
-template Result<PrefetchView> detail::any_call_prefetch<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                             std::span<const std::int32_t>, SimRuntime::Stream,
-                                                             PrefetchOptions) noexcept;
-template Result<PrefetchView> detail::any_call_prefetch_device<SimRuntime>(detail::AnyCacheBase<SimRuntime>&, bool,
-                                                                    const std::int32_t*, std::int32_t, SimRuntime::Stream,
-                                                                    PrefetchOptions) noexcept;
+EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(, SimRuntime);
 
 }  // namespace expert_cache::inline v0
