@@ -150,6 +150,9 @@ struct DeviceCacheOptions {
   bool test_fail_copies = false;
   // Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
   bool test_skip_shutdown_wait = false;
+  // Test-only (CudaRuntime): destruction frees its memory without first waiting for the device
+  // while other caches use the proxy (P5 removed).
+  bool test_skip_release_drain = false;
   std::string label = "device_expert_cache";
   std::function<void(std::string_view)> log;  // one line at construction; silent when empty
   // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
@@ -828,6 +831,11 @@ class DeviceExpertCacheWithEdges {
                          DecimalText(s.slot_bytes), ", host bytes ", DecimalText(s.host_bytes), ", fill engine ",
                          to_string(options_.fill_engine)}));
     }
+  }
+  // The executor leaves the copy engine's proxy before any member frees memory (CUDA: edge P5 of
+  // device/copy_proxy.cuh).
+  ~DeviceExpertCacheWithEdges() {
+    if constexpr (requires { exec_.release(); }) exec_.release();
   }
   DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
   DeviceExpertCacheWithEdges& operator=(const DeviceExpertCacheWithEdges&) = delete;

@@ -3,7 +3,8 @@
 // word. Each ordering edge of the protocol (docs/design.md, P1-P2) is removed through a test
 // knob and the test shows that a consumer then reads wrong bytes; a refused copy surfaces as a
 // Status from the next call and as plan_error_fill_failed, without a hang; a cache destroyed
-// with copies in flight leaves the proxy serving the next cache.
+// with copies in flight leaves the proxy serving the next cache; a cache destroyed while
+// another cache's step waits for the proxy lets that step finish (edge P5).
 // (The step-by-step comparison with the host-planned cache, eager, captured and with prefetch,
 // is in test_device_cache.cu.)
 #include <doctest/doctest.h>
@@ -45,6 +46,12 @@ void fill_big_pools(CeCache& c, std::int32_t experts) {
       for (std::size_t i = 0; i < tensors[t].bytes_per_expert / 4; ++i) p[i] = word_of(t, e, i);
     }
   }
+}
+
+// Keeps a stream busy for `ns`.
+__global__ void hold_stream_kernel(unsigned long long ns) {
+  const std::uint64_t t0 = expert_cache::device::global_timer_ns();
+  while (expert_cache::device::global_timer_ns() - t0 < ns) __nanosleep(1000);
 }
 
 struct CheckParams {
@@ -104,6 +111,13 @@ struct CeRig {
 
   // prepare(step's ids) -> check kernel, synchronised; returns the words that differed.
   unsigned long long step(int s, bool with_readiness) {
+    enqueue(s, with_readiness);
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(x));
+    return bad.download()[0];
+  }
+
+  // The same, not waited for: the words that differ land in `bad`.
+  void enqueue(int s, bool with_readiness) {
     std::vector<std::int32_t> h(n);
     for (std::int32_t i = 0; i < n; ++i) h[static_cast<std::size_t>(i)] = (s * n + i) % experts;  // all misses
     REQUIRE_CUDA_OK(cudaMemcpyAsync(ids.get(), h.data(), n * sizeof(std::int32_t), cudaMemcpyHostToDevice, x));
@@ -119,8 +133,6 @@ struct CeRig {
     p.bad = bad.get();
     check_slots_kernel<0><<<n, 256, 0, x>>>(p);
     REQUIRE_CUDA_OK(cudaGetLastError());
-    REQUIRE_CUDA_OK(cudaStreamSynchronize(x));
-    return bad.download()[0];
   }
 };
 
@@ -224,6 +236,39 @@ TEST_CASE("copy engine: a cache destroyed with copies in flight; the proxy serve
   bad.fill_engine = FillEngine::copy_engine;
   bad.fill_by_consumer = true;
   expect_refused(bad, "fill_by_consumer");
+}
+
+TEST_CASE("copy engine: a cache destroyed while another cache's step waits for the proxy; edge P5 removed -> that step stalls") {
+  // The second cache's step is held back 20 ms by a kernel before it, so it posts after the
+  // first cache left the proxy, while that cache frees its memory. With edge P5 the leaving
+  // cache waits for the device first and the step completes; without it the free holds the
+  // driver while it waits for the device, the proxy's copy call waits for the free, and the
+  // step ends only when its bounded wait gives up.
+  load_kernels(&hold_stream_kernel);
+  for (const bool removed : {false, true}) {
+    CAPTURE(removed);
+    DeviceCacheOptions o;  // stream-ordered: the post kernel waits for every ready word
+    CeRig b(o);
+    DeviceCacheOptions leaving;
+    leaving.test_skip_release_drain = removed;
+    auto a = std::make_unique<CeRig>(leaving);
+    REQUIRE(a->step(0, false) == 0ull);
+    REQUIRE(b.step(0, false) == 0ull);
+    REQUIRE(b.cache->take_errors() == 0u);
+    hold_stream_kernel<<<1, 1, 0, b.x>>>(20'000'000ull);
+    REQUIRE_CUDA_OK(cudaGetLastError());
+    b.enqueue(1, false);
+    a.reset();
+    REQUIRE_CUDA_OK(cudaStreamSynchronize(b.x));
+    const std::uint32_t errors = b.cache->take_errors();
+    const unsigned long long bad = b.bad.download()[0];
+    if (!removed) {
+      CHECK(errors == 0u);
+      CHECK(bad == 0ull);
+    } else {
+      CHECK((errors & plan_error_wait_timeout) != 0u);
+    }
+  }
 }
 
 TEST_CASE("fill engine automatic: resolved from the link profile; a stored profile of another expert size is refused") {

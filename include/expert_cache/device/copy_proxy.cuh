@@ -27,6 +27,9 @@
 //   P4 (shutdown): a cache waits until the proxy took every request it posted, unregisters
 //   and synchronises the copy stream before its slots and pools may go; the proxy thread is
 //   joined when the last cache of its device lets go of it.
+//   P5 (release): while other caches of the device stay attached, the leaving cache then waits
+//   for the device to go idle before it frees anything (CopyProxy::detach): a free waits for
+//   the device while holding the driver, so a step that waits for the proxy would stall it.
 // Failures: a refused copy or memop is recorded for the cache (its next call returns the
 // Status), flags plan_error_fill_failed in its error word and still publishes the ready word,
 // so no consumer waits for bytes that will never come; every device wait is bounded
@@ -289,7 +292,13 @@ class CopyProxy {
 
   /// Waits (bounded) until the proxy took every request the ring shows posted, removes the
   /// channel and synchronises the copy stream, so that no copy of it is left to land (edge P4).
-  Status detach(const std::shared_ptr<Channel>& c, std::chrono::milliseconds patience = std::chrono::milliseconds(2000)) {
+  /// `drain_device`: when other caches of the device are still attached, then also waits for the
+  /// device to go idle (edge P5). The caller frees its memory next, and cudaFree, cudaFreeHost
+  /// and cudaHostUnregister wait for the device while holding the driver: a step of another
+  /// cache that waits for the proxy would stall the proxy's next copy call until the step's
+  /// bounded wait gave up. Waiting here holds nothing the proxy needs.
+  Status detach(const std::shared_ptr<Channel>& c, bool drain_device = true,
+                std::chrono::milliseconds patience = std::chrono::milliseconds(2000)) {
     if (!c) return {};
     const auto until = std::chrono::steady_clock::now() + patience;
     Status result;
@@ -307,14 +316,20 @@ class CopyProxy {
       }
       std::this_thread::yield();
     }
+    bool others = false;
     {
       const CallerLock lock(*this);
       channels_.erase(std::remove(channels_.begin(), channels_.end(), c), channels_.end());
+      others = !channels_.empty();
     }
     const expert_cache::detail::DeviceRestore restore;
     (void)cudaSetDevice(device_);
-    const cudaError_t err = cudaStreamSynchronize(stream_);
+    cudaError_t err = cudaStreamSynchronize(stream_);
     if (err != cudaSuccess && result.ok()) result = cuda_status(err, "cudaStreamSynchronize (copy proxy stream)");
+    if (others && drain_device) {
+      err = cudaDeviceSynchronize();
+      if (err != cudaSuccess && result.ok()) result = cuda_status(err, "cudaDeviceSynchronize (copy proxy detach)");
+    }
     return result;
   }
 

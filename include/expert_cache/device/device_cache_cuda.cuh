@@ -103,8 +103,14 @@ class BasicCudaPlanExecutor {
     throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
     if (copy_engine_) start_proxy(regions, options);
   }
-  ~BasicCudaPlanExecutor() {
-    if (channel_) (void)proxy_->detach(channel_);
+  ~BasicCudaPlanExecutor() { release(); }
+
+  // Leaves the device's proxy (edges P4 and P5 of device/copy_proxy.cuh). The cache calls it
+  // before it frees any of its memory; idempotent.
+  void release() noexcept {
+    if (!channel_) return;
+    (void)proxy_->detach(channel_, !skip_release_drain_);
+    channel_.reset();
   }
 
   // FillEngine::automatic -> the engine the link profile picks for this device and expert size
@@ -279,6 +285,7 @@ class BasicCudaPlanExecutor {
       throw_on(cudaStreamSynchronize(zero.get()), "cudaStreamSynchronize (copy proxy post count)");
     }
     label_ = o.label;
+    skip_release_drain_ = o.test_skip_release_drain;
     post_.fills = st.fills.data;
     post_.scalars = st.scalars;
     post_.slot_needed = st.slot_needed.data;
@@ -366,6 +373,7 @@ class BasicCudaPlanExecutor {
   bool plan_pdl_ = by_consumer_ && plan_fill_ready_pdl_supported();
   // The copy engine (FillEngine::copy_engine): every fill is a post to the device's proxy.
   bool copy_engine_ = false;
+  bool skip_release_drain_ = false;  // DeviceCacheOptions::test_skip_release_drain
   std::string label_ = "device_expert_cache";
   struct FreeHost {
     void operator()(void* p) const noexcept { (void)cudaFreeHost(p); }
