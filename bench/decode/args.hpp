@@ -159,7 +159,7 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      (EMULATED engine hints of recall R in (0, 1], drawn from the routing's\n"
                "                      future; wrong ids W: uniform (default), recent (the next layer's recent\n"
                "                      choices) or coact; noise=N in [0, 1]: scored hints, those below 0.5 not\n"
-               "                      fetched, modelled runs only)\n"
+               "                      fetched)\n"
                "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
                "prompts (measured on a GPU, else MODELLED; docs/benchmarks.md \"Prompts\")\n"
                "  --prompt LIST       TTFT of prompts of these lengths (e.g. 128,512,2048,8192), each served as one\n"
