@@ -450,7 +450,7 @@ TEST_CASE("scored plan_prefetch allocates nothing after the plan's first use") {
 
 // ---- precision feedback (prefetch/rank_precision.hpp) ----
 
-TEST_CASE("rank precision: trusted at first, throttled after wasted fills, probed, and restored by used ones") {
+TEST_CASE("rank precision: trusted at first, throttled after wasted fills, probed while its skipped hints look right, restored by used fills") {
   RankPrecision r;
   CHECK(r.precision(0) == 1.0f);
   CHECK(r.precision(100) == r.precision(RankPrecision::buckets - 1));  // past the last bucket: shared
@@ -466,7 +466,24 @@ TEST_CASE("rank precision: trusted at first, throttled after wasted fills, probe
   int admitted = 0;
   for (std::uint32_t i = 0; i < 4 * RankPrecision::probe_every; ++i) admitted += r.admit(0, 0.5f) ? 1 : 0;
   CHECK(admitted == 4);
+  // Its skipped hints, watched, turn out unread: no more probes.
+  int unread = 0;
+  while (r.watched_precision(0) >= 0.5f) {
+    r.record_watched(RankPrecision::bucket(0), false);
+    ++unread;
+  }
+  CHECK(unread == 11);
+  CHECK(r.precision(0) < 0.5f);  // a watched outcome is not a fill's
+  admitted = 0;
+  for (std::uint32_t i = 0; i < 4 * RankPrecision::probe_every; ++i) admitted += r.admit(0, 0.5f) ? 1 : 0;
+  CHECK(admitted == 0);
+  CHECK(r.admit(1, 0.5f));
   CHECK(r.admit(0, 0.0f));  // a threshold of 0 admits everything
+  // Read again: the probes resume.
+  while (r.watched_precision(0) < 0.5f) r.record_watched(RankPrecision::bucket(0), true);
+  admitted = 0;
+  for (std::uint32_t i = 0; i < 2 * RankPrecision::probe_every; ++i) admitted += r.admit(0, 0.5f) ? 1 : 0;
+  CHECK(admitted == 2);
   int used = 0;
   while (r.precision(0) < 0.5f) {
     r.record(RankPrecision::bucket(0), true);
@@ -502,15 +519,73 @@ TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: ranks whose fills go 
       CHECK(rank1_fills == 200);
       CHECK(imprecise == 0);
     } else {
-      // 11 wasted fills bring rank 1 below 0.5; then one probe in 32 of the remaining rounds.
-      CHECK(rank1_fills >= 11);
-      CHECK(rank1_fills <= 11 + (200 - 11) / RankPrecision::probe_every + 1);
+      // 11 wasted fills bring rank 1 below 0.5; its skipped hints, watched, are never read, and
+      // 11 of them end the probes before the first one would run.
+      CHECK(rank1_fills == 11);
       CHECK(imprecise == 200 - rank1_fills);
     }
     CHECK(c.speculative_used >= 190);  // rank 0 is never throttled (its fills are used)
     CHECK(c.speculative_wasted + c.speculative_used + static_cast<std::uint64_t>(p.speculative_count()) ==
           c.speculative_issued);
   }
+}
+
+TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: a throttled rank is probed again once its skipped hints turn right",
+                   Policy, Lru, Lfru) {
+  // Rounds 0-99: rank 0's hint is never read (throttled after 11 wasted fills, no probe once its
+  // watched hints are seen unread). From round 100 on it is the next forward's expert: its
+  // watched hints turn out read, the probes resume, and the first probe's fill, used, restores
+  // the rank.
+  auto p = make_planner<Policy>(CacheShape{40, 8});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  Ids next_forward{0, 1};
+  int fills_while_wrong = 0, first_fill_when_right = -1;
+  std::uint64_t watched_used = 0;
+  for (int round = 0; round < 160; ++round) {
+    REQUIRE(p.plan_unique(next_forward, fwd).ok());
+    const std::int32_t hint = 2 + round % 30;
+    const bool right = round >= 100;
+    REQUIRE(p.plan_prefetch(Ids{hint}, Scores{}, 0.5f, 1, 1, pre, true).ok());
+    REQUIRE(pre.fills.size() + pre.skipped_imprecise + pre.skipped_resident == 1);
+    if (!right) fills_while_wrong += static_cast<int>(pre.fills.size());
+    if (right && !pre.fills.empty() && first_fill_when_right < 0) first_fill_when_right = round;
+    if (right && pre.skipped_imprecise == 1) ++watched_used;
+    next_forward = right ? Ids{0, hint} : Ids{0, 1};
+  }
+  CHECK(fills_while_wrong == 11);
+  REQUIRE(first_fill_when_right >= 100);
+  // About ten read watches bring the watched precision back to 0.5, then at most one probe period.
+  CHECK(first_fill_when_right <= 100 + 12 + static_cast<int>(RankPrecision::probe_every));
+  CHECK(watched_used >= 1);
+  CHECK(p.counters().speculative_used >= 160 - first_fill_when_right - 1);
+}
+
+TEST_CASE("plan_prefetch with precision feedback: a watched hint that is fetched or expires leaves no watch behind") {
+  auto p = make_planner<Lru>(CacheShape{10, 3});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  for (std::int32_t i = 0; i < 11; ++i) {  // rank 0 throttled
+    REQUIRE(p.plan_prefetch(Ids{1 + i % 9}, Scores{}, 0.5f, 1, 1, pre, true).ok());
+    REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  }
+  // Watched, then fetched without feedback: the fill's outcome stands for it.
+  REQUIRE(p.plan_prefetch(Ids{6}, Scores{}, 0.5f, 1, 2, pre, true).ok());
+  REQUIRE(pre.skipped_imprecise == 1);
+  CHECK(p.snapshot().watched[6] == 2u);
+  REQUIRE(p.plan_prefetch(Ids{6}, Scores{}, 0.5f, 1, 2, pre, false).ok());
+  REQUIRE(experts_of(pre.fills) == Ids{6});
+  CHECK(p.snapshot().watched[6] == 0u);
+  // Watched for two forwards that do not read it: wasted, and gone.
+  REQUIRE(p.plan_prefetch(Ids{7}, Scores{}, 0.5f, 1, 2, pre, true).ok());
+  REQUIRE(pre.skipped_imprecise == 1);
+  const float before = p.snapshot().precision.watched_precision(0);
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  CHECK(p.snapshot().watched[7] == 1u);
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  CHECK(p.snapshot().watched[7] == 0u);
+  CHECK(p.snapshot().precision.watched_precision(0) < before);
 }
 
 TEST_CASE("plan_prefetch with precision feedback: a skipped hint is not protected, and the outcome state is part of the snapshot") {
@@ -531,7 +606,7 @@ TEST_CASE("plan_prefetch with precision feedback: a skipped hint is not protecte
   CHECK(pre.skipped_imprecise == 1);       // 6, at rank 0
   CHECK(experts_of(pre.fills) == Ids{7});  // rank 1 is still trusted
   CHECK_FALSE(p.is_resident(6));
-  CHECK(p.snapshot() != before);  // the probe counter moved
+  CHECK(p.snapshot() != before);  // 6 is watched, and the probe counter moved
   // The same call without feedback fetches rank 0 again.
   REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
   REQUIRE(p.plan_prefetch(Ids{6}, Scores{}, 0.5f, 1, 1, pre, false).ok());

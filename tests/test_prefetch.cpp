@@ -528,7 +528,7 @@ TEST_CASE_TEMPLATE("prefetch with precision feedback: a rank whose fills go unus
     CHECK(st.speculative_issued == issued);
     CHECK(st.speculative_bytes == issued * static_cast<std::uint64_t>(f.bytes_per_expert()));
     if (feedback) {
-      CHECK(issued <= 11 + 2);  // eleven wasted fills throttle rank 0; then one probe in 32
+      CHECK(issued <= 11 + 2);  // eleven wasted fills throttle rank 0; then at most one probe in 32
       CHECK(imprecise >= 40 - 13 - resident);
       CHECK(imprecise > 0);
     } else {

@@ -78,6 +78,7 @@ class ForwardPlanner {
     PlannerCounters counters;
     std::vector<std::uint32_t> speculative;  // per expert: forwards left before it expires, 0 = not speculative
     RankPrecision precision;                 // measured precision of speculative fills per rank
+    std::vector<std::uint32_t> watched;      // per expert: forwards left to watch a skipped hint, 0 = none
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
@@ -97,6 +98,10 @@ class ForwardPlanner {
         spec_pos_(static_cast<std::size_t>(shape.num_experts), -1),
         spec_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
         spec_live_(static_cast<std::size_t>(shape.capacity)),
+        watch_left_(static_cast<std::size_t>(shape.num_experts), 0u),
+        watch_pos_(static_cast<std::size_t>(shape.num_experts), -1),
+        watch_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
+        watch_live_(static_cast<std::size_t>(shape.num_experts)),
         hints_(shape.num_experts) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
@@ -187,7 +192,8 @@ class ForwardPlanner {
   // prefetch/hint_selection.hpp), under the rules above: the same protections, at most
   // max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
   // whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
-  // (out.skipped_imprecise, not protected), except for the rank's periodic probe.
+  // (out.skipped_imprecise, not protected), except for the rank's periodic probe, which runs only
+  // while the rank's skipped hints, watched, turn out read by the next forwards.
   // Errors, before any state change: those above (every entry's id is checked, skipped ones
   // too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
   // than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
@@ -243,7 +249,7 @@ class ForwardPlanner {
 
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_, spec_left_, precision_};
+                    policy_, counters_, spec_left_, precision_, watch_left_};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -315,6 +321,7 @@ class ForwardPlanner {
       if (static_cast<std::int32_t>(out.fills.size()) >= max_fills) break;
       if (feedback_threshold >= 0.0f && !precision_.admit(next, feedback_threshold)) {
         ++out.skipped_imprecise;
+        watch(e, next, expires_after);  // its outcome gates the rank's probes (rank_precision.hpp)
         continue;
       }
       std::int32_t target;
@@ -345,6 +352,7 @@ class ForwardPlanner {
       slot_owner_[static_cast<std::size_t>(target)] = e.value;
       policy_.on_insert(e);
       out.fills.push_back({e, SlotId(target)});
+      if (watch_left_[e.index()] != 0) drop_watched(e);  // the fill's outcome stands for it
       spec_left_[e.index()] = expires_after;
       spec_pos_[e.index()] = static_cast<std::int32_t>(spec_live_.size());
       spec_rank_[e.index()] = RankPrecision::bucket(next);
@@ -377,6 +385,7 @@ class ForwardPlanner {
     const ForwardSet needed(stamps_.data(), epoch_);
     for (const ExpertId e : scratch_) {
       std::int32_t& slot = resident_map_[e.index()];
+      if (watch_left_[e.index()] != 0) resolve_watched(e, true);
       if (slot != absent_slot) {
         policy_.on_hit(e);
         ++plan.hits;
@@ -421,6 +430,14 @@ class ForwardPlanner {
         --spec_left_[e.index()];
       }
     }
+    for (std::size_t i = watch_live_.size(); i-- > 0;) {
+      const ExpertId e = watch_live_[i];
+      if (watch_left_[e.index()] == 1) {
+        resolve_watched(e, false);
+      } else {
+        --watch_left_[e.index()];
+      }
+    }
     ++counters_.prepare_calls;
     ++counters_.generation;
     return {};
@@ -452,6 +469,32 @@ class ForwardPlanner {
     spec_live_.pop_back();
     spec_pos_[e.index()] = -1;
     spec_left_[e.index()] = 0;
+  }
+
+  // A hint skipped for its rank's precision, watched for the forwards a fill of it would have
+  // stayed protected (a hint already watched keeps its first rank and expiry).
+  void watch(ExpertId e, std::size_t rank, std::uint32_t forwards) noexcept {
+    if (watch_left_[e.index()] != 0) return;
+    watch_left_[e.index()] = forwards;
+    watch_rank_[e.index()] = RankPrecision::bucket(rank);
+    watch_pos_[e.index()] = static_cast<std::int32_t>(watch_live_.size());
+    watch_live_.push_back(e);
+  }
+
+  // A watched hint's outcome: fed to its rank's watched precision, and dropped.
+  void resolve_watched(ExpertId e, bool used) noexcept {
+    precision_.record_watched(watch_rank_[e.index()], used);
+    drop_watched(e);
+  }
+
+  void drop_watched(ExpertId e) noexcept {
+    const std::int32_t at = watch_pos_[e.index()];
+    const ExpertId moved = watch_live_.back();
+    watch_live_[static_cast<std::size_t>(at)] = moved;
+    watch_pos_[moved.index()] = at;
+    watch_live_.pop_back();
+    watch_pos_[e.index()] = -1;
+    watch_left_[e.index()] = 0;
   }
 
   Status invalid_victim(ExpertId victim) const {
@@ -520,6 +563,11 @@ class ForwardPlanner {
   std::vector<std::uint8_t> spec_rank_;  // the rank bucket each live fill was issued at
   detail::FixedVector<ExpertId> spec_live_;
   RankPrecision precision_;  // outcomes of speculative fills per rank (prefetch/rank_precision.hpp)
+  // Hints skipped for their rank's precision, watched as spec_* watches fills (no slot, no bytes).
+  std::vector<std::uint32_t> watch_left_;
+  std::vector<std::int32_t> watch_pos_;
+  std::vector<std::uint8_t> watch_rank_;
+  detail::FixedVector<ExpertId> watch_live_;
   HintSelector hints_;  // scored plan_prefetch's selection (scratch sized at construction, not state)
 };
 

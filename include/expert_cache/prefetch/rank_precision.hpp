@@ -14,9 +14,14 @@
 // The estimate per rank is an exponential moving average of the outcomes (1 used, 0 wasted),
 // weight 1/16, starting at 1 (hints are trusted until their fills are seen wasted: about ten
 // wasted outcomes in a row bring a rank from 1 below 0.5). A rank below the threshold still gets
-// one fill in every `probe_every` hints that reach it, so a predictor that improves is noticed;
-// that probe is the whole cost of a useless predictor (one fill in 32 of what it asked for).
-// Ranks past the last bucket share it.
+// one fill in every `probe_every` hints that reach it, so a predictor that improves is noticed,
+// but only while the hints it skips look right: the planner watches each skipped hint for the
+// forwards a fill of it would have stayed protected and records whether one of them read it, a
+// second average per rank. A watched hint costs no link time, but it is no fill: it evicts
+// nothing, so it looks better than a fill would have turned out wherever a fill's eviction costs
+// a later miss (small caches). It therefore gates the probes and never admits a rank by itself:
+// where the skipped hints turn out wrong, the probes, the whole cost of a useless predictor,
+// stop.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -30,6 +35,7 @@ class RankPrecision {
  public:
   static constexpr std::size_t buckets = 16;
   static constexpr float weight = 1.0f / 16.0f;
+
   static constexpr std::uint32_t probe_every = 32;
 
   [[nodiscard]] static constexpr std::uint8_t bucket(std::size_t rank) noexcept {
@@ -37,28 +43,37 @@ class RankPrecision {
   }
 
   /// Whether a hint at `rank` is fetched: its bucket's precision is at least `threshold`, or it
-  /// is the bucket's probe (every probe_every-th hint that reaches a throttled bucket).
+  /// is the bucket's probe (every probe_every-th hint that reaches a throttled bucket while its
+  /// watched hints' precision is at least `threshold`).
   [[nodiscard]] bool admit(std::size_t rank, float threshold) noexcept {
     const std::uint8_t b = bucket(rank);
     if (precision_[b] >= threshold) return true;
+    if (watched_[b] < threshold) return false;
     if (++since_probe_[b] < probe_every) return false;
     since_probe_[b] = 0;
     return true;
   }
 
   /// The outcome of a fill issued at bucket `b`: used by a forward, or wasted.
-  void record(std::uint8_t b, bool used) noexcept {
-    float& p = precision_[std::min<std::size_t>(b, buckets - 1)];
-    p += weight * ((used ? 1.0f : 0.0f) - p);
-  }
+  void record(std::uint8_t b, bool used) noexcept { update(precision_, b, used); }
+
+  /// The outcome of a hint skipped at bucket `b` and watched: read by a forward, or not.
+  void record_watched(std::uint8_t b, bool used) noexcept { update(watched_, b, used); }
 
   [[nodiscard]] float precision(std::size_t rank) const noexcept { return precision_[bucket(rank)]; }
+  [[nodiscard]] float watched_precision(std::size_t rank) const noexcept { return watched_[bucket(rank)]; }
 
   friend bool operator==(const RankPrecision&, const RankPrecision&) = default;
 
  private:
   std::array<float, buckets> precision_ = filled(1.0f);
+  std::array<float, buckets> watched_ = filled(1.0f);
   std::array<std::uint32_t, buckets> since_probe_{};
+
+  static void update(std::array<float, buckets>& a, std::uint8_t b, bool used) noexcept {
+    float& p = a[std::min<std::size_t>(b, buckets - 1)];
+    p += weight * ((used ? 1.0f : 0.0f) - p);
+  }
 
   static constexpr std::array<float, buckets> filled(float v) noexcept {
     std::array<float, buckets> a{};
