@@ -85,7 +85,8 @@ void print_help(std::ostream& out) {
          "                        token, and with scores the hints skipped as unlikely (docs/prefetch.md)\n"
          "  --prefetch-budget N   speculative fills per forward (default: the widest forward, top_k)\n"
          "  --precision-feedback  plan as a cache does by default: skip hint ranks whose fills were mostly\n"
-         "                        wasted, but for one probe in 32 (column 'imprecise'; default off: the\n"
+         "                        wasted, but for one probe in 32 while the skipped hints turn out read\n"
+         "                        (column 'imprecise'; default off: the\n"
          "                        predictor's own coverage and waste)\n"
          "  --min-score S         scored hints (hint:...:noise=N) below S in [0, 1] are not fetched\n"
          "                        (default 0.5: from there a fill is at least as likely used as wasted)\n"
@@ -532,7 +533,7 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
   }
   if (p.precision_feedback) {
     out << "  precision feedback: hint ranks whose fills were mostly wasted skipped but for one probe in 32 "
-           "(column 'imprecise')\n";
+           "while the skipped hints turn out read (column 'imprecise')\n";
   }
   char buf[320];
   std::snprintf(buf, sizeof buf, "  bytes: %llu per expert, %.6g tokens (records / layers)\n\n",
