@@ -217,6 +217,17 @@ TEST_CASE("CacheBridge: bad configs and host tensors are refused with a specific
     a[1].shape = {E, 8, 16};  // [E, N, K] instead of [E, K, N]
     refuse(good, a, "host tensor 'w2' has shape [6, 8, 16], expected [6, 16, 8]");
   }
+  SUBCASE("pinned and pageable tensors mixed") {
+    auto a = w.args;
+    a[0].pinned = true;
+    refuse(good, a, "host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
+  }
+  SUBCASE("a wrong shape is reported before the mix") {
+    auto a = w.args;
+    a[0].pinned = true;
+    a[1].shape = {E, 8, 16};
+    refuse(good, a, "host tensor 'w2' has shape [6, 8, 16], expected [6, 16, 8]");
+  }
   SUBCASE("unknown provider") {
     BridgeConfig c = good;
     c.provider = "rows";

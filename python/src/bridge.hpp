@@ -152,7 +152,21 @@ struct HostTensorArg {
   std::size_t bytes = 0;
   DType dtype = DType::uint8;
   std::vector<std::int64_t> shape;
+  bool pinned = false;  // page-locked and mapped already (pin_memory(), or registered by another cache)
 };
+
+// The storage registers all of a cache's host tensors or none, so the given tensors must be all
+// pinned or all pageable; checked after every other check of the tensors, so that a tensor with
+// a wrong shape is reported as such even when it is also the odd one out.
+inline Status check_pinned_alike(const std::vector<const HostTensorArg*>& given, const std::string& label) {
+  std::size_t pinned = 0;
+  for (const HostTensorArg* h : given) pinned += h != nullptr && h->pinned ? 1 : 0;
+  if (pinned != 0 && pinned != given.size()) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s: host tensors must be all pinned (pin_memory()) or all pageable; got a mix", label.c_str());
+  }
+  return {};
+}
 
 // One slot array: slot s of tensor `name` starts at base + s * slot_stride; per-slot element
 // shape `shape` of `dtype` (product * element size == bytes_per_slot).
@@ -402,6 +416,7 @@ class CacheBridge {
                               b->typed_[t].name.c_str(), config.layout.name.c_str(), b->names_text().c_str());
       }
     }
+    if (Status s = check_pinned_alike(given, label); !s) return s;
 
     // ---- the cache ----
     AnyCacheConfig c;

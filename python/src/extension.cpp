@@ -248,15 +248,14 @@ class TorchCache {
       if (!t.defined()) fail_value(label + ": host tensor '" + name + "' is undefined");
       if (t.device().type() != at::kCPU) fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
       if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
-      if (host_bytes_pinned(t)) ++pinned;
+      const bool is_pinned = host_bytes_pinned(t);
+      pinned += is_pinned ? 1 : 0;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
-      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
+      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape, is_pinned});
       host.push_back(t);  // the cache reads this memory for its whole life
     }
-    // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered again.
-    if (pinned != 0 && pinned != host_tensors.size()) {
-      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
-    }
+    // Pinned tensors (tensor.pin_memory()) are already page-locked and mapped: not registered
+    // again. A mix is refused by the bridge, after its checks of names, sizes and shapes.
     c.host_registered = pinned != 0;
 
     const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();  // initialises CUDA
@@ -580,15 +579,13 @@ class TorchModelCache {
         fail_value(label + ": host tensor '" + name + "' must be a CPU tensor (got " + t.device().str() + ")");
       }
       if (!t.is_contiguous()) fail_value(label + ": host tensor '" + name + "' must be contiguous");
-      if (host_bytes_pinned(t)) ++pinned;
+      const bool is_pinned = host_bytes_pinned(t);
+      pinned += is_pinned ? 1 : 0;
       std::vector<std::int64_t> shape(t.sizes().begin(), t.sizes().end());
-      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape});
+      args.push_back(ec::HostTensorArg{name, t.data_ptr(), t.nbytes(), dtype_of(t.scalar_type()), shape, is_pinned});
       host.push_back(t);
     }
-    if (pinned != 0 && pinned != host_tensors.size()) {
-      fail_value(label + ": host tensors must be all pinned (pin_memory()) or all pageable; got a mix");
-    }
-    c.host_registered = pinned != 0;
+    c.host_registered = pinned != 0;  // a mix is refused by the bridge, after its other checks
     const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();  // initialises CUDA
     device_ = stream.device_index();
     auto made = ec::make_cuda_model_bridge(c, args);

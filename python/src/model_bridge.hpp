@@ -199,6 +199,7 @@ class ModelBridge {
                               b->typed_[t].name.c_str());
       }
     }
+    if (Status s = check_pinned_alike(given, label); !s) return s;
 
     // ---- the cache ----
     ModelCacheOptions o;

@@ -256,6 +256,8 @@ class ExtensionTest(unittest.TestCase):
             ({"w13": w13, "w2": w2.transpose(1, 2)}, "contiguous"),
             ({"w13": w13, "w2": w2.cuda()}, "must be a CPU tensor"),
             ({"w13": w13, "w2": misaligned}, "16-byte aligned"),
+            # w13 is registered by `cache` above, a clone of w2 is not: refused, after the checks above.
+            ({"w13": w13, "w2": w2.clone()}, "got a mix"),
         ]
         for host, text in tensors:
             with self.assertRaises(ect.ExpertCacheError) as cm:
