@@ -643,6 +643,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.overlap = overlap;
     o.fill_by_consumer = one_pass;
     o.fill_engine = engine;
+    o.lookahead = !prefetch.empty() && prefetch != "none";  // automatic: FillUse::overlapped_lookahead with overlap
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
     o.memory = shared_host_pools(m, ctx, progress, l);
@@ -655,8 +656,10 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     LinkProfile lp;
     if (Status st = link_profile_for(device, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
     std::string reason;
-    (void)lp.choose_engine(&reason);
-    notes.push_back(std::string("device/") + device_staging + ": automatic picked " + reason);
+    const bool lookahead = !prefetch.empty() && prefetch != "none";
+    (void)lp.choose_engine(lookahead && overlap ? FillUse::overlapped_lookahead : FillUse::demand, &reason);
+    notes.push_back(std::string("device/") + device_staging + (lookahead ? "+" + prefetch : std::string()) +
+                    ": automatic picked " + reason);
   }
   // With automatic picking the copy engine, fill_by_consumer became overlap (no missing flags).
   one_pass = one_pass && caches[0]->view().missing != nullptr;

@@ -191,6 +191,25 @@ TEST_CASE("LinkProfile::choose_engine: SM loads from 0.8 of the copy engine's ba
   CHECK(reason.find("no copy-engine") != std::string::npos);
 }
 
+TEST_CASE("LinkProfile::choose_engine for overlapped lookahead: the copy engine, whatever the bandwidths") {
+  LinkProfile p = sample_profile();
+  p.copy_engine_gbps_batch = 100.0;
+  p.sm_load_gbps = 94.0;  // fast SM loads: demand fills take them
+  std::string reason;
+  CHECK(p.choose_engine(FillUse::demand, &reason) == FillEngine::sm_loads);
+  CHECK(reason == "sm_loads: SM loads 94.0 GB/s are 0.940 of the copy engine's batch 100.0 GB/s (at least 0.80)");
+  CHECK(p.choose_engine(FillUse::overlapped_lookahead, &reason) == FillEngine::copy_engine);
+  CHECK(reason ==
+        "copy_engine: overlapped lookahead, whose speculative copies must not take SMs from the consumer; SM loads 94.0 "
+        "GB/s are 0.940 of the copy engine's batch 100.0 GB/s (at least 0.80)");
+  p.sm_load_gbps = 50.0;  // slow SM loads: the copy engine either way
+  CHECK(p.choose_engine(FillUse::demand) == FillEngine::copy_engine);
+  CHECK(p.choose_engine(FillUse::overlapped_lookahead) == FillEngine::copy_engine);
+  LinkProfile empty;  // no measurement: the copy engine
+  CHECK(empty.choose_engine(FillUse::overlapped_lookahead, &reason) == FillEngine::copy_engine);
+  CHECK(reason.find("no copy-engine") != std::string::npos);
+}
+
 TEST_CASE("LinkProfile::sm_load_share and describe") {
   const LinkProfile p = sample_profile();
   CHECK(p.sm_load_share() == doctest::Approx(30.2 / 51.0));

@@ -142,6 +142,10 @@ struct DeviceCacheOptions {
   // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
   // measurement. One from another device or expert size is refused at construction.
   std::optional<LinkProfile> link_profile;
+  // The engine prefetches the next layer's experts while this one computes (lookahead). With
+  // overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
+  // copies on a copy engine take no SMs from the consumer. Read by automatic only.
+  bool lookahead = false;
   // Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
   // the post publishes before the fill list is written (P1), the proxy publishes a ready word
   // before its copies (P2); test_fail_copies makes the proxy's copies fail.

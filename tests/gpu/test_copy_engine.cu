@@ -296,6 +296,14 @@ TEST_CASE("fill engine automatic: resolved from the link profile; a stored profi
   other.sm_load_gbps = other.copy_engine_gbps_batch;
   o.link_profile = other;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
+  // Lookahead: an overlapping cache takes the copy engine even where SM loads are as fast; one
+  // that does not overlap decides from the bandwidths.
+  o.lookahead = true;
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
+  o.overlap = true;
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::copy_engine);
+  o.overlap = false;
+  o.lookahead = false;
   // fill_by_consumer where the copy engine is picked: the cache overlaps instead.
   other.sm_load_gbps = other.copy_engine_gbps_batch * 0.5;
   o.link_profile = other;
