@@ -561,6 +561,61 @@ TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: a throttled rank is p
   CHECK(p.counters().speculative_used >= 160 - first_fill_when_right - 1);
 }
 
+TEST_CASE("plan_prefetch with precision feedback: fills that are used but evict what the next forward misses stop") {
+  // Five slots, Lru; forwards alternate between {0, 1, h} and {2, 3, h}, h the previous round's
+  // hint. Every hint is used, but its fill evicts the least recently used of the other forward's
+  // experts (0, 1 and h are protected), which the next forward misses: each fill saves one copy
+  // and costs one. With feedback the rank's
+  // precision net of that regret falls below 0.5 and its fills stop but for probes.
+  for (const bool feedback : {false, true}) {
+    CAPTURE(feedback);
+    auto p = make_planner<Lru>(CacheShape{200, 5});
+    ForwardPlan fwd;
+    PrefetchPlan pre;
+    std::int32_t hint = 10;
+    int late_fills = 0;
+    for (int round = 0; round < 120; ++round) {
+      const Ids forward = round % 2 == 0 ? Ids{0, 1, hint} : Ids{2, 3, hint};
+      REQUIRE(p.plan_unique(forward, fwd).ok());
+      hint = 10 + round + 1;
+      REQUIRE(p.plan_prefetch(Ids{hint}, Scores{}, 0.5f, 1, 1, pre, feedback).ok());
+      if (round >= 60) late_fills += static_cast<int>(pre.fills.size());
+    }
+    CHECK(p.counters().speculative_wasted == 0u);  // every fill issued was used
+    if (feedback) {
+      CHECK(p.snapshot().precision.regret(0) > 0.5f);
+      CHECK(late_fills <= 3);  // probes only: the skipped hints are read, so probes go on
+    } else {
+      CHECK(late_fills == 60);
+      CHECK(p.snapshot().precision.regret(0) > 0.9f);  // measured without feedback too
+    }
+  }
+}
+
+TEST_CASE("plan_prefetch with precision feedback: a fill's victim is watched; missed is regret, read resident is not") {
+  auto p = make_planner<Lru>(CacheShape{10, 4});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  for (std::int32_t e = 0; e < 4; ++e) REQUIRE(p.plan_unique(Ids{e}, fwd).ok());  // residents 0-3, 3 protected
+  REQUIRE(p.plan_prefetch(Ids{5}, Scores{}, 0.5f, 1, 1, pre, true).ok());
+  REQUIRE(pre.evictions.size() == 1);
+  REQUIRE(pre.evictions[0].expert.value == 0);
+  CHECK(p.snapshot().victims[0] == 4u);  // four times the fill's protection of one forward
+  // Fetched back (evicting 1, the next least recent) and read resident: no regret.
+  REQUIRE(p.plan_prefetch(Ids{0}, Scores{}, 0.5f, 1, 1, pre, false).ok());
+  REQUIRE(pre.evictions.size() == 1);
+  REQUIRE(pre.evictions[0].expert.value == 1);
+  REQUIRE(p.plan_unique(Ids{0, 5}, fwd).ok());
+  CHECK(p.snapshot().victims[0] == 0u);
+  CHECK(p.snapshot().victims[1] == 3u);
+  CHECK(p.snapshot().precision.regret(0) == 0.0f);
+  // 1 is missed: the regret of the rank whose fill evicted it.
+  REQUIRE(p.plan_unique(Ids{1}, fwd).ok());
+  CHECK(p.snapshot().victims[1] == 0u);
+  CHECK(p.snapshot().precision.regret(0) > 0.0f);
+  CHECK(p.snapshot().precision.regret(1) == 0.0f);
+}
+
 TEST_CASE("plan_prefetch with precision feedback: a watched hint that is fetched or expires leaves no watch behind") {
   auto p = make_planner<Lru>(CacheShape{10, 3});
   ForwardPlan fwd;

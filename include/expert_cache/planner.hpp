@@ -79,6 +79,7 @@ class ForwardPlanner {
     std::vector<std::uint32_t> speculative;  // per expert: forwards left before it expires, 0 = not speculative
     RankPrecision precision;                 // measured precision of speculative fills per rank
     std::vector<std::uint32_t> watched;      // per expert: forwards left to watch a skipped hint, 0 = none
+    std::vector<std::uint32_t> victims;      // per expert: forwards left to watch a fill's victim, 0 = none
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
@@ -102,6 +103,10 @@ class ForwardPlanner {
         watch_pos_(static_cast<std::size_t>(shape.num_experts), -1),
         watch_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
         watch_live_(static_cast<std::size_t>(shape.num_experts)),
+        regret_left_(static_cast<std::size_t>(shape.num_experts), 0u),
+        regret_pos_(static_cast<std::size_t>(shape.num_experts), -1),
+        regret_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
+        regret_live_(static_cast<std::size_t>(shape.num_experts)),
         hints_(shape.num_experts) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
@@ -193,7 +198,8 @@ class ForwardPlanner {
   // max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
   // whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
   // (out.skipped_imprecise, not protected), except for the rank's periodic probe, which runs only
-  // while the rank's skipped hints, watched, turn out read by the next forwards.
+  // while the rank's skipped hints, watched, turn out read by the next forwards. A rank's precision
+  // is net of its regret: how often a forward missed the expert one of its fills evicted.
   // Errors, before any state change: those above (every entry's id is checked, skipped ones
   // too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
   // than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
@@ -249,7 +255,7 @@ class ForwardPlanner {
 
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_, spec_left_, precision_, watch_left_};
+                    policy_, counters_, spec_left_, precision_, watch_left_, regret_left_};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -347,6 +353,7 @@ class ForwardPlanner {
         resident_map_[victim.index()] = absent_slot;
         out.evictions.push_back({victim, SlotId(target)});
         ++counters_.evictions;
+        watch_victim(victim, next, victim_watch_forwards(expires_after));
       }
       resident_map_[e.index()] = target;
       slot_owner_[static_cast<std::size_t>(target)] = e.value;
@@ -386,6 +393,7 @@ class ForwardPlanner {
     for (const ExpertId e : scratch_) {
       std::int32_t& slot = resident_map_[e.index()];
       if (watch_left_[e.index()] != 0) resolve_watched(e, true);
+      if (regret_left_[e.index()] != 0) resolve_victim(e, slot == absent_slot);
       if (slot != absent_slot) {
         policy_.on_hit(e);
         ++plan.hits;
@@ -428,6 +436,14 @@ class ForwardPlanner {
         resolve_speculative(e, false);
       } else {
         --spec_left_[e.index()];
+      }
+    }
+    for (std::size_t i = regret_live_.size(); i-- > 0;) {
+      const ExpertId e = regret_live_[i];
+      if (regret_left_[e.index()] == 1) {
+        resolve_victim(e, false);
+      } else {
+        --regret_left_[e.index()];
       }
     }
     for (std::size_t i = watch_live_.size(); i-- > 0;) {
@@ -479,6 +495,34 @@ class ForwardPlanner {
     watch_rank_[e.index()] = RankPrecision::bucket(rank);
     watch_pos_[e.index()] = static_cast<std::int32_t>(watch_live_.size());
     watch_live_.push_back(e);
+  }
+
+  // A speculative fill's eviction is regretted when a forward within this many forwards misses
+  // the victim: four times the fill's protection, since a victim (the policy's least wanted
+  // resident) comes back later than a hint is used.
+  static constexpr std::uint32_t victim_watch_forwards(std::uint32_t expires_after) noexcept {
+    return expires_after > 0x3FFFFFFFu ? 0xFFFFFFFFu : 4 * expires_after;
+  }
+
+  // A victim of a speculative fill at `rank`, watched: a later forward that misses it is the
+  // fill's regret (rank_precision.hpp). A victim already watched keeps its first rank and expiry.
+  void watch_victim(ExpertId e, std::size_t rank, std::uint32_t forwards) noexcept {
+    if (regret_left_[e.index()] != 0) return;
+    regret_left_[e.index()] = forwards;
+    regret_rank_[e.index()] = RankPrecision::bucket(rank);
+    regret_pos_[e.index()] = static_cast<std::int32_t>(regret_live_.size());
+    regret_live_.push_back(e);
+  }
+  // A watched victim read by a forward (`missed`: it was not resident again) or expired.
+  void resolve_victim(ExpertId e, bool missed) noexcept {
+    precision_.record_regret(regret_rank_[e.index()], missed);
+    const std::int32_t at = regret_pos_[e.index()];
+    const ExpertId moved = regret_live_.back();
+    regret_live_[static_cast<std::size_t>(at)] = moved;
+    regret_pos_[moved.index()] = at;
+    regret_live_.pop_back();
+    regret_pos_[e.index()] = -1;
+    regret_left_[e.index()] = 0;
   }
 
   // A watched hint's outcome: fed to its rank's watched precision, and dropped.
@@ -568,6 +612,11 @@ class ForwardPlanner {
   std::vector<std::int32_t> watch_pos_;
   std::vector<std::uint8_t> watch_rank_;
   detail::FixedVector<ExpertId> watch_live_;
+  // Victims of speculative fills, watched for regret as watch_* watches skipped hints.
+  std::vector<std::uint32_t> regret_left_;
+  std::vector<std::int32_t> regret_pos_;
+  std::vector<std::uint8_t> regret_rank_;
+  detail::FixedVector<ExpertId> regret_live_;
   HintSelector hints_;  // scored plan_prefetch's selection (scratch sized at construction, not state)
 };
 

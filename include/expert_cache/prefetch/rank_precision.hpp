@@ -22,6 +22,12 @@
 // a later miss (small caches). It therefore gates the probes and never admits a rank by itself:
 // where the skipped hints turn out wrong, the probes, the whole cost of a useless predictor,
 // stop.
+//
+// A fill also evicts a resident, and a later forward may miss that victim (on a small cache it
+// often does): the planner watches each victim of a speculative fill for four times the fill's
+// protection and records whether a forward missed it, a third average per rank (its regret,
+// starting at 0). A rank is admitted on its precision net of its regret: a used fill saves one
+// demand copy and a regretted eviction costs one.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -42,12 +48,12 @@ class RankPrecision {
     return static_cast<std::uint8_t>(std::min<std::size_t>(rank, buckets - 1));
   }
 
-  /// Whether a hint at `rank` is fetched: its bucket's precision is at least `threshold`, or it
-  /// is the bucket's probe (every probe_every-th hint that reaches a throttled bucket while its
+  /// Whether a hint at `rank` is fetched: its bucket's precision net of its regret is at least
+  /// `threshold`, or it is the bucket's probe (every probe_every-th hint that reaches a throttled bucket while its
   /// watched hints' precision is at least `threshold`).
   [[nodiscard]] bool admit(std::size_t rank, float threshold) noexcept {
     const std::uint8_t b = bucket(rank);
-    if (precision_[b] >= threshold) return true;
+    if (precision_[b] - regret_[b] >= threshold) return true;
     if (watched_[b] < threshold) return false;
     if (++since_probe_[b] < probe_every) return false;
     since_probe_[b] = 0;
@@ -59,15 +65,19 @@ class RankPrecision {
 
   /// The outcome of a hint skipped at bucket `b` and watched: read by a forward, or not.
   void record_watched(std::uint8_t b, bool used) noexcept { update(watched_, b, used); }
+  /// The outcome of the victim of a fill issued at bucket `b`: missed by a later forward, or not.
+  void record_regret(std::uint8_t b, bool missed) noexcept { update(regret_, b, missed); }
 
   [[nodiscard]] float precision(std::size_t rank) const noexcept { return precision_[bucket(rank)]; }
   [[nodiscard]] float watched_precision(std::size_t rank) const noexcept { return watched_[bucket(rank)]; }
+  [[nodiscard]] float regret(std::size_t rank) const noexcept { return regret_[bucket(rank)]; }
 
   friend bool operator==(const RankPrecision&, const RankPrecision&) = default;
 
  private:
   std::array<float, buckets> precision_ = filled(1.0f);
   std::array<float, buckets> watched_ = filled(1.0f);
+  std::array<float, buckets> regret_ = filled(0.0f);
   std::array<std::uint32_t, buckets> since_probe_{};
 
   static void update(std::array<float, buckets>& a, std::uint8_t b, bool used) noexcept {
