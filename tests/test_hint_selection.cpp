@@ -600,14 +600,14 @@ TEST_CASE("plan_prefetch with precision feedback: a fill's victim is watched; mi
   REQUIRE(p.plan_prefetch(Ids{5}, Scores{}, 0.5f, 1, 1, pre, true).ok());
   REQUIRE(pre.evictions.size() == 1);
   REQUIRE(pre.evictions[0].expert.value == 0);
-  CHECK(p.snapshot().victims[0] == 4u);  // four times the fill's protection of one forward
+  CHECK(p.snapshot().victims[0] == 8u);  // eight times the fill's protection of one forward
   // Fetched back (evicting 1, the next least recent) and read resident: no regret.
   REQUIRE(p.plan_prefetch(Ids{0}, Scores{}, 0.5f, 1, 1, pre, false).ok());
   REQUIRE(pre.evictions.size() == 1);
   REQUIRE(pre.evictions[0].expert.value == 1);
   REQUIRE(p.plan_unique(Ids{0, 5}, fwd).ok());
   CHECK(p.snapshot().victims[0] == 0u);
-  CHECK(p.snapshot().victims[1] == 3u);
+  CHECK(p.snapshot().victims[1] == 7u);
   CHECK(p.snapshot().precision.regret(0) == 0.0f);
   // 1 is missed: the regret of the rank whose fill evicted it.
   REQUIRE(p.plan_unique(Ids{1}, fwd).ok());

@@ -24,7 +24,7 @@
 // stop.
 //
 // A fill also evicts a resident, and a later forward may miss that victim (on a small cache it
-// often does): the planner watches each victim of a speculative fill for four times the fill's
+// often does): the planner watches each victim of a speculative fill for eight times the fill's
 // protection and records whether a forward missed it, a third average per rank (its regret,
 // starting at 0). A rank is admitted on its precision net of its regret: a used fill saves one
 // demand copy and a regretted eviction costs one.
