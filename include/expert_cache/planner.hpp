@@ -66,6 +66,72 @@ struct PlannerCounters {
   friend bool operator==(const PlannerCounters&, const PlannerCounters&) = default;
 };
 
+namespace detail {
+
+// Experts watched for a number of accepted forwards, each with the rank bucket it was entered at:
+// the planner's live speculative fills, its skipped hints and its fills' victims. Per expert the
+// forwards left (0 = not watched) and a position in the live list, so aging visits only the live
+// entries; sized at construction.
+class ExpertWatchList {
+ public:
+  ExpertWatchList(std::int32_t num_experts, std::int32_t max_live)
+      : left_(static_cast<std::size_t>(num_experts), 0u),
+        pos_(static_cast<std::size_t>(num_experts), -1),
+        rank_(static_cast<std::size_t>(num_experts), 0u),
+        live_(static_cast<std::size_t>(max_live)) {}
+
+  [[nodiscard]] bool contains(ExpertId e) const noexcept { return left_[e.index()] != 0; }
+  [[nodiscard]] std::uint8_t rank(ExpertId e) const noexcept { return rank_[e.index()]; }
+  [[nodiscard]] std::size_t size() const noexcept { return live_.size(); }
+  [[nodiscard]] const ExpertId* begin() const noexcept { return live_.begin(); }
+  [[nodiscard]] const ExpertId* end() const noexcept { return live_.end(); }
+  // Per expert: forwards left, 0 = not watched (the planner's snapshot).
+  [[nodiscard]] const std::vector<std::uint32_t>& forwards_left() const noexcept { return left_; }
+
+  // Watches `e` (not watched yet) for `forwards` >= 1 accepted forwards.
+  void add(ExpertId e, std::uint8_t rank, std::uint32_t forwards) noexcept {
+    left_[e.index()] = forwards;
+    rank_[e.index()] = rank;
+    pos_[e.index()] = static_cast<std::int32_t>(live_.size());
+    live_.push_back(e);
+  }
+
+  // Stops watching `e` (watched): swap with the last live entry.
+  void remove(ExpertId e) noexcept {
+    const std::int32_t at = pos_[e.index()];
+    const ExpertId moved = live_.back();
+    live_[static_cast<std::size_t>(at)] = moved;
+    pos_[moved.index()] = at;
+    live_.pop_back();
+    pos_[e.index()] = -1;
+    left_[e.index()] = 0;
+  }
+
+  // One accepted forward went by: every entry ages by one; those at zero are removed and passed
+  // to expired(e, rank).
+  template <class Expired>
+  void age(Expired&& expired) noexcept {
+    for (std::size_t i = live_.size(); i-- > 0;) {
+      const ExpertId e = live_[i];
+      if (left_[e.index()] == 1) {
+        const std::uint8_t r = rank_[e.index()];
+        remove(e);
+        expired(e, r);
+      } else {
+        --left_[e.index()];
+      }
+    }
+  }
+
+ private:
+  std::vector<std::uint32_t> left_;
+  std::vector<std::int32_t> pos_;
+  std::vector<std::uint8_t> rank_;
+  FixedVector<ExpertId> live_;
+};
+
+}  // namespace detail
+
 template <eviction_policy Policy>
 class ForwardPlanner {
  public:
@@ -95,18 +161,9 @@ class ForwardPlanner {
         stamps_(static_cast<std::size_t>(shape.num_experts), 0u),
         scratch_(static_cast<std::size_t>(shape.capacity)),
         previous_forward_(static_cast<std::size_t>(shape.capacity)),
-        spec_left_(static_cast<std::size_t>(shape.num_experts), 0u),
-        spec_pos_(static_cast<std::size_t>(shape.num_experts), -1),
-        spec_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
-        spec_live_(static_cast<std::size_t>(shape.capacity)),
-        watch_left_(static_cast<std::size_t>(shape.num_experts), 0u),
-        watch_pos_(static_cast<std::size_t>(shape.num_experts), -1),
-        watch_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
-        watch_live_(static_cast<std::size_t>(shape.num_experts)),
-        regret_left_(static_cast<std::size_t>(shape.num_experts), 0u),
-        regret_pos_(static_cast<std::size_t>(shape.num_experts), -1),
-        regret_rank_(static_cast<std::size_t>(shape.num_experts), 0u),
-        regret_live_(static_cast<std::size_t>(shape.num_experts)),
+        speculative_(shape.num_experts, shape.capacity),
+        skipped_(shape.num_experts, shape.num_experts),
+        victims_(shape.num_experts, shape.num_experts),
         hints_(shape.num_experts) {
     // The free list is a LIFO stack popped from the back.
     for (std::int32_t i = 0; i < shape.capacity; ++i) {
@@ -216,9 +273,9 @@ class ForwardPlanner {
 
   // Issued by plan_prefetch and not yet used, expired, evicted or invalidated.
   [[nodiscard]] bool is_speculative(std::int32_t expert) const noexcept {
-    return expert >= 0 && expert < shape_.num_experts && spec_left_[static_cast<std::size_t>(expert)] != 0;
+    return expert >= 0 && expert < shape_.num_experts && speculative_.contains(ExpertId(expert));
   }
-  [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(spec_live_.size()); }
+  [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(speculative_.size()); }
 
   // Drop `expert` from residency. Returns the freed slot, or an invalid SlotId when the
   // expert was not resident (a no-op, like the reference providers).
@@ -227,7 +284,7 @@ class ForwardPlanner {
     const auto e = static_cast<std::size_t>(expert);
     const std::int32_t slot = resident_map_[e];
     if (slot == absent_slot) return SlotId();
-    if (spec_left_[e] != 0) resolve_speculative(ExpertId(expert), false);
+    if (speculative_.contains(ExpertId(expert))) resolve_speculative(ExpertId(expert), false);
     policy_.on_remove(ExpertId(expert));
     resident_map_[e] = absent_slot;
     forward_map_[e] = absent_slot;
@@ -255,7 +312,8 @@ class ForwardPlanner {
 
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
-                    policy_, counters_, spec_left_, precision_, watch_left_, regret_left_};
+                    policy_, counters_, speculative_.forwards_left(), precision_, skipped_.forwards_left(),
+                    victims_.forwards_left()};
   }
 
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
@@ -313,7 +371,7 @@ class ForwardPlanner {
       if (resident_map_[e.index()] != absent_slot) ++protected_residents;
     };
     for (const ExpertId e : previous_forward_) protect(e);
-    for (const ExpertId e : spec_live_) protect(e);
+    for (const ExpertId e : speculative_) protect(e);
     const ForwardSet needed(stamps_.data(), epoch_);
     std::size_t next = 0;
     bool no_victim = false;
@@ -327,7 +385,9 @@ class ForwardPlanner {
       if (static_cast<std::int32_t>(out.fills.size()) >= max_fills) break;
       if (feedback_threshold >= 0.0f && !precision_.admit(next, feedback_threshold)) {
         ++out.skipped_imprecise;
-        watch(e, next, expires_after);  // its outcome gates the rank's probes (rank_precision.hpp)
+        // Watched: its outcome gates the rank's probes (rank_precision.hpp); a hint already watched
+        // keeps its first rank and expiry.
+        if (!skipped_.contains(e)) skipped_.add(e, RankPrecision::bucket(next), expires_after);
         continue;
       }
       std::int32_t target;
@@ -353,17 +413,17 @@ class ForwardPlanner {
         resident_map_[victim.index()] = absent_slot;
         out.evictions.push_back({victim, SlotId(target)});
         ++counters_.evictions;
-        watch_victim(victim, next, victim_watch_forwards(expires_after));
+        // Watched: a later forward that misses it is this fill's regret (rank_precision.hpp).
+        if (!victims_.contains(victim)) {
+          victims_.add(victim, RankPrecision::bucket(next), victim_watch_forwards(expires_after));
+        }
       }
       resident_map_[e.index()] = target;
       slot_owner_[static_cast<std::size_t>(target)] = e.value;
       policy_.on_insert(e);
       out.fills.push_back({e, SlotId(target)});
-      if (watch_left_[e.index()] != 0) drop_watched(e);  // the fill's outcome stands for it
-      spec_left_[e.index()] = expires_after;
-      spec_pos_[e.index()] = static_cast<std::int32_t>(spec_live_.size());
-      spec_rank_[e.index()] = RankPrecision::bucket(next);
-      spec_live_.push_back(e);
+      if (skipped_.contains(e)) skipped_.remove(e);  // the fill's outcome stands for it
+      speculative_.add(e, RankPrecision::bucket(next), expires_after);
       ++counters_.speculative_issued;
       protect(e);
     }
@@ -392,12 +452,18 @@ class ForwardPlanner {
     const ForwardSet needed(stamps_.data(), epoch_);
     for (const ExpertId e : scratch_) {
       std::int32_t& slot = resident_map_[e.index()];
-      if (watch_left_[e.index()] != 0) resolve_watched(e, true);
-      if (regret_left_[e.index()] != 0) resolve_victim(e, slot == absent_slot);
+      if (skipped_.contains(e)) {
+        precision_.record_watched(skipped_.rank(e), true);
+        skipped_.remove(e);
+      }
+      if (victims_.contains(e)) {
+        precision_.record_regret(victims_.rank(e), slot == absent_slot);
+        victims_.remove(e);
+      }
       if (slot != absent_slot) {
         policy_.on_hit(e);
         ++plan.hits;
-        if (spec_left_[e.index()] != 0) resolve_speculative(e, true);
+        if (speculative_.contains(e)) resolve_speculative(e, true);
       } else {
         std::int32_t target;
         if (!free_slots_.empty()) {
@@ -410,7 +476,7 @@ class ForwardPlanner {
             return invalid_victim(victim);
           }
           target = resident_map_[victim.index()];
-          if (spec_left_[victim.index()] != 0) resolve_speculative(victim, false);  // evicted unused: wasted
+          if (speculative_.contains(victim)) resolve_speculative(victim, false);  // evicted unused: wasted
           policy_.on_remove(victim);
           resident_map_[victim.index()] = absent_slot;
           plan.evictions.push_back({victim, SlotId(target)});
@@ -430,30 +496,9 @@ class ForwardPlanner {
     counters_.hits += plan.hits;
     counters_.misses += plan.misses;
     // Unused speculative fills age by one accepted forward; at zero they are wasted.
-    for (std::size_t i = spec_live_.size(); i-- > 0;) {
-      const ExpertId e = spec_live_[i];
-      if (spec_left_[e.index()] == 1) {
-        resolve_speculative(e, false);
-      } else {
-        --spec_left_[e.index()];
-      }
-    }
-    for (std::size_t i = regret_live_.size(); i-- > 0;) {
-      const ExpertId e = regret_live_[i];
-      if (regret_left_[e.index()] == 1) {
-        resolve_victim(e, false);
-      } else {
-        --regret_left_[e.index()];
-      }
-    }
-    for (std::size_t i = watch_live_.size(); i-- > 0;) {
-      const ExpertId e = watch_live_[i];
-      if (watch_left_[e.index()] == 1) {
-        resolve_watched(e, false);
-      } else {
-        --watch_left_[e.index()];
-      }
-    }
+    speculative_.age([&](ExpertId, std::uint8_t rank) noexcept { resolved(rank, false); });
+    victims_.age([&](ExpertId, std::uint8_t rank) noexcept { precision_.record_regret(rank, false); });
+    skipped_.age([&](ExpertId, std::uint8_t rank) noexcept { precision_.record_watched(rank, false); });
     ++counters_.prepare_calls;
     ++counters_.generation;
     return {};
@@ -471,30 +516,13 @@ class ForwardPlanner {
 
   // A live speculative fill's outcome: counted, fed to its rank's precision, and dropped.
   void resolve_speculative(ExpertId e, bool used) noexcept {
+    const std::uint8_t rank = speculative_.rank(e);
+    speculative_.remove(e);
+    resolved(rank, used);
+  }
+  void resolved(std::uint8_t rank, bool used) noexcept {
     ++(used ? counters_.speculative_used : counters_.speculative_wasted);
-    precision_.record(spec_rank_[e.index()], used);
-    drop_speculative(e);
-  }
-
-  // Removes a live speculative entry (swap with the last of spec_live_).
-  void drop_speculative(ExpertId e) noexcept {
-    const std::int32_t at = spec_pos_[e.index()];
-    const ExpertId moved = spec_live_.back();
-    spec_live_[static_cast<std::size_t>(at)] = moved;
-    spec_pos_[moved.index()] = at;
-    spec_live_.pop_back();
-    spec_pos_[e.index()] = -1;
-    spec_left_[e.index()] = 0;
-  }
-
-  // A hint skipped for its rank's precision, watched for the forwards a fill of it would have
-  // stayed protected (a hint already watched keeps its first rank and expiry).
-  void watch(ExpertId e, std::size_t rank, std::uint32_t forwards) noexcept {
-    if (watch_left_[e.index()] != 0) return;
-    watch_left_[e.index()] = forwards;
-    watch_rank_[e.index()] = RankPrecision::bucket(rank);
-    watch_pos_[e.index()] = static_cast<std::int32_t>(watch_live_.size());
-    watch_live_.push_back(e);
+    precision_.record(rank, used);
   }
 
   // A speculative fill's eviction is regretted when a forward within this many forwards misses
@@ -503,43 +531,6 @@ class ForwardPlanner {
   // than 4 on every routing tried and as well as 16 (docs/prefetch.md).
   static constexpr std::uint32_t victim_watch_forwards(std::uint32_t expires_after) noexcept {
     return expires_after > 0x1FFFFFFFu ? 0xFFFFFFFFu : 8 * expires_after;
-  }
-
-  // A victim of a speculative fill at `rank`, watched: a later forward that misses it is the
-  // fill's regret (rank_precision.hpp). A victim already watched keeps its first rank and expiry.
-  void watch_victim(ExpertId e, std::size_t rank, std::uint32_t forwards) noexcept {
-    if (regret_left_[e.index()] != 0) return;
-    regret_left_[e.index()] = forwards;
-    regret_rank_[e.index()] = RankPrecision::bucket(rank);
-    regret_pos_[e.index()] = static_cast<std::int32_t>(regret_live_.size());
-    regret_live_.push_back(e);
-  }
-  // A watched victim read by a forward (`missed`: it was not resident again) or expired.
-  void resolve_victim(ExpertId e, bool missed) noexcept {
-    precision_.record_regret(regret_rank_[e.index()], missed);
-    const std::int32_t at = regret_pos_[e.index()];
-    const ExpertId moved = regret_live_.back();
-    regret_live_[static_cast<std::size_t>(at)] = moved;
-    regret_pos_[moved.index()] = at;
-    regret_live_.pop_back();
-    regret_pos_[e.index()] = -1;
-    regret_left_[e.index()] = 0;
-  }
-
-  // A watched hint's outcome: fed to its rank's watched precision, and dropped.
-  void resolve_watched(ExpertId e, bool used) noexcept {
-    precision_.record_watched(watch_rank_[e.index()], used);
-    drop_watched(e);
-  }
-
-  void drop_watched(ExpertId e) noexcept {
-    const std::int32_t at = watch_pos_[e.index()];
-    const ExpertId moved = watch_live_.back();
-    watch_live_[static_cast<std::size_t>(at)] = moved;
-    watch_pos_[moved.index()] = at;
-    watch_live_.pop_back();
-    watch_pos_[e.index()] = -1;
-    watch_left_[e.index()] = 0;
   }
 
   Status invalid_victim(ExpertId victim) const {
@@ -601,23 +592,13 @@ class ForwardPlanner {
   detail::FixedVector<ExpertId> scratch_;           // validated unique ids of the forward being planned
   detail::FixedVector<ExpertId> previous_forward_;  // entries to clear in forward_map_
   PlannerCounters counters_;
-  // Speculative fills (plan_prefetch): forwards left per expert (0 = not speculative), and the
-  // live ones as a list (position per expert) so a forward ages them without a full scan.
-  std::vector<std::uint32_t> spec_left_;
-  std::vector<std::int32_t> spec_pos_;
-  std::vector<std::uint8_t> spec_rank_;  // the rank bucket each live fill was issued at
-  detail::FixedVector<ExpertId> spec_live_;
-  RankPrecision precision_;  // outcomes of speculative fills per rank (prefetch/rank_precision.hpp)
-  // Hints skipped for their rank's precision, watched as spec_* watches fills (no slot, no bytes).
-  std::vector<std::uint32_t> watch_left_;
-  std::vector<std::int32_t> watch_pos_;
-  std::vector<std::uint8_t> watch_rank_;
-  detail::FixedVector<ExpertId> watch_live_;
-  // Victims of speculative fills, watched for regret as watch_* watches skipped hints.
-  std::vector<std::uint32_t> regret_left_;
-  std::vector<std::int32_t> regret_pos_;
-  std::vector<std::uint8_t> regret_rank_;
-  detail::FixedVector<ExpertId> regret_live_;
+  // Speculative fills (plan_prefetch) live until used, expired, evicted or invalidated; hints
+  // skipped for their rank's precision (no slot, no bytes) and the victims of speculative fills,
+  // watched for their outcome. Each with the rank bucket it came from.
+  detail::ExpertWatchList speculative_;
+  detail::ExpertWatchList skipped_;
+  detail::ExpertWatchList victims_;
+  RankPrecision precision_;  // outcomes per rank (prefetch/rank_precision.hpp)
   HintSelector hints_;  // scored plan_prefetch's selection (scratch sized at construction, not state)
 };
 

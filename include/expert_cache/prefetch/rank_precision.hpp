@@ -41,7 +41,6 @@ class RankPrecision {
  public:
   static constexpr std::size_t buckets = 16;
   static constexpr float weight = 1.0f / 16.0f;
-
   static constexpr std::uint32_t probe_every = 32;
 
   [[nodiscard]] static constexpr std::uint8_t bucket(std::size_t rank) noexcept {
@@ -49,8 +48,8 @@ class RankPrecision {
   }
 
   /// Whether a hint at `rank` is fetched: its bucket's precision net of its regret is at least
-  /// `threshold`, or it is the bucket's probe (every probe_every-th hint that reaches a throttled bucket while its
-  /// watched hints' precision is at least `threshold`).
+  /// `threshold`, or it is the bucket's probe (every probe_every-th hint that reaches a throttled
+  /// bucket while its watched hints' precision is at least `threshold`).
   [[nodiscard]] bool admit(std::size_t rank, float threshold) noexcept {
     const std::uint8_t b = bucket(rank);
     if (precision_[b] - regret_[b] >= threshold) return true;
