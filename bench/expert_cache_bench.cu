@@ -634,6 +634,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   const auto un = static_cast<std::size_t>(n);
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
   std::vector<std::unique_ptr<Cache>> caches;
+  const bool lookahead_row = !prefetch.empty() && prefetch != "none";
   for (std::int32_t l = 0; l < m.layers; ++l) {
     DeviceCacheOptions o;
     o.num_experts = m.experts;
@@ -643,7 +644,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.overlap = overlap;
     o.fill_by_consumer = one_pass;
     o.fill_engine = engine;
-    o.lookahead = !prefetch.empty() && prefetch != "none";  // automatic: FillUse::overlapped_lookahead with overlap
+    o.lookahead = lookahead_row;  // automatic: FillUse::overlapped_lookahead with overlap
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
     o.memory = shared_host_pools(m, ctx, progress, l);
@@ -656,9 +657,8 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     LinkProfile lp;
     if (Status st = link_profile_for(device, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
     std::string reason;
-    const bool lookahead = !prefetch.empty() && prefetch != "none";
-    (void)lp.choose_engine(lookahead && overlap ? FillUse::overlapped_lookahead : FillUse::demand, &reason);
-    notes.push_back(std::string("device/") + device_staging + (lookahead ? "+" + prefetch : std::string()) +
+    (void)lp.choose_engine(lookahead_row && overlap ? FillUse::overlapped_lookahead : FillUse::demand, &reason);
+    notes.push_back(std::string("device/") + device_staging + (lookahead_row ? "+" + prefetch : std::string()) +
                     ": automatic picked " + reason);
   }
   // With automatic picking the copy engine, fill_by_consumer became overlap (no missing flags).
