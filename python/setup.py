@@ -13,7 +13,7 @@ from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 INCLUDE = os.path.normpath(os.path.join(HERE, "..", "include"))
-if not os.path.isfile(os.path.join(INCLUDE, "expert_cache", "any_cache.hpp")):
+if not os.path.isfile(os.path.join(INCLUDE, "expert_cache", "any/any_cache.hpp")):
     raise SystemExit(f"expert_cache headers not found at {INCLUDE} (build from a checkout of the repository)")
 
 # C++20 for both compilers (the library needs it; cpp_extension adds its own -std only when none is given).

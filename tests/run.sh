@@ -16,7 +16,7 @@ command -v nvcc >/dev/null 2>&1 && cuda=enabled
 # for the same virtual architecture (compute_90, the default sm_90's; no SASS, so no ptxas
 # code generation) and, where nvcc has it, with device optimisations reduced for compile speed
 # (-Ofc=max). Every CUDA translation unit still goes through nvcc's front end and cicc, so what
-# does not compile still fails here; the GPU recipe (docs/cuda_backend.md, bench/gpu_suite.sh)
+# does not compile still fails here; the GPU recipe (docs/cuda_backend.md, bench/scripts/gpu_suite.sh)
 # builds real sm_90 code at full optimisation.
 # Both builds group the tests (-Dtest_programs=grouped, tests/meson.build): the short host tests
 # are one program and the GPU tests another, each compiled as one translation unit

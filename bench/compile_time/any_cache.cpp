@@ -1,7 +1,7 @@
-// Compile-time probe (bench/compile_time.sh): the same program with its provider chosen at run time.
+// Compile-time probe (bench/scripts/compile_time.sh): the same program with its provider chosen at run time.
 #include <cstdio>
 
-#include "expert_cache/any_cache.hpp"
+#include "expert_cache/any/any_cache.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 

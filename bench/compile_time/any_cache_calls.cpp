@@ -1,8 +1,8 @@
-// Compile-time probe (bench/compile_time.sh): any_cache.cpp's program with static_cache_calls.cpp's
+// Compile-time probe (bench/scripts/compile_time.sh): any_cache.cpp's program with static_cache_calls.cpp's
 // calls (prepare, a prefetch and a wide forward), its provider chosen at run time.
 #include <cstdio>
 
-#include "expert_cache/any_cache.hpp"
+#include "expert_cache/any/any_cache.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 

@@ -1,10 +1,10 @@
-// Compile-time probe (bench/compile_time.sh --cuda): the same program with its provider chosen at run time.
+// Compile-time probe (bench/scripts/compile_time.sh --cuda): the same program with its provider chosen at run time.
 // Also a test of the header-only mode on CudaRuntime (tests/meson.build: any_cache_cuda_header_only_*).
 #include <cstdio>
 #include <span>
 #include <string>
 
-#include "expert_cache/any_cache_cuda.cuh"
+#include "expert_cache/any/any_cache_cuda.cuh"
 #include "expert_cache/layout/dense.hpp"
 
 int main(int argc, char** argv) {

@@ -1,4 +1,4 @@
-// Compile-time probe (bench/compile_time.sh): a static WholeExpertCache on SimRuntime, prepared once.
+// Compile-time probe (bench/scripts/compile_time.sh): a static WholeExpertCache on SimRuntime, prepared once.
 #include <cstdio>
 
 #include "expert_cache/expert_cache.hpp"

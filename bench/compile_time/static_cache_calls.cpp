@@ -1,4 +1,4 @@
-// Compile-time probe (bench/compile_time.sh): the static WholeExpertCache of static_cache.cpp,
+// Compile-time probe (bench/scripts/compile_time.sh): the static WholeExpertCache of static_cache.cpp,
 // with a prefetch and a wide forward beside the prepare (what an engine with lookahead and
 // prompts calls).
 #include <cstdio>

@@ -1,4 +1,4 @@
-// Compile-time probe (bench/compile_time.sh --cuda): a static WholeExpertCache on CudaRuntime.
+// Compile-time probe (bench/scripts/compile_time.sh --cuda): a static WholeExpertCache on CudaRuntime.
 #include <cstdio>
 
 #include "expert_cache/cuda.hpp"

@@ -12,8 +12,8 @@
 #include <system_error>
 #include <vector>
 
-#include "../cli_args.hpp"
-#include "expert_cache/planning/crf_math.hpp"
+#include "cli_args.hpp"
+#include "expert_cache/eviction/crf_math.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
 

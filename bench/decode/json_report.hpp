@@ -11,7 +11,7 @@
 #include <unistd.h>
 #endif
 
-#include "../json_text.hpp"
+#include "json_text.hpp"
 #include "report.hpp"
 
 namespace expert_cache::bench {

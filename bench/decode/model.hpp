@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "args.hpp"
-#include "expert_cache/detail/splitmix64.hpp"
+#include "expert_cache/base/splitmix64.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "expert_cache/tools/trace_io.hpp"
 

@@ -19,7 +19,7 @@
 #include <memory>
 #include <vector>
 
-#include "expert_cache/device_cache.hpp"
+#include "expert_cache/device_cache/device_cache.hpp"
 #include "modelled_run.hpp"
 
 namespace expert_cache::bench {

@@ -1,8 +1,8 @@
 #pragma once
 // expert-cache-bench --prompt, MEASURED on a GPU: time to first token (TTFT) of whole prompts,
 // each served as ONE prepare_wide per layer on CudaRuntime caches over real pinned host pools,
-// with the grouped NVFP4 consumer (device/moe_grouped.cuh) doing each round's work; and the
-// mixed run (one prompt every K decode tokens; its decode steps use device/moe_consumer.cuh). Part of
+// with the grouped NVFP4 consumer (reference/moe_grouped.cuh) doing each round's work; and the
+// mixed run (one prompt every K decode tokens; its decode steps use reference/moe_consumer.cuh). Part of
 // expert_cache_bench.cu: included there after its helpers (check_cuda, DeviceBuffer,
 // PinnedBuffer, synth_fill, parallel_experts, measure_pcie_ceiling), not a public header.
 //
@@ -52,8 +52,8 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/moe_consumer.cuh"
-#include "expert_cache/device/moe_grouped.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/reference/moe_grouped.cuh"
 #include "expert_cache/expert_cache.hpp"
 #include "prompt_run.hpp"
 
@@ -910,7 +910,7 @@ inline int run_prompt_measured(const Model& m, const BenchArgs& a, const PromptT
               "(same run)\n",
               prop.name, prop.major, prop.minor, ceiling * 1e-9);
   std::printf("model: %d layers x %d experts, top-%d, %d slots per layer, expert %.3f MiB; consumer: "
-              "device/moe_grouped.cuh (%s activations), each expert's (token, expert) rows in tiles of up to %d; pair "
+              "reference/moe_grouped.cuh (%s activations), each expert's (token, expert) rows in tiles of up to %d; pair "
               "and tile lists %s\n",
               m.layers, m.experts, m.top_k, m.capacity, static_cast<double>(m.expert_bytes()) / (1 << 20),
               a.prompt_bf16 ? "bf16" : "exact fp32", device::grouped_tile_rows,

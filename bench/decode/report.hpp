@@ -1,6 +1,6 @@
 #pragma once
 // expert-cache-bench: result rows (RunResult), the whole report, and the text table that
-// bench/run.sh prints. Host-only.
+// bench/scripts/run.sh prints. Host-only.
 #include <cstdint>
 #include <cstdio>
 #include <string>

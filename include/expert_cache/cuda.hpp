@@ -13,7 +13,7 @@
 #include "expert_cache/runtime/cuda_runtime.hpp"
 
 #if defined(__CUDACC__)
-#include "expert_cache/staging/gather.cuh"
+#include "expert_cache/staging/gather_staging.cuh"
 #endif
 
 #if defined(__has_include)

@@ -13,16 +13,16 @@
 //   RecommendedRowCache          RowCache with Lrfu
 //   RecommendedWholeExpertCache  WholeExpertCache with Lrfu
 //   RecommendedModelCache        ModelExpertCache (tensor-major, copy stream) with LayerShare
-#include "expert_cache/cache.hpp"
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/cache/expert_cache.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/all.hpp"
-#include "expert_cache/model_cache.hpp"
-#include "expert_cache/planner.hpp"
-#include "expert_cache/split.hpp"
+#include "expert_cache/cache/model_cache.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
+#include "expert_cache/planning/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
-#include "expert_cache/types.hpp"
+#include "expert_cache/base/types.hpp"
 
 namespace expert_cache::inline v0 {
 

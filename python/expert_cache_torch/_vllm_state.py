@@ -1,5 +1,5 @@
 """vLLM's private provider state, rebuilt from the library's decisions (docs/python.md "Coming from
-vLLM", compatibility views). No torch: tests/test_vllm_state.py runs it with python3 alone.
+vLLM", compatibility views). No torch: tests/cli/test_vllm_state.py runs it with python3 alone.
 
 vLLM's providers keep their state in Python attributes that tests and tools read directly:
 

@@ -1,6 +1,6 @@
 #pragma once
 // CacheBridge<Runtime>: what the PyTorch extension does with a cache, in plain data, so it can be
-// tested without torch and without a GPU (tests/test_python_bridge.cpp drives it on SimRuntime).
+// tested without torch and without a GPU (tests/host/test_python_bridge.cpp drives it on SimRuntime).
 //
 // The extension (python/src/extension.cpp) turns torch tensors into (name, pointer, bytes, dtype,
 // shape) records and integer id spans; this header validates every one of them BEFORE the cache
@@ -24,7 +24,7 @@
 #include <utility>
 #include <vector>
 
-#include "expert_cache/any_cache.hpp"
+#include "expert_cache/any/any_cache.hpp"
 #include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
@@ -77,7 +77,7 @@ struct BridgeConfig {
   std::int32_t capacity = 0;
   std::int32_t top_k = 1;
   std::int32_t max_ids = 0;      // device provider: largest prepare (tokens * top_k)
-  std::int32_t stream_slots = 0; // slots after `capacity` for wide forwards' scan-resistant streaming (wide.hpp)
+  std::int32_t stream_slots = 0; // slots after `capacity` for wide forwards' scan-resistant streaming (cache/wide.hpp)
   std::string label = "expert_cache";
   bool host_registered = false;  // the host tensors are pinned already (torch pin_memory())
   // Device provider: who moves the fills' bytes, "automatic" | "copy_engine" | "sm_loads"
@@ -937,7 +937,7 @@ class CudaBridge {
 // Defined in bridge_cuda.cu (nvcc): the CUDA runtime on the current device plus the bridge.
 Result<std::unique_ptr<CudaBridge>> make_cuda_bridge(const BridgeConfig& config, std::span<const HostTensorArg> host);
 
-// Defined in bridge_cuda.cu (nvcc; runtime/link_profile.cuh). The link profile of `device` at
+// Defined in bridge_cuda.cu (nvcc; staging/link_probe.cuh). The link profile of `device` at
 // `expert_bytes` (check_link_profile_request first): measured on the first call of this process
 // for that pair, then the same profile (link_profile_for); the caller's current device is kept.
 Result<LinkProfile> cuda_link_profile(std::int64_t device, std::int64_t expert_bytes);

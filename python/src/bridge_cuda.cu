@@ -1,8 +1,8 @@
 // The CUDA instantiation of CacheBridge, compiled by nvcc WITHOUT torch headers: the library's
 // .cuh headers (gather staging, the device planner) and torch never meet in one translation
 // unit. The extension (extension.cpp, g++ + torch) only sees the non-template CudaBridge.
-#include "expert_cache/any_cache_cuda.cuh"  // first: the CUDA staging list before make_expert_cache
-#include "expert_cache/runtime/link_profile.cuh"
+#include "expert_cache/any/any_cache_cuda.cuh"  // first: the CUDA staging list before make_expert_cache
+#include "expert_cache/staging/link_probe.cuh"
 
 #include "bridge.hpp"
 #include "model_bridge.hpp"

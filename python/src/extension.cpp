@@ -801,7 +801,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("device_provider", &TorchCache::device_provider)
       .def_property_readonly("fill_engine", &TorchCache::fill_engine);
 
-  // ---- the link profile (runtime/link_profile.cuh, through bridge_cuda.cu) ----
+  // ---- the link profile (staging/link_probe.cuh, through bridge_cuda.cu) ----
   m.def("link_profile",
         [](std::int64_t device, std::int64_t expert_bytes) {
           const expert_cache::Result<expert_cache::LinkProfile> r = [&] {

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "bridge.hpp"
-#include "expert_cache/model_cache.hpp"
+#include "expert_cache/cache/model_cache.hpp"
 
 namespace expert_cache::inline v0::python {
 

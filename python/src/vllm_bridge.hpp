@@ -1,7 +1,7 @@
 #pragma once
 // The torch-free half of the vLLM-surface providers (expert_cache_torch.vllm): what vLLM's
 // expert-cache providers check and decide, in plain data, so CI tests it without torch or a GPU
-// (tests/test_vllm_bridge.cpp). docs/reference_providers.md describes the two providers;
+// (tests/host/test_vllm_bridge.cpp). docs/reference_providers.md describes the two providers;
 // docs/python.md "Coming from vLLM" maps their surface onto this one.
 //
 //   validate_provider_sources  the constructor's tensors (w13_weight, w2_weight, the optional
@@ -29,11 +29,11 @@
 
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lru.hpp"
-#include "expert_cache/layout/tensor_bytes.hpp"
-#include "expert_cache/planner.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/prefetch/hint_selection.hpp"
-#include "expert_cache/split.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/planning/split.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"  // max_pool_bytes
 
 namespace expert_cache::inline v0::python {
@@ -345,7 +345,7 @@ struct SplitPart {
 };
 
 // The split of a [rows, top_k] forward (ids row-major; negative = padding; ids >= num_experts
-// refused) into parts that each fit `capacity` slots: "token" (split.hpp plan_token_chunks:
+// refused) into parts that each fit `capacity` slots: "token" (planning/split.hpp plan_token_chunks:
 // exact, whole rows per part) or "expert" (plan_expert_groups: every row per part, experts cut
 // into groups, part sums differ from one call only by rounding).
 inline Result<std::vector<SplitPart>> plan_split(std::span<const std::int64_t> ids, std::int32_t top_k,

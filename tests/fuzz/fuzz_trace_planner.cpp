@@ -24,8 +24,8 @@
 
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/expert_cache.hpp"
-#include "expert_cache/model_cache.hpp"
-#include "expert_cache/planner.hpp"
+#include "expert_cache/cache/model_cache.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"

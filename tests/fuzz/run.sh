@@ -16,7 +16,7 @@ mkdir -p "$build/corpus" "$build/artifacts"
 
 "$cxx" -std=c++20 -O1 -g -fno-omit-frame-pointer \
   -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -Iinclude tests/fuzz/fuzz_trace_planner.cpp -o "$build/fuzz_trace_planner"
+  -Iinclude -Itools/include tests/fuzz/fuzz_trace_planner.cpp -o "$build/fuzz_trace_planner"
 
 # Seed corpus: small valid and malformed traces (the first byte picks parser options).
 seed() { printf '%b' "$2" > "$build/corpus/$1"; }

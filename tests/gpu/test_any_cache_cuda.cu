@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "expert_cache/any_cache_cuda.cuh"
+#include "expert_cache/any/any_cache_cuda.cuh"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "support/cuda_support.hpp"
 

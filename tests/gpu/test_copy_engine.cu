@@ -1,4 +1,4 @@
-// The copy-engine fill of DeviceExpertCache (device/copy_proxy.cuh): the plan's fill list goes
+// The copy-engine fill of DeviceExpertCache (device_cache/copy_proxy.cuh): the plan's fill list goes
 // to the device's proxy thread, which copies on a copy engine and publishes each slot's ready
 // word. Each ordering edge of the protocol (docs/design.md, P1-P2) is removed through a test
 // knob and the test shows that a consumer then reads wrong bytes; a refused copy surfaces as a
@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/device_cache_cuda.cuh"
+#include "expert_cache/device_cache/cuda_executor.cuh"
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;

@@ -23,10 +23,10 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/device_cache_cuda.cuh"
+#include "expert_cache/device_cache/cuda_executor.cuh"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
-#include "expert_cache/planner.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;
@@ -132,7 +132,7 @@ struct Config {
   // there, overlapping layer l's consumer; the host reference prefetches the same ids.
   std::int32_t hint_ids = 0;  // 0: no prefetch
   // The engine that moves the fills: SM loads (the fill kernels) or the copy engine (the
-  // device's proxy thread, device/copy_proxy.cuh).
+  // device's proxy thread, device_cache/copy_proxy.cuh).
   FillEngine engine = FillEngine::sm_loads;
 };
 

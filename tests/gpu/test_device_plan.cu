@@ -1,4 +1,4 @@
-// The device planner on the GPU (device/plan_kernel.cuh) against the host ForwardPlanner<Lru>:
+// The device planner on the GPU (kernels/plan_kernels.cuh) against the host ForwardPlanner<Lru>:
 //  (a) random traces planned by the kernel, maps and lists read back and compared with the host
 //      planner after every group of every step (eager launches, invalidate kernels included);
 //  (b) one CUDA graph (router stand-in writing ids on the device -> invalidate -> plan -> fill,
@@ -26,11 +26,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "expert_cache/device/plan_kernel.cuh"
+#include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lru.hpp"
-#include "expert_cache/planner.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 #include "support/device_plan_support.hpp"
 
@@ -615,7 +615,7 @@ TEST_CASE("device plan kernel: fused plan + fill in one node waits for the plan 
   CUDA_OK(cudaGraphDestroy(graph));
 }
 
-// The overlapped fill (edge D4, device/plan_kernel.cuh plan_fill_ready_kernel): plan -> fill in
+// The overlapped fill (edge D4, kernels/plan_kernels.cuh plan_fill_ready_kernel): plan -> fill in
 // a captured graph replayed with new ids and never reset. After every replay each resident
 // slot holds its expert's bytes (several blocks share each fill), its ready word equals the
 // value the plan tagged it with, every per-fill arrival counter is back at 0, and the fill
@@ -824,7 +824,7 @@ TEST_CASE("device plan kernels (DeviceCrf, half-lives 3 and 32) equal ForwardPla
   }
 }
 
-// DeviceCrf's power table on the GPU (planning/crf_math.hpp): six experts with a prior bias sit
+// DeviceCrf's power table on the GPU (eviction/crf_math.hpp): six experts with a prior bias sit
 // idle through 260-3000 forwards of slow churn and are then evicted by fast churn, so their keys
 // and CRFs take the high-bit path of crf_decay_pow_table (__umul64hi). Every forward alternates
 // the one-warp kernel (its ids) and the block kernel (the same ids padded past plan_small_ids);

@@ -16,7 +16,7 @@
 #include <cstdio>
 #include <string>
 
-#include "expert_cache/runtime/link_profile.cuh"
+#include "expert_cache/staging/link_probe.cuh"
 
 using namespace expert_cache;
 

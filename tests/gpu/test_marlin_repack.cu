@@ -16,8 +16,8 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/device/gather.cuh"
-#include "expert_cache/device/marlin_repack.cuh"
+#include "expert_cache/kernels/expert_map.cuh"
+#include "expert_cache/kernels/marlin_repack.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 #include "support/nvfp4_layers.hpp"

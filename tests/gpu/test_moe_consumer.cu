@@ -1,4 +1,4 @@
-// The reference NVFP4 MoE consumer (device/moe_consumer.cuh), suite 'gpu' (exits 77 without a
+// The reference NVFP4 MoE consumer (reference/moe_consumer.cuh), suite 'gpu' (exits 77 without a
 // device, through gpu_main.cu):
 //  * its fast decodes equal the layout's reference decodes, its nibble map equals
 //    marlin::weight_source;
@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/device_cache_cuda.cuh"
-#include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/device_cache/cuda_executor.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"

@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/gather.cuh"
-#include "expert_cache/device/griddep.cuh"
-#include "expert_cache/device/moe_consumer.cuh"
-#include "expert_cache/device/slot_ready.cuh"
+#include "expert_cache/kernels/expert_map.cuh"
+#include "expert_cache/kernels/griddep.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/kernels/slot_ready.cuh"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"
 

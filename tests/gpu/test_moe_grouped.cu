@@ -1,4 +1,4 @@
-// The grouped NVFP4 MoE consumer (device/moe_grouped.cuh), suite 'gpu' (exits 77 without a
+// The grouped NVFP4 MoE consumer (reference/moe_grouped.cuh), suite 'gpu' (exits 77 without a
 // device, through gpu_main.cu):
 //  * per (token, expert) row it matches a double-precision host MoE built from
 //    dequant_marlin_reference, for several token counts (tiles of 1..64 rows, experts with more
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/moe_grouped.cuh"
+#include "expert_cache/reference/moe_grouped.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"

@@ -1,6 +1,6 @@
 // Several GPUs' worth of ranks side by side on ONE device (docs/parallel.md), suite 'gpu' (exits
 // 77 without a device, through gpu_main.cu): two ranks' caches over one shared registered host
-// pool, each rank's step (parallel/rank_step.cuh: global -> local ids, prepare, the reference
+// pool, each rank's step (reference/rank_step.cuh: global -> local ids, prepare, the reference
 // NVFP4 consumer) and the same-device reduction (parallel/all_reduce.cuh):
 //  * expert parallel: equal bit for bit to one cache over every expert whose consumer runs the
 //    two ranks' partials (ids masked to each rank's experts) and sums them in rank order, and
@@ -22,11 +22,11 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "expert_cache/parallel/all_reduce.cuh"
 #include "expert_cache/parallel/expert_placement.hpp"
-#include "expert_cache/parallel/rank_step.cuh"
+#include "expert_cache/reference/rank_step.cuh"
 #include "expert_cache/parallel/shared_host_pool.hpp"
 #include "expert_cache/parallel/tp_slice.hpp"
 #include "support/cuda_support.hpp"

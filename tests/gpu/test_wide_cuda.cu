@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/device/device_cache_cuda.cuh"
+#include "expert_cache/device_cache/cuda_executor.cuh"
 #include "support/cuda_support.hpp"
 #include "support/slot_checksum.cuh"
 

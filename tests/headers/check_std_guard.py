@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every public host header, included alone under C++17, stops with version.hpp's #error
+"""Every public host header, included alone under C++17, stops with base/version.hpp's #error
 ("expert_cache needs C++20") as its first error, not with pages of concept errors.
 
   check_std_guard.py INCLUDE_DIR HEADER... -- CXX [ARGS...]   (CXX: the compiler command)
@@ -26,12 +26,12 @@ def main() -> int:
             bad.append(f"{h}: exit {done.returncode}, first error: {first_error or '(none)'}")
     for line in bad:
         print("FAIL:", line)
-    # And under C++20 version.hpp is silent.
+    # And under C++20 base/version.hpp is silent.
     ok20 = subprocess.run([*cxx, "-std=c++20", "-fsyntax-only", "-I", include_dir, "-x", "c++", "-"],
-                          input='#include "expert_cache/version.hpp"\n', stdout=subprocess.PIPE,
+                          input='#include "expert_cache/base/version.hpp"\n', stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if ok20.returncode != 0:
-        print("FAIL: version.hpp does not compile under C++20:", ok20.stdout)
+        print("FAIL: base/version.hpp does not compile under C++20:", ok20.stdout)
         return 1
     print(f"{len(headers) - len(bad)}/{len(headers)} headers stop with '{WANT}' under C++17")
     return 1 if bad else 0

@@ -1,7 +1,7 @@
-// version.hpp's macros match meson.build's project version (passed in by tests/headers/meson.build).
+// base/version.hpp's macros match meson.build's project version (passed in by tests/headers/meson.build).
 #include <cstring>
 
-#include "expert_cache/version.hpp"
+#include "expert_cache/base/version.hpp"
 
 static_assert(EXPERT_CACHE_VERSION_MAJOR == MESON_VERSION_MAJOR, "EXPERT_CACHE_VERSION_MAJOR differs from meson.build");
 static_assert(EXPERT_CACHE_VERSION_MINOR == MESON_VERSION_MINOR, "EXPERT_CACHE_VERSION_MINOR differs from meson.build");

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
 #include "support/sim_cache_harness.hpp"
 

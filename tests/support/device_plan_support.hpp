@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/planner.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
 
 namespace expert_cache::test {
@@ -30,7 +30,7 @@ inline std::vector<PlanEntry> entries(const std::vector<SlotEviction>& v) {
   return out;
 }
 
-// Sorted unique valid ids, split into ascending groups of <= capacity (split.hpp's expert split).
+// Sorted unique valid ids, split into ascending groups of <= capacity (planning/split.hpp's expert split).
 inline std::vector<std::vector<std::int32_t>> host_groups(const std::vector<std::int32_t>& ids,
                                                           std::int32_t num_experts, std::int32_t capacity) {
   std::set<std::int32_t> u;

@@ -11,7 +11,7 @@
 
 #include <doctest/doctest.h>
 
-#include "expert_cache/device/moe_consumer.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/layout/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 

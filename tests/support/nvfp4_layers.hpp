@@ -1,5 +1,5 @@
 #pragma once
-// NVFP4 test layers shared by the host layout test (tests/test_layout_nvfp4_marlin.cpp) and the
+// NVFP4 test layers shared by the host layout test (tests/host/test_layout_nvfp4_marlin.cpp) and the
 // GPU repack test (tests/gpu/test_marlin_repack.cu). Host code only:
 //  * random_nvfp4_layer: a checkpoint layer with random codes and a mix of block scales (zeros,
 //    subnormals, -0, the family's maximum and normals below it) and optionally one expert whose

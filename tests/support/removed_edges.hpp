@@ -30,16 +30,16 @@ struct NoResidentSerialisation : OrderingEdges {  // 7
 struct NoStagingGuard : OrderingEdges {  // 8
   static constexpr bool staging_guard = false;
 };
-struct NoSpeculativeSlotWait : OrderingEdges {  // 9 (tests/test_prefetch.cpp)
+struct NoSpeculativeSlotWait : OrderingEdges {  // 9 (tests/host/test_prefetch.cpp)
   static constexpr bool speculative_slot_wait = false;
 };
-struct NoWideBufferRelease : OrderingEdges {  // 10 (tests/test_wide_forward.cpp, tests/test_device_wide.cpp)
+struct NoWideBufferRelease : OrderingEdges {  // 10 (tests/host/test_wide_forward.cpp, tests/host/test_device_wide.cpp)
   static constexpr bool wide_buffer_release = false;
 };
-struct NoWideResidentReadWait : OrderingEdges {  // D10 (tests/test_device_wide.cpp)
+struct NoWideResidentReadWait : OrderingEdges {  // D10 (tests/host/test_device_wide.cpp)
   static constexpr bool wide_resident_read_wait = false;
 };
-struct NoSpeculativeOverwriteWait : OrderingEdges {  // 11 (tests/test_prefetch.cpp)
+struct NoSpeculativeOverwriteWait : OrderingEdges {  // 11 (tests/host/test_prefetch.cpp)
   static constexpr bool speculative_overwrite_wait = false;
 };
 

@@ -9,7 +9,7 @@
 
 #include <cstddef>
 
-#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 
 namespace test_support {
 namespace {  // each test program is one translation unit with its own copies

@@ -2,7 +2,7 @@
 // Test support: field-by-field CacheStats comparison (a CHECK per field, so a failure names it).
 #include <doctest/doctest.h>
 
-#include "expert_cache/cache.hpp"
+#include "expert_cache/cache/expert_cache.hpp"
 
 namespace expert_cache::test {
 

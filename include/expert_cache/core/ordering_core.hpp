@@ -26,7 +26,7 @@
 // waits nor becomes the owner: the fills overlap the work on X. A later prepare() whose forward
 // uses a speculative slot waits for exactly that slot's event (wait_speculative, edge 9).
 //
-// A wide forward (wide.hpp) runs its rounds through wide_begin (edges 1, 2 on F; X adopted as
+// A wide forward (cache/wide.hpp) runs its rounds through wide_begin (edges 1, 2 on F; X adopted as
 // the reader with edges 4, 5), then per round wide_fill (F waits for the release of the buffer
 // it refills, edge 10; the round's writes; the resident map; `ready` on F, X NOT waiting yet),
 // wide_acquire (X waits for the latest `ready`: the round it is about to read, edge 3) and, after
@@ -35,7 +35,7 @@
 // r + 1's copies overlap round r's consumer.
 //
 // Readers: one core may serve several caches that share its fill stream and events (the
-// model-level cache, model_cache.hpp: one reader per layer). Each reader index has its own
+// model-level cache, cache/model_cache.hpp: one reader per layer). Each reader index has its own
 // owner, so a write for reader r waits for r's owner exactly as a core of its own would; the
 // writer (last_fill) and `ready` are shared, and each covers every earlier write of every
 // reader (docs/design.md, "Model-level cache"). One reader (the default) is the single cache.
@@ -52,10 +52,10 @@
 #include <type_traits>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/runtime/resources.hpp"
-#include "expert_cache/runtime/runtime_types.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/runtime_types.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

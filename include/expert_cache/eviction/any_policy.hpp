@@ -1,6 +1,6 @@
 #pragma once
 // AnyPolicy: one eviction_policy type holding any of the library's online policies, picked at
-// run time by name. The run-time-selected cache (any_cache.hpp) plans with it, so a cache is
+// run time by name. The run-time-selected cache (any/any_cache.hpp) plans with it, so a cache is
 // instantiated once per storage and staging choice instead of once per policy as well: the
 // policies' own code is compiled once, in this class.
 //
@@ -10,7 +10,7 @@
 // to the library becomes selectable by adding it to AnyPolicy::Variant and `names` below.
 //
 // The free-slot order (Lfru hands out the highest slot first, as vLLM's cached provider) is the
-// held policy's, reported per instance (free_slot_order_of(policy), concepts.hpp). Host-only.
+// held policy's, reported per instance (free_slot_order_of(policy), base/concepts.hpp). Host-only.
 #include <algorithm>
 #include <array>
 #include <cstddef>
@@ -25,10 +25,10 @@
 #include <variant>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/arc.hpp"
 #include "expert_cache/eviction/crf.hpp"
-#include "expert_cache/eviction/fixed_vector.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
 #include "expert_cache/eviction/layer_share.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lrfu.hpp"
@@ -37,7 +37,7 @@
 #include "expert_cache/eviction/s3fifo.hpp"
 #include "expert_cache/eviction/sieve.hpp"
 #include "expert_cache/eviction/wtinylfu.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -13,9 +13,9 @@
 #include <span>
 #include <string_view>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/eviction/fixed_vector.hpp"
-#include "expert_cache/eviction/intrusive_queues.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
+#include "expert_cache/base/intrusive_queues.hpp"
 
 namespace expert_cache::inline v0 {
 

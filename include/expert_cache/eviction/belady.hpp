@@ -12,9 +12,9 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/eviction/fixed_vector.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

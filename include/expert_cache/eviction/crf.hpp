@@ -5,7 +5,7 @@
 // forwards of this cache), kept for non-residents too, so a returning expert resumes its history.
 // The victim is the resident outside the forward with the lowest CRF now (plus its prior bias,
 // below), ties to the lower id: with one layer that is Lrfu's victim (lrfu.hpp: the lowest CRF
-// is the longest expected wait). The arithmetic is planning/crf_math.hpp's, integers only.
+// is the longest expected wait). The arithmetic is eviction/crf_math.hpp's, integers only.
 // Differences from Lrfu (which keeps a double log-domain key in heaps): a full O(capacity) scan
 // per victim instead of heaps, which a GPU block does in one reduction, and no layer split
 // (a global pool ticks one clock per forward).
@@ -19,9 +19,9 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/eviction/fixed_vector.hpp"
-#include "expert_cache/planning/crf_math.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
+#include "expert_cache/eviction/crf_math.hpp"
 
 namespace expert_cache::inline v0 {
 

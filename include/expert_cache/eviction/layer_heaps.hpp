@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
 
 namespace expert_cache::inline v0::detail {

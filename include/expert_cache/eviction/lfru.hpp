@@ -9,8 +9,8 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/eviction/fixed_vector.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -20,7 +20,7 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/layer_heaps.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
 

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/belady.hpp"
 
 namespace expert_cache::inline v0 {

@@ -4,7 +4,7 @@
 // layer-aware policies need that split to measure time per layer and to keep per-layer shares.
 #include <cstdint>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 
 namespace expert_cache::inline v0 {
 

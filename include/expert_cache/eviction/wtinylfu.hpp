@@ -17,8 +17,8 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/eviction/intrusive_queues.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/intrusive_queues.hpp"
 
 namespace expert_cache::inline v0 {
 

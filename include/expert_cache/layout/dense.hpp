@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <string>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/layout/tensor_bytes.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -2,7 +2,7 @@
 // NVFP4 (ModelOpt checkpoint) -> Marlin MoE layout: sizes, padding, index maps and encodes.
 //
 // Everything here is constexpr and EXPERT_CACHE_HOST_DEVICE, so the host reference
-// (nvfp4_reference.hpp), the CUDA kernels (device/marlin_repack.cuh) and the tests run the
+// (nvfp4_reference.hpp), the CUDA kernels (kernels/marlin_repack.cuh) and the tests run the
 // same code. Pure host header: compiles with g++ alone. See docs/nvfp4_marlin.md.
 //
 // Notation: E experts, K = hidden, N = intermediate (per TP partition), Np = padded N.
@@ -14,10 +14,10 @@
 #include <string>
 #include <string_view>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/config.hpp"
-#include "expert_cache/layout/tensor_bytes.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/config.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

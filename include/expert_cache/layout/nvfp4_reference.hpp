@@ -1,6 +1,6 @@
 #pragma once
 // Host reference for the NVFP4 -> Marlin repack of a whole MoE layer, and dequantisation of both
-// layouts. Used by the tests (ground truth for the CUDA kernels); device/marlin_repack.cuh uses its
+// layouts. Used by the tests (ground truth for the CUDA kernels); kernels/marlin_repack.cuh uses its
 // layer types and size checks (it validates values on the GPU). Pure host code.
 //
 // Tensors are expert-major and contiguous. Checkpoint (ModelOpt; docs/nvfp4_marlin.md, Tensors per expert):
@@ -18,7 +18,7 @@
 #include <string_view>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -26,9 +26,9 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/config.hpp"
+#include "expert_cache/base/config.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 #if defined(EXPERT_CACHE_HAVE_NCCL)
 #include <nccl.h>

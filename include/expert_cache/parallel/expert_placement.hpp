@@ -20,7 +20,7 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -31,8 +31,8 @@
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/layout/nvfp4_reference.hpp"
-#include "expert_cache/layout/tensor_bytes.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

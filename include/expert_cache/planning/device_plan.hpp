@@ -6,9 +6,9 @@
 // Device-side forward planning: the LRU planning step written once as
 // __host__ __device__ code over a flat state of plain arrays, so the CPU suite runs the very
 // algorithm the CUDA kernel runs (planning/device_plan.hpp + SequentialBlock on the host,
-// device/plan_kernel.cuh + CubBlock on the GPU). Its decisions equal ForwardPlanner<Lru>
+// kernels/plan_kernels.cuh + CubBlock on the GPU). Its decisions equal ForwardPlanner<Lru>
 // exactly: the same hits, misses, victims, slots, fill and eviction lists, resident map and
-// forward map after every step (tests/test_device_plan.cpp, tests/gpu/test_device_plan.cu).
+// forward map after every step (tests/host/test_device_plan.cpp, tests/gpu/test_device_plan.cu).
 //
 // Why the host planner's LRU list becomes a recency tick: Lru's list, head to tail, is in order
 // of last touch, and a forward touches its unique ids in ascending order. So a global counter
@@ -21,7 +21,7 @@
 // victim search reads two contiguous arrays of C entries; 64-bit, so they never wrap.
 //
 // Overflow (more unique valid experts than slots): the host planner rejects such a forward and
-// the cache runs an expert split (split.hpp: ascending groups of <= capacity ids). A kernel
+// the cache runs an expert split (planning/split.hpp: ascending groups of <= capacity ids). A kernel
 // cannot return an error to a graph, so the device does the split itself: plan_forward
 // deduplicates into the sorted unique list, plans group 0 (the first C ids) and records
 // group_count; plan_group(g) plans group g = ids [g*C, (g+1)*C) (or of a narrower width the
@@ -53,7 +53,7 @@
 // (scalars, counters, this thread's previous-forward entry and resident-map entry) are issued
 // up front, so an all-hit step costs about two dependent memory round trips. Both paths run
 // the same group step (plan_group_from) and leave byte-identical states
-// (tests/test_device_plan.cpp compares them).
+// (tests/host/test_device_plan.cpp compares them).
 //
 // Host-compilable with g++ alone (no CUDA headers); under nvcc every function here is
 // __host__ __device__.
@@ -64,8 +64,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "expert_cache/config.hpp"
-#include "expert_cache/planning/crf_math.hpp"
+#include "expert_cache/base/config.hpp"
+#include "expert_cache/eviction/crf_math.hpp"
 
 // Full unrolling of the fixed-size register loops, and partial unrolling (N loads in flight) of
 // the rank scan over the slots (g++ would warn about an unknown pragma).
@@ -131,16 +131,16 @@ enum PlanErrorBit : std::uint32_t {
   plan_error_bad_state = 1u << 2,     // the state view or its scalars are inconsistent: nothing planned
   plan_error_bad_argument = 1u << 3,  // n_ids < 0, null ids with n_ids > 0, or group < 0
   // A kernel's bounded spin-wait gave up (about 1.5 s): the fused fill's wait for the plan, or
-  // a readiness consumer's wait for a slot's ready word (device/plan_kernel.cuh). The kernel
+  // a readiness consumer's wait for a slot's ready word (kernels/plan_kernels.cuh). The kernel
   // went on instead of hanging; what it computed is not trustworthy.
   plan_error_wait_timeout = 1u << 4,
-  // The copy engine's proxy could not issue a fill's copy (device/copy_proxy.cuh): the slot's
+  // The copy engine's proxy could not issue a fill's copy (device_cache/copy_proxy.cuh): the slot's
   // ready word was published all the same, its bytes are not trustworthy; the cache's next call
   // returns the failure as a Status.
   plan_error_fill_failed = 1u << 5,
 };
 
-// Requests the copy engine's ring of one cache holds (device/copy_proxy.cuh; the SimRuntime
+// Requests the copy engine's ring of one cache holds (device_cache/copy_proxy.cuh; the SimRuntime
 // model uses the same depth): a prefetch, the forward and its overflow groups may be posted
 // before the proxy took the first.
 inline constexpr std::uint32_t proxy_ring_depth = 8;
@@ -162,7 +162,7 @@ struct DevicePlanScalars {
   std::int32_t misses = 0;         // of the last group
   std::int32_t bad_ids = 0;        // of the last forward
   std::int32_t last_invalidated_slot = -1;
-  // Used only by the fused plan + fill kernel (device/plan_kernel.cuh): block 0 sets fill_ready
+  // Used only by the fused plan + fill kernel (kernels/plan_kernels.cuh): block 0 sets fill_ready
   // (release) once the fill list is written; the other blocks wait for it (acquire); the last
   // block to finish (fill_done counts them) sets both back to 0 for the next launch.
   std::uint32_t fill_ready = 0;
@@ -180,7 +180,7 @@ struct DevicePlanScalars {
   std::int32_t prefetch_skipped_resident = 0;
   std::int32_t prefetch_skipped_no_victim = 0;
   // DeviceCrf only: forwards (planned groups) seen, and the decay per forward in Q32
-  // (planning/crf_math.hpp; Crf's CrfParams::decay_q32). The planner reads the decay through its
+  // (eviction/crf_math.hpp; Crf's CrfParams::decay_q32). The planner reads the decay through its
   // powers (DevicePlanState::crf_pow, filled from this value by reset_plan_state).
   std::uint32_t crf_clock = 0;
   std::uint64_t crf_decay = crf_default_decay_q32;
@@ -1707,7 +1707,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   b.sync();
 }
 
-// Sets every expert's prior bias (DeviceCrf's frequency prior, planning/crf_math.hpp's Q32; see
+// Sets every expert's prior bias (DeviceCrf's frequency prior, eviction/crf_math.hpp's Q32; see
 // eviction/crf.hpp) in a state the host can write (HostPlanStorage; DeviceExpertCache uploads the
 // same table with set_prior_bias). A table of the wrong length, or none, is refused: false,
 // nothing written.

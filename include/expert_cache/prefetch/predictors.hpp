@@ -28,8 +28,8 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/detail/splitmix64.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/splitmix64.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

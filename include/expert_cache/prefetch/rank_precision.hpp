@@ -33,7 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "expert_cache/version.hpp"
+#include "expert_cache/base/version.hpp"
 
 namespace expert_cache::inline v0 {
 

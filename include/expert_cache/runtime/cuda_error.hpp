@@ -3,7 +3,7 @@
 // message. Host compiler + <cuda_runtime_api.h>.
 #include <cuda_runtime_api.h>
 
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -1,7 +1,7 @@
 #pragma once
 // CudaRuntime: the `runtime` (and `allocating_runtime`) model over the CUDA runtime API.
 // Host compiler + <cuda_runtime_api.h> only: no kernels here (the Gather kernel lives in
-// expert_cache/device/fill_gather.cuh), so this header builds with g++ given CUDA's include dir.
+// expert_cache/kernels/fill_copy.cuh), so this header builds with g++ given CUDA's include dir.
 //
 //   Stream = cudaStream_t (created non-blocking), Event = cudaEvent_t (cudaEventDisableTiming)
 //   copy_async        cudaMemcpyAsync(cudaMemcpyDefault)
@@ -32,10 +32,10 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
+#include "expert_cache/base/concepts.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/runtime.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

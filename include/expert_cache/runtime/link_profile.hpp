@@ -1,6 +1,6 @@
 #pragma once
 // LinkProfile: what one host -> device link delivers at one expert size, measured on the device
-// (expert_cache/runtime/link_profile.cuh, nvcc) or read back from a stored text. Host-only: the
+// (expert_cache/staging/link_probe.cuh, nvcc) or read back from a stored text. Host-only: the
 // record, its text format, the rule that picks a fill engine from it, and the check that a
 // stored profile belongs to this device and this expert size. docs/cuda_backend.md "Link profile".
 //
@@ -17,8 +17,8 @@
 //   graph_fill_latency_us=7.1
 //   measure_ms=85
 // Numbers are written in the shortest form that reads back to the same double.
-#include "expert_cache/status.hpp"
-#include "expert_cache/version.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/version.hpp"
 
 #include <algorithm>
 #include <array>

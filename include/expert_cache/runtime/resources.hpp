@@ -7,9 +7,9 @@
 #include <type_traits>
 #include <utility>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/runtime/runtime_types.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/runtime_types.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

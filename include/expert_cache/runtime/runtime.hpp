@@ -5,7 +5,7 @@
 // SimRuntime (sim_runtime.hpp) is the deterministic host model with a race detector.
 //
 // This header gathers the vocabulary (runtime_types.hpp) and the `runtime` concept, which
-// lives with every other concept in expert_cache/concepts.hpp. Host-only, no CUDA includes.
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/runtime/runtime_types.hpp"
-#include "expert_cache/status.hpp"
+// lives with every other concept in expert_cache/base/concepts.hpp. Host-only, no CUDA includes.
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/runtime_types.hpp"
+#include "expert_cache/base/status.hpp"

@@ -51,7 +51,7 @@
 #include "expert_cache/runtime/sim/stream_queue.hpp"
 #include "expert_cache/runtime/sim/trace.hpp"
 #include "expert_cache/runtime/sim/vector_clock.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -1,15 +1,15 @@
 #pragma once
 // AnyStaging<Stagings...>: one staging-policy type holding any of the listed staging policies,
-// picked at run time. The run-time-selected cache (any_cache.hpp) issues its fills through it,
+// picked at run time. The run-time-selected cache (any/any_cache.hpp) issues its fills through it,
 // so a cache is instantiated once per storage instead of once per storage and staging.
 //
 // Where fills run is the held policy's: the cache asks uses_copy_stream_of(staging)
-// (concepts.hpp), which reads dynamic_uses_copy_stream(); the static uses_copy_stream the
+// (base/concepts.hpp), which reads dynamic_uses_copy_stream(); the static uses_copy_stream the
 // concept names is the first alternative's (what a default-constructed AnyStaging holds).
 // precheck and issue dispatch with a switch over the held index (a prepare calls precheck once;
 // issue only when it has fills). A listed policy the runtime cannot run (Batched without
 // copy_batch_async, Gather off CUDA) is refused with not_supported; the factory never selects
-// one. Host-only (Gather comes from a CUDA translation unit's list: any_cache_cuda.cuh).
+// one. Host-only (Gather comes from a CUDA translation unit's list: any/any_cache_cuda.cuh).
 #include <cstddef>
 #include <span>
 #include <string>
@@ -18,10 +18,10 @@
 #include <tuple>
 #include <utility>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/status.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
-#include "expert_cache/wide.hpp"
+#include "expert_cache/staging/coalescing.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -63,7 +63,7 @@ class AnyStaging {
   [[nodiscard]] std::string_view held_name() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return std::string_view(std::remove_cvref_t<decltype(g)>::name); });
   }
-  // Trait<held policy>::value: e.g. whether the held policy coalesces runs of copies (wide.hpp).
+  // Trait<held policy>::value: e.g. whether the held policy coalesces runs of copies (cache/wide.hpp).
   template <template <class> class Trait>
   [[nodiscard]] bool held_has() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return bool(Trait<std::remove_cvref_t<decltype(g)>>::value); });

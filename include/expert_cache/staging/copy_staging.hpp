@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/nvtx.hpp"
-#include "expert_cache/planner.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/nvtx.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -28,8 +28,8 @@
 #include <string>
 #include <utility>
 
-#include "expert_cache/concepts.hpp"
-#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
@@ -160,7 +160,7 @@ class HostRegistration {
 // The one implementation of the three arrangements. Construction validates the layout and
 // the caller's memory before anything is allocated or registered. Dynamic: the arrangement is
 // the constructor's (host, slots) arguments instead of Host and Slots, so that one
-// instantiation serves all three (the run-time-selected cache's storage, any_cache.hpp).
+// instantiation serves all three (the run-time-selected cache's storage, any/any_cache.hpp).
 template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots, bool Dynamic = false>
 class BasicSlotStorage {
  public:

@@ -25,7 +25,7 @@
 #include <array>
 #include <cstddef>
 
-#include "expert_cache/layout/tensor_bytes.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "expert_cache/any_cache.hpp"
+#include "expert_cache/any/any_cache.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 
 namespace ec = expert_cache;

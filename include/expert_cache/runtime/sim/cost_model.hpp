@@ -2,7 +2,7 @@
 // SimRuntime's optional virtual time: op finish = max(stream time, host time at enqueue,
 // awaited record / gate time) + cost. Independent of the schedule chosen by run_random.
 // Host-only.
-#include "expert_cache/version.hpp"
+#include "expert_cache/base/version.hpp"
 #include <algorithm>
 #include <cstddef>
 #include <vector>

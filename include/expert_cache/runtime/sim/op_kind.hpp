@@ -1,7 +1,7 @@
 #pragma once
 // What a SimRuntime operation is, as named in race reports, deadlock messages and traces.
 // Host-only.
-#include "expert_cache/version.hpp"
+#include "expert_cache/base/version.hpp"
 #include <cstdint>
 #include <memory>
 #include <string>

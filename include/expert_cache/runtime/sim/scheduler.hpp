@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "expert_cache/detail/splitmix64.hpp"
+#include "expert_cache/base/splitmix64.hpp"
 #include "expert_cache/runtime/sim/stream_queue.hpp"
 
 namespace expert_cache::inline v0::detail::sim {

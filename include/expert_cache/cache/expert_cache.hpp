@@ -1,0 +1,1007 @@
+#pragma once
+// ExpertCache: the forward-oriented public API, composed from compile-time policies.
+//
+//   ExpertCache<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime>
+//
+//   Storage         TensorMajorStorage | ExpertMajorStorage (template over the runtime)
+//   EvictionPolicy  any eviction_policy (Lru, Lfru, ...)
+//   StagingPolicy   Inline | CopyStream | Batched | (CUDA tier: Gather, ...)
+//   Layout          any expert_layout (Nvfp4Marlin | DenseBf16 | ExplicitLayout): the
+//                   per-expert tensors and their sizes
+//   Runtime         SimRuntime (host model) | CudaRuntime
+//
+// prepare(ids, stream) plans the forward, hands its fills to the ordering core's one write
+// entry (which orders, issues, uploads the resident map, publishes and adopts the reader) and
+// uploads the forward map; every stream/event edge comes from the core. prefetch(ids, stream)
+// plans speculative fills of predicted experts (planning/forward_planner.hpp, plan_prefetch) and hands them to
+// the same entry; a later prepare() using one waits for exactly that fill (docs/design.md,
+// "Prefetch" and edge 9).
+//
+// ExpertCache is an alias of detail::ExpertCacheWithEdges with every ordering edge on. The
+// sixth parameter exists only for the negative tests (tests/host/test_cache_sim.cpp), which remove
+// one edge and show the race detector fires; it is not part of the public type.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <iterator>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/base/nvtx.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
+#include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/planning/split.hpp"
+#include "expert_cache/staging/copy_staging.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/cache/wide.hpp"
+
+namespace expert_cache::inline v0 {
+
+// A layout given by explicit per-tensor byte counts (tests, custom formats).
+struct ExplicitLayout {
+  static constexpr std::string_view name = "explicit";
+  ExpertTensorBytes bytes{};
+  [[nodiscard]] Status validate() const { return {}; }
+  [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept { return bytes; }
+};
+static_assert(expert_layout<ExplicitLayout>);
+
+/// Counters of one cache since construction (ExpertCache::stats()); cheap to take.
+struct CacheStats {
+  std::uint64_t hits = 0;           ///< forward experts already resident
+  std::uint64_t misses = 0;         ///< forward experts that had to be copied in
+  std::uint64_t promotions = 0;     ///< policy promotions (e.g. Lfru's probation -> protected)
+  std::uint64_t evictions = 0;      ///< experts evicted to make room
+  std::uint64_t invalidations = 0;  ///< experts dropped by invalidate()
+  std::int64_t resident = 0;        ///< experts resident now
+  std::int64_t capacity = 0;        ///< GPU slots
+  std::uint64_t prepare_calls = 0;  ///< accepted prepare() / prepare_unique() calls
+  std::uint64_t generation = 0;     ///< generation of the last accepted forward
+  std::uint64_t last_copies = 0;    ///< copies the last prepare() enqueued
+  std::uint64_t total_copies = 0;   ///< copies enqueued since construction
+  std::uint64_t owner_changes = 0;  ///< prepares on a stream other than the previous reader's
+  std::uint64_t map_uploads = 0;    ///< expert/resident map uploads
+  std::uint64_t staging_stalls = 0; ///< waits for a free host staging buffer
+  std::uint64_t faults = 0;         ///< runtime failures reported by prepare()/invalidate()
+  std::uint64_t speculative_issued = 0;  ///< experts filled by prefetch() (not in misses or promotions)
+  std::uint64_t speculative_used = 0;    ///< ... then used by a forward (also counted in hits)
+  std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
+  std::uint64_t speculative_bytes = 0;   ///< bytes copied by prefetch()
+  std::uint64_t wide_forwards = 0;  ///< prepare_wide() calls whose every round was served
+  std::uint64_t wide_rounds = 0;    ///< rounds handed to a wide consumer
+  std::uint64_t wide_hits = 0;      ///< stream admission: experts read from the pool (not in hits)
+  std::uint64_t wide_streamed = 0;  ///< stream admission: experts copied into stream slots (not in misses)
+  std::uint64_t wide_bytes = 0;     ///< bytes copied by wide forwards (both admissions)
+  std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
+  std::size_t host_bytes = 0;       ///< host: expert pools + map staging
+  /// hits / (hits + misses); 0 before the first forward.
+  [[nodiscard]] double hit_rate() const noexcept {
+    const auto n = hits + misses;
+    return n == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(n);
+  }
+};
+
+/// What a consumer kernel needs for one forward. All pointers are device pointers, valid for
+/// work enqueued on the prepare() stream after the call (the copies are ordered before it) until
+/// the next prepare() of this cache.
+struct ForwardView {
+  /// Slot buffers per tensor: expert in slot s at tensors[t].slot(s); bytes == 0: tensor absent.
+  std::array<SlotTensor, num_expert_tensors> tensors{};
+  const std::int32_t* expert_map = nullptr;    ///< [num_experts] forward-scoped: this forward's experts -> slot, else -1
+  /// [num_experts] every resident expert -> slot, else -1, as of this forward's prepare() (a
+  /// later prefetch() may leave the device copy behind until the next prepare()). Read slots
+  /// through expert_map.
+  const std::int32_t* resident_map = nullptr;
+  /// [num_experts] non-zero = a miss of this forward that the consumer must copy from the host
+  /// pools into its slot (the expert map's) itself: DeviceExpertCache with
+  /// DeviceCacheOptions::fill_by_consumer only; null otherwise (the cache filled every slot).
+  const std::int32_t* missing = nullptr;
+  std::uint32_t hits = 0;                      ///< this forward's unique experts already resident
+  std::uint32_t misses = 0;                    ///< this forward's unique experts copied in
+  std::uint64_t generation = 0;                ///< increases by one per accepted forward
+  /// The slot buffers of tensor `t` (e.g. ExpertTensor::w13).
+  [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
+    return tensors[static_cast<std::size_t>(t)];
+  }
+};
+
+/// One round of a wide forward (prepare_wide), handed to the caller's consumer: `view` has the
+/// contract of a prepare()'s view for work the consumer enqueues on the prepare_wide() stream
+/// during the call, and until the next call into the cache. Its expert map holds this round's
+/// experts only (disjoint from every other round's); with WideAdmission::stream a streamed
+/// expert's slot is a stream slot (>= capacity), which the resident map does not name.
+struct WideRound {
+  ForwardView view{};
+  std::span<const std::int32_t> experts;  ///< this round's experts, ascending (host memory, valid during the call)
+  std::span<const std::int32_t> slots;    ///< their slots (what the round's expert map holds for them)
+  std::uint32_t index = 0;                ///< 0-based round number
+  std::uint32_t rounds = 0;               ///< rounds of this forward
+  std::uint32_t streamed = 0;             ///< experts of this round in stream slots
+  /// True for round 0 only: where work that is not per expert (shared experts) belongs.
+  [[nodiscard]] bool include_shared() const noexcept { return index == 0; }
+};
+
+/// Budget, lifetime and (optionally) the caller's confidence of one prefetch() call.
+///
+/// Scored hints (docs/prefetch.md "Scored hints"): `scores[i]` is the caller's estimate of the
+/// probability that the next forward reads `predicted[i]`, in [0, 1]. Without scores (an empty
+/// span, the default) the ids are taken best first as given. With scores the cache
+///  (a) takes the hints highest score first; equal scores keep the caller's order;
+///  (b) skips every hint scoring below `min_score` (PrefetchView::skipped_unlikely): it is never
+///      fetched and, like an unhinted resident, not protected;
+///  (c) evicts for the others only what an unscored prefetch may evict: never an expert of the
+///      most recent forward, an unused unexpired speculative fill, or a hint taken earlier in
+///      this call (a higher-scored one);
+///  (d) copies at most `max_bytes`, as without scores.
+/// The selection rule lives in one place, HintSelector (prefetch/hint_selection.hpp), which
+/// also says why `min_score` defaults to 0.5: from there on a fill is at least as likely used as
+/// wasted, so on a busy link its expected saving covers its expected waste.
+/// Errors (invalid_argument, before any state change): a number of scores other than the
+/// number of ids, a score that is NaN, infinite or outside [0, 1] (the message names its index
+/// and value), a `min_score` that is NaN or outside [0, 1] (checked with or without scores).
+/// The span is read during the call only.
+struct PrefetchOptions {
+  /// Bytes this call may copy: max_bytes / bytes per expert fills (0 = none; < 0 is an error).
+  std::int64_t max_bytes = 0;
+  /// Accepted forwards a fill stays protected unused before it counts wasted (>= 1): 1 for a
+  /// per-layer cache prefetched one forward ahead, L for a cache shared by L layers.
+  std::uint32_t expires_after = 1;
+  /// Per-id probability of use, parallel to the predicted ids; empty = no scores.
+  std::span<const float> scores{};
+  /// Scored hints below this probability are skipped, in [0, 1] (hint_selection.hpp: why 0.5).
+  float min_score = default_min_score;
+  /// The cache measures how often its speculative fills at each rank of the hint list are used
+  /// and skips ranks whose precision is below min_score, but for a periodic probe that runs only
+  /// while the skipped hints turn out read (prefetch/rank_precision.hpp): hints that turn out
+  /// wrong, scored or not, stop costing link time. Host-planned caches; the device-planned cache
+  /// plans on the device and ignores it.
+  bool precision_feedback = true;
+};
+
+namespace detail {
+
+// Stream admission's rounds on a pool (ExpertCache and DeviceExpertCache; cache/wide.hpp's header):
+// the forward's unique experts (w.unique, their row counts in w.rows) split into the pool's
+// residents (`resident`: expert -> pool slot, host memory), read in place and spread over the
+// rounds, and the others, streamed into stream half r % 2 (slots `capacity` on) by the copies of
+// `staging` from `storage`'s regions. The ordering is the core's wide entries (edges 3 and 10);
+// the caller ran wide_begin. What differs between the caches comes from `hooks` (a cache's own
+// hooks object behind StreamRoundHooks::of):
+//   hooks.before_rounds(hits) -> Status   once, before the first fill (e.g. edge 9's waits)
+//   hooks.resident_upload() -> MapUpload  the resident map a round's fill uploads (empty: none)
+//   hooks.uploaded()                      after a fill that uploaded it
+//   hooks.round_map(r) -> std::int32_t*   round r's device forward map (two, alternating)
+//   hooks.view() -> ForwardView           the view a round's map goes into
+//   hooks.consume(round) -> Status        the caller's consumer, its failure in context
+//   hooks.served(hits, streamed)          after a round's consumer
+//   hooks.fault()                         a runtime failure (not the consumer's)
+// A cache's stream-round hooks behind function pointers (the members run_stream_rounds calls):
+// the rounds are then compiled once per cache type, not once per consumer type, and a
+// run-time-selected cache's host and device providers share one copy of them. A round is a
+// fill and a consumer call, so the indirect calls are noise beside it.
+struct StreamRoundHooks {
+  void* self = nullptr;
+  Status (*before_rounds_)(void*, std::span<const std::int32_t>) noexcept = nullptr;
+  MapUpload (*resident_upload_)(void*) noexcept = nullptr;
+  void (*uploaded_)(void*) noexcept = nullptr;
+  std::int32_t* (*round_map_)(void*, std::size_t) noexcept = nullptr;
+  ForwardView (*view_)(void*) noexcept = nullptr;
+  Status (*consume_)(void*, const WideRound&) noexcept = nullptr;
+  void (*served_)(void*, std::size_t, std::size_t) noexcept = nullptr;
+  void (*fault_)(void*) noexcept = nullptr;
+
+  template <class Hooks>
+  [[nodiscard]] static StreamRoundHooks of(Hooks& h) noexcept {
+    StreamRoundHooks r;
+    r.self = &h;
+    r.before_rounds_ = [](void* p, std::span<const std::int32_t> hits) noexcept {
+      return static_cast<Hooks*>(p)->before_rounds(hits);
+    };
+    r.resident_upload_ = [](void* p) noexcept { return static_cast<Hooks*>(p)->resident_upload(); };
+    r.uploaded_ = [](void* p) noexcept { static_cast<Hooks*>(p)->uploaded(); };
+    r.round_map_ = [](void* p, std::size_t round) noexcept { return static_cast<Hooks*>(p)->round_map(round); };
+    r.view_ = [](void* p) noexcept { return static_cast<const Hooks*>(p)->view(); };
+    r.consume_ = [](void* p, const WideRound& round) noexcept { return static_cast<Hooks*>(p)->consume(round); };
+    r.served_ = [](void* p, std::size_t hits, std::size_t streamed) noexcept {
+      static_cast<Hooks*>(p)->served(hits, streamed);
+    };
+    r.fault_ = [](void* p) noexcept { static_cast<Hooks*>(p)->fault(); };
+    return r;
+  }
+  Status before_rounds(std::span<const std::int32_t> hits) const noexcept { return before_rounds_(self, hits); }
+  MapUpload resident_upload() const noexcept { return resident_upload_(self); }
+  void uploaded() const noexcept { uploaded_(self); }
+  std::int32_t* round_map(std::size_t r) const noexcept { return round_map_(self, r); }
+  ForwardView view() const noexcept { return view_(self); }
+  Status consume(const WideRound& round) const noexcept { return consume_(self, round); }
+  void served(std::size_t hits, std::size_t streamed) const noexcept { served_(self, hits, streamed); }
+  void fault() const noexcept { fault_(self); }
+};
+
+template <class Core, class Staging, class R, class Storage>
+Status run_stream_rounds(Core& core, Staging& staging, R& rt, const Storage& storage, typename R::Stream stream,
+                         std::span<const std::int32_t> resident, std::int32_t capacity, std::int32_t stream_slots,
+                         std::uint64_t bytes_per_expert, const WideOptions& options, WideScratch& w,
+                         const StreamRoundHooks& hooks, WideSummary& summary) noexcept {
+  w.hits.clear();
+  w.misses.clear();
+  for (const std::int32_t e : w.unique) {
+    const std::int32_t slot = resident[static_cast<std::size_t>(e)];
+    // A slot outside the pool is no residency to read (a device-held map is not trusted blindly).
+    (slot >= 0 && slot < capacity ? w.hits : w.misses).push_back(e);
+  }
+  const std::size_t half = static_cast<std::size_t>(stream_slots / 2);
+  std::vector<CopyDesc>* const batch = options.batch_copies ? &w.batch : nullptr;
+  // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
+  const std::pair<std::size_t, std::uint64_t> dense_shape = dense_copy_shape(staging, storage);
+  const std::size_t dense_regions = dense_shape.first;
+  const std::uint64_t dense_bytes = dense_shape.second;
+  plan_stream_rounds(w.misses, half, options.copy, options.cost, dense_regions, dense_bytes, w.plan);
+  const std::size_t rounds = std::max<std::size_t>(1, w.plan.size());
+  split_wide_hits(w.hits, w.rows, rounds, w.hit_begin);
+  const auto hits_of = [&](std::size_t r) { return round_hits(w.hits, w.hit_begin, r); };
+  summary.hits = static_cast<std::uint32_t>(w.hits.size());
+  if (Status s = hooks.before_rounds(std::span<const std::int32_t>(w.hits)); !s) {
+    hooks.fault();
+    return s;
+  }
+  const auto chunk = [&](std::size_t r) {
+    if (r >= w.plan.size()) return std::span<const std::int32_t>();
+    return std::span<const std::int32_t>(w.misses).subspan(w.plan[r].begin, w.plan[r].end - w.plan[r].begin);
+  };
+  const auto stream_slot = [&](std::size_t r, std::size_t i) {
+    const StreamRound& p = w.plan[r];
+    const std::size_t k = p.span ? static_cast<std::size_t>(w.misses[p.begin + i] - p.first) : i;
+    return capacity + static_cast<std::int32_t>((r % 2) * half + k);
+  };
+  const auto fill_round = [&](std::size_t r) noexcept -> Status {
+    const auto c = chunk(r);
+    w.fills.clear();
+    for (std::size_t i = 0; i < c.size(); ++i) w.fills.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
+    const MapUpload upload = hooks.resident_upload();
+    const bool span = !c.empty() && w.plan[r].span;
+    const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
+    Status s = core.wide_fill(stream, r % 2, upload, [&](typename R::Stream f) noexcept {
+      // The round's map (its pool hits too), then its copies.
+      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
+      for (std::size_t i = 0; i < c.size(); ++i) w.map[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
+      Status m = core.upload_map(w.map.data(), hooks.round_map(r), f);
+      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = absent_slot;
+      for (const std::int32_t e : c) w.map[static_cast<std::size_t>(e)] = absent_slot;
+      if (!m) return m;
+      const std::span<const SlotFill> fills(w.fills);
+      if (span) {
+        const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
+        return issue_span(staging, rt, f, storage, first, width, fills, summary.copies, batch);
+      }
+      return issue_coalesced(staging, rt, f, storage, fills, summary.copies, batch);
+    });
+    if (s && upload.host != nullptr) hooks.uploaded();
+    if (s) {
+      summary.streamed += static_cast<std::uint32_t>(c.size());
+      summary.bytes += c.size() * bytes_per_expert;
+      if (span) {
+        ++summary.span_rounds;
+        summary.wasted += static_cast<std::uint32_t>(width - c.size());
+        summary.bytes += (width - c.size()) * dense_bytes;
+      }
+    }
+    return s;
+  };
+  Status s = fill_round(0);
+  for (std::size_t r = 0; s && r < rounds; ++r) {
+    const auto c = chunk(r);
+    compose_wide_round(r, hits_of(r), c, resident, stream_slot, w.round, w.slots);
+    // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
+    // next on the fill stream, overlaps round r's consumer.
+    s = core.wide_acquire(stream);
+    if (s && r + 1 < rounds) s = fill_round(r + 1);
+    if (!s) {
+      hooks.fault();
+      return s.with_context("prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool is "
+                            "unchanged)",
+                            r, rounds);
+    }
+    WideRound round;
+    round.view = hooks.view();
+    round.view.expert_map = hooks.round_map(r);
+    round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
+    round.view.misses = static_cast<std::uint32_t>(c.size());
+    round.experts = w.round;
+    round.slots = w.slots;
+    round.index = static_cast<std::uint32_t>(r);
+    round.rounds = static_cast<std::uint32_t>(rounds);
+    round.streamed = static_cast<std::uint32_t>(c.size());
+    if (Status cs = hooks.consume(round); !cs) return cs;
+    ++summary.rounds;
+    hooks.served(hits_of(r).size(), c.size());
+    s = core.wide_release(stream, r % 2);
+    if (!s) {
+      hooks.fault();
+      return s.with_context("prepare_wide: releasing round %zu", r);
+    }
+  }
+  return s;
+}
+
+// A wide consumer's call: an exception becomes an error Status (the APIs are noexcept).
+template <class Consumer>
+Status call_wide_consumer(Consumer& consumer, const WideRound& round) noexcept {
+  try {
+    Status s = consumer(round);
+    if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
+    return s;
+  } catch (const std::exception& e) {
+    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
+                          round.index, round.rounds, e.what());
+  } catch (...) {
+    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
+                          round.index, round.rounds);
+  }
+}
+
+}  // namespace detail
+
+/// What one prefetch() did.
+struct PrefetchView {
+  std::uint32_t issued = 0;             ///< speculative fills enqueued
+  std::uint32_t evictions = 0;          ///< residents dropped for them
+  std::uint32_t skipped_resident = 0;   ///< predicted entries already resident or in flight
+  std::uint32_t skipped_no_victim = 0;  ///< predicted ids dropped: every slot was protected
+  std::uint32_t skipped_unlikely = 0;   ///< scored entries below min_score, never considered
+  std::uint32_t skipped_imprecise = 0;  ///< entries at a rank whose fills were mostly wasted (precision_feedback)
+  std::uint64_t bytes = 0;              ///< bytes enqueued
+};
+
+/// Construction parameters of an ExpertCache. The constructor throws Error when they are
+/// impossible (capacity 0, > num_experts or < top_k).
+struct CacheOptions {
+  std::int32_t num_experts = 0;  ///< experts of the layer (valid ids are [0, num_experts))
+  std::int32_t capacity = 0;     ///< GPU slots (experts resident at once)
+  std::int32_t top_k = 1;        ///< routed experts per token
+  std::size_t staging_ring = 8;  ///< host staging buffers for map uploads
+  std::string label = "expert_cache";  ///< name in log lines and error messages
+  /// Called every `stats_every` accepted prepare() calls (0 = never).
+  std::function<void(const CacheStats&)> stats_callback;
+  std::uint64_t stats_every = 1000;  ///< see stats_callback
+  /// Receives one line at construction (policies, sizes, byte accounting). The library is
+  /// silent unless a sink is given here.
+  std::function<void(std::string_view)> log;
+  /// Caller-owned host pools and/or slot workspace (storage/storage_memory.hpp); empty: the
+  /// storage allocates them. The caller keeps the memory alive for the cache's lifetime. A
+  /// workspace covers capacity + stream_slots slots.
+  StorageMemory memory{};
+  /// Extra GPU slots after the pool's `capacity` for wide forwards with WideAdmission::stream
+  /// (cache/wide.hpp): two halves of stream_slots / 2, used alternately, never admitted. 0 (the
+  /// default, so a decode-only cache spends no memory on them): such forwards are served with
+  /// WideAdmission::admit instead (WideSummary::fell_back, one line on `log`), which works but
+  /// evicts the decode working set; recommended_stream_slots() gives the size to configure.
+  std::int32_t stream_slots = 0;
+  /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
+  std::int64_t max_wide_ids = default_max_wide_ids;
+};
+
+namespace detail {
+
+/// The cache (public name: ExpertCache, or RowCache / WholeExpertCache / CudaRowCache ...): a
+/// fixed pool of GPU slots over every expert in pinned host memory. prepare() makes a forward's
+/// experts resident and returns their slot buffers plus the expert map. Not thread-safe: one
+/// host thread drives a cache; any number of streams may read what prepare() returns.
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
+          allocating_runtime Runtime, class Edges>
+  requires staging_policy_for<StagingPolicy, Runtime, Storage>
+class ExpertCacheWithEdges {
+ public:
+  using Stream = typename Runtime::Stream;
+  using StorageType = Storage<Runtime>;
+  using Policy = EvictionPolicy;
+  using LayoutType = Layout;
+  using ScaleLayout = Layout;  // the earlier name
+
+  /// Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
+  /// layout that does not validate, sizes that cannot be allocated). `staging`: a staging
+  /// policy value (AnyStaging holds the one picked at run time; the others are stateless or
+  /// start empty).
+  [[gnu::cold]] ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy,
+                       StagingPolicy staging = StagingPolicy{})
+      : rt_(&rt),
+        options_(std::move(options)),
+        layout_(validated(layout)),
+        planner_(CacheShape{options_.num_experts, options_.capacity}, options_.top_k, std::move(policy)),
+        storage_(rt, storage_shape(planner_.shape(), options_), layout_.tensors(), options_.memory),
+        core_(rt, uses_copy_stream_of(staging), static_cast<std::size_t>(options_.num_experts), ring_size(options_)),
+        resident_device_(rt, map_bytes(), MemoryKind::device),
+        forward_device_(rt, map_bytes(), MemoryKind::device),
+        wide_device_(rt, map_bytes(), MemoryKind::device),
+        staging_(std::move(staging)) {
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
+    view_.expert_map = reinterpret_cast<const std::int32_t*>(forward_device_.data());
+    forward_shadow_.assign(static_cast<std::size_t>(options_.num_experts), absent_slot);
+    view_.resident_map = reinterpret_cast<const std::int32_t*>(resident_device_.data());
+    copies_per_fill_ = storage_.copy_regions().count;
+    const auto experts = static_cast<std::size_t>(options_.num_experts);
+    wide_.reserve(experts, copies_per_fill_);
+    if (options_.log) {
+      const CacheStats s = stats();
+      options_.log(join({options_.label, ": ", EvictionPolicy::name, "/", StagingPolicy::name, "/", StorageType::name, "/",
+                         Layout::name, ", ", DecimalText(options_.capacity), " of ", DecimalText(options_.num_experts),
+                         " experts, slot bytes ", DecimalText(s.slot_bytes), ", host bytes ",
+                         DecimalText(s.host_bytes)}));
+    }
+  }
+
+  /// As above, with the eviction policy constructed from the cache shape.
+  ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout)
+    requires std::constructible_from<EvictionPolicy, CacheShape>
+      : ExpertCacheWithEdges(rt, options, layout,
+                    EvictionPolicy(ForwardPlanner<EvictionPolicy>::validated(
+                        CacheShape{options.num_experts, options.capacity}, options.top_k))) {}
+
+  ExpertCacheWithEdges(const ExpertCacheWithEdges&) = delete;
+  ExpertCacheWithEdges& operator=(const ExpertCacheWithEdges&) = delete;
+
+  /// Makes a forward's experts resident for work enqueued on `stream` after this call.
+  /// `topk_ids`: top-k routing ids (duplicates fine, negative = padding), processed in ascending
+  /// order. Errors (an id out of range, more unique experts than slots: see plan_token_chunks /
+  /// plan_expert_groups) leave the cache unchanged; a runtime failure after planning drops the
+  /// forward's fills (refetched by the next prepare).
+  Result<ForwardView> prepare(std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare");
+    return prepare_impl<false>(topk_ids, stream);
+  }
+  /// As prepare(), for an explicit unique list (e.g. one expert-split group), processed in the
+  /// given order; a duplicate id is an error.
+  Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_unique");
+    return prepare_impl<true>(unique_ids, stream);
+  }
+
+  /// Speculative fills of `predicted` (best first, ids in [0, num_experts), at most num_experts
+  /// entries) for a later prepare(), under `options.max_bytes`. Enqueued on the fill stream after
+  /// the previous readers and writers (edges 1, 2), with the resident map (edge 7); `stream`
+  /// does not wait for them and stays what it was (the owner is unchanged). The forward map is
+  /// not touched: kernels of the current forward keep reading it. Never evicts an expert of the
+  /// most recent prepare() or an unused, unexpired speculative fill. A later prepare() whose
+  /// forward uses a fill makes its stream wait for exactly that fill (edge 9). The device
+  /// resident map names a speculative slot before its bytes land: read slots through the
+  /// forward map (expert_map), whose entries are always ordered for the prepare's stream.
+  /// With `options.scores`, the hints are selected first (PrefetchOptions: below min_score
+  /// skipped, the rest highest score first).
+  /// Errors (before any state change): expert_out_of_range (any entry, a skipped one too),
+  /// too_many_experts (more entries than num_experts), invalid_argument (max_bytes < 0,
+  /// expires_after == 0, and the scored-hint errors of PrefetchOptions), capture_unsupported
+  /// (`stream` is capturing: the per-slot events must be eager). A runtime failure drops the
+  /// call's fills (counted wasted and invalidated).
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prefetch");
+    if (options.max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "prefetch max_bytes must be >= 0, got %lld",
+                            static_cast<long long>(options.max_bytes));
+    }
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    const std::uint64_t budget_fills = static_cast<std::uint64_t>(options.max_bytes) / bytes_per_expert;
+    const auto max_fills = static_cast<std::int32_t>(
+        std::min<std::uint64_t>(budget_fills, static_cast<std::uint64_t>(options_.capacity)));
+    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
+      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported,
+                    "prefetch() under stream capture: its per-slot events must be recorded eagerly");
+    }
+    // The one-time per-slot events, then the plan (which validates before any state change).
+    if (max_fills > 0) {
+      if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;
+    }
+    if (Status s = planner_.plan_prefetch(predicted, options.scores, options.min_score, max_fills,
+                                          options.expires_after, prefetch_plan_, options.precision_feedback);
+        !s) {
+      return s;
+    }
+    if (prefetch_plan_.fills.empty()) return prefetch_view(bytes_per_expert);
+    resident_dirty_ = true;
+    const auto fills = [&](Stream fill) noexcept {
+      for (const SlotFill& f : prefetch_plan_.fills) {
+        if (Status w = core_.order_slot_write(f.slot.index(), fill); !w) return w;
+        if (Status w = staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(&f, 1)); !w) return w;
+        if (Status w = core_.record_speculative(f.slot.index(), fill); !w) return w;
+      }
+      return Status();
+    };
+    // The fills never touch a slot of the latest forward (plan_prefetch protects its experts), so
+    // where the core can, they follow that forward's adoption rather than its consumers, and the
+    // resident map goes with the next prepare (OrderingCore::write_speculative_slots).
+    const bool before_forward = core_.speculative_before_forward();
+    Status s = before_forward ? core_.write_speculative_slots(fills)
+                              : core_.write(stream, WritePurpose::speculative, resident_upload(), fills);
+    if (!s) {
+      // As roll_back(): the slots' contents are unknown; drop them, re-upload the map next time.
+      // A fill already recorded stays pending: the slot's next write waits for it (edge 11).
+      for (const SlotFill& f : prefetch_plan_.fills) (void)planner_.invalidate(f.expert.value);
+      ++faults_;
+      return s.with_context("prefetch failed after planning (%zu speculative experts dropped)",
+                            prefetch_plan_.fills.size());
+    }
+    if (!before_forward) resident_dirty_ = false;
+    total_copies_ += prefetch_plan_.fills.size() * copies_per_fill_;
+    speculative_bytes_ += prefetch_plan_.fills.size() * bytes_per_expert;
+    return prefetch_view(bytes_per_expert);
+  }
+
+  /// A forward of any width (e.g. a whole prompt), served in rounds: `consumer(const
+  /// WideRound&)` is called once per round, returns a Status, and enqueues the round's work on
+  /// `stream`. Round r + 1's copies are enqueued on the fill stream before round r's consumer
+  /// runs, so they overlap it; a buffer is refilled only after the consumer of the round that
+  /// read it (edge 10). The host never waits for the device (beyond the staging guard, edge 8).
+  /// WideAdmission::stream (default): resident experts are read from their pool slots without
+  /// touching the planner or the policy, spread over the rounds (every round but the last gets an
+  /// equal share of their rows, so each consumer has work while the next fill streams); the others stream through the stream slots in ascending order,
+  /// runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
+  /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as
+  /// prepare_unique() calls would (round r + 1 may not evict round r's experts).
+  /// Stream admission on a cache without stream slots (CacheOptions::stream_slots < 2) is
+  /// served as admit (WideSummary::fell_back). options.copy picks how a round's missing experts
+  /// are copied (WideCopy: runs, one span of ids, or the cheaper under options.cost).
+  /// Errors before anything changes: too_many_experts (more than max_wide_ids ids),
+  /// expert_out_of_range, capture_unsupported (`stream` is capturing), a staging policy's precheck. A consumer that
+  /// fails ends the forward with its Status (context: the round); a runtime failure drops what
+  /// the failing round was filling (admit: as prepare() does). Either way no round is half
+  /// published: stream admission leaves the pool as it was; admit leaves it as after the rounds
+  /// planned so far (rounds 0..r + 1 when round r's consumer failed). The device forward map
+  /// then holds the last uploaded round's; the next prepare() uploads its own. The consumer must
+  /// not call into this cache.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_wide");
+    // Without stream slots the forward still works: through the pool (admit), which is not scan
+    // resistant; said once on the cache's log (silent without one) and in the summary.
+    const bool fell_back = options.admission == WideAdmission::stream && options_.stream_slots < 2;
+    const bool streaming = options.admission == WideAdmission::stream && !fell_back;
+    if (Status s = detail::wide_forward_allowed(*rt_, staging_, stream); !s) return s;
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique);
+        !s) {
+      return s;
+    }
+    // The per-expert row counts serve the stream rounds' split of the hits; zero again on return.
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
+    // Validated: from here on the cache changes.
+    forward_shadow_valid_ = false;  // the rounds overwrite the device forward map
+    if (Status s = core_.wide_begin(stream); !s) {
+      ++faults_;
+      return s.with_context("prepare_wide: ordering the forward after earlier work");
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_.unique.size());
+    summary.admission = streaming ? WideAdmission::stream : WideAdmission::admit;
+    summary.fell_back = fell_back;
+    if (fell_back && !wide_fallback_logged_ && options_.log) {
+      wide_fallback_logged_ = true;
+      try {
+        options_.log(join({options_.label,
+                           ": prepare_wide serves wide forwards through the pool (WideAdmission::admit, not scan "
+                           "resistant): CacheOptions::stream_slots is ",
+                           DecimalText(options_.stream_slots), "; recommended_stream_slots() gives ",
+                           DecimalText(recommended_stream_slots(options_.capacity, options_.top_k))}));
+      } catch (...) {  // a failing log sink does not fail the forward
+      }
+    }
+    last_copies_ = 0;
+    Status s = streaming ? wide_stream_rounds(stream, consumer, summary, options)
+                         : wide_admit_rounds(stream, consumer, summary);
+    total_copies_ += summary.copies;
+    last_copies_ = summary.copies;
+    wide_bytes_ += summary.bytes;
+    wide_rounds_ += summary.rounds;
+    if (!s) return s;
+    ++wide_forwards_;
+    return summary;
+  }
+
+  /// Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
+  /// rewritten only by a later prepare(), after the readers of the previous forward.
+  Status invalidate(std::int32_t expert, Stream stream) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::invalidate");
+    Result<SlotId> freed = planner_.invalidate(expert);
+    if (!freed.ok()) return freed.status();
+    if (!freed.value().valid()) return {};
+    // A speculative fill of the slot still pending stays pending: the slot's next write waits
+    // for it (edge 11).
+    resident_dirty_ = true;
+    // Only the resident map changes: no slot writes, the owner keeps reading.
+    Status s = core_.write(stream, WritePurpose::invalidate, resident_upload(), [](Stream) noexcept { return Status(); });
+    if (!s) {
+      ++faults_;
+      return s.with_context("invalidate(%d) (the expert is dropped; the next prepare re-uploads the resident map)",
+                            expert);
+    }
+    resident_dirty_ = false;
+    return {};
+  }
+
+  /// Token split of a forward wider than the cache: chunks whose unique experts each fit.
+  [[nodiscard]] Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_token_chunks(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+  /// Expert split of a forward wider than the cache: groups for prepare_unique().
+  [[nodiscard]] Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids) const {
+    return expert_cache::plan_expert_groups(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
+  }
+
+  /// Counters since construction.
+  [[nodiscard]] CacheStats stats() const noexcept {
+    const auto& c = planner_.counters();
+    const auto& o = core_.counters();
+    CacheStats s;
+    s.hits = c.hits;
+    s.misses = c.misses;
+    s.promotions = c.promotions;
+    s.evictions = c.evictions;
+    s.invalidations = c.invalidations;
+    s.resident = planner_.resident_count();
+    s.capacity = options_.capacity;
+    s.prepare_calls = c.prepare_calls;
+    s.generation = c.generation;
+    s.last_copies = last_copies_;
+    s.total_copies = total_copies_;
+    s.owner_changes = o.owner_changes;
+    s.map_uploads = o.map_uploads;
+    s.staging_stalls = o.staging_stalls;
+    s.faults = faults_;
+    s.speculative_issued = c.speculative_issued;
+    s.speculative_used = c.speculative_used;
+    s.speculative_wasted = c.speculative_wasted;
+    s.speculative_bytes = speculative_bytes_;
+    s.wide_forwards = wide_forwards_;
+    s.wide_rounds = wide_rounds_;
+    s.wide_hits = wide_hits_count_;
+    s.wide_streamed = wide_streamed_count_;
+    s.wide_bytes = wide_bytes_;
+    s.slot_bytes = storage_.slot_bytes() + 2 * map_bytes();
+    s.host_bytes = storage_.host_bytes() + core_.staging_bytes();
+    return s;
+  }
+
+  /// The host pools (write the experts' weights here: host_tensor(t, expert)) and slot buffers.
+  [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
+  [[nodiscard]] const ForwardPlan& last_plan() const noexcept { return plan_; }
+  [[nodiscard]] const PrefetchPlan& last_prefetch() const noexcept { return prefetch_plan_; }
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
+  [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return planner_.resident_map(); }
+  [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept { return planner_.forward_map(); }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
+  /// Whether the device resident map is behind the host's (a prefetch() since the last upload:
+  /// the next prepare() uploads it).
+  [[nodiscard]] bool resident_map_behind() const noexcept { return resident_dirty_; }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
+
+  void set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
+    options_.stats_callback = std::move(callback);
+    options_.stats_every = every;
+  }
+
+ private:
+  static Layout validated(const Layout& layout) {
+    throw_if_error(layout.validate());
+    return layout;
+  }
+  [[nodiscard]] std::size_t map_bytes() const noexcept {
+    return static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+  }
+  // The pool's slots plus the stream slots (checked here: the storage is sized from it).
+  static CacheShape storage_shape(CacheShape pool, const CacheOptions& o) {
+    if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
+      throw Error(ErrorCode::invalid_argument, join({"stream_slots must be in [0, num_experts=", DecimalText(o.num_experts),
+                                                     "], got ", DecimalText(o.stream_slots)}));
+    }
+    if (o.max_wide_ids < 0) {
+      throw Error(ErrorCode::invalid_argument, join({"max_wide_ids must be >= 0, got ", DecimalText(o.max_wide_ids)}));
+    }
+    return CacheShape{pool.num_experts, pool.capacity + o.stream_slots};
+  }
+  // With stream slots, room in the staging ring for every round's map uploads of one wide
+  // forward (a round per half of the stream slots, or per capacity / 2 admitted), so the host
+  // does not wait for a staging buffer inside a forward.
+  static std::size_t ring_size(const CacheOptions& o) {
+    if (o.stream_slots < 2 || o.capacity < 1) return o.staging_ring;
+    const auto experts = static_cast<std::size_t>(std::max(o.num_experts, 1));
+    const auto half = static_cast<std::size_t>(o.stream_slots / 2);
+    const auto group = static_cast<std::size_t>(std::max(o.capacity / 2, 1));
+    return std::max(o.staging_ring, detail::wide_ring_buffers(experts, std::min(half, group)));
+  }
+
+
+  // The device forward map of wide round r: two buffers used alternately, like the stream-slot
+  // halves, so round r + 1's map is written while round r's consumer reads the other one.
+  [[nodiscard]] std::int32_t* round_map_device(std::size_t r) noexcept {
+    return reinterpret_cast<std::int32_t*>(r % 2 == 0 ? forward_device_.data() : wide_device_.data());
+  }
+  // Uploads `map` as round r's forward map on the fill stream `f`, inside the round's
+  // wide_fill: ordered after the consumer that last read the buffer (edge 10) and before the
+  // round's `ready` (edge 3). On the consumer stream it would be a host->device copy queued in
+  // the copy engine behind the next round's fill, which serialises every consumer behind the
+  // following fill (docs/design.md "Wide forwards").
+  Status upload_round_map(const std::int32_t* map, std::size_t r, Stream f) noexcept {
+    return core_.upload_map(map, round_map_device(r), f);
+  }
+
+  // WideAdmission::stream: detail::run_stream_rounds on the planner's pool, round maps on the
+  // fill stream (into round_map_device), the pool's speculative fills a hit reads waited for first
+  // (edge 9), a stale resident map uploaded with the first fill.
+  template <class Consumer>
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
+                            const WideOptions& options) noexcept {
+    const auto resident = planner_.resident_map();
+    struct Hooks {
+      ExpertCacheWithEdges& c;
+      Consumer& consumer;
+      std::span<const std::int32_t> resident;
+      Stream stream;
+      Status before_rounds(std::span<const std::int32_t> hits) noexcept {
+        for (const std::int32_t e : hits) {
+          if (Status s = c.core_.wait_speculative(static_cast<std::size_t>(resident[static_cast<std::size_t>(e)]), stream);
+              !s) {
+            return s.with_context("prepare_wide: waiting for a speculative fill");
+          }
+        }
+        return {};
+      }
+      MapUpload resident_upload() noexcept { return c.resident_dirty_ ? c.resident_upload() : MapUpload{}; }
+      void uploaded() noexcept { c.resident_dirty_ = false; }
+      std::int32_t* round_map(std::size_t r) noexcept { return c.round_map_device(r); }
+      ForwardView view() const noexcept { return c.view_; }
+      Status consume(const WideRound& round) noexcept { return detail::call_wide_consumer(consumer, round); }
+      void served(std::size_t hits, std::size_t streamed) noexcept {
+        c.wide_hits_count_ += hits;
+        c.wide_streamed_count_ += streamed;
+      }
+      void fault() noexcept { ++c.faults_; }
+    } hooks{*this, consumer, resident, stream};
+    return detail::run_stream_rounds(core_, staging_, *rt_, storage_, stream, resident, options_.capacity,
+                                     options_.stream_slots, total_bytes_per_expert(layout_.tensors()), options, wide_,
+                                     detail::StreamRoundHooks::of(hooks), summary);
+  }
+
+  // WideAdmission::admit: ascending groups of capacity / 2 through the planner. With room for
+  // two groups, round r + 1 is planned (keeping round r's experts) and filled before round r's
+  // consumer; a one-slot cache plans each round after the previous consumer.
+  template <class Consumer>
+  Status wide_admit_rounds(Stream stream, Consumer& consumer, WideSummary& summary) noexcept {
+    const std::size_t group = static_cast<std::size_t>(std::max(1, options_.capacity / 2));
+    const bool overlap = 2 * group <= static_cast<std::size_t>(options_.capacity);
+    const std::size_t n = wide_.unique.size();
+    const std::size_t rounds = std::max<std::size_t>(1, (n + group - 1) / group);
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    const auto ids = [&](std::size_t r) {
+      const std::size_t b = std::min(n, r * group);
+      return std::span<const std::int32_t>(wide_.unique).subspan(b, std::min(n, b + group) - b);
+    };
+    std::uint32_t round_hits = 0, round_misses = 0, next_hits = 0, next_misses = 0;
+    const auto plan_round = [&](std::size_t r) noexcept -> Status {
+      const auto keep = overlap && r > 0 ? ids(r - 1) : std::span<const std::int32_t>();
+      if (Status p = planner_.plan_unique(ids(r), plan_, keep); !p) return p;
+      next_hits = plan_.hits;
+      next_misses = plan_.misses;
+      if (!plan_.fills.empty()) resident_dirty_ = true;
+      // Always a wide_fill: the round's map goes on the fill stream even when nothing is copied.
+      const bool upload = resident_dirty_;
+      Status s = core_.wide_fill(stream, r % 2, upload ? resident_upload() : MapUpload{}, [&](Stream f) noexcept {
+        for (const SlotFill& x : plan_.fills) {
+          if (Status w = core_.order_slot_write(x.slot.index(), f); !w) return w;
+        }
+        if (Status m = upload_round_map(planner_.forward_map().data(), r, f); !m) return m;
+        return staging_.issue(*rt_, f, storage_, std::span<const SlotFill>(plan_.fills));
+      });
+      if (s && upload) resident_dirty_ = false;
+      if (s) {
+        const auto map = planner_.forward_map();
+        for (const ExpertId e : plan_.unique) {
+          if (Status w = core_.wait_speculative(static_cast<std::size_t>(map[e.index()]), stream); !w) return w;
+        }
+        summary.hits += plan_.hits;
+        summary.admitted += plan_.misses;
+        summary.copies += plan_.fills.size() * copies_per_fill_;
+        summary.bytes += plan_.fills.size() * bytes_per_expert;
+      } else {
+        // As roll_back(): the round's slots are unknown; drop them, re-upload the map next time.
+        for (const SlotFill& f : plan_.fills) (void)planner_.invalidate(f.expert.value);
+        resident_dirty_ = true;
+      }
+      return s;
+    };
+    Status s = plan_round(0);
+    for (std::size_t r = 0; s && r < rounds; ++r) {
+      if (r > 0 && !overlap) s = plan_round(r);
+      round_hits = next_hits;
+      round_misses = next_misses;
+      if (s) s = core_.wide_acquire(stream);
+      if (s) {
+        const auto map = planner_.forward_map();
+        const auto experts = ids(r);
+        wide_.round.assign(experts.begin(), experts.end());
+        wide_.slots.clear();
+        for (const std::int32_t e : wide_.round) wide_.slots.push_back(map[static_cast<std::size_t>(e)]);
+      }
+      if (s && overlap && r + 1 < rounds) s = plan_round(r + 1);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide (admit): round %zu of %zu", r, rounds);
+      }
+      WideRound round;
+      round.view = view_;
+      round.view.expert_map = round_map_device(r);
+      round.view.hits = round_hits;
+      round.view.misses = round_misses;
+      round.view.generation = planner_.counters().generation;
+      round.experts = wide_.round;
+      round.slots = wide_.slots;
+      round.index = static_cast<std::uint32_t>(r);
+      round.rounds = static_cast<std::uint32_t>(rounds);
+      if (Status cs = detail::call_wide_consumer(consumer, round); !cs) return cs;
+      ++summary.rounds;
+      s = core_.wide_release(stream, r % 2);
+      if (!s) {
+        ++faults_;
+        return s.with_context("prepare_wide (admit): releasing round %zu", r);
+      }
+    }
+    return s;
+  }
+
+  template <bool Unique>
+  Result<ForwardView> prepare_impl(std::span<const std::int32_t> ids, Stream stream) noexcept {
+    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
+      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
+    }
+    Status planned = Unique ? planner_.plan_unique(ids, plan_) : planner_.plan_topk(ids, plan_);
+    if (!planned) return planned;  // validation failed: nothing changed
+    return serve_plan(stream);
+  }
+
+  // The planned forward (plan_) made resident and published: the part prepare() and
+  // prepare_unique() share, one copy for both.
+  Result<ForwardView> serve_plan(Stream stream) noexcept {
+    const bool writes = !plan_.fills.empty() || resident_dirty_;
+    Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(),
+                           [&](Stream fill) noexcept {
+                             if (core_.any_speculative_pending()) {
+                               for (const SlotFill& f : plan_.fills) {
+                                 if (Status w = core_.order_slot_write(f.slot.index(), fill); !w) return w;
+                               }
+                             }
+                             return staging_.issue(*rt_, fill, storage_, std::span<const SlotFill>(plan_.fills));
+                           });
+    if (s) s = wait_speculative_fills(stream);
+    if (s && !forward_map_uploaded()) s = upload_forward_map(stream);
+    if (!s) return roll_back(s);
+    if (writes) resident_dirty_ = false;
+    last_copies_ = plan_.fills.size() * copies_per_fill_;
+    total_copies_ += last_copies_;
+    view_.hits = plan_.hits;
+    view_.misses = plan_.misses;
+    view_.generation = planner_.counters().generation;
+    if (options_.stats_callback && options_.stats_every != 0 &&
+        planner_.counters().prepare_calls % options_.stats_every == 0) {
+      options_.stats_callback(stats());
+    }
+    return view_;
+  }
+
+  // Edge 9: the forward's hits that are speculative fills no prepare waited for yet: `stream`
+  // waits for each one's own event. Slots this forward fills again were waited for by the
+  // fill's stream (order_slot_write, edge 11).
+  // Runs on every prepare: with no fill pending (a cache that never prefetched, or all waited
+  // for) it returns before touching the plan.
+  Status wait_speculative_fills(Stream stream) noexcept {
+    if (!core_.any_speculative_pending()) return {};
+    const auto map = planner_.forward_map();
+    for (const ExpertId e : plan_.unique) {
+      if (!core_.any_speculative_pending()) break;  // the rest cannot be pending
+      if (Status s = core_.wait_speculative(static_cast<std::size_t>(map[e.index()]), stream); !s) return s;
+    }
+    return {};
+  }
+
+  PrefetchView prefetch_view(std::uint64_t bytes_per_expert) const noexcept {
+    PrefetchView v;
+    v.issued = static_cast<std::uint32_t>(prefetch_plan_.fills.size());
+    v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
+    v.skipped_resident = prefetch_plan_.skipped_resident;
+    v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
+    v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
+    v.skipped_imprecise = prefetch_plan_.skipped_imprecise;
+    v.bytes = v.issued * bytes_per_expert;
+    return v;
+  }
+
+  // The device forward map already holds the host's: the last upload had the same entries, was
+  // enqueued outside any graph capture (a captured upload only lands if the graph is launched),
+  // and nothing failed since. Readers are ordered after that upload like after any earlier write
+  // (stream order, or the owner-change wait in adopt_reader), so skipping a repeat is safe.
+  [[nodiscard]] bool forward_map_uploaded() const noexcept {
+    const auto map = planner_.forward_map();
+    return forward_shadow_valid_ && std::equal(map.begin(), map.end(), forward_shadow_.begin());
+  }
+
+  Status upload_forward_map(Stream stream) noexcept {
+    forward_shadow_valid_ = false;  // unknown until the upload is enqueued
+    const auto map = planner_.forward_map();
+    Status s = core_.upload_map(map.data(), const_cast<std::int32_t*>(view_.expert_map), stream);
+    if (s && !core_.last_upload_captured()) {
+      std::copy(map.begin(), map.end(), forward_shadow_.begin());
+      forward_shadow_valid_ = true;
+    }
+    return s;
+  }
+
+  [[nodiscard]] MapUpload resident_upload() const noexcept {
+    return MapUpload{planner_.resident_map().data(), reinterpret_cast<std::int32_t*>(resident_device_.data())};
+  }
+
+  // A runtime failure after planning: the filled slots' contents are unknown, so those
+  // experts are dropped and refetched by a later prepare; the resident map is re-uploaded.
+  Status roll_back(const Status& failure) noexcept {
+    for (const SlotFill& f : plan_.fills) (void)planner_.invalidate(f.expert.value);
+    resident_dirty_ = true;
+    forward_shadow_valid_ = false;
+    ++faults_;
+    last_copies_ = 0;
+    return failure.with_context("prepare failed after planning (%zu filled experts dropped; the next prepare refetches them)",
+                                plan_.fills.size());
+  }
+
+  Runtime* rt_;
+  CacheOptions options_;
+  Layout layout_;
+  ForwardPlanner<EvictionPolicy> planner_;
+  StorageType storage_;
+  OrderingCore<Runtime, Edges> core_;
+  RuntimeBuffer<Runtime> resident_device_;
+  RuntimeBuffer<Runtime> forward_device_;
+  RuntimeBuffer<Runtime> wide_device_;  // the odd wide rounds' forward map (round_map_device)
+  std::vector<std::int32_t> forward_shadow_;  // what the last uncaptured forward-map upload wrote
+  bool forward_shadow_valid_ = false;
+  StagingPolicy staging_{};
+  ForwardPlan plan_;
+  PrefetchPlan prefetch_plan_;
+  ForwardView view_;
+  bool resident_dirty_ = true;  // the device resident map is behind the host's
+  std::size_t copies_per_fill_ = 0;
+  std::uint64_t last_copies_ = 0;
+  std::uint64_t total_copies_ = 0;
+  std::uint64_t faults_ = 0;
+  std::uint64_t speculative_bytes_ = 0;
+  // Wide forwards: scratch sized at construction (num_experts entries each), and counters.
+  detail::WideScratch wide_;
+  bool wide_fallback_logged_ = false;
+  std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0, wide_bytes_ = 0;
+};
+
+}  // namespace detail
+
+// The public cache type: every ordering edge on.
+/// The cache, composed from compile-time policies (see detail::ExpertCacheWithEdges for its
+/// members; RowCache and WholeExpertCache in expert_cache.hpp are the standard instantiations).
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
+          allocating_runtime Runtime>
+  requires staging_policy_for<StagingPolicy, Runtime, Storage>
+using ExpertCache = detail::ExpertCacheWithEdges<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime, OrderingEdges>;
+
+}  // namespace expert_cache::inline v0

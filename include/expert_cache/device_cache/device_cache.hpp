@@ -1,0 +1,1497 @@
+#pragma once
+// DeviceExpertCache: the expert cache planned ON THE DEVICE, through the same library
+// as ExpertCache: the same Storage (TensorMajorStorage / ExpertMajorStorage and their
+// copy_regions()), the same Layout (expert_layout), the same slot buffers and ForwardView, and
+// OrderingCore for every stream edge. What changes is who plans: the router's top-k ids stay in
+// device memory and the LRU planning step of planning/device_plan.hpp (decisions equal to
+// ForwardPlanner<Lru>) runs as a device op, writing the forward map, the resident map and the
+// fill list into the device plan state; a fill op then copies the listed experts from the host
+// pools into their slots. The host never sees the ids, so nothing synchronises and the whole
+// call can sit inside a captured CUDA graph that is replayed with new ids.
+//
+//   DeviceExpertCache<Storage, Layout, Runtime>
+//     prepare(device_ids, n_ids, X)  plan + fill on X (inline mode), returns the ForwardView
+//     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
+//                                    forward had fewer groups: a graph provisions max_groups)
+//     invalidate(e, X)               a device invalidate, ordered like any write
+//     set_prior(bias, X)             DeviceCrf's frequency prior (one bias per expert), uploaded
+//                                    on X, ordered like invalidate
+//     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
+//     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
+//     prepare_wide(host_ids, X, c)   a forward wider than the pool (a prompt), eagerly in rounds:
+//                                    residents read in place, the others streamed through the
+//                                    stream slots by the copy engine, nothing admitted
+//     stats(), device_stats()        from the device stats (mapped memory) + host counters
+//     take_errors()                  read and clear the device error word (bad ids, overflow)
+//     drop_unfilled(X)               fill_by_consumer: drop the last group's misses when its
+//                                    consumer did not run
+//
+// Inline mode: the fill stream is the caller's stream. The ids are written by a router kernel
+// on that stream, so plan -> fill -> consumer are ordered by stream order alone and a capture
+// of the caller's stream holds the whole call (no fork/join of a copy stream into the graph,
+// no event nodes). The core still orders calls that move between streams (edges 1, 2, 6 of
+// docs/design.md's table; the device path adds no edge of its own, see "Device-planned cache").
+//
+// Every pointer of the returned view (slot tensors, forward map, resident map) is fixed for the
+// cache's lifetime, so a graph captured once stays correct on replay. view.hits / view.misses
+// are 0: the counts exist only on the device (stats() reads them from the mapped mirror).
+//
+// Overlap (DeviceCacheOptions::overlap; docs/design.md edge D4 and "Overlap"): the fill may run
+// while the consumer already computes. The plan tags each slot the forward uses with the fill
+// sequence value its content must have reached (slot_needed); the fill stores that value into
+// the slot's ready word (slot_ready, release) once its bytes landed; a consumer given
+// readiness() waits for each slot's word (acquire) before it reads that slot, so it starts on
+// the resident experts and takes each missing one as soon as it landed. Values only grow:
+// a replayed graph needs no reset.
+//
+// Compute from host (DeviceCacheOptions::fill_by_consumer; docs/design.md edge D9): prepare
+// plans only; view.missing flags the misses, which the consumer copies from the host pools into
+// their slots itself (MoeConsumer::run_one_pass reads them over the link as it computes).
+//
+// The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>):
+// SimPlanExecutor here (simulated launches that run the shared planning code with
+// SequentialBlock and declare what they touch), CudaPlanExecutor in
+// device_cache/cuda_executor.cuh (the kernels of kernels/plan_kernels.cuh).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "expert_cache/cache/expert_cache.hpp"
+#include "expert_cache/base/concepts.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/runtime/link_profile.hpp"
+#include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/storage/copy_region.hpp"
+#include "expert_cache/storage/slot_storage.hpp"
+#include "expert_cache/storage/storage_memory.hpp"
+
+namespace expert_cache::inline v0 {
+
+struct DeviceCacheOptions {
+  std::int32_t num_experts = 0;
+  std::int32_t capacity = 0;
+  std::int32_t max_ids = 0;  // the largest n_ids prepare() accepts (tokens * top_k); > 0
+  // CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
+  // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
+  bool fused_plan_fill = true;
+  // Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
+  // used), a consumer given readiness() may run concurrently with the fill. false: the
+  // stream-ordered path (readiness() is empty).
+  bool overlap = false;
+  // Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
+  // each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),
+  // their slots are the expert map's, and the consumer must write every byte of each such slot
+  // from the host pools before any later reader (MoeConsumer::run_one_pass does: it reads the
+  // expert from mapped host memory, computes with it and stores it into the slot; edge D7 of
+  // docs/design.md). A group whose consumer did not run must be dropped with drop_unfilled().
+  // Prefetches still fill. Not with overlap (refused at construction: ErrorCode::invalid_argument).
+  bool fill_by_consumer = false;
+  // Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
+  // test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
+  // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
+  std::uint32_t test_fill_delay_ns = 0;
+  std::int32_t test_fill_delay_index = 0;
+  // Overlap, CUDA: copy regions (bit r = the storage's copy region r; TensorMajorStorage: one per
+  // non-empty tensor, in tensor order) that every fill of a step copies first, each slot's part
+  // then published on its own ready word (SlotReadiness::ready_first, edge D4c), so a consumer
+  // whose first pass reads only them starts on a missing expert before the rest lands (the
+  // NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
+  // refused at construction (ErrorCode::invalid_argument).
+  std::uint32_t ready_first_regions = 0;
+  // DeviceCrf's decay per forward in Q32, in [1, 2^32 - 1] (Crf's CrfParams::decay_q32: the same
+  // value plans the same victims; crf_decay_for_half_life(h) for a half-life of h forwards). Read
+  // at construction; outside the range is refused there (ErrorCode::invalid_argument). The other
+  // policies ignore it.
+  std::uint64_t crf_decay_q32 = crf_default_decay_q32;
+  // Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
+  // fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
+  // ready word BEFORE copying it (the edge removed, to show a test can see it).
+  std::int32_t test_fill_delay_part = 0;
+  bool test_publish_first_early = false;
+  // Slots appended after the pool for wide forwards (prepare_wide, stream admission): two
+  // halves used alternately, never admitted, never touched by the device planner. 0: no
+  // prepare_wide (recommended_stream_slots() gives a size). The slot workspace covers
+  // capacity + stream_slots slots.
+  std::int32_t stream_slots = 0;
+  // Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
+  std::int64_t max_wide_ids = default_max_wide_ids;
+  // Which engine moves the fills' bytes (docs/design.md, "Copy-engine fills"): the SMs reading
+  // mapped host memory (sm_loads: the fill kernels, the overlapped fill, fill_by_consumer), or a
+  // copy engine driven by the device's proxy thread from the plan's fill list (copy_engine: the
+  // plan stays on the GPU and in the captured step). automatic: the link profile decides
+  // (LinkProfile::choose_engine; measured once per device and expert size, or `link_profile`).
+  // When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
+  // overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
+  // computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
+  // refused (ErrorCode::invalid_argument). SimRuntime models the proxy (automatic there: sm_loads).
+  FillEngine fill_engine = FillEngine::automatic;
+  // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
+  // measurement. One from another device or expert size is refused at construction.
+  std::optional<LinkProfile> link_profile;
+  // The engine prefetches the next layer's experts while this one computes (lookahead). With
+  // overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
+  // copies on a copy engine take no SMs from the consumer. Read by automatic only.
+  bool lookahead = false;
+  // Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
+  // the post publishes before the fill list is written (P1), the proxy publishes a ready word
+  // before its copies (P2); test_fail_copies makes the proxy's copies fail.
+  bool test_post_before_list = false;
+  bool test_ready_before_copy = false;
+  bool test_fail_copies = false;
+  // Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
+  bool test_skip_shutdown_wait = false;
+  // Test-only (CudaRuntime): destruction frees its memory without first waiting for the device
+  // while other caches use the proxy (P5 removed).
+  bool test_skip_release_drain = false;
+  std::string label = "device_expert_cache";
+  std::function<void(std::string_view)> log;  // one line at construction; silent when empty
+  // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
+  // validates and registers them; never copied or freed; the caller keeps them alive).
+  StorageMemory memory{};
+};
+
+// How DeviceExpertCache::prepare's caller serves a forward with more unique experts than slots.
+enum class DeviceForward : std::uint8_t {
+  single,     // one round: an overflow is an error the error word reports (plan_error_overflow)
+  in_rounds,  // the caller runs prepare_group for every further group: the overflow is planned
+};
+
+// What an executor does for the cache, on the stream the core hands it. `plan_enqueued` tells
+// the cache whether the state may have changed (a failure after it leaves slots unfilled).
+template <class X>
+concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s, const std::int32_t* ids,
+                                        std::int32_t n, bool& planned, bool in_rounds, std::int32_t width) {
+  { cx.state() } -> std::same_as<const DevicePlanState&>;
+  { cx.sanitized_ids() } -> std::same_as<std::int32_t*>;
+  // in_rounds: the caller serves every group of this forward (DeviceForward::in_rounds), in
+  // groups of `width` experts (0: the capacity).
+  { x.plan_forward_fill(s, ids, n, planned, in_rounds, width) } -> std::same_as<Status>;
+  { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
+  { x.invalidate(s, n) } -> std::same_as<Status>;
+  { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
+  { x.drop_fills(s) } -> std::same_as<Status>;
+  { x.drop_missing(s) } -> std::same_as<Status>;  // plan_drop_missing (fill_by_consumer's recovery)
+  { x.join_fills() } -> std::same_as<Status>;  // overlap: order later work after the last fill
+  { cx.overlap() } -> std::same_as<bool>;
+  { cx.stats() } -> std::same_as<DevicePlanStats>;
+  { x.take_error_word() } -> std::same_as<std::uint32_t>;
+  { cx.device_bytes() } -> std::same_as<std::size_t>;
+};
+
+// Specialised per runtime: `type` is the executor (SimPlanExecutor below; CudaPlanExecutor in
+// device_cache/cuda_executor.cuh).
+template <class Runtime>
+struct DevicePlanExecutorFor;
+
+namespace detail {
+// Drops every expert of the state's fill list (the recovery after a plan whose fill could not
+// be enqueued: those slots never received their bytes). Runs on the device like any plan step.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s) noexcept {
+  if (!plan_state_ok(s)) return;
+  const std::int32_t n = s.scalars->fill_count;
+  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) plan_invalidate(b, s, s.fills[i].expert);
+}
+// Drops every miss of the last planned group (its experts flagged in `missing`): the recovery
+// when a consumer that fills from host (fill_by_consumer) did not run. Read from the group's
+// expert list, not the fill list, which a later prefetch rewrites.
+template <plan_block Block>
+EXPERT_CACHE_HOST_DEVICE void plan_drop_missing(Block& b, const DevicePlanState& s) noexcept {
+  if (!plan_state_ok(s)) return;
+  const std::int32_t n = s.scalars->prev_count;
+  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) {
+    const std::int32_t e = s.prev_forward[i];
+    if (e >= 0 && e < s.num_experts && s.missing[e] != 0) plan_invalidate(b, s, e);
+  }
+}
+}  // namespace detail
+
+// ---- the SimRuntime executor --------------------------------------------------------------
+
+// The plan state in SimRuntime memory (device kind; the stats mirror and error word in
+// pinned_host, as on the GPU). Each device step is one `launch` op whose body runs the shared
+// planning code with SequentialBlock at completion, declaring what it touches:
+//   plan:  reads the ids [ids, ids + n) and every state array; writes every state array (maps,
+//          fill list, eviction list, scalars, counters), the stats mirror, the error word and
+//          the sanitized ids. Declared per array, from the state view.
+//   fill:  reads the fill list and the scalars (fill_count), reads the WHOLE host pool of every
+//          copy region and writes the WHOLE slot buffer of every region. Whole, not per fill:
+//          the rows are chosen by the plan op, which completes after this op is enqueued, and a
+//          simulated launch declares its ranges at enqueue. It is also the real contract: the
+//          host cannot know which slots a device-planned fill writes, so the ordering must
+//          cover every slot (edge 1 orders all of the previous owner's readers before it).
+//   overlapped fill (options.overlap, edge D4): the fill runs off the caller's stream X, so that
+//          only the ready words order a consumer after it. One lane stream per slot j: the lane
+//          waits for an event recorded on X after the plan, runs "fill slot j" (declares the
+//          write of slot j's rows in every region and of slot_ready[j]; copies if the fill list
+//          has slot j, then stores slot_ready[j] = slot_needed[j]) and records ready_event(j),
+//          which stands for the ready word's release store. A consumer waits for
+//          ready_event(j) before it reads slot j (the acquire). A lane's write is declared
+//          even when this step does not fill slot j (conservative: the host does not know the
+//          plan). join_fills() (the cache calls it before its next call, so before the core's
+//          records on X) makes X wait for every lane: on the GPU the next kernels on X run
+//          after the fill grid, because a readiness consumer waits for it before it completes.
+//   copy engine (FillEngine::copy_engine, docs/design.md "Copy-engine fills"): the proxy is an
+//          agent of its own, one stream P per cache. A fill is a post op on X (reads the fill list,
+//          the scalars and slot_needed; writes the ring entry seq % proxy_ring_depth), recorded
+//          as `posted` (edge P1); P waits for it, runs "take" (reads that entry; its `taken` event
+//          frees the entry for the post that reuses it, the ring-room wait), then "copy" (reads the
+//          WHOLE pools, writes the WHOLE slots and every ready word: the list is the device's), and
+//          records `proxy_done` (edge P2: the ready words after the bytes). Without overlap X waits
+//          for `proxy_done` (the post kernel's wait for the ready words); with overlap a consumer's
+//          ready_event(j) is `proxy_done`. Prefetches post without the wait. The knobs
+//          test_post_before_list (P1 removed) and test_ready_before_copy (P2 removed) record the
+//          events early; test_fail_copies makes "copy" skip its bytes, flag plan_error_fill_failed
+//          and publish the ready words, and the next call return the failure. P is a host-issued
+//          stream (SimRuntime::set_host_issued): the executor's destructor waits for it (edge P4);
+//          test_skip_shutdown_wait removes that wait, and freeing the slots under its pending
+//          copy is then reported.
+//
+// Overlap = false: no overlapped fill is compiled and options.overlap is refused
+// (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
+template <device_plan_policy Policy, bool Overlap = true>
+class BasicSimPlanExecutor {
+ public:
+  using Stream = SimRuntime::Stream;
+
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                       const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
+    requires(!std::same_as<Policy, DeviceRuntimePolicy>)
+      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, Policy::kind, Bound{}) {}
+  // DeviceRuntimePolicy: `kind` is the policy it plans with.
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind)
+    requires std::same_as<Policy, DeviceRuntimePolicy>
+      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, kind, Bound{}) {}
+
+ private:
+  struct Bound {};
+  [[gnu::cold]]
+  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
+                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind, Bound)
+      : rt_(&rt),
+        overlap_(options.overlap),
+        by_consumer_(options.fill_by_consumer),
+        copy_engine_(options.fill_engine == FillEngine::copy_engine),
+        post_before_list_(options.test_post_before_list),
+        ready_before_copy_(options.test_ready_before_copy),
+        fail_copies_(options.test_fail_copies),
+        skip_shutdown_wait_(options.test_skip_shutdown_wait),
+        block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
+        words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
+        sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
+        regions_(regions) {
+    // As the CUDA executor: a first part naming regions the storage lacks is refused (the model
+    // itself copies whole experts, so it has no other use for the mask).
+    if (regions.count < 32 && (options.ready_first_regions >> regions.count) != 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: ready_first_regions 0x%x names copy regions past the storage's %zu",
+                                 options.label.c_str(), options.ready_first_regions, regions.count));
+    }
+    if constexpr (!Overlap) {
+      if (options.overlap) {
+        throw Error(Status::format(ErrorCode::invalid_argument, "%s: overlap needs an executor with the overlapped fill",
+                                   options.label.c_str()));
+      }
+    }
+    auto* w = reinterpret_cast<MappedWords*>(words_.data());
+    state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
+    state_.policy = kind;
+    // Fresh memory, nothing enqueued yet: the reset runs on the host (declared as a host write).
+    rt.host_access(block_.data(), block_.size(), AccessMode::write);
+    rt.host_access(words_.data(), words_.size(), AccessMode::write);
+    SequentialBlock b;
+    reset_plan_state<Policy>(b, state_, options.crf_decay_q32);
+    for (const CopyRegion& r : regions_) {
+      if (r.bytes == 0) continue;
+      pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
+      slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
+    }
+    if (copy_engine_) {
+      proxy_stream_ = RuntimeStream<SimRuntime>(rt);
+      rt.set_host_issued(proxy_stream_.get());  // its ops stand for the proxy thread's calls
+      posted_ = RuntimeEvent<SimRuntime>(rt);
+      proxy_done_ = RuntimeEvent<SimRuntime>(rt);
+      ring_ = RuntimeBuffer<SimRuntime>(rt, proxy_ring_depth * static_cast<std::size_t>(capacity) * sizeof(SimProxyFill),
+                                        MemoryKind::pinned_host);
+      for (std::uint32_t k = 0; k < proxy_ring_depth; ++k) taken_.emplace_back(rt);
+      proxy_failed_ = std::make_shared<bool>(false);
+    }
+    if constexpr (Overlap) {
+      if (overlap_ && !copy_engine_) {
+        planned_ = RuntimeEvent<SimRuntime>(rt);
+        for (std::int32_t j = 0; j < capacity; ++j) {
+          lanes_.emplace_back(rt);
+          ready_.emplace_back(rt);
+        }
+      }
+    }
+  }
+
+ public:
+  // Edge P4: the proxy's pending work (its take and copy ops) completes before the cache's
+  // memory goes, as the CUDA executor's detach waits for the proxy to take every request and
+  // synchronises its copy stream.
+  [[gnu::cold]] ~BasicSimPlanExecutor() {
+    if (copy_engine_ && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
+  }
+  BasicSimPlanExecutor(const BasicSimPlanExecutor&) = delete;
+  BasicSimPlanExecutor& operator=(const BasicSimPlanExecutor&) = delete;
+
+  [[nodiscard]] bool overlap() const noexcept { return overlap_; }
+  // The event that stands for slot j's ready word (overlap only): recorded after the lane's
+  // fill of slot j in the latest step. A consumer waits for it before reading slot j.
+  [[nodiscard]] SimRuntime::Event ready_event(std::int32_t j) const noexcept {
+    if (copy_engine_) return proxy_done_.get();
+    return ready_[static_cast<std::size_t>(j)].get();
+  }
+
+  // Overlap: the stream the last fill forked from waits for every lane (see above). The copy
+  // engine: a failed copy since the last call is returned once.
+  Status join_fills() noexcept {
+    if (copy_engine_ && *proxy_failed_) {
+      *proxy_failed_ = false;
+      return Status(ErrorCode::runtime_failure, "device_expert_cache: a copy-engine fill failed (simulated)");
+    }
+    if (!fork_) return {};
+    const Stream x = *fork_;
+    fork_.reset();
+    for (const auto& e : ready_)
+      if (Status r = rt_->wait(x, e.get()); !r) return r;
+    return {};
+  }
+
+  [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
+  [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
+  [[nodiscard]] std::size_t device_bytes() const noexcept { return block_.size() + sanitized_.size(); }
+
+  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
+                           std::int32_t round_width) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
+    if (n > 0) acc.push_back({sanitized_ids(), static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::write});
+    add_state_accesses(acc);
+    DevicePlanState st = state_;
+    st.forward_in_rounds = in_rounds;
+    st.round_width = in_rounds ? round_width : 0;
+    std::int32_t* out = sanitized_ids();
+    rt_->set_next_label("device plan_forward");
+    if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
+          SequentialBlock b;
+          if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
+            // Every forward on the general path: the small path is the GPU's register fast path
+            // to the same state (tests/host/test_device_policies.cpp compares them byte for byte), and
+            // here it would only be a second copy of the group step in a user's build.
+            plan_forward_general<Policy>(b, st, ids, n, out);
+          } else {
+            plan_forward<Policy>(b, st, ids, n, out);
+          }
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
+  }
+
+  Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_group");
+    if (Status r = rt_->launch(s, acc, [st, g] {
+          SequentialBlock b;
+          plan_group<Policy>(b, st, g);
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
+  }
+
+  // plan_prefetch, then its fills as one stream-ordered fill op (also with overlap: a forward's
+  // consumer reads a prefetched slot only after the next prepare, which is ordered after this
+  // call's stream by the core, and whose lane for that slot waits for its plan).
+  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
+                  bool& planned) noexcept {
+    planned = false;
+    std::vector<Access> acc;
+    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
+    add_state_accesses(acc, false);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_prefetch");
+    if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
+          SequentialBlock b;
+          plan_prefetch<Policy>(b, st, ids, n, max_fills, expires_after);
+        });
+        !r) {
+      return r;
+    }
+    planned = true;
+    if (copy_engine_) return fill_by_proxy(s, false);
+    return fill_stream_ordered(s, overlap_);
+  }
+
+  Status invalidate(Stream s, std::int32_t expert) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label("device plan_invalidate");
+    return rt_->launch(s, acc, [st, expert] {
+      SequentialBlock b;
+      plan_invalidate(b, st, expert);
+    });
+  }
+
+  Status drop_fills(Stream s) noexcept {
+    return recovery(s, "device drop_fills", [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_fills(b, st); });
+  }
+  Status drop_missing(Stream s) noexcept {
+    return recovery(s, "device drop_missing",
+                    [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_missing(b, st); });
+  }
+
+  // The mapped mirror, read without ordering (like the GPU's: readable while work runs; each
+  // word is written whole). Not declared to the race detector for that reason.
+  [[nodiscard]] DevicePlanStats stats() const noexcept { return reinterpret_cast<const MappedWords*>(words_.data())->stats; }
+
+  // Read and clear: declared as a host access, so calling it while a plan op is pending and
+  // unordered with the host is reported (the contract: only when the cache's streams are idle).
+  std::uint32_t take_error_word() noexcept {
+    auto* w = reinterpret_cast<MappedWords*>(words_.data());
+    rt_->host_access(&w->error_word, sizeof(w->error_word), AccessMode::write);
+    return std::exchange(w->error_word, 0u);
+  }
+
+ private:
+  struct MappedWords {
+    DevicePlanStats stats;
+    std::uint32_t error_word = 0;
+  };
+
+  // Every region of `expert` from the host pools into `slot` (the simulated fills' bytes).
+  static void copy_expert(const CopyRegions& regions, std::int32_t expert, std::int32_t slot) noexcept {
+    for (const CopyRegion& r : regions) {
+      std::memcpy(r.slot_base + static_cast<std::size_t>(slot) * r.slot_stride,
+                  r.host_base + static_cast<std::size_t>(expert) * r.host_stride, r.bytes);
+    }
+  }
+  static std::size_t extent(std::size_t stride, std::int32_t rows, std::size_t bytes) noexcept {
+    return rows <= 0 ? 0 : stride * static_cast<std::size_t>(rows - 1) + bytes;
+  }
+
+  // One op on the whole state (the recovery steps: they run rarely and touch what they find).
+  template <class Body>
+  Status recovery(Stream s, const char* label, Body body) noexcept {
+    std::vector<Access> acc;
+    add_state_accesses(acc);
+    const DevicePlanState st = state_;
+    rt_->set_next_label(label);
+    return rt_->launch(s, acc, [st, body] {
+      SequentialBlock b;
+      body(b, st);
+    });
+  }
+
+  // One array of the state and when a step declares it (a table, so that the accesses are
+  // pushed by one loop instead of one inlined push per array and mode).
+  enum class Declared : std::uint8_t { always, forward, unless_copy_engine };
+  struct StateArray {
+    const void* data;
+    std::size_t bytes;
+    Declared when;
+  };
+  template <class T>
+  static StateArray array_of(PlanSpan<T> span, Declared when = Declared::always) noexcept {
+    return StateArray{span.data, static_cast<std::size_t>(span.size) * sizeof(T), when};
+  }
+  // Every array read and written, in this order; `forward`: the current forward's arrays too
+  // (forward map, unique list, its group's experts). plan_prefetch never touches them, so a
+  // consumer of the forward may read its forward map while a prefetch runs beside it.
+  void add_state_accesses(std::vector<Access>& acc, bool forward = true) const {
+    const StateArray arrays[] = {
+        array_of(PlanSpan<DevicePlanScalars>{state_.scalars, 1}),
+        array_of(PlanSpan<DevicePlanStats>{state_.counters, 1}),
+        array_of(state_.slot_tick),
+        array_of(state_.resident_map),
+        array_of(state_.forward_map, Declared::forward),
+        array_of(state_.unique, Declared::forward),
+        array_of(state_.prev_forward, Declared::forward),
+        array_of(state_.missing, Declared::forward),
+        array_of(state_.marks),
+        array_of(state_.slot_owner),
+        array_of(state_.free_stack),
+        array_of(state_.fills),
+        array_of(state_.evictions),
+        array_of(state_.slot_needed),
+        // The ready words: no planning step touches them (only the reset at construction). With
+        // the copy engine the proxy stores them while later plans run (the words are its release
+        // flags, not data), so they are left out there; otherwise declared, as the fills are joined.
+        array_of(state_.slot_ready, Declared::unless_copy_engine),
+        array_of(state_.slot_ready_first, Declared::unless_copy_engine),
+        array_of(state_.fill_arrivals),
+        array_of(state_.fill_arrivals_first),
+        array_of(state_.slot_spec_left),
+        // The policies' state: every plan step may read and write it (a prior's bias is read).
+        array_of(state_.slot_freq),
+        array_of(state_.slot_order),
+        array_of(state_.expert_crf),
+        array_of(state_.expert_bias),
+        array_of(state_.expert_last),
+        array_of(state_.crf_pow),
+    };
+    for (const StateArray& a : arrays) {
+      if ((a.when == Declared::forward && !forward) || (a.when == Declared::unless_copy_engine && copy_engine_)) continue;
+      acc.push_back({a.data, a.bytes, AccessMode::read});
+      acc.push_back({a.data, a.bytes, AccessMode::write});
+    }
+    acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
+    acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
+  }
+
+  Status fill(Stream s) noexcept {
+    if (copy_engine_) return fill_by_proxy(s, !overlap_);
+    if constexpr (Overlap) {
+      if (overlap_) return fill_overlapped(s);
+    }
+    return fill_stream_ordered(s);
+  }
+
+  // The copy engine (see the class comment): post on s, take + copy on the proxy's stream.
+  Status fill_by_proxy(Stream s, bool wait_all) noexcept {
+    const DevicePlanState st = state_;
+    const std::uint32_t k = post_seq_++ % proxy_ring_depth;
+    auto* entry = reinterpret_cast<SimProxyFill*>(ring_.data()) + static_cast<std::size_t>(k) * static_cast<std::size_t>(st.capacity);
+    const std::size_t entry_bytes = static_cast<std::size_t>(st.capacity) * sizeof(SimProxyFill);
+    const std::size_t words = static_cast<std::size_t>(st.capacity) * sizeof(std::uint32_t);
+    const Stream p = proxy_stream_.get();
+    // The ring-room wait: the entry is free once the proxy took its previous request.
+    if (Status r = rt_->wait(s, taken_[k].get()); !r) return r;
+    if (post_before_list_) {
+      if (Status r = rt_->record(posted_.get(), s); !r) return r;
+    }
+    {
+      std::vector<Access> acc{{st.scalars, sizeof(DevicePlanScalars), AccessMode::read},
+                              {st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read},
+                              {st.slot_needed.data, words, AccessMode::read},
+                              {entry, entry_bytes, AccessMode::write}};
+      rt_->set_next_label("device proxy_post");
+      if (Status r = rt_->launch(s, acc, [st, entry] {
+            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+            for (std::int32_t i = 0; i < st.capacity; ++i) {
+              const PlanEntry f = i < n ? st.fills[i] : PlanEntry{-1, -1};
+              const bool ok = f.slot >= 0 && f.slot < st.capacity;
+              entry[i] = SimProxyFill{f.expert, ok ? f.slot : -1, ok ? st.slot_needed[f.slot] : 0u};
+            }
+          });
+          !r) {
+        return r;
+      }
+    }
+    if (!post_before_list_) {
+      if (Status r = rt_->record(posted_.get(), s); !r) return r;
+    }
+    if (Status r = rt_->wait(p, posted_.get()); !r) return r;
+    auto list = std::make_shared<std::vector<SimProxyFill>>();
+    {
+      const Access a{entry, entry_bytes, AccessMode::read};
+      rt_->set_next_label("proxy take");
+      if (Status r = rt_->launch(p, std::span<const Access>(&a, 1),
+                                 [entry, list, c = st.capacity] { list->assign(entry, entry + c); });
+          !r) {
+        return r;
+      }
+      if (Status r = rt_->record(taken_[k].get(), p); !r) return r;
+    }
+    if (ready_before_copy_) {
+      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
+    }
+    {
+      std::vector<Access> acc;
+      acc.insert(acc.end(), pools_.begin(), pools_.end());
+      acc.insert(acc.end(), slots_.begin(), slots_.end());
+      acc.push_back({st.slot_ready.data, words, AccessMode::write});
+      acc.push_back({st.slot_ready_first.data, words, AccessMode::write});
+      if (fail_copies_) acc.push_back({st.error_word, sizeof(std::uint32_t), AccessMode::write});
+      const CopyRegions regions = regions_;
+      rt_->set_next_label("proxy copy");
+      if (Status r = rt_->launch(p, acc, [st, regions, list, fail = fail_copies_, failed = proxy_failed_] {
+            for (const SimProxyFill& f : *list) {
+              if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
+              if (!fail) {
+                copy_expert(regions, f.expert, f.slot);
+              } else {
+                *failed = true;
+                *st.error_word |= plan_error_fill_failed;
+              }
+              st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = f.tag;  // after the bytes (P2)
+            }
+          });
+          !r) {
+        return r;
+      }
+    }
+    if (!ready_before_copy_) {
+      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
+    }
+    // Without overlap the post waits for the ready words; with it the consumer waits per slot.
+    return wait_all ? rt_->wait(s, proxy_done_.get()) : Status{};
+  }
+
+  // `publish_ready` (a prefetch's fill with overlap): also stores each filled slot's ready word,
+  // as the GPU's ready-word fill does, so a later readiness consumer finds it at the needed value.
+  Status fill_stream_ordered(Stream s, bool publish_ready = false) noexcept {
+    std::vector<Access> acc;
+    acc.push_back({state_.scalars, sizeof(DevicePlanScalars), AccessMode::read});
+    acc.push_back({state_.fills.data, static_cast<std::size_t>(state_.capacity) * sizeof(PlanEntry), AccessMode::read});
+    if (publish_ready) {
+      const std::size_t words = static_cast<std::size_t>(state_.capacity) * sizeof(std::uint32_t);
+      acc.push_back({state_.slot_needed.data, words, AccessMode::read});
+      acc.push_back({state_.slot_ready.data, words, AccessMode::write});
+      acc.push_back({state_.slot_ready_first.data, words, AccessMode::write});
+    }
+    acc.insert(acc.end(), pools_.begin(), pools_.end());
+    acc.insert(acc.end(), slots_.begin(), slots_.end());
+    const DevicePlanState st = state_;
+    const CopyRegions regions = regions_;
+    rt_->set_next_label("device plan_fill");
+    return rt_->launch(s, acc, [st, regions, publish_ready] {
+      const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+      for (std::int32_t i = 0; i < n; ++i) {
+        const PlanEntry f = st.fills[i];
+        // Checked like the kernel: nothing outside the pools is touched, whatever the list says.
+        if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
+        copy_expert(regions, f.expert, f.slot);
+        if (publish_ready) st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = st.slot_needed[f.slot];
+      }
+    });
+  }
+
+  // One op per slot on its own lane (see the class comment).
+  Status fill_overlapped(Stream s) noexcept {
+    if (Status r = rt_->record(planned_.get(), s); !r) return r;
+    fork_ = s;
+    const DevicePlanState st = state_;
+    for (std::int32_t j = 0; j < st.capacity; ++j) {
+      const Stream lane = lanes_[static_cast<std::size_t>(j)].get();
+      if (Status r = rt_->wait(lane, planned_.get()); !r) return r;
+      std::vector<Access> acc;
+      acc.push_back({st.scalars, sizeof(DevicePlanScalars), AccessMode::read});
+      acc.push_back({st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read});
+      acc.push_back({st.slot_needed.data + j, sizeof(std::uint32_t), AccessMode::read});
+      acc.push_back({st.slot_ready.data + j, sizeof(std::uint32_t), AccessMode::write});
+      acc.push_back({st.slot_ready_first.data + j, sizeof(std::uint32_t), AccessMode::write});
+      acc.insert(acc.end(), pools_.begin(), pools_.end());
+      for (const CopyRegion& r : regions_) {
+        if (r.bytes != 0) acc.push_back({r.slot_base + static_cast<std::size_t>(j) * r.slot_stride, r.bytes, AccessMode::write});
+      }
+      const CopyRegions regions = regions_;
+      rt_->set_next_label("device plan_fill_ready (slot " + std::to_string(j) + ")");
+      if (Status r = rt_->launch(lane, acc, [st, regions, j] {
+            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
+            for (std::int32_t i = 0; i < n; ++i) {
+              const PlanEntry f = st.fills[i];
+              if (f.slot != j || f.expert < 0 || f.expert >= st.num_experts) continue;
+              copy_expert(regions, f.expert, j);
+              // The release stores (after the bytes; the model has no first part of its own).
+              st.slot_ready_first[j] = st.slot_ready[j] = st.slot_needed[j];
+            }
+          });
+          !r) {
+        return r;
+      }
+      if (Status r = rt_->record(ready_[static_cast<std::size_t>(j)].get(), lane); !r) return r;
+    }
+    return {};
+  }
+
+  struct SimProxyFill {
+    std::int32_t expert;
+    std::int32_t slot;
+    std::uint32_t tag;
+  };
+
+  SimRuntime* rt_;
+  bool overlap_;
+  bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
+  bool copy_engine_;  // FillEngine::copy_engine: fills through the modelled proxy
+  bool post_before_list_, ready_before_copy_, fail_copies_;  // test knobs (edges P1, P2; failures)
+  bool skip_shutdown_wait_;                                    // test knob (edge P4)
+  RuntimeStream<SimRuntime> proxy_stream_;
+  RuntimeEvent<SimRuntime> posted_, proxy_done_;
+  std::vector<RuntimeEvent<SimRuntime>> taken_;  // per ring entry
+  RuntimeBuffer<SimRuntime> ring_;
+  std::uint32_t post_seq_ = 0;
+  std::shared_ptr<bool> proxy_failed_;
+  RuntimeEvent<SimRuntime> planned_;
+  std::vector<RuntimeStream<SimRuntime>> lanes_;
+  std::vector<RuntimeEvent<SimRuntime>> ready_;
+  std::optional<Stream> fork_;
+  RuntimeBuffer<SimRuntime> block_;
+  RuntimeBuffer<SimRuntime> words_;
+  RuntimeBuffer<SimRuntime> sanitized_;
+  CopyRegions regions_;
+  std::vector<Access> pools_;
+  std::vector<Access> slots_;
+  DevicePlanState state_{};
+};
+using SimPlanExecutor = BasicSimPlanExecutor<DeviceLru>;
+static_assert(device_plan_executor<SimPlanExecutor>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceLfru>>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy>>);
+static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy, false>>);
+
+template <>
+struct DevicePlanExecutorFor<SimRuntime> {
+  using type = SimPlanExecutor;
+  template <device_plan_policy Policy>
+  using with_policy = BasicSimPlanExecutor<Policy>;
+};
+
+// The executor of `Runtime` for `Policy`: DevicePlanExecutorFor<Runtime>::type for DeviceLru,
+// its with_policy<Policy> for the others (a runtime without it plans LRU only).
+template <class Runtime, class Policy>
+struct DevicePlanExecutorOf {
+  using type = typename DevicePlanExecutorFor<Runtime>::template with_policy<Policy>;
+};
+template <class Runtime>
+struct DevicePlanExecutorOf<Runtime, DeviceLru> {
+  using type = typename DevicePlanExecutorFor<Runtime>::type;
+};
+
+// The staging policy of a wide forward's round copies for `Policy` on `Runtime`: CopyStream (plain
+// copies, coalesced and batched by the rounds). make() builds the one a cache holds. The
+// run-time-selected cache (any/any_cache.hpp) names its host caches' staging type, holding
+// CopyStream: the same copies, and the rounds' code is then shared with its host providers'.
+template <class Policy, class Runtime>
+struct DeviceWideStaging {
+  using type = CopyStream;
+  [[nodiscard]] static type make() noexcept { return {}; }
+};
+
+// ---- the cache ----------------------------------------------------------------------------
+
+namespace detail {
+
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime, class Edges,
+          device_plan_policy Policy = DeviceLru>
+class DeviceExpertCacheWithEdges {
+ public:
+  using Stream = typename Runtime::Stream;
+  using StorageType = Storage<Runtime>;
+  using LayoutType = Layout;
+  using PolicyType = Policy;
+  using Executor = typename DevicePlanExecutorOf<Runtime, Policy>::type;
+  static_assert(device_plan_executor<Executor>);
+
+  // Throws Error on an impossible configuration (capacity 0 or > num_experts, max_ids <= 0, a
+  // layout that does not validate, sizes that cannot be allocated).
+  [[gnu::cold]] DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
+      : rt_(&rt),
+        options_(resolve_fill_engine(validated(std::move(options)), layout)),
+        layout_(validated(layout)),
+        storage_(rt, CacheShape{options_.num_experts, options_.capacity + options_.stream_slots}, layout_.tensors(),
+                 options_.memory),
+        // Inline mode (fills on the caller's stream). The staging ring holds the host-id
+        // prefetch uploads and, with stream slots, every round map of one wide forward.
+        core_(rt, false, static_cast<std::size_t>(options_.num_experts), wide_ring_size(options_)),
+        exec_(rt, options_.num_experts, options_.capacity, options_.max_ids, storage_.copy_regions(), options_),
+        prefetch_ids_(rt, static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t), MemoryKind::device),
+        hints_(options_.num_experts) {
+    if (options_.stream_slots >= 2) {
+      const std::size_t map = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+      core_.add_wide_stream();
+      wide_state_.emplace(rt, map);
+      wide_.reserve(static_cast<std::size_t>(options_.num_experts), storage_.copy_regions().count);
+    }
+    for (std::size_t t = 0; t < num_expert_tensors; ++t) view_.tensors[t] = storage_.slot_tensor(t);
+    view_.expert_map = exec_.state().forward_map.data;
+    view_.resident_map = exec_.state().resident_map.data;
+    if (options_.fill_by_consumer) view_.missing = exec_.state().missing.data;
+    copies_per_fill_ = storage_.copy_regions().count;
+    bytes_per_expert_ = total_bytes_per_expert(layout_.tensors());
+    if (options_.log) {
+      const CacheStats s = stats();
+      options_.log(join({options_.label, ": device-planned ", Policy::name, "/inline/", StorageType::name, "/",
+                         Layout::name, ", ", DecimalText(options_.capacity), " of ", DecimalText(options_.num_experts),
+                         " experts, up to ", DecimalText(options_.max_ids), " ids, slot bytes ",
+                         DecimalText(s.slot_bytes), ", host bytes ", DecimalText(s.host_bytes), ", fill engine ",
+                         to_string(options_.fill_engine)}));
+    }
+  }
+  // The executor leaves the copy engine's proxy before any member frees memory (CUDA: edge P5 of
+  // device_cache/copy_proxy.cuh).
+  ~DeviceExpertCacheWithEdges() {
+    if constexpr (requires { exec_.release(); }) exec_.release();
+  }
+  DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
+  DeviceExpertCacheWithEdges& operator=(const DeviceExpertCacheWithEdges&) = delete;
+
+  // Plans the forward of `n_ids` top-k ids in device memory (negative = padding; other ids
+  // outside [0, E) are dropped and counted) and fills its group 0, on `stream`. On error
+  // nothing was enqueued when the input or the stream was rejected; a runtime failure after
+  // the plan was enqueued makes the next call drop the planned experts first (their slots may
+  // not hold their bytes).
+  // mode DeviceForward::in_rounds: the caller serves every group of this forward (prepare_group
+  // 1..max_groups(n_ids, round_width) - 1 after it, a wide forward), so an overflow is counted in
+  // stats() but not flagged in the error word, and the groups list the experts resident at the
+  // forward's start first; round_width (in rounds only): experts per group, 1..capacity (0: the
+  // capacity), so that a prefetch of the next group can fill beside the group being consumed.
+  // single (default): an overflow flags plan_error_overflow.
+  Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                              DeviceForward mode = DeviceForward::single, std::int32_t round_width = 0) noexcept {
+    if (n_ids < 0 || n_ids > options_.max_ids) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids (accepted: 0..%d, max_ids)",
+                            options_.label.c_str(), n_ids, options_.max_ids);
+    }
+    if (round_width < 0 || round_width > options_.capacity || (round_width != 0 && mode != DeviceForward::in_rounds)) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare with round_width %d (accepted: 0..%d, the capacity, and only in rounds)",
+                            options_.label.c_str(), round_width, options_.capacity);
+    }
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare of %d ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    if (Status s = check_stream(stream, "prepare"); !s) return s;
+    Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
+      return exec_.plan_forward_fill(f, device_ids, n_ids, planned, mode == DeviceForward::in_rounds, round_width);
+    });
+    if (!s) return s.with_context("%s: prepare(%d ids)", options_.label.c_str(), n_ids);
+    round_width_ = round_width;
+    ++prepare_calls_;
+    view_.generation = ++generation_;
+    return view_;
+  }
+
+  // Overflow group g (1 <= g < max_groups(max_ids, W)) of the last prepare(), W its group width
+  // (the capacity, or its round_width): plans ids [g*W, (g+1)*W) of its unique list and fills
+  // them. A group the forward does not have is empty: the forward map is cleared, nothing is
+  // filled, the consumer computes nothing.
+  Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
+    const std::int32_t most = max_groups(options_.max_ids, round_width_);
+    if (group < 1 || group >= most) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prepare_group(%d) outside 1..%d (max_groups(max_ids, the last prepare's width) = %d)",
+                            options_.label.c_str(), group, most - 1, most);
+    }
+    if (Status s = check_stream(stream, "prepare_group"); !s) return s;
+    Status s = write(stream, WritePurpose::fill, [&](Stream f, bool& planned) noexcept {
+      return exec_.plan_group_fill(f, group, planned);
+    });
+    if (!s) return s.with_context("%s: prepare_group(%d)", options_.label.c_str(), group);
+    view_.generation = ++generation_;
+    return view_;
+  }
+
+  // Drops `expert` on the device (no-op there when it is not resident). Ordered like a write:
+  // after the owner's readers and the last writer (edge 6); the owner keeps reading.
+  Status invalidate(std::int32_t expert, Stream stream) noexcept {
+    if (expert < 0 || expert >= options_.num_experts) {
+      return Status::format(ErrorCode::expert_out_of_range, "%s: invalidate(%d): expert outside [0, %d)",
+                            options_.label.c_str(), expert, options_.num_experts);
+    }
+    if (Status s = check_stream(stream, "invalidate"); !s) return s;
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept { return exec_.invalidate(f, expert); });
+    if (!s) return s.with_context("%s: invalidate(%d)", options_.label.c_str(), expert);
+    ++generation_;
+    return {};
+  }
+
+  // fill_by_consumer only: the consumer of the last planned group did not run (it failed, or
+  // was never enqueued), so the slots of that group's missing experts never received their
+  // bytes: drops those experts (each as invalidate() would), so that no later forward reads
+  // them; they miss again when next requested. Ordered like invalidate() (edge 6). Call it
+  // before the next prepare(). Errors, nothing enqueued: a cache without fill_by_consumer
+  // (ErrorCode::not_supported: its fills copy every miss), a stream the runtime refuses.
+  Status drop_unfilled(Stream stream) noexcept {
+    if (!options_.fill_by_consumer) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: drop_unfilled without fill_by_consumer (the cache's fills copy every miss)",
+                            options_.label.c_str());
+    }
+    if (Status s = check_stream(stream, "drop_unfilled"); !s) return s;
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept { return exec_.drop_missing(f); });
+    if (!s) return s.with_context("%s: drop_unfilled", options_.label.c_str());
+    ++generation_;
+    return {};
+  }
+
+  // DeviceCrf's frequency prior (docs/policies.md, "Frequency priors"): one bias per expert in
+  // CRF units (1.0 = what one request adds to an expert's CRF), added to the expert's CRF when
+  // victims are ranked; 2^30 or more pins the expert (crf_pin_bias). Replaces the whole table.
+  // Uploaded on `stream` through the core's staging ring and ordered like invalidate(): after
+  // every plan already enqueued, which read the old table (edges 1 and 6 of docs/design.md), and
+  // before the next call on any stream (edge 2: this stream is then the last writer). Capturable.
+  // Errors, nothing enqueued and the cache as it was: a policy that ranks without a prior
+  // (DeviceLru, DeviceLfru: not_supported), not one entry per expert, an entry that is negative,
+  // NaN or infinite, a stream the runtime refuses.
+  Status set_prior(std::span<const double> bias, Stream stream) noexcept {
+    if (Status s = check_prior_shape(bias.size(), "set_prior"); !s) return s;
+    for (std::size_t e = 0; e < bias.size(); ++e) {
+      if (!std::isfinite(bias[e]) || bias[e] < 0.0) {
+        return Status::format(ErrorCode::invalid_argument,
+                              "%s: set_prior: the bias of expert %zu is %g (need a finite value >= 0)",
+                              options_.label.c_str(), e, bias[e]);
+      }
+    }
+    std::vector<std::uint64_t> q32;
+    try {
+      q32.resize(bias.size());
+    } catch (...) {
+      return Status::format(ErrorCode::runtime_failure, "%s: set_prior: no host memory for the table", options_.label.c_str());
+    }
+    constexpr double pin = static_cast<double>(crf_pin_bias) / static_cast<double>(crf_one);  // 2^30
+    for (std::size_t e = 0; e < bias.size(); ++e) {
+      q32[e] = bias[e] >= pin ? crf_pin_bias
+                              : static_cast<std::uint64_t>(std::llround(bias[e] * static_cast<double>(crf_one)));
+    }
+    return upload_prior(q32.data(), stream, "set_prior");
+  }
+
+  // The same from a table in the planner's Q32 (as PopularityTable::weighted_bias and
+  // pinned_bias return it: crf_one = 1.0, crf_pin_bias pins). Errors as set_prior's.
+  Status set_prior_q32(std::span<const std::uint64_t> bias, Stream stream) noexcept {
+    if (Status s = check_prior_shape(bias.size(), "set_prior_q32"); !s) return s;
+    return upload_prior(bias.data(), stream, "set_prior_q32");
+  }
+
+  // Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
+  // on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
+  // plan_prefetch): `device_ids` holds n_ids predicted ids in device memory, best first (-1 is
+  // padding; other ids outside [0, E) are dropped and counted, as in prepare); at most
+  // options.max_bytes / bytes-per-expert fills; never a victim from the last prepared forward,
+  // an unused unexpired speculative fill or an earlier id of the list. Ordered like a write
+  // (edges 1, 2: after the owner's readers enqueued so far and after the last writer); the
+  // owner does not change and nothing waits for the fills now, so they overlap whatever the
+  // owner's stream runs next. The next prepare() (any stream) is ordered after them: this
+  // call's stream is then its last writer (edge 2), so a forward that uses a prefetched expert
+  // reads it complete, and a forward that does not still waits for this call's fills (the host
+  // cannot know which slots a device-planned fill wrote). Capturable, with ids that change
+  // between replays. The returned view counts nothing (decisions are made on the device):
+  // stats() has speculative_issued / used / wasted / bytes.
+  // Scores are not taken here (not_supported when options.scores is not empty): the ids are in
+  // device memory and the device plan takes them in the given order; an engine with scores passes
+  // its ids best first, or calls the host-ids overload below, which selects on the host.
+  // Errors, nothing enqueued: n_ids outside [0, E] (too_many_experts above E), null ids with
+  // n_ids > 0, max_bytes < 0, expires_after == 0, min_score NaN or outside [0, 1], scores
+  // (not_supported), a stream the runtime refuses.
+  Result<PrefetchView> prefetch(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    Result<std::int32_t> max_fills = prefetch_budget(n_ids, options);
+    if (!max_fills.ok()) return max_fills.status();
+    if (!options.scores.empty()) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prefetch from device ids takes no scores (%zu given): the device plan takes the "
+                            "ids in the given order; select on the host (prefetch from host ids with scores) or "
+                            "pass the ids best first",
+                            options_.label.c_str(), options.scores.size());
+    }
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %d ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    if (Status s = check_stream(stream, "prefetch"); !s) return s;
+    if (n_ids == 0 || max_fills.value() == 0) return PrefetchView{};
+    Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
+      return exec_.prefetch(f, device_ids, n_ids, max_fills.value(), options.expires_after, planned);
+    });
+    if (!s) return s.with_context("%s: prefetch(%d ids)", options_.label.c_str(), n_ids);
+    ++generation_;
+    return PrefetchView{};
+  }
+
+  // The same for predicted ids in host memory, validated like ExpertCache::prefetch (every id in
+  // [0, E), at most E of them: otherwise refused before anything is enqueued), then uploaded on
+  // `stream` through the ordering core's staging ring (graph-safe like its map uploads). With
+  // options.scores the hints are selected on the host first, as ExpertCache::prefetch selects
+  // them (PrefetchOptions; HintSelector), and only the selected ids, highest score first, are
+  // uploaded and planned; the view counts skipped_unlikely (the rest is decided on the device).
+  // The scored-hint errors are PrefetchOptions', before anything is enqueued.
+  Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    if (predicted.size() > static_cast<std::size_t>(options_.num_experts)) {
+      return Status::format(ErrorCode::too_many_experts, "%s: prefetch got %zu predicted ids, more than the %d experts",
+                            options_.label.c_str(), predicted.size(), options_.num_experts);
+    }
+    const auto n = static_cast<std::int32_t>(predicted.size());
+    Result<std::int32_t> max_fills = prefetch_budget(n, options);
+    if (!max_fills.ok()) return max_fills.status();
+    for (const std::int32_t id : predicted) {
+      if (id < 0 || id >= options_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: prefetch of expert %d outside [0, %d)",
+                              options_.label.c_str(), id, options_.num_experts);
+      }
+    }
+    if (Status s = hints_.select(predicted, options.scores, options.min_score); !s) {
+      return s.with_context("%s", options_.label.c_str());
+    }
+    if (Status s = check_stream(stream, "prefetch"); !s) return s;
+    PrefetchView view;
+    view.skipped_unlikely = hints_.skipped_unlikely();
+    const std::span<const std::int32_t> chosen = hints_.ids();
+    const auto n_chosen = static_cast<std::int32_t>(chosen.size());
+    if (n_chosen == 0 || max_fills.value() == 0) return view;
+    auto* ids = reinterpret_cast<std::int32_t*>(prefetch_ids_.data());
+    Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
+      if (Status u = core_.upload_map(chosen.data(), ids, f, static_cast<std::size_t>(n_chosen)); !u) return u;
+      return exec_.prefetch(f, ids, n_chosen, max_fills.value(), options.expires_after, planned);
+    });
+    if (!s) return s.with_context("%s: prefetch(%d host ids)", options_.label.c_str(), n);
+    ++generation_;
+    return view;
+  }
+
+  // A wide forward from HOST ids (a prompt, a large batch; cache/wide.hpp), served eagerly in rounds
+  // with stream admission: the pool's residents are read where they are, every other expert is
+  // copied from the host pools into the stream slots (DeviceCacheOptions::stream_slots) by the
+  // copy engine, never admitted: the device planner's state (residents, recency, counters) is
+  // exactly what it was, so the decode working set survives the prompt. Steps: the pool's
+  // resident map is read back on `stream`, ordered like invalidate() after every plan, fill and
+  // prefetch enqueued so far (edges 6, 2), and the host waits for that copy (edge D10); then the
+  // rounds run as ExpertCache's stream rounds (docs/design.md "Wide forwards": round r + 1's
+  // copies, on the core's wide stream, overlap round r's consumer; edges 3 and 10), each run of
+  // consecutive missing experts as one copy per dense region, a round's copies in one batched
+  // call where the runtime has one. The consumer is called once per round on the host, as
+  // prepare_wide's everywhere; each round's view has a forward-scoped expert map of its own.
+  // Not capturable (the host waits for the read-back): the in-graph way to serve a wide forward
+  // is prepare(in_rounds) + prepare_group, whose rounds go through the pool.
+  // Errors before anything is enqueued: admission admit (not_supported: use prepare(in_rounds)
+  // and prepare_group), no stream slots (not_supported), more ids than max_wide_ids
+  // (too_many_experts), an id outside [0, E) (expert_out_of_range), `stream` capturing
+  // (capture_unsupported), a stream the runtime refuses. A consumer that fails (or throws) ends
+  // the forward with its status; a runtime failure is reported with its round. The pool is
+  // never changed, so either way the cache stays as it was and usable.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    if (Status s = wide_allowed(stream, options); !s) return s;
+    if (Status s = detail::wide_unique(topk_ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique);
+        !s) {
+      return s.with_context("%s: prepare_wide", options_.label.c_str());
+    }
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
+    if (Status s = read_back(stream, nullptr, 0); !s) return s;
+    return serve_wide(stream, consumer, options);
+  }
+
+  // The same from `n_ids` ids in DEVICE memory (a router's output, written on `stream` or
+  // ordered before the call): copied to pinned host memory together with the resident map
+  // (one wait for both), then validated and served as above. An id outside [0, E) is reported
+  // after that copy (expert_out_of_range); the cache is unchanged either way.
+  template <class Consumer>
+    requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
+  Result<WideSummary> prepare_wide(const std::int32_t* device_ids, std::size_t n_ids, Stream stream, Consumer&& consumer,
+                                   WideOptions options = {}) noexcept {
+    if (Status s = wide_allowed(stream, options); !s) return s;
+    if (n_ids > static_cast<std::uint64_t>(options_.max_wide_ids)) {
+      return Status::format(ErrorCode::too_many_experts,
+                            "%s: prepare_wide of %zu ids exceeds the configured maximum of %lld (max_wide_ids)",
+                            options_.label.c_str(), n_ids, static_cast<long long>(options_.max_wide_ids));
+    }
+    if (device_ids == nullptr && n_ids > 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prepare_wide of %zu ids from a null pointer",
+                            options_.label.c_str(), n_ids);
+    }
+    WideState& w = *wide_state_;
+    if (w.ids_host.size() < n_ids * sizeof(std::int32_t)) {
+      try {
+        w.ids_host = RuntimeBuffer<Runtime>(*rt_, n_ids * sizeof(std::int32_t), MemoryKind::pinned_host);
+      } catch (const Error& e) {
+        return Status(e.code(), e.what()).with_context("%s: prepare_wide: host memory for %zu ids", options_.label.c_str(), n_ids);
+      } catch (...) {
+        return Status::format(ErrorCode::runtime_failure, "%s: prepare_wide: no host memory for %zu ids",
+                              options_.label.c_str(), n_ids);
+      }
+    }
+    if (Status s = read_back(stream, device_ids, n_ids); !s) return s;
+    const std::span<const std::int32_t> ids(reinterpret_cast<const std::int32_t*>(w.ids_host.data()), n_ids);
+    if (Status s = detail::wide_unique(ids, options_.num_experts, options_.max_wide_ids, wide_.rows, wide_.unique); !s) {
+      return s.with_context("%s: prepare_wide", options_.label.c_str());
+    }
+    const detail::ClearWideRowsOnExit clear_rows{wide_.unique, wide_.rows};
+    return serve_wide(stream, consumer, options);
+  }
+
+  // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
+  // groups of `round_width` experts (0: the capacity).
+  [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids, std::int32_t round_width = 0) const noexcept {
+    return plan_max_groups(n_ids, options_.num_experts, plan_group_width(round_width, options_.capacity));
+  }
+
+  // Device counters from the mapped mirror (current while work runs; exact once the cache's
+  // streams are idle) plus the host's counters. promotions = misses (every miss inserts one
+  // expert); resident = inserted - evicted - invalidated. last_copies is 0: how many fills a
+  // step made is known only on the device; total_copies = misses * copies per fill.
+  [[nodiscard]] CacheStats stats() const noexcept {
+    const DevicePlanStats d = exec_.stats();
+    const auto& o = core_.counters();
+    CacheStats s;
+    s.hits = d.hits;
+    s.misses = d.misses;
+    s.promotions = d.misses;
+    s.evictions = d.evictions;
+    s.invalidations = d.invalidations;
+    s.resident = static_cast<std::int64_t>(d.misses) + static_cast<std::int64_t>(d.speculative_issued) -
+                 static_cast<std::int64_t>(d.evictions) - static_cast<std::int64_t>(d.invalidations);
+    s.capacity = options_.capacity;
+    s.prepare_calls = prepare_calls_;
+    s.generation = generation_;
+    s.last_copies = 0;
+    s.total_copies = (d.misses + d.speculative_issued) * copies_per_fill_;
+    s.speculative_issued = d.speculative_issued;
+    s.speculative_used = d.speculative_used;
+    s.speculative_wasted = d.speculative_wasted;
+    s.speculative_bytes = d.speculative_issued * bytes_per_expert_;
+    s.owner_changes = o.owner_changes;
+    s.map_uploads = o.map_uploads;
+    s.staging_stalls = o.staging_stalls;
+    s.faults = faults_;
+    s.total_copies += wide_copies_;
+    s.wide_forwards = wide_forwards_;
+    s.wide_rounds = wide_rounds_;
+    s.wide_hits = wide_hits_count_;
+    s.wide_streamed = wide_streamed_count_;
+    s.wide_bytes = wide_bytes_;
+    s.slot_bytes = storage_.slot_bytes() + exec_.device_bytes() + (wide_state_ ? 2 * wide_state_->maps[0].size() : 0);
+    s.host_bytes = storage_.host_bytes() + core_.staging_bytes() + (wide_state_ ? wide_state_->resident_host.size() : 0);
+    return s;
+  }
+  [[nodiscard]] DevicePlanStats device_stats() const noexcept { return exec_.stats(); }
+
+  // Reads and clears the device error word (PlanErrorBit: bad ids, overflow, ...). Call it
+  // while the cache's streams are idle (the device ORs bits with a plain load + store).
+  [[nodiscard]] std::uint32_t take_errors() noexcept { return exec_.take_error_word(); }
+  // The engine that moves this cache's fills (FillEngine::automatic resolved at construction).
+  [[nodiscard]] FillEngine fill_engine() const noexcept { return options_.fill_engine; }
+
+  [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const DeviceCacheOptions& options() const noexcept { return options_; }
+  [[nodiscard]] const ForwardView& view() const noexcept { return view_; }
+  // The device state (device pointers): maps, fill list, scalars; for tests and tools.
+  [[nodiscard]] const DevicePlanState& plan_state() const noexcept { return exec_.state(); }
+  // Overlap (options().overlap): what a consumer needs to wait for each slot's bytes (device
+  // pointers, fixed for the cache's lifetime). Empty (enabled() false) without overlap: the
+  // consumer then relies on stream order, as before.
+  [[nodiscard]] SlotReadiness readiness() const noexcept {
+    return exec_.overlap() ? slot_readiness_of(exec_.state()) : SlotReadiness{};
+  }
+  [[nodiscard]] const Executor& executor() const noexcept { return exec_; }
+  [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
+  [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
+  // The last prepare's ids with every dropped one as -1 (n_ids entries, device memory): a
+  // consumer indexing the maps with these stays in bounds whatever the router wrote.
+  [[nodiscard]] const std::int32_t* sanitized_ids_device() const noexcept { return exec_.sanitized_ids(); }
+  [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  [[nodiscard]] const OrderingCounters& ordering_counters() const noexcept { return core_.counters(); }
+
+ private:
+  // FillEngine::automatic resolved by the executor (the CUDA one from the link profile); an
+  // executor that resolves nothing (SimRuntime's) takes sm_loads. After validated(): a bad
+  // configuration is refused before any measurement.
+  [[gnu::cold]] static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, const Layout& layout) {
+    if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the "
+                                 "copy_engine fill engine (use overlap)",
+                                 o.label.c_str()));
+    }
+    if constexpr (requires { Executor::resolve_fill_engine(o, std::uint64_t{}); }) {
+      return Executor::resolve_fill_engine(std::move(o), total_bytes_per_expert(layout.tensors()));
+    } else {
+      if (o.fill_engine == FillEngine::automatic) o.fill_engine = FillEngine::sm_loads;
+      return o;
+    }
+  }
+  [[gnu::cold]] static DeviceCacheOptions validated(DeviceCacheOptions o) {
+    if (o.capacity <= 0 || o.capacity > o.num_experts) {
+      throw Error(Status::format(ErrorCode::invalid_capacity, "%s: capacity %d for %d experts (need 1..num_experts)",
+                                 o.label.c_str(), o.capacity, o.num_experts));
+    }
+    if (o.stream_slots < 0 || o.stream_slots > o.num_experts) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: stream_slots %d (need 0..num_experts = %d)",
+                                 o.label.c_str(), o.stream_slots, o.num_experts));
+    }
+    if (o.max_wide_ids < 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_wide_ids %lld (need >= 0)", o.label.c_str(),
+                                 static_cast<long long>(o.max_wide_ids)));
+    }
+    if (o.max_ids <= 0) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: max_ids %d (need > 0: tokens * top_k)",
+                                 o.label.c_str(), o.max_ids));
+    }
+    if (o.fill_by_consumer && o.overlap) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_by_consumer with overlap (the consumer fills the missing experts itself, so "
+                                 "there is no fill to overlap)",
+                                 o.label.c_str()));
+    }
+    if (o.crf_decay_q32 == 0 || o.crf_decay_q32 >= crf_one) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: crf_decay_q32 %llu (need 1..2^32 - 1: a decay per forward below 1.0 in Q32)",
+                                 o.label.c_str(), static_cast<unsigned long long>(o.crf_decay_q32)));
+    }
+    return o;
+  }
+  static Layout validated(const Layout& layout) {
+    throw_if_error(layout.validate());
+    return layout;
+  }
+
+  // Fills a prefetch may make: max_bytes / bytes per expert, at most the capacity.
+  Result<std::int32_t> prefetch_budget(std::int32_t n_ids, const PrefetchOptions& o) const noexcept {
+    if (n_ids < 0 || n_ids > options_.num_experts) {
+      return Status::format(n_ids < 0 ? ErrorCode::invalid_argument : ErrorCode::too_many_experts,
+                            "%s: prefetch of %d ids (accepted: 0..%d, the experts)", options_.label.c_str(), n_ids,
+                            options_.num_experts);
+    }
+    if (o.max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes must be >= 0, got %lld",
+                            options_.label.c_str(), static_cast<long long>(o.max_bytes));
+    }
+    if (o.expires_after == 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after must be >= 1 forward",
+                            options_.label.c_str());
+    }
+    if (Status s = check_hint_scores({}, {}, o.min_score); !s) return s.with_context("%s", options_.label.c_str());
+    const std::uint64_t fills = bytes_per_expert_ == 0 ? 0 : static_cast<std::uint64_t>(o.max_bytes) / bytes_per_expert_;
+    return static_cast<std::int32_t>(std::min<std::uint64_t>(fills, static_cast<std::uint64_t>(options_.capacity)));
+  }
+
+  Status check_prior_shape(std::size_t entries, const char* what) const noexcept {
+    if constexpr (Policy::kind != DevicePolicyKind::crf) {
+      return Status::format(ErrorCode::not_supported, "%s: %s: the device policy %s ranks without a prior (DeviceCrf takes one)",
+                            options_.label.c_str(), what, Policy::name);
+    }
+    if (entries != static_cast<std::size_t>(options_.num_experts)) {
+      return Status::format(ErrorCode::invalid_argument, "%s: %s got %zu entries for %d experts (need one per expert)",
+                            options_.label.c_str(), what, entries, options_.num_experts);
+    }
+    return {};
+  }
+
+  // The Q32 table into the plan state's bias array, as two map uploads of E int32 words each
+  // (the core's staging buffers hold E words; the table is 2E), inside one ordered write.
+  Status upload_prior(const std::uint64_t* q32, Stream stream, const char* what) noexcept {
+    if (Status s = check_stream(stream, what); !s) return s;
+    const auto words = static_cast<std::size_t>(options_.num_experts);
+    const auto* src = reinterpret_cast<const std::int32_t*>(q32);
+    auto* dst = reinterpret_cast<std::int32_t*>(exec_.state().expert_bias.data);
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept {
+      if (Status u = core_.upload_map(src, dst, f, words); !u) return u;
+      return core_.upload_map(src + words, dst + words, f, words);
+    });
+    if (!s) return s.with_context("%s: %s", options_.label.c_str(), what);
+    ++generation_;
+    return {};
+  }
+
+  // The staging ring: the host-id prefetch upload (2 buffers are enough) and, with stream
+  // slots, every round map of one wide forward, so the host does not wait inside a forward.
+  static std::size_t wide_ring_size(const DeviceCacheOptions& o) {
+    if (o.stream_slots < 2) return 2;
+    return detail::wide_ring_buffers(static_cast<std::size_t>(std::max(o.num_experts, 1)),
+                                     static_cast<std::size_t>(o.stream_slots / 2));
+  }
+
+  // What every prepare_wide checks before anything is enqueued.
+  Status wide_allowed(Stream stream, const WideOptions& options) noexcept {
+    if (options.admission != WideAdmission::stream) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide with admit admission (the device planner admits through "
+                            "prepare(ids, n, X, DeviceForward::in_rounds) and prepare_group)",
+                            options_.label.c_str());
+    }
+    if (!wide_state_) {
+      return Status::format(ErrorCode::not_supported,
+                            "%s: prepare_wide needs stream slots (DeviceCacheOptions::stream_slots is %d; "
+                            "recommended_stream_slots() gives a size)",
+                            options_.label.c_str(), options_.stream_slots);
+    }
+    if (Status s = detail::wide_forward_allowed(*rt_, wide_staging_, stream); !s) {
+      return s.with_context("%s: prepare_wide (nothing enqueued)", options_.label.c_str());
+    }
+    return {};
+  }
+
+  // The pool's resident map (and `n_ids` device ids, when given) into pinned host memory on
+  // `stream`, ordered like invalidate(): after the owner's readers and the last writer (edges
+  // 6, 2: every plan and prefetch fill enqueued so far), then the host waits for those copies
+  // (edge D10) before it reads them.
+  Status read_back(Stream stream, const std::int32_t* device_ids, std::size_t n_ids) noexcept {
+    WideState& w = *wide_state_;
+    const std::size_t bytes = static_cast<std::size_t>(options_.num_experts) * sizeof(std::int32_t);
+    Status s = write(stream, WritePurpose::invalidate, [&](Stream f, bool&) noexcept -> Status {
+      if (Status c = rt_->copy_async(w.resident_host.data(), exec_.state().resident_map.data, bytes, f); !c) return c;
+      if (n_ids > 0) {
+        if (Status c = rt_->copy_async(w.ids_host.data(), device_ids, n_ids * sizeof(std::int32_t), f); !c) return c;
+      }
+      return rt_->record(w.read_back_done.get(), f);
+    });
+    if (s && Edges::wide_resident_read_wait) s = rt_->synchronize(w.read_back_done.get());
+    if (!s) return s.with_context("%s: prepare_wide: reading the pool's resident map back", options_.label.c_str());
+    rt_->host_access(w.resident_host.data(), bytes, AccessMode::read);
+    if (n_ids > 0) rt_->host_access(w.ids_host.data(), n_ids * sizeof(std::int32_t), AccessMode::read);
+    return {};
+  }
+
+  // The rounds of a validated wide forward (wide_.unique holds it) after the read-back.
+  template <class Consumer>
+  Result<WideSummary> serve_wide(Stream stream, Consumer& consumer, const WideOptions& options) noexcept {
+    if (Status s = core_.wide_begin(stream); !s) {
+      ++faults_;
+      return s.with_context("%s: prepare_wide: ordering the forward after earlier work", options_.label.c_str());
+    }
+    WideSummary summary;
+    summary.unique = static_cast<std::uint32_t>(wide_.unique.size());
+    summary.admission = WideAdmission::stream;
+    Status s = wide_stream_rounds(stream, consumer, summary, options);
+    wide_copies_ += summary.copies;
+    wide_bytes_ += summary.bytes;
+    wide_rounds_ += summary.rounds;
+    if (!s) return s.with_context("%s", options_.label.c_str());
+    ++wide_forwards_;
+    return summary;
+  }
+
+  // detail::run_stream_rounds on the device planner's pool, read from the resident map's
+  // read-back; the round maps in two buffers of the cache's own (the plan state's forward map
+  // belongs to prepare()).
+  template <class Consumer>
+  Status wide_stream_rounds(Stream stream, Consumer& consumer, WideSummary& summary,
+                            const WideOptions& options) noexcept {
+    WideState& w = *wide_state_;
+    const std::span<const std::int32_t> resident(reinterpret_cast<const std::int32_t*>(w.resident_host.data()),
+                                                 static_cast<std::size_t>(options_.num_experts));
+    struct Hooks {
+      DeviceExpertCacheWithEdges& c;
+      Consumer& consumer;
+      Status before_rounds(std::span<const std::int32_t>) noexcept { return {}; }  // the read-back ordered them (edges 6, 2)
+      MapUpload resident_upload() noexcept { return {}; }  // the pool's map is the device's own
+      void uploaded() noexcept {}
+      std::int32_t* round_map(std::size_t r) noexcept {
+        return reinterpret_cast<std::int32_t*>(c.wide_state_->maps[r % 2].data());
+      }
+      ForwardView view() const noexcept {
+        ForwardView v = c.view_;
+        v.missing = nullptr;  // every expert of a round is in its slot when the consumer reads it
+        return v;
+      }
+      Status consume(const WideRound& round) noexcept { return detail::call_wide_consumer(consumer, round); }
+      void served(std::size_t hits, std::size_t streamed) noexcept {
+        c.wide_hits_count_ += hits;
+        c.wide_streamed_count_ += streamed;
+      }
+      void fault() noexcept { ++c.faults_; }
+    } hooks{*this, consumer};
+    return detail::run_stream_rounds(core_, wide_staging_, *rt_, storage_, stream, resident, options_.capacity,
+                                     options_.stream_slots, bytes_per_expert_, options, wide_,
+                                     detail::StreamRoundHooks::of(hooks), summary);
+  }
+
+  // A stream the runtime does not know is refused before anything is enqueued.
+  Status check_stream(Stream stream, const char* what) noexcept {
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) {
+      return capturing.status().with_context("%s: %s refused the stream (nothing enqueued)", options_.label.c_str(), what);
+    }
+    return {};
+  }
+
+  // One call through the core's write entry. Before its own step, a pending recovery drops the
+  // experts of a plan whose fill never got enqueued. The step is called through a pointer, so
+  // the entry is compiled once per cache, not once per caller (each runs a plan: the call is
+  // noise beside it).
+  template <class Step>
+  Status write(Stream stream, WritePurpose purpose, Step&& step) noexcept {
+    using S = std::remove_reference_t<Step>;
+    return write_step(stream, purpose, &step, [](void* p, Stream f, bool& planned) noexcept -> Status {
+      return (*static_cast<S*>(p))(f, planned);
+    });
+  }
+  [[gnu::noinline]] Status write_step(Stream stream, WritePurpose purpose, void* step,
+                                      Status (*call)(void*, Stream, bool&) noexcept) noexcept {
+    bool planned = false;
+    // Overlap: the last fill joins its stream first, so the core's records there cover it.
+    if (Status j = exec_.join_fills(); !j) {
+      ++faults_;
+      return j;
+    }
+    Status s = core_.write(stream, purpose, MapUpload{}, [&](Stream f) noexcept -> Status {
+      if (drop_pending_) {
+        if (Status d = exec_.drop_fills(f); !d) return d;
+        drop_pending_ = false;
+      }
+      Status r = call(step, f, planned);
+      if (!r && planned) drop_pending_ = true;
+      return r;
+    });
+    if (!s) ++faults_;
+    return s;
+  }
+
+  Runtime* rt_;
+  DeviceCacheOptions options_;
+  Layout layout_;
+  StorageType storage_;
+  OrderingCore<Runtime, Edges> core_;
+  Executor exec_;
+  RuntimeBuffer<Runtime> prefetch_ids_;  // [E] int32: host-given predicted ids, uploaded per call
+  HintSelector hints_;                   // the host-ids prefetch's scored-hint selection (E ids)
+  // Wide forwards (stream_slots >= 2 only): the resident map read back, the two round maps, and
+  // the event the host waits for before it plans the rounds.
+  struct WideState {
+    WideState(Runtime& rt, std::size_t map_bytes)
+        : resident_host(rt, map_bytes, MemoryKind::pinned_host),
+          maps{RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device), RuntimeBuffer<Runtime>(rt, map_bytes, MemoryKind::device)},
+          read_back_done(rt) {}
+    RuntimeBuffer<Runtime> resident_host;
+    RuntimeBuffer<Runtime> ids_host;  // prepare_wide from device ids: grown to the largest forward
+    std::array<RuntimeBuffer<Runtime>, 2> maps;
+    RuntimeEvent<Runtime> read_back_done;  // recorded after the read-back's copies
+  };
+  std::optional<WideState> wide_state_;
+  // A wide round's copies: plain copies (coalesced, batched by the rounds).
+  typename DeviceWideStaging<Policy, Runtime>::type wide_staging_ = DeviceWideStaging<Policy, Runtime>::make();
+  detail::WideScratch wide_;
+  std::uint64_t wide_forwards_ = 0, wide_rounds_ = 0, wide_hits_count_ = 0, wide_streamed_count_ = 0;
+  std::uint64_t wide_bytes_ = 0, wide_copies_ = 0;
+  ForwardView view_;
+  bool drop_pending_ = false;
+  std::int32_t round_width_ = 0;  // round_width of the last prepare (prepare_group's range; 0 = capacity)
+  std::size_t copies_per_fill_ = 0;
+  std::uint64_t bytes_per_expert_ = 0;
+  std::uint64_t prepare_calls_ = 0;
+  std::uint64_t generation_ = 0;
+  std::uint64_t faults_ = 0;
+};
+
+}  // namespace detail
+
+// The public type: every ordering edge on. Policy: DeviceLru (= Lru), DeviceLfru (= Lfru) or
+// DeviceCrf (= Crf), planning/device_plan.hpp.
+template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime,
+          device_plan_policy Policy = DeviceLru>
+using DeviceExpertCache = detail::DeviceExpertCacheWithEdges<Storage, Layout, Runtime, OrderingEdges, Policy>;
+
+}  // namespace expert_cache::inline v0
