@@ -1,6 +1,7 @@
 #pragma once
-// Umbrella header of the CUDA tier: CudaRuntime (host compiler + CUDA include dir suffice) and,
-// under nvcc, the Gather staging policy. Standard instantiations on the CUDA runtime:
+/// Umbrella header of the CUDA tier: CudaRuntime (host compiler + CUDA include dir suffice) and,
+/// under nvcc, the Gather staging policy.
+// Standard instantiations on the CUDA runtime:
 //   CudaRowCache          tensor-major pools, Lru, per-tensor copies on the copy stream
 //   CudaWholeExpertCache  expert-major pools, Lfru, one copy per miss on the copy stream
 //   CudaGatherRowCache    tensor-major pools, Lru, one gather kernel per prepare (capturable)
@@ -9,6 +10,7 @@
 //   (LayerShare), and under nvcc CudaRecommendedGatherRowCache (Lrfu)
 // Streams can come in as cuda::stream_ref (to_cuda_stream) where libcu++ is available.
 #include "expert_cache/expert_cache.hpp"
+#include "expert_cache/cache/cuda_presets.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
 
@@ -24,25 +26,6 @@
 #endif
 
 namespace expert_cache::inline v0 {
-
-template <expert_layout Layout>
-using CudaRowCache = RowCache<CudaRuntime, Layout>;
-template <expert_layout Layout>
-using CudaWholeExpertCache = WholeExpertCache<CudaRuntime, Layout>;
-// The same with the measured per-layer / global-pool winners (expert_cache.hpp says why).
-template <expert_layout Layout>
-using CudaRecommendedRowCache = RecommendedRowCache<CudaRuntime, Layout>;
-template <expert_layout Layout>
-using CudaRecommendedWholeExpertCache = RecommendedWholeExpertCache<CudaRuntime, Layout>;
-template <expert_layout Layout>
-using CudaRecommendedModelCache = RecommendedModelCache<CudaRuntime, Layout>;
-#if defined(__CUDACC__)
-template <expert_layout Layout>
-using CudaGatherRowCache = ExpertCache<TensorMajorStorage, Lru, Gather, Layout, CudaRuntime>;
-// One gather kernel per prepare, per-layer winner policy.
-template <expert_layout Layout>
-using CudaRecommendedGatherRowCache = ExpertCache<TensorMajorStorage, Lrfu, Gather, Layout, CudaRuntime>;
-#endif
 
 #if defined(EXPERT_CACHE_HAS_STREAM_REF)
 // prepare(ids, to_cuda_stream(ref)) for callers holding a cuda::stream_ref.

@@ -1,6 +1,6 @@
 #pragma once
-// Umbrella header of the host tier (never includes CUDA headers), with the two standard
-// instantiations:
+/// Umbrella header of the host tier: the whole host API, never a CUDA header.
+// With the two standard instantiations:
 //   RowCache          tensor-major host pools (one row per expert in each tensor), Lru,
 //                     fills as per-tensor copies on the cache-owned copy stream: the row provider.
 //   WholeExpertCache  the cached provider's policy (Lfru, its exact hit/miss behaviour) with
@@ -17,32 +17,10 @@
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/cache/model_cache.hpp"
+#include "expert_cache/cache/presets.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 #include "expert_cache/base/types.hpp"
-
-namespace expert_cache::inline v0 {
-
-template <allocating_runtime Runtime, expert_layout Layout>
-using RowCache = ExpertCache<TensorMajorStorage, Lru, CopyStream, Layout, Runtime>;
-
-template <allocating_runtime Runtime, expert_layout Layout>
-using WholeExpertCache = ExpertCache<ExpertMajorStorage, Lfru, CopyStream, Layout, Runtime>;
-
-// Per-layer caches: Lrfu is best or tied on the real decode traces at 12.5 and 25 % of E.
-template <allocating_runtime Runtime, expert_layout Layout>
-using RecommendedRowCache = ExpertCache<TensorMajorStorage, Lrfu, CopyStream, Layout, Runtime>;
-
-// Expert-major pools (one copy per miss) with the per-layer winner instead of vLLM's Lfru.
-template <allocating_runtime Runtime, expert_layout Layout>
-using RecommendedWholeExpertCache = ExpertCache<ExpertMajorStorage, Lrfu, CopyStream, Layout, Runtime>;
-
-// Model-level cache: LayerShare leads in a global pool at 7.5 and 15 %, never below Lru; in
-// ModelPool::per_layer each layer's policy has one layer and plans exactly as Lrfu.
-template <allocating_runtime Runtime, expert_layout Layout>
-using RecommendedModelCache = ModelExpertCache<TensorMajorStorage, LayerShare, CopyStream, Layout, Runtime>;
-
-}  // namespace expert_cache::inline v0

@@ -1,9 +1,10 @@
 #pragma once
-// Every concept of the library, in one place, with the vocabulary they are stated in:
+/// Every concept of the library, in one place, with the vocabulary they are stated in.
 //
 //   eviction_policy      which resident to drop (eviction/: Lru, Lfru, Sieve, S3Fifo, Arc, ...)
 //   expert_layout        which tensors an expert has and how big (layout/: Nvfp4Marlin,
-//                        DenseBf16; cache/expert_cache.hpp: ExplicitLayout). `scale_layout` is the old name.
+//                        DenseBf16; cache/expert_cache.hpp: ExplicitLayout); `scale_layout` is
+//                        another name for it.
 //   runtime              streams, events, async copies (runtime/: SimRuntime, CudaRuntime)
 //   allocating_runtime   a runtime that also allocates device and pinned host memory
 //   batching_runtime     a runtime with one call for many copies (cudaMemcpyBatchAsync)

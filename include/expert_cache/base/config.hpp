@@ -1,6 +1,6 @@
 #pragma once
-// Compiler configuration shared by host and device code. Self-contained: includes only
-// base/version.hpp (the C++20 check and the version macros).
+/// Compiler configuration shared by host and device code.
+// Self-contained: includes only base/version.hpp (the C++20 check and the version macros).
 #include "expert_cache/base/version.hpp"
 
 // Functions that both the host reference and the CUDA kernels call (index maps, encodes).

@@ -1,8 +1,8 @@
 #pragma once
-// A vector whose storage is sized once, at construction, to its maximum length. Policies use
-// it instead of std::vector::reserve(): a copy of a reserved std::vector gets only size()
-// elements of room, so a copied policy (a planner takes its policy by value) would allocate on
-// the hot path as it grows again. Here the storage itself has `capacity` elements, and copies
+/// A vector whose storage is sized once, at construction, to its maximum length.
+// Policies use it instead of std::vector::reserve(): a copy of a reserved std::vector gets only
+// size() elements of room, so a copied policy (a planner takes its policy by value) would allocate
+// on the hot path as it grows again. Here the storage itself has `capacity` elements, and copies
 // (construction or assignment) keep them.
 #include "expert_cache/base/version.hpp"
 #include <algorithm>

@@ -1,7 +1,8 @@
 #pragma once
-// A fixed set of FIFO/LRU queues threaded through per-expert link arrays: every expert is in
-// at most one queue, so one pair of link arrays serves all of them. O(1) push/remove, no
-// allocation after construction. Shared by the multi-queue policies (S3-FIFO, ARC).
+/// A fixed set of FIFO/LRU queues threaded through per-expert link arrays: every expert is in at
+/// most one queue, so one pair of link arrays serves all of them.
+// O(1) push/remove, no allocation after construction. Shared by the multi-queue policies (S3-FIFO,
+// ARC).
 #include "expert_cache/base/version.hpp"
 #include <array>
 #include <cstdint>

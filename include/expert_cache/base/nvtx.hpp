@@ -1,5 +1,5 @@
 #pragma once
-// Optional NVTX ranges (Nsight Systems) around prepare(), invalidate() and the staging fills.
+/// Optional NVTX ranges (Nsight Systems) around prepare(), invalidate() and the staging fills.
 // Off by default and then free: EXPERT_CACHE_NVTX_RANGE expands to nothing. Define
 // EXPERT_CACHE_NVTX (for the whole program: every translation unit must agree, the ranges sit
 // in inline functions) to get a scoped range per call from the CUDA toolkit's header-only NVTX3

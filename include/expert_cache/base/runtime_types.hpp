@@ -1,6 +1,6 @@
 #pragma once
-// The vocabulary a runtime speaks: access modes, declared accesses, batched copies, memory
-// kinds. The `runtime` concept that uses them is in expert_cache/base/concepts.hpp with the other
+/// The vocabulary a runtime speaks: access modes, declared accesses, batched copies, memory kinds.
+// The `runtime` concept that uses them is in expert_cache/base/concepts.hpp with the other
 // concepts. Host-only, no CUDA includes.
 #include "expert_cache/base/version.hpp"
 #include <cstddef>

@@ -1,7 +1,8 @@
 #pragma once
-// SplitMix64: a tiny PRNG with the same sequence on every platform (SimRuntime's scheduler, the
-// trace generator, tests, benchmarks). Host and device. In detail/ because the runtime uses it
-// and the runtime does not depend on tools/.
+/// SplitMix64: a tiny PRNG with the same sequence on every platform (SimRuntime's scheduler, the
+/// trace generator, tests, benchmarks).
+// Host and device. In detail/ because the runtime uses it and the runtime does not depend on
+// tools/.
 #include <cstdint>
 
 #include "expert_cache/base/config.hpp"

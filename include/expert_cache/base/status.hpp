@@ -1,5 +1,5 @@
 #pragma once
-// Error model: hot paths return Status / Result<T>; constructors throw Error.
+/// Error model: hot paths return Status / Result<T>; constructors throw Error.
 // Every failure carries a specific ErrorCode and a human-readable message. A Status never
 // allocates: the message lives in a fixed buffer inside it (formatted with snprintf, truncated
 // with "..." if longer), so rejecting a forward inside a noexcept planning path costs no heap.

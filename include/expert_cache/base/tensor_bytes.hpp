@@ -1,10 +1,10 @@
 #pragma once
-// Vocabulary shared by every expert weight layout: a bounded list of named per-expert tensors
-// the cache moves and their sizes per expert. The first six entries are, by default, vLLM's
-// NVFP4 MoE tensors (w13, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2: ExpertTensor
-// indexes them); a layout may name its own tensors and use more entries (a bias, GPTQ/AWQ
-// zeros, group indices), up to max_expert_tensors. A layout without a tensor reports it with
-// 0 bytes, so the cache core can treat all layouts alike.
+/// Vocabulary shared by every expert weight layout: a bounded list of named per-expert tensors the
+/// cache moves and their sizes per expert.
+// The first six entries are, by default, vLLM's NVFP4 MoE tensors (w13, w2, w13_scale, w2_scale,
+// w13_scale_2, w2_scale_2: ExpertTensor indexes them); a layout may name its own tensors and use
+// more entries (a bias, GPTQ/AWQ zeros, group indices), up to max_expert_tensors. A layout without
+// a tensor reports it with 0 bytes, so the cache core can treat all layouts alike.
 #include "expert_cache/base/version.hpp"
 #include <array>
 #include <cstddef>

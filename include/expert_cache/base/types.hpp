@@ -1,5 +1,6 @@
 #pragma once
-// Vocabulary types shared by every tier. Host-only, no CUDA.
+/// Vocabulary types shared by every tier.
+// Host-only, no CUDA.
 #include "expert_cache/base/version.hpp"
 #include <compare>
 #include <cstddef>

@@ -1,7 +1,8 @@
 #pragma once
-// Version of expert_cache and its language requirement. Self-contained: no includes. Every public
-// header includes this one (directly or through base/config.hpp), so a translation unit built under an
-// older standard stops here with one clear message instead of pages of concept errors.
+/// Version of expert_cache and its language requirement.
+// Self-contained: no includes. Every public header includes this one (directly or through
+// base/config.hpp), so a translation unit built under an older standard stops here with one clear
+// message instead of pages of concept errors.
 // The numbers match meson.build's project version (the test version_matches_meson checks it).
 
 #if (defined(_MSVC_LANG) ? _MSVC_LANG : __cplusplus) < 202002L

@@ -1,6 +1,6 @@
 #pragma once
-// Wide forwards: a forward with more unique experts than the cache holds (a prompt, a large
-// batch), served in rounds by ExpertCache::prepare_wide / ModelExpertCache::prepare_wide.
+/// Wide forwards: a forward with more unique experts than the cache holds (a prompt, a large
+/// batch), served in rounds by ExpertCache::prepare_wide / ModelExpertCache::prepare_wide.
 //
 // Each round hands the caller's consumer a view with the contract of a normal prepare()
 // (slot buffers, forward-scoped expert map, resident map); the round's experts are disjoint

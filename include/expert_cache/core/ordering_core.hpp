@@ -1,5 +1,5 @@
 #pragma once
-// The ordering core: the ONLY code in the library that records events and makes streams wait.
+/// The ordering core: the ONLY code in the library that records events and makes streams wait.
 // Every ExpertCache instantiation (row, whole-expert, any staging policy) goes through it, and
 // through ONE entry, write(): the cache plans, hands the core the call's writes, and reads.
 //

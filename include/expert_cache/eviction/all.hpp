@@ -1,5 +1,5 @@
 #pragma once
-// Every eviction policy shipped with the library.
+/// Every eviction policy shipped with the library.
 #include "expert_cache/eviction/arc.hpp"
 #include "expert_cache/eviction/belady.hpp"
 #include "expert_cache/eviction/crf.hpp"

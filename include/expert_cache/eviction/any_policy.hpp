@@ -1,8 +1,9 @@
 #pragma once
-// AnyPolicy: one eviction_policy type holding any of the library's online policies, picked at
-// run time by name. The run-time-selected cache (any/any_cache.hpp) plans with it, so a cache is
-// instantiated once per storage and staging choice instead of once per policy as well: the
-// policies' own code is compiled once, in this class.
+/// AnyPolicy: one eviction_policy type holding any of the library's online policies, picked at run
+/// time by name.
+// The run-time-selected cache (any/any_cache.hpp) plans with it, so a cache is instantiated once
+// per storage and staging choice instead of once per policy as well: the policies' own code is
+// compiled once, in this class.
 //
 // Dispatch is a switch over a closed list (std::variant), not a virtual call: the planner calls
 // the policy once per unique id of every forward, and a switch on a constant index is predicted

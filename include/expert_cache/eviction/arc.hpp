@@ -1,8 +1,8 @@
 #pragma once
-// ARC (Megiddo & Modha, FAST'03) on a fixed slot pool. T1 holds experts seen once recently,
-// T2 experts seen at least twice; the ghost lists B1/B2 remember ids recently evicted from
-// each. A miss that finds its id in B1 (B2) grows (shrinks) the target size p of T1, so the
-// split between recency and frequency tunes itself.
+/// ARC (Megiddo & Modha, FAST'03) on a fixed slot pool.
+// T1 holds experts seen once recently, T2 experts seen at least twice; the ghost lists B1/B2
+// remember ids recently evicted from each. A miss that finds its id in B1 (B2) grows (shrinks) the
+// target size p of T1, so the split between recency and frequency tunes itself.
 // Adaptations: ARC's replacement depends on the missing id, which the eviction_policy
 // interface does not pass to choose_victim; the policy records the forward's ids in
 // begin_forward and counts on_hit/on_insert calls to know which id the current miss is.

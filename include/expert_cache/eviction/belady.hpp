@@ -1,7 +1,8 @@
 #pragma once
-// Belady's MIN (OPT): the offline optimum for demand fetching. Built from the whole sequence
-// of forwards one cache will see; evicts the resident outside the current forward whose
-// next request is furthest away (never again = infinitely far; ties: lowest id).
+/// Belady's MIN (OPT): the offline optimum for demand fetching.
+// Built from the whole sequence of forwards one cache will see; evicts the resident outside the
+// current forward whose next request is furthest away (never again = infinitely far; ties: lowest
+// id).
 // Works on any id space [0, num_experts), e.g. layer * E + expert for one global cache.
 #include <algorithm>
 #include <cstdint>

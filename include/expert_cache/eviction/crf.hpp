@@ -1,8 +1,9 @@
 #pragma once
-// Crf: LRFU's CRF order for a per-layer cache, in fixed point so that the device planner
-// (planning/device_plan.hpp, DeviceCrf) takes bit-identical decisions. Each expert's value is
-// its combined recency-frequency CRF = sum over its past requests of d^age (d = 2^(-1/h), age in
-// forwards of this cache), kept for non-residents too, so a returning expert resumes its history.
+/// Crf: LRFU's CRF order for a per-layer cache, in fixed point so that the device planner
+/// (planning/device_plan.hpp, DeviceCrf) takes bit-identical decisions.
+// Each expert's value is its combined recency-frequency CRF = sum over its past requests of d^age
+// (d = 2^(-1/h), age in forwards of this cache), kept for non-residents too, so a returning expert
+// resumes its history.
 // The victim is the resident outside the forward with the lowest CRF now (plus its prior bias,
 // below), ties to the lower id: with one layer that is Lrfu's victim (lrfu.hpp: the lowest CRF
 // is the longest expected wait). The arithmetic is eviction/crf_math.hpp's, integers only.

@@ -1,8 +1,9 @@
 #pragma once
-// Fixed-point CRF arithmetic (combined recency-frequency, LRFU), shared by the host policy `Crf`
-// (eviction/crf.hpp) and the device planner (planning/device_plan.hpp), so that both compute
-// bit-identical keys: integers only (no exp2/log2, whose last bits differ between glibc and
-// CUDA's libdevice, and no floating multiply-add that nvcc would contract into an FMA).
+/// Fixed-point CRF arithmetic (combined recency-frequency, LRFU), shared by the host policy `Crf`
+/// (eviction/crf.hpp) and the device planner (planning/device_plan.hpp), so that both compute
+/// bit-identical keys.
+// Integers only: no exp2/log2, whose last bits differ between glibc and CUDA's libdevice, and no
+// floating multiply-add that nvcc would contract into an FMA.
 // A CRF is an unsigned Q32.32 number: 1.0 = 2^32. The decay per forward is d = 2^(-1/half_life)
 // in Q32 (crf_decay_q32); d^age comes from square-and-multiply with truncation at every step,
 // which is not exactly round(2^32 * 2^(-age/h)), but the same on both sides, which is what

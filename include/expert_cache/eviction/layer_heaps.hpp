@@ -1,10 +1,11 @@
 #pragma once
-// Per-layer indexed binary min-heaps over the ids of one pool (ids = layer * width + expert),
-// keyed by a per-id double. Shared by the score-ordered policies (Lrfu, LayerShare): each
-// keeps in a layer's heap the residents that may be evicted, so that layer's cheapest
-// resident is its top. Layer l's heap lives in heap_[l * width, l * width + size_l): a layer
-// never holds more than `width` ids, so one array of num_experts entries serves all of them
-// and nothing allocates after construction. Ties break on the lower id (deterministic).
+/// Per-layer indexed binary min-heaps over the ids of one pool (ids = layer * width + expert),
+/// keyed by a per-id double.
+// Shared by the score-ordered policies (Lrfu, LayerShare): each keeps in a layer's heap the
+// residents that may be evicted, so that layer's cheapest resident is its top. Layer l's heap lives
+// in heap_[l * width, l * width + size_l): a layer never holds more than `width` ids, so one array
+// of num_experts entries serves all of them and nothing allocates after construction. Ties break on
+// the lower id (deterministic).
 // LayerCrf and ForwardPins are the rest of what both policies keep beside their heaps.
 #include <algorithm>
 #include <cmath>

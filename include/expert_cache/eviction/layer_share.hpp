@@ -1,8 +1,8 @@
 #pragma once
-// Layer-aware capacity for one pool shared by all layers: every layer owns a share (target)
-// of the slots, and shares move to the layers whose working sets need them. A victim comes
-// from the layer most above its share (outside the forward); inside a layer it is the
-// resident with the lowest recency-frequency value (CRF with per-layer time, as in Lrfu).
+/// Layer-aware capacity for one pool shared by all layers: every layer owns a share (target) of the
+/// slots, and shares move to the layers whose working sets need them.
+// A victim comes from the layer most above its share (outside the forward); inside a layer it is
+// the resident with the lowest recency-frequency value (CRF with per-layer time, as in Lrfu).
 // Shares adapt on ghost hits, as ARC's p does between its two lists: a miss on an id that
 // its layer evicted within the pool's last capacity/10 evictions means that layer
 // would have hit with one more slot, so its share grows by one slot, taken from the other

@@ -1,5 +1,6 @@
 #pragma once
-// LFRU: vLLM CachedWeightProvider's policy, reproduced exactly (docs/reference_providers.md, "LFRU, exactly").
+/// LFRU: vLLM CachedWeightProvider's policy, reproduced exactly (docs/reference_providers.md,
+/// "LFRU, exactly").
 // Score of a resident = freq / (clock - last + 1) in double (Python true division); the
 // victim is the lowest score among residents outside the forward, first in insertion
 // order on ties. One clock per cache, no decay, freq restarts at 1 after re-insertion.

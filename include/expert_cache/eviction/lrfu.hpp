@@ -1,5 +1,5 @@
 #pragma once
-// LRFU (Lee et al., IEEE ToC 2001) with per-layer time, for a pool that spans layers.
+/// LRFU (Lee et al., IEEE ToC 2001) with per-layer time, for a pool that spans layers.
 // Each expert's value is its combined recency-frequency CRF = sum over past requests of
 // 2^(-age / half_life), the age counted in forwards of the expert's own layer (steps), not
 // in pool accesses: in a global pool every layer is visited once per step, so a pool-wide

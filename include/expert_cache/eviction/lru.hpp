@@ -1,5 +1,5 @@
 #pragma once
-// Least recently requested first (the row provider's policy).
+/// Least recently requested first (the row provider's policy).
 #include <cstdint>
 #include <vector>
 

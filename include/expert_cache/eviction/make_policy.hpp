@@ -1,6 +1,6 @@
 #pragma once
-// make_policy<P>(shape, forwards, extra...): one way to build any eviction policy for a cache
-// shape, for tests, benchmarks and tools that run several policies over the same forwards.
+/// make_policy<P>(shape, forwards, extra...): one way to build any eviction policy for a cache
+/// shape, for tests, benchmarks and tools that run several policies over the same forwards.
 // Belady is built from `forwards` (its known future); a policy constructible from
 // (shape, extra...) gets the extra arguments (e.g. a pool layout); any other from the shape
 // alone. Host-only.

@@ -1,7 +1,8 @@
 #pragma once
-// How the ids of one slot pool map to model layers. A per-layer cache is one layer; the
-// replay tool's global pool keys experts layer_index * experts_per_layer + expert, and the
-// layer-aware policies need that split to measure time per layer and to keep per-layer shares.
+/// How the ids of one slot pool map to model layers.
+// A per-layer cache is one layer; the replay tool's global pool keys experts layer_index *
+// experts_per_layer + expert, and the layer-aware policies need that split to measure time per
+// layer and to keep per-layer shares.
 #include <cstdint>
 
 #include "expert_cache/base/concepts.hpp"

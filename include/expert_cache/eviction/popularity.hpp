@@ -1,8 +1,8 @@
 #pragma once
-// Frequency priors: a popularity table (requests per expert, from a calibration trace or counted
-// online across requests) turned into Crf's per-expert bias (eviction/crf.hpp), which the host
-// policy Crf and the device policy DeviceCrf (DevicePlanStorage::set_bias / plan_set_bias) both
-// take, with the same decisions.
+/// Frequency priors: a popularity table turned into Crf's per-expert bias (eviction/crf.hpp).
+// The table counts requests per expert, from a calibration trace or online across requests; the
+// host policy Crf and the device policy DeviceCrf (DevicePlanStorage::set_bias / plan_set_bias)
+// both take the bias, with the same decisions.
 //   weighted: bias = weight * (the expert's request rate per forward) / (1 - d) in Q32, i.e.
 //             weight times the CRF the expert would settle at if it kept that rate: a popular
 //             expert keeps part of its value when it is not requested for a while.

@@ -1,9 +1,9 @@
 #pragma once
-// S3-FIFO (Yang et al., SOSP'23), adapted to a fixed slot pool that asks for one victim per
-// miss. New experts enter a small probationary FIFO (~10 % of the slots); at its tail an
-// expert that was hit meanwhile moves to the main FIFO, one that was not is evicted and
-// remembered in a ghost FIFO. A miss on a ghost goes straight to main. Main is FIFO with
-// reinsertion: a 2-bit counter (capped at 3) buys that many extra passes.
+/// S3-FIFO (Yang et al., SOSP'23), adapted to a fixed slot pool that asks for one victim per miss.
+// New experts enter a small probationary FIFO (~10 % of the slots); at its tail an expert that was
+// hit meanwhile moves to the main FIFO, one that was not is evicted and remembered in a ghost FIFO.
+// A miss on a ghost goes straight to main. Main is FIFO with reinsertion: a 2-bit counter (capped
+// at 3) buys that many extra passes.
 // Adaptations: the small queue is drained only while it holds at least its target size
 // (otherwise main is over its share and gives the victim); a promoted expert restarts at
 // freq 0; residents of the current forward are passed over in place (never moved, aged,

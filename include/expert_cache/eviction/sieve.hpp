@@ -1,7 +1,8 @@
 #pragma once
-// SIEVE (Zhang et al., NSDI'24): a FIFO queue with one visited bit per entry and a hand
-// that sweeps from the oldest entry towards the newest. A hit only sets the bit (no list
-// move), the hand clears set bits as it passes and evicts the first unvisited entry.
+/// SIEVE (Zhang et al., NSDI'24): a FIFO queue with one visited bit per entry and a hand that
+/// sweeps from the oldest entry towards the newest.
+// A hit only sets the bit (no list move), the hand clears set bits as it passes and evicts the
+// first unvisited entry.
 #include <cstdint>
 #include <string_view>
 #include <vector>

@@ -1,10 +1,10 @@
 #pragma once
-// W-TinyLFU (Einziger, Friedman & Manes, ACM ToS 2017; Caffeine's policy) on a fixed slot
-// pool. A small LRU window (1 % of the slots) takes every new expert; the main area is a
-// segmented LRU (probation 20 %, protected 80 %). When the window is full its oldest entry
-// is a candidate for main and must beat main's victim on frequency to be admitted; the
-// loser is evicted. Frequency is TinyLFU's aged counter: +1 per request (capped at 15, as
-// the 4-bit sketch), all counters halved every 10 x capacity requests (the "reset").
+/// W-TinyLFU (Einziger, Friedman & Manes, ACM ToS 2017; Caffeine's policy) on a fixed slot pool.
+// A small LRU window (1 % of the slots) takes every new expert; the main area is a segmented LRU
+// (probation 20 %, protected 80 %). When the window is full its oldest entry is a candidate for
+// main and must beat main's victim on frequency to be admitted; the loser is evicted. Frequency is
+// TinyLFU's aged counter: +1 per request (capped at 15, as the 4-bit sketch), all counters halved
+// every 10 x capacity requests (the "reset").
 // Adaptations: the id space is small and dense, so the frequency sketch is an exact
 // counter per id (no collisions, same memory as a count-min sketch of that width); the
 // window/main split is fixed; residents of the current forward are never candidates.

@@ -1,6 +1,7 @@
 #pragma once
-// Plain dense bf16 expert layout (unquantized MoE): w13 [2N, K] and w2 [K, N] in bf16, row-major,
-// no scales. The cache moves these rows verbatim; there is no repack.
+/// Plain dense bf16 expert layout (unquantized MoE): w13 [2N, K] and w2 [K, N] in bf16, row-major,
+/// no scales.
+// The cache moves these rows verbatim; there is no repack.
 #include <cstdint>
 #include <string>
 

@@ -1,5 +1,5 @@
 #pragma once
-// NVFP4 (ModelOpt checkpoint) -> Marlin MoE layout: sizes, padding, index maps and encodes.
+/// NVFP4 (ModelOpt checkpoint) -> Marlin MoE layout: sizes, padding, index maps and encodes.
 //
 // Everything here is constexpr and EXPERT_CACHE_HOST_DEVICE, so the host reference
 // (nvfp4_reference.hpp), the CUDA kernels (kernels/marlin_repack.cuh) and the tests run the

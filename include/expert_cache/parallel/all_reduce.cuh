@@ -1,6 +1,6 @@
 #pragma once
-// The reduction of the ranks' partial MoE outputs (docs/parallel.md), two backends with one shape
-// of call, run(partials..., out, count, stream):
+/// Sums the ranks' partial MoE outputs (docs/parallel.md).
+// Two backends with one shape of call, run(partials..., out, count, stream):
 //
 //   SameDeviceAllReduce  several ranks' caches side by side on ONE GPU (tests, and a sanity
 //                        path without NCCL): one kernel sums the partials in rank order

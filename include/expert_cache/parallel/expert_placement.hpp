@@ -1,5 +1,6 @@
 #pragma once
-// The id-mapping chain of a model served on several GPUs (docs/parallel.md):
+/// The id-mapping chain of a model served on several GPUs (docs/parallel.md).
+// From the router's id to a rank's cache:
 //
 //   global expert id (what the router emits, [0, num_global))
 //     -> physical id     optional replica map (logical -> physical, as expert load balancers use)

@@ -1,7 +1,8 @@
 #pragma once
-// ONE host pool per layer shared by every rank of a host (docs/parallel.md). Each expert byte is
-// stored once; every rank's cache adopts its part through StorageMemory (tensor-major host spans
-// at their exact size, host_registered = true), so no rank copies or re-registers anything.
+/// ONE host pool per layer shared by every rank of a host (docs/parallel.md).
+// Each expert byte is stored once; every rank's cache adopts its part through StorageMemory
+// (tensor-major host spans at their exact size, host_registered = true), so no rank copies or
+// re-registers anything.
 //
 // The pool registers each tensor array once through the runtime (CudaRuntime: cudaHostRegister
 // Mapped | Portable, so the pinning is valid for every device and context of the process) and

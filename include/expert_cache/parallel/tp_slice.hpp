@@ -1,6 +1,6 @@
 #pragma once
-// Tensor-parallel slices of an expert layout (docs/parallel.md, "Tensor-slice"). Rank r of TP
-// holds, for every expert, intermediate columns [r n, (r+1) n) with n = N / TP:
+/// Tensor-parallel slices of an expert layout (docs/parallel.md, "Tensor-slice").
+// Rank r of TP holds, for every expert, intermediate columns [r n, (r+1) n) with n = N / TP:
 //   w13 (gate, up) [2N, K] -> gate rows [r n, (r+1) n) and up rows [N + r n, N + (r+1) n): [2n, K]
 //   w2  [K, N]             -> columns [r n, (r+1) n) of every row: [K, n]
 // and the same rows / columns of the block scales; the per-expert global scales (one float per

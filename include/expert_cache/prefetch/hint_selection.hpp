@@ -1,6 +1,7 @@
 #pragma once
-// Scored prefetch hints: which of a caller's predicted ids a prefetch considers, and in which
-// order. Host-only. One place for the rule, so that every prefetch entry applies the same one:
+/// Scored prefetch hints: which of a caller's predicted ids a prefetch considers, and in which
+/// order.
+// Host-only. One place for the rule, so that every prefetch entry applies the same one:
 // ForwardPlanner::plan_prefetch (and through it ExpertCache::prefetch and the replay tool) and
 // DeviceExpertCache::prefetch from host ids, which passes the selected ids on to its device plan.
 //

@@ -1,5 +1,5 @@
 #pragma once
-// Predictors of the next layer's experts, for speculative fills (ForwardPlanner::plan_prefetch).
+/// Predictors of the next layer's experts, for speculative fills (ForwardPlanner::plan_prefetch).
 // Host-only, header-only, deterministic; every buffer is sized at construction, so observe() and
 // predict() never allocate. docs/prefetch.md describes them and the replay that measures them.
 //

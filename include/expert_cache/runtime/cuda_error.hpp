@@ -1,6 +1,7 @@
 #pragma once
-// CUDA error -> Status conversion shared by the CUDA tier: the one place a cudaError_t becomes a
-// message. Host compiler + <cuda_runtime_api.h>.
+/// CUDA error -> Status conversion shared by the CUDA tier: the one place a cudaError_t becomes a
+/// message.
+// Host compiler + <cuda_runtime_api.h>.
 #include <cuda_runtime_api.h>
 
 #include "expert_cache/base/status.hpp"

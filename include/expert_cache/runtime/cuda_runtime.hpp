@@ -1,5 +1,5 @@
 #pragma once
-// CudaRuntime: the `runtime` (and `allocating_runtime`) model over the CUDA runtime API.
+/// CudaRuntime: the `runtime` (and `allocating_runtime`) model over the CUDA runtime API.
 // Host compiler + <cuda_runtime_api.h> only: no kernels here (the Gather kernel lives in
 // expert_cache/kernels/fill_copy.cuh), so this header builds with g++ given CUDA's include dir.
 //

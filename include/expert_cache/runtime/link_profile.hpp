@@ -1,8 +1,9 @@
 #pragma once
-// LinkProfile: what one host -> device link delivers at one expert size, measured on the device
-// (expert_cache/staging/link_probe.cuh, nvcc) or read back from a stored text. Host-only: the
-// record, its text format, the rule that picks a fill engine from it, and the check that a
-// stored profile belongs to this device and this expert size. docs/cuda_backend.md "Link profile".
+/// LinkProfile: what one host -> device link delivers at one expert size, measured on the device
+/// (expert_cache/staging/link_probe.cuh, nvcc) or read back from a stored text.
+// Host-only: the record, its text format, the rule that picks a fill engine from it, and the check
+// that a stored profile belongs to this device and this expert size. docs/cuda_backend.md "Link
+// profile".
 //
 // Text format (serialize / parse), one `key=value` per line, keys in this order:
 //   expert_cache link profile v1

@@ -1,7 +1,7 @@
 #pragma once
-// Owned runtime resources: a memory allocation (RuntimeBuffer) and a stream or event
-// (RuntimeHandle, with the RuntimeStream / RuntimeEvent aliases), each released on
-// destruction. Any allocating_runtime / runtime model works (SimRuntime, CudaRuntime).
+/// Owned runtime resources: a memory allocation (RuntimeBuffer) and a stream or event
+/// (RuntimeHandle, with the RuntimeStream / RuntimeEvent aliases), each released on destruction.
+// Any allocating_runtime / runtime model works (SimRuntime, CudaRuntime).
 // Host-only.
 #include <cstddef>
 #include <type_traits>

@@ -1,7 +1,8 @@
 #pragma once
-// AnyStaging<Stagings...>: one staging-policy type holding any of the listed staging policies,
-// picked at run time. The run-time-selected cache (any/any_cache.hpp) issues its fills through it,
-// so a cache is instantiated once per storage instead of once per storage and staging.
+/// AnyStaging<Stagings...>: one staging-policy type holding any of the listed staging policies,
+/// picked at run time.
+// The run-time-selected cache (any/any_cache.hpp) issues its fills through it, so a cache is
+// instantiated once per storage instead of once per storage and staging.
 //
 // Where fills run is the held policy's: the cache asks uses_copy_stream_of(staging)
 // (base/concepts.hpp), which reads dynamic_uses_copy_stream(); the static uses_copy_stream the

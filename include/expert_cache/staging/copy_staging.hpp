@@ -1,11 +1,11 @@
 #pragma once
-// Staging policies built from plain runtime copies. A staging policy decides WHERE fills run
-// (the cache-owned copy stream or the caller's stream) and HOW they are issued; the ordering
-// core decides WHEN (its events). What to copy comes only from the storage's copy regions
-// (storage/copy_region.hpp): an expert-major storage has one region (a miss is ONE transfer),
-// a tensor-major one a region per present tensor. Every policy here scatters: each region is
-// its own copy with its own host and slot strides (ExpertMajorHostStorage: per fill one copy
-// per tensor from the host blob into that tensor's contiguous slot array).
+/// Staging policies built from plain runtime copies.
+// A staging policy decides WHERE fills run (the cache-owned copy stream or the caller's stream) and
+// HOW they are issued; the ordering core decides WHEN (its events). What to copy comes only from
+// the storage's copy regions (storage/copy_region.hpp): an expert-major storage has one region (a
+// miss is ONE transfer), a tensor-major one a region per present tensor. Every policy here
+// scatters: each region is its own copy with its own host and slot strides (ExpertMajorHostStorage:
+// per fill one copy per tensor from the host blob into that tensor's contiguous slot array).
 #include <cstddef>
 #include <span>
 #include <string>

@@ -1,8 +1,9 @@
 #pragma once
-// Gather staging policy (needs nvcc): all of a prepare()'s misses copied by ONE kernel launch on
-// the cache-owned copy stream, the SMs reading the mapped pinned host pools zero-copy with
-// 16-byte loads. Capturable in a CUDA graph (a kernel node; nothing is read from host staging
-// memory at replay time, unlike cudaMemcpyBatchAsync which cannot be captured at all).
+/// Gather staging policy (needs nvcc): all of a prepare()'s misses copied by ONE kernel launch on
+/// the cache-owned copy stream, the SMs reading the mapped pinned host pools zero-copy with 16-byte
+/// loads.
+// Capturable in a CUDA graph (a kernel node; nothing is read from host staging memory at replay
+// time, unlike cudaMemcpyBatchAsync which cannot be captured at all).
 //
 // The fill list is a kernel parameter (kernels/fill_copy.cuh): per fill an (expert, slot)
 // pair, plus per copy region of the storage (storage/copy_region.hpp) its source/destination

@@ -1,6 +1,6 @@
 #pragma once
-// Measures a LinkProfile (runtime/link_profile.hpp) on a CUDA device (needs nvcc: it launches
-// the Gather fill kernel), and keeps one per (device, expert size) per process.
+/// Measures a LinkProfile (runtime/link_profile.hpp) on a CUDA device (needs nvcc: it launches the
+/// Gather fill kernel), and keeps one per (device, expert size) per process.
 //
 //   measure_link_profile(device, expert_bytes, out)  measures now (meant to take under 200 ms)
 //   link_profile_for(device, expert_bytes, out)      measured once per process, then cached

@@ -1,8 +1,9 @@
 #pragma once
-// How a storage's bytes move on a fill: a small list of copy regions, each one strided run of
-// bytes per expert from the host pool into the slot buffers. Staging policies (host-issued
-// copies, batched copies, gather kernels, the device-planned fill) read only this list, so a
-// new storage arrangement needs no change in any of them. Host and device (plain data).
+/// How a storage's bytes move on a fill: a small list of copy regions, each one strided run of
+/// bytes per expert from the host pool into the slot buffers.
+// Staging policies (host-issued copies, batched copies, gather kernels, the device-planned fill)
+// read only this list, so a new storage arrangement needs no change in any of them. Host and device
+// (plain data).
 #include <array>
 #include <cstddef>
 #include <cstdint>

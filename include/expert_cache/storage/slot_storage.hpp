@@ -1,6 +1,7 @@
 #pragma once
-// Where experts live: host pools holding every expert (the source of fills) and device slot
-// buffers holding `capacity` of them. Three arrangements (host pool / slots):
+/// Where experts live: host pools holding every expert (the source of fills) and device slot
+/// buffers holding `capacity` of them.
+// Three arrangements (host pool / slots):
 //   TensorMajorStorage        one [E, bytes_t] host array and one [capacity, bytes_t] slot
 //                             array per tensor (the row provider's layout; a fill is one copy
 //                             per tensor);

@@ -1,6 +1,7 @@
 #pragma once
-// Caller-owned memory for a storage (CacheOptions::memory, or the storages' last constructor
-// argument). Empty fields mean "the storage allocates it from the runtime", as before.
+/// Caller-owned memory for a storage (CacheOptions::memory, or the storages' last constructor
+/// argument).
+// Empty fields mean "the storage allocates it from the runtime".
 //
 //   host_tensors[t]  tensor-major host pools: tensor t of every expert, one [E, bytes_t] array
 //                    per tensor (an engine's weight tensors as they are), exactly

@@ -1,6 +1,7 @@
 #pragma once
-// SimRuntime's optional virtual time: op finish = max(stream time, host time at enqueue,
-// awaited record / gate time) + cost. Independent of the schedule chosen by run_random.
+/// SimRuntime's optional virtual time: op finish = max(stream time, host time at enqueue, awaited
+/// record / gate time) + cost.
+// Independent of the schedule chosen by run_random.
 // Host-only.
 #include "expert_cache/base/version.hpp"
 #include <algorithm>

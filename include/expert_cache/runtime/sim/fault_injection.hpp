@@ -1,6 +1,7 @@
 #pragma once
-// SimRuntime's fault injection: the nth call of a kind from now fails with runtime_failure and
-// enqueues nothing. Several injections may be pending per kind. Host-only.
+/// SimRuntime's fault injection: the nth call of a kind from now fails with runtime_failure and
+/// enqueues nothing.
+// Several injections may be pending per kind. Host-only.
 #include "expert_cache/base/version.hpp"
 #include <algorithm>
 #include <array>

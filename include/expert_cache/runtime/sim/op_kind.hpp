@@ -1,5 +1,5 @@
 #pragma once
-// What a SimRuntime operation is, as named in race reports, deadlock messages and traces.
+/// What a SimRuntime operation is, as named in race reports, deadlock messages and traces.
 // Host-only.
 #include "expert_cache/base/version.hpp"
 #include <cstdint>

@@ -1,7 +1,7 @@
 #pragma once
-// SimRuntime's scheduler: which stream heads may complete, and a seeded random choice among
-// them. The choice is the only source of nondeterminism in the model, so a seed names a
-// schedule. Host-only.
+/// SimRuntime's scheduler: which stream heads may complete, and a seeded random choice among them.
+// The choice is the only source of nondeterminism in the model, so a seed names a schedule.
+// Host-only.
 #include <cstddef>
 #include <cstdint>
 #include <memory>

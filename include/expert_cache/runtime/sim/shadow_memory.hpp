@@ -1,8 +1,8 @@
 #pragma once
-// SimRuntime's race detector over declared byte ranges. Every completed access (an op's
-// declared reads and writes, or a host_access) is checked against a shadow map of earlier
-// accesses: two race when their byte ranges overlap, at least one writes, and neither
-// happens-before the other. Races are recorded, never thrown.
+/// SimRuntime's race detector over declared byte ranges.
+// Every completed access (an op's declared reads and writes, or a host_access) is checked against a
+// shadow map of earlier accesses: two race when their byte ranges overlap, at least one writes, and
+// neither happens-before the other. Races are recorded, never thrown.
 //
 // History is pruned FastTrack-style: per disjoint byte segment, the last write plus the reads
 // not already ordered before a later read. A pruned access can only hide a race when another

@@ -1,7 +1,7 @@
 #pragma once
-// SimRuntime's per-stream state: each stream is a FIFO of operations that complete only when
-// the scheduler runs them. Events hold their latest record; gates block a stream until the
-// host opens them. Host-only.
+/// SimRuntime's per-stream state: each stream is a FIFO of operations that complete only when the
+/// scheduler runs them.
+// Events hold their latest record; gates block a stream until the host opens them. Host-only.
 #include <cstddef>
 #include <cstdint>
 #include <functional>

@@ -1,6 +1,7 @@
 #pragma once
-// What SimRuntime did: per-kind counters of successful calls, and the optional call log (in
-// API-call order, for golden protocol tests). Host-only.
+/// What SimRuntime did: per-kind counters of successful calls, and the optional call log (in
+/// API-call order, for golden protocol tests).
+// Host-only.
 #include "expert_cache/base/version.hpp"
 #include <cstddef>
 #include <cstdint>

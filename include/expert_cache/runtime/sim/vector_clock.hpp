@@ -1,6 +1,7 @@
 #pragma once
-// Vector clocks of SimRuntime's happens-before relation: one component per actor (0 = the
-// host, k = stream k). Epoch 0 means "never", so every actor starts at 1. Host-only.
+/// Vector clocks of SimRuntime's happens-before relation: one component per actor (0 = the
+/// host, k = stream k).
+// Epoch 0 means "never", so every actor starts at 1. Host-only.
 #include "expert_cache/base/version.hpp"
 #include <algorithm>
 #include <cstddef>
