@@ -14,7 +14,7 @@
 
 #include "cli_args.hpp"
 #include "expert_cache/eviction/crf_math.hpp"
-#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/device_plan/policies.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
 
 namespace expert_cache::bench {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots for docs/benchmarks.md from the benchmark programs' JSON.
 
-  bench/scripts/plot.py --bench BENCH.json [--replay REPLAY.json ...] --out docs/plots [--name PREFIX]
+  bench/scripts/plot.py --bench BENCH.json [--replay REPLAY.json ...] --out docs/results [--name PREFIX]
 
 --bench   JSON of expert-cache-bench (--json FILE; Google-Benchmark schema): tokens/s per
           provider x staging policy, with the all-resident run and the PCIe bound marked.
@@ -123,7 +123,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bench", help="expert-cache-bench --json output")
     ap.add_argument("--replay", action="append", default=[], help="expert-cache-replay --json output (repeatable)")
-    ap.add_argument("--out", default="docs/plots", help="output directory (default docs/plots)")
+    ap.add_argument("--out", default="docs/results", help="output directory (default docs/results)")
     ap.add_argument("--name", default="modelled", help="file name prefix of the bench plot (default modelled)")
     args = ap.parse_args()
     if not args.bench and not args.replay:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Hit rate vs capacity per eviction policy, OPT included, for docs/policies.md.
 
-  bench/scripts/plot_policies.py measure --tool expert-cache-replay --trace FILE --name NAME [--out docs/plots]
-  bench/scripts/plot_policies.py plot REPLAY.json [REPLAY.json ...] [--out docs/plots] [--commit SHA]
+  bench/scripts/plot_policies.py measure --tool expert-cache-replay --trace FILE --name NAME [--out docs/results]
+  bench/scripts/plot_policies.py plot REPLAY.json [REPLAY.json ...] [--out docs/results] [--commit SHA]
 
 measure  runs expert-cache-replay (--policy all --json) on FILE in both scopes and writes
          NAME_global.json (with --per-layer) and NAME_layer.json, the tool's output unchanged.
@@ -157,10 +157,10 @@ def main():
     m.add_argument("--tool", required=True, help="path of expert-cache-replay")
     m.add_argument("--trace", required=True, help="trace file (format v1)")
     m.add_argument("--name", required=True, help="output file stem")
-    m.add_argument("--out", default="docs/plots")
+    m.add_argument("--out", default="docs/results")
     p = sub.add_parser("plot", help="plot replay JSON files")
     p.add_argument("replay", nargs="+", help="expert-cache-replay --json output")
-    p.add_argument("--out", default="docs/plots")
+    p.add_argument("--out", default="docs/results")
     p.add_argument("--commit", default="", help="commit the JSON was measured at (shown in the title)")
     args = ap.parse_args()
     return measure(args) if args.cmd == "measure" else plot(args)

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "expert_cache/planning/forward_planner.hpp"
-#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/device_plan/state.hpp"
 
 namespace expert_cache::test {
 

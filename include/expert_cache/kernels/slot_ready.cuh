@@ -17,7 +17,8 @@
 #include <cstdint>
 
 #include "expert_cache/base/config.hpp"
-#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/device_plan/readiness.hpp"
+#include "expert_cache/planning/device_plan/state.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
