@@ -1,4 +1,4 @@
-// The device policies beyond LRU (planning/device_plan.hpp: DeviceLfru, DeviceCrf) run on the
+// The device policies beyond LRU (planning/device_plan/policies.hpp: DeviceLfru, DeviceCrf) run on the
 // host with SequentialBlock against ForwardPlanner<Lfru> / ForwardPlanner<Crf>: after every
 // forward, group, invalidation and prefetch the same hits, misses, fill and eviction lists,
 // resident and forward maps, slot owners, free stack and counters, and the policy state itself
