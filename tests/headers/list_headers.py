@@ -6,10 +6,10 @@
                                              comma separated) no longer matches the tree
 
 Tiers: 'cuda' = *.cuh (nvcc); 'cudart' = *.hpp whose name starts with 'cuda' (the host
-compiler plus CUDA's include directory: runtime/cuda_*.hpp, cuda.hpp); 'host' = every other
-*.hpp (the host compiler alone). tests/headers/meson.build builds one translation unit per
-header from these lists, so a header is checked as soon as it exists (after a reconfigure,
-which the --check test asks for)."""
+compiler plus CUDA's include directory: runtime/cuda_*.hpp, cache/cuda_presets.hpp, cuda.hpp);
+'host' = every other *.hpp (the host compiler alone). tests/headers/meson.build builds one
+translation unit per header from these lists, so a header is checked as soon as it exists
+(after a reconfigure, which the --check test asks for)."""
 import pathlib
 import sys
 

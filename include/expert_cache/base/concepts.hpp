@@ -3,7 +3,7 @@
 //
 //   eviction_policy      which resident to drop (eviction/: Lru, Lfru, Sieve, S3Fifo, Arc, ...)
 //   expert_layout        which tensors an expert has and how big (layout/: Nvfp4Marlin,
-//                        DenseBf16; cache/expert_cache.hpp: ExplicitLayout); `scale_layout` is
+//                        DenseBf16, ExplicitLayout); `scale_layout` is
 //                        another name for it.
 //   runtime              streams, events, async copies (runtime/: SimRuntime, CudaRuntime)
 //   allocating_runtime   a runtime that also allocates device and pinned host memory

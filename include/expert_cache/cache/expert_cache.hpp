@@ -1,5 +1,6 @@
 #pragma once
-// ExpertCache: the forward-oriented public API, composed from compile-time policies.
+/// ExpertCache: the forward-oriented public API, composed from compile-time policies. This path
+/// also gives its vocabulary (cache/stats.hpp, views.hpp, options.hpp) and ExplicitLayout.
 //
 //   ExpertCache<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime>
 //
@@ -23,7 +24,6 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <iterator>
 #include <span>
@@ -32,362 +32,22 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
-#include "expert_cache/core/ordering_core.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/nvtx.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/cache/options.hpp"
+#include "expert_cache/cache/stats.hpp"
+#include "expert_cache/cache/stream_rounds.hpp"
+#include "expert_cache/cache/views.hpp"
+#include "expert_cache/cache/wide.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/layout/explicit.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
-#include "expert_cache/prefetch/hint_selection.hpp"
-#include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/planning/split.hpp"
+#include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
-#include "expert_cache/cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
-
-// A layout given by explicit per-tensor byte counts (tests, custom formats).
-struct ExplicitLayout {
-  static constexpr std::string_view name = "explicit";
-  ExpertTensorBytes bytes{};
-  [[nodiscard]] Status validate() const { return {}; }
-  [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept { return bytes; }
-};
-static_assert(expert_layout<ExplicitLayout>);
-
-/// Counters of one cache since construction (ExpertCache::stats()); cheap to take.
-struct CacheStats {
-  std::uint64_t hits = 0;           ///< forward experts already resident
-  std::uint64_t misses = 0;         ///< forward experts that had to be copied in
-  std::uint64_t promotions = 0;     ///< policy promotions (e.g. Lfru's probation -> protected)
-  std::uint64_t evictions = 0;      ///< experts evicted to make room
-  std::uint64_t invalidations = 0;  ///< experts dropped by invalidate()
-  std::int64_t resident = 0;        ///< experts resident now
-  std::int64_t capacity = 0;        ///< GPU slots
-  std::uint64_t prepare_calls = 0;  ///< accepted prepare() / prepare_unique() calls
-  std::uint64_t generation = 0;     ///< generation of the last accepted forward
-  std::uint64_t last_copies = 0;    ///< copies the last prepare() enqueued
-  std::uint64_t total_copies = 0;   ///< copies enqueued since construction
-  std::uint64_t owner_changes = 0;  ///< prepares on a stream other than the previous reader's
-  std::uint64_t map_uploads = 0;    ///< expert/resident map uploads
-  std::uint64_t staging_stalls = 0; ///< waits for a free host staging buffer
-  std::uint64_t faults = 0;         ///< runtime failures reported by prepare()/invalidate()
-  std::uint64_t speculative_issued = 0;  ///< experts filled by prefetch() (not in misses or promotions)
-  std::uint64_t speculative_used = 0;    ///< ... then used by a forward (also counted in hits)
-  std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
-  std::uint64_t speculative_bytes = 0;   ///< bytes copied by prefetch()
-  std::uint64_t wide_forwards = 0;  ///< prepare_wide() calls whose every round was served
-  std::uint64_t wide_rounds = 0;    ///< rounds handed to a wide consumer
-  std::uint64_t wide_hits = 0;      ///< stream admission: experts read from the pool (not in hits)
-  std::uint64_t wide_streamed = 0;  ///< stream admission: experts copied into stream slots (not in misses)
-  std::uint64_t wide_bytes = 0;     ///< bytes copied by wide forwards (both admissions)
-  std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
-  std::size_t host_bytes = 0;       ///< host: expert pools + map staging
-  /// hits / (hits + misses); 0 before the first forward.
-  [[nodiscard]] double hit_rate() const noexcept {
-    const auto n = hits + misses;
-    return n == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(n);
-  }
-};
-
-/// What a consumer kernel needs for one forward. All pointers are device pointers, valid for
-/// work enqueued on the prepare() stream after the call (the copies are ordered before it) until
-/// the next prepare() of this cache.
-struct ForwardView {
-  /// Slot buffers per tensor: expert in slot s at tensors[t].slot(s); bytes == 0: tensor absent.
-  std::array<SlotTensor, num_expert_tensors> tensors{};
-  const std::int32_t* expert_map = nullptr;    ///< [num_experts] forward-scoped: this forward's experts -> slot, else -1
-  /// [num_experts] every resident expert -> slot, else -1, as of this forward's prepare() (a
-  /// later prefetch() may leave the device copy behind until the next prepare()). Read slots
-  /// through expert_map.
-  const std::int32_t* resident_map = nullptr;
-  /// [num_experts] non-zero = a miss of this forward that the consumer must copy from the host
-  /// pools into its slot (the expert map's) itself: DeviceExpertCache with
-  /// DeviceCacheOptions::fill_by_consumer only; null otherwise (the cache filled every slot).
-  const std::int32_t* missing = nullptr;
-  std::uint32_t hits = 0;                      ///< this forward's unique experts already resident
-  std::uint32_t misses = 0;                    ///< this forward's unique experts copied in
-  std::uint64_t generation = 0;                ///< increases by one per accepted forward
-  /// The slot buffers of tensor `t` (e.g. ExpertTensor::w13).
-  [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
-    return tensors[static_cast<std::size_t>(t)];
-  }
-};
-
-/// One round of a wide forward (prepare_wide), handed to the caller's consumer: `view` has the
-/// contract of a prepare()'s view for work the consumer enqueues on the prepare_wide() stream
-/// during the call, and until the next call into the cache. Its expert map holds this round's
-/// experts only (disjoint from every other round's); with WideAdmission::stream a streamed
-/// expert's slot is a stream slot (>= capacity), which the resident map does not name.
-struct WideRound {
-  ForwardView view{};
-  std::span<const std::int32_t> experts;  ///< this round's experts, ascending (host memory, valid during the call)
-  std::span<const std::int32_t> slots;    ///< their slots (what the round's expert map holds for them)
-  std::uint32_t index = 0;                ///< 0-based round number
-  std::uint32_t rounds = 0;               ///< rounds of this forward
-  std::uint32_t streamed = 0;             ///< experts of this round in stream slots
-  /// True for round 0 only: where work that is not per expert (shared experts) belongs.
-  [[nodiscard]] bool include_shared() const noexcept { return index == 0; }
-};
-
-/// Budget, lifetime and (optionally) the caller's confidence of one prefetch() call.
-///
-/// Scored hints (docs/prefetch.md "Scored hints"): `scores[i]` is the caller's estimate of the
-/// probability that the next forward reads `predicted[i]`, in [0, 1]. Without scores (an empty
-/// span, the default) the ids are taken best first as given. With scores the cache
-///  (a) takes the hints highest score first; equal scores keep the caller's order;
-///  (b) skips every hint scoring below `min_score` (PrefetchView::skipped_unlikely): it is never
-///      fetched and, like an unhinted resident, not protected;
-///  (c) evicts for the others only what an unscored prefetch may evict: never an expert of the
-///      most recent forward, an unused unexpired speculative fill, or a hint taken earlier in
-///      this call (a higher-scored one);
-///  (d) copies at most `max_bytes`, as without scores.
-/// The selection rule lives in one place, HintSelector (prefetch/hint_selection.hpp), which
-/// also says why `min_score` defaults to 0.5: from there on a fill is at least as likely used as
-/// wasted, so on a busy link its expected saving covers its expected waste.
-/// Errors (invalid_argument, before any state change): a number of scores other than the
-/// number of ids, a score that is NaN, infinite or outside [0, 1] (the message names its index
-/// and value), a `min_score` that is NaN or outside [0, 1] (checked with or without scores).
-/// The span is read during the call only.
-struct PrefetchOptions {
-  /// Bytes this call may copy: max_bytes / bytes per expert fills (0 = none; < 0 is an error).
-  std::int64_t max_bytes = 0;
-  /// Accepted forwards a fill stays protected unused before it counts wasted (>= 1): 1 for a
-  /// per-layer cache prefetched one forward ahead, L for a cache shared by L layers.
-  std::uint32_t expires_after = 1;
-  /// Per-id probability of use, parallel to the predicted ids; empty = no scores.
-  std::span<const float> scores{};
-  /// Scored hints below this probability are skipped, in [0, 1] (hint_selection.hpp: why 0.5).
-  float min_score = default_min_score;
-  /// The cache measures how often its speculative fills at each rank of the hint list are used
-  /// and skips ranks whose precision is below min_score, but for a periodic probe that runs only
-  /// while the skipped hints turn out read (prefetch/rank_precision.hpp): hints that turn out
-  /// wrong, scored or not, stop costing link time. Host-planned caches; the device-planned cache
-  /// plans on the device and ignores it.
-  bool precision_feedback = true;
-};
-
-namespace detail {
-
-// Stream admission's rounds on a pool (ExpertCache and DeviceExpertCache; cache/wide.hpp's header):
-// the forward's unique experts (w.unique, their row counts in w.rows) split into the pool's
-// residents (`resident`: expert -> pool slot, host memory), read in place and spread over the
-// rounds, and the others, streamed into stream half r % 2 (slots `capacity` on) by the copies of
-// `staging` from `storage`'s regions. The ordering is the core's wide entries (edges 3 and 10);
-// the caller ran wide_begin. What differs between the caches comes from `hooks` (a cache's own
-// hooks object behind StreamRoundHooks::of):
-//   hooks.before_rounds(hits) -> Status   once, before the first fill (e.g. edge 9's waits)
-//   hooks.resident_upload() -> MapUpload  the resident map a round's fill uploads (empty: none)
-//   hooks.uploaded()                      after a fill that uploaded it
-//   hooks.round_map(r) -> std::int32_t*   round r's device forward map (two, alternating)
-//   hooks.view() -> ForwardView           the view a round's map goes into
-//   hooks.consume(round) -> Status        the caller's consumer, its failure in context
-//   hooks.served(hits, streamed)          after a round's consumer
-//   hooks.fault()                         a runtime failure (not the consumer's)
-// A cache's stream-round hooks behind function pointers (the members run_stream_rounds calls):
-// the rounds are then compiled once per cache type, not once per consumer type, and a
-// run-time-selected cache's host and device providers share one copy of them. A round is a
-// fill and a consumer call, so the indirect calls are noise beside it.
-struct StreamRoundHooks {
-  void* self = nullptr;
-  Status (*before_rounds_)(void*, std::span<const std::int32_t>) noexcept = nullptr;
-  MapUpload (*resident_upload_)(void*) noexcept = nullptr;
-  void (*uploaded_)(void*) noexcept = nullptr;
-  std::int32_t* (*round_map_)(void*, std::size_t) noexcept = nullptr;
-  ForwardView (*view_)(void*) noexcept = nullptr;
-  Status (*consume_)(void*, const WideRound&) noexcept = nullptr;
-  void (*served_)(void*, std::size_t, std::size_t) noexcept = nullptr;
-  void (*fault_)(void*) noexcept = nullptr;
-
-  template <class Hooks>
-  [[nodiscard]] static StreamRoundHooks of(Hooks& h) noexcept {
-    StreamRoundHooks r;
-    r.self = &h;
-    r.before_rounds_ = [](void* p, std::span<const std::int32_t> hits) noexcept {
-      return static_cast<Hooks*>(p)->before_rounds(hits);
-    };
-    r.resident_upload_ = [](void* p) noexcept { return static_cast<Hooks*>(p)->resident_upload(); };
-    r.uploaded_ = [](void* p) noexcept { static_cast<Hooks*>(p)->uploaded(); };
-    r.round_map_ = [](void* p, std::size_t round) noexcept { return static_cast<Hooks*>(p)->round_map(round); };
-    r.view_ = [](void* p) noexcept { return static_cast<const Hooks*>(p)->view(); };
-    r.consume_ = [](void* p, const WideRound& round) noexcept { return static_cast<Hooks*>(p)->consume(round); };
-    r.served_ = [](void* p, std::size_t hits, std::size_t streamed) noexcept {
-      static_cast<Hooks*>(p)->served(hits, streamed);
-    };
-    r.fault_ = [](void* p) noexcept { static_cast<Hooks*>(p)->fault(); };
-    return r;
-  }
-  Status before_rounds(std::span<const std::int32_t> hits) const noexcept { return before_rounds_(self, hits); }
-  MapUpload resident_upload() const noexcept { return resident_upload_(self); }
-  void uploaded() const noexcept { uploaded_(self); }
-  std::int32_t* round_map(std::size_t r) const noexcept { return round_map_(self, r); }
-  ForwardView view() const noexcept { return view_(self); }
-  Status consume(const WideRound& round) const noexcept { return consume_(self, round); }
-  void served(std::size_t hits, std::size_t streamed) const noexcept { served_(self, hits, streamed); }
-  void fault() const noexcept { fault_(self); }
-};
-
-template <class Core, class Staging, class R, class Storage>
-Status run_stream_rounds(Core& core, Staging& staging, R& rt, const Storage& storage, typename R::Stream stream,
-                         std::span<const std::int32_t> resident, std::int32_t capacity, std::int32_t stream_slots,
-                         std::uint64_t bytes_per_expert, const WideOptions& options, WideScratch& w,
-                         const StreamRoundHooks& hooks, WideSummary& summary) noexcept {
-  w.hits.clear();
-  w.misses.clear();
-  for (const std::int32_t e : w.unique) {
-    const std::int32_t slot = resident[static_cast<std::size_t>(e)];
-    // A slot outside the pool is no residency to read (a device-held map is not trusted blindly).
-    (slot >= 0 && slot < capacity ? w.hits : w.misses).push_back(e);
-  }
-  const std::size_t half = static_cast<std::size_t>(stream_slots / 2);
-  std::vector<CopyDesc>* const batch = options.batch_copies ? &w.batch : nullptr;
-  // Not a structured binding: the fill lambda below captures both (clang before 16 refuses that).
-  const std::pair<std::size_t, std::uint64_t> dense_shape = dense_copy_shape(staging, storage);
-  const std::size_t dense_regions = dense_shape.first;
-  const std::uint64_t dense_bytes = dense_shape.second;
-  plan_stream_rounds(w.misses, half, options.copy, options.cost, dense_regions, dense_bytes, w.plan);
-  const std::size_t rounds = std::max<std::size_t>(1, w.plan.size());
-  split_wide_hits(w.hits, w.rows, rounds, w.hit_begin);
-  const auto hits_of = [&](std::size_t r) { return round_hits(w.hits, w.hit_begin, r); };
-  summary.hits = static_cast<std::uint32_t>(w.hits.size());
-  if (Status s = hooks.before_rounds(std::span<const std::int32_t>(w.hits)); !s) {
-    hooks.fault();
-    return s;
-  }
-  const auto chunk = [&](std::size_t r) {
-    if (r >= w.plan.size()) return std::span<const std::int32_t>();
-    return std::span<const std::int32_t>(w.misses).subspan(w.plan[r].begin, w.plan[r].end - w.plan[r].begin);
-  };
-  const auto stream_slot = [&](std::size_t r, std::size_t i) {
-    const StreamRound& p = w.plan[r];
-    const std::size_t k = p.span ? static_cast<std::size_t>(w.misses[p.begin + i] - p.first) : i;
-    return capacity + static_cast<std::int32_t>((r % 2) * half + k);
-  };
-  const auto fill_round = [&](std::size_t r) noexcept -> Status {
-    const auto c = chunk(r);
-    w.fills.clear();
-    for (std::size_t i = 0; i < c.size(); ++i) w.fills.push_back({ExpertId(c[i]), SlotId(stream_slot(r, i))});
-    const MapUpload upload = hooks.resident_upload();
-    const bool span = !c.empty() && w.plan[r].span;
-    const std::size_t width = span ? static_cast<std::size_t>(c.back() - c.front() + 1) : c.size();
-    Status s = core.wide_fill(stream, r % 2, upload, [&](typename R::Stream f) noexcept {
-      // The round's map (its pool hits too), then its copies.
-      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = resident[static_cast<std::size_t>(e)];
-      for (std::size_t i = 0; i < c.size(); ++i) w.map[static_cast<std::size_t>(c[i])] = stream_slot(r, i);
-      Status m = core.upload_map(w.map.data(), hooks.round_map(r), f);
-      for (const std::int32_t e : hits_of(r)) w.map[static_cast<std::size_t>(e)] = absent_slot;
-      for (const std::int32_t e : c) w.map[static_cast<std::size_t>(e)] = absent_slot;
-      if (!m) return m;
-      const std::span<const SlotFill> fills(w.fills);
-      if (span) {
-        const SlotFill first{ExpertId(c.front()), SlotId(stream_slot(r, 0))};
-        return issue_span(staging, rt, f, storage, first, width, fills, summary.copies, batch);
-      }
-      return issue_coalesced(staging, rt, f, storage, fills, summary.copies, batch);
-    });
-    if (s && upload.host != nullptr) hooks.uploaded();
-    if (s) {
-      summary.streamed += static_cast<std::uint32_t>(c.size());
-      summary.bytes += c.size() * bytes_per_expert;
-      if (span) {
-        ++summary.span_rounds;
-        summary.wasted += static_cast<std::uint32_t>(width - c.size());
-        summary.bytes += (width - c.size()) * dense_bytes;
-      }
-    }
-    return s;
-  };
-  Status s = fill_round(0);
-  for (std::size_t r = 0; s && r < rounds; ++r) {
-    const auto c = chunk(r);
-    compose_wide_round(r, hits_of(r), c, resident, stream_slot, w.round, w.slots);
-    // Only the fill of round r (its map included) is waited for: round r + 1's fill, enqueued
-    // next on the fill stream, overlaps round r's consumer.
-    s = core.wide_acquire(stream);
-    if (s && r + 1 < rounds) s = fill_round(r + 1);
-    if (!s) {
-      hooks.fault();
-      return s.with_context("prepare_wide: round %zu of %zu (streamed experts are never admitted; the pool is "
-                            "unchanged)",
-                            r, rounds);
-    }
-    WideRound round;
-    round.view = hooks.view();
-    round.view.expert_map = hooks.round_map(r);
-    round.view.hits = static_cast<std::uint32_t>(hits_of(r).size());
-    round.view.misses = static_cast<std::uint32_t>(c.size());
-    round.experts = w.round;
-    round.slots = w.slots;
-    round.index = static_cast<std::uint32_t>(r);
-    round.rounds = static_cast<std::uint32_t>(rounds);
-    round.streamed = static_cast<std::uint32_t>(c.size());
-    if (Status cs = hooks.consume(round); !cs) return cs;
-    ++summary.rounds;
-    hooks.served(hits_of(r).size(), c.size());
-    s = core.wide_release(stream, r % 2);
-    if (!s) {
-      hooks.fault();
-      return s.with_context("prepare_wide: releasing round %zu", r);
-    }
-  }
-  return s;
-}
-
-// A wide consumer's call: an exception becomes an error Status (the APIs are noexcept).
-template <class Consumer>
-Status call_wide_consumer(Consumer& consumer, const WideRound& round) noexcept {
-  try {
-    Status s = consumer(round);
-    if (!s) return s.with_context("wide forward: the consumer of round %u of %u failed", round.index, round.rounds);
-    return s;
-  } catch (const std::exception& e) {
-    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw: %s",
-                          round.index, round.rounds, e.what());
-  } catch (...) {
-    return Status::format(ErrorCode::runtime_failure, "wide forward: the consumer of round %u of %u threw",
-                          round.index, round.rounds);
-  }
-}
-
-}  // namespace detail
-
-/// What one prefetch() did.
-struct PrefetchView {
-  std::uint32_t issued = 0;             ///< speculative fills enqueued
-  std::uint32_t evictions = 0;          ///< residents dropped for them
-  std::uint32_t skipped_resident = 0;   ///< predicted entries already resident or in flight
-  std::uint32_t skipped_no_victim = 0;  ///< predicted ids dropped: every slot was protected
-  std::uint32_t skipped_unlikely = 0;   ///< scored entries below min_score, never considered
-  std::uint32_t skipped_imprecise = 0;  ///< entries at a rank whose fills were mostly wasted (precision_feedback)
-  std::uint64_t bytes = 0;              ///< bytes enqueued
-};
-
-/// Construction parameters of an ExpertCache. The constructor throws Error when they are
-/// impossible (capacity 0, > num_experts or < top_k).
-struct CacheOptions {
-  std::int32_t num_experts = 0;  ///< experts of the layer (valid ids are [0, num_experts))
-  std::int32_t capacity = 0;     ///< GPU slots (experts resident at once)
-  std::int32_t top_k = 1;        ///< routed experts per token
-  std::size_t staging_ring = 8;  ///< host staging buffers for map uploads
-  std::string label = "expert_cache";  ///< name in log lines and error messages
-  /// Called every `stats_every` accepted prepare() calls (0 = never).
-  std::function<void(const CacheStats&)> stats_callback;
-  std::uint64_t stats_every = 1000;  ///< see stats_callback
-  /// Receives one line at construction (policies, sizes, byte accounting). The library is
-  /// silent unless a sink is given here.
-  std::function<void(std::string_view)> log;
-  /// Caller-owned host pools and/or slot workspace (storage/storage_memory.hpp); empty: the
-  /// storage allocates them. The caller keeps the memory alive for the cache's lifetime. A
-  /// workspace covers capacity + stream_slots slots.
-  StorageMemory memory{};
-  /// Extra GPU slots after the pool's `capacity` for wide forwards with WideAdmission::stream
-  /// (cache/wide.hpp): two halves of stream_slots / 2, used alternately, never admitted. 0 (the
-  /// default, so a decode-only cache spends no memory on them): such forwards are served with
-  /// WideAdmission::admit instead (WideSummary::fell_back, one line on `log`), which works but
-  /// evicts the decode working set; recommended_stream_slots() gives the size to configure.
-  std::int32_t stream_slots = 0;
-  /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
-  std::int64_t max_wide_ids = default_max_wide_ids;
-};
 
 namespace detail {
 
@@ -998,7 +658,7 @@ class ExpertCacheWithEdges {
 
 // The public cache type: every ordering edge on.
 /// The cache, composed from compile-time policies (see detail::ExpertCacheWithEdges for its
-/// members; RowCache and WholeExpertCache in expert_cache.hpp are the standard instantiations).
+/// members; RowCache and WholeExpertCache in cache/presets.hpp are the standard instantiations).
 template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
           allocating_runtime Runtime>
   requires staging_policy_for<StagingPolicy, Runtime, Storage>

@@ -5,7 +5,7 @@
 // ForwardPlanner::plan_prefetch (and through it ExpertCache::prefetch and the replay tool) and
 // DeviceExpertCache::prefetch from host ids, which passes the selected ids on to its device plan.
 //
-// The contract (PrefetchOptions in cache/expert_cache.hpp, docs/prefetch.md "Scored hints"): scores[i] is the
+// The contract (PrefetchOptions in cache/options.hpp, docs/prefetch.md "Scored hints"): scores[i] is the
 // caller's estimate of the probability that the next forward reads ids[i], in [0, 1]. With
 // scores, the hints scoring below min_score are skipped (counted, not fetched) and the others are
 // taken highest score first; equal scores keep the caller's order. Without scores (an empty span)
