@@ -14,7 +14,7 @@
 //   policies.hpp      DeviceLru, DeviceLfru, DeviceCrf, DeviceRuntimePolicy, their victim keys
 //   block.hpp         plan_block (what the planning code needs from its threads), SequentialBlock
 //   readiness.hpp     per-slot readiness: SlotReadiness, slot_seq_reached
-//   victims.hpp       the victim search's keys (VictimChunk), victims by rank or by arg-min
+//   victims.hpp       the victim search's keys (VictimChunk), when a group ranks them (plan_by_rank)
 //   reset.hpp         reset_plan_state, plan_invalidate
 //   group.hpp         the group step: plan_group (overflow and the recency tick explained there)
 //   forward.hpp       plan_forward: deduplication, the small and the general path
