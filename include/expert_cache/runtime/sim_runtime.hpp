@@ -1,6 +1,7 @@
 #pragma once
-// SimRuntime: a deterministic, single-threaded host model of the `runtime` concept with a
-// happens-before race detector. Host-only, no CUDA.
+/// SimRuntime: a deterministic, single-threaded host model of the `runtime` concept with a
+/// happens-before race detector.
+// Host-only, no CUDA.
 //
 // Model
 // - Every stream is a FIFO of operations (copy, batched copy, event record, event wait,
