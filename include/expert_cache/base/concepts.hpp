@@ -30,20 +30,23 @@ namespace expert_cache::inline v0 {
 
 // ---- eviction ------------------------------------------------------------------------------
 
-// Size of one cache: how many experts exist and how many slots hold them.
+/// Size of one cache: how many experts exist and how many slots hold them.
 struct CacheShape {
   std::int32_t num_experts = 0;
   std::int32_t capacity = 0;
   friend bool operator==(const CacheShape&, const CacheShape&) = default;
 };
 
-// The unique experts of the forward being planned. Policies must never choose a victim
-// that this set contains (in-forward victim protection, the bug class vLLM #50562 fixed).
+/// The unique experts of the forward being planned. Policies must never choose a victim
+/// that this set contains (in-forward victim protection: evicting an expert this forward has
+/// already placed would overwrite a slot its expert map points to).
 // Membership is an epoch-stamped array lookup, so testing it costs one load.
 class ForwardSet {
  public:
   constexpr ForwardSet(const std::uint32_t* stamps, std::uint32_t epoch) noexcept
       : stamps_(stamps), epoch_(epoch) {}
+  /// @param e  an expert id of the cache's id space
+  /// @return true when `e` is one of the forward's unique experts
   [[nodiscard]] constexpr bool contains(ExpertId e) const noexcept {
     return stamps_[e.index()] == epoch_;
   }
@@ -53,12 +56,21 @@ class ForwardSet {
   std::uint32_t epoch_;
 };
 
-// An eviction policy tracks the order of the residents and names a victim when a miss
-// finds no free slot. The planner owns residency (expert <-> slot); the policy only ranks.
-// Call protocol, per forward: begin_forward (optional hook), then for each unique expert
-// in processing order either on_hit, or [choose_victim + on_remove(victim)] + on_insert.
-// invalidate() calls on_remove outside a forward. Policies are values: copyable and
-// equality comparable so that tests can snapshot the whole cache state.
+/// The eviction policy interface: a policy tracks the order of the residents and names a victim
+/// when a miss finds no free slot. The planner owns residency (expert <-> slot); the policy only
+/// ranks.
+///
+/// Call protocol, per forward: begin_forward (optional hook), then for each unique expert
+/// in processing order either on_hit, or [choose_victim + on_remove(victim)] + on_insert.
+/// invalidate() calls on_remove outside a forward. Policies are values: copyable and
+/// equality comparable so that tests can snapshot the whole cache state.
+///
+/// - `P::name`: the policy's name (AnyPolicy and the tools select by it).
+/// - `on_hit(e)`: resident `e` was requested again.
+/// - `on_insert(e)`: `e` was just filled into a slot.
+/// - `on_remove(e)`: resident `e` left (a victim, or invalidate()).
+/// - `choose_victim(needed)`: the resident to evict, never one in `needed`. Precondition: every
+///   slot is taken and at least one resident is outside `needed`.
 template <class P>
 concept eviction_policy =
     std::copyable<P> && std::equality_comparable<P> &&
@@ -71,17 +83,18 @@ concept eviction_policy =
       { p.choose_victim(needed) } noexcept -> std::same_as<ExpertId>;
     };
 
-// Optional hook: told the forward's unique experts before any on_hit/on_insert (Belady
-// uses it to advance its position in the trace).
+/// Optional hook: told the forward's unique experts before any on_hit/on_insert (Belady
+/// uses it to advance its position in the trace).
 template <class P>
 concept has_begin_forward = requires(P& p, std::span<const ExpertId> ids) {
   { p.begin_forward(ids) } noexcept;
 };
 
-// Which free slot a miss takes first. Both providers pop a LIFO free list; they differ in
-// its initial order. vLLM's cached provider hands out capacity-1 first, the row provider 0.
+/// Which free slot a miss takes first. Both providers pop a LIFO free list; they differ in
+/// its initial order. vLLM's cached provider hands out capacity-1 first, the row provider 0.
 enum class FreeSlotOrder : std::uint8_t { lowest_first, highest_first };
 
+/// A policy type's free-slot order: its static `free_slot_order`, else lowest_first.
 template <class P>
 constexpr FreeSlotOrder free_slot_order_of() noexcept {
   if constexpr (requires { P::free_slot_order; }) {
@@ -91,8 +104,8 @@ constexpr FreeSlotOrder free_slot_order_of() noexcept {
   }
 }
 
-// The same for a policy value: a policy type that holds one of several policies (AnyPolicy)
-// reports the held one's order through dynamic_free_slot_order().
+/// The same for a policy value: a policy type that holds one of several policies (AnyPolicy)
+/// reports the held one's order through dynamic_free_slot_order().
 template <class P>
 constexpr FreeSlotOrder free_slot_order_of(const P& policy) noexcept {
   if constexpr (requires { { policy.dynamic_free_slot_order() } -> std::same_as<FreeSlotOrder>; }) {
@@ -104,12 +117,14 @@ constexpr FreeSlotOrder free_slot_order_of(const P& policy) noexcept {
 
 // ---- fills (what the planner hands a staging policy) ---------------------------------------
 
+/// One fill of a forward's plan: copy `expert` into `slot`.
 struct SlotFill {
   ExpertId expert;
   SlotId slot;
   friend bool operator==(const SlotFill&, const SlotFill&) = default;
 };
 
+/// One eviction of a forward's plan: `expert` left `slot`.
 struct SlotEviction {
   ExpertId expert;
   SlotId slot;
@@ -118,20 +133,22 @@ struct SlotEviction {
 
 // ---- runtimes ------------------------------------------------------------------------------
 
-// Stream and event handles are small values (a cudaStream_t / cudaEvent_t, or an index),
-// copied freely and compared with ==. Ownership stays with the runtime.
+/// Stream and event handles are small values (a cudaStream_t / cudaEvent_t, or an index),
+/// copied freely and compared with ==. Ownership stays with the runtime.
 template <class H>
 concept runtime_handle = std::regular<H> && std::is_trivially_copyable_v<H>;
 
-// Semantics every model must follow (CUDA's):
-// - record(e, s): e's latest record becomes "all work enqueued on s so far"; re-recording
-//   replaces it. wait(s, e) captures the record current at the time of the call; waiting on
-//   a never-recorded event is a no-op.
-// - query(e): true when the latest record has completed (never recorded: true); a true
-//   result orders the host after that record, as synchronize(e) does.
-// - copy_async reads [src, src + bytes) and writes [dst, dst + bytes) when it runs.
-// - host_access(p, n, mode): the host declares it touches host memory now (a no-op on CUDA;
-//   SimRuntime checks it against in-flight device work, e.g. staging-buffer reuse).
+/// The runtime interface: streams, events and asynchronous copies. Every call that can fail
+/// returns Status or Result; semantics every model must follow (CUDA's):
+/// - record(e, s): e's latest record becomes "all work enqueued on s so far"; re-recording
+///   replaces it. wait(s, e) captures the record current at the time of the call; waiting on
+///   a never-recorded event is a no-op.
+/// - query(e): true when the latest record has completed (never recorded: true); a true
+///   result orders the host after that record, as synchronize(e) does.
+/// - copy_async reads [src, src + bytes) and writes [dst, dst + bytes) when it runs.
+/// - is_capturing(s): whether `s` is being captured into a graph.
+/// - host_access(p, n, mode): the host declares it touches host memory now (a no-op on CUDA;
+///   SimRuntime checks it against in-flight device work, e.g. staging-buffer reuse).
 template <class R>
 concept runtime =
     runtime_handle<typename R::Stream> && runtime_handle<typename R::Event> &&
@@ -151,8 +168,8 @@ concept runtime =
       { rt.host_access(p, n, mode) } noexcept -> std::same_as<void>;
     };
 
-// Runtimes that can allocate the memory a cache needs (device, pinned host).
-// deallocate may take the kind (CUDA frees pinned and device memory differently) or not.
+/// Runtimes that can allocate the memory a cache needs (device, pinned host).
+/// deallocate may take the kind (CUDA frees pinned and device memory differently) or not.
 template <class R>
 concept allocating_runtime =
     runtime<R> && requires(R& rt, std::size_t n, MemoryKind kind) {
@@ -160,7 +177,7 @@ concept allocating_runtime =
     } && (requires(R& rt, void* p, MemoryKind kind) { rt.deallocate(p, kind); } ||
           requires(R& rt, void* p) { rt.deallocate(p); });
 
-// Runtimes that issue many copies in one call (the Batched staging policy).
+/// Runtimes that issue many copies in one call (the Batched staging policy).
 template <class R>
 concept batching_runtime = runtime<R> && requires(R& rt, std::span<const CopyDesc> copies, typename R::Stream s) {
   { rt.copy_batch_async(copies, s) } noexcept -> std::same_as<Status>;
@@ -168,8 +185,9 @@ concept batching_runtime = runtime<R> && requires(R& rt, std::span<const CopyDes
 
 // ---- layouts -------------------------------------------------------------------------------
 
-// Which tensors an expert has and how many bytes each takes (ExpertTensorBytes; 0 = absent),
-// plus a check of the layout's own parameters. The cache sizes its pools and slots from it.
+/// The expert layout interface: which tensors an expert has and how many bytes each takes
+/// (`tensors()`: ExpertTensorBytes; 0 = absent), plus a check of the layout's own parameters
+/// (`validate()`: ok or invalid_argument). The cache sizes its pools and slots from it.
 template <class L>
 concept expert_layout = requires(const L& l) {
   { L::name } -> std::convertible_to<std::string_view>;
@@ -177,15 +195,20 @@ concept expert_layout = requires(const L& l) {
   { l.validate() } -> std::same_as<Status>;
 };
 
-// The earlier name of expert_layout.
+/// Another name of expert_layout, accepted wherever it is.
 template <class L>
 concept scale_layout = expert_layout<L>;
 
 // ---- staging -------------------------------------------------------------------------------
 
-// How a prepare()'s fills are issued: on the stream the ordering core hands it (already ordered
-// after earlier use, published afterwards), reading only Storage's copy regions. Optional:
-// precheck(rt, caller), called before planning (e.g. Batched refusing stream capture).
+/// The staging policy interface: how a prepare()'s fills are issued, on the stream the ordering
+/// core hands it (already ordered after earlier use, published afterwards), reading only
+/// Storage's copy regions.
+/// - `S::uses_copy_stream`: fills run on the cache-owned copy stream (else on the caller's).
+/// - `issue(rt, stream, storage, fills)`: enqueues every fill's copies on `stream`; returns the
+///   first failure.
+/// - Optional: `precheck(rt, caller)`, called before planning (e.g. Batched refusing stream
+///   capture).
 template <class S, class R, template <class> class Storage>
 concept staging_policy_for = allocating_runtime<R> && requires(S& s, R& rt, typename R::Stream st,
                                                                 const Storage<R>& storage, std::span<const SlotFill> f) {
@@ -194,8 +217,8 @@ concept staging_policy_for = allocating_runtime<R> && requires(S& s, R& rt, type
   { s.issue(rt, st, storage, f) } noexcept -> std::same_as<Status>;
 };
 
-// Whether a staging policy value issues on the cache-owned copy stream: its static
-// uses_copy_stream, or, for a type that holds one of several policies (AnyStaging), the held one's.
+/// Whether a staging policy value issues on the cache-owned copy stream: its static
+/// uses_copy_stream, or, for a type that holds one of several policies (AnyStaging), the held one's.
 template <class S>
 constexpr bool uses_copy_stream_of(const S& staging) noexcept {
   if constexpr (requires { { staging.dynamic_uses_copy_stream() } -> std::same_as<bool>; }) {

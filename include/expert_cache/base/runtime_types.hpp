@@ -8,24 +8,24 @@
 
 namespace expert_cache::inline v0 {
 
-// How an operation (or the host) touches a byte range.
+/// How an operation (or the host) touches a byte range.
 enum class AccessMode : std::uint8_t { read, write };
 
-// One declared memory access: [ptr, ptr + bytes) is read or written.
+/// One declared memory access: [ptr, ptr + bytes) is read or written.
 struct Access {
   const void* ptr = nullptr;
   std::size_t bytes = 0;
   AccessMode mode = AccessMode::read;
 };
 
-// One copy of a batch: bytes [src, src + bytes) -> [dst, dst + bytes).
+/// One copy of a batch: bytes [src, src + bytes) -> [dst, dst + bytes).
 struct CopyDesc {
   void* dst = nullptr;
   const void* src = nullptr;
   std::size_t bytes = 0;
 };
 
-// Where a runtime-owned allocation lives (allocating runtimes; runtime/resources.hpp).
+/// Where a runtime-owned allocation lives (allocating runtimes; runtime/resources.hpp).
 enum class MemoryKind : std::uint8_t { device, pinned_host, host };
 
 [[nodiscard]] constexpr const char* to_string(AccessMode mode) noexcept {

@@ -21,6 +21,7 @@
 
 namespace expert_cache::inline v0 {
 
+/// What failed; every Status and Error carries one.
 enum class ErrorCode : std::uint8_t {
   ok = 0,
   invalid_argument,        // generic malformed argument (null pointer, bad size...)
@@ -35,6 +36,7 @@ enum class ErrorCode : std::uint8_t {
   internal,                // broken invariant: a bug in the library
 };
 
+/// The enumerator's name, e.g. "invalid_argument".
 [[nodiscard]] constexpr std::string_view to_string(ErrorCode code) noexcept {
   switch (code) {
     case ErrorCode::ok: return "ok";
@@ -205,9 +207,13 @@ class DecimalText {
 /// Exception thrown by constructors (and by Result::value() on error).
 class Error : public std::runtime_error {
  public:
+  /// @param status  a failed status: its code and message
   explicit Error(const Status& status)
       : std::runtime_error(status.to_string()), code_(status.code()) {}
+  /// @param code     what failed
+  /// @param message  the message; what() is "<code>: <message>", never truncated
   Error(ErrorCode code, std::string_view message) : std::runtime_error(full_message(code, message)), code_(code) {}
+  /// What failed.
   [[nodiscard]] ErrorCode code() const noexcept { return code_; }
 
  private:
@@ -218,6 +224,7 @@ class Error : public std::runtime_error {
   ErrorCode code_;
 };
 
+/// Throws Error(status) when `status` is not ok.
 inline void throw_if_error(const Status& status) {
   if (!status.ok()) throw Error(status);
 }

@@ -13,38 +13,40 @@
 
 namespace expert_cache::inline v0 {
 
-// Indices of the default (NVFP4) tensors in an ExpertTensorBytes list.
+/// Indices of the default (NVFP4) tensors in an ExpertTensorBytes list.
 enum class ExpertTensor : std::uint8_t { w13 = 0, w2, w13_scale, w2_scale, w13_scale_2, w2_scale_2 };
 
-// Bound on the tensors of one expert: NVFP4's six plus room for per-expert extras (GPTQ with
-// act-order and biases has qweight, scales, qzeros, g_idx and bias for w13 and w2: ten).
-// Every per-tensor array of the library (slot tensors, copy regions, kernel parameters) has
-// this many entries, so the bound is kept small.
+/// Bound on the tensors of one expert: NVFP4's six plus room for per-expert extras (GPTQ with
+/// act-order and biases has qweight, scales, qzeros, g_idx and bias for w13 and w2: ten).
+/// Every per-tensor array of the library (slot tensors, copy regions, kernel parameters) has
+/// this many entries, so the bound is kept small.
 inline constexpr std::size_t max_expert_tensors = 12;
-// Entries of an ExpertTensorBytes list (== max_expert_tensors; the loop bound code uses).
+/// Entries of an ExpertTensorBytes list (== max_expert_tensors; the loop bound code uses).
 inline constexpr std::size_t num_expert_tensors = max_expert_tensors;
-// The NVFP4 six, the default names of the first entries.
+/// The NVFP4 six, the default names of the first entries.
 inline constexpr std::size_t num_default_expert_tensors = 6;
 
 inline constexpr std::array<std::string_view, num_default_expert_tensors> expert_tensor_names = {
     "w13", "w2", "w13_scale", "w2_scale", "w13_scale_2", "w2_scale_2"};
 
+/// One tensor of a layout: its name and its bytes per expert.
 struct TensorBytes {
   std::string_view name;             // unique among the layout's present tensors
   std::size_t bytes_per_expert = 0;  // 0: the layout has no such tensor
   friend constexpr bool operator==(const TensorBytes&, const TensorBytes&) = default;
 };
 
-// One entry per tensor; entries past the layout's tensors stay {"", 0}.
+/// One entry per tensor; entries past the layout's tensors stay {"", 0}.
 using ExpertTensorBytes = std::array<TensorBytes, max_expert_tensors>;
 
-// Index of the present tensor named `name`, or max_expert_tensors when there is none.
+/// Index of the present tensor named `name`, or max_expert_tensors when there is none.
 [[nodiscard]] constexpr std::size_t find_tensor(const ExpertTensorBytes& t, std::string_view name) noexcept {
   for (std::size_t i = 0; i < t.size(); ++i)
     if (t[i].bytes_per_expert != 0 && t[i].name == name) return i;
   return max_expert_tensors;
 }
 
+/// Bytes of one expert over all its tensors (unpadded).
 [[nodiscard]] constexpr std::size_t total_bytes_per_expert(const ExpertTensorBytes& t) noexcept {
   std::size_t sum = 0;
   for (const auto& x : t) sum += x.bytes_per_expert;

@@ -8,8 +8,8 @@
 
 namespace expert_cache::inline v0 {
 
-// Strong ids: an expert id and a slot id can never be mixed up by accident.
-// The value type is int32_t because the device maps use -1 for "absent".
+/// Strong ids: an expert id and a slot id can never be mixed up by accident.
+/// The value type is int32_t because the device maps use -1 for "absent".
 template <class Tag>
 struct StrongId {
   std::int32_t value = -1;

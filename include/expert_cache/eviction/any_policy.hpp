@@ -42,6 +42,8 @@
 
 namespace expert_cache::inline v0 {
 
+/// One eviction_policy holding any of the library's online policies, chosen by name at run time
+/// (use it as AnyPolicy).
 template <class = void>
 class BasicAnyPolicy {
  public:
@@ -129,7 +131,9 @@ class BasicAnyPolicy {
   }
 
  public:
-  // Holds `policy` (one of the listed policies), a policy for `shape` that has seen no call yet.
+  /// Holds a policy built by the caller.
+  /// @param policy  one of the listed policies, for `shape`, that has seen no call yet
+  /// @param shape   the cache's experts and slots
   template <class P>
     requires(type_index<std::remove_cvref_t<P>> < count)
   BasicAnyPolicy(P&& policy, CacheShape shape)
@@ -137,10 +141,14 @@ class BasicAnyPolicy {
                        Held(new std::remove_cvref_t<P>(std::forward<P>(policy)), Deleter{type_index<std::remove_cvref_t<P>>}),
                        shape) {}
 
-  // The policy named `policy_name` for `shape`; the layer-aware ones (lrfu, layershare) get
-  // `pool`. Unknown names are invalid_argument (listing the valid ones), a shape no planner
-  // accepts is refused as the planner refuses it (before anything is allocated), a policy
-  // constructor's Error comes back as its Status.
+  /// Builds the policy named `policy_name`.
+  /// @param policy_name  one of `names` (lru, lfru, sieve, s3fifo, arc, wtinylfu, lrfu,
+  ///                     layershare, crf)
+  /// @param shape        the cache's experts and slots
+  /// @param pool         the layer split for the layer-aware ones (lrfu, layershare)
+  /// @return the policy; invalid_argument for an unknown name (listing the valid ones), a shape
+  ///         no planner accepts is refused as the planner refuses it (before anything is
+  ///         allocated), a policy constructor's Error comes back as its Status
   [[nodiscard, gnu::cold]] static Result<BasicAnyPolicy> make(std::string_view policy_name, CacheShape shape,
                                               const PoolLayout& pool = {}) {
     const std::optional<std::size_t> index = index_of(policy_name);
@@ -168,6 +176,8 @@ class BasicAnyPolicy {
     }
   }
 
+  /// @param policy_name  a policy name
+  /// @return its index in `names`, or nullopt when it names no policy here
   [[nodiscard]] static constexpr std::optional<std::size_t> index_of(std::string_view policy_name) noexcept {
     for (std::size_t i = 0; i < names.size(); ++i) {
       if (names[i] == policy_name) return i;
@@ -219,7 +229,9 @@ class BasicAnyPolicy {
     return visit([](const auto& p) noexcept { return free_slot_order_of<std::remove_cvref_t<decltype(p)>>(); });
   }
 
+  /// The held policy's name.
   [[nodiscard]] std::string_view held_name() const noexcept { return names[index()]; }
+  /// The held policy's index in `names`.
   [[nodiscard]] std::size_t index() const noexcept { return held_.get_deleter().index; }
 
   // A value like the policies it holds (copies are deep); the held policy lives on the heap so
@@ -237,8 +249,8 @@ class BasicAnyPolicy {
   BasicAnyPolicy(BasicAnyPolicy&&) noexcept = default;
   BasicAnyPolicy& operator=(BasicAnyPolicy&&) noexcept = default;
   ~BasicAnyPolicy() = default;
-  // A copy of the held policy with every recorded hit applied (tests compare it with a static
-  // one); nullopt when another policy is held.
+  /// A copy of the held policy with every recorded hit applied (tests compare it with a static
+  /// one); nullopt when another policy is held.
   template <class P>
   [[nodiscard]] std::optional<P> held() const {
     BasicAnyPolicy copy = *this;
@@ -247,7 +259,7 @@ class BasicAnyPolicy {
     if (copy.index() == type_index<P>) return *static_cast<const P*>(copy.held_.get());
     return std::nullopt;
   }
-  // Tells the held policy the hits it has not been told yet.
+  /// Tells the held policy the hits it has not been told yet.
   void flush() noexcept {
     visit([&](auto& p) noexcept { replay_hits(p); });
   }
@@ -338,8 +350,9 @@ class BasicAnyPolicy {
   std::size_t replayed_ = 0;              // forward_[0, replayed_) were told (hit or insert)
 };
 
-// A class template only so that what a program does not call (copies, comparisons, held<P>())
-// is compiled where it is called, not in every translation unit that includes this header.
+/// The run-time-selected eviction policy. A class template only so that what a program does
+/// not call (copies, comparisons, held<P>()) is compiled where it is called, not in every
+/// translation unit that includes this header.
 using AnyPolicy = BasicAnyPolicy<void>;
 
 static_assert(eviction_policy<AnyPolicy>);

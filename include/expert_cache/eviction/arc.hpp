@@ -19,10 +19,12 @@
 
 namespace expert_cache::inline v0 {
 
+/// The ARC eviction policy (an eviction_policy).
 class Arc {
  public:
   static constexpr std::string_view name = "arc";
 
+  /// @param shape  the cache's experts and slots
   explicit Arc(CacheShape shape)
       : lists_(shape.num_experts), capacity_(shape.capacity), forward_(static_cast<std::size_t>(shape.capacity)) {}
 

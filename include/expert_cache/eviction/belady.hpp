@@ -19,14 +19,15 @@
 
 namespace expert_cache::inline v0 {
 
-// The request sequence, indexed by expert: for each id the ascending list of forwards
-// (0-based) that request it. Immutable and shared by every copy of a Belady policy.
+/// The request sequence, indexed by expert: for each id the ascending list of forwards
+/// (0-based) that request it. Immutable and shared by every copy of a Belady policy.
 class BeladyFuture {
  public:
   static constexpr std::uint32_t never = std::numeric_limits<std::uint32_t>::max();
 
-  // `forwards[t]` = the unique ids of forward t (any order). Throws Error on an id outside
-  // [0, num_experts) or a duplicate inside one forward.
+  /// @param num_experts  the id space [0, num_experts)
+  /// @param forwards     `forwards[t]` = the unique ids of forward t (any order)
+  /// @throws Error on an id outside [0, num_experts) or a duplicate inside one forward
   BeladyFuture(std::int32_t num_experts, const std::vector<std::vector<std::int32_t>>& forwards)
       : num_experts_(num_experts), num_forwards_(forwards.size()) {
     if (num_experts <= 0) {
@@ -82,11 +83,15 @@ class BeladyFuture {
   std::vector<std::uint32_t> forward_sizes_;
 };
 
+/// Belady's MIN (an eviction_policy): offline, it needs the forwards it will see.
 class Belady {
  public:
   static constexpr std::string_view name = "belady";
 
-  // shape.num_experts must equal future->num_experts() (throws Error otherwise).
+  /// @param future  the forwards this cache will see, in order
+  /// @param shape   the cache's experts and slots; num_experts must equal
+  ///                future->num_experts()
+  /// @throws Error invalid_argument when `future` is null or covers another id space
   Belady(std::shared_ptr<const BeladyFuture> future, CacheShape shape)
       : future_(std::move(future)),
         cursor_(static_cast<std::size_t>(shape.num_experts), 0),

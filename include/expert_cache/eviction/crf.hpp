@@ -26,16 +26,21 @@
 
 namespace expert_cache::inline v0 {
 
+/// Crf's parameter: the decay per forward.
 struct CrfParams {
   std::uint64_t decay_q32 = crf_default_decay_q32;  // d in Q32, in (0, 2^32)
   friend bool operator==(const CrfParams&, const CrfParams&) = default;
 };
 
+/// The fixed-point CRF eviction policy (an eviction_policy), bit-identical to DeviceCrf.
 class Crf {
  public:
   static constexpr std::string_view name = "crf";
 
-  // `bias`: empty (no prior) or one entry per expert.
+  /// @param shape   the cache's experts and slots
+  /// @param params  the decay per forward
+  /// @param bias    a prior per expert (eviction/popularity.hpp): empty (no prior) or one entry
+  ///                per expert; any other size counts as empty
   explicit Crf(CacheShape shape, CrfParams params = {}, std::span<const std::uint64_t> bias = {})
       : params_(params),
         crf_(static_cast<std::size_t>(shape.num_experts), 0),

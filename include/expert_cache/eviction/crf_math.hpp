@@ -16,12 +16,13 @@
 
 namespace expert_cache::inline v0 {
 
+/// 1.0 in Q32.
 inline constexpr std::uint64_t crf_one = std::uint64_t{1} << 32;
-// round(2^32 * 2^(-1/8)): half-life 8 forwards, Lrfu's default.
+/// round(2^32 * 2^(-1/8)): half-life 8 forwards, Lrfu's default.
 inline constexpr std::uint64_t crf_default_decay_q32 = 3938502376u;
 
-// 2^(-1/h) in Q32 for a half-life of h forwards (host only: the conversion is done once, and both
-// sides then use the same integer). 0 when h is not positive and finite; else in [1, 2^32 - 1].
+/// 2^(-1/h) in Q32 for a half-life of h forwards (host only: the conversion is done once, and both
+/// sides then use the same integer). 0 when h is not positive and finite; else in [1, 2^32 - 1].
 [[nodiscard]] inline std::uint64_t crf_decay_for_half_life(double half_life) noexcept {
   if (!(half_life > 0.0) || !std::isfinite(half_life)) return 0;
   const double d = std::round(std::exp2(-1.0 / half_life) * static_cast<double>(crf_one));
@@ -55,12 +56,12 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_square_multiply(std::uint64_t 
   return result;
 }
 
-// d^age in Q32 (d < 1.0 in Q32; 1.0 for age 0; 0 once the product underflows).
+/// d^age in Q32 (d < 1.0 in Q32; 1.0 for age 0; 0 once the product underflows).
 EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_decay_pow(std::uint64_t d, std::uint32_t age) noexcept {
   return crf_square_multiply(crf_one, d, age);
 }
 
-// CRF of an expert at `now` whose CRF was `crf` at its last request `last` (last <= now).
+/// CRF of an expert at `now` whose CRF was `crf` at its last request `last` (last <= now).
 EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at(std::uint64_t crf, std::uint32_t last, std::uint32_t now,
                                                      std::uint64_t d) noexcept {
   return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow(d, now - last));
@@ -98,7 +99,7 @@ EXPERT_CACHE_HOST_DEVICE inline std::uint64_t crf_at_table(const std::uint64_t* 
   return crf == 0 ? 0 : crf_mul_q32(crf, crf_decay_pow_table(table, now - last));
 }
 
-// A bias that keeps an expert over every unbiased one (CRF < 2^40 always: d^age sums to < 1/(1-d)).
+/// A bias that keeps an expert over every unbiased one (CRF < 2^40 always: d^age sums to < 1/(1-d)).
 inline constexpr std::uint64_t crf_pin_bias = std::uint64_t{1} << 62;
 
 // Saturating add: a victim key is CRF + prior bias; a pinning bias is near UINT64_MAX.

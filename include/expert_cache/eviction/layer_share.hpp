@@ -26,6 +26,7 @@
 
 namespace expert_cache::inline v0 {
 
+/// LayerShare's parameters.
 struct LayerShareParams {
   double half_life = 8.0;   // steps, for the within-layer CRF order
   double ghost_gain = 1.0;  // slots a layer's share grows by per ghost hit
@@ -33,10 +34,14 @@ struct LayerShareParams {
   friend bool operator==(const LayerShareParams&, const LayerShareParams&) = default;
 };
 
+/// The layer-share eviction policy for one pool shared by all layers (an eviction_policy).
 class LayerShare {
  public:
   static constexpr std::string_view name = "layershare";
 
+  /// @param shape   the pool's experts (all layers') and slots
+  /// @param layout  how the pool's ids split into layers (default: one layer)
+  /// @param params  the within-layer half-life and how shares follow ghost hits
   explicit LayerShare(CacheShape shape, PoolLayout layout = {}, LayerShareParams params = {})
       : heaps_(shape, layout),
         params_(params),

@@ -15,12 +15,14 @@
 
 namespace expert_cache::inline v0 {
 
+/// The LFRU eviction policy (an eviction_policy): vLLM CachedWeightProvider's, exactly.
 class Lfru {
  public:
   static constexpr std::string_view name = "lfru";
   // vLLM's free list is [0..cap-1] popped from the end: the first miss gets slot cap-1.
   static constexpr FreeSlotOrder free_slot_order = FreeSlotOrder::highest_first;
 
+  /// @param shape  the cache's experts and slots
   explicit Lfru(CacheShape shape)
       : state_(static_cast<std::size_t>(shape.num_experts)), order_(static_cast<std::size_t>(shape.capacity)) {}
 
@@ -50,12 +52,13 @@ class Lfru {
     return clock_ < exact_clock_limit ? victim_exact(needed) : victim_double(needed);
   }
 
+  /// The policy's clock: one tick per hit and per insert.
   [[nodiscard]] std::uint64_t clock() const noexcept { return clock_; }
   // Starts the clock elsewhere (tests: exercise the large-clock path). Only before first use.
   void set_clock_for_testing(std::uint64_t clock) noexcept { clock_ = clock; }
   [[nodiscard]] std::uint64_t freq(ExpertId e) const noexcept { return state_[e.index()].freq; }
   [[nodiscard]] std::uint64_t last(ExpertId e) const noexcept { return state_[e.index()].last; }
-  // Current residents in insertion order (the reference dict's iteration order).
+  /// Current residents in insertion order (the reference dict's iteration order).
   [[nodiscard]] std::span<const std::int32_t> insertion_order() const noexcept { return order_.view(); }
 
   friend bool operator==(const Lfru&, const Lfru&) = default;

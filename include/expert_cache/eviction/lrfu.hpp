@@ -26,16 +26,21 @@
 
 namespace expert_cache::inline v0 {
 
+/// Lrfu's parameters.
 struct LrfuParams {
   double half_life = 8.0;     // steps (forwards of the expert's layer)
   double phase_weight = 1.0;  // 0: ignore where in the layer cycle the pool stands
   friend bool operator==(const LrfuParams&, const LrfuParams&) = default;
 };
 
+/// The LRFU eviction policy with per-layer time (an eviction_policy).
 class Lrfu {
  public:
   static constexpr std::string_view name = "lrfu";
 
+  /// @param shape   the pool's experts (all layers') and slots
+  /// @param layout  how the pool's ids split into layers (default: one layer)
+  /// @param params  half-life and the weight of the layer-cycle phase
   explicit Lrfu(CacheShape shape, PoolLayout layout = {}, LrfuParams params = {})
       : heaps_(shape, layout),
         params_(params),

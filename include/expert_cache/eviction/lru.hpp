@@ -7,12 +7,14 @@
 
 namespace expert_cache::inline v0 {
 
+/// The LRU eviction policy (an eviction_policy): evicts the least recently requested resident.
 // Intrusive doubly linked list over expert ids: O(1) touch, insert and remove, no allocation
 // after construction. Head = least recently used.
 class Lru {
  public:
   static constexpr std::string_view name = "lru";
 
+  /// @param shape  the cache's experts and slots
   explicit Lru(CacheShape shape)
       : prev_(static_cast<std::size_t>(shape.num_experts), none),
         next_(static_cast<std::size_t>(shape.num_experts), none) {}

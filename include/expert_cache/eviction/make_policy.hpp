@@ -14,6 +14,13 @@
 
 namespace expert_cache::inline v0 {
 
+/// Builds policy P for a cache of `shape` that will see `forwards`.
+/// @tparam P        an eviction policy type
+/// @param shape     the cache's experts and slots
+/// @param forwards  the unique ids of every forward the cache will see (only Belady reads them)
+/// @param extra     further constructor arguments (e.g. a PoolLayout), used when P takes them
+/// @return the policy
+/// @throws Error from P's constructor (Belady: an id out of range or repeated in a forward)
 template <class P, class... Extra>
 [[nodiscard]] P make_policy(CacheShape shape, const std::vector<std::vector<std::int32_t>>& forwards,
                             const Extra&... extra) {

@@ -20,11 +20,14 @@
 
 namespace expert_cache::inline v0 {
 
+/// Requests per expert over the forwards counted, and the Crf biases made from them.
 class PopularityTable {
  public:
+  /// @param num_experts  the id space [0, num_experts) counted (negative counts as 0)
   explicit PopularityTable(std::int32_t num_experts) : counts_(static_cast<std::size_t>(std::max(num_experts, 0)), 0) {}
 
-  // One forward's unique ids; ids outside [0, E) are ignored (not counted).
+  /// Counts one forward.
+  /// @param unique_ids  the forward's unique ids; ids outside [0, E) are ignored (not counted)
   void count(std::span<const std::int32_t> unique_ids) noexcept {
     for (const std::int32_t e : unique_ids) {
       if (e >= 0 && static_cast<std::size_t>(e) < counts_.size()) ++counts_[static_cast<std::size_t>(e)];
@@ -32,9 +35,15 @@ class PopularityTable {
     ++forwards_;
   }
 
+  /// Forwards counted so far.
   [[nodiscard]] std::uint64_t forwards() const noexcept { return forwards_; }
+  /// Requests per expert so far.
   [[nodiscard]] std::span<const std::uint64_t> counts() const noexcept { return counts_; }
 
+  /// The `weighted` prior (see the top of this header).
+  /// @param weight     how much of its settled CRF an expert keeps; <= 0 gives no prior
+  /// @param decay_q32  the Crf decay the bias is for (CrfParams::decay_q32)
+  /// @return one bias per expert, for Crf's `bias` or DevicePlanStorage::set_bias
   [[nodiscard]] std::vector<std::uint64_t> weighted_bias(double weight,
                                                          std::uint64_t decay_q32 = crf_default_decay_q32) const {
     std::vector<std::uint64_t> bias(counts_.size(), 0);
@@ -47,6 +56,9 @@ class PopularityTable {
     return bias;
   }
 
+  /// The `pinned` prior (see the top of this header).
+  /// @param pins  how many of the most requested experts to pin (never-requested ones are not)
+  /// @return one bias per expert: crf_pin_bias for the pinned, 0 for the others
   [[nodiscard]] std::vector<std::uint64_t> pinned_bias(std::int32_t pins) const {
     std::vector<std::uint64_t> bias(counts_.size(), 0);
     std::vector<std::int32_t> order(counts_.size());

@@ -18,10 +18,12 @@
 
 namespace expert_cache::inline v0 {
 
+/// The S3-FIFO eviction policy (an eviction_policy).
 class S3Fifo {
  public:
   static constexpr std::string_view name = "s3fifo";
 
+  /// @param shape  the cache's experts and slots (the small FIFO's target is a tenth of them)
   explicit S3Fifo(CacheShape shape)
       : queues_(shape.num_experts),
         freq_(static_cast<std::size_t>(shape.num_experts), 0),

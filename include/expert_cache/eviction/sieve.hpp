@@ -11,10 +11,12 @@
 
 namespace expert_cache::inline v0 {
 
+/// The SIEVE eviction policy (an eviction_policy).
 class Sieve {
  public:
   static constexpr std::string_view name = "sieve";
 
+  /// @param shape  the cache's experts and slots
   explicit Sieve(CacheShape shape)
       : newer_(static_cast<std::size_t>(shape.num_experts), none),
         older_(static_cast<std::size_t>(shape.num_experts), none),

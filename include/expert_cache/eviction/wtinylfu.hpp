@@ -22,10 +22,12 @@
 
 namespace expert_cache::inline v0 {
 
+/// The W-TinyLFU eviction policy (an eviction_policy).
 class WTinyLfu {
  public:
   static constexpr std::string_view name = "wtinylfu";
 
+  /// @param shape  the cache's experts and slots
   explicit WTinyLfu(CacheShape shape)
       : lists_(shape.num_experts),
         freq_(static_cast<std::size_t>(shape.num_experts), 0),

@@ -11,6 +11,8 @@
 
 namespace expert_cache::inline v0 {
 
+/// The dense bf16 layout of one MoE layer's experts: an `expert_layout` with two tensors, w13
+/// [2N, K] and w2 [K, N].
 struct DenseBf16 {
   static constexpr std::string_view name = "dense_bf16";
   static constexpr std::size_t element_bytes = 2;  // bf16
@@ -18,6 +20,7 @@ struct DenseBf16 {
   std::int64_t hidden = 0;        // K
   std::int64_t intermediate = 0;  // N (per tensor-parallel partition)
 
+  /// @return ok, or invalid_argument when hidden or intermediate is outside [1, 2^24]
   [[nodiscard]] Status validate() const {
     if (hidden <= 0 || intermediate <= 0 || hidden > (std::int64_t{1} << 24) ||
         intermediate > (std::int64_t{1} << 24)) {
@@ -28,13 +31,16 @@ struct DenseBf16 {
     return {};
   }
 
+  /// Bytes of one expert's w13 (gate and up, [2N, K]).
   [[nodiscard]] constexpr std::size_t w13_bytes() const noexcept {
     return static_cast<std::size_t>(2 * intermediate * hidden) * element_bytes;
   }
+  /// Bytes of one expert's w2 ([K, N]).
   [[nodiscard]] constexpr std::size_t w2_bytes() const noexcept {
     return static_cast<std::size_t>(hidden * intermediate) * element_bytes;
   }
 
+  /// The cache's tensor list: w13 and w2, no scales.
   [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept {
     return {{{expert_tensor_names[0], w13_bytes()},
              {expert_tensor_names[1], w2_bytes()},
@@ -43,6 +49,7 @@ struct DenseBf16 {
              {expert_tensor_names[4], 0},
              {expert_tensor_names[5], 0}}};
   }
+  /// Bytes of one expert (w13 + w2).
   [[nodiscard]] constexpr std::size_t bytes_per_expert() const noexcept {
     return total_bytes_per_expert(tensors());
   }

@@ -315,6 +315,8 @@ struct MarlinGemmShape {
   friend constexpr bool operator==(const MarlinGemmShape&, const MarlinGemmShape&) = default;
 };
 
+/// The NVFP4 Marlin layout of one MoE layer's experts: an `expert_layout` with vLLM's six NVFP4
+/// MoE tensors in the form moe_wna16_marlin_gemm reads.
 struct Nvfp4Marlin {
   static constexpr std::string_view name = "nvfp4_marlin";
   static constexpr std::string_view kernel_revision =
@@ -324,6 +326,8 @@ struct Nvfp4Marlin {
   std::int64_t intermediate = 0;  // N per TP partition, unpadded
   ActDtype dtype = ActDtype::bf16;
 
+  /// @return ok, or invalid_argument when a size is outside [1, 2^20], hidden is not a multiple
+  ///         of 64 or intermediate not a multiple of 16
   [[nodiscard]] Status validate() const {
     const auto shape = "nvfp4_marlin: K=" + std::to_string(hidden) + " N=" + std::to_string(intermediate);
     if (hidden <= 0 || intermediate <= 0 || hidden > (std::int64_t{1} << 20) ||
@@ -340,6 +344,7 @@ struct Nvfp4Marlin {
     return {};
   }
 
+  /// N padded to Marlin's column tile (docs/nvfp4_marlin.md, Padding).
   [[nodiscard]] constexpr std::int64_t padded_intermediate() const noexcept {
     return marlin::padded_intermediate(hidden, intermediate);
   }
@@ -364,6 +369,8 @@ struct Nvfp4Marlin {
   static constexpr std::int64_t ckpt_w13_scale_2_floats = 2;  // [E, 2]: w1, w3 (w3 ignored: w1's is used for both halves)
   static constexpr std::int64_t ckpt_w2_scale_2_floats = 1;
 
+  /// The cache's tensor list: w13, w2, their block scales and their global scales (one float
+  /// each), in ExpertTensor order.
   [[nodiscard]] constexpr ExpertTensorBytes tensors() const noexcept {
     return {{{expert_tensor_names[0], static_cast<std::size_t>(w13_words()) * 4},
              {expert_tensor_names[1], static_cast<std::size_t>(w2_words()) * 4},
@@ -372,6 +379,7 @@ struct Nvfp4Marlin {
              {expert_tensor_names[4], sizeof(float)},
              {expert_tensor_names[5], sizeof(float)}}};
   }
+  /// Bytes of one expert over its six tensors.
   [[nodiscard]] constexpr std::size_t bytes_per_expert() const noexcept {
     return total_bytes_per_expert(tensors());
   }

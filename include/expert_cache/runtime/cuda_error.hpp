@@ -8,9 +8,12 @@
 
 namespace expert_cache::inline v0 {
 
-// Status(runtime_failure, "<call> failed: <name>: <description>"). Also reads and clears the
-// runtime's last error, so a failure reported here does not resurface in an unrelated later
-// cudaGetLastError() check of the caller (sticky errors stay sticky: CUDA keeps them anyway).
+/// A CUDA result as a Status. Also reads and clears the runtime's last error, so a failure
+/// reported here does not resurface in an unrelated later cudaGetLastError() check of the
+/// caller (sticky errors stay sticky: CUDA keeps them anyway).
+/// @param err   the CUDA call's result
+/// @param call  the call's name, for the message
+/// @return ok for cudaSuccess, else Status(runtime_failure, "<call> failed: <name>: <description>")
 [[nodiscard]] inline Status cuda_status(cudaError_t err, const char* call) noexcept {
   if (err == cudaSuccess) return {};
   (void)cudaGetLastError();
@@ -41,8 +44,8 @@ class DeviceRestore {
 
 }  // namespace expert_cache::inline v0
 
-// Evaluates `expr` (a cudaError_t) and, when it failed, returns cuda_status(err, "<expr>") from
-// the enclosing function (which returns Status or a Result<T>).
+/// Evaluates `expr` (a cudaError_t) and, when it failed, returns cuda_status(err, "<expr>") from
+/// the enclosing function (which returns Status or a Result<T>).
 #define EXPERT_CACHE_TRY_CUDA(expr)                                                                  \
   do {                                                                                               \
     if (::expert_cache::Status expert_cache_cuda_status_ = ::expert_cache::cuda_status((expr), #expr); \

@@ -39,22 +39,29 @@
 
 namespace expert_cache::inline v0 {
 
+/// The runtime every CUDA cache runs on: streams, events, copies and memory through the CUDA
+/// runtime API of the calling thread's current device. Not copyable (caches keep a reference).
 class CudaRuntime {
  public:
   using Stream = cudaStream_t;
   using Event = cudaEvent_t;
 
+  /// Construction options.
   struct Options {
-    // Synchronise the stream after each enqueue (not while it is capturing). Also switched on
-    // by EXPERT_CACHE_CUDA_SYNC=1 in the environment.
+    /// Synchronise the stream after each enqueue (not while it is capturing). Also switched on
+    /// by EXPERT_CACHE_CUDA_SYNC=1 in the environment.
     bool sync_after_enqueue = false;
   };
 
+  /// A runtime with default options (EXPERT_CACHE_CUDA_SYNC still applies). Creates nothing.
   CudaRuntime() : CudaRuntime(Options{}) {}
+  /// @param options  Options::sync_after_enqueue for debugging asynchronous faults; the
+  ///                 environment variable EXPERT_CACHE_CUDA_SYNC=1 switches it on as well
   explicit CudaRuntime(Options options) : sync_after_enqueue_(options.sync_after_enqueue || env_sync()) {}
   CudaRuntime(const CudaRuntime&) = delete;
   CudaRuntime& operator=(const CudaRuntime&) = delete;
 
+  /// Whether every enqueue is followed by a stream synchronisation (debug mode).
   [[nodiscard]] bool sync_after_enqueue() const noexcept { return sync_after_enqueue_; }
 
   // ---- streams and events ---------------------------------------------------------------
@@ -156,7 +163,8 @@ class CudaRuntime {
     return status != cudaStreamCaptureStatusNone;
   }
 
-  // 0 when `s` is not capturing, else the capture sequence id (distinct per capture).
+  /// @param s  a stream
+  /// @return 0 when `s` is not capturing, else the capture sequence id + 1 (distinct per capture)
   Result<std::uint64_t> capture_id(Stream s) noexcept {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     unsigned long long id = 0;
@@ -242,15 +250,20 @@ class CudaRuntime {
     }
   }
 
-  // Pins (and maps) caller-owned host memory of exactly `bytes`, e.g. a pool the caller
-  // allocated; undo with unregister_host before freeing it.
+  /// Pins (and maps) caller-owned host memory, e.g. a pool the caller allocated; undo with
+  /// unregister_host before freeing it.
+  /// @param p      start of the memory
+  /// @param bytes  its exact size
+  /// @return invalid_argument for a null pointer or 0 bytes, else cudaHostRegister's outcome
   Status register_host(void* p, std::size_t bytes) noexcept {
     if (p == nullptr || bytes == 0) return Status(ErrorCode::invalid_argument, "register_host: null pointer or 0 bytes");
     return cuda_status(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable), "cudaHostRegister");
   }
+  /// Undoes register_host(p).
   Status unregister_host(void* p) noexcept { return cuda_status(cudaHostUnregister(p), "cudaHostUnregister"); }
 
-  // The device address of mapped pinned host memory (equal to `p` under unified addressing).
+  /// @param p  mapped pinned host memory (allocated pinned_host, or registered)
+  /// @return its device address (equal to `p` under unified addressing)
   Result<const void*> device_pointer(const void* p) noexcept {
     void* d = nullptr;
     cudaError_t err = cudaSuccess;

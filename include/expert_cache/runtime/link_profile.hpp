@@ -127,6 +127,9 @@ struct LinkProfile {
   /// >= 0; expert_bytes > 0; bandwidths and latencies finite and > 0, measure_ms finite and >= 0;
   /// device_name and pci_bus_id not empty. On error `out` is left untouched and the message
   /// names the line and key.
+  /// @param text  a stored profile
+  /// @param out   gets the profile when the text is valid
+  /// @return ok, or invalid_argument naming the line and key
   [[nodiscard]] static Status parse(std::string_view text, LinkProfile& out) {
     LinkProfile p;
     std::array<bool, field_count> seen{};
@@ -178,8 +181,9 @@ struct LinkProfile {
   }
 
   /// The engine for FillEngine::automatic: sm_loads when SM loads reach sm_load_min_share of the
-  /// copy engine's batch bandwidth, else copy_engine. `reason` (if given) gets the numbers that
-  /// decided.
+  /// copy engine's batch bandwidth, else copy_engine.
+  /// @param reason  if not null, gets the numbers that decided
+  /// @return copy_engine or sm_loads, never automatic
   [[nodiscard]] FillEngine choose_engine(std::string* reason = nullptr) const {
     return choose_engine(FillUse::demand, reason);
   }
@@ -211,8 +215,12 @@ struct LinkProfile {
     return sm ? FillEngine::sm_loads : FillEngine::copy_engine;
   }
 
-  /// ok when this profile was measured on `device` (ordinal and PCI bus id, the latter compared
-  /// without regard to case) at `expert_bytes`; otherwise an invalid_argument naming both sides.
+  /// Whether a stored profile belongs to this device and expert size.
+  /// @param device_ordinal  the CUDA device ordinal
+  /// @param bus_id          its PCI bus id (compared without regard to case)
+  /// @param bytes           the cache's bytes per expert
+  /// @return ok when this profile was measured there at that size; otherwise an invalid_argument
+  ///         naming both sides
   [[nodiscard]] Status check_matches(int device_ordinal, const std::string& bus_id, std::uint64_t bytes) const noexcept {
     if (device_ordinal != device || !same_bus_id(bus_id, pci_bus_id)) {
       return Status::format(ErrorCode::invalid_argument,

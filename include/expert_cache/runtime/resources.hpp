@@ -24,11 +24,15 @@ void deallocate(R& rt, void* p, MemoryKind kind) noexcept {
 }
 }  // namespace detail
 
-// An owned runtime allocation, freed on destruction.
+/// An owned runtime allocation, freed on destruction.
 template <allocating_runtime R>
 class RuntimeBuffer {
  public:
   RuntimeBuffer() = default;
+  /// @param rt     the runtime that allocates and later frees; it must outlive the buffer
+  /// @param bytes  size; 0 allocates nothing (data() is null)
+  /// @param kind   device, pinned_host or host memory
+  /// @throws Error with the runtime's status when the allocation fails
   RuntimeBuffer(R& rt, std::size_t bytes, MemoryKind kind) : rt_(&rt), kind_(kind), bytes_(bytes) {
     if (bytes == 0) return;
     auto r = rt.allocate(bytes, kind);
@@ -45,7 +49,9 @@ class RuntimeBuffer {
   ~RuntimeBuffer() {
     if (ptr_ != nullptr) detail::deallocate(*rt_, ptr_, kind_);
   }
+  /// The allocation (null when empty or moved from).
   [[nodiscard]] std::byte* data() const noexcept { return ptr_; }
+  /// Bytes asked for at construction.
   [[nodiscard]] std::size_t size() const noexcept { return bytes_; }
 
  private:
@@ -61,12 +67,15 @@ class RuntimeBuffer {
   std::size_t bytes_ = 0;
 };
 
-// Owns one stream or event of a runtime.
+/// Owns one stream or event of a runtime.
 template <runtime R, bool IsStream>
 class RuntimeHandle {
  public:
   using Handle = std::conditional_t<IsStream, typename R::Stream, typename R::Event>;
   RuntimeHandle() = default;
+  /// Creates the stream or event.
+  /// @param rt  the runtime that creates and later destroys it; it must outlive the handle
+  /// @throws Error with the runtime's status when creation fails
   explicit RuntimeHandle(R& rt) : rt_(&rt) {
     auto h = IsStream ? wrap(rt.create_stream()) : wrap(rt.create_event());
     if (!h.ok()) throw Error(h.status());
@@ -82,6 +91,7 @@ class RuntimeHandle {
   RuntimeHandle(const RuntimeHandle&) = delete;
   RuntimeHandle& operator=(const RuntimeHandle&) = delete;
   ~RuntimeHandle() { reset(); }
+  /// The runtime's handle, to pass to its calls (ownership stays here).
   [[nodiscard]] Handle get() const noexcept { return handle_; }
 
  private:
@@ -102,8 +112,10 @@ class RuntimeHandle {
   Handle handle_{};
 };
 
+/// An owned stream.
 template <runtime R>
 using RuntimeStream = RuntimeHandle<R, true>;
+/// An owned event.
 template <runtime R>
 using RuntimeEvent = RuntimeHandle<R, false>;
 

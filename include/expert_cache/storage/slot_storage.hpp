@@ -37,16 +37,19 @@
 
 namespace expert_cache::inline v0 {
 
-// One tensor of the slot buffers as the consumer sees it: tensor of slot s starts at
-// base + s * slot_stride and is `bytes` long. bytes == 0: the layout has no such tensor.
-// slot_stride == bytes: the tensor's slots are one contiguous [capacity, bytes] array.
+/// One tensor of the slot buffers as the consumer sees it: tensor of slot s starts at
+/// base + s * slot_stride and is `bytes` long. bytes == 0: the layout has no such tensor.
+/// slot_stride == bytes: the tensor's slots are one contiguous [capacity, bytes] array.
 struct SlotTensor {
   std::byte* base = nullptr;
   std::size_t slot_stride = 0;
   std::size_t bytes = 0;
+  /// @param s  a slot id, [0, capacity)
+  /// @return the device address of this tensor in slot `s`
   [[nodiscard]] std::byte* slot(std::int32_t s) const noexcept {
     return base + static_cast<std::size_t>(s) * slot_stride;
   }
+  /// True when the tensor's slots form one [capacity, bytes] array (what a Marlin MoE kernel reads).
   [[nodiscard]] bool contiguous() const noexcept { return slot_stride == bytes; }
 };
 
@@ -57,8 +60,8 @@ inline constexpr std::size_t max_pool_bytes = std::size_t{1} << 40;
 enum class HostArrangement : std::uint8_t { tensor_major, expert_major };
 enum class SlotArrangement : std::uint8_t { per_tensor, blob };
 
-// Where each tensor sits in an expert-major blob: offsets rounded up to 16 bytes so every
-// tensor stays 16-byte aligned for vector loads.
+/// Where each tensor sits in an expert-major blob: offsets rounded up to 16 bytes so every
+/// tensor stays 16-byte aligned for vector loads.
 struct BlobLayout {
   std::array<std::size_t, max_expert_tensors> offsets{};
   std::size_t blob_bytes = 0;
@@ -158,10 +161,10 @@ class HostRegistration {
   void* p_ = nullptr;
 };
 
-// The one implementation of the three arrangements. Construction validates the layout and
-// the caller's memory before anything is allocated or registered. Dynamic: the arrangement is
-// the constructor's (host, slots) arguments instead of Host and Slots, so that one
-// instantiation serves all three (the run-time-selected cache's storage, any/any_cache.hpp).
+/// The one implementation of the three arrangements. Construction validates the layout and
+/// the caller's memory before anything is allocated or registered. Dynamic: the arrangement is
+/// the constructor's (host, slots) arguments instead of Host and Slots, so that one
+/// instantiation serves all three (the run-time-selected cache's storage, any/any_cache.hpp).
 template <allocating_runtime R, HostArrangement Host, SlotArrangement Slots, bool Dynamic = false>
 class BasicSlotStorage {
  public:
@@ -174,10 +177,17 @@ class BasicSlotStorage {
   // (cudaMalloc's alignment, so a carved array is placed like an allocated one).
   static constexpr std::size_t slot_array_alignment = 256;
 
+  /// @param tensors  the layout's tensors (`layout.tensors()`)
+  /// @return each tensor's offset in an expert-major blob and the padded blob size
   [[nodiscard]] static constexpr BlobLayout blob_layout(const ExpertTensorBytes& tensors) noexcept {
     return detail::blob_layout(tensors, tensor_alignment);
   }
-  // Bytes a caller slot workspace must have for this arrangement.
+  /// Bytes a caller slot workspace (StorageMemory::slot_workspace) must have for this arrangement.
+  /// @param shape    the cache's experts and slots (only `capacity` sizes the slots)
+  /// @param tensors  the layout's tensors (`layout.tensors()`)
+  /// @return the slot bytes plus the alignment padding between per-tensor arrays
+  /// @throws Error invalid_argument for a layout with no tensor, an unnamed or twice-named tensor,
+  ///         or sizes beyond max_pool_bytes
   [[nodiscard]] static std::size_t slot_workspace_bytes(CacheShape shape, const ExpertTensorBytes& tensors)
     requires(!Dynamic)
   {
@@ -185,9 +195,22 @@ class BasicSlotStorage {
     return slot_layout(shape, tensors, Slots == SlotArrangement::blob).total;
   }
 
+  /// Allocates (or adopts) the host pools and the slots.
+  /// @param rt       the runtime that allocates pinned host and device memory and registers
+  ///                 caller host memory; it must outlive the storage
+  /// @param shape    how many experts the host pools hold and how many slots the device holds
+  /// @param tensors  the layout's tensors (`layout.tensors()`)
+  /// @param memory   caller memory to use instead of allocating (storage/storage_memory.hpp);
+  ///                 empty fields are allocated from `rt`
+  /// @throws Error invalid_argument for a bad layout or caller memory (checked before anything is
+  ///         allocated or registered), or the runtime's error when an allocation or a
+  ///         registration fails
   BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory = {})
     requires(!Dynamic)
       : BasicSlotStorage(rt, shape, tensors, memory, Host, Slots, Arranged{}) {}
+  /// The same, with the arrangement chosen at run time (Dynamic storages only).
+  /// @param host   tensor-major or expert-major host pools
+  /// @param slots  per-tensor slot arrays or blob slots
   BasicSlotStorage(R& rt, CacheShape shape, const ExpertTensorBytes& tensors, const StorageMemory& memory,
                    HostArrangement host, SlotArrangement slots)
     requires Dynamic
@@ -276,14 +299,21 @@ class BasicSlotStorage {
 
 
  public:
-  // One region per present tensor, in tensor order (expert-major host + blob slots: one region,
-  // the whole padded blob, so a fill is ONE transfer).
+  /// How a fill copies: one region per present tensor, in tensor order (expert-major host + blob
+  /// slots: one region, the whole padded blob, so a fill is ONE transfer).
   [[nodiscard]] const CopyRegions& copy_regions() const noexcept { return regions_; }
 
+  /// The layout's tensors this storage was built for.
   [[nodiscard]] const ExpertTensorBytes& tensors() const noexcept { return tensors_; }
+  /// Where the caller writes an expert's weights once, before the first prepare.
+  /// @param t       tensor index (ExpertTensor, or the layout's own order)
+  /// @param expert  expert id, [0, num_experts)
+  /// @return host address of tensor `t` of `expert` (bytes_per_expert bytes)
   [[nodiscard]] std::byte* host_tensor(std::size_t t, std::int32_t expert) const noexcept {
     return host_base_[t] + static_cast<std::size_t>(expert) * host_stride(t);
   }
+  /// @param t  tensor index
+  /// @return tensor `t` of the slot buffers: base, slot stride and bytes (ForwardView::tensors)
   [[nodiscard]] SlotTensor slot_tensor(std::size_t t) const noexcept {
     if (blob_slots()) {
       return SlotTensor{slot_base_[t], blob_bytes_, tensors_[t].bytes_per_expert};
@@ -291,31 +321,40 @@ class BasicSlotStorage {
       return SlotTensor{slot_base_[t], tensors_[t].bytes_per_expert, tensors_[t].bytes_per_expert};
     }
   }
-  // Pool bytes, whoever owns them (caller memory included; RuntimeBuffer accounting is the
-  // runtime's).
+  /// Host pool bytes, whoever owns them (caller memory included; RuntimeBuffer accounting is the
+  /// runtime's).
   [[nodiscard]] std::size_t host_bytes() const noexcept { return host_bytes_; }
+  /// Slot bytes, whoever owns them (without the padding of a carved workspace).
   [[nodiscard]] std::size_t slot_bytes() const noexcept { return slot_bytes_; }
-  // True when the host pools are the caller's memory (nothing allocated for them).
+  /// True when the host pools are the caller's memory (nothing allocated for them).
   [[nodiscard]] bool caller_host() const noexcept { return caller_host_; }
+  /// True when the slots are carved from the caller's workspace.
   [[nodiscard]] bool caller_slots() const noexcept { return caller_slots_; }
 
   // Expert-major host pools.
+  /// Bytes of one expert's blob (tensors at 16-byte aligned offsets).
   [[nodiscard]] std::size_t blob_bytes() const noexcept
     requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
   {
     return blob_bytes_;
   }
+  /// @param t  tensor index
+  /// @return offset of tensor `t` inside a blob
   [[nodiscard]] std::size_t tensor_offset(std::size_t t) const noexcept
     requires(Host == HostArrangement::expert_major || Slots == SlotArrangement::blob)
   {
     return offsets_[t];
   }
+  /// @param expert  expert id, [0, num_experts)
+  /// @return host address of the expert's blob (blob_bytes() bytes)
   [[nodiscard]] std::byte* host_expert(std::int32_t expert) const noexcept
     requires(Host == HostArrangement::expert_major)
   {
     return host_pool_ + static_cast<std::size_t>(expert) * blob_bytes_;
   }
   // Blob slots.
+  /// @param slot  slot id, [0, capacity)
+  /// @return device address of the slot's blob
   [[nodiscard]] std::byte* slot_blob(std::int32_t slot) const noexcept
     requires(Slots == SlotArrangement::blob)
   {
@@ -434,6 +473,7 @@ class BasicSlotStorage {
 };
 }  // namespace detail
 
+/// Tensor-major host pools and per-tensor slot arrays: a fill is one copy per tensor.
 template <allocating_runtime R>
 class TensorMajorStorage
     : public detail::BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor> {
@@ -442,6 +482,7 @@ class TensorMajorStorage
   using detail::BasicSlotStorage<R, HostArrangement::tensor_major, SlotArrangement::per_tensor>::BasicSlotStorage;
 };
 
+/// Expert-major host pool and blob slots: a fill is ONE transfer.
 template <allocating_runtime R>
 class ExpertMajorStorage : public detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::blob> {
  public:
@@ -449,7 +490,7 @@ class ExpertMajorStorage : public detail::BasicSlotStorage<R, HostArrangement::e
   using detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::blob>::BasicSlotStorage;
 };
 
-// Expert-major host pool, per-tensor contiguous slot arrays (a fill scatters; see the top).
+/// Expert-major host pool, per-tensor contiguous slot arrays (a fill scatters; see the top).
 template <allocating_runtime R>
 class ExpertMajorHostStorage
     : public detail::BasicSlotStorage<R, HostArrangement::expert_major, SlotArrangement::per_tensor> {

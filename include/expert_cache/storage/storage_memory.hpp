@@ -30,21 +30,25 @@
 
 namespace expert_cache::inline v0 {
 
+/// Alignment every caller base must have (16 bytes: see the requirements above).
 inline constexpr std::size_t caller_memory_alignment = 16;
 
-// Caller memory: a pointer and a size (host or device).
+/// Caller memory: a pointer and a size (host or device).
 struct MemorySpan {
   void* data = nullptr;
   std::size_t bytes = 0;
+  /// True for the default span: no pointer and no size ("allocate it").
   [[nodiscard]] constexpr bool empty() const noexcept { return data == nullptr && bytes == 0; }
 };
 
+/// The caller memory one storage adopts; every field is optional (see the top of this header).
 struct StorageMemory {
   std::array<MemorySpan, max_expert_tensors> host_tensors{};  // tensor-major host layouts
   MemorySpan host_pool{};                                     // expert-major host layouts
   bool host_registered = false;  // the caller's host memory is already pinned + mapped
   MemorySpan slot_workspace{};   // device memory for the slots
 
+  /// True when any tensor-major host span is given.
   [[nodiscard]] constexpr bool caller_host_tensors() const noexcept {
     for (const MemorySpan& s : host_tensors)
       if (!s.empty()) return true;
