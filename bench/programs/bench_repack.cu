@@ -1,5 +1,6 @@
-// NVFP4 -> Marlin repack benchmarks (Google Benchmark, GPU). Kernels and launchers:
-// include/expert_cache/kernels/marlin_repack.cuh; layout: layout/nvfp4_marlin.hpp.
+// NVFP4 -> Marlin repack benchmarks (Google Benchmark, GPU). Kernels:
+// include/expert_cache/kernels/marlin_repack.cuh; launchers: repack/cuda_repack.cuh; layout:
+// layout/nvfp4_marlin.hpp.
 //
 // Shapes (bf16): E64_K2048_N512 (the realistic layer: 108 MiB in, 108 MiB out), E64_K2048_N96_Np128
 // (w13 shards and w2 rows padded 96 -> 128), E32_K2880_N720_Np768 (K % 128 != 0: N padded to a
@@ -52,9 +53,9 @@
 #include <vector>
 
 #include "expert_cache/base/splitmix64.hpp"
-#include "expert_cache/kernels/marlin_repack.cuh"
+#include "expert_cache/repack/cuda_repack.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 
 using namespace expert_cache;
 

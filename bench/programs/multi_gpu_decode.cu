@@ -31,7 +31,7 @@
 
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "expert_cache/parallel/all_reduce.cuh"
 #include "expert_cache/parallel/expert_placement.hpp"
 #include "expert_cache/reference/rank_step.cuh"

@@ -34,7 +34,7 @@
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device_cache/cuda_executor.cuh"
 #include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"
 

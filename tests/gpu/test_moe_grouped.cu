@@ -24,7 +24,7 @@
 
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/reference/moe_grouped.cuh"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"
 

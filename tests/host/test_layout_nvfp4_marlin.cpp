@@ -18,7 +18,7 @@
 
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "support/nvfp4_layers.hpp"
 
 using namespace expert_cache;

@@ -12,7 +12,7 @@
 #include <doctest/doctest.h>
 
 #include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "support/cuda_support.hpp"
 
 namespace test_support {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/layout/nvfp4_reference.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 
 namespace test_support {
 

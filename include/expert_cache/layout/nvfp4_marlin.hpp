@@ -1,8 +1,8 @@
 #pragma once
 /// NVFP4 (ModelOpt checkpoint) -> Marlin MoE layout: sizes, padding, index maps and encodes.
 //
-// Everything here is constexpr and EXPERT_CACHE_HOST_DEVICE, so the host reference
-// (nvfp4_reference.hpp), the CUDA kernels (kernels/marlin_repack.cuh) and the tests run the
+// Everything here is constexpr and EXPERT_CACHE_HOST_DEVICE, so the host repack
+// (repack/host_repack.hpp), the CUDA kernels (kernels/marlin_repack.cuh) and the tests run the
 // same code. Pure host header: compiles with g++ alone. See docs/nvfp4_marlin.md.
 //
 // Notation: E experts, K = hidden, N = intermediate (per TP partition), Np = padded N.

@@ -22,7 +22,7 @@
 //          products are still exact and the sums fp32, so a row matches the double MoE of the
 //          bf16-rounded x and A to fp32 summation error (but for an A element that the fp32
 //          sums put on the other side of a bf16 rounding midpoint: one bf16 ulp of it).
-// Scaling, both modes: the weights enter the MMA as fp4 * s0e5m3 * 2^-111 (moe_consumer.cuh) and
+// Scaling, both modes: the weights enter the MMA as fp4 * s0e5m3 * 2^-111 (moe_mma.cuh) and
 // the inputs are scaled by 2^62 before rounding, so a product is x * fp4 * s0e5m3 * 2^-49 and
 // the outputs are scaled back by 2^49 with the global scale. The exact mode needs the 2^62 for
 // its third term (about 2^-16 of the input); one term needs only the leading one, and the same
@@ -55,7 +55,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/base/config.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
+#include "expert_cache/reference/moe_mma.cuh"
+#include "expert_cache/reference/moe_weights.cuh"
+#include "expert_cache/runtime/cuda_error.hpp"
+#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
