@@ -16,7 +16,9 @@ import json
 import os
 import sys
 
-from support import cli_harness as h
+# tests/support is shared with the C++ suites; this file sits one folder below tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import cli_harness as h  # noqa: E402
 from support.cli_harness import expect, run, write
 
 

@@ -8,9 +8,12 @@ json (the same rows as --benchmark_out JSON give the same output), extrapolate (
 the measured ones), bad_input (exit 2 with a clear message). 'all' runs every case.
 """
 import json
+import os
 import sys
 
-from support import cli_harness as h
+# tests/support is shared with the C++ suites; this file sits one folder below tests/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from support import cli_harness as h  # noqa: E402
 from support.cli_harness import expect, expect_usage_error, run, write
 
 # Consumer: 10 / 40 / 70 us at 0 / 1 / 2 missing, 30 us of link per expert; plan medians 2 / 3 / 4

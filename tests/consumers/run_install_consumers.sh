@@ -26,7 +26,7 @@ prefix="$tmp/dest/usr/local"
 pcdir=$(dirname "$(find "$prefix" -name expert_cache.pc | head -1)")
 [ -f "$pcdir/expert_cache.pc" ] || { echo "FAIL: expert_cache.pc not installed"; exit 1; }
 [ -f "$prefix/share/cmake/expert_cache/expert_cacheConfig.cmake" ] || { echo "FAIL: CMake package not installed"; exit 1; }
-[ -f "$prefix/include/expert_cache/version.hpp" ] || { echo "FAIL: headers not installed"; exit 1; }
+[ -f "$prefix/include/expert_cache/base/version.hpp" ] || { echo "FAIL: headers not installed"; exit 1; }
 cflags=$(PKG_CONFIG_PATH="$pcdir" pkg-config --cflags expert_cache)
 case " $cflags " in *" -std=c++20 "*) ;; *) echo "FAIL: expert_cache.pc Cflags lack -std=c++20: $cflags"; exit 1;; esac
 if [ "$cuda" = enabled ]; then
