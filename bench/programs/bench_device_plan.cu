@@ -44,6 +44,8 @@
 #include <memory>
 #include <vector>
 
+#include "expert_cache/device_cache/plan_storage.cuh"
+#include "expert_cache/kernels/plan_fill.cuh"
 #include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/planning/device_plan.hpp"
 #include "bench_check.cuh"

@@ -1,4 +1,5 @@
-// The device planner on the GPU (kernels/plan_kernels.cuh) against the host ForwardPlanner<Lru>:
+// The device planner on the GPU (kernels/plan_kernels.cuh, kernels/plan_fill.cuh) against the host
+// ForwardPlanner<Lru>:
 //  (a) random traces planned by the kernel, maps and lists read back and compared with the host
 //      planner after every group of every step (eager launches, invalidate kernels included);
 //  (b) one CUDA graph (router stand-in writing ids on the device -> invalidate -> plan -> fill,
@@ -26,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "expert_cache/device_cache/plan_storage.cuh"
+#include "expert_cache/kernels/plan_fill.cuh"
 #include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
@@ -615,7 +618,7 @@ TEST_CASE("device plan kernel: fused plan + fill in one node waits for the plan 
   CUDA_OK(cudaGraphDestroy(graph));
 }
 
-// The overlapped fill (edge D4, kernels/plan_kernels.cuh plan_fill_ready_kernel): plan -> fill in
+// The overlapped fill (edge D4, kernels/plan_fill.cuh plan_fill_ready_kernel): plan -> fill in
 // a captured graph replayed with new ids and never reset. After every replay each resident
 // slot holds its expert's bytes (several blocks share each fill), its ready word equals the
 // value the plan tagged it with, every per-fill arrival counter is back at 0, and the fill

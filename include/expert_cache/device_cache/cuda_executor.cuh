@@ -1,7 +1,8 @@
 #pragma once
 // The CUDA executor of DeviceExpertCache (needs nvcc): the plan state in device memory with its
-// stats mirror and error word in mapped pinned memory (DevicePlanStorage), and the kernels of
-// kernels/plan_kernels.cuh. Include this header, then use
+// stats mirror and error word in mapped pinned memory (DevicePlanStorage,
+// device_cache/plan_storage.cuh), and the kernels of kernels/plan_kernels.cuh and
+// kernels/plan_fill.cuh. Include this header, then use
 //   DeviceExpertCache<TensorMajorStorage | ExpertMajorStorage, Layout, CudaRuntime>.
 //
 // Every launch takes only parameters fixed for the cache's lifetime (the state view, the id
@@ -40,8 +41,10 @@
 #include <string>
 
 #include "expert_cache/device_cache/copy_proxy.cuh"
-#include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/device_cache/device_cache.hpp"
+#include "expert_cache/device_cache/plan_storage.cuh"
+#include "expert_cache/kernels/plan_fill.cuh"
+#include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
 #include "expert_cache/staging/link_probe.cuh"
@@ -50,11 +53,17 @@
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 
 // One thread: a recovery path, not a hot one (SequentialBlock is a valid one-thread block).
+/// @brief Drops every expert of the state's fill list (detail::plan_drop_fills): the recovery
+/// after a plan whose fill could not be enqueued.
+/// @param s the state view (device memory)
 template <int Unused = 0>
 EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_fills_kernel(const DevicePlanState s) {
   SequentialBlock b;
   expert_cache::detail::plan_drop_fills(b, s);
 }
+/// @brief Drops every miss of the last planned group (detail::plan_drop_missing): drop_unfilled's
+/// recovery when a fill_by_consumer consumer did not run.
+/// @param s the state view (device memory)
 template <int Unused = 0>
 EXPERT_CACHE_KERNEL void __launch_bounds__(1) drop_missing_kernel(const DevicePlanState s) {
   SequentialBlock b;

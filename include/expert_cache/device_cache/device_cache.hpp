@@ -1,790 +1,87 @@
 #pragma once
-// DeviceExpertCache: the expert cache planned ON THE DEVICE, through the same library
-// as ExpertCache: the same Storage (TensorMajorStorage / ExpertMajorStorage and their
-// copy_regions()), the same Layout (expert_layout), the same slot buffers and ForwardView, and
-// OrderingCore for every stream edge. What changes is who plans: the router's top-k ids stay in
-// device memory and the LRU planning step of planning/device_plan.hpp (decisions equal to
-// ForwardPlanner<Lru>) runs as a device op, writing the forward map, the resident map and the
-// fill list into the device plan state; a fill op then copies the listed experts from the host
-// pools into their slots. The host never sees the ids, so nothing synchronises and the whole
-// call can sit inside a captured CUDA graph that is replayed with new ids.
-//
-//   DeviceExpertCache<Storage, Layout, Runtime>
-//     prepare(device_ids, n_ids, X)  plan + fill on X (inline mode), returns the ForwardView
-//     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
-//                                    forward had fewer groups: a graph provisions max_groups)
-//     invalidate(e, X)               a device invalidate, ordered like any write
-//     set_prior(bias, X)             DeviceCrf's frequency prior (one bias per expert), uploaded
-//                                    on X, ordered like invalidate
-//     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
-//     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
-//     prepare_wide(host_ids, X, c)   a forward wider than the pool (a prompt), eagerly in rounds:
-//                                    residents read in place, the others streamed through the
-//                                    stream slots by the copy engine, nothing admitted
-//     stats(), device_stats()        from the device stats (mapped memory) + host counters
-//     take_errors()                  read and clear the device error word (bad ids, overflow)
-//     drop_unfilled(X)               fill_by_consumer: drop the last group's misses when its
-//                                    consumer did not run
-//
-// Inline mode: the fill stream is the caller's stream. The ids are written by a router kernel
-// on that stream, so plan -> fill -> consumer are ordered by stream order alone and a capture
-// of the caller's stream holds the whole call (no fork/join of a copy stream into the graph,
-// no event nodes). The core still orders calls that move between streams (edges 1, 2, 6 of
-// docs/design.md's table; the device path adds no edge of its own, see "Device-planned cache").
-//
-// Every pointer of the returned view (slot tensors, forward map, resident map) is fixed for the
-// cache's lifetime, so a graph captured once stays correct on replay. view.hits / view.misses
-// are 0: the counts exist only on the device (stats() reads them from the mapped mirror).
-//
-// Overlap (DeviceCacheOptions::overlap; docs/design.md edge D4 and "Overlap"): the fill may run
-// while the consumer already computes. The plan tags each slot the forward uses with the fill
-// sequence value its content must have reached (slot_needed); the fill stores that value into
-// the slot's ready word (slot_ready, release) once its bytes landed; a consumer given
-// readiness() waits for each slot's word (acquire) before it reads that slot, so it starts on
-// the resident experts and takes each missing one as soon as it landed. Values only grow:
-// a replayed graph needs no reset.
-//
-// Compute from host (DeviceCacheOptions::fill_by_consumer; docs/design.md edge D9): prepare
-// plans only; view.missing flags the misses, which the consumer copies from the host pools into
-// their slots itself (MoeConsumer::run_one_pass reads them over the link as it computes).
-//
-// The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>):
-// SimPlanExecutor here (simulated launches that run the shared planning code with
-// SequentialBlock and declare what they touch), CudaPlanExecutor in
-// device_cache/cuda_executor.cuh (the kernels of kernels/plan_kernels.cuh).
+/// DeviceExpertCache: the expert cache planned ON THE DEVICE. This header also brings its options
+/// (device_cache/options.hpp) and the SimRuntime executor (device_cache/sim_executor.hpp), so it
+/// alone gives the whole simulated cache.
+///
+/// It plans through the same library as ExpertCache: the same Storage (TensorMajorStorage /
+/// ExpertMajorStorage and their copy_regions()), the same Layout (expert_layout), the same slot
+/// buffers and ForwardView, and OrderingCore for every stream edge. What changes is who plans: the
+/// router's top-k ids stay in device memory and the LRU planning step of planning/device_plan.hpp
+/// (decisions equal to ForwardPlanner<Lru>) runs as a device op, writing the forward map, the
+/// resident map and the fill list into the device plan state; a fill op then copies the listed
+/// experts from the host pools into their slots. The host never sees the ids, so nothing
+/// synchronises and the whole call can sit inside a captured CUDA graph that is replayed with new
+/// ids.
+///
+///   DeviceExpertCache<Storage, Layout, Runtime>
+///     prepare(device_ids, n_ids, X)  plan + fill on X (inline mode), returns the ForwardView
+///     prepare_group(g, X)            overflow group g >= 1 of the last prepare (empty when the
+///                                    forward had fewer groups: a graph provisions max_groups)
+///     invalidate(e, X)               a device invalidate, ordered like any write
+///     set_prior(bias, X)             DeviceCrf's frequency prior (one bias per expert), uploaded
+///                                    on X, ordered like invalidate
+///     prefetch(device_ids, n, P, o)  speculative fills planned on the device (plan_prefetch), on P;
+///     prefetch(host_ids, P, o)       the next prepare (any stream) is ordered after them
+///     prepare_wide(host_ids, X, c)   a forward wider than the pool (a prompt), eagerly in rounds:
+///                                    residents read in place, the others streamed through the
+///                                    stream slots by the copy engine, nothing admitted
+///     stats(), device_stats()        from the device stats (mapped memory) + host counters
+///     take_errors()                  read and clear the device error word (bad ids, overflow)
+///     drop_unfilled(X)               fill_by_consumer: drop the last group's misses when its
+///                                    consumer did not run
+///
+/// Inline mode: the fill stream is the caller's stream. The ids are written by a router kernel
+/// on that stream, so plan -> fill -> consumer are ordered by stream order alone and a capture
+/// of the caller's stream holds the whole call (no fork/join of a copy stream into the graph,
+/// no event nodes). The core still orders calls that move between streams (edges 1, 2, 6 of
+/// docs/design.md's table; the device path adds no edge of its own, see "Device-planned cache").
+///
+/// Every pointer of the returned view (slot tensors, forward map, resident map) is fixed for the
+/// cache's lifetime, so a graph captured once stays correct on replay. view.hits / view.misses
+/// are 0: the counts exist only on the device (stats() reads them from the mapped mirror).
+///
+/// Overlap (DeviceCacheOptions::overlap; docs/design.md edge D4 and "Overlap"): the fill may run
+/// while the consumer already computes. The plan tags each slot the forward uses with the fill
+/// sequence value its content must have reached (slot_needed); the fill stores that value into
+/// the slot's ready word (slot_ready, release) once its bytes landed; a consumer given
+/// readiness() waits for each slot's word (acquire) before it reads that slot, so it starts on
+/// the resident experts and takes each missing one as soon as it landed. Values only grow:
+/// a replayed graph needs no reset.
+///
+/// Compute from host (DeviceCacheOptions::fill_by_consumer; docs/design.md edge D9): prepare
+/// plans only; view.missing flags the misses, which the consumer copies from the host pools into
+/// their slots itself (MoeConsumer::run_one_pass reads them over the link as it computes).
+///
+/// The planning execution is a small executor per runtime (DevicePlanExecutorFor<Runtime>,
+/// device_cache/executor.hpp): SimPlanExecutor in device_cache/sim_executor.hpp (simulated launches
+/// that run the shared planning code with SequentialBlock and declare what they touch),
+/// CudaPlanExecutor in device_cache/cuda_executor.cuh (the kernels of kernels/plan_kernels.cuh and
+/// kernels/plan_fill.cuh).
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <functional>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "expert_cache/cache/expert_cache.hpp"
 #include "expert_cache/base/concepts.hpp"
-#include "expert_cache/core/ordering_core.hpp"
-#include "expert_cache/planning/device_plan.hpp"
-#include "expert_cache/runtime/link_profile.hpp"
-#include "expert_cache/runtime/resources.hpp"
-#include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/cache/expert_cache.hpp"
+#include "expert_cache/core/ordering_core.hpp"
+#include "expert_cache/device_cache/executor.hpp"
+#include "expert_cache/device_cache/options.hpp"
+#include "expert_cache/device_cache/sim_executor.hpp"
+#include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
-#include "expert_cache/storage/storage_memory.hpp"
 
 namespace expert_cache::inline v0 {
-
-struct DeviceCacheOptions {
-  std::int32_t num_experts = 0;
-  std::int32_t capacity = 0;
-  std::int32_t max_ids = 0;  // the largest n_ids prepare() accepts (tokens * top_k); > 0
-  // CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
-  // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
-  bool fused_plan_fill = true;
-  // Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
-  // used), a consumer given readiness() may run concurrently with the fill. false: the
-  // stream-ordered path (readiness() is empty).
-  bool overlap = false;
-  // Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
-  // each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),
-  // their slots are the expert map's, and the consumer must write every byte of each such slot
-  // from the host pools before any later reader (MoeConsumer::run_one_pass does: it reads the
-  // expert from mapped host memory, computes with it and stores it into the slot; edge D7 of
-  // docs/design.md). A group whose consumer did not run must be dropped with drop_unfilled().
-  // Prefetches still fill. Not with overlap (refused at construction: ErrorCode::invalid_argument).
-  bool fill_by_consumer = false;
-  // Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
-  // test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
-  // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
-  std::uint32_t test_fill_delay_ns = 0;
-  std::int32_t test_fill_delay_index = 0;
-  // Overlap, CUDA: copy regions (bit r = the storage's copy region r; TensorMajorStorage: one per
-  // non-empty tensor, in tensor order) that every fill of a step copies first, each slot's part
-  // then published on its own ready word (SlotReadiness::ready_first, edge D4c), so a consumer
-  // whose first pass reads only them starts on a missing expert before the rest lands (the
-  // NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
-  // refused at construction (ErrorCode::invalid_argument).
-  std::uint32_t ready_first_regions = 0;
-  // DeviceCrf's decay per forward in Q32, in [1, 2^32 - 1] (Crf's CrfParams::decay_q32: the same
-  // value plans the same victims; crf_decay_for_half_life(h) for a half-life of h forwards). Read
-  // at construction; outside the range is refused there (ErrorCode::invalid_argument). The other
-  // policies ignore it.
-  std::uint64_t crf_decay_q32 = crf_default_decay_q32;
-  // Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
-  // fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
-  // ready word BEFORE copying it (the edge removed, to show a test can see it).
-  std::int32_t test_fill_delay_part = 0;
-  bool test_publish_first_early = false;
-  // Slots appended after the pool for wide forwards (prepare_wide, stream admission): two
-  // halves used alternately, never admitted, never touched by the device planner. 0: no
-  // prepare_wide (recommended_stream_slots() gives a size). The slot workspace covers
-  // capacity + stream_slots slots.
-  std::int32_t stream_slots = 0;
-  // Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
-  std::int64_t max_wide_ids = default_max_wide_ids;
-  // Which engine moves the fills' bytes (docs/design.md, "Copy-engine fills"): the SMs reading
-  // mapped host memory (sm_loads: the fill kernels, the overlapped fill, fill_by_consumer), or a
-  // copy engine driven by the device's proxy thread from the plan's fill list (copy_engine: the
-  // plan stays on the GPU and in the captured step). automatic: the link profile decides
-  // (LinkProfile::choose_engine; measured once per device and expert size, or `link_profile`).
-  // When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
-  // overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
-  // computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
-  // refused (ErrorCode::invalid_argument). SimRuntime models the proxy (automatic there: sm_loads).
-  FillEngine fill_engine = FillEngine::automatic;
-  // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
-  // measurement. One from another device or expert size is refused at construction.
-  std::optional<LinkProfile> link_profile;
-  // The engine prefetches the next layer's experts while this one computes (lookahead). With
-  // overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
-  // copies on a copy engine take no SMs from the consumer. Read by automatic only.
-  bool lookahead = false;
-  // Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
-  // the post publishes before the fill list is written (P1), the proxy publishes a ready word
-  // before its copies (P2); test_fail_copies makes the proxy's copies fail.
-  bool test_post_before_list = false;
-  bool test_ready_before_copy = false;
-  bool test_fail_copies = false;
-  // Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
-  bool test_skip_shutdown_wait = false;
-  // Test-only (CudaRuntime): destruction frees its memory without first waiting for the device
-  // while other caches use the proxy (P5 removed).
-  bool test_skip_release_drain = false;
-  std::string label = "device_expert_cache";
-  std::function<void(std::string_view)> log;  // one line at construction; silent when empty
-  // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
-  // validates and registers them; never copied or freed; the caller keeps them alive).
-  StorageMemory memory{};
-};
-
-// How DeviceExpertCache::prepare's caller serves a forward with more unique experts than slots.
-enum class DeviceForward : std::uint8_t {
-  single,     // one round: an overflow is an error the error word reports (plan_error_overflow)
-  in_rounds,  // the caller runs prepare_group for every further group: the overflow is planned
-};
-
-// What an executor does for the cache, on the stream the core hands it. `plan_enqueued` tells
-// the cache whether the state may have changed (a failure after it leaves slots unfilled).
-template <class X>
-concept device_plan_executor = requires(X& x, const X& cx, typename X::Stream s, const std::int32_t* ids,
-                                        std::int32_t n, bool& planned, bool in_rounds, std::int32_t width) {
-  { cx.state() } -> std::same_as<const DevicePlanState&>;
-  { cx.sanitized_ids() } -> std::same_as<std::int32_t*>;
-  // in_rounds: the caller serves every group of this forward (DeviceForward::in_rounds), in
-  // groups of `width` experts (0: the capacity).
-  { x.plan_forward_fill(s, ids, n, planned, in_rounds, width) } -> std::same_as<Status>;
-  { x.plan_group_fill(s, n, planned) } -> std::same_as<Status>;
-  { x.invalidate(s, n) } -> std::same_as<Status>;
-  { x.prefetch(s, ids, n, n, std::uint32_t{1}, planned) } -> std::same_as<Status>;
-  { x.drop_fills(s) } -> std::same_as<Status>;
-  { x.drop_missing(s) } -> std::same_as<Status>;  // plan_drop_missing (fill_by_consumer's recovery)
-  { x.join_fills() } -> std::same_as<Status>;  // overlap: order later work after the last fill
-  { cx.overlap() } -> std::same_as<bool>;
-  { cx.stats() } -> std::same_as<DevicePlanStats>;
-  { x.take_error_word() } -> std::same_as<std::uint32_t>;
-  { cx.device_bytes() } -> std::same_as<std::size_t>;
-};
-
-// Specialised per runtime: `type` is the executor (SimPlanExecutor below; CudaPlanExecutor in
-// device_cache/cuda_executor.cuh).
-template <class Runtime>
-struct DevicePlanExecutorFor;
-
-namespace detail {
-// Drops every expert of the state's fill list (the recovery after a plan whose fill could not
-// be enqueued: those slots never received their bytes). Runs on the device like any plan step.
-template <plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void plan_drop_fills(Block& b, const DevicePlanState& s) noexcept {
-  if (!plan_state_ok(s)) return;
-  const std::int32_t n = s.scalars->fill_count;
-  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) plan_invalidate(b, s, s.fills[i].expert);
-}
-// Drops every miss of the last planned group (its experts flagged in `missing`): the recovery
-// when a consumer that fills from host (fill_by_consumer) did not run. Read from the group's
-// expert list, not the fill list, which a later prefetch rewrites.
-template <plan_block Block>
-EXPERT_CACHE_HOST_DEVICE void plan_drop_missing(Block& b, const DevicePlanState& s) noexcept {
-  if (!plan_state_ok(s)) return;
-  const std::int32_t n = s.scalars->prev_count;
-  for (std::int32_t i = 0; i < n && i < s.capacity; ++i) {
-    const std::int32_t e = s.prev_forward[i];
-    if (e >= 0 && e < s.num_experts && s.missing[e] != 0) plan_invalidate(b, s, e);
-  }
-}
-}  // namespace detail
-
-// ---- the SimRuntime executor --------------------------------------------------------------
-
-// The plan state in SimRuntime memory (device kind; the stats mirror and error word in
-// pinned_host, as on the GPU). Each device step is one `launch` op whose body runs the shared
-// planning code with SequentialBlock at completion, declaring what it touches:
-//   plan:  reads the ids [ids, ids + n) and every state array; writes every state array (maps,
-//          fill list, eviction list, scalars, counters), the stats mirror, the error word and
-//          the sanitized ids. Declared per array, from the state view.
-//   fill:  reads the fill list and the scalars (fill_count), reads the WHOLE host pool of every
-//          copy region and writes the WHOLE slot buffer of every region. Whole, not per fill:
-//          the rows are chosen by the plan op, which completes after this op is enqueued, and a
-//          simulated launch declares its ranges at enqueue. It is also the real contract: the
-//          host cannot know which slots a device-planned fill writes, so the ordering must
-//          cover every slot (edge 1 orders all of the previous owner's readers before it).
-//   overlapped fill (options.overlap, edge D4): the fill runs off the caller's stream X, so that
-//          only the ready words order a consumer after it. One lane stream per slot j: the lane
-//          waits for an event recorded on X after the plan, runs "fill slot j" (declares the
-//          write of slot j's rows in every region and of slot_ready[j]; copies if the fill list
-//          has slot j, then stores slot_ready[j] = slot_needed[j]) and records ready_event(j),
-//          which stands for the ready word's release store. A consumer waits for
-//          ready_event(j) before it reads slot j (the acquire). A lane's write is declared
-//          even when this step does not fill slot j (conservative: the host does not know the
-//          plan). join_fills() (the cache calls it before its next call, so before the core's
-//          records on X) makes X wait for every lane: on the GPU the next kernels on X run
-//          after the fill grid, because a readiness consumer waits for it before it completes.
-//   copy engine (FillEngine::copy_engine, docs/design.md "Copy-engine fills"): the proxy is an
-//          agent of its own, one stream P per cache. A fill is a post op on X (reads the fill list,
-//          the scalars and slot_needed; writes the ring entry seq % proxy_ring_depth), recorded
-//          as `posted` (edge P1); P waits for it, runs "take" (reads that entry; its `taken` event
-//          frees the entry for the post that reuses it, the ring-room wait), then "copy" (reads the
-//          WHOLE pools, writes the WHOLE slots and every ready word: the list is the device's), and
-//          records `proxy_done` (edge P2: the ready words after the bytes). Without overlap X waits
-//          for `proxy_done` (the post kernel's wait for the ready words); with overlap a consumer's
-//          ready_event(j) is `proxy_done`. Prefetches post without the wait. The knobs
-//          test_post_before_list (P1 removed) and test_ready_before_copy (P2 removed) record the
-//          events early; test_fail_copies makes "copy" skip its bytes, flag plan_error_fill_failed
-//          and publish the ready words, and the next call return the failure. P is a host-issued
-//          stream (SimRuntime::set_host_issued): the executor's destructor waits for it (edge P4);
-//          test_skip_shutdown_wait removes that wait, and freeing the slots under its pending
-//          copy is then reported.
-//
-// Overlap = false: no overlapped fill is compiled and options.overlap is refused
-// (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
-template <device_plan_policy Policy, bool Overlap = true>
-class BasicSimPlanExecutor {
- public:
-  using Stream = SimRuntime::Stream;
-
-  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                       const CopyRegions& regions, const DeviceCacheOptions& options /* fused: always two ops here */)
-    requires(!std::same_as<Policy, DeviceRuntimePolicy>)
-      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, Policy::kind, Bound{}) {}
-  // DeviceRuntimePolicy: `kind` is the policy it plans with.
-  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind)
-    requires std::same_as<Policy, DeviceRuntimePolicy>
-      : BasicSimPlanExecutor(rt, num_experts, capacity, max_ids, regions, options, kind, Bound{}) {}
-
- private:
-  struct Bound {};
-  [[gnu::cold]]
-  BasicSimPlanExecutor(SimRuntime& rt, std::int32_t num_experts, std::int32_t capacity, std::int32_t max_ids,
-                       const CopyRegions& regions, const DeviceCacheOptions& options, DevicePolicyKind kind, Bound)
-      : rt_(&rt),
-        overlap_(options.overlap),
-        by_consumer_(options.fill_by_consumer),
-        copy_engine_(options.fill_engine == FillEngine::copy_engine),
-        post_before_list_(options.test_post_before_list),
-        ready_before_copy_(options.test_ready_before_copy),
-        fail_copies_(options.test_fail_copies),
-        skip_shutdown_wait_(options.test_skip_shutdown_wait),
-        block_(rt, plan_state_bytes(num_experts, capacity), MemoryKind::device),
-        words_(rt, sizeof(MappedWords), MemoryKind::pinned_host),
-        sanitized_(rt, static_cast<std::size_t>(std::max(max_ids, 1)) * sizeof(std::int32_t), MemoryKind::device),
-        regions_(regions) {
-    // As the CUDA executor: a first part naming regions the storage lacks is refused (the model
-    // itself copies whole experts, so it has no other use for the mask).
-    if (regions.count < 32 && (options.ready_first_regions >> regions.count) != 0) {
-      throw Error(Status::format(ErrorCode::invalid_argument,
-                                 "%s: ready_first_regions 0x%x names copy regions past the storage's %zu",
-                                 options.label.c_str(), options.ready_first_regions, regions.count));
-    }
-    if constexpr (!Overlap) {
-      if (options.overlap) {
-        throw Error(Status::format(ErrorCode::invalid_argument, "%s: overlap needs an executor with the overlapped fill",
-                                   options.label.c_str()));
-      }
-    }
-    auto* w = reinterpret_cast<MappedWords*>(words_.data());
-    state_ = bind_plan_state(block_.data(), num_experts, capacity, &w->stats, &w->error_word);
-    state_.policy = kind;
-    // Fresh memory, nothing enqueued yet: the reset runs on the host (declared as a host write).
-    rt.host_access(block_.data(), block_.size(), AccessMode::write);
-    rt.host_access(words_.data(), words_.size(), AccessMode::write);
-    SequentialBlock b;
-    reset_plan_state<Policy>(b, state_, options.crf_decay_q32);
-    for (const CopyRegion& r : regions_) {
-      if (r.bytes == 0) continue;
-      pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
-      slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
-    }
-    if (copy_engine_) {
-      proxy_stream_ = RuntimeStream<SimRuntime>(rt);
-      rt.set_host_issued(proxy_stream_.get());  // its ops stand for the proxy thread's calls
-      posted_ = RuntimeEvent<SimRuntime>(rt);
-      proxy_done_ = RuntimeEvent<SimRuntime>(rt);
-      ring_ = RuntimeBuffer<SimRuntime>(rt, proxy_ring_depth * static_cast<std::size_t>(capacity) * sizeof(SimProxyFill),
-                                        MemoryKind::pinned_host);
-      for (std::uint32_t k = 0; k < proxy_ring_depth; ++k) taken_.emplace_back(rt);
-      proxy_failed_ = std::make_shared<bool>(false);
-    }
-    if constexpr (Overlap) {
-      if (overlap_ && !copy_engine_) {
-        planned_ = RuntimeEvent<SimRuntime>(rt);
-        for (std::int32_t j = 0; j < capacity; ++j) {
-          lanes_.emplace_back(rt);
-          ready_.emplace_back(rt);
-        }
-      }
-    }
-  }
-
- public:
-  // Edge P4: the proxy's pending work (its take and copy ops) completes before the cache's
-  // memory goes, as the CUDA executor's detach waits for the proxy to take every request and
-  // synchronises its copy stream.
-  [[gnu::cold]] ~BasicSimPlanExecutor() {
-    if (copy_engine_ && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
-  }
-  BasicSimPlanExecutor(const BasicSimPlanExecutor&) = delete;
-  BasicSimPlanExecutor& operator=(const BasicSimPlanExecutor&) = delete;
-
-  [[nodiscard]] bool overlap() const noexcept { return overlap_; }
-  // The event that stands for slot j's ready word (overlap only): recorded after the lane's
-  // fill of slot j in the latest step. A consumer waits for it before reading slot j.
-  [[nodiscard]] SimRuntime::Event ready_event(std::int32_t j) const noexcept {
-    if (copy_engine_) return proxy_done_.get();
-    return ready_[static_cast<std::size_t>(j)].get();
-  }
-
-  // Overlap: the stream the last fill forked from waits for every lane (see above). The copy
-  // engine: a failed copy since the last call is returned once.
-  Status join_fills() noexcept {
-    if (copy_engine_ && *proxy_failed_) {
-      *proxy_failed_ = false;
-      return Status(ErrorCode::runtime_failure, "device_expert_cache: a copy-engine fill failed (simulated)");
-    }
-    if (!fork_) return {};
-    const Stream x = *fork_;
-    fork_.reset();
-    for (const auto& e : ready_)
-      if (Status r = rt_->wait(x, e.get()); !r) return r;
-    return {};
-  }
-
-  [[nodiscard]] const DevicePlanState& state() const noexcept { return state_; }
-  [[nodiscard]] std::int32_t* sanitized_ids() const noexcept { return reinterpret_cast<std::int32_t*>(sanitized_.data()); }
-  [[nodiscard]] std::size_t device_bytes() const noexcept { return block_.size() + sanitized_.size(); }
-
-  Status plan_forward_fill(Stream s, const std::int32_t* ids, std::int32_t n, bool& planned, bool in_rounds,
-                           std::int32_t round_width) noexcept {
-    planned = false;
-    std::vector<Access> acc;
-    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
-    if (n > 0) acc.push_back({sanitized_ids(), static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::write});
-    add_state_accesses(acc);
-    DevicePlanState st = state_;
-    st.forward_in_rounds = in_rounds;
-    st.round_width = in_rounds ? round_width : 0;
-    std::int32_t* out = sanitized_ids();
-    rt_->set_next_label("device plan_forward");
-    if (Status r = rt_->launch(s, acc, [st, ids, n, out] {
-          SequentialBlock b;
-          if constexpr (std::same_as<Policy, DeviceRuntimePolicy>) {
-            // Every forward on the general path: the small path is the GPU's register fast path
-            // to the same state (tests/host/test_device_policies.cpp compares them byte for byte), and
-            // here it would only be a second copy of the group step in a user's build.
-            plan_forward_general<Policy>(b, st, ids, n, out);
-          } else {
-            plan_forward<Policy>(b, st, ids, n, out);
-          }
-        });
-        !r) {
-      return r;
-    }
-    planned = true;
-    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
-  }
-
-  Status plan_group_fill(Stream s, std::int32_t g, bool& planned) noexcept {
-    planned = false;
-    std::vector<Access> acc;
-    add_state_accesses(acc);
-    const DevicePlanState st = state_;
-    rt_->set_next_label("device plan_group");
-    if (Status r = rt_->launch(s, acc, [st, g] {
-          SequentialBlock b;
-          plan_group<Policy>(b, st, g);
-        });
-        !r) {
-      return r;
-    }
-    planned = true;
-    return by_consumer_ ? Status{} : fill(s);  // fill_by_consumer: the consumer copies the misses
-  }
-
-  // plan_prefetch, then its fills as one stream-ordered fill op (also with overlap: a forward's
-  // consumer reads a prefetched slot only after the next prepare, which is ordered after this
-  // call's stream by the core, and whose lane for that slot waits for its plan).
-  Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
-                  bool& planned) noexcept {
-    planned = false;
-    std::vector<Access> acc;
-    if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
-    add_state_accesses(acc, false);
-    const DevicePlanState st = state_;
-    rt_->set_next_label("device plan_prefetch");
-    if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
-          SequentialBlock b;
-          plan_prefetch<Policy>(b, st, ids, n, max_fills, expires_after);
-        });
-        !r) {
-      return r;
-    }
-    planned = true;
-    if (copy_engine_) return fill_by_proxy(s, false);
-    return fill_stream_ordered(s, overlap_);
-  }
-
-  Status invalidate(Stream s, std::int32_t expert) noexcept {
-    std::vector<Access> acc;
-    add_state_accesses(acc);
-    const DevicePlanState st = state_;
-    rt_->set_next_label("device plan_invalidate");
-    return rt_->launch(s, acc, [st, expert] {
-      SequentialBlock b;
-      plan_invalidate(b, st, expert);
-    });
-  }
-
-  Status drop_fills(Stream s) noexcept {
-    return recovery(s, "device drop_fills", [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_fills(b, st); });
-  }
-  Status drop_missing(Stream s) noexcept {
-    return recovery(s, "device drop_missing",
-                    [](SequentialBlock& b, const DevicePlanState& st) { detail::plan_drop_missing(b, st); });
-  }
-
-  // The mapped mirror, read without ordering (like the GPU's: readable while work runs; each
-  // word is written whole). Not declared to the race detector for that reason.
-  [[nodiscard]] DevicePlanStats stats() const noexcept { return reinterpret_cast<const MappedWords*>(words_.data())->stats; }
-
-  // Read and clear: declared as a host access, so calling it while a plan op is pending and
-  // unordered with the host is reported (the contract: only when the cache's streams are idle).
-  std::uint32_t take_error_word() noexcept {
-    auto* w = reinterpret_cast<MappedWords*>(words_.data());
-    rt_->host_access(&w->error_word, sizeof(w->error_word), AccessMode::write);
-    return std::exchange(w->error_word, 0u);
-  }
-
- private:
-  struct MappedWords {
-    DevicePlanStats stats;
-    std::uint32_t error_word = 0;
-  };
-
-  // Every region of `expert` from the host pools into `slot` (the simulated fills' bytes).
-  static void copy_expert(const CopyRegions& regions, std::int32_t expert, std::int32_t slot) noexcept {
-    for (const CopyRegion& r : regions) {
-      std::memcpy(r.slot_base + static_cast<std::size_t>(slot) * r.slot_stride,
-                  r.host_base + static_cast<std::size_t>(expert) * r.host_stride, r.bytes);
-    }
-  }
-  static std::size_t extent(std::size_t stride, std::int32_t rows, std::size_t bytes) noexcept {
-    return rows <= 0 ? 0 : stride * static_cast<std::size_t>(rows - 1) + bytes;
-  }
-
-  // One op on the whole state (the recovery steps: they run rarely and touch what they find).
-  template <class Body>
-  Status recovery(Stream s, const char* label, Body body) noexcept {
-    std::vector<Access> acc;
-    add_state_accesses(acc);
-    const DevicePlanState st = state_;
-    rt_->set_next_label(label);
-    return rt_->launch(s, acc, [st, body] {
-      SequentialBlock b;
-      body(b, st);
-    });
-  }
-
-  // One array of the state and when a step declares it (a table, so that the accesses are
-  // pushed by one loop instead of one inlined push per array and mode).
-  enum class Declared : std::uint8_t { always, forward, unless_copy_engine };
-  struct StateArray {
-    const void* data;
-    std::size_t bytes;
-    Declared when;
-  };
-  template <class T>
-  static StateArray array_of(PlanSpan<T> span, Declared when = Declared::always) noexcept {
-    return StateArray{span.data, static_cast<std::size_t>(span.size) * sizeof(T), when};
-  }
-  // Every array read and written, in this order; `forward`: the current forward's arrays too
-  // (forward map, unique list, its group's experts). plan_prefetch never touches them, so a
-  // consumer of the forward may read its forward map while a prefetch runs beside it.
-  void add_state_accesses(std::vector<Access>& acc, bool forward = true) const {
-    const StateArray arrays[] = {
-        array_of(PlanSpan<DevicePlanScalars>{state_.scalars, 1}),
-        array_of(PlanSpan<DevicePlanStats>{state_.counters, 1}),
-        array_of(state_.slot_tick),
-        array_of(state_.resident_map),
-        array_of(state_.forward_map, Declared::forward),
-        array_of(state_.unique, Declared::forward),
-        array_of(state_.prev_forward, Declared::forward),
-        array_of(state_.missing, Declared::forward),
-        array_of(state_.marks),
-        array_of(state_.slot_owner),
-        array_of(state_.free_stack),
-        array_of(state_.fills),
-        array_of(state_.evictions),
-        array_of(state_.slot_needed),
-        // The ready words: no planning step touches them (only the reset at construction). With
-        // the copy engine the proxy stores them while later plans run (the words are its release
-        // flags, not data), so they are left out there; otherwise declared, as the fills are joined.
-        array_of(state_.slot_ready, Declared::unless_copy_engine),
-        array_of(state_.slot_ready_first, Declared::unless_copy_engine),
-        array_of(state_.fill_arrivals),
-        array_of(state_.fill_arrivals_first),
-        array_of(state_.slot_spec_left),
-        // The policies' state: every plan step may read and write it (a prior's bias is read).
-        array_of(state_.slot_freq),
-        array_of(state_.slot_order),
-        array_of(state_.expert_crf),
-        array_of(state_.expert_bias),
-        array_of(state_.expert_last),
-        array_of(state_.crf_pow),
-    };
-    for (const StateArray& a : arrays) {
-      if ((a.when == Declared::forward && !forward) || (a.when == Declared::unless_copy_engine && copy_engine_)) continue;
-      acc.push_back({a.data, a.bytes, AccessMode::read});
-      acc.push_back({a.data, a.bytes, AccessMode::write});
-    }
-    acc.push_back({state_.stats, sizeof(DevicePlanStats), AccessMode::write});
-    acc.push_back({state_.error_word, sizeof(std::uint32_t), AccessMode::write});
-  }
-
-  Status fill(Stream s) noexcept {
-    if (copy_engine_) return fill_by_proxy(s, !overlap_);
-    if constexpr (Overlap) {
-      if (overlap_) return fill_overlapped(s);
-    }
-    return fill_stream_ordered(s);
-  }
-
-  // The copy engine (see the class comment): post on s, take + copy on the proxy's stream.
-  Status fill_by_proxy(Stream s, bool wait_all) noexcept {
-    const DevicePlanState st = state_;
-    const std::uint32_t k = post_seq_++ % proxy_ring_depth;
-    auto* entry = reinterpret_cast<SimProxyFill*>(ring_.data()) + static_cast<std::size_t>(k) * static_cast<std::size_t>(st.capacity);
-    const std::size_t entry_bytes = static_cast<std::size_t>(st.capacity) * sizeof(SimProxyFill);
-    const std::size_t words = static_cast<std::size_t>(st.capacity) * sizeof(std::uint32_t);
-    const Stream p = proxy_stream_.get();
-    // The ring-room wait: the entry is free once the proxy took its previous request.
-    if (Status r = rt_->wait(s, taken_[k].get()); !r) return r;
-    if (post_before_list_) {
-      if (Status r = rt_->record(posted_.get(), s); !r) return r;
-    }
-    {
-      std::vector<Access> acc{{st.scalars, sizeof(DevicePlanScalars), AccessMode::read},
-                              {st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read},
-                              {st.slot_needed.data, words, AccessMode::read},
-                              {entry, entry_bytes, AccessMode::write}};
-      rt_->set_next_label("device proxy_post");
-      if (Status r = rt_->launch(s, acc, [st, entry] {
-            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
-            for (std::int32_t i = 0; i < st.capacity; ++i) {
-              const PlanEntry f = i < n ? st.fills[i] : PlanEntry{-1, -1};
-              const bool ok = f.slot >= 0 && f.slot < st.capacity;
-              entry[i] = SimProxyFill{f.expert, ok ? f.slot : -1, ok ? st.slot_needed[f.slot] : 0u};
-            }
-          });
-          !r) {
-        return r;
-      }
-    }
-    if (!post_before_list_) {
-      if (Status r = rt_->record(posted_.get(), s); !r) return r;
-    }
-    if (Status r = rt_->wait(p, posted_.get()); !r) return r;
-    auto list = std::make_shared<std::vector<SimProxyFill>>();
-    {
-      const Access a{entry, entry_bytes, AccessMode::read};
-      rt_->set_next_label("proxy take");
-      if (Status r = rt_->launch(p, std::span<const Access>(&a, 1),
-                                 [entry, list, c = st.capacity] { list->assign(entry, entry + c); });
-          !r) {
-        return r;
-      }
-      if (Status r = rt_->record(taken_[k].get(), p); !r) return r;
-    }
-    if (ready_before_copy_) {
-      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
-    }
-    {
-      std::vector<Access> acc;
-      acc.insert(acc.end(), pools_.begin(), pools_.end());
-      acc.insert(acc.end(), slots_.begin(), slots_.end());
-      acc.push_back({st.slot_ready.data, words, AccessMode::write});
-      acc.push_back({st.slot_ready_first.data, words, AccessMode::write});
-      if (fail_copies_) acc.push_back({st.error_word, sizeof(std::uint32_t), AccessMode::write});
-      const CopyRegions regions = regions_;
-      rt_->set_next_label("proxy copy");
-      if (Status r = rt_->launch(p, acc, [st, regions, list, fail = fail_copies_, failed = proxy_failed_] {
-            for (const SimProxyFill& f : *list) {
-              if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
-              if (!fail) {
-                copy_expert(regions, f.expert, f.slot);
-              } else {
-                *failed = true;
-                *st.error_word |= plan_error_fill_failed;
-              }
-              st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = f.tag;  // after the bytes (P2)
-            }
-          });
-          !r) {
-        return r;
-      }
-    }
-    if (!ready_before_copy_) {
-      if (Status r = rt_->record(proxy_done_.get(), p); !r) return r;
-    }
-    // Without overlap the post waits for the ready words; with it the consumer waits per slot.
-    return wait_all ? rt_->wait(s, proxy_done_.get()) : Status{};
-  }
-
-  // `publish_ready` (a prefetch's fill with overlap): also stores each filled slot's ready word,
-  // as the GPU's ready-word fill does, so a later readiness consumer finds it at the needed value.
-  Status fill_stream_ordered(Stream s, bool publish_ready = false) noexcept {
-    std::vector<Access> acc;
-    acc.push_back({state_.scalars, sizeof(DevicePlanScalars), AccessMode::read});
-    acc.push_back({state_.fills.data, static_cast<std::size_t>(state_.capacity) * sizeof(PlanEntry), AccessMode::read});
-    if (publish_ready) {
-      const std::size_t words = static_cast<std::size_t>(state_.capacity) * sizeof(std::uint32_t);
-      acc.push_back({state_.slot_needed.data, words, AccessMode::read});
-      acc.push_back({state_.slot_ready.data, words, AccessMode::write});
-      acc.push_back({state_.slot_ready_first.data, words, AccessMode::write});
-    }
-    acc.insert(acc.end(), pools_.begin(), pools_.end());
-    acc.insert(acc.end(), slots_.begin(), slots_.end());
-    const DevicePlanState st = state_;
-    const CopyRegions regions = regions_;
-    rt_->set_next_label("device plan_fill");
-    return rt_->launch(s, acc, [st, regions, publish_ready] {
-      const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
-      for (std::int32_t i = 0; i < n; ++i) {
-        const PlanEntry f = st.fills[i];
-        // Checked like the kernel: nothing outside the pools is touched, whatever the list says.
-        if (f.expert < 0 || f.expert >= st.num_experts || f.slot < 0 || f.slot >= st.capacity) continue;
-        copy_expert(regions, f.expert, f.slot);
-        if (publish_ready) st.slot_ready_first[f.slot] = st.slot_ready[f.slot] = st.slot_needed[f.slot];
-      }
-    });
-  }
-
-  // One op per slot on its own lane (see the class comment).
-  Status fill_overlapped(Stream s) noexcept {
-    if (Status r = rt_->record(planned_.get(), s); !r) return r;
-    fork_ = s;
-    const DevicePlanState st = state_;
-    for (std::int32_t j = 0; j < st.capacity; ++j) {
-      const Stream lane = lanes_[static_cast<std::size_t>(j)].get();
-      if (Status r = rt_->wait(lane, planned_.get()); !r) return r;
-      std::vector<Access> acc;
-      acc.push_back({st.scalars, sizeof(DevicePlanScalars), AccessMode::read});
-      acc.push_back({st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read});
-      acc.push_back({st.slot_needed.data + j, sizeof(std::uint32_t), AccessMode::read});
-      acc.push_back({st.slot_ready.data + j, sizeof(std::uint32_t), AccessMode::write});
-      acc.push_back({st.slot_ready_first.data + j, sizeof(std::uint32_t), AccessMode::write});
-      acc.insert(acc.end(), pools_.begin(), pools_.end());
-      for (const CopyRegion& r : regions_) {
-        if (r.bytes != 0) acc.push_back({r.slot_base + static_cast<std::size_t>(j) * r.slot_stride, r.bytes, AccessMode::write});
-      }
-      const CopyRegions regions = regions_;
-      rt_->set_next_label("device plan_fill_ready (slot " + std::to_string(j) + ")");
-      if (Status r = rt_->launch(lane, acc, [st, regions, j] {
-            const std::int32_t n = std::min(st.scalars->fill_count, st.capacity);
-            for (std::int32_t i = 0; i < n; ++i) {
-              const PlanEntry f = st.fills[i];
-              if (f.slot != j || f.expert < 0 || f.expert >= st.num_experts) continue;
-              copy_expert(regions, f.expert, j);
-              // The release stores (after the bytes; the model has no first part of its own).
-              st.slot_ready_first[j] = st.slot_ready[j] = st.slot_needed[j];
-            }
-          });
-          !r) {
-        return r;
-      }
-      if (Status r = rt_->record(ready_[static_cast<std::size_t>(j)].get(), lane); !r) return r;
-    }
-    return {};
-  }
-
-  struct SimProxyFill {
-    std::int32_t expert;
-    std::int32_t slot;
-    std::uint32_t tag;
-  };
-
-  SimRuntime* rt_;
-  bool overlap_;
-  bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
-  bool copy_engine_;  // FillEngine::copy_engine: fills through the modelled proxy
-  bool post_before_list_, ready_before_copy_, fail_copies_;  // test knobs (edges P1, P2; failures)
-  bool skip_shutdown_wait_;                                    // test knob (edge P4)
-  RuntimeStream<SimRuntime> proxy_stream_;
-  RuntimeEvent<SimRuntime> posted_, proxy_done_;
-  std::vector<RuntimeEvent<SimRuntime>> taken_;  // per ring entry
-  RuntimeBuffer<SimRuntime> ring_;
-  std::uint32_t post_seq_ = 0;
-  std::shared_ptr<bool> proxy_failed_;
-  RuntimeEvent<SimRuntime> planned_;
-  std::vector<RuntimeStream<SimRuntime>> lanes_;
-  std::vector<RuntimeEvent<SimRuntime>> ready_;
-  std::optional<Stream> fork_;
-  RuntimeBuffer<SimRuntime> block_;
-  RuntimeBuffer<SimRuntime> words_;
-  RuntimeBuffer<SimRuntime> sanitized_;
-  CopyRegions regions_;
-  std::vector<Access> pools_;
-  std::vector<Access> slots_;
-  DevicePlanState state_{};
-};
-using SimPlanExecutor = BasicSimPlanExecutor<DeviceLru>;
-static_assert(device_plan_executor<SimPlanExecutor>);
-static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceLfru>>);
-static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy>>);
-static_assert(device_plan_executor<BasicSimPlanExecutor<DeviceRuntimePolicy, false>>);
-
-template <>
-struct DevicePlanExecutorFor<SimRuntime> {
-  using type = SimPlanExecutor;
-  template <device_plan_policy Policy>
-  using with_policy = BasicSimPlanExecutor<Policy>;
-};
-
-// The executor of `Runtime` for `Policy`: DevicePlanExecutorFor<Runtime>::type for DeviceLru,
-// its with_policy<Policy> for the others (a runtime without it plans LRU only).
-template <class Runtime, class Policy>
-struct DevicePlanExecutorOf {
-  using type = typename DevicePlanExecutorFor<Runtime>::template with_policy<Policy>;
-};
-template <class Runtime>
-struct DevicePlanExecutorOf<Runtime, DeviceLru> {
-  using type = typename DevicePlanExecutorFor<Runtime>::type;
-};
-
-// The staging policy of a wide forward's round copies for `Policy` on `Runtime`: CopyStream (plain
-// copies, coalesced and batched by the rounds). make() builds the one a cache holds. The
-// run-time-selected cache (any/any_cache.hpp) names its host caches' staging type, holding
-// CopyStream: the same copies, and the rounds' code is then shared with its host providers'.
-template <class Policy, class Runtime>
-struct DeviceWideStaging {
-  using type = CopyStream;
-  [[nodiscard]] static type make() noexcept { return {}; }
-};
 
 // ---- the cache ----------------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ namespace detail {
 // One work item of `width` bytes (16, 4 or 1) with `left` bytes to its row's end. A 16-byte item
 // is loaded into `v` and its destination returned through `dst16` (true), so the caller can keep
 // several loads in flight before the stores; a 4- or 1-byte item, or a row's tail, is copied here.
-// Also the item copy of the device planner's fill (kernels/plan_kernels.cuh).
+// Also the item copy of the device planner's fill (kernels/plan_fill.cuh).
 __device__ __forceinline__ bool copy_item(const void* src_v, void* dst_v, std::uint32_t width, std::uint64_t left,
                                           int4& v, int4*& dst16) {
   const auto* src = static_cast<const unsigned char*>(src_v);
