@@ -246,7 +246,7 @@ class ForwardPlanner {
     return plan_prefetch_checked(predicted, max_fills, expires_after, out);
   }
 
-  // The same with the caller's scores (PrefetchOptions in cache/expert_cache.hpp states the contract):
+  // The same with the caller's scores (PrefetchOptions in cache/options.hpp states the contract):
   // scores[i] is the probability that the next forward reads predicted[i]. Empty `scores` and
   // no feedback: the overload above, exactly. Otherwise the entries scoring below `min_score`
   // are skipped (out.skipped_unlikely; they are not protected either) and the others are
