@@ -43,9 +43,10 @@
 
 namespace expert_cache::inline v0 {
 
+/// Where a wide forward's missing experts go (WideOptions::admission).
 enum class WideAdmission : std::uint8_t {
-  stream,  // scan resistant: missing experts go through the stream slots, never into the pool
-  admit,   // every expert goes through the pool (the policy evicts), as the reference providers
+  stream,  ///< scan resistant: missing experts go through the stream slots, never into the pool
+  admit,   ///< every expert goes through the pool (the policy evicts), as the reference providers
 };
 
 [[nodiscard]] constexpr std::string_view to_string(WideAdmission a) noexcept {
@@ -72,15 +73,15 @@ enum class WideCopy : std::uint8_t { runs, span, automatic };
 /// wins when the bytes it wastes cost less than the copies it saves: wasted bytes <
 /// saved copies x 5 us x 55 GB/s = saved copies x 275 KB.
 struct WideCopyCost {
-  double copy_overhead_ns = 5000.0;
-  double link_bytes_per_ns = 55.0;
+  double copy_overhead_ns = 5000.0;  ///< fixed cost of one copy, ns
+  double link_bytes_per_ns = 55.0;   ///< link bandwidth, bytes per ns (= GB/s)
 };
 
 /// Options of one prepare_wide() call.
 struct WideOptions {
-  WideAdmission admission = WideAdmission::stream;
-  WideCopy copy = WideCopy::automatic;
-  WideCopyCost cost{};
+  WideAdmission admission = WideAdmission::stream;  ///< stream slots (scan resistant) or the pool
+  WideCopy copy = WideCopy::automatic;               ///< how stream admission copies a round
+  WideCopyCost cost{};                               ///< the cost model WideCopy::automatic uses
   /// Stream admission: each round's copies in ONE batched call where the runtime has one
   /// (CudaRuntime: cudaMemcpyBatchAsync; a wide forward is never captured, so it is always
   /// allowed), which keeps the copy engine from paying a fixed cost per copy; false: one copy
@@ -103,9 +104,12 @@ struct WideSummary {
   bool fell_back = false;       ///< stream admission asked for without stream slots: served by admit
 };
 
-/// Recommended stream slots for a cache of `capacity` slots and top-k `top_k`: two halves of
-/// max(top_k, capacity / 16) slots, i.e. about an eighth of the pool (a round's compute then
-/// hides the next round's transfer without taking much memory from the cache).
+/// Recommended stream slots for a cache: two halves of max(top_k, capacity / 16) slots, i.e.
+/// about an eighth of the pool (a round's compute then hides the next round's transfer without
+/// taking much memory from the cache).
+/// @param capacity  the cache's slots
+/// @param top_k     experts per token
+/// @return the stream slots to configure (even, at least 2)
 [[nodiscard]] constexpr std::int32_t recommended_stream_slots(std::int32_t capacity, std::int32_t top_k) noexcept {
   const std::int32_t half = std::max<std::int32_t>(std::max<std::int32_t>(top_k, 1), capacity / 16);
   return 2 * half;

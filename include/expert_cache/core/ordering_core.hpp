@@ -59,8 +59,8 @@
 
 namespace expert_cache::inline v0 {
 
-// The edges of docs/design.md's happens-before table, each on by default. A test derives from
-// this struct and hides one member with `false` to remove that edge.
+/// The edges of docs/design.md's happens-before table, each on by default. A test derives from
+/// this struct and hides one member with `false` to remove that edge.
 struct OrderingEdges {
   static constexpr bool release_wait = true;             // 1: F waits for the owner's readers (WAR)
   static constexpr bool last_fill_release = true;        // 2: F waits for the last writer stream (WAW)
@@ -76,7 +76,7 @@ struct OrderingEdges {
   static constexpr bool speculative_overwrite_wait = true;  // 11: a slot write waits for the slot's pending speculative fill
 };
 
-// What a call through OrderingCore::write() does.
+/// What a call through OrderingCore::write() does.
 enum class WritePurpose : std::uint8_t {
   fill,        // prepare() with writes (slot fills and/or a stale resident map); X then reads
   read_only,   // prepare() with nothing to write (all hits, resident map current); X only reads
@@ -84,14 +84,15 @@ enum class WritePurpose : std::uint8_t {
   speculative, // prefetch(): the resident map, then slot fills X does not wait for; the owner keeps reading
 };
 
-// A host map (int32 entries, as many as the core's map_entries) and the device buffer it is
-// uploaded to. An empty upload (host == nullptr) uploads nothing.
+/// A host map (int32 entries, as many as the core's map_entries) and the device buffer it is
+/// uploaded to. An empty upload (host == nullptr) uploads nothing.
 struct MapUpload {
   const std::int32_t* host = nullptr;
   std::int32_t* device = nullptr;
   std::size_t entries = 0;  // entries to copy from host/device on; 0 = the core's map_entries
 };
 
+/// What the core did since construction (a cache's stats report them).
 struct OrderingCounters {
   std::uint64_t owner_changes = 0;
   std::uint64_t map_uploads = 0;
@@ -100,15 +101,23 @@ struct OrderingCounters {
   std::uint64_t ready_edges = 0;
 };
 
+/// The write protocol of one cache (or of one model cache's layers): its streams, events and
+/// staging ring, and every wait and record between them.
 template <allocating_runtime R, class Edges = OrderingEdges>
 class OrderingCore {
  public:
   using Stream = typename R::Stream;
   using Event = typename R::Event;
 
-  // `fill_on_copy_stream`: false = inline mode (fills on the caller's stream, the cached
-  // provider's semantics). `map_entries`: int32 entries of each device map upload.
-  // `readers`: owners tracked separately (see the header comment; 1 for one cache).
+  /// @param rt                   the runtime; it must outlive the core
+  /// @param fill_on_copy_stream  true: fills on a cache-owned copy stream; false: inline mode
+  ///                             (fills on the caller's stream, the cached provider's semantics)
+  /// @param map_entries          int32 entries of each device map upload
+  /// @param staging_ring         pinned host staging buffers for map uploads (at least 2)
+  /// @param readers              owners tracked separately (see the header comment; 1 for one
+  ///                             cache)
+  /// @throws Error invalid_argument for staging_ring < 2 or readers < 1, or the runtime's error
+  ///         when a stream, event or buffer cannot be made
   OrderingCore(R& rt, bool fill_on_copy_stream, std::size_t map_entries, std::size_t staging_ring,
                std::size_t readers = 1)
       : rt_(&rt),
@@ -129,20 +138,25 @@ class OrderingCore {
     }
   }
 
+  /// True when fills run on the caller's stream.
   [[nodiscard]] bool inline_mode() const noexcept { return inline_mode_; }
-  // The stream of the last accepted prepare (any reader); owner(r): reader r's.
+  /// The stream of the last accepted prepare (any reader); owner(r): reader r's.
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return owner_; }
   [[nodiscard]] std::optional<Stream> owner(std::size_t reader) const noexcept {
     return reader < owners_.size() ? owners_[reader] : std::nullopt;
   }
+  /// Readers tracked (construction's `readers`).
   [[nodiscard]] std::size_t readers() const noexcept { return owners_.size(); }
+  /// The cache-owned copy stream; nullopt in inline mode.
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept {
     return copy_stream_ ? std::optional<Stream>(copy_stream_->get()) : std::nullopt;
   }
+  /// What the core did since construction.
   [[nodiscard]] const OrderingCounters& counters() const noexcept { return counters_; }
+  /// Pinned host bytes of the staging ring.
   [[nodiscard]] std::size_t staging_bytes() const noexcept { return ring_.size() * map_bytes_; }
 
-  // The stream that writes slots and the resident map for a call from `caller`.
+  /// The stream that writes slots and the resident map for a call from `caller`.
   [[nodiscard]] Stream fill_stream(Stream caller) const noexcept {
     return inline_mode_ ? caller : copy_stream_->get();
   }
@@ -158,11 +172,17 @@ class OrderingCore {
     return wide_stream_ ? wide_stream_->get() : caller;
   }
 
-  // One cache call's device work in protocol order (the header comment lists the steps).
-  // `writes(F)` enqueues the call's writes on F and returns their Status; it is not called for
-  // WritePurpose::read_only. `resident` is uploaded after the writes (skipped when empty).
-  // On failure the call's work may be partly enqueued; the caller decides what it no longer
-  // trusts (ExpertCache drops the experts it was filling).
+  /// One cache call's device work in protocol order (the header comment lists the steps).
+  /// On failure the call's work may be partly enqueued; the caller decides what it no longer
+  /// trusts (ExpertCache drops the experts it was filling).
+  /// @param caller    the stream of the cache call (X)
+  /// @param purpose   what the call does
+  /// @param resident  the resident map, uploaded after the writes (skipped when empty)
+  /// @param writes    `writes(F)` enqueues the call's writes on F and returns their Status; it is
+  ///                  not called for WritePurpose::read_only
+  /// @param reader    whose owner this call orders against and becomes (in [0, readers()))
+  /// @return the first failure of a runtime call or of `writes`; invalid_argument for a reader
+  ///         out of range
   template <class Writes>
     requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
   // `reader`: whose owner this call orders against and becomes (in [0, readers())).

@@ -57,11 +57,17 @@ __global__ void sum_partials_kernel(PartialPointers parts, long long count, floa
 
 }  // namespace parallel_detail
 
-// Sums `partials` (device pointers on the current device, each `count` floats) into `out` in rank
-// order. `out` may be one of the partials. The caller orders the stream after every rank's
-// producer (an event per rank).
+/// Sums the ranks' partials on ONE device with one kernel, in rank order.
 class SameDeviceAllReduce {
  public:
+  /// Sums `partials` into `out` in rank order. The caller orders the stream after every rank's
+  /// producer (an event per rank).
+  /// @param partials  device pointers on the current device, each `count` floats; 1 to
+  ///                  max_same_device_ranks of them
+  /// @param out       device pointer of `count` floats; may be one of the partials
+  /// @param count     floats per partial
+  /// @param stream    where the kernel runs
+  /// @return ok; invalid_argument for a bad rank count or a null pointer; the launch's error
   [[nodiscard]] static Status run(std::span<const float* const> partials, float* out, std::size_t count,
                                   cudaStream_t stream) noexcept {
     if (partials.empty() || partials.size() > static_cast<std::size_t>(max_same_device_ranks))
@@ -88,10 +94,12 @@ class SameDeviceAllReduce {
   return Status::format(ErrorCode::runtime_failure, "%s failed: %s", what, ncclGetErrorString(r));
 }
 
-// One communicator per rank; owns them (ncclCommDestroy on destruction).
+/// One communicator per rank; owns them (ncclCommDestroy on destruction).
 class NcclAllReduce {
  public:
-  // One process driving `devices` (ncclCommInitAll): rank r is devices[r].
+  /// One process driving `devices` (ncclCommInitAll).
+  /// @param devices  CUDA device ordinals; rank r is devices[r]
+  /// @throws Error invalid_argument for no devices, runtime_failure when NCCL fails
   explicit NcclAllReduce(std::span<const int> devices) : devices_(devices.begin(), devices.end()) {
     if (devices_.empty()) throw Error(ErrorCode::invalid_argument, "NcclAllReduce: no devices");
     comms_.resize(devices_.size());
@@ -110,9 +118,13 @@ class NcclAllReduce {
   [[nodiscard]] int ranks() const noexcept { return static_cast<int>(comms_.size()); }
   [[nodiscard]] int device(int rank) const noexcept { return devices_[static_cast<std::size_t>(rank)]; }
 
-  // Every rank's sum at once (one process, several devices: the calls are grouped, as NCCL
-  // requires when one thread drives several communicators). partials[r], outs[r], streams[r]
-  // belong to device(r); outs[r] may equal partials[r] (in place).
+  /// Every rank's sum at once (one process, several devices: the calls are grouped, as NCCL
+  /// requires when one thread drives several communicators).
+  /// @param partials  per rank, `count` floats on device(r)
+  /// @param outs      per rank, `count` floats on device(r); outs[r] may equal partials[r]
+  /// @param count     floats per rank
+  /// @param streams   per rank, a stream of device(r)
+  /// @return ok; invalid_argument when a span's size is not ranks(); the first NCCL failure
   [[nodiscard]] Status run(std::span<const float* const> partials, std::span<float* const> outs, std::size_t count,
                            std::span<const cudaStream_t> streams) noexcept {
     const std::size_t n = comms_.size();

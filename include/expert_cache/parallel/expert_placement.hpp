@@ -25,23 +25,26 @@
 
 namespace expert_cache::inline v0 {
 
-// [begin, end) of physical ids, one per rank (expert parallel with contiguous ranges).
+/// [begin, end) of physical ids, one per rank (expert parallel with contiguous ranges).
 struct ExpertRange {
   std::int32_t begin = 0;
   std::int32_t end = 0;
   friend constexpr bool operator==(const ExpertRange&, const ExpertRange&) = default;
 };
 
+/// How a model's experts are spread over the ranks.
 enum class Sharding : std::uint8_t {
   expert_parallel,  // each physical expert has one owning rank; only the owner caches it
   tensor_slice,     // every rank caches every expert, only its 1/world slice of the tensors
 };
 
+/// What a replica map may be.
 enum class ReplicaMapKind : std::uint8_t {
   bijection,    // a permutation of [0, num_global): num_physical == num_global
   many_to_one,  // several logical ids may share one physical expert; every entry in range
 };
 
+/// Everything ExpertPlacement::make validates: the id spaces, the ranks and who owns what.
 struct PlacementConfig {
   std::int32_t num_global = 0;    // logical experts of the layer (router ids)
   std::int32_t num_physical = 0;  // physical experts stored; 0: num_global (no replica map)
@@ -57,8 +60,8 @@ struct PlacementConfig {
   std::vector<std::int32_t> owner;
 };
 
-// `world` contiguous ranges over [0, num): the first num % world ranks get one expert more (the
-// split engines use for EP).
+/// `world` contiguous ranges over [0, num): the first num % world ranks get one expert more (the
+/// split engines use for EP).
 [[nodiscard]] inline std::vector<ExpertRange> contiguous_ranges(std::int32_t num, std::int32_t world) {
   std::vector<ExpertRange> r;
   if (num < 0 || world <= 0) return r;
@@ -72,9 +75,13 @@ struct PlacementConfig {
   return r;
 }
 
+/// One layer's validated id-mapping chain (global -> physical -> owner rank -> local id).
 class ExpertPlacement {
  public:
-  // Validates `c` completely; the placement exists only if every check passed.
+  /// Validates `c` completely; the placement exists only if every check passed.
+  /// @param c  the configuration
+  /// @return the placement, or a Status naming the first problem (overlapping or missing ranges,
+  ///         a rank out of range, a replica entry out of range...)
   [[nodiscard]] static Result<ExpertPlacement> make(PlacementConfig c) {
     if (c.num_global <= 0 || c.num_global > (1 << 24))
       return Status::format(ErrorCode::invalid_argument, "placement: num_global %d outside [1, 2^24]", c.num_global);
@@ -170,39 +177,42 @@ class ExpertPlacement {
   [[nodiscard]] Sharding sharding() const noexcept { return c_.sharding; }
   [[nodiscard]] const PlacementConfig& config() const noexcept { return c_; }
 
-  // The chain, one step at a time (arguments must be in range: callers validated ids already).
+  /// The chain, one step at a time (arguments must be in range: callers validated ids already).
   [[nodiscard]] std::int32_t physical_of(std::int32_t global) const noexcept {
     return c_.logical_to_physical.empty() ? global : c_.logical_to_physical[static_cast<std::size_t>(global)];
   }
-  // Expert parallel: the one owner. Tensor-slice: every rank owns it; 0 is returned.
+  /// Expert parallel: the one owner. Tensor-slice: every rank owns it; 0 is returned.
   [[nodiscard]] std::int32_t owner_of(std::int32_t physical) const noexcept { return owner_[static_cast<std::size_t>(physical)]; }
   [[nodiscard]] std::int32_t local_of(std::int32_t physical) const noexcept { return local_[static_cast<std::size_t>(physical)]; }
   [[nodiscard]] bool owns(std::int32_t rank, std::int32_t physical) const noexcept {
     return c_.sharding == Sharding::tensor_slice || owner_[static_cast<std::size_t>(physical)] == rank;
   }
-  // Experts rank `rank` caches: its cache's num_experts.
+  /// Experts rank `rank` caches: its cache's num_experts.
   [[nodiscard]] std::int32_t num_local(std::int32_t rank) const noexcept { return local_count_[static_cast<std::size_t>(rank)]; }
-  // Where the rank's experts start in the shared host pool's storage order (expert parallel:
-  // rank-major, local order; every rank's experts are one contiguous run, so its cache adopts one
-  // sub-span per tensor. With contiguous ranges this is the physical id. Tensor-slice: 0).
+  /// Where the rank's experts start in the shared host pool's storage order (expert parallel:
+  /// rank-major, local order; every rank's experts are one contiguous run, so its cache adopts one
+  /// sub-span per tensor. With contiguous ranges this is the physical id. Tensor-slice: 0).
   [[nodiscard]] std::int32_t first_storage_index(std::int32_t rank) const noexcept {
     return first_storage_[static_cast<std::size_t>(rank)];
   }
-  // The storage index of a physical expert (the pool row its bytes live in).
+  /// The storage index of a physical expert (the pool row its bytes live in).
   [[nodiscard]] std::int32_t storage_index(std::int32_t physical) const noexcept {
     if (c_.sharding == Sharding::tensor_slice) return physical;
     return first_storage_[static_cast<std::size_t>(owner_of(physical))] + local_of(physical);
   }
-  // [num_global]: global id -> local id on `rank`, -1 where another rank owns it.
+  /// [num_global]: global id -> local id on `rank`, -1 where another rank owns it.
   [[nodiscard]] std::span<const std::int32_t> local_table(std::int32_t rank) const noexcept {
     return std::span<const std::int32_t>(table_).subspan(static_cast<std::size_t>(rank) * static_cast<std::size_t>(c_.num_global),
                                                          static_cast<std::size_t>(c_.num_global));
   }
 
-  // A forward's global top-k ids -> rank `rank`'s local ids (same length). Negative ids are
-  // padding and stay -1; ids owned by another rank become -1. Every id is checked before the
-  // first output is written: an id >= num_global, a rank out of range or a length mismatch is an
-  // error and `local` is unchanged.
+  /// A forward's global top-k ids -> rank `rank`'s local ids (same length). Negative ids are
+  /// padding and stay -1; ids owned by another rank become -1.
+  /// @param rank    the rank whose local ids are wanted
+  /// @param global  the router's ids (negative: padding)
+  /// @param local   gets one local id or -1 per global id; as long as `global`
+  /// @return ok; every id is checked before the first output is written: an id >= num_global, a
+  ///         rank out of range or a length mismatch is an error and `local` is unchanged
   [[nodiscard]] Status to_local(std::int32_t rank, std::span<const std::int32_t> global,
                                 std::span<std::int32_t> local) const noexcept {
     if (rank < 0 || rank >= c_.world_size)
@@ -222,9 +232,13 @@ class ExpertPlacement {
     return {};
   }
 
-  // Checks that a rank's cache was built for this placement: the world size the rank was told,
-  // its rank index and its cache's expert count. A mismatch (a rank started with another
-  // configuration, a restarted rank with a stale world size) is an error, never a silent drop.
+  /// Checks that a rank's cache was built for this placement. A mismatch (a rank started with
+  /// another configuration, a restarted rank with a stale world size) is an error, never a
+  /// silent drop.
+  /// @param rank           the rank's index
+  /// @param world_size     the world size the rank was told
+  /// @param cache_experts  its cache's num_experts
+  /// @return ok, or invalid_argument naming the mismatch
   [[nodiscard]] Status check_rank(std::int32_t rank, std::int32_t world_size, std::int32_t cache_experts) const noexcept {
     if (world_size != c_.world_size)
       return Status::format(ErrorCode::invalid_argument, "placement: rank %d has world_size %d, the placement %d", rank,
@@ -239,8 +253,8 @@ class ExpertPlacement {
     return {};
   }
 
-  // A 64-bit digest of the configuration (FNV-1a over every field). Ranks exchange it once at
-  // start-up (an all-gather); check_fingerprints refuses any rank whose digest differs.
+  /// A 64-bit digest of the configuration (FNV-1a over every field). Ranks exchange it once at
+  /// start-up (an all-gather); check_fingerprints refuses any rank whose digest differs.
   [[nodiscard]] std::uint64_t fingerprint() const noexcept {
     std::uint64_t h = 0xcbf29ce484222325ull;
     auto mix = [&h](std::int64_t v) {
@@ -260,6 +274,8 @@ class ExpertPlacement {
     for (std::int32_t v : local_) mix(v);
     return h;
   }
+  /// @param per_rank  every rank's fingerprint(), in rank order (the all-gather's result)
+  /// @return ok when all are equal, else invalid_argument naming the first rank that differs
   [[nodiscard]] static Status check_fingerprints(std::span<const std::uint64_t> per_rank) noexcept {
     for (std::size_t r = 1; r < per_rank.size(); ++r)
       if (per_rank[r] != per_rank[0])

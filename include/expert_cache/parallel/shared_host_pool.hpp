@@ -35,6 +35,7 @@
 
 namespace expert_cache::inline v0 {
 
+/// One layer's host pool for every rank of a host, each expert byte stored once.
 template <class R>
 class SharedHostPool {
  public:
@@ -42,9 +43,13 @@ class SharedHostPool {
   static constexpr std::int32_t max_ranks = 64;  // ranks of one host
   static constexpr std::size_t page_bytes = 4096;
 
-  // `rank_tensors`: the tensors of ONE rank's layout (expert parallel: the layer's layout;
-  // tensor slice: tp_slice_layout(full, TP)). Throws Error when the runtime refuses a
-  // registration (earlier ones are undone) or memory runs out.
+  /// Allocates and registers the pool.
+  /// @param rt            the runtime that registers the pool; it must outlive the pool
+  /// @param placement     the layer's placement (copied)
+  /// @param rank_tensors  the tensors of ONE rank's layout (expert parallel: the layer's layout;
+  ///                      tensor slice: tp_slice_layout(full, TP))
+  /// @throws Error invalid_argument for more than max_ranks ranks; the runtime's error when it
+  ///         refuses a registration (earlier ones are undone); when memory runs out
   SharedHostPool(R& rt, const ExpertPlacement& placement, const ExpertTensorBytes& rank_tensors)
       : placement_(placement), tensors_(rank_tensors) {
     const std::int32_t W = placement.world_size();
@@ -86,8 +91,8 @@ class SharedHostPool {
     return s;
   }
 
-  // Where rank `rank`'s copy of tensor t of physical expert `physical` lives (write the weights
-  // here at load: expert parallel, the owner's run; tensor slice, the rank's slice).
+  /// Where rank `rank`'s copy of tensor t of physical expert `physical` lives (write the weights
+  /// here at load: expert parallel, the owner's run; tensor slice, the rank's slice).
   [[nodiscard]] std::byte* expert(std::size_t t, std::int32_t rank, std::int32_t physical) noexcept {
     const std::size_t b = tensors_[t].bytes_per_expert;
     const std::int32_t row = placement_.sharding() == Sharding::expert_parallel
@@ -97,8 +102,8 @@ class SharedHostPool {
     return data_[t].get() + offset_[t][static_cast<std::size_t>(at_rank)] + static_cast<std::size_t>(row) * b;
   }
 
-  // Rank `rank`'s caller memory for its cache: one span per present tensor, exactly its
-  // experts' bytes, already registered.
+  /// Rank `rank`'s caller memory for its cache (CacheOptions::memory): one span per present
+  /// tensor, exactly its experts' bytes, already registered (host_registered = true).
   [[nodiscard]] StorageMemory rank_memory(std::int32_t rank) const noexcept {
     StorageMemory m;
     m.host_registered = true;

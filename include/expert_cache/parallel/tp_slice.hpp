@@ -37,7 +37,7 @@
 
 namespace expert_cache::inline v0 {
 
-// Tensors every tensor-slice rank needs whole (the per-expert fp32 global scales).
+/// Tensors every tensor-slice rank needs whole (the per-expert fp32 global scales).
 [[nodiscard]] constexpr bool tp_replicated(std::string_view tensor_name) noexcept {
   return tensor_name == "w13_scale_2" || tensor_name == "w2_scale_2";
 }
@@ -52,12 +52,21 @@ inline Status check_tp(std::int64_t intermediate, std::int32_t tp, const char* l
 }
 }  // namespace detail
 
+/// The layout of one rank's slice of a dense layer.
+/// @param full  the unsliced layout
+/// @param tp    tensor-parallel size, in [1, 4096], dividing full.intermediate
+/// @return {K, N / tp}, or invalid_argument
 [[nodiscard]] inline Result<DenseBf16> tp_slice_layout(const DenseBf16& full, std::int32_t tp) noexcept {
   if (Status s = full.validate(); !s) return s;
   if (Status s = detail::check_tp(full.intermediate, tp, "dense_bf16 tp slice"); !s) return s;
   return DenseBf16{full.hidden, full.intermediate / tp};
 }
 
+/// The layout of one rank's slice of an NVFP4 Marlin layer.
+/// @param full  the unsliced layout
+/// @param tp    tensor-parallel size, in [1, 4096], dividing full.intermediate
+/// @return {K, N / tp, dtype}, or invalid_argument when N / tp is not a multiple of the 16-element
+///         scale group or of the Marlin column tile (see the header comment)
 [[nodiscard]] inline Result<Nvfp4Marlin> tp_slice_layout(const Nvfp4Marlin& full, std::int32_t tp) noexcept {
   if (Status s = full.validate(); !s) return s;
   if (Status s = detail::check_tp(full.intermediate, tp, "nvfp4_marlin tp slice"); !s) return s;
@@ -76,8 +85,10 @@ inline Status check_tp(std::int64_t intermediate, std::int32_t tp, const char* l
   return Nvfp4Marlin{full.hidden, n, full.dtype};
 }
 
-// Rank `rank`'s slice of one dense expert (bf16 elements as uint16): w13 [2N, K] -> [2n, K],
-// w2 [K, N] -> [K, n]. `slice` must come from tp_slice_layout(full, tp).
+/// Rank `rank`'s slice of one dense expert (bf16 elements as uint16): w13 [2N, K] -> [2n, K],
+/// w2 [K, N] -> [K, n]. `tp` must be one tp_slice_layout(full, tp) accepts.
+/// @param w13, w2          the full expert's tensors
+/// @param w13_out, w2_out  get the slice ([2n, K] and [K, n] elements)
 inline void slice_dense_expert(const DenseBf16& full, std::int32_t tp, std::int32_t rank, const std::uint16_t* w13,
                                const std::uint16_t* w2, std::uint16_t* w13_out, std::uint16_t* w2_out) noexcept {
   const std::int64_t K = full.hidden, N = full.intermediate, n = N / tp;
@@ -88,14 +99,21 @@ inline void slice_dense_expert(const DenseBf16& full, std::int32_t tp, std::int3
     std::memcpy(w2_out + k * n, w2 + k * N + rank * n, static_cast<std::size_t>(n) * sizeof(std::uint16_t));
 }
 
-// Rank `rank`'s slice of an NVFP4 checkpoint layer (all experts), in checkpoint form; the
-// vectors own the bytes the returned layer points at.
+/// Rank `rank`'s slice of an NVFP4 checkpoint layer (all experts), in checkpoint form; the
+/// vectors own the bytes the returned layer points at.
 struct Nvfp4CheckpointSlice {
   std::vector<std::uint8_t> w13, w13_scale, w2, w2_scale;
   std::vector<float> w13_scale_2, w2_scale_2;
   Nvfp4CheckpointLayer layer;
 };
 
+/// Slices an NVFP4 checkpoint layer for one rank (repack it with the FULL layer's scale factors:
+/// see the header comment).
+/// @param full  the unsliced layout
+/// @param src   the full checkpoint layer
+/// @param tp    tensor-parallel size (as tp_slice_layout)
+/// @param rank  the rank, in [0, tp)
+/// @return the slice, or invalid_argument for a bad tp, rank or checkpoint size
 [[nodiscard]] inline Result<Nvfp4CheckpointSlice> slice_nvfp4_checkpoint(const Nvfp4Marlin& full,
                                                                          const Nvfp4CheckpointLayer& src,
                                                                          std::int32_t tp, std::int32_t rank) {

@@ -40,8 +40,11 @@ namespace expert_cache::inline v0 {
 inline constexpr float default_min_score = 0.5f;
 
 /// Checks scored-hint arguments without selecting: `min_score` in [0, 1], and, when `scores` is
-/// not empty, one score per id, each a finite number in [0, 1]. invalid_argument otherwise, with
-/// the offending index and value in the message.
+/// not empty, one score per id, each a finite number in [0, 1].
+/// @param ids        the predicted ids
+/// @param scores     their probabilities, parallel to `ids`; empty: unscored
+/// @param min_score  the least score a hint needs to be fetched
+/// @return ok, or invalid_argument with the offending index and value in the message
 [[nodiscard]] inline Status check_hint_scores(std::span<const std::int32_t> ids, std::span<const float> scores,
                                               float min_score) noexcept {
   if (!(min_score >= 0.0f && min_score <= 1.0f)) {  // also NaN
@@ -71,14 +74,16 @@ inline constexpr float default_min_score = 0.5f;
 /// `max_hints` ids (a cache's experts), so select() never allocates.
 class HintSelector {
  public:
-  /// Throws Error(invalid_argument) for max_hints < 0.
+  /// @param max_hints  the most ids one list may have (a cache's experts)
+  /// @throws Error invalid_argument for max_hints < 0
   explicit HintSelector(std::int32_t max_hints)
       : order_(checked(max_hints)), selected_(static_cast<std::size_t>(max_hints)) {}
 
   /// Selects from `ids` (best first when unscored) with `scores` (empty = no scores) and
-  /// `min_score`. Errors, leaving the previous selection as it was: those of check_hint_scores,
-  /// and too_many_experts for more than max_hints ids. The ids themselves are not checked (the
-  /// caller's range checks stay where they are).
+  /// `min_score`; read the result with ids() and skipped_unlikely(). The ids themselves are not
+  /// checked (the caller's range checks stay where they are).
+  /// @return ok; on error the previous selection stays as it was: those of check_hint_scores,
+  ///         and too_many_experts for more than max_hints ids
   Status select(std::span<const std::int32_t> ids, std::span<const float> scores, float min_score) noexcept {
     if (ids.size() > order_.size()) {
       return Status::format(ErrorCode::too_many_experts, "prefetch got %zu predicted ids, more than the %zu experts",
@@ -116,6 +121,7 @@ class HintSelector {
   }
   /// Entries of the last selected list skipped for a score below min_score.
   [[nodiscard]] std::uint32_t skipped_unlikely() const noexcept { return skipped_unlikely_; }
+  /// The bound given at construction.
   [[nodiscard]] std::int32_t max_hints() const noexcept { return static_cast<std::int32_t>(order_.size()); }
 
  private:

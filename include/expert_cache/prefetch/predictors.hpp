@@ -33,7 +33,7 @@
 
 namespace expert_cache::inline v0 {
 
-// What a predictor is asked at one (step, layer).
+/// What a predictor is asked at one (step, layer).
 struct PredictionQuery {
   std::int32_t step = 0;
   std::int32_t layer = 0;                   // rank of the layer that just ran (L)
@@ -41,7 +41,13 @@ struct PredictionQuery {
   std::span<const std::int32_t> truth;      // layer L+1's experts at this step (emulated hints only)
 };
 
-// The common shape of the predictors below (the replay tool is written against it).
+/// The predictor interface (the replay tool is written against it):
+/// - `observe(step, layer, experts)`: layer `layer` of step `step` chose the unique `experts`;
+///   returns invalid_argument for a layer out of range or ids that are not unique in
+///   [0, num_experts).
+/// - `predict(query, max_ids, out)`: `out` gets at most `max_ids` predicted experts of layer
+///   query.layer + 1, best first, a view into the predictor valid until its next call; errors
+///   as observe's, and for a negative max_ids.
 template <class P>
 concept expert_predictor = requires(P& p, const PredictionQuery& q, std::span<const std::int32_t> ids,
                                     std::span<const std::int32_t>& out) {
@@ -120,6 +126,10 @@ class CoactivationPredictor {
   // an error rather than a huge allocation.
   static constexpr std::int64_t max_table_entries = std::int64_t{1} << 25;
 
+  /// @param num_layers   layers of the model (at least 1)
+  /// @param num_experts  experts per layer (at least 1)
+  /// @param decay        weight of a pair per later update of its layer pair, in (0, 1]
+  /// @throws Error invalid_argument for a bad shape or decay, or a table above max_table_entries
   CoactivationPredictor(std::int32_t num_layers, std::int32_t num_experts, double decay = 1.0)
       : layers_(num_layers), experts_(num_experts), decay_(decay), ids_(checked(num_layers, num_experts, decay)) {
     const auto e = static_cast<std::size_t>(num_experts);
@@ -253,6 +263,9 @@ class PreviousTokenPredictor {
  public:
   static constexpr std::string_view name = "prev";
 
+  /// @param num_layers   layers of the model (at least 1)
+  /// @param num_experts  experts per layer (at least 1)
+  /// @throws Error invalid_argument for a bad shape
   PreviousTokenPredictor(std::int32_t num_layers, std::int32_t num_experts)
       : layers_(num_layers), experts_(num_experts), ids_((detail::check_predictor_shape(num_layers, num_experts), num_experts)) {
     last_.assign(static_cast<std::size_t>(num_layers) * static_cast<std::size_t>(num_experts), 0);
@@ -333,6 +346,13 @@ class EmulatedHintPredictor {
  public:
   static constexpr std::string_view name = "hint";
 
+  /// @param num_layers   layers of the model (at least 1)
+  /// @param num_experts  experts per layer (at least 1)
+  /// @param recall       the share R of true ids in the lists, in (0, 1]
+  /// @param seed         the SplitMix64 seed of the draws
+  /// @param wrong        where the wrong ids come from
+  /// @param noise        with a value in [0, 1]: scored lists (see above); without: unscored
+  /// @throws Error invalid_argument for a bad shape, recall or noise
   EmulatedHintPredictor(std::int32_t num_layers, std::int32_t num_experts, double recall, std::uint64_t seed = 1,
                         HintWrongIds wrong = HintWrongIds::uniform, std::optional<double> noise = std::nullopt)
       : layers_(num_layers), experts_(num_experts), recall_(checked(num_layers, num_experts, recall)), wrong_(wrong),
@@ -353,8 +373,8 @@ class EmulatedHintPredictor {
   [[nodiscard]] double recall() const noexcept { return recall_; }
   [[nodiscard]] HintWrongIds wrong_ids() const noexcept { return wrong_; }
   [[nodiscard]] std::optional<double> noise() const noexcept { return noise_; }
-  // The last predict()'s scores, parallel to its list (empty without noise, or after an error
-  // or an empty list); a view into the predictor, valid until its next call.
+  /// The last predict()'s scores, parallel to its list (empty without noise, or after an error
+  /// or an empty list); a view into the predictor, valid until its next call.
   [[nodiscard]] std::span<const float> scores() const noexcept {
     return std::span<const float>(scores_.data(), scored_);
   }

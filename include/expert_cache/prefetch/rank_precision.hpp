@@ -1,5 +1,7 @@
 #pragma once
-/// Measured precision of speculative fills by their rank in a prefetch's hint list: what lets a cache throttle hints that turn out wrong, scored or not. Host-only.
+/// Measured precision of speculative fills by their rank in a prefetch's hint list: what lets a
+/// cache throttle hints that turn out wrong, scored or not.
+// Host-only.
 //
 // Why. A speculative fill pays only when a later forward reads it (hint_selection.hpp: on a busy
 // link the break-even probability is min_score, 0.5 by default). Scores say how likely each hint
@@ -37,12 +39,14 @@
 
 namespace expert_cache::inline v0 {
 
+/// The per-rank averages of one cache's speculative fills, and the rule that admits a hint.
 class RankPrecision {
  public:
   static constexpr std::size_t buckets = 16;
   static constexpr float weight = 1.0f / 16.0f;
   static constexpr std::uint32_t probe_every = 32;
 
+  /// The bucket of a hint's rank: the rank itself, the last bucket for every rank past it.
   [[nodiscard]] static constexpr std::uint8_t bucket(std::size_t rank) noexcept {
     return static_cast<std::uint8_t>(std::min<std::size_t>(rank, buckets - 1));
   }
@@ -50,6 +54,9 @@ class RankPrecision {
   /// Whether a hint at `rank` is fetched: its bucket's precision net of its regret is at least
   /// `threshold`, or it is the bucket's probe (every probe_every-th hint that reaches a throttled
   /// bucket while its watched hints' precision is at least `threshold`).
+  /// @param rank       the hint's position in the list it came in (0 = best)
+  /// @param threshold  the least net precision a rank needs (the prefetch's min_score)
+  /// @return true when the hint is fetched (counts a throttled bucket's probe)
   [[nodiscard]] bool admit(std::size_t rank, float threshold) noexcept {
     const std::uint8_t b = bucket(rank);
     if (precision_[b] - regret_[b] >= threshold) return true;
@@ -67,8 +74,11 @@ class RankPrecision {
   /// The outcome of the victim of a fill issued at bucket `b`: missed by a later forward, or not.
   void record_regret(std::uint8_t b, bool missed) noexcept { update(regret_, b, missed); }
 
+  /// The share of fills at `rank`'s bucket that a forward used (moving average, from 1).
   [[nodiscard]] float precision(std::size_t rank) const noexcept { return precision_[bucket(rank)]; }
+  /// The share of watched skipped hints at `rank`'s bucket that a forward read (from 1).
   [[nodiscard]] float watched_precision(std::size_t rank) const noexcept { return watched_[bucket(rank)]; }
+  /// The share of victims of fills at `rank`'s bucket that a later forward missed (from 0).
   [[nodiscard]] float regret(std::size_t rank) const noexcept { return regret_[bucket(rank)]; }
 
   friend bool operator==(const RankPrecision&, const RankPrecision&) = default;

@@ -35,6 +35,8 @@ struct CopyRegionsView {
 };
 }  // namespace detail
 
+/// One staging policy holding any of `Stagings...` (one to eight), chosen at run time; a
+/// default-constructed one holds the first.
 template <class... Stagings>
 class AnyStaging {
   static_assert(sizeof... (Stagings) >= 1 && sizeof...(Stagings) <= 8, "AnyStaging: one to eight policies");
@@ -50,8 +52,10 @@ class AnyStaging {
   static constexpr std::size_t size = sizeof...(Stagings);
 
   AnyStaging() = default;
-  // Holds the index-th listed policy, default-constructed. Throws Error(invalid_argument) for
-  // an index past the list (the factory passes only the index of a name it found).
+  /// Holds the index-th listed policy, default-constructed.
+  /// @param index  position in `Stagings...`
+  /// @throws Error invalid_argument for an index past the list (the factory passes only the
+  ///         index of a name it found)
   explicit AnyStaging(std::size_t index) {
     if (index >= size) {
       throw Error(ErrorCode::invalid_argument, detail::join({"AnyStaging: staging index ", detail::DecimalText(index),
@@ -60,11 +64,13 @@ class AnyStaging {
     index_ = index;
   }
 
+  /// The held policy's position in `Stagings...`.
   [[nodiscard]] std::size_t index() const noexcept { return index_; }
+  /// The held policy's name.
   [[nodiscard]] std::string_view held_name() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return std::string_view(std::remove_cvref_t<decltype(g)>::name); });
   }
-  // Trait<held policy>::value: e.g. whether the held policy coalesces runs of copies (cache/wide.hpp).
+  /// Trait<held policy>::value: e.g. whether the held policy coalesces runs of copies (cache/wide.hpp).
   template <template <class> class Trait>
   [[nodiscard]] bool held_has() const noexcept {
     return visit_at(staging_, [](const auto& g) noexcept { return bool(Trait<std::remove_cvref_t<decltype(g)>>::value); });

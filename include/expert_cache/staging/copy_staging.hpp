@@ -35,12 +35,18 @@ Status for_each_fill_copy(const CopyRegions& regions, std::span<const SlotFill> 
 }
 }  // namespace detail
 
-// One copy per tensor row (or per expert blob) on the cache-owned copy stream: the row
-// provider's path and the baseline.
+/// One copy per tensor row (or per expert blob) on the cache-owned copy stream: the row
+/// provider's path and the baseline.
 struct CopyStream {
   static constexpr std::string_view name = "copy_stream";
   static constexpr bool uses_copy_stream = true;
 
+  /// Enqueues every fill's copies (one per copy region) on `stream`.
+  /// @param rt       the cache's runtime
+  /// @param stream   the fill stream the ordering core hands over
+  /// @param storage  the cache's storage (its copy_regions())
+  /// @param fills    the planned (expert, slot) fills
+  /// @return the first failed copy's status (the copies before it stay enqueued)
   template <class R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");
@@ -50,31 +56,38 @@ struct CopyStream {
   }
 };
 
-// The same copies on the caller's stream (the cached provider's semantics: no extra stream).
+/// The same copies on the caller's stream (the cached provider's semantics: no extra stream).
 struct Inline {
   static constexpr std::string_view name = "inline";
   static constexpr bool uses_copy_stream = false;
 
+  /// As CopyStream::issue; `stream` is the caller's.
   template <class R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     return CopyStream{}.issue(rt, stream, storage, fills);
   }
 };
 
-// All of a prepare's copies in ONE batched call on the copy stream (cudaMemcpyBatchAsync).
-// CUDA silently drops a batched copy under stream capture, so capture is detected and refused.
+/// All of a prepare's copies in ONE batched call on the copy stream (cudaMemcpyBatchAsync).
+/// CUDA silently drops a batched copy under stream capture, so capture is detected and refused.
 class Batched {
  public:
   static constexpr std::string_view name = "batched";
   static constexpr bool uses_copy_stream = true;
 
-  // Called before anything is planned, so a refused call leaves the cache untouched. A caller
-  // stream under capture would pull the copy stream into the capture through the events.
+  /// Called before anything is planned, so a refused call leaves the cache untouched. A caller
+  /// stream under capture would pull the copy stream into the capture through the events.
+  /// @param rt      the cache's runtime
+  /// @param caller  the stream of the cache call
+  /// @return capture_unsupported while `caller` is capturing, a failed capture query's status,
+  ///         else ok
   template <batching_runtime R>
   Status precheck(R& rt, typename R::Stream caller) const noexcept {
     return refuse_capture(rt, caller);
   }
 
+  /// Enqueues every fill's copies in one copy_batch_async call on `stream`.
+  /// @return capture_unsupported while `stream` is capturing, else the batched call's status
   template <batching_runtime R, class Storage>
   Status issue(R& rt, typename R::Stream stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");

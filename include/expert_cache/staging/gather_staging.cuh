@@ -33,6 +33,8 @@
 
 namespace expert_cache::inline v0 {
 
+/// The Gather staging policy (CudaRuntime only): a prepare's misses copied by one kernel launch
+/// that reads the mapped pinned host pools zero-copy.
 class Gather {
  public:
   static constexpr std::string_view name = "gather";
@@ -42,14 +44,20 @@ class Gather {
   static constexpr int blocks = 32;
   static constexpr int threads = 512;
 
-  // Blocks of a launch of `items` work items: never more than the items need (a single small
-  // expert launches few blocks), at most `blocks`. Also the grid of the link profile's SM-load
-  // probe (staging/link_probe.cuh).
+  /// Blocks of a launch of `items` work items: never more than the items need (a single small
+  /// expert launches few blocks), at most `blocks`. Also the grid of the link profile's SM-load
+  /// probe (staging/link_probe.cuh).
   [[nodiscard]] static constexpr int grid_for(std::uint64_t items) noexcept {
     const std::uint64_t per_block = static_cast<std::uint64_t>(threads) * 4;
     return static_cast<int>(items / per_block + 1 < static_cast<std::uint64_t>(blocks) ? items / per_block + 1 : blocks);
   }
 
+  /// Enqueues one gather launch per 1024 fills on `stream`.
+  /// @param rt       the cache's runtime (resolves the pools' device addresses once per storage)
+  /// @param stream   the fill stream the ordering core hands over
+  /// @param storage  the cache's storage; its host pools must be mapped pinned memory
+  /// @param fills    the planned (expert, slot) fills
+  /// @return the first failure (resolving an address, an unusable region, a launch)
   template <class Storage>
   Status issue(CudaRuntime& rt, cudaStream_t stream, const Storage& storage, std::span<const SlotFill> fills) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::fill");

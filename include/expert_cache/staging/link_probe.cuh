@@ -322,6 +322,11 @@ inline namespace EXPERT_CACHE_ARCH_NS {
 
 /// Measures `device`'s link at `expert_bytes` into `out` (left untouched on error). The device's
 /// context is created first and not counted in measure_ms; the caller's current device is restored.
+/// @param device        CUDA device ordinal
+/// @param expert_bytes  bytes of one expert (> 0)
+/// @param out           gets the profile
+/// @return ok; invalid_argument for 0 bytes or a device that does not exist; runtime_failure when
+///         a CUDA call fails
 [[nodiscard]] inline Status measure_link_profile(int device, std::uint64_t expert_bytes, LinkProfile& out) noexcept {
   if (expert_bytes == 0) return Status(ErrorCode::invalid_argument, "link profile: expert_bytes is 0");
   if (Status s = detail::link_probe::check_device(device); !s) return s;
@@ -352,6 +357,10 @@ inline namespace EXPERT_CACHE_ARCH_NS {
 /// The profile of (`device`, `expert_bytes`): measured on the first call in this process (or
 /// installed by set_link_profile), then the same profile. Calls are serialised (a second
 /// measurement beside the first would halve both).
+/// @param device        CUDA device ordinal
+/// @param expert_bytes  bytes of one expert
+/// @param out           gets the profile
+/// @return ok, or measure_link_profile's error
 [[nodiscard]] inline Status link_profile_for(int device, std::uint64_t expert_bytes, LinkProfile& out) noexcept {
   detail::link_probe::Registry& registry = detail::link_probe::registry();
   try {
@@ -378,6 +387,8 @@ inline namespace EXPERT_CACHE_ARCH_NS {
 /// link_profile_for returns it without measuring. Refused, with the cache unchanged, when the
 /// device does not exist, its PCI bus id differs from the profile's (another machine or another
 /// device order), or a measurement is missing (zero or not finite).
+/// @param profile  the stored profile; its device and expert_bytes key it
+/// @return ok, or the reason it was refused
 [[nodiscard]] inline Status set_link_profile(const LinkProfile& profile) noexcept {
   if (Status s = detail::link_probe::check_device(profile.device); !s) return s.with_context("set_link_profile");
   char bus[32] = {};
