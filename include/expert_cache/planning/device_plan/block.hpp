@@ -4,7 +4,7 @@
 // The planning code is written once as __host__ __device__ code over these primitives, so the
 // CPU suite runs with SequentialBlock (or several host threads, tests/host/
 // test_device_plan_lanes.cpp) the very algorithm the CUDA kernels run with theirs
-// (kernels/plan_kernels.cuh: CubBlock, one thread block; WarpBlock, one warp). Also here: the
+// (kernels/plan_block.cuh: CubBlock, one thread block; WarpBlock, one warp). Also here: the
 // step code's compile hints for the GPU (unrolling, cold paths), which g++ ignores.
 #include <concepts>
 #include <cstdint>

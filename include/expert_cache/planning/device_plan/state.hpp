@@ -65,7 +65,7 @@ enum PlanErrorBit : std::uint32_t {
   plan_error_bad_state = 1u << 2,     // the state view or its scalars are inconsistent: nothing planned
   plan_error_bad_argument = 1u << 3,  // n_ids < 0, null ids with n_ids > 0, or group < 0
   // A kernel's bounded spin-wait gave up (about 1.5 s): the fused fill's wait for the plan, or
-  // a readiness consumer's wait for a slot's ready word (kernels/plan_kernels.cuh). The kernel
+  // a readiness consumer's wait for a slot's ready word (kernels/slot_ready.cuh). The kernel
   // went on instead of hanging; what it computed is not trustworthy.
   plan_error_wait_timeout = 1u << 4,
   // The copy engine's proxy could not issue a fill's copy (device_cache/copy_proxy.cuh): the slot's
@@ -96,7 +96,7 @@ struct DevicePlanScalars {
   std::int32_t misses = 0;         // of the last group
   std::int32_t bad_ids = 0;        // of the last forward
   std::int32_t last_invalidated_slot = -1;
-  // Used only by the fused plan + fill kernel (kernels/plan_kernels.cuh): block 0 sets fill_ready
+  // Used only by the fused plan + fill kernel (kernels/plan_fill.cuh): block 0 sets fill_ready
   // (release) once the fill list is written; the other blocks wait for it (acquire); the last
   // block to finish (fill_done counts them) sets both back to 0 for the next launch.
   std::uint32_t fill_ready = 0;
