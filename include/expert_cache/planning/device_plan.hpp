@@ -3,7 +3,7 @@
 //
 // Device-side forward planning: the LRU planning step written once as __host__ __device__ code
 // over a flat state of plain arrays, so the CPU suite runs the very algorithm the CUDA kernel
-// runs (these headers + SequentialBlock on the host, kernels/plan_kernels.cuh with kernels/plan_block.cuh's CubBlock on the
+// runs (these headers + SequentialBlock on the host, kernels/plan_kernels.cuh + plan_block.cuh's CubBlock on the
 // GPU). Its decisions equal ForwardPlanner<Lru> exactly: the same hits, misses, victims, slots,
 // fill and eviction lists, resident map and forward map after every step
 // (tests/host/test_device_plan.cpp, tests/gpu/test_device_plan.cu); with DeviceLfru and DeviceCrf
