@@ -28,7 +28,9 @@
 namespace expert_cache::inline v0 {
 
 #if defined(EXPERT_CACHE_HAS_STREAM_REF)
-// prepare(ids, to_cuda_stream(ref)) for callers holding a cuda::stream_ref.
+/// prepare(ids, to_cuda_stream(ref)) for callers holding a cuda::stream_ref.
+/// @param stream  a libcu++ stream reference
+/// @return the cudaStream_t it refers to
 [[nodiscard]] inline cudaStream_t to_cuda_stream(::cuda::stream_ref stream) noexcept { return stream.get(); }
 #endif
 
