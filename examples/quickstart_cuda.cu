@@ -1,6 +1,8 @@
 // docs/quickstart.md, part 2: the same on a GPU with CudaRuntime, and a kernel that reads an
 // expert through expert_map. Built by examples/meson.build with warnings as errors; run in the
-// 'gpu' suite (exit 77, skip, without a CUDA device).
+// 'gpu' suite (exit 77, skip, without a CUDA device). The quickstart shows the region between the
+// [quickstart_cuda] markers (tests/headers/check_doc_snippets.py).
+// [quickstart_cuda]
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -60,3 +62,4 @@ int main() {
     return 1;
   }
 }
+// [quickstart_cuda]

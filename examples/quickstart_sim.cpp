@@ -1,5 +1,7 @@
 // docs/quickstart.md, part 1: the host tier on SimRuntime (a host model of a GPU: no device,
-// no CUDA). Built and run by examples/meson.build, so the quickstart cannot rot.
+// no CUDA). Built and run by examples/meson.build, so the quickstart cannot rot; the quickstart
+// shows the region between the [quickstart_sim] markers (tests/headers/check_doc_snippets.py).
+// [quickstart_sim]
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
@@ -45,3 +47,4 @@ int main() {
               static_cast<int>(w13[0]), v.expert_map[0]);
   return v.misses == 3 && w13[0] == std::byte{10} && v.expert_map[0] == -1 && rt.race_count() == 0 ? 0 : 1;
 }
+// [quickstart_sim]
