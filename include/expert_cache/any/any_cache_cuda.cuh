@@ -1,4 +1,5 @@
 #pragma once
+/// The CUDA tier of AnyExpertCache: make_expert_cache<CudaRuntime> with the Gather staging and the device provider.
 // The CUDA tier of AnyExpertCache (needs nvcc): make_expert_cache<CudaRuntime> also offers
 // staging "gather" (staging/gather_staging.cuh) and, where device_cache/cuda_executor.cuh is present,
 // provider "device" on the GPU (its plan executor). Include this header INSTEAD of

@@ -1,4 +1,5 @@
 #pragma once
+/// The CUDA executor of DeviceExpertCache: plan state on the device, plan and fill kernels, the copy proxy.
 // The CUDA executor of DeviceExpertCache (needs nvcc): the plan state in device memory with its
 // stats mirror and error word in mapped pinned memory (DevicePlanStorage,
 // device_cache/plan_storage.cuh), and the kernels of kernels/plan_kernels.cuh and

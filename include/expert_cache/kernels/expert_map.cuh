@@ -1,4 +1,5 @@
 #pragma once
+/// Device helpers on the consumer side: apply a forward-scoped expert map to top-k ids, gather expert rows.
 // Device helpers on the consumer side of the cache (needs nvcc):
 //  * map_expert_to_slot / apply_expert_map: apply a forward-scoped expert map (global id -> slot,
 //    -1 = not in this forward) to top-k ids. Pairs whose id is out of range, whose map entry is

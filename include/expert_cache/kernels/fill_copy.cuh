@@ -1,4 +1,5 @@
 #pragma once
+/// The SM-load fill kernel: copies one prepare's misses from mapped pinned host memory into their slots.
 // The Gather staging kernel (needs nvcc): copies every miss of one prepare() from mapped pinned
 // host memory (read zero-copy over PCIe by the SMs) into its slot, in ONE launch.
 //

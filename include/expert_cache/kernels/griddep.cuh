@@ -1,4 +1,5 @@
 #pragma once
+/// Programmatic dependent launch from inside a kernel (sm_90), shared by the plan and consumer kernels.
 // Programmatic dependent launch (sm_90) from inside a kernel, shared by the planner's and the
 // consumer's kernels. launch_dependents lets a dependent grid launched with
 // cudaLaunchAttributeProgrammaticStreamSerialization be scheduled once every block of this grid

@@ -1,4 +1,5 @@
 #pragma once
+/// Bounded device-side waits: the per-slot readiness wait and the timer every spin-wait uses.
 // Bounded device-side waits (needs nvcc): the consumer's per-slot readiness wait of the
 // device-planned cache's overlapped fill (edge D4 of docs/design.md), and the timer every
 // spin-wait of the library's kernels uses so that none of them can hang.

@@ -1,4 +1,5 @@
 #pragma once
+/// The host forward planner: one forward's ids become hits, misses, victims and slots, validated first.
 // Forward planner: turns one forward's expert ids into hits, misses, victims and slot
 // assignments, and keeps the resident map and the forward-scoped map (host mirrors).
 // Validation happens before any state change: a rejected forward leaves residency,

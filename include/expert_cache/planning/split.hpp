@@ -1,4 +1,5 @@
 #pragma once
+/// Split plans for forwards wider than the cache: token chunks and expert groups, as pure functions.
 // Plans for forwards wider than the cache (the reference providers' split modes: docs/reference_providers.md).
 //  - token split (exact): greedy chunks of consecutive rows whose union of experts fits.
 //  - expert split (rounding-level differences): ascending groups of <= capacity expert ids,

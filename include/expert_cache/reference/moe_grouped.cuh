@@ -1,4 +1,5 @@
 #pragma once
+/// A reference grouped NVFP4 MoE consumer for many tokens per expert (prompts, large batches).
 // A grouped NVFP4 MoE consumer for many tokens per expert (prompts, large batches): the rows
 // of one call are (token, expert) pairs sorted by expert, and each expert's rows form tiles of
 // up to 64 rows. A block reads the weights of ONE expert and one 64-column Marlin tile once and

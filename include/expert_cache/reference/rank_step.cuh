@@ -1,4 +1,5 @@
 #pragma once
+/// One rank's reference MoE step: global ids to local, the rank's cache prepare, the reference consumer.
 // One rank's MoE step on its device (docs/parallel.md): the forward's global top-k ids ->
 // local ids (ExpertPlacement::to_local on the host, validated before anything changes) ->
 // the rank's cache prepare -> the same translation on the device (the consumer reads the ids
