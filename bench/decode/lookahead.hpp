@@ -10,9 +10,9 @@
 #include <variant>
 #include <vector>
 
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/cache/expert_cache.hpp"
 #include "expert_cache/prefetch/predictors.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/tools/prefetch_replay.hpp"
 
 namespace expert_cache::bench {

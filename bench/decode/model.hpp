@@ -13,8 +13,8 @@
 
 #include "args.hpp"
 #include "expert_cache/base/splitmix64.hpp"
-#include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "expert_cache/tools/trace_io.hpp"
 

@@ -52,9 +52,9 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
+#include "expert_cache/expert_cache.hpp"
 #include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/reference/moe_grouped.cuh"
-#include "expert_cache/expert_cache.hpp"
 #include "prompt_run.hpp"
 
 namespace expert_cache::bench {

@@ -37,11 +37,11 @@
 #include <ctime>
 
 #include "expert_cache/any/any_cache.hpp"  // type-erased cache overhead cases
-#include "expert_cache/expert_cache.hpp"
-#include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/eviction/make_policy.hpp"
+#include "expert_cache/expert_cache.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
+#include "expert_cache/runtime/sim_runtime.hpp"
 
 #include "../../tests/support/allocation_counter.hpp"  // the one TU of this program that replaces operator new
 

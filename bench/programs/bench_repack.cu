@@ -53,9 +53,9 @@
 #include <vector>
 
 #include "expert_cache/base/splitmix64.hpp"
-#include "expert_cache/repack/cuda_repack.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/reference/nvfp4_reference.hpp"
+#include "expert_cache/repack/cuda_repack.cuh"
 
 using namespace expert_cache;
 

@@ -36,8 +36,8 @@
 #include "../decode/decode_bench.hpp"
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device_cache/cuda_executor.cuh"
-#include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/prefetch/hint_selection.hpp"
+#include "expert_cache/reference/moe_consumer.cuh"
 #include "pinned_ceiling.cuh"
 
 namespace expert_cache::bench {

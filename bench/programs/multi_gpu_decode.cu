@@ -30,13 +30,13 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "expert_cache/parallel/all_reduce.cuh"
 #include "expert_cache/parallel/expert_placement.hpp"
-#include "expert_cache/reference/rank_step.cuh"
 #include "expert_cache/parallel/shared_host_pool.hpp"
 #include "expert_cache/parallel/tp_slice.hpp"
+#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/reference/nvfp4_reference.hpp"
+#include "expert_cache/reference/rank_step.cuh"
 
 #if !defined(EXPERT_CACHE_HAVE_NCCL)
 #error "bench/programs/multi_gpu_decode.cu needs NCCL (configure with -Dnccl=enabled [-Dnccl_root=DIR])"

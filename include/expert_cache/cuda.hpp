@@ -9,8 +9,8 @@
 //   CudaRecommendedRowCache, CudaRecommendedWholeExpertCache (Lrfu), CudaRecommendedModelCache
 //   (LayerShare), and under nvcc CudaRecommendedGatherRowCache (Lrfu)
 // Streams can come in as cuda::stream_ref (to_cuda_stream) where libcu++ is available.
-#include "expert_cache/expert_cache.hpp"
 #include "expert_cache/cache/cuda_presets.hpp"
+#include "expert_cache/expert_cache.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
 

@@ -13,14 +13,14 @@
 //   RecommendedRowCache          RowCache with Lrfu
 //   RecommendedWholeExpertCache  WholeExpertCache with Lrfu
 //   RecommendedModelCache        ModelExpertCache (tensor-major, copy stream) with LayerShare
-#include "expert_cache/cache/expert_cache.hpp"
 #include "expert_cache/base/concepts.hpp"
-#include "expert_cache/eviction/all.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/types.hpp"
+#include "expert_cache/cache/expert_cache.hpp"
 #include "expert_cache/cache/model_cache.hpp"
 #include "expert_cache/cache/presets.hpp"
+#include "expert_cache/eviction/all.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/split.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
-#include "expert_cache/base/types.hpp"

@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "expert_cache/any/any_cache.hpp"
-#include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/layout/dense.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
+#include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
 
 namespace expert_cache::inline v0::python {

@@ -27,13 +27,13 @@
 #include <utility>
 #include <vector>
 
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lru.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
-#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/planning/split.hpp"
-#include "expert_cache/base/status.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/storage/slot_storage.hpp"  // max_pool_bytes
 
 namespace expert_cache::inline v0::python {

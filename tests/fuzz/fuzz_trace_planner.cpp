@@ -22,9 +22,9 @@
 #include <tuple>
 #include <vector>
 
+#include "expert_cache/cache/model_cache.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/expert_cache.hpp"
-#include "expert_cache/cache/model_cache.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 #include "expert_cache/tools/replay.hpp"

@@ -28,13 +28,13 @@
 #include <vector>
 
 #include "expert_cache/device_cache/plan_storage.cuh"
-#include "expert_cache/kernels/plan_fill.cuh"
-#include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/eviction/crf.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lru.hpp"
-#include "expert_cache/planning/forward_planner.hpp"
+#include "expert_cache/kernels/plan_fill.cuh"
+#include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "support/device_plan_support.hpp"
 
 using namespace expert_cache;

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "expert_cache/kernels/expert_map.cuh"
-#include "expert_cache/repack/cuda_repack.cuh"
 #include "expert_cache/reference/nvfp4_reference.hpp"
+#include "expert_cache/repack/cuda_repack.cuh"
 #include "support/cuda_support.hpp"
 #include "support/nvfp4_layers.hpp"
 

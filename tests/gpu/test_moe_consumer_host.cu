@@ -29,8 +29,8 @@
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/kernels/expert_map.cuh"
 #include "expert_cache/kernels/griddep.cuh"
-#include "expert_cache/reference/moe_consumer.cuh"
 #include "expert_cache/kernels/slot_ready.cuh"
+#include "expert_cache/reference/moe_consumer.cuh"
 #include "support/cuda_support.hpp"
 #include "support/marlin_layer.cuh"
 

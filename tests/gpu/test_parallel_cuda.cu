@@ -22,13 +22,13 @@
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
-#include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "expert_cache/parallel/all_reduce.cuh"
 #include "expert_cache/parallel/expert_placement.hpp"
-#include "expert_cache/reference/rank_step.cuh"
 #include "expert_cache/parallel/shared_host_pool.hpp"
 #include "expert_cache/parallel/tp_slice.hpp"
+#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/reference/nvfp4_reference.hpp"
+#include "expert_cache/reference/rank_step.cuh"
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;

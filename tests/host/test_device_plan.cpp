@@ -18,8 +18,8 @@
 #include <vector>
 
 #include "expert_cache/eviction/lru.hpp"
-#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/split.hpp"
 #include "support/device_plan_support.hpp"
 

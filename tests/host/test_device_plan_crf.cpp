@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "expert_cache/eviction/crf.hpp"
-#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 #include "support/device_plan_support.hpp"
 
 using namespace expert_cache;

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "expert_cache/base/splitmix64.hpp"
-#include "expert_cache/eviction/all.hpp"
 #include "expert_cache/cache/model_cache.hpp"
+#include "expert_cache/eviction/all.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "support/caller_memory.hpp"

@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "expert_cache/expert_cache.hpp"
-#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "expert_cache/parallel/expert_placement.hpp"
 #include "expert_cache/parallel/shared_host_pool.hpp"
 #include "expert_cache/parallel/tp_slice.hpp"
+#include "expert_cache/reference/nvfp4_reference.hpp"
 #include "expert_cache/runtime/sim_runtime.hpp"
 
 using namespace expert_cache;

@@ -9,8 +9,8 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/planning/device_plan/state.hpp"
+#include "expert_cache/planning/forward_planner.hpp"
 
 namespace expert_cache::test {
 

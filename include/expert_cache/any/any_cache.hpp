@@ -55,8 +55,8 @@
 // Host tier: compiles with g++ alone. CUDA translation units include
 // expert_cache/any/any_cache_cuda.cuh instead (adds gather and the CUDA device planner) BEFORE any
 // use of make_expert_cache<CudaRuntime>.
+#include "expert_cache/any/any_expert_cache.hpp"
+#include "expert_cache/any/cache_models.hpp"
 #include "expert_cache/any/config.hpp"
 #include "expert_cache/any/erased_storage_policy.hpp"
-#include "expert_cache/any/cache_models.hpp"
-#include "expert_cache/any/any_expert_cache.hpp"
 #include "expert_cache/any/make_expert_cache.hpp"

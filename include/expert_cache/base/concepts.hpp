@@ -21,9 +21,9 @@
 #include <string_view>
 #include <type_traits>
 
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/runtime_types.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/types.hpp"
 
 namespace expert_cache::inline v0 {

@@ -45,19 +45,19 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/nvtx.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/cache/model_options.hpp"
 #include "expert_cache/cache/stats.hpp"
 #include "expert_cache/cache/views.hpp"
+#include "expert_cache/cache/wide.hpp"
 #include "expert_cache/core/ordering_core.hpp"
 #include "expert_cache/eviction/pool_layout.hpp"
-#include "expert_cache/base/nvtx.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/runtime/resources.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
-#include "expert_cache/cache/wide.hpp"
 
 namespace expert_cache::inline v0 {
 

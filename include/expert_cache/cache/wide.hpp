@@ -35,11 +35,11 @@
 
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/base/nvtx.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/types.hpp"
 #include "expert_cache/staging/coalescing.hpp"
 #include "expert_cache/staging/copy_staging.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
-#include "expert_cache/base/types.hpp"
 
 namespace expert_cache::inline v0 {
 

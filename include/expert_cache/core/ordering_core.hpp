@@ -53,9 +53,9 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
-#include "expert_cache/runtime/resources.hpp"
 #include "expert_cache/base/runtime_types.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/runtime/resources.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -58,12 +58,12 @@
 #include <vector>
 
 #include "expert_cache/base/config.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/kernels/griddep.cuh"
 #include "expert_cache/kernels/slot_ready.cuh"
 #include "expert_cache/planning/device_plan/readiness.hpp"
 #include "expert_cache/planning/device_plan/state.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/copy_region.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {

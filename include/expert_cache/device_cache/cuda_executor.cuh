@@ -48,8 +48,8 @@
 #include "expert_cache/kernels/plan_kernels.cuh"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/cuda_runtime.hpp"
-#include "expert_cache/staging/link_probe.cuh"
 #include "expert_cache/runtime/resources.hpp"
+#include "expert_cache/staging/link_probe.cuh"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 

@@ -27,9 +27,10 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/fixed_vector.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/eviction/arc.hpp"
 #include "expert_cache/eviction/crf.hpp"
-#include "expert_cache/base/fixed_vector.hpp"
 #include "expert_cache/eviction/layer_share.hpp"
 #include "expert_cache/eviction/lfru.hpp"
 #include "expert_cache/eviction/lrfu.hpp"
@@ -38,7 +39,6 @@
 #include "expert_cache/eviction/s3fifo.hpp"
 #include "expert_cache/eviction/sieve.hpp"
 #include "expert_cache/eviction/wtinylfu.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

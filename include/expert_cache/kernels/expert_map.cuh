@@ -17,9 +17,9 @@
 #include <type_traits>
 
 #include "expert_cache/base/config.hpp"
-#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/base/status.hpp"
 #include "expert_cache/base/types.hpp"
+#include "expert_cache/runtime/cuda_error.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 

@@ -6,8 +6,8 @@
 #include <string>
 
 #include "expert_cache/base/concepts.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -16,8 +16,8 @@
 #include <span>
 #include <string_view>
 
-#include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
 
 namespace expert_cache::inline v0 {
 

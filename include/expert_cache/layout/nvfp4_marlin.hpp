@@ -16,8 +16,8 @@
 
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/base/config.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "expert_cache/base/config.hpp"
-#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/runtime/cuda_error.hpp"
 
 #if defined(EXPERT_CACHE_HAVE_NCCL)
 #include <nccl.h>

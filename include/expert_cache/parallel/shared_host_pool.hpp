@@ -26,10 +26,10 @@
 #include <string>
 
 #include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/parallel/expert_placement.hpp"
 #include "expert_cache/parallel/tp_slice.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/storage/slot_storage.hpp"
 #include "expert_cache/storage/storage_memory.hpp"
 

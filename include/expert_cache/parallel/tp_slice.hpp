@@ -28,12 +28,12 @@
 #include <string_view>
 #include <vector>
 
-#include "expert_cache/layout/dense.hpp"
-#include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/layout/nvfp4_layer.hpp"
-#include "expert_cache/repack/host_repack.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
+#include "expert_cache/layout/dense.hpp"
+#include "expert_cache/layout/nvfp4_layer.hpp"
+#include "expert_cache/layout/nvfp4_marlin.hpp"
+#include "expert_cache/repack/host_repack.hpp"
 
 namespace expert_cache::inline v0 {
 

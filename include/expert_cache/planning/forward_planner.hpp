@@ -12,10 +12,10 @@
 
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/base/fixed_vector.hpp"
-#include "expert_cache/prefetch/hint_selection.hpp"
-#include "expert_cache/prefetch/rank_precision.hpp"
 #include "expert_cache/base/status.hpp"
 #include "expert_cache/base/types.hpp"
+#include "expert_cache/prefetch/hint_selection.hpp"
+#include "expert_cache/prefetch/rank_precision.hpp"
 
 namespace expert_cache::inline v0 {
 

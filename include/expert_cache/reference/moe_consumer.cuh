@@ -100,13 +100,13 @@
 #include <cstdint>
 
 #include "expert_cache/base/config.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/kernels/slot_ready.cuh"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
-#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/reference/moe_consumer_kernels.cuh"
 #include "expert_cache/reference/moe_weights.cuh"
 #include "expert_cache/runtime/cuda_error.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 

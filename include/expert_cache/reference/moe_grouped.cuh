@@ -57,11 +57,11 @@
 #include <vector>
 
 #include "expert_cache/base/config.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/reference/moe_mma.cuh"
 #include "expert_cache/reference/moe_weights.cuh"
 #include "expert_cache/runtime/cuda_error.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 

@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <span>
 
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/layout/nvfp4_layer.hpp"
 #include "expert_cache/layout/nvfp4_marlin.hpp"
 #include "expert_cache/repack/host_repack.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

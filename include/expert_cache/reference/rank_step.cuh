@@ -16,11 +16,11 @@
 #include <span>
 #include <vector>
 
-#include "expert_cache/cache/expert_cache.hpp"
-#include "expert_cache/reference/moe_consumer.cuh"
-#include "expert_cache/parallel/expert_placement.hpp"
-#include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/cache/expert_cache.hpp"
+#include "expert_cache/parallel/expert_placement.hpp"
+#include "expert_cache/reference/moe_consumer.cuh"
+#include "expert_cache/runtime/cuda_error.hpp"
 
 namespace expert_cache::inline v0::device::inline EXPERT_CACHE_ARCH_NS {
 

@@ -33,9 +33,9 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/runtime.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -43,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/runtime/runtime.hpp"
 #include "expert_cache/runtime/sim/cost_model.hpp"
 #include "expert_cache/runtime/sim/fault_injection.hpp"
@@ -52,7 +53,6 @@
 #include "expert_cache/runtime/sim/stream_queue.hpp"
 #include "expert_cache/runtime/sim/trace.hpp"
 #include "expert_cache/runtime/sim/vector_clock.hpp"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

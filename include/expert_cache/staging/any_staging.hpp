@@ -21,8 +21,8 @@
 
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/base/status.hpp"
-#include "expert_cache/storage/copy_region.hpp"
 #include "expert_cache/staging/coalescing.hpp"
+#include "expert_cache/storage/copy_region.hpp"
 
 namespace expert_cache::inline v0 {
 

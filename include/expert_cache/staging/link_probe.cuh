@@ -31,11 +31,11 @@
 #include <vector>
 
 #include "expert_cache/base/config.hpp"
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/kernels/fill_copy.cuh"
 #include "expert_cache/runtime/cuda_error.hpp"
 #include "expert_cache/runtime/link_profile.hpp"
 #include "expert_cache/staging/gather_staging.cuh"
-#include "expert_cache/base/status.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -33,10 +33,10 @@
 #include <variant>
 #include <vector>
 
+#include "expert_cache/base/status.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/prefetch/hint_selection.hpp"
 #include "expert_cache/prefetch/predictors.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/tools/replay.hpp"
 #include "expert_cache/tools/trace_io.hpp"
 

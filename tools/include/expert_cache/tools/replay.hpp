@@ -25,13 +25,13 @@
 #include <vector>
 
 #include "expert_cache/base/concepts.hpp"
+#include "expert_cache/base/status.hpp"
+#include "expert_cache/base/types.hpp"
 #include "expert_cache/eviction/all.hpp"
 #include "expert_cache/eviction/popularity.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
-#include "expert_cache/base/status.hpp"
 #include "expert_cache/tools/trace_generator.hpp"
 #include "expert_cache/tools/trace_io.hpp"
-#include "expert_cache/base/types.hpp"
 
 namespace expert_cache::inline v0 {
 

@@ -7,9 +7,9 @@
 #include <string_view>
 #include <vector>
 
+#include "expert_cache/base/splitmix64.hpp"
 #include "expert_cache/base/status.hpp"
 #include "expert_cache/tools/tool_status.hpp"
-#include "expert_cache/base/splitmix64.hpp"
 #include "expert_cache/tools/trace_io.hpp"
 
 namespace expert_cache::inline v0 {
