@@ -23,7 +23,7 @@ inline bool plan_set_bias(const DevicePlanState& s, const std::uint64_t* bias, s
   return true;
 }
 
-// Host memory for one state (the CPU suite; a SimRuntime model later): the block laid out by
+// Host memory for one state (the CPU suite): the block laid out by
 // bind_plan_state, stats and error word, reset to an empty cache. Not for device code.
 class HostPlanStorage {
  public:
