@@ -31,41 +31,54 @@
 
 namespace expert_cache::inline v0 {
 
-// A layout's name and sizes, taken from any expert_layout (its validate() result is kept and
-// reported by the factory, which never throws for it).
+/// A layout's name and sizes, taken from any expert_layout (its validate() result is kept and
+/// reported by the factory, which never throws for it).
 struct AnyLayout {
-  std::string name = "explicit";
-  ExpertTensorBytes tensors{};
-  Status validation{};
+  std::string name = "explicit";  ///< the layout's name (AnyExpertCache::layout())
+  ExpertTensorBytes tensors{};    ///< the per-expert tensors and their sizes
+  Status validation{};            ///< the layout's validate() result; make_expert_cache refuses a failed one
 
+  /// @param layout  any expert_layout
+  /// @return its name, tensors and validate() result
   template <expert_layout L>
   [[nodiscard]] static AnyLayout of(const L& layout) {
     return AnyLayout{std::string(L::name), layout.tensors(), layout.validate()};
   }
+  /// @param tensors  the per-expert tensors and their sizes
+  /// @return a layout named "explicit" with those tensors, not validated (validation ok)
   [[nodiscard]] static AnyLayout explicit_bytes(const ExpertTensorBytes& tensors) {
     return AnyLayout{"explicit", tensors, Status()};
   }
 };
 
+/// What make_expert_cache builds: the names of the provider and its policies, the layout and the options.
 struct AnyCacheConfig {
-  std::string provider = "row";  // row | cached | device
-  std::string policy;            // "" = the provider's default
-  std::string staging;           // "" = the provider's default
-  std::string storage;           // "" = the provider's default
-  AnyLayout layout;
-  // num_experts, capacity, top_k, staging_ring, label, log (one line at construction, naming
-  // the provider and every choice), stats_callback/stats_every (host providers), memory (the
-  // caller's host spans / host pool and slot workspace, any provider; kept alive by the caller).
+  std::string provider = "row";  ///< row | cached | device
+  /// Eviction policy: AnyPolicy::names (device provider: lru, lfru, crf); "" = the provider's default (row: lru,
+  /// cached: lfru, device: lru).
+  std::string policy;
+  /// Staging policy: the runtime's AnyCacheStagings list (device provider: inline only); "" = the provider's
+  /// default (row, cached: copy_stream; device: inline).
+  std::string staging;
+  /// Storage: tensor_major, expert_major or expert_major_host; "" = the provider's default (row, device:
+  /// tensor_major; cached: expert_major).
+  std::string storage;
+  AnyLayout layout;  ///< the per-expert tensors (make_expert_cache refuses one whose validation failed)
+  /// num_experts, capacity, top_k, staging_ring, label, log (one line at construction, naming
+  /// the provider and every choice), stats_callback/stats_every (host providers), memory (the
+  /// caller's host spans / host pool and slot workspace, any provider; kept alive by the caller),
+  /// stream_slots and max_wide_ids (any provider).
   CacheOptions options;
-  PoolLayout pool{};           // lrfu, layershare: experts_per_layer of a pool shared by layers
-  std::int32_t max_ids = 0;    // device: the largest prepare() (tokens * top_k); required > 0
-  bool fused_plan_fill = true; // device on CUDA: plan + first fill in one kernel
-  // device: the engine that moves fills (DeviceCacheOptions::fill_engine) and a stored link
-  // profile for automatic (DeviceCacheOptions::link_profile).
+  PoolLayout pool{};           ///< lrfu, layershare: experts_per_layer of a pool shared by layers
+  std::int32_t max_ids = 0;    ///< device: the largest prepare() (tokens * top_k); required > 0
+  bool fused_plan_fill = true; ///< device on CUDA: plan + first fill in one kernel
+  /// device: the engine that moves fills (DeviceCacheOptions::fill_engine).
   FillEngine fill_engine = FillEngine::automatic;
+  /// device: a stored link profile for automatic (DeviceCacheOptions::link_profile).
   std::optional<LinkProfile> link_profile;
 };
 
+/// The provider names AnyCacheConfig::provider accepts, in index order.
 inline constexpr std::array<std::string_view, 3> any_cache_providers = {"row", "cached", "device"};
 
 namespace detail {

@@ -39,10 +39,23 @@ namespace detail {
 
 }  // namespace detail
 
-// Builds the cache the config names. Every name is checked before anything is constructed;
-// construction failures (sizes, capacity, allocation) come back as the static type's error.
-// Cold: it runs once per cache, so the compiler optimises it (and what only it calls: the
-// caches' constructors) for size.
+/// Builds the cache the config names. Every name is checked before anything is constructed;
+/// construction failures (sizes, capacity, allocation) come back as the static type's error, never
+/// as an exception. Writes one line to config.options.log (provider, every choice, byte sizes) when
+/// a sink is given.
+/// Cold: it runs once per cache, so the compiler optimises it (and what only it calls: the
+/// caches' constructors) for size.
+/// @param rt      the runtime that allocates memory and enqueues every call's work; it must outlive the cache
+/// @param config  provider, policy, staging and storage names ("" = the provider's default), layout,
+///                CacheOptions and the device provider's settings (AnyCacheConfig); read during the call only
+/// @return the cache; or invalid_argument for an unknown provider, policy, staging or storage name, an
+///         offline-only policy (belady, opt), staging gather without the CUDA tier, a device-provider
+///         combination it cannot run (staging other than inline, a policy other than lru on a storage other
+///         than tensor_major, max_ids <= 0, a stats callback); not_supported for the device provider on a
+///         runtime without a plan executor or a staging the runtime cannot run; the layout's validation error;
+///         AnyPolicy::make's error; the static cache's error for an impossible configuration
+///         (invalid_capacity, invalid_argument, the runtime's error for an allocation); runtime_failure when
+///         the host runs out of memory
 template <allocating_runtime Runtime>
 Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheConfig& config) {
   using Base = detail::AnyCacheBase<Runtime>;

@@ -66,10 +66,18 @@ class ExpertCacheWithEdges {
   using LayoutType = Layout;
   using ScaleLayout = Layout;  // the earlier name
 
-  /// Throws Error on an impossible configuration (capacity 0 or > num_experts or < top_k, a
-  /// layout that does not validate, sizes that cannot be allocated). `staging`: a staging
-  /// policy value (AnyStaging holds the one picked at run time; the others are stateless or
-  /// start empty).
+  /// Builds the cache: the host pools, capacity + stream_slots slots, the device maps and the ordering core's
+  /// streams and events. Writes one line to `options.log` when a sink is given.
+  /// @param rt       the runtime that allocates memory and enqueues every call's work; it must outlive the cache
+  /// @param options  sizes, sinks and caller memory (CacheOptions); the cache keeps its own copy
+  /// @param layout   the per-expert tensors and their sizes; validated here
+  /// @param policy   the eviction policy, made for CacheShape{num_experts, capacity}
+  /// @param staging  a staging policy value (AnyStaging holds the one picked at run time; the others are
+  ///                 stateless or start empty)
+  /// @throws Error invalid_argument for num_experts <= 0, stream_slots outside [0, num_experts] or
+  ///         max_wide_ids < 0; invalid_capacity for capacity outside [1, num_experts] or top_k outside
+  ///         [1, capacity]; the layout's validate() error; the storage's invalid_argument for bad caller
+  ///         memory; the runtime's error when an allocation, a stream or an event cannot be made
   [[gnu::cold]] ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout, EvictionPolicy policy,
                        StagingPolicy staging = StagingPolicy{})
       : rt_(&rt),
@@ -98,7 +106,11 @@ class ExpertCacheWithEdges {
     }
   }
 
-  /// As above, with the eviction policy constructed from the cache shape.
+  /// As above, with the eviction policy constructed from the cache shape (validated before the policy sees it).
+  /// @param rt       the runtime; it must outlive the cache
+  /// @param options  sizes, sinks and caller memory (CacheOptions)
+  /// @param layout   the per-expert tensors and their sizes
+  /// @throws Error as the constructor above
   ExpertCacheWithEdges(Runtime& rt, CacheOptions options, Layout layout)
     requires std::constructible_from<EvictionPolicy, CacheShape>
       : ExpertCacheWithEdges(rt, options, layout,
@@ -108,38 +120,63 @@ class ExpertCacheWithEdges {
   ExpertCacheWithEdges(const ExpertCacheWithEdges&) = delete;
   ExpertCacheWithEdges& operator=(const ExpertCacheWithEdges&) = delete;
 
-  /// Makes a forward's experts resident for work enqueued on `stream` after this call.
-  /// `topk_ids`: top-k routing ids (duplicates fine, negative = padding), processed in ascending
-  /// order. Errors (an id out of range, more unique experts than slots: see plan_token_chunks /
-  /// plan_expert_groups) leave the cache unchanged; a runtime failure after planning drops the
-  /// forward's fills (refetched by the next prepare).
+  /// Makes a forward's experts resident for work enqueued on `stream` after this call. The misses' copies and
+  /// the resident map go on the fill stream (copy_stream(), or `stream` itself with an inline staging policy),
+  /// after the previous owner's readers and the last writer (edges 1, 2); `stream` waits for them (edge 3) and
+  /// for every prefetch() fill the forward reads (edge 9); the forward map is uploaded on `stream` (skipped when
+  /// the last upload holds the same entries); `stream` becomes the owner. A successful call after which
+  /// stats().prepare_calls is a multiple of stats_every invokes CacheOptions::stats_callback on this thread.
+  /// @param topk_ids  top-k routing ids in host memory, read during the call only: duplicates fine, negative =
+  ///                  padding; the unique set is processed in ascending order
+  /// @param stream    the consumer stream that reads the returned view
+  /// @return the forward's view (cache/views.hpp): slot tensors, forward-scoped expert map and resident map
+  ///         (device pointers, fixed for the cache's lifetime), hits, misses, generation. What they point to
+  ///         holds for work enqueued on `stream` after this call, until the next prepare(), prepare_unique()
+  ///         or prepare_wide(). Errors, with the cache unchanged: expert_out_of_range (an id >= num_experts),
+  ///         too_many_experts (more unique experts than slots: see plan_token_chunks / plan_expert_groups), a
+  ///         staging policy's precheck (Batched: capture_unsupported while `stream` is capturing). A runtime
+  ///         failure after planning drops the forward's fills (refetched by the next prepare) and counts a fault.
   Result<ForwardView> prepare(std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare");
     return prepare_impl<false>(topk_ids, stream);
   }
-  /// As prepare(), for an explicit unique list (e.g. one expert-split group), processed in the
-  /// given order; a duplicate id is an error.
+  /// As prepare(), for an explicit unique list (e.g. one group of plan_expert_groups()), processed in the
+  /// given order.
+  /// @param unique_ids  distinct expert ids in [0, num_experts), host memory, read during the call only
+  /// @param stream      the consumer stream that reads the returned view
+  /// @return as prepare(). Errors, with the cache unchanged: too_many_experts (more ids than slots),
+  ///         expert_out_of_range (an id outside [0, num_experts), a negative one included), duplicate_expert,
+  ///         a staging policy's precheck
   Result<ForwardView> prepare_unique(std::span<const std::int32_t> unique_ids, Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prepare_unique");
     return prepare_impl<true>(unique_ids, stream);
   }
 
-  /// Speculative fills of `predicted` (best first, ids in [0, num_experts), at most num_experts
-  /// entries) for a later prepare(), under `options.max_bytes`. Enqueued on the fill stream after
-  /// the previous readers and writers (edges 1, 2), with the resident map (edge 7); `stream`
-  /// does not wait for them and stays what it was (the owner is unchanged). The forward map is
-  /// not touched: kernels of the current forward keep reading it. Never evicts an expert of the
-  /// most recent prepare() or an unused, unexpired speculative fill. A later prepare() whose
-  /// forward uses a fill makes its stream wait for exactly that fill (edge 9). The device
-  /// resident map names a speculative slot before its bytes land: read slots through the
-  /// forward map (expert_map), whose entries are always ordered for the prepare's stream.
-  /// With `options.scores`, the hints are selected first (PrefetchOptions: below min_score
-  /// skipped, the rest highest score first).
-  /// Errors (before any state change): expert_out_of_range (any entry, a skipped one too),
-  /// too_many_experts (more entries than num_experts), invalid_argument (max_bytes < 0,
-  /// expires_after == 0, and the scored-hint errors of PrefetchOptions), capture_unsupported
-  /// (`stream` is capturing: the per-slot events must be eager). A runtime failure drops the
-  /// call's fills (counted wasted and invalidated).
+  /// Speculative fills of `predicted` for a later prepare(), at most min(capacity, max_bytes / bytes per
+  /// expert). Never evicts an expert of the most recent prepare() or an unused, unexpired speculative fill.
+  /// The fills are ordered after the owner's readers and the last writer (edges 1, 2): on the fill stream
+  /// (copy_stream(), or `stream` with an inline staging policy) with the resident map (edge 7), or, when the
+  /// latest forward was adopted after the first prefetch and no invalidate() came since, on a cache-owned
+  /// speculative stream after that forward's adoption, the resident map then going with the next prepare().
+  /// `stream` does not wait for them and stays what it was (the owner is unchanged). The forward map is
+  /// not touched: kernels of the current forward keep reading it. A later prepare() whose forward uses a fill
+  /// makes its stream wait for exactly that fill (edge 9). The device resident map names a speculative slot
+  /// before its bytes land: read slots through the forward map (expert_map), whose entries are always ordered
+  /// for the prepare's stream. With `options.scores`, the hints are selected first (PrefetchOptions: below
+  /// min_score skipped, the rest highest score first).
+  /// @param predicted  predicted expert ids, best first, in [0, num_experts), at most num_experts entries;
+  ///                   host memory, read during the call only
+  /// @param stream     the caller's stream: refused while capturing; the fills' stream with an inline staging
+  ///                   policy
+  /// @param options    byte budget, expiry, scores and precision feedback (PrefetchOptions)
+  /// @return what the call did (PrefetchView: fills issued, evictions, entries skipped and why, bytes); nothing
+  ///         is enqueued when no fill was planned. Errors (before any state change): invalid_argument
+  ///         (max_bytes < 0, expires_after == 0, and the scored-hint errors of PrefetchOptions),
+  ///         expert_out_of_range (any entry, a skipped one too), too_many_experts (more entries than
+  ///         num_experts), capture_unsupported (`stream` is capturing: the per-slot events must be eager), a
+  ///         staging policy's precheck, the runtime's error when the first prefetch's per-slot events cannot be
+  ///         made. A runtime failure while enqueueing drops the call's fills (counted wasted and invalidated)
+  ///         and counts a fault.
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prefetch");
@@ -199,28 +236,36 @@ class ExpertCacheWithEdges {
     return prefetch_view(bytes_per_expert);
   }
 
-  /// A forward of any width (e.g. a whole prompt), served in rounds: `consumer(const
-  /// WideRound&)` is called once per round, returns a Status, and enqueues the round's work on
-  /// `stream`. Round r + 1's copies are enqueued on the fill stream before round r's consumer
-  /// runs, so they overlap it; a buffer is refilled only after the consumer of the round that
-  /// read it (edge 10). The host never waits for the device (beyond the staging guard, edge 8).
-  /// WideAdmission::stream (default): resident experts are read from their pool slots without
-  /// touching the planner or the policy, spread over the rounds (every round but the last gets an
-  /// equal share of their rows, so each consumer has work while the next fill streams); the others stream through the stream slots in ascending order,
-  /// runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
-  /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as
-  /// prepare_unique() calls would (round r + 1 may not evict round r's experts).
-  /// Stream admission on a cache without stream slots (CacheOptions::stream_slots < 2) is
-  /// served as admit (WideSummary::fell_back). options.copy picks how a round's missing experts
-  /// are copied (WideCopy: runs, one span of ids, or the cheaper under options.cost).
-  /// Errors before anything changes: too_many_experts (more than max_wide_ids ids),
-  /// expert_out_of_range, capture_unsupported (`stream` is capturing), a staging policy's precheck. A consumer that
-  /// fails ends the forward with its Status (context: the round); a runtime failure drops what
-  /// the failing round was filling (admit: as prepare() does). Either way no round is half
-  /// published: stream admission leaves the pool as it was; admit leaves it as after the rounds
-  /// planned so far (rounds 0..r + 1 when round r's consumer failed). The device forward map
-  /// then holds the last uploaded round's; the next prepare() uploads its own. The consumer must
-  /// not call into this cache.
+  /// A forward of any width (e.g. a whole prompt), served in rounds whose experts are disjoint. Round r + 1's
+  /// copies are enqueued on the fill stream (copy_stream(), or `stream` itself with an inline staging policy,
+  /// which then does not overlap) before round r's consumer runs, so they overlap it; a buffer is refilled only
+  /// after the consumer of the round that read it (edge 10); `stream` waits for each round's copies before its
+  /// consumer's work (edge 3) and becomes the owner. The host never waits for the device (beyond the staging
+  /// guard, edge 8).
+  /// WideAdmission::stream (default): resident experts are read from their pool slots without touching the
+  /// planner or the policy, spread over the rounds (every round but the last gets an equal share of their rows,
+  /// so each consumer has work while the next fill streams); the others stream through the stream slots in
+  /// ascending order, runs of consecutive ids as one copy per dense region; the pool is left exactly as it was.
+  /// WideAdmission::admit: ascending groups of capacity / 2 go through the pool as prepare_unique() calls would
+  /// (round r + 1 may not evict round r's experts). Stream admission on a cache without stream slots
+  /// (CacheOptions::stream_slots < 2) is served as admit (WideSummary::fell_back, said once on the log).
+  /// @param topk_ids  top-k routing ids in host memory, read during the call only: duplicates fine, negative =
+  ///                  padding; at most CacheOptions::max_wide_ids of them
+  /// @param stream    the consumer stream: each round's work goes on it; refused while capturing
+  /// @param consumer  `consumer(const WideRound&)`, called once per round on this thread: enqueues the round's
+  ///                  work on `stream` and returns a Status (an exception is caught as runtime_failure). The
+  ///                  round's view holds for that work (cache/views.hpp, WideRound). It must not call into
+  ///                  this cache.
+  /// @param options   admission, how a round's missing experts are copied (WideCopy: runs, one span of ids, or
+  ///                  the cheaper under options.cost) and batching (WideOptions)
+  /// @return what the forward did (WideSummary), once every round's consumer succeeded. Errors before anything
+  ///         changes: too_many_experts (more than max_wide_ids ids), expert_out_of_range, capture_unsupported
+  ///         (`stream` is capturing), a staging policy's precheck. A consumer that fails ends the forward with
+  ///         its Status (context: the round); a runtime failure drops what the failing round was filling
+  ///         (admit: as prepare() does) and counts a fault. Either way no round is half published: stream
+  ///         admission leaves the pool as it was; admit leaves it as after the rounds planned so far (rounds
+  ///         0..r + 1 when round r's consumer failed). The device forward map then holds the last uploaded
+  ///         round's; the next prepare() uploads its own.
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
@@ -270,8 +315,16 @@ class ExpertCacheWithEdges {
     return summary;
   }
 
-  /// Drop an expert (e.g. its weights changed). Ordered after in-flight copies; the slot is
-  /// rewritten only by a later prepare(), after the readers of the previous forward.
+  /// Drops an expert (e.g. its weights changed). A resident expert's slot is freed and the resident map is
+  /// uploaded on the fill stream (copy_stream(), or `stream` with an inline staging policy), ordered like a
+  /// fill after the owner's readers and the last writer (edge 6); `stream` waits for the upload; the owner is
+  /// unchanged and keeps reading. The slot is rewritten only by a later prepare() or prefetch(), after the
+  /// readers of the previous forward; a pending speculative fill of it stays pending (the slot's next write
+  /// waits for it, edge 11).
+  /// @param expert  expert id in [0, num_experts); one that is not resident is a no-op (nothing enqueued)
+  /// @param stream  the caller's stream; it waits for the resident-map upload
+  /// @return ok; expert_out_of_range with the cache unchanged; the runtime's error when the upload fails, the
+  ///         expert then staying dropped (the next prepare() re-uploads the resident map) and a fault counted
   Status invalidate(std::int32_t expert, Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::invalidate");
     Result<SlotId> freed = planner_.invalidate(expert);
@@ -291,16 +344,27 @@ class ExpertCacheWithEdges {
     return {};
   }
 
-  /// Token split of a forward wider than the cache: chunks whose unique experts each fit.
+  /// Token split of a forward wider than the cache: chunks of consecutive rows whose unique experts each fit
+  /// the capacity (plan_token_chunks in planning/split.hpp, with this cache's top_k, capacity, num_experts).
+  /// Reads no cache state.
+  /// @param topk_ids  row-major [rows, top_k] routing ids in host memory; negative = padding
+  /// @return the chunks, in row order; invalid_argument for a length that is not a multiple of top_k,
+  ///         expert_out_of_range for an id >= num_experts, row_exceeds_capacity for a row needing more slots
+  ///         than the cache has
   [[nodiscard]] Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids) const {
     return expert_cache::plan_token_chunks(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
   }
-  /// Expert split of a forward wider than the cache: groups for prepare_unique().
+  /// Expert split of a forward wider than the cache: groups for prepare_unique() (plan_expert_groups in
+  /// planning/split.hpp, with this cache's top_k, capacity, num_experts). Reads no cache state.
+  /// @param topk_ids  row-major [rows, top_k] routing ids in host memory; negative = padding
+  /// @return ascending groups of at most capacity ids, group 0 flagged include_shared (one empty group for no
+  ///         ids); invalid_argument for a length that is not a multiple of top_k, expert_out_of_range for an
+  ///         id >= num_experts
   [[nodiscard]] Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids) const {
     return expert_cache::plan_expert_groups(topk_ids, options_.top_k, options_.capacity, options_.num_experts);
   }
 
-  /// Counters since construction.
+  /// @return the counters since construction (CacheStats), taken from the host; the device is not read
   [[nodiscard]] CacheStats stats() const noexcept {
     const auto& c = planner_.counters();
     const auto& o = core_.counters();
@@ -334,24 +398,49 @@ class ExpertCacheWithEdges {
     return s;
   }
 
-  /// The host pools (write the experts' weights here: host_tensor(t, expert)) and slot buffers.
+  /// The host pools (write the experts' weights here, before the first prepare: host_tensor(t, expert)) and
+  /// the slot buffers.
+  /// @return the cache's storage, alive as long as the cache
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  /// @return the cache's storage (read-only)
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  /// @return the host planner: residency, policy state and counters (ForwardPlanner)
   [[nodiscard]] const ForwardPlanner<EvictionPolicy>& planner() const noexcept { return planner_; }
+  /// @return the plan of the last accepted prepare() or prepare_unique() (or admit round): unique experts,
+  ///         fills, evictions; overwritten by the next one
   [[nodiscard]] const ForwardPlan& last_plan() const noexcept { return plan_; }
+  /// @return the plan of the last prefetch() that passed validation; overwritten by the next one
   [[nodiscard]] const PrefetchPlan& last_prefetch() const noexcept { return prefetch_plan_; }
+  /// @return the layout the cache was built with
   [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  /// @return the construction options (with the callback of set_stats_callback)
   [[nodiscard]] const CacheOptions& options() const noexcept { return options_; }
+  /// @return the cache-owned copy stream the fills run on; nullopt with an inline staging policy (fills on the
+  ///         caller's stream)
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
+  /// @return the stream of the last accepted prepare-family call (where the slots are read); nullopt before
+  ///         the first
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  /// @return the host resident map: [num_experts] expert -> slot, -1 when not resident (prefetch() fills
+  ///         included); valid until the cache is destroyed, changed by each call
   [[nodiscard]] std::span<const std::int32_t> resident_map_host() const noexcept { return planner_.resident_map(); }
+  /// @return the host forward map: [num_experts] the last accepted forward's experts -> slot, else -1
   [[nodiscard]] std::span<const std::int32_t> forward_map_host() const noexcept { return planner_.forward_map(); }
+  /// @return the device resident map (ForwardView::resident_map): [num_experts] int32, fixed for the cache's
+  ///         lifetime
   [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
   /// Whether the device resident map is behind the host's (a prefetch() since the last upload:
   /// the next prepare() uploads it).
+  /// @return true until the next successful upload (true at construction: the device map starts unwritten)
   [[nodiscard]] bool resident_map_behind() const noexcept { return resident_dirty_; }
+  /// @return the device forward map (ForwardView::expert_map): [num_experts] int32, fixed for the cache's
+  ///         lifetime
   [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
 
+  /// Replaces CacheOptions::stats_callback and stats_every. Not thread-safe: call it between cache calls.
+  /// @param callback  receives stats(), on the calling thread, from a successful prepare() or prepare_unique()
+  ///                  after which stats().prepare_calls is a multiple of `every`; empty = none
+  /// @param every     the period in accepted forwards; 0 = never
   void set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) {
     options_.stats_callback = std::move(callback);
     options_.stats_every = every;

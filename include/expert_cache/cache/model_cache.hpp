@@ -81,11 +81,20 @@ class ModelExpertCache {
   using Planner = ForwardPlanner<EvictionPolicy>;
   using LayoutType = Layout;
 
-  // `make_policy(shape, layout)` builds each planner's policy (per_layer: L calls with the
-  // layer's shape and a one-layer PoolLayout; global: one call with {L*E, capacity} and
-  // PoolLayout{E}). Throws Error on an impossible configuration (as ExpertCache does, plus
-  // num_layers < 1, L*E above model_max_experts, layer_capacities of the wrong length or given
-  // for a global pool).
+  /// Builds the model's cache: one host pool of L*E experts (layer-major), every layer's slots plus the stream
+  /// slots, the [L][E] device maps and one ordering core. Writes one line to `options.log` when a sink is given.
+  /// @param rt           the runtime that allocates memory and enqueues every call's work; it must outlive the
+  ///                     cache
+  /// @param options      the model's shape, pool mode, sinks and caller memory (ModelCacheOptions); copied
+  /// @param layout       the per-expert tensors and their sizes, the same for every layer; validated here
+  /// @param make_policy  `make_policy(shape, pool)` builds each planner's policy (per_layer: L calls with the
+  ///                     layer's shape and a one-layer PoolLayout; global: one call with {L*E, capacity} and
+  ///                     PoolLayout{E}); the shape is validated before it is called
+  /// @throws Error invalid_argument for num_layers < 1, num_experts < 1, L*E above model_max_experts,
+  ///         stream_slots outside [0, num_experts], max_wide_ids < 0, layer_capacities given for a global pool
+  ///         or not one per layer; invalid_capacity for a capacity outside [1, the planner's experts] or top_k
+  ///         outside [1, capacity]; the layout's validate() error; the storage's invalid_argument for bad
+  ///         caller memory; the runtime's error when an allocation, a stream or an event cannot be made
   template <class MakePolicy>
     requires std::is_invocable_r_v<EvictionPolicy, MakePolicy&, CacheShape, PoolLayout>
   ModelExpertCache(Runtime& rt, ModelCacheOptions options, Layout layout, MakePolicy make_policy)
@@ -152,7 +161,11 @@ class ModelExpertCache {
     }
   }
 
-  // Policies built from (CacheShape, PoolLayout) when they take it, else from CacheShape.
+  /// As above, with the policies built from (CacheShape, PoolLayout) when they take it, else from CacheShape.
+  /// @param rt       the runtime; it must outlive the cache
+  /// @param options  the model's shape, pool mode, sinks and caller memory (ModelCacheOptions)
+  /// @param layout   the per-expert tensors and their sizes
+  /// @throws Error as the constructor above
   ModelExpertCache(Runtime& rt, ModelCacheOptions options, Layout layout)
     requires std::constructible_from<EvictionPolicy, CacheShape> ||
              std::constructible_from<EvictionPolicy, CacheShape, PoolLayout>
@@ -168,24 +181,65 @@ class ModelExpertCache {
   ModelExpertCache(const ModelExpertCache&) = delete;
   ModelExpertCache& operator=(const ModelExpertCache&) = delete;
 
-  // Layer `layer`'s forward: top-k routing ids of that layer (in [0, E); duplicates fine,
-  // negative = padding). A bad layer or id is rejected with nothing changed.
+  /// Layer `layer`'s forward, as ExpertCache::prepare on that layer's planner (per_layer) or on the one pool
+  /// (global, the ids keyed layer * E + id). The misses' copies go on the model's fill stream (copy_stream(), or
+  /// `stream` with an inline staging policy) after the layer's owner's readers (global: the pool's owner) and
+  /// the last writer of any layer, with the resident-map range that is behind (per_layer: the layer's; global:
+  /// the contiguous range of behind layers, the forward's and its victims' included); `stream` waits for them;
+  /// the layer's forward-map range is uploaded on `stream`; `stream` becomes the layer's owner (global: the
+  /// pool's).
+  /// @param layer     the layer, in [0, num_layers)
+  /// @param topk_ids  that layer's top-k routing ids in host memory, read during the call only: ids in [0, E),
+  ///                  duplicates fine, negative = padding; the unique set is processed in ascending order
+  /// @param stream    the consumer stream that reads the returned view
+  /// @return the layer's view: its E-entry ranges of the device maps and its slot tensors (per_layer: from the
+  ///         layer's first slot; global: the pool's, which the map's slot ids index), hits, misses, generation;
+  ///         the pointers are fixed for the cache's lifetime. What they point to holds for work enqueued on
+  ///         `stream` after the call, until the next prepare-family call or invalidate() of the same layer
+  ///         (per_layer) or of any layer (global: any of them may evict any layer's slots). Errors, with
+  ///         nothing changed: invalid_argument (a layer outside [0, num_layers)), expert_out_of_range,
+  ///         too_many_experts (more unique experts than the layer's slots; global: the pool's), a staging
+  ///         policy's precheck (Batched: capture_unsupported while `stream` is capturing). A runtime failure
+  ///         after planning drops the forward's fills (refetched when next requested) and counts a fault for
+  ///         the layer.
   Result<ForwardView> prepare(std::int32_t layer, std::span<const std::int32_t> topk_ids, Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare");
     return prepare_impl<false>(layer, topk_ids, stream);
   }
-  // An explicit unique list of layer `layer`'s experts, processed in the given order.
+  /// As prepare(layer, ...), for an explicit unique list of layer `layer`'s experts, processed in the given
+  /// order.
+  /// @param layer       the layer, in [0, num_layers)
+  /// @param unique_ids  distinct expert ids of that layer in [0, E), host memory, read during the call only
+  /// @param stream      the consumer stream that reads the returned view
+  /// @return as prepare(layer, ...). Errors, with nothing changed: those of prepare(), expert_out_of_range for
+  ///         a negative id too, duplicate_expert
   Result<ForwardView> prepare_unique(std::int32_t layer, std::span<const std::int32_t> unique_ids,
                                      Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare_unique");
     return prepare_impl<true>(layer, unique_ids, stream);
   }
 
-  // A wide forward of layer `layer` (ExpertCache::prepare_wide, same contract per layer): the
-  // rounds' views are the layer's (its map range, its slot tensors: a stream slot's id in the
-  // layer's map is relative to the layer's first slot like the pool's). WideAdmission::stream
-  // goes through the model's stream slots; WideAdmission::admit (and stream admission on a cache
-  // without stream slots, WideSummary::fell_back) through the layer's pool (admit_wide).
+  /// A wide forward of layer `layer` (ExpertCache::prepare_wide, same contract per layer): the rounds' views are
+  /// the layer's (its map range, its slot tensors: a stream slot's id in the layer's map is relative to the
+  /// layer's first slot like the pool's). WideAdmission::stream goes through the model's stream slots, round
+  /// r + 1's copies on the fill stream overlapping round r's consumer; the pool is not changed.
+  /// WideAdmission::admit (and stream admission on a cache without stream slots, WideSummary::fell_back) goes
+  /// through the layer's pool (the pool's in global mode) in ascending groups of half its slots, each as
+  /// prepare_unique(layer, ...), not overlapped: a round's copies wait for the previous round's consumer.
+  /// @param layer     the layer, in [0, num_layers)
+  /// @param topk_ids  that layer's top-k routing ids in host memory, read during the call only: duplicates
+  ///                  fine, negative = padding; at most ModelCacheOptions::max_wide_ids of them
+  /// @param stream    the consumer stream: each round's work goes on it; refused while capturing
+  /// @param consumer  `consumer(const WideRound&)`, called once per round on this thread: enqueues the round's
+  ///                  work on `stream` and returns a Status (an exception is caught as runtime_failure); it must
+  ///                  not call into this cache
+  /// @param options   admission, copy mode and batching (WideOptions)
+  /// @return what the forward did (WideSummary), once every round's consumer succeeded. Errors before anything
+  ///         changes: invalid_argument (a bad layer), capture_unsupported, a staging policy's precheck,
+  ///         too_many_experts (more than max_wide_ids ids), expert_out_of_range. A consumer that fails ends the
+  ///         forward with its Status; a runtime failure ends it with the runtime's Status and counts a fault. Stream
+  ///         admission leaves the pool as it was either way; admit leaves it as after the rounds prepared so far
+  ///         (a runtime failure drops the failing round's fills, as prepare() does).
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(std::int32_t layer, std::span<const std::int32_t> topk_ids, Stream stream,
@@ -304,7 +358,14 @@ class ModelExpertCache {
     return summary;
   }
 
-  // Drop layer `layer`'s expert `expert` (ExpertCache::invalidate, for one layer).
+  /// Drops layer `layer`'s expert `expert` (ExpertCache::invalidate, for one layer): the resident-map range that
+  /// is behind is uploaded on the fill stream, ordered like a fill after the layer's owner's readers and the
+  /// last writer (edge 6); `stream` waits for it; the owner is unchanged.
+  /// @param layer   the layer, in [0, num_layers)
+  /// @param expert  expert id of that layer in [0, E); one that is not resident is a no-op (nothing enqueued)
+  /// @param stream  the caller's stream; it waits for the resident-map upload
+  /// @return ok; invalid_argument (a bad layer) or expert_out_of_range with nothing changed; the runtime's error
+  ///         when the upload fails, the expert then staying dropped (the next call re-uploads the map range)
   Status invalidate(std::int32_t layer, std::int32_t expert, Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_invalidate");
     if (Status s = check_layer(layer, "invalidate"); !s) return s;
@@ -328,13 +389,19 @@ class ModelExpertCache {
     return {};
   }
 
-  // The view of `layer` (its maps and slot tensors; hits/misses/generation of its last prepare).
-  // Before the layer's first prepare its device maps are not yet written.
+  /// The view of `layer` without a call: its maps and slot tensors, and the hits, misses and generation of its
+  /// last prepare. Before the layer's first prepare its device maps are not yet written.
+  /// @param layer  the layer, in [0, num_layers)
+  /// @return the layer's view (pointers fixed for the cache's lifetime), or invalid_argument for a bad layer
   [[nodiscard]] Result<ForwardView> layer_view(std::int32_t layer) const noexcept {
     if (Status s = check_layer(layer, "layer_view"); !s) return s;
     return views_[static_cast<std::size_t>(layer)];
   }
 
+  /// The model's counters since construction (ModelCacheStats: the total and one entry per layer; the ordering
+  /// counters only in the total), taken from the host.
+  /// @return the counters
+  /// @throws std::bad_alloc when the per-layer vector cannot be allocated
   [[nodiscard]] ModelCacheStats stats() const {
     ModelCacheStats out;
     const std::size_t L = layers();
@@ -394,34 +461,56 @@ class ModelExpertCache {
     return out;
   }
 
+  /// @return the layers (ModelCacheOptions::num_layers)
   [[nodiscard]] std::int32_t num_layers() const noexcept { return options_.num_layers; }
+  /// @return the pool mode (per_layer or global)
   [[nodiscard]] ModelPool pool() const noexcept { return options_.pool; }
+  /// @return the construction options
   [[nodiscard]] const ModelCacheOptions& options() const noexcept { return options_; }
+  /// @return the layout the cache was built with
   [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  /// @return the model's storage: L*E experts layer-major (expert l*E + e) and every layer's slots
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  /// @return the model's storage (read-only)
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
-  // Expert `expert` of `layer` in the host pool (where its weights are written).
+  /// Where the caller writes an expert's weights, before the layer's first prepare. Not range-checked.
+  /// @param layer   the layer, in [0, num_layers)
+  /// @param tensor  tensor index (ExpertTensor, or the layout's own order)
+  /// @param expert  expert id of that layer, in [0, E)
+  /// @return host address of tensor `tensor` of expert `expert` of `layer`
   [[nodiscard]] std::byte* host_tensor(std::int32_t layer, std::size_t tensor, std::int32_t expert) const noexcept {
     return storage_.host_tensor(tensor, layer * options_.num_experts + expert);  // the pool is [L][E] in both modes
   }
-  // per_layer: layer `layer`'s planner; global: the one planner (any layer).
+  /// @param layer  the layer, in [0, num_layers) (not checked; ignored in global mode)
+  /// @return per_layer: layer `layer`'s planner; global: the one planner (ids keyed layer * E + expert)
   [[nodiscard]] const Planner& planner(std::int32_t layer = 0) const noexcept {
     return planners_[global() ? 0 : static_cast<std::size_t>(layer)];
   }
+  /// @param layer  the layer, in [0, num_layers) (not checked)
+  /// @return the layer's slots (per_layer); the pool's capacity in global mode
   [[nodiscard]] std::int32_t layer_capacity(std::int32_t layer) const noexcept {
     return capacities_[static_cast<std::size_t>(layer)];
   }
+  /// @param layer  the layer, in [0, num_layers) (not checked)
+  /// @return the layer's first slot in the model's slot storage (per_layer); 0 in global mode
   [[nodiscard]] std::int32_t slot_offset(std::int32_t layer) const noexcept {
     return slot_offsets_[static_cast<std::size_t>(layer)];
   }
+  /// @return the model's copy stream; nullopt with an inline staging policy (fills on the caller's stream)
   [[nodiscard]] std::optional<Stream> copy_stream() const noexcept { return core_.copy_stream(); }
+  /// @return the stream of the last accepted prepare-family call of any layer; nullopt before the first
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  /// @return the model's one ordering core (per-layer owners, counters)
   [[nodiscard]] const OrderingCore<Runtime>& core() const noexcept { return core_; }
-  // Layer `layer`'s E entries of the host maps (global: slot ids of the pool). In global mode
-  // the host forward map holds only the model's last forward; the device keeps every layer's.
+  /// Layer `layer`'s E entries of the host maps (global: slot ids of the pool). In global mode
+  /// the host forward map holds only the model's last forward; the device keeps every layer's.
+  /// @param layer  the layer, in [0, num_layers) (not checked)
+  /// @return the layer's resident map: expert -> slot, -1 when not resident
   [[nodiscard]] std::span<const std::int32_t> resident_map_host(std::int32_t layer) const noexcept {
     return layer_range(planner(layer).resident_map(), static_cast<std::size_t>(layer));
   }
+  /// @param layer  the layer, in [0, num_layers) (not checked)
+  /// @return the layer's host forward map (its last forward's experts -> slot, else -1; see above for global)
   [[nodiscard]] std::span<const std::int32_t> forward_map_host(std::int32_t layer) const noexcept {
     return layer_range(planner(layer).forward_map(), static_cast<std::size_t>(layer));
   }

@@ -16,14 +16,14 @@ struct CacheStats {
   std::uint64_t invalidations = 0;  ///< experts dropped by invalidate()
   std::int64_t resident = 0;        ///< experts resident now
   std::int64_t capacity = 0;        ///< GPU slots
-  std::uint64_t prepare_calls = 0;  ///< accepted prepare() / prepare_unique() calls
+  std::uint64_t prepare_calls = 0;  ///< accepted prepare() / prepare_unique() calls (and prepare_wide's admit rounds)
   std::uint64_t generation = 0;     ///< generation of the last accepted forward
-  std::uint64_t last_copies = 0;    ///< copies the last prepare() enqueued
+  std::uint64_t last_copies = 0;    ///< copies the last prepare() or prepare_wide() enqueued
   std::uint64_t total_copies = 0;   ///< copies enqueued since construction
   std::uint64_t owner_changes = 0;  ///< prepares on a stream other than the previous reader's
   std::uint64_t map_uploads = 0;    ///< expert/resident map uploads
   std::uint64_t staging_stalls = 0; ///< waits for a free host staging buffer
-  std::uint64_t faults = 0;         ///< runtime failures reported by prepare()/invalidate()
+  std::uint64_t faults = 0;         ///< runtime failures a call reported after validation
   std::uint64_t speculative_issued = 0;  ///< experts filled by prefetch() (not in misses or promotions)
   std::uint64_t speculative_used = 0;    ///< ... then used by a forward (also counted in hits)
   std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
@@ -35,7 +35,7 @@ struct CacheStats {
   std::uint64_t wide_bytes = 0;     ///< bytes copied by wide forwards (both admissions)
   std::size_t slot_bytes = 0;       ///< device: slot buffers + maps
   std::size_t host_bytes = 0;       ///< host: expert pools + map staging
-  /// hits / (hits + misses); 0 before the first forward.
+  /// @return hits / (hits + misses); 0 before the first forward
   [[nodiscard]] double hit_rate() const noexcept {
     const auto n = hits + misses;
     return n == 0 ? 0.0 : static_cast<double>(hits) / static_cast<double>(n);

@@ -12,9 +12,10 @@
 
 namespace expert_cache::inline v0 {
 
-/// What a consumer kernel needs for one forward. All pointers are device pointers, valid for
-/// work enqueued on the prepare() stream after the call (the copies are ordered before it) until
-/// the next prepare() of this cache.
+/// What a consumer kernel needs for one forward. All pointers are device pointers, fixed for the
+/// cache's lifetime; what they point to holds for work enqueued on the prepare() stream after the
+/// call (the copies are ordered before it) until the cache's next forward (each cache's prepare()
+/// names the calls that end it).
 struct ForwardView {
   /// Slot buffers per tensor: expert in slot s at tensors[t].slot(s); bytes == 0: tensor absent.
   std::array<SlotTensor, num_expert_tensors> tensors{};
@@ -30,7 +31,9 @@ struct ForwardView {
   std::uint32_t hits = 0;                      ///< this forward's unique experts already resident
   std::uint32_t misses = 0;                    ///< this forward's unique experts copied in
   std::uint64_t generation = 0;                ///< increases by one per accepted forward
-  /// The slot buffers of tensor `t` (e.g. ExpertTensor::w13).
+  /// The slot buffers of tensor `t`.
+  /// @param t  the tensor (e.g. ExpertTensor::w13)
+  /// @return tensors[t]: base, slot stride and bytes (bytes == 0: the layout has no such tensor)
   [[nodiscard]] const SlotTensor& tensor(ExpertTensor t) const noexcept {
     return tensors[static_cast<std::size_t>(t)];
   }
@@ -48,7 +51,7 @@ struct WideRound {
   std::uint32_t index = 0;                ///< 0-based round number
   std::uint32_t rounds = 0;               ///< rounds of this forward
   std::uint32_t streamed = 0;             ///< experts of this round in stream slots
-  /// True for round 0 only: where work that is not per expert (shared experts) belongs.
+  /// @return true for round 0 only: where work that is not per expert (shared experts) belongs
   [[nodiscard]] bool include_shared() const noexcept { return index == 0; }
 };
 

@@ -98,8 +98,18 @@ class DeviceExpertCacheWithEdges {
   using Executor = typename DevicePlanExecutorOf<Runtime, Policy>::type;
   static_assert(device_plan_executor<Executor>);
 
-  // Throws Error on an impossible configuration (capacity 0 or > num_experts, max_ids <= 0, a
-  // layout that does not validate, sizes that cannot be allocated).
+  /// Builds the cache: host pools, capacity + stream_slots slots, the device plan state and the executor
+  /// (FillEngine::automatic resolved here, measuring the link when no stored profile is given). Writes one line
+  /// to `options.log` when a sink is given.
+  /// @param rt       the runtime that allocates memory and enqueues every call's work; it must outlive the cache
+  /// @param options  sizes, modes, sinks and caller memory (DeviceCacheOptions); the cache keeps its own copy
+  /// @param layout   the per-expert tensors and their sizes; validated here
+  /// @throws Error invalid_capacity for capacity outside [1, num_experts]; invalid_argument for stream_slots
+  ///         outside [0, num_experts], max_wide_ids < 0, max_ids <= 0, fill_by_consumer with overlap or with
+  ///         FillEngine::copy_engine, crf_decay_q32 outside [1, 2^32 - 1], ready_first_regions naming a copy
+  ///         region the storage lacks, a link_profile of another device or expert size; the layout's validate()
+  ///         error; the storage's invalid_argument for bad caller memory; the runtime's error when an
+  ///         allocation, a stream or an event cannot be made
   [[gnu::cold]] DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)
       : rt_(&rt),
         options_(resolve_fill_engine(validated(std::move(options)), layout)),
@@ -141,17 +151,31 @@ class DeviceExpertCacheWithEdges {
   DeviceExpertCacheWithEdges(const DeviceExpertCacheWithEdges&) = delete;
   DeviceExpertCacheWithEdges& operator=(const DeviceExpertCacheWithEdges&) = delete;
 
-  // Plans the forward of `n_ids` top-k ids in device memory (negative = padding; other ids
-  // outside [0, E) are dropped and counted) and fills its group 0, on `stream`. On error
-  // nothing was enqueued when the input or the stream was rejected; a runtime failure after
-  // the plan was enqueued makes the next call drop the planned experts first (their slots may
-  // not hold their bytes).
-  // mode DeviceForward::in_rounds: the caller serves every group of this forward (prepare_group
-  // 1..max_groups(n_ids, round_width) - 1 after it, a wide forward), so an overflow is counted in
-  // stats() but not flagged in the error word, and the groups list the experts resident at the
-  // forward's start first; round_width (in rounds only): experts per group, 1..capacity (0: the
-  // capacity), so that a prefetch of the next group can fill beside the group being consumed.
-  // single (default): an overflow flags plan_error_overflow.
+  /// Plans the forward of `n_ids` top-k ids in device memory and fills its group 0 (its first W unique
+  /// experts, W = the capacity or round_width), on `stream`: inline mode, so plan -> fill -> consumer are
+  /// ordered by `stream` alone and the call can be captured and replayed with new ids. The core orders it
+  /// after the owner's readers and the last writer (edges 1, 2) and makes `stream` the owner. With
+  /// DeviceCacheOptions::overlap the fill may still run when the consumer starts: it waits per slot with
+  /// readiness(); with fill_by_consumer nothing is filled and view.missing flags the misses.
+  /// @param device_ids  `n_ids` ids in device memory, written on `stream` or ordered before the call: -1 is
+  ///                    padding; any other id outside [0, E) is dropped, counted (device_stats().bad_ids) and
+  ///                    flagged (plan_error_bad_id)
+  /// @param n_ids       number of ids, in [0, max_ids]
+  /// @param stream      the consumer stream
+  /// @param mode        DeviceForward::single (default): more unique experts than one group is an overflow
+  ///                    flagged in the error word (plan_error_overflow); in_rounds: the caller serves every
+  ///                    group (prepare_group 1..max_groups(n_ids, round_width) - 1 after this call), so an
+  ///                    overflow is counted in stats() but not flagged, and the groups list the experts
+  ///                    resident at the forward's start first
+  /// @param round_width in_rounds only: experts per group, 1..capacity (0: the capacity), so that a prefetch
+  ///                    of the next group can fill beside the group being consumed
+  /// @return the view (cache/views.hpp): pointers fixed for the cache's lifetime, so a captured graph stays
+  ///         correct; hits and misses 0 (the counts exist only on the device: stats()); its contents hold for
+  ///         work enqueued on `stream` after the call, until the next prepare() or prepare_group(). Errors,
+  ///         nothing enqueued: invalid_argument (n_ids outside [0, max_ids], round_width outside [0, capacity]
+  ///         or non-zero for single, null ids with n_ids > 0), a stream the runtime refuses. A runtime failure
+  ///         after the plan was enqueued makes the next call drop the planned experts first (their slots may
+  ///         not hold their bytes) and counts a fault.
   Result<ForwardView> prepare(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
                               DeviceForward mode = DeviceForward::single, std::int32_t round_width = 0) noexcept {
     if (n_ids < 0 || n_ids > options_.max_ids) {
@@ -178,10 +202,15 @@ class DeviceExpertCacheWithEdges {
     return view_;
   }
 
-  // Overflow group g (1 <= g < max_groups(max_ids, W)) of the last prepare(), W its group width
-  // (the capacity, or its round_width): plans ids [g*W, (g+1)*W) of its unique list and fills
-  // them. A group the forward does not have is empty: the forward map is cleared, nothing is
-  // filled, the consumer computes nothing.
+  /// Overflow group `group` of the last prepare(), W its group width (the capacity, or its round_width): plans
+  /// ids [g*W, (g+1)*W) of its unique list and fills them, on `stream`, ordered like prepare(). A group the
+  /// forward does not have is empty: the forward map is cleared, nothing is filled, the consumer computes
+  /// nothing (so a graph can provision max_groups() groups).
+  /// @param group   the group, in [1, max_groups(max_ids, W))
+  /// @param stream  the consumer stream
+  /// @return the view, as prepare()'s, its expert map holding group `group`'s experts. Errors, nothing
+  ///         enqueued: invalid_argument (group outside the range), a stream the runtime refuses; a runtime
+  ///         failure is handled as in prepare()
   Result<ForwardView> prepare_group(std::int32_t group, Stream stream) noexcept {
     const std::int32_t most = max_groups(options_.max_ids, round_width_);
     if (group < 1 || group >= most) {
@@ -198,8 +227,12 @@ class DeviceExpertCacheWithEdges {
     return view_;
   }
 
-  // Drops `expert` on the device (no-op there when it is not resident). Ordered like a write:
-  // after the owner's readers and the last writer (edge 6); the owner keeps reading.
+  /// Drops `expert` on the device (no-op there when it is not resident). Enqueued on `stream`, ordered like a
+  /// write: after the owner's readers and the last writer (edge 6); the owner keeps reading. Capturable.
+  /// @param expert  expert id in [0, num_experts)
+  /// @param stream  the stream the device invalidate runs on
+  /// @return ok; expert_out_of_range or a stream the runtime refuses, nothing enqueued; the runtime's error
+  ///         when enqueueing fails (counted as a fault)
   Status invalidate(std::int32_t expert, Stream stream) noexcept {
     if (expert < 0 || expert >= options_.num_experts) {
       return Status::format(ErrorCode::expert_out_of_range, "%s: invalidate(%d): expert outside [0, %d)",
@@ -212,12 +245,14 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
-  // fill_by_consumer only: the consumer of the last planned group did not run (it failed, or
-  // was never enqueued), so the slots of that group's missing experts never received their
-  // bytes: drops those experts (each as invalidate() would), so that no later forward reads
-  // them; they miss again when next requested. Ordered like invalidate() (edge 6). Call it
-  // before the next prepare(). Errors, nothing enqueued: a cache without fill_by_consumer
-  // (ErrorCode::not_supported: its fills copy every miss), a stream the runtime refuses.
+  /// fill_by_consumer only: the consumer of the last planned group did not run (it failed, or
+  /// was never enqueued), so the slots of that group's missing experts never received their
+  /// bytes: drops those experts (each as invalidate() would), so that no later forward reads
+  /// them; they miss again when next requested. Enqueued on `stream`, ordered like invalidate() (edge 6).
+  /// Call it before the next prepare().
+  /// @param stream  the stream the drop runs on
+  /// @return ok. Errors, nothing enqueued: a cache without fill_by_consumer (ErrorCode::not_supported: its
+  ///         fills copy every miss), a stream the runtime refuses; the runtime's error when enqueueing fails
   Status drop_unfilled(Stream stream) noexcept {
     if (!options_.fill_by_consumer) {
       return Status::format(ErrorCode::not_supported,
@@ -231,15 +266,18 @@ class DeviceExpertCacheWithEdges {
     return {};
   }
 
-  // DeviceCrf's frequency prior (docs/policies.md, "Frequency priors"): one bias per expert in
-  // CRF units (1.0 = what one request adds to an expert's CRF), added to the expert's CRF when
-  // victims are ranked; 2^30 or more pins the expert (crf_pin_bias). Replaces the whole table.
-  // Uploaded on `stream` through the core's staging ring and ordered like invalidate(): after
-  // every plan already enqueued, which read the old table (edges 1 and 6 of docs/design.md), and
-  // before the next call on any stream (edge 2: this stream is then the last writer). Capturable.
-  // Errors, nothing enqueued and the cache as it was: a policy that ranks without a prior
-  // (DeviceLru, DeviceLfru: not_supported), not one entry per expert, an entry that is negative,
-  // NaN or infinite, a stream the runtime refuses.
+  /// DeviceCrf's frequency prior (docs/policies.md, "Frequency priors"): one bias per expert in
+  /// CRF units (1.0 = what one request adds to an expert's CRF), added to the expert's CRF when
+  /// victims are ranked; 2^30 or more pins the expert (crf_pin_bias). Replaces the whole table.
+  /// Uploaded on `stream` through the core's staging ring and ordered like invalidate(): after
+  /// every plan already enqueued, which read the old table (edges 1 and 6 of docs/design.md), and
+  /// before the next call on any stream (edge 2: this stream is then the last writer). Capturable.
+  /// @param bias    one finite bias >= 0 per expert ([num_experts]), host memory, read during the call only
+  /// @param stream  the stream the upload runs on
+  /// @return ok. Errors, nothing enqueued and the cache as it was: a policy that ranks without a prior
+  ///         (DeviceLru, DeviceLfru: not_supported), not one entry per expert (invalid_argument), an entry
+  ///         that is negative, NaN or infinite (invalid_argument), runtime_failure when the host table cannot
+  ///         be allocated, a stream the runtime refuses; the runtime's error when the upload fails
   Status set_prior(std::span<const double> bias, Stream stream) noexcept {
     if (Status s = check_prior_shape(bias.size(), "set_prior"); !s) return s;
     for (std::size_t e = 0; e < bias.size(); ++e) {
@@ -263,33 +301,45 @@ class DeviceExpertCacheWithEdges {
     return upload_prior(q32.data(), stream, "set_prior");
   }
 
-  // The same from a table in the planner's Q32 (as PopularityTable::weighted_bias and
-  // pinned_bias return it: crf_one = 1.0, crf_pin_bias pins). Errors as set_prior's.
+  /// The same from a table in the planner's Q32 (as PopularityTable::weighted_bias and
+  /// pinned_bias return it: crf_one = 1.0, crf_pin_bias pins).
+  /// @param bias    one Q32 bias per expert ([num_experts]), host memory, read during the call only
+  /// @param stream  the stream the upload runs on
+  /// @return ok. Errors, nothing enqueued and the cache as it was: not_supported (a policy without a prior),
+  ///         invalid_argument (not one entry per expert), a stream the runtime refuses; the runtime's error when
+  ///         the upload fails
   Status set_prior_q32(std::span<const std::uint64_t> bias, Stream stream) noexcept {
     if (Status s = check_prior_shape(bias.size(), "set_prior_q32"); !s) return s;
     return upload_prior(bias.data(), stream, "set_prior_q32");
   }
 
-  // Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
-  // on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
-  // plan_prefetch): `device_ids` holds n_ids predicted ids in device memory, best first (-1 is
-  // padding; other ids outside [0, E) are dropped and counted, as in prepare); at most
-  // options.max_bytes / bytes-per-expert fills; never a victim from the last prepared forward,
-  // an unused unexpired speculative fill or an earlier id of the list. Ordered like a write
-  // (edges 1, 2: after the owner's readers enqueued so far and after the last writer); the
-  // owner does not change and nothing waits for the fills now, so they overlap whatever the
-  // owner's stream runs next. The next prepare() (any stream) is ordered after them: this
-  // call's stream is then its last writer (edge 2), so a forward that uses a prefetched expert
-  // reads it complete, and a forward that does not still waits for this call's fills (the host
-  // cannot know which slots a device-planned fill wrote). Capturable, with ids that change
-  // between replays. The returned view counts nothing (decisions are made on the device):
-  // stats() has speculative_issued / used / wasted / bytes.
-  // Scores are not taken here (not_supported when options.scores is not empty): the ids are in
-  // device memory and the device plan takes them in the given order; an engine with scores passes
-  // its ids best first, or calls the host-ids overload below, which selects on the host.
-  // Errors, nothing enqueued: n_ids outside [0, E] (too_many_experts above E), null ids with
-  // n_ids > 0, max_bytes < 0, expires_after == 0, min_score NaN or outside [0, 1], scores
-  // (not_supported), a stream the runtime refuses.
+  /// Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
+  /// on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
+  /// plan_prefetch): at most min(capacity, options.max_bytes / bytes-per-expert) fills; never a victim from
+  /// the last prepared forward, an unused unexpired speculative fill or an earlier id of the list. Ordered
+  /// like a write (edges 1, 2: after the owner's readers enqueued so far and after the last writer); the
+  /// owner does not change and nothing waits for the fills now, so they overlap whatever the
+  /// owner's stream runs next. The next prepare() (any stream) is ordered after them: this
+  /// call's stream is then its last writer (edge 2), so a forward that uses a prefetched expert
+  /// reads it complete, and a forward that does not still waits for this call's fills (the host
+  /// cannot know which slots a device-planned fill wrote). Capturable, with ids that change
+  /// between replays.
+  /// Scores are not taken here: the ids are in device memory and the device plan takes them in the given
+  /// order; an engine with scores passes its ids best first, or calls the host-ids overload below, which
+  /// selects on the host.
+  /// @param device_ids  `n_ids` predicted ids in device memory, best first, written on `stream` or ordered
+  ///                    before the call (-1 is padding; other ids outside [0, E) are dropped and counted, as
+  ///                    in prepare)
+  /// @param n_ids       number of ids, in [0, num_experts]
+  /// @param stream      the stream the plan and the fills run on
+  /// @param options     byte budget and expiry (PrefetchOptions; scores must be empty, precision_feedback is
+  ///                    ignored)
+  /// @return a view that counts nothing (decisions are made on the device: stats() has speculative_issued /
+  ///         used / wasted / bytes); nothing is enqueued for n_ids == 0 or a budget of no fill. Errors, nothing
+  ///         enqueued: n_ids outside [0, E] (invalid_argument below 0, too_many_experts above E), null ids with
+  ///         n_ids > 0, max_bytes < 0, expires_after == 0, min_score NaN or outside [0, 1] (invalid_argument),
+  ///         scores (not_supported), a stream the runtime refuses. A runtime failure after the plan was
+  ///         enqueued is handled as in prepare().
   Result<PrefetchView> prefetch(const std::int32_t* device_ids, std::int32_t n_ids, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     Result<std::int32_t> max_fills = prefetch_budget(n_ids, options);
@@ -315,13 +365,21 @@ class DeviceExpertCacheWithEdges {
     return PrefetchView{};
   }
 
-  // The same for predicted ids in host memory, validated like ExpertCache::prefetch (every id in
-  // [0, E), at most E of them: otherwise refused before anything is enqueued), then uploaded on
-  // `stream` through the ordering core's staging ring (graph-safe like its map uploads). With
-  // options.scores the hints are selected on the host first, as ExpertCache::prefetch selects
-  // them (PrefetchOptions; HintSelector), and only the selected ids, highest score first, are
-  // uploaded and planned; the view counts skipped_unlikely (the rest is decided on the device).
-  // The scored-hint errors are PrefetchOptions', before anything is enqueued.
+  /// The same for predicted ids in host memory, validated like ExpertCache::prefetch (every id in
+  /// [0, E), at most E of them: otherwise refused before anything is enqueued), then uploaded on
+  /// `stream` through the ordering core's staging ring (graph-safe like its map uploads). With
+  /// options.scores the hints are selected on the host first, as ExpertCache::prefetch selects
+  /// them (PrefetchOptions; HintSelector), and only the selected ids, highest score first, are
+  /// uploaded and planned.
+  /// @param predicted  predicted expert ids, best first, in [0, num_experts), at most num_experts of them; host
+  ///                   memory, read during the call only
+  /// @param stream     the stream the upload, the plan and the fills run on
+  /// @param options    byte budget, expiry, scores and min_score (PrefetchOptions; precision_feedback is
+  ///                   ignored)
+  /// @return a view that counts skipped_unlikely only (the rest is decided on the device: stats()). Errors,
+  ///         nothing enqueued: too_many_experts (more than E ids), expert_out_of_range, invalid_argument
+  ///         (max_bytes < 0, expires_after == 0, and the scored-hint errors of PrefetchOptions), a stream the
+  ///         runtime refuses. A runtime failure after the plan was enqueued is handled as in prepare().
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     if (predicted.size() > static_cast<std::size_t>(options_.num_experts)) {
@@ -356,26 +414,33 @@ class DeviceExpertCacheWithEdges {
     return view;
   }
 
-  // A wide forward from HOST ids (a prompt, a large batch; cache/wide.hpp), served eagerly in rounds
-  // with stream admission: the pool's residents are read where they are, every other expert is
-  // copied from the host pools into the stream slots (DeviceCacheOptions::stream_slots) by the
-  // copy engine, never admitted: the device planner's state (residents, recency, counters) is
-  // exactly what it was, so the decode working set survives the prompt. Steps: the pool's
-  // resident map is read back on `stream`, ordered like invalidate() after every plan, fill and
-  // prefetch enqueued so far (edges 6, 2), and the host waits for that copy (edge D10); then the
-  // rounds run as ExpertCache's stream rounds (docs/design.md "Wide forwards": round r + 1's
-  // copies, on the core's wide stream, overlap round r's consumer; edges 3 and 10), each run of
-  // consecutive missing experts as one copy per dense region, a round's copies in one batched
-  // call where the runtime has one. The consumer is called once per round on the host, as
-  // prepare_wide's everywhere; each round's view has a forward-scoped expert map of its own.
-  // Not capturable (the host waits for the read-back): the in-graph way to serve a wide forward
-  // is prepare(in_rounds) + prepare_group, whose rounds go through the pool.
-  // Errors before anything is enqueued: admission admit (not_supported: use prepare(in_rounds)
-  // and prepare_group), no stream slots (not_supported), more ids than max_wide_ids
-  // (too_many_experts), an id outside [0, E) (expert_out_of_range), `stream` capturing
-  // (capture_unsupported), a stream the runtime refuses. A consumer that fails (or throws) ends
-  // the forward with its status; a runtime failure is reported with its round. The pool is
-  // never changed, so either way the cache stays as it was and usable.
+  /// A wide forward from HOST ids (a prompt, a large batch; cache/wide.hpp), served eagerly in rounds
+  /// with stream admission: the pool's residents are read where they are, every other expert is
+  /// copied from the host pools into the stream slots (DeviceCacheOptions::stream_slots) by the
+  /// copy engine, never admitted: the device planner's state (residents, recency, counters) is
+  /// exactly what it was, so the decode working set survives the prompt. Steps: the pool's
+  /// resident map is read back on `stream`, ordered like invalidate() after every plan, fill and
+  /// prefetch enqueued so far (edges 6, 2), and the host waits for that copy (edge D10); then the
+  /// rounds run as ExpertCache's stream rounds (docs/design.md "Wide forwards": round r + 1's
+  /// copies, on the core's wide stream, overlap round r's consumer; edges 3 and 10), each run of
+  /// consecutive missing experts as one copy per dense region, a round's copies in one batched
+  /// call where the runtime has one. Not capturable (the host waits for the read-back): the in-graph way to
+  /// serve a wide forward is prepare(in_rounds) + prepare_group, whose rounds go through the pool.
+  /// @param topk_ids  top-k routing ids in host memory, read during the call only: duplicates fine, negative =
+  ///                  padding; at most max_wide_ids of them
+  /// @param stream    the consumer stream: the read-back and each round's work go on it
+  /// @param consumer  `consumer(const WideRound&)`, called once per round on this thread: enqueues the round's
+  ///                  work on `stream` and returns a Status (an exception is caught as runtime_failure); each
+  ///                  round's view has a forward-scoped expert map of its own (missing is null); it must not
+  ///                  call into this cache
+  /// @param options   stream admission, copy mode and batching (WideOptions)
+  /// @return what the forward did (WideSummary), once every round's consumer succeeded. Errors before anything
+  ///         is enqueued: admission admit (not_supported: use prepare(in_rounds) and prepare_group), no stream
+  ///         slots (not_supported), more ids than max_wide_ids (too_many_experts), an id outside [0, E)
+  ///         (expert_out_of_range), `stream` capturing (capture_unsupported), a stream the runtime refuses. A
+  ///         consumer that fails (or throws) ends the forward with its status; a runtime failure is reported
+  ///         with its round and counts a fault. The pool is never changed, so either way the cache stays as it
+  ///         was and usable.
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> topk_ids, Stream stream, Consumer&& consumer,
@@ -390,10 +455,18 @@ class DeviceExpertCacheWithEdges {
     return serve_wide(stream, consumer, options);
   }
 
-  // The same from `n_ids` ids in DEVICE memory (a router's output, written on `stream` or
-  // ordered before the call): copied to pinned host memory together with the resident map
-  // (one wait for both), then validated and served as above. An id outside [0, E) is reported
-  // after that copy (expert_out_of_range); the cache is unchanged either way.
+  /// The same from `n_ids` ids in DEVICE memory (a router's output, written on `stream` or
+  /// ordered before the call): copied to pinned host memory together with the resident map
+  /// (one wait for both), then validated and served as above.
+  /// @param device_ids  `n_ids` top-k ids in device memory (negative = padding)
+  /// @param n_ids       number of ids, at most max_wide_ids
+  /// @param stream      the consumer stream: the read-back and each round's work go on it
+  /// @param consumer    as above
+  /// @param options     as above
+  /// @return as above. Errors before anything is enqueued: those above, too_many_experts (n_ids above
+  ///         max_wide_ids), invalid_argument (null ids with n_ids > 0), the runtime's error when the pinned
+  ///         buffer for the ids cannot be grown. An id outside [0, E) is reported after the read-back
+  ///         (expert_out_of_range); the cache is unchanged either way.
   template <class Consumer>
     requires std::is_invocable_r_v<Status, Consumer&, const WideRound&>
   Result<WideSummary> prepare_wide(const std::int32_t* device_ids, std::size_t n_ids, Stream stream, Consumer&& consumer,
@@ -428,16 +501,20 @@ class DeviceExpertCacheWithEdges {
     return serve_wide(stream, consumer, options);
   }
 
-  // Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids, in
-  // groups of `round_width` experts (0: the capacity).
+  /// Rounds (prepare + prepare_group 1..) a graph needs for forwards of up to n_ids ids.
+  /// @param n_ids        the most ids of one forward
+  /// @param round_width  experts per group (0, or any value outside [1, capacity]: the capacity)
+  /// @return ceil(min(n_ids, E) / width), at least 1
   [[nodiscard]] std::int32_t max_groups(std::int64_t n_ids, std::int32_t round_width = 0) const noexcept {
     return plan_max_groups(n_ids, options_.num_experts, plan_group_width(round_width, options_.capacity));
   }
 
-  // Device counters from the mapped mirror (current while work runs; exact once the cache's
-  // streams are idle) plus the host's counters. promotions = misses (every miss inserts one
-  // expert); resident = inserted - evicted - invalidated. last_copies is 0: how many fills a
-  // step made is known only on the device; total_copies = misses * copies per fill.
+  /// Device counters from the mapped mirror (current while work runs; exact once the cache's
+  /// streams are idle) plus the host's counters. promotions = misses (every miss inserts one
+  /// expert); resident = inserted - evicted - invalidated. last_copies is 0: how many fills a
+  /// step made is known only on the device; total_copies = (misses + speculative fills) * copies per fill,
+  /// plus the wide forwards' copies.
+  /// @return the counters (CacheStats)
   [[nodiscard]] CacheStats stats() const noexcept {
     const DevicePlanStats d = exec_.stats();
     const auto& o = core_.counters();
@@ -472,34 +549,49 @@ class DeviceExpertCacheWithEdges {
     s.host_bytes = storage_.host_bytes() + core_.staging_bytes() + (wide_state_ ? wide_state_->resident_host.size() : 0);
     return s;
   }
+  /// @return the device plan's own counters (DevicePlanStats: overflows, bad ids, prefetches ...), from the
+  ///         mapped mirror, as stats()
   [[nodiscard]] DevicePlanStats device_stats() const noexcept { return exec_.stats(); }
 
-  // Reads and clears the device error word (PlanErrorBit: bad ids, overflow, ...). Call it
-  // while the cache's streams are idle (the device ORs bits with a plain load + store).
+  /// Reads and clears the device error word. Call it while the cache's streams are idle (the device ORs bits
+  /// with a plain load + store).
+  /// @return the PlanErrorBit bits set since the last call (bad ids, overflow, ...); 0 when none
   [[nodiscard]] std::uint32_t take_errors() noexcept { return exec_.take_error_word(); }
-  // The engine that moves this cache's fills (FillEngine::automatic resolved at construction).
+  /// @return the engine that moves this cache's fills (FillEngine::automatic resolved at construction)
   [[nodiscard]] FillEngine fill_engine() const noexcept { return options_.fill_engine; }
 
+  /// @return the host pools (write the experts' weights here: host_tensor(t, expert)) and slot buffers
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
+  /// @return the storage (read-only)
   [[nodiscard]] const StorageType& storage() const noexcept { return storage_; }
+  /// @return the layout the cache was built with
   [[nodiscard]] const Layout& layout() const noexcept { return layout_; }
+  /// @return the options, fill_engine resolved
   [[nodiscard]] const DeviceCacheOptions& options() const noexcept { return options_; }
+  /// @return the view prepare() returns (pointers fixed for the cache's lifetime), with the generation of the
+  ///         last prepare() or prepare_group()
   [[nodiscard]] const ForwardView& view() const noexcept { return view_; }
-  // The device state (device pointers): maps, fill list, scalars; for tests and tools.
+  /// @return the device state (device pointers): maps, fill list, scalars; for tests and tools
   [[nodiscard]] const DevicePlanState& plan_state() const noexcept { return exec_.state(); }
-  // Overlap (options().overlap): what a consumer needs to wait for each slot's bytes (device
-  // pointers, fixed for the cache's lifetime). Empty (enabled() false) without overlap: the
-  // consumer then relies on stream order, as before.
+  /// Overlap (options().overlap): what a consumer needs to wait for each slot's bytes.
+  /// @return the readiness words (device pointers, fixed for the cache's lifetime); empty (enabled() false)
+  ///         without overlap: the consumer then relies on stream order
   [[nodiscard]] SlotReadiness readiness() const noexcept {
     return exec_.overlap() ? slot_readiness_of(exec_.state()) : SlotReadiness{};
   }
+  /// @return the plan executor (SimPlanExecutor or CudaPlanExecutor); for tests and tools
   [[nodiscard]] const Executor& executor() const noexcept { return exec_; }
+  /// @return the device forward map (ForwardView::expert_map): [num_experts] int32, fixed for the lifetime
   [[nodiscard]] const std::int32_t* forward_map_device() const noexcept { return view_.expert_map; }
+  /// @return the device resident map (ForwardView::resident_map): [num_experts] int32, fixed for the lifetime
   [[nodiscard]] const std::int32_t* resident_map_device() const noexcept { return view_.resident_map; }
-  // The last prepare's ids with every dropped one as -1 (n_ids entries, device memory): a
-  // consumer indexing the maps with these stays in bounds whatever the router wrote.
+  /// The last prepare's ids with every dropped one as -1 (n_ids entries, device memory): a
+  /// consumer indexing the maps with these stays in bounds whatever the router wrote.
+  /// @return the device address of those ids (fixed for the cache's lifetime; written by each prepare())
   [[nodiscard]] const std::int32_t* sanitized_ids_device() const noexcept { return exec_.sanitized_ids(); }
+  /// @return the stream of the last accepted prepare(), prepare_group() or prepare_wide(); nullopt before any
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
+  /// @return what the ordering core did since construction (edges, owner changes, map uploads, stalls)
   [[nodiscard]] const OrderingCounters& ordering_counters() const noexcept { return core_.counters(); }
 
  private:
@@ -785,8 +877,8 @@ class DeviceExpertCacheWithEdges {
 
 }  // namespace detail
 
-// The public type: every ordering edge on. Policy: DeviceLru (= Lru), DeviceLfru (= Lfru) or
-// DeviceCrf (= Crf), planning/device_plan.hpp.
+/// The public type: every ordering edge on. Policy: DeviceLru (= Lru), DeviceLfru (= Lfru) or
+/// DeviceCrf (= Crf), planning/device_plan.hpp.
 template <template <class> class Storage, expert_layout Layout, allocating_runtime Runtime,
           device_plan_policy Policy = DeviceLru>
 using DeviceExpertCache = detail::DeviceExpertCacheWithEdges<Storage, Layout, Runtime, OrderingEdges, Policy>;

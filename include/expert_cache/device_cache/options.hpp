@@ -16,93 +16,94 @@
 
 namespace expert_cache::inline v0 {
 
+/// Construction parameters of a DeviceExpertCache. The constructor throws Error when they are impossible.
 struct DeviceCacheOptions {
-  std::int32_t num_experts = 0;
-  std::int32_t capacity = 0;
-  std::int32_t max_ids = 0;  // the largest n_ids prepare() accepts (tokens * top_k); > 0
-  // CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
-  // two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
+  std::int32_t num_experts = 0;  ///< experts of the layer (valid ids are [0, num_experts))
+  std::int32_t capacity = 0;     ///< GPU slots of the pool, in [1, num_experts]
+  std::int32_t max_ids = 0;      ///< the largest n_ids prepare() accepts (tokens * top_k); > 0
+  /// CUDA: plan and the fill of group 0 in one kernel node (plan_forward_fill_kernel); false:
+  /// two nodes (plan_forward, plan_fill). SimRuntime always runs two ops.
   bool fused_plan_fill = true;
-  // Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
-  // used), a consumer given readiness() may run concurrently with the fill. false: the
-  // stream-ordered path (readiness() is empty).
+  /// Per-slot readiness (edge D4): plan -> overlapped fill (two nodes; the fused node is not
+  /// used), a consumer given readiness() may run concurrently with the fill. false: the
+  /// stream-ordered path (readiness() is empty).
   bool overlap = false;
-  // Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
-  // each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),
-  // their slots are the expert map's, and the consumer must write every byte of each such slot
-  // from the host pools before any later reader (MoeConsumer::run_one_pass does: it reads the
-  // expert from mapped host memory, computes with it and stores it into the slot; edge D7 of
-  // docs/design.md). A group whose consumer did not run must be dropped with drop_unfilled().
-  // Prefetches still fill. Not with overlap (refused at construction: ErrorCode::invalid_argument).
+  /// Compute from host: the plan enqueues no fill for a forward's misses. The consumer copies
+  /// each missing expert itself: ForwardView::missing flags them (device memory, [num_experts]),
+  /// their slots are the expert map's, and the consumer must write every byte of each such slot
+  /// from the host pools before any later reader (MoeConsumer::run_one_pass does: it reads the
+  /// expert from mapped host memory, computes with it and stores it into the slot; edge D7 of
+  /// docs/design.md). A group whose consumer did not run must be dropped with drop_unfilled().
+  /// Prefetches still fill. Not with overlap (refused at construction: ErrorCode::invalid_argument).
   bool fill_by_consumer = false;
-  // Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
-  // test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
-  // kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
+  /// Test-only (overlap): every fill block waits test_fill_delay_ns before it copies fill number
+  /// test_fill_delay_index of a step. Read once at construction; 0 selects the full-speed fill
+  /// kernel, which has no knob. SimRuntime ignores it (its schedules already reorder).
   std::uint32_t test_fill_delay_ns = 0;
-  std::int32_t test_fill_delay_index = 0;
-  // Overlap, CUDA: copy regions (bit r = the storage's copy region r; TensorMajorStorage: one per
-  // non-empty tensor, in tensor order) that every fill of a step copies first, each slot's part
-  // then published on its own ready word (SlotReadiness::ready_first, edge D4c), so a consumer
-  // whose first pass reads only them starts on a missing expert before the rest lands (the
-  // NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
-  // refused at construction (ErrorCode::invalid_argument).
+  std::int32_t test_fill_delay_index = 0;  ///< test-only: see test_fill_delay_ns
+  /// Overlap, CUDA: copy regions (bit r = the storage's copy region r; TensorMajorStorage: one per
+  /// non-empty tensor, in tensor order) that every fill of a step copies first, each slot's part
+  /// then published on its own ready word (SlotReadiness::ready_first, edge D4c), so a consumer
+  /// whose first pass reads only them starts on a missing expert before the rest lands (the
+  /// NVFP4 consumer: MoeConsumer::first_pass_regions). 0: one part. A bit past the regions is
+  /// refused at construction (ErrorCode::invalid_argument).
   std::uint32_t ready_first_regions = 0;
-  // DeviceCrf's decay per forward in Q32, in [1, 2^32 - 1] (Crf's CrfParams::decay_q32: the same
-  // value plans the same victims; crf_decay_for_half_life(h) for a half-life of h forwards). Read
-  // at construction; outside the range is refused there (ErrorCode::invalid_argument). The other
-  // policies ignore it.
+  /// DeviceCrf's decay per forward in Q32, in [1, 2^32 - 1] (Crf's CrfParams::decay_q32: the same
+  /// value plans the same victims; crf_decay_for_half_life(h) for a half-life of h forwards). Read
+  /// at construction; outside the range is refused there (ErrorCode::invalid_argument). The other
+  /// policies ignore it.
   std::uint64_t crf_decay_q32 = crf_default_decay_q32;
-  // Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
-  // fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
-  // ready word BEFORE copying it (the edge removed, to show a test can see it).
+  /// Test-only (with test_fill_delay_ns): the delay applies to part test_fill_delay_part of the
+  /// fill (0: the first part, 1: the rest); test_publish_first_early stores the first part's
+  /// ready word BEFORE copying it (the edge removed, to show a test can see it).
   std::int32_t test_fill_delay_part = 0;
-  bool test_publish_first_early = false;
-  // Slots appended after the pool for wide forwards (prepare_wide, stream admission): two
-  // halves used alternately, never admitted, never touched by the device planner. 0: no
-  // prepare_wide (recommended_stream_slots() gives a size). The slot workspace covers
-  // capacity + stream_slots slots.
+  bool test_publish_first_early = false;  ///< test-only: see test_fill_delay_part
+  /// Slots appended after the pool for wide forwards (prepare_wide, stream admission): two
+  /// halves used alternately, never admitted, never touched by the device planner. 0: no
+  /// prepare_wide (recommended_stream_slots() gives a size). The slot workspace covers
+  /// capacity + stream_slots slots.
   std::int32_t stream_slots = 0;
-  // Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
+  /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
   std::int64_t max_wide_ids = default_max_wide_ids;
-  // Which engine moves the fills' bytes (docs/design.md, "Copy-engine fills"): the SMs reading
-  // mapped host memory (sm_loads: the fill kernels, the overlapped fill, fill_by_consumer), or a
-  // copy engine driven by the device's proxy thread from the plan's fill list (copy_engine: the
-  // plan stays on the GPU and in the captured step). automatic: the link profile decides
-  // (LinkProfile::choose_engine; measured once per device and expert size, or `link_profile`).
-  // When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
-  // overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
-  // computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
-  // refused (ErrorCode::invalid_argument). SimRuntime models the proxy (automatic there: sm_loads).
+  /// Which engine moves the fills' bytes (docs/design.md, "Copy-engine fills"): the SMs reading
+  /// mapped host memory (sm_loads: the fill kernels, the overlapped fill, fill_by_consumer), or a
+  /// copy engine driven by the device's proxy thread from the plan's fill list (copy_engine: the
+  /// plan stays on the GPU and in the captured step). automatic: the link profile decides
+  /// (LinkProfile::choose_engine; measured once per device and expert size, or `link_profile`).
+  /// When automatic picks copy_engine for a cache with fill_by_consumer, the cache runs with
+  /// overlap instead: ForwardView::missing is then null and readiness() is set, so the consumer
+  /// computes from slots as they land. fill_by_consumer with copy_engine named explicitly is
+  /// refused (ErrorCode::invalid_argument). SimRuntime models the proxy (automatic there: sm_loads).
   FillEngine fill_engine = FillEngine::automatic;
-  // A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
-  // measurement. One from another device or expert size is refused at construction.
+  /// A stored profile for automatic (LinkProfile::parse of a saved serialize()): skips the
+  /// measurement. One from another device or expert size is refused at construction.
   std::optional<LinkProfile> link_profile;
-  // The engine prefetches the next layer's experts while this one computes (lookahead). With
-  // overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
-  // copies on a copy engine take no SMs from the consumer. Read by automatic only.
+  /// The engine prefetches the next layer's experts while this one computes (lookahead). With
+  /// overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
+  /// copies on a copy engine take no SMs from the consumer. Read by automatic only.
   bool lookahead = false;
-  // Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
-  // the post publishes before the fill list is written (P1), the proxy publishes a ready word
-  // before its copies (P2); test_fail_copies makes the proxy's copies fail.
+  /// Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
+  /// the post publishes before the fill list is written (P1), the proxy publishes a ready word
+  /// before its copies (P2); test_fail_copies makes the proxy's copies fail.
   bool test_post_before_list = false;
-  bool test_ready_before_copy = false;
-  bool test_fail_copies = false;
-  // Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
+  bool test_ready_before_copy = false;  ///< test-only: see test_post_before_list
+  bool test_fail_copies = false;        ///< test-only: see test_post_before_list
+  /// Test-only (SimRuntime's executor): destruction skips its wait for the proxy (P4 removed).
   bool test_skip_shutdown_wait = false;
-  // Test-only (CudaRuntime): destruction frees its memory without first waiting for the device
-  // while other caches use the proxy (P5 removed).
+  /// Test-only (CudaRuntime): destruction frees its memory without first waiting for the device
+  /// while other caches use the proxy (P5 removed).
   bool test_skip_release_drain = false;
-  std::string label = "device_expert_cache";
-  std::function<void(std::string_view)> log;  // one line at construction; silent when empty
-  // Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
-  // validates and registers them; never copied or freed; the caller keeps them alive).
+  std::string label = "device_expert_cache";  ///< name in log lines and error messages
+  std::function<void(std::string_view)> log;  ///< one line at construction; silent when empty
+  /// Caller-owned host pools and/or slot workspace, as CacheOptions::memory (the storage
+  /// validates and registers them; never copied or freed; the caller keeps them alive).
   StorageMemory memory{};
 };
 
-// How DeviceExpertCache::prepare's caller serves a forward with more unique experts than slots.
+/// How DeviceExpertCache::prepare's caller serves a forward with more unique experts than slots.
 enum class DeviceForward : std::uint8_t {
-  single,     // one round: an overflow is an error the error word reports (plan_error_overflow)
-  in_rounds,  // the caller runs prepare_group for every further group: the overflow is planned
+  single,     ///< one round: an overflow is an error the error word reports (plan_error_overflow)
+  in_rounds,  ///< the caller runs prepare_group for every further group: the overflow is planned
 };
 
 }  // namespace expert_cache::inline v0

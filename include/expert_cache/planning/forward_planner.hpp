@@ -21,14 +21,15 @@ namespace expert_cache::inline v0 {
 
 // SlotFill and SlotEviction: base/concepts.hpp (the staging concept is stated in them).
 
-// The outcome of planning one forward. Reused across forwards so the hot path never allocates.
+/// The outcome of planning one forward. Reused across forwards so the hot path never allocates.
 struct ForwardPlan {
-  std::vector<ExpertId> unique;         // the forward's unique experts, in processing order
-  std::vector<SlotFill> fills;          // misses: slot `slot` must receive expert `expert`
-  std::vector<SlotEviction> evictions;  // residents dropped to make room (their slot is in fills)
-  std::uint32_t hits = 0;
-  std::uint32_t misses = 0;
+  std::vector<ExpertId> unique;         ///< the forward's unique experts, in processing order
+  std::vector<SlotFill> fills;          ///< misses: slot `slot` must receive expert `expert`
+  std::vector<SlotEviction> evictions;  ///< residents dropped to make room (their slot is in fills)
+  std::uint32_t hits = 0;               ///< unique experts already resident
+  std::uint32_t misses = 0;             ///< unique experts given a slot (one fill each)
 
+  /// Empties every list and zeroes the counts (capacity kept).
   void clear() noexcept {
     unique.clear();
     fills.clear();
@@ -37,15 +38,16 @@ struct ForwardPlan {
   }
 };
 
-// The outcome of one plan_prefetch(). Reused across calls so the hot path never allocates.
+/// The outcome of one plan_prefetch(). Reused across calls so the hot path never allocates.
 struct PrefetchPlan {
-  std::vector<SlotFill> fills;           // speculative fills: slot `slot` receives expert `expert`
-  std::vector<SlotEviction> evictions;   // residents dropped for them
-  std::uint32_t skipped_resident = 0;    // predicted entries already resident (or already in flight)
-  std::uint32_t skipped_no_victim = 0;   // distinct predicted ids dropped: no slot may be evicted for them
-  std::uint32_t skipped_unlikely = 0;    // scored entries below min_score, never considered
-  std::uint32_t skipped_imprecise = 0;   // entries at a rank whose measured precision is below the threshold
+  std::vector<SlotFill> fills;           ///< speculative fills: slot `slot` receives expert `expert`
+  std::vector<SlotEviction> evictions;   ///< residents dropped for them
+  std::uint32_t skipped_resident = 0;    ///< predicted entries already resident (or already in flight)
+  std::uint32_t skipped_no_victim = 0;   ///< distinct predicted ids dropped: no slot may be evicted for them
+  std::uint32_t skipped_unlikely = 0;    ///< scored entries below min_score, never considered
+  std::uint32_t skipped_imprecise = 0;   ///< entries at a rank whose measured precision is below the threshold
 
+  /// Empties both lists and zeroes the counts (capacity kept).
   void clear() noexcept {
     fills.clear();
     evictions.clear();
@@ -53,17 +55,18 @@ struct PrefetchPlan {
   }
 };
 
+/// What a ForwardPlanner counted since construction (ExpertCache::stats() reports them).
 struct PlannerCounters {
-  std::uint64_t hits = 0;
-  std::uint64_t misses = 0;
-  std::uint64_t promotions = 0;  // experts made resident
-  std::uint64_t evictions = 0;
-  std::uint64_t invalidations = 0;
-  std::uint64_t prepare_calls = 0;  // accepted forwards
-  std::uint64_t generation = 0;     // bumps on every accepted state change (forward, prefetch, invalidate)
-  std::uint64_t speculative_issued = 0;  // experts made resident by plan_prefetch (not in promotions)
-  std::uint64_t speculative_used = 0;    // ... later used by a forward (also counted as that forward's hit)
-  std::uint64_t speculative_wasted = 0;  // ... expired, evicted or invalidated unused
+  std::uint64_t hits = 0;           ///< forward experts already resident
+  std::uint64_t misses = 0;         ///< forward experts given a slot
+  std::uint64_t promotions = 0;     ///< experts made resident by a forward
+  std::uint64_t evictions = 0;      ///< residents evicted (forwards and prefetches)
+  std::uint64_t invalidations = 0;  ///< experts dropped by invalidate()
+  std::uint64_t prepare_calls = 0;  ///< accepted forwards
+  std::uint64_t generation = 0;     ///< bumps on every accepted state change (forward, prefetch, invalidate)
+  std::uint64_t speculative_issued = 0;  ///< experts made resident by plan_prefetch (not in promotions)
+  std::uint64_t speculative_used = 0;    ///< ... later used by a forward (also counted as that forward's hit)
+  std::uint64_t speculative_wasted = 0;  ///< ... expired, evicted or invalidated unused
   friend bool operator==(const PlannerCounters&, const PlannerCounters&) = default;
 };
 
@@ -133,10 +136,14 @@ class ExpertWatchList {
 
 }  // namespace detail
 
+/// The host planner of one cache: residency (resident map, slot owners, free slots), the eviction policy and
+/// the forward-scoped map. Host-only and synchronous: it enqueues nothing. Every call validates its input
+/// before any state change, so a rejected call leaves residency, policy state and counters as they were.
+/// Not thread-safe.
 template <eviction_policy Policy>
 class ForwardPlanner {
  public:
-  // Everything that defines the cache's observable state; equality compares it all.
+  /// Everything that defines the cache's observable state; equality compares it all.
   struct Snapshot {
     std::vector<std::int32_t> resident_map;
     std::vector<std::int32_t> slot_owner;
@@ -150,7 +157,11 @@ class ForwardPlanner {
     friend bool operator==(const Snapshot&, const Snapshot&) = default;
   };
 
-  // Throws Error(invalid_capacity / invalid_argument) for an impossible shape.
+  /// Builds an empty planner (every slot free), sized once: planning never allocates after this.
+  /// @param shape   experts and slots (CacheShape{num_experts, capacity})
+  /// @param top_k   routed experts per token, in [1, capacity]
+  /// @param policy  the eviction policy, made for `shape`
+  /// @throws Error as validated(); std::bad_alloc when the tables cannot be allocated
   ForwardPlanner(CacheShape shape, std::int32_t top_k, Policy policy)
       : shape_(validated(shape, top_k)),
         top_k_(top_k),
@@ -174,12 +185,20 @@ class ForwardPlanner {
     }
   }
 
+  /// As above, with the policy constructed from the validated shape.
+  /// @param shape  experts and slots
+  /// @param top_k  routed experts per token, in [1, capacity]
+  /// @throws Error as validated()
   explicit ForwardPlanner(CacheShape shape, std::int32_t top_k = 1)
     requires std::constructible_from<Policy, CacheShape>
       : ForwardPlanner(shape, top_k, Policy(validated(shape, top_k))) {}
 
-  // Plan from top-k routing ids (any length, duplicates allowed, negative ids are padding).
-  // The unique set is processed in ascending order, as both reference providers do.
+  /// Plan from top-k routing ids (any length, duplicates allowed, negative ids are padding).
+  /// The unique set is processed in ascending order, as both reference providers do.
+  /// @param topk_ids  the forward's ids, read during the call only
+  /// @param plan      receives the plan (cleared first); left as it was when the call is rejected
+  /// @return ok; expert_out_of_range (an id >= num_experts) or too_many_experts (more unique experts than
+  ///         slots), with nothing changed; internal when the policy returns an invalid victim
   Status plan_topk(std::span<const std::int32_t> topk_ids, ForwardPlan& plan) noexcept {
     next_epoch();
     scratch_.clear();
@@ -197,11 +216,15 @@ class ForwardPlanner {
     return apply(plan);
   }
 
-  // Plan from an explicit list of unique ids, processed in the given order. Duplicates and
-  // ids outside [0, num_experts) (negative included) are errors.
-  // `keep` (a wide forward's previous round, still to be read): residents that are not planned
-  // but may not be evicted either; ids outside [0, num_experts) in it are errors, and the
-  // unique ids plus the resident ones of `keep` must fit the capacity.
+  /// Plan from an explicit list of unique ids, processed in the given order.
+  /// @param unique_ids  distinct ids in [0, num_experts), read during the call only
+  /// @param plan        receives the plan (cleared first); left as it was when the call is rejected
+  /// @param keep        a wide forward's previous round, still to be read: residents that are not planned
+  ///                    but may not be evicted either; the unique ids plus the resident ones of `keep` must
+  ///                    fit the capacity
+  /// @return ok; with nothing changed: too_many_experts (more ids than slots, or than `keep`'s residents leave),
+  ///         expert_out_of_range (an id of either list outside [0, num_experts), negative included),
+  ///         duplicate_expert; internal when the policy returns an invalid victim
   Status plan_unique(std::span<const std::int32_t> unique_ids, ForwardPlan& plan,
                      std::span<const std::int32_t> keep = {}) noexcept {
     if (static_cast<std::int64_t>(unique_ids.size()) > shape_.capacity) {
@@ -231,36 +254,47 @@ class ForwardPlanner {
     return apply(plan);
   }
 
-  // Speculative fills for `predicted` (best first), at most `max_fills`. A victim is chosen by the
-  // policy among residents that are neither in the most recent accepted forward, nor an unused,
-  // unexpired speculative fill, nor predicted earlier in this list (evicting one prediction for
-  // another undoes the first). No such resident: the remaining ids are skipped, not an error.
-  // A fill is speculative until a forward uses it (a hit, counted used) or `expires_after`
-  // accepted forwards pass without one (counted wasted; then evictable like any resident).
-  // The forward map is not touched: the current forward's readers keep reading it.
-  // Errors, before any state change: an id outside [0, num_experts) (expert_out_of_range), more
-  // than num_experts entries (too_many_experts: a priority list never needs more), max_fills < 0
-  // or expires_after == 0 (invalid_argument).
+  /// Speculative fills for `predicted` (best first), at most `max_fills`. A victim is chosen by the
+  /// policy among residents that are neither in the most recent accepted forward, nor an unused,
+  /// unexpired speculative fill, nor predicted earlier in this list (evicting one prediction for
+  /// another undoes the first). No such resident: the remaining ids are skipped, not an error.
+  /// A fill is speculative until a forward uses it (a hit, counted used) or `expires_after`
+  /// accepted forwards pass without one (counted wasted; then evictable like any resident).
+  /// The forward map is not touched: the current forward's readers keep reading it.
+  /// @param predicted      predicted ids, best first, read during the call only
+  /// @param max_fills      the most fills to plan (>= 0)
+  /// @param expires_after  accepted forwards a fill stays protected unused (>= 1)
+  /// @param out            receives the plan (cleared first); left as it was when the call is rejected
+  /// @return ok. Errors, before any state change: an id outside [0, num_experts) (expert_out_of_range), more
+  ///         than num_experts entries (too_many_experts: a priority list never needs more), max_fills < 0
+  ///         or expires_after == 0 (invalid_argument); internal when the policy returns an invalid victim
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::int32_t max_fills, std::uint32_t expires_after,
                        PrefetchPlan& out) noexcept {
     if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
     return plan_prefetch_checked(predicted, max_fills, expires_after, out);
   }
 
-  // The same with the caller's scores (PrefetchOptions in cache/options.hpp states the contract):
-  // scores[i] is the probability that the next forward reads predicted[i]. Empty `scores` and
-  // no feedback: the overload above, exactly. Otherwise the entries scoring below `min_score`
-  // are skipped (out.skipped_unlikely; they are not protected either) and the others are
-  // planned highest score first, equal scores in the given order (HintSelector,
-  // prefetch/hint_selection.hpp), under the rules above: the same protections, at most
-  // max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
-  // whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
-  // (out.skipped_imprecise, not protected), except for the rank's periodic probe, which runs only
-  // while the rank's skipped hints, watched, turn out read by the next forwards. A rank's precision
-  // is net of its regret: how often a forward missed the expert one of its fills evicted.
-  // Errors, before any state change: those above (every entry's id is checked, skipped ones
-  // too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
-  // than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
+  /// The same with the caller's scores (PrefetchOptions in cache/options.hpp states the contract):
+  /// scores[i] is the probability that the next forward reads predicted[i]. Empty `scores` and
+  /// no feedback: the overload above, exactly. Otherwise the entries scoring below `min_score`
+  /// are skipped (out.skipped_unlikely; they are not protected either) and the others are
+  /// planned highest score first, equal scores in the given order (HintSelector,
+  /// prefetch/hint_selection.hpp), under the rules above: the same protections, at most
+  /// max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
+  /// whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
+  /// (out.skipped_imprecise, not protected), except for the rank's periodic probe, which runs only
+  /// while the rank's skipped hints, watched, turn out read by the next forwards. A rank's precision
+  /// is net of its regret: how often a forward missed the expert one of its fills evicted.
+  /// @param predicted           predicted ids, read during the call only
+  /// @param scores              one probability in [0, 1] per predicted id, or empty
+  /// @param min_score           the least score (and, with feedback, rank precision) a hint needs, in [0, 1]
+  /// @param max_fills           the most fills to plan (>= 0)
+  /// @param expires_after       accepted forwards a fill stays protected unused (>= 1)
+  /// @param out                 receives the plan; left as it was when the call is rejected
+  /// @param precision_feedback  skip ranks whose measured precision is below min_score
+  /// @return ok. Errors, before any state change: those above (every entry's id is checked, skipped ones
+  ///         too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
+  ///         than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::span<const float> scores, float min_score,
                        std::int32_t max_fills, std::uint32_t expires_after, PrefetchPlan& out,
                        bool precision_feedback = false) noexcept {
@@ -272,14 +306,18 @@ class ForwardPlanner {
     return s;
   }
 
-  // Issued by plan_prefetch and not yet used, expired, evicted or invalidated.
+  /// @param expert  any id (outside [0, num_experts): false)
+  /// @return true when `expert` was issued by plan_prefetch and not yet used, expired, evicted or invalidated
   [[nodiscard]] bool is_speculative(std::int32_t expert) const noexcept {
     return expert >= 0 && expert < shape_.num_experts && speculative_.contains(ExpertId(expert));
   }
+  /// @return the live speculative fills (see is_speculative)
   [[nodiscard]] std::int32_t speculative_count() const noexcept { return static_cast<std::int32_t>(speculative_.size()); }
 
-  // Drop `expert` from residency. Returns the freed slot, or an invalid SlotId when the
-  // expert was not resident (a no-op, like the reference providers).
+  /// Drop `expert` from residency (its forward-map entry too); a live speculative fill of it counts wasted.
+  /// @param expert  expert id in [0, num_experts)
+  /// @return the freed slot, or an invalid SlotId when the expert was not resident (a no-op, like the
+  ///         reference providers); expert_out_of_range with nothing changed
   Result<SlotId> invalidate(std::int32_t expert) noexcept {
     if (expert < 0 || expert >= shape_.num_experts) return out_of_range(expert);
     const auto e = static_cast<std::size_t>(expert);
@@ -296,27 +334,46 @@ class ForwardPlanner {
     return SlotId(slot);
   }
 
+  /// @return [num_experts] every resident expert -> slot, else -1 (speculative fills included); the span stays
+  ///         valid for the planner's lifetime, its entries change with each accepted call
   [[nodiscard]] std::span<const std::int32_t> resident_map() const noexcept { return resident_map_; }
+  /// @return [num_experts] the last accepted forward's experts -> slot, else -1
   [[nodiscard]] std::span<const std::int32_t> forward_map() const noexcept { return forward_map_; }
+  /// @return [capacity] slot -> expert holding it, -1 when free
   [[nodiscard]] std::span<const std::int32_t> slot_owner() const noexcept { return slot_owner_; }
+  /// @return the counters since construction
   [[nodiscard]] const PlannerCounters& counters() const noexcept { return counters_; }
+  /// @return the eviction policy and its state
   [[nodiscard]] const Policy& policy() const noexcept { return policy_; }
+  /// @return the validated shape
   [[nodiscard]] CacheShape shape() const noexcept { return shape_; }
+  /// @return the routed experts per token given at construction
   [[nodiscard]] std::int32_t top_k() const noexcept { return top_k_; }
+  /// @return the slots holding an expert
   [[nodiscard]] std::int32_t resident_count() const noexcept {
     return shape_.capacity - static_cast<std::int32_t>(free_slots_.size());
   }
+  /// @param expert  any id (outside [0, num_experts): false)
+  /// @return true when `expert` holds a slot
   [[nodiscard]] bool is_resident(std::int32_t expert) const noexcept {
     return expert >= 0 && expert < shape_.num_experts &&
            resident_map_[static_cast<std::size_t>(expert)] != absent_slot;
   }
 
+  /// @return a copy of the whole observable state (for tests and replay comparisons)
+  /// @throws std::bad_alloc when the copy cannot be allocated
   [[nodiscard]] Snapshot snapshot() const {
     return Snapshot{resident_map_, slot_owner_, std::vector<std::int32_t>(free_slots_.begin(), free_slots_.end()),
                     policy_, counters_, speculative_.forwards_left(), precision_, skipped_.forwards_left(),
                     victims_.forwards_left()};
   }
 
+  /// Checks a shape before anything is built for it.
+  /// @param shape  experts and slots
+  /// @param top_k  routed experts per token
+  /// @return `shape`, unchanged
+  /// @throws Error invalid_argument for num_experts <= 0; invalid_capacity for capacity outside
+  ///         [1, num_experts] or top_k outside [1, capacity]
   static CacheShape validated(CacheShape shape, std::int32_t top_k) {
     if (shape.num_experts <= 0) {
       throw Error(ErrorCode::invalid_argument,

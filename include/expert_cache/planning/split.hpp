@@ -15,16 +15,18 @@
 
 namespace expert_cache::inline v0 {
 
+/// One chunk of a token split: consecutive rows whose experts fit the cache together.
 struct TokenChunk {
-  std::int64_t row_begin = 0;             // rows [row_begin, row_end) of the top-k matrix
-  std::int64_t row_end = 0;
-  std::vector<std::int32_t> unique_ids;  // sorted union of the chunk's expert ids
+  std::int64_t row_begin = 0;            ///< rows [row_begin, row_end) of the top-k matrix
+  std::int64_t row_end = 0;              ///< one past the chunk's last row
+  std::vector<std::int32_t> unique_ids;  ///< sorted union of the chunk's expert ids (for prepare_unique)
   friend bool operator==(const TokenChunk&, const TokenChunk&) = default;
 };
 
+/// One group of an expert split: ids for one prepare_unique(), the forward run once per group.
 struct ExpertGroup {
-  std::vector<std::int32_t> unique_ids;  // ascending, at most `capacity` ids
-  bool include_shared = false;           // true for group 0 only
+  std::vector<std::int32_t> unique_ids;  ///< ascending, at most `capacity` ids
+  bool include_shared = false;           ///< true for group 0 only: where shared (not per expert) work goes
   friend bool operator==(const ExpertGroup&, const ExpertGroup&) = default;
 };
 
@@ -49,8 +51,17 @@ inline Status check_id(std::int32_t id, std::int32_t num_experts, std::int64_t r
 }
 }  // namespace detail
 
-// `topk_ids` is row-major [rows, top_k]; negative ids are padding. A single row that needs
-// more than `capacity` experts cannot be planned and is an error.
+/// Token split (exact): greedy chunks of consecutive rows whose union of experts fits `capacity`.
+/// A pure function: no cache state is read or changed.
+/// @param topk_ids     row-major [rows, top_k] routing ids; negative ids are padding
+/// @param top_k        ids per row (> 0)
+/// @param capacity     the cache's slots (> 0)
+/// @param num_experts  valid ids are below it
+/// @return the chunks in row order, covering every row (none for no rows); invalid_argument for top_k <= 0 or
+///         a length that is not a multiple of top_k, invalid_capacity for capacity <= 0, expert_out_of_range
+///         for an id >= num_experts, row_exceeds_capacity for a single row needing more than `capacity`
+///         experts (it cannot be planned)
+/// @throws std::bad_alloc when the result cannot be allocated
 inline Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::int32_t> topk_ids,
                                                          std::int32_t top_k, std::int32_t capacity,
                                                          std::int32_t num_experts) {
@@ -89,8 +100,17 @@ inline Result<std::vector<TokenChunk>> plan_token_chunks(std::span<const std::in
   return chunks;
 }
 
-// Ascending groups of at most `capacity` ids; an empty batch gives one empty group (the
-// forward still runs once, e.g. for shared experts).
+/// Expert split (rounding-level differences from one pass): the forward's unique ids in ascending groups
+/// of at most `capacity`. A pure function: no cache state is read or changed.
+/// @param topk_ids     row-major [rows, top_k] routing ids; negative ids are padding
+/// @param top_k        ids per row (> 0)
+/// @param capacity     the cache's slots (> 0)
+/// @param num_experts  valid ids are below it
+/// @return the groups, group 0 flagged include_shared; an empty batch gives one empty group (the forward
+///         still runs once, e.g. for shared experts). invalid_argument for top_k <= 0 or a length that is
+///         not a multiple of top_k, invalid_capacity for capacity <= 0, expert_out_of_range for an id
+///         >= num_experts
+/// @throws std::bad_alloc when the result cannot be allocated
 inline Result<std::vector<ExpertGroup>> plan_expert_groups(std::span<const std::int32_t> topk_ids,
                                                            std::int32_t top_k, std::int32_t capacity,
                                                            std::int32_t num_experts) {

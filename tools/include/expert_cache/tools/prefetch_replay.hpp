@@ -1,6 +1,6 @@
 #pragma once
-// Replay with prefetch: the trace replay (tools/replay.hpp) plus, after each forward, a
-// speculative fill of the next layer's predicted experts (ForwardPlanner::plan_prefetch).
+/// Replay with prefetch: the trace replay (tools/replay.hpp) plus, after each forward, a
+/// speculative fill of the next layer's predicted experts (ForwardPlanner::plan_prefetch).
 // Host-only. docs/prefetch.md defines the metrics and shows results.
 //
 // For each forward (step, layer L) in trace order:

@@ -1,6 +1,7 @@
 #pragma once
-// Replay engine: runs a Trace through ForwardPlanner<Policy> for each requested policy and
-// capacity and reports hits, misses and the ratio to OPT (Belady). Host-only.
+/// Replay engine: runs a Trace through ForwardPlanner<Policy> for each requested policy and
+/// capacity and reports hits, misses and the ratio to OPT (Belady).
+// Host-only.
 //
 // Scopes (docs/trace_format.md):
 //   layer  - one cache per distinct layer, `capacity` slots each, experts [0, E)

@@ -1,8 +1,8 @@
 #pragma once
-// Errors of the tools (trace reader/writer, generator, replay CLI). Tools are not hot paths,
-// so their messages are std::strings of any length (a file path plus a quoted token), and
-// their codes (a malformed file, an unreadable file) are not the cache's. A library Status
-// converts implicitly, keeping its code. Host-only.
+/// Errors of the tools (trace reader/writer, generator, replay CLI).
+// Tools are not hot paths, so their messages are std::strings of any length (a file path plus
+// a quoted token), and their codes (a malformed file, an unreadable file) are not the cache's.
+// A library Status converts implicitly, keeping its code. Host-only.
 #include <cstdint>
 #include <stdexcept>
 #include <string>

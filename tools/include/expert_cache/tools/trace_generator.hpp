@@ -1,5 +1,6 @@
 #pragma once
-// Deterministic synthetic routing traces (docs/trace_format.md). Host-only.
+/// Deterministic synthetic routing traces (docs/trace_format.md).
+// Host-only.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,5 +1,6 @@
 #pragma once
-// Routing traces, format v1 (docs/trace_format.md): parse and write. Host-only.
+/// Routing traces, format v1 (docs/trace_format.md): parse and write.
+// Host-only.
 // The parser never throws on malformed input: every problem comes back as a parse_error
 // naming the 1-based line. Untrusted sizes are bounded so one bad number cannot make
 // anything allocate a huge array.
