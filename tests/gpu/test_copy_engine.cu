@@ -296,12 +296,16 @@ TEST_CASE("fill engine automatic: resolved from the link profile; a stored profi
   other.sm_load_gbps = other.copy_engine_gbps_batch;
   o.link_profile = other;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
-  // Lookahead: an overlapping cache takes the copy engine even where SM loads are as fast; one
-  // that does not overlap decides from the bandwidths.
+  // Lookahead: an overlapping cache with room for the next forward's experts takes the copy
+  // engine even where SM loads are as fast; one that does not overlap, or whose pool holds only
+  // the current forward (4 slots, 4 ids), decides from the bandwidths.
   o.lookahead = true;
+  o.max_ids = 2;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
   o.overlap = true;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::copy_engine);
+  o.max_ids = 4;
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
   o.overlap = false;
   o.lookahead = false;
   // fill_by_consumer where the copy engine is picked: the cache overlaps instead.

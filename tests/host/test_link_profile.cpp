@@ -8,6 +8,7 @@
 #include <string>
 #include <string_view>
 
+#include "expert_cache/device_cache/options.hpp"
 #include "expert_cache/runtime/link_profile.hpp"
 
 using namespace expert_cache;
@@ -208,6 +209,33 @@ TEST_CASE("LinkProfile::choose_engine for overlapped lookahead: the copy engine,
   LinkProfile empty;  // no measurement: the copy engine
   CHECK(empty.choose_engine(FillUse::overlapped_lookahead, &reason) == FillEngine::copy_engine);
   CHECK(reason.find("no copy-engine") != std::string::npos);
+}
+
+TEST_CASE("fill_use_of: overlapped lookahead only with lookahead, overlap and room for the next forward") {
+  DeviceCacheOptions o;
+  o.num_experts = 64;
+  o.capacity = 16;
+  o.max_ids = 8;  // room: 16 slots hold this forward's 8 experts and the next forward's 8
+  CHECK(fill_use_of(o) == FillUse::demand);  // no lookahead
+  o.lookahead = true;
+  CHECK(fill_use_of(o) == FillUse::demand);  // lookahead without overlap: the bandwidths decide
+  o.overlap = true;
+  CHECK(fill_use_of(o) == FillUse::overlapped_lookahead);
+  o.capacity = 15;  // one slot short of the next forward's experts
+  CHECK(fill_use_of(o) == FillUse::demand);
+  o.capacity = 8;  // every slot belongs to the current forward (8 slots, top-8): nothing to look ahead into
+  CHECK(fill_use_of(o) == FillUse::demand);
+  o.capacity = 64;
+  o.max_ids = std::numeric_limits<std::int32_t>::max();  // no overflow in the room test
+  CHECK(fill_use_of(o) == FillUse::demand);
+  // With the profile: a fast-SM host takes SM loads unless the cache really looks ahead.
+  LinkProfile p = sample_profile();
+  p.copy_engine_gbps_batch = 100.0;
+  p.sm_load_gbps = 94.0;
+  o.max_ids = 10;
+  CHECK(p.choose_engine(fill_use_of(o)) == FillEngine::copy_engine);
+  o.capacity = 10;
+  CHECK(p.choose_engine(fill_use_of(o)) == FillEngine::sm_loads);
 }
 
 TEST_CASE("LinkProfile::sm_load_share and describe") {

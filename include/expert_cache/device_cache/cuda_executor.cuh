@@ -141,7 +141,7 @@ class BasicCudaPlanExecutor {
     } else if (Status s = link_profile_for(device, expert_bytes, p); !s) {
       throw Error(s.with_context("%s: measuring the link profile for FillEngine::automatic", o.label.c_str()));
     }
-    o.fill_engine = p.choose_engine(o.lookahead && o.overlap ? FillUse::overlapped_lookahead : FillUse::demand);
+    o.fill_engine = p.choose_engine(fill_use_of(o));
     if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
       o.fill_by_consumer = false;
       o.overlap = true;

@@ -79,8 +79,9 @@ struct DeviceCacheOptions {
   /// measurement. One from another device or expert size is refused at construction.
   std::optional<LinkProfile> link_profile;
   /// The engine prefetches the next layer's experts while this one computes (lookahead). With
-  /// overlap, automatic then picks the copy engine (FillUse::overlapped_lookahead): speculative
-  /// copies on a copy engine take no SMs from the consumer. Read by automatic only.
+  /// overlap and room to look ahead (fill_use_of), automatic then picks the copy engine
+  /// (FillUse::overlapped_lookahead): speculative copies on a copy engine take no SMs from the
+  /// consumer. Read by automatic only.
   bool lookahead = false;
   /// Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
   /// the post publishes before the fill list is written (P1), the proxy publishes a ready word
@@ -105,5 +106,18 @@ enum class DeviceForward : std::uint8_t {
   single,     ///< one round: an overflow is an error the error word reports (plan_error_overflow)
   in_rounds,  ///< the caller runs prepare_group for every further group: the overflow is planned
 };
+
+/// How the fills of a cache built with `o` are used, for FillEngine::automatic.
+/// @param o  the cache's options
+/// @return FillUse::overlapped_lookahead when the engine looks ahead (`lookahead`), the cache overlaps
+///         (`overlap`) and the pool holds the next forward's experts beside the current one's
+///         (capacity >= 2 * max_ids); FillUse::demand otherwise. Without that room a speculative fill
+///         finds no slot outside the current forward, so lookahead moves no bytes and the demand fills
+///         alone should choose the engine (on an 8-slot pool with top-8 routing, taking the copy engine
+///         for lookahead only made decode slower: docs/benchmarks.md).
+[[nodiscard]] constexpr FillUse fill_use_of(const DeviceCacheOptions& o) noexcept {
+  const bool room = static_cast<std::int64_t>(o.capacity) >= 2 * static_cast<std::int64_t>(o.max_ids);
+  return o.lookahead && o.overlap && room ? FillUse::overlapped_lookahead : FillUse::demand;
+}
 
 }  // namespace expert_cache::inline v0

@@ -188,8 +188,8 @@ struct LinkProfile {
     return choose_engine(FillUse::demand, reason);
   }
 
-  /// The same for fills used as `use`. With FillUse::overlapped_lookahead: copy_engine, whatever
-  /// the bandwidths. The next layer's speculative fills then run while this layer's consumer
+  /// The same for fills used as `use` (fill_use_of in device_cache/options.hpp). With
+  /// FillUse::overlapped_lookahead: copy_engine, whatever the bandwidths. The next layer's speculative fills then run while this layer's consumer
   /// computes, and with SM loads their fill kernels take SMs from that consumer: on H100 hosts
   /// where SM loads reached 0.52 and 0.94 of the copy engine's batch bandwidth, the overlapping
   /// rows with lookahead ran 1.50x and 1.13x faster on the copy engine (docs/prefetch.md).
