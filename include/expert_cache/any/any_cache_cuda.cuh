@@ -14,7 +14,7 @@
 // only declares make_expert_cache<CudaRuntime>, so this header then brings neither the gather
 // kernel nor the device planner's kernels (compiling those for the device is most of what it
 // costs under nvcc); include staging/gather_staging.cuh or device_cache/cuda_executor.cuh where you use
-// them directly. The instantiation unit (compiled/any_cache_cuda.cu) defines
+// them directly. The instantiation unit (src/any_cache_cuda.cu) defines
 // EXPERT_CACHE_ANY_CACHE_INSTANTIATION and gets everything.
 
 #include "expert_cache/runtime/cuda_runtime.hpp"

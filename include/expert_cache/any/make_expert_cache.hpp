@@ -75,7 +75,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   inner.log = {};  // the line below names the provider and the layout
   const ExplicitLayout layout{config.layout.tensors};
   using Made = Result<std::unique_ptr<Base>>;
-  // Constructed, never assigned: nvcc flags an assignment of a [[nodiscard]] class (#2810).
+  // Constructed, never assigned: nvcc flags an assignment of a [[nodiscard]] class.
   const auto build = [&]() -> Made {
     try {
       detail::AnyChoice choice;
@@ -154,7 +154,7 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
 
 // The compiled mode's instantiations for one runtime R, listed once: declared with
 // EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(extern, R) where a translation unit only links to them,
-// defined with EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(, R) in the compiled unit (compiled/).
+// defined with EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(, R) in the compiled units (src/).
 #define EXPERT_CACHE_ANY_CACHE_INSTANTIATIONS(KEYWORD, R)                                                             \
   KEYWORD template Result<AnyExpertCache<R>> make_expert_cache<R>(R& rt, const AnyCacheConfig& config);               \
   KEYWORD template Result<ForwardView> detail::any_call_prepare_unique<R>(detail::AnyCacheBase<R>&, bool,              \
