@@ -169,15 +169,14 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   // DeviceExpertCache::prepare_wide from these device ids (read back with the resident map, the
   // misses streamed through the stream slots by copies, nothing admitted; eager, not capturable).
   // Otherwise (admit, or no stream slots: fell_back): prepare, then prepare_group
-  // 1..max_groups(n) - 1, the consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the unique
-  // list, which holds the experts resident at the forward's start first, so no group evicts one
-  // a later group reads; a group the forward does not have is an empty round). The groups go
-  // through the pool (admit: not scan resistant) and are not overlapped (group g + 1 is planned after the
-  // consumer of group g was enqueued, on the same stream). The host never sees the ids, so a
-  // round's experts/slots spans are empty and the summary counts rounds only; the device counts
-  // the forward in stats() (overflows) but, every group being served here, does not flag
-  // plan_error_overflow (DeviceForward::in_rounds): a legitimate wide forward leaves the error
-  // word clear, while a plain prepare() of the same ids still reports the overflow.
+  // 1..max_groups(n) - 1, the consumer after each (round g's view maps group g's experts: ids [g*C, (g+1)*C) of the
+  // unique list, which holds the experts resident at the forward's start first, so no group evicts one a later group
+  // reads; a group the forward does not have is an empty round). The groups go through the pool (admit: not scan
+  // resistant) and are not overlapped (group g + 1 is planned after the consumer of group g was enqueued, on the same
+  // stream). The host never sees the ids, so a round's experts/slots spans are empty and the summary counts rounds
+  // only; the device counts the forward in stats() (overflows) but, every group being served here, does not flag
+  // plan_error_overflow (DeviceForward::in_rounds): a legitimate wide forward leaves the error word clear, while a
+  // plain prepare() of the same ids still reports the overflow.
   Result<WideSummary> prepare_wide(std::span<const std::int32_t> device_ids, Stream stream, WideConsumerRef consumer,
                                    WideOptions options) noexcept {
     if (device_ids.size() > static_cast<std::size_t>(INT32_MAX)) {

@@ -1,5 +1,6 @@
 #pragma once
-/// The copy-engine fill of the device-planned cache (needs nvcc): the plan stays on the GPU, a host proxy thread moves the bytes on a copy engine.
+/// The copy-engine fill of the device-planned cache (needs nvcc): the plan stays on the GPU, a host proxy thread
+/// moves the bytes on a copy engine.
 //
 // Why a proxy: how fast SM loads of mapped host memory cross PCIe depends on the host (IOMMU,
 // read-request size, virtualisation; 53-92 % of the link on H100 hosts of the same kind), while

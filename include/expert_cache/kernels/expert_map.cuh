@@ -3,7 +3,8 @@
 // Device helpers on the consumer side of the cache (needs nvcc):
 //  * map_expert_to_slot / apply_expert_map: apply a forward-scoped expert map (global id -> slot,
 //    -1 = not in this forward) to top-k ids. Pairs whose id is out of range, whose map entry is
-//    -1, or whose map entry is not a valid slot become -1 (dropped: docs/nvfp4_marlin.md, The consumer's side of the expert map). Safe for any id.
+//    -1, or whose map entry is not a valid slot become -1 (dropped: docs/nvfp4_marlin.md, The consumer's side of the
+//    expert map). Safe for any id.
 //  * gather_experts_to_slots: copy whole expert rows from a source pool (device memory or mapped
 //    pinned host memory, read zero-copy) into slot rows: dst[slot_i] <- src[expert_i].
 #if !defined(__CUDACC__)

@@ -390,7 +390,8 @@ EXPERT_CACHE_KERNEL void marlin_weights_kernel(Nvfp4CheckpointPtrs src, Nvfp4Mar
   }
 }
 
-/// @brief One thread per output scale byte (docs/nvfp4_marlin.md, Maps and Encodes): permuted source, then the S0E5M3 encode.
+/// @brief One thread per output scale byte (docs/nvfp4_marlin.md, Maps and Encodes): permuted source, then the S0E5M3
+///        encode.
 /// @tparam Tensor w13_tensor or w2_tensor.
 /// @param src The checkpoint tensors of the launch's experts.
 /// @param dst The Marlin tensors they are written to.

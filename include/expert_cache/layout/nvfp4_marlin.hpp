@@ -242,8 +242,8 @@ EXPERT_CACHE_HOST_DEVICE constexpr float e2m1_value(std::uint32_t code) noexcept
   return (code & 8u) ? -mag[code & 7u] : mag[code & 7u];
 }
 
-// Layer-wide scale factor sf = 2^log2_sf (docs/nvfp4_marlin.md, Encodes; vLLM PR #37502): fp16 -> 1; bf16 -> the largest
-// power of two with max_positive * sf <= 448 (1 when there is no positive scale or max >= 448).
+// Layer-wide scale factor sf = 2^log2_sf (docs/nvfp4_marlin.md, Encodes; vLLM PR #37502): fp16 -> 1; bf16 -> the
+// largest power of two with max_positive * sf <= 448 (1 when there is no positive scale or max >= 448).
 // `max_positive_byte` is the largest byte in [0x01, 0x7E] over the family, or 0 if none.
 EXPERT_CACHE_HOST_DEVICE constexpr int scale_factor_log2(std::uint8_t max_positive_byte, ActDtype dtype) noexcept {
   if (dtype == ActDtype::fp16 || !is_positive_e4m3(max_positive_byte)) return 0;

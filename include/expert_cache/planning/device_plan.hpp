@@ -1,5 +1,6 @@
 #pragma once
-/// The device plan, whole: an umbrella that includes every part under planning/device_plan/, so one include gives the state, the policies and every planning step.
+/// The device plan, whole: an umbrella that includes every part under planning/device_plan/, so one include gives the
+/// state, the policies and every planning step.
 //
 // Device-side forward planning: the LRU planning step written once as __host__ __device__ code
 // over a flat state of plain arrays, so the CPU suite runs the very algorithm the CUDA kernel

@@ -14,8 +14,8 @@
 //   A   = silu(C1[:Np]) * C1[Np:]       (padding rows are zero in W13, so A is zero there)
 //   C3  = A . W2[slot]                  (Np -> K)
 //   out[m] = sum_j topk_weight[p] * C3
-// Dequant follows the kernel decode contract (docs/nvfp4_marlin.md, Decode contract): value = fp4 * 2^-B * s0e5m3(scale) * g'
-// with B the activation dtype's bias. Pairs whose expert is -1, out of range or absent from the
+// Dequant follows the kernel decode contract (docs/nvfp4_marlin.md, Decode contract): value = fp4 * 2^-B *
+// s0e5m3(scale) * g' with B the activation dtype's bias. Pairs whose expert is -1, out of range or absent from the
 // map contribute 0.
 //
 // Arithmetic: fp32 inputs and fp32 accumulation, through bf16 tensor-core MMAs (m16n8k16) so

@@ -12,8 +12,8 @@
 
 namespace expert_cache::inline v0 {
 
-// Repacks a whole layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion). Every check runs before the first write to `dst`. Warnings
-// (a w1/w3 global-scale mismatch) go to `warn` if given.
+// Repacks a whole layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion). Every check runs before the first
+// write to `dst`. Warnings (a w1/w3 global-scale mismatch) go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_reference(const Nvfp4Marlin& layout,
                                                                      const Nvfp4CheckpointLayer& src,
                                                                      const Nvfp4MarlinLayer& dst,

@@ -213,14 +213,13 @@ class ChunkPipeline {
   return report;
 }
 
-// Chunked conversion of a host-resident layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion): `src` and `dst` in host memory
-// (pinned for asynchronous copies; pageable works but serialises). Sizes are checked on the host;
-// then a first pass streams only the scale tensors through the stats kernel (validation and the
-// two layer-wide factors over all experts) before anything is written to `dst`. The second pass
-// converts ceil(expert_chunk / 2) experts at a time through two device buffer sets (GPU peak ~ one
-// chunk): uploads and kernels run on `stream`, copies out on an internal stream, so the D2H of one
-// set overlaps the H2D of the other. Returns after both streams drained. Byte-identical to
-// repack_layer_device. Warnings go to `warn` if given.
+// Chunked conversion of a host-resident layer (docs/nvfp4_marlin.md, Whole layer and chunked conversion): `src` and
+// `dst` in host memory (pinned for asynchronous copies; pageable works but serialises). Sizes are checked on the
+// host; then a first pass streams only the scale tensors through the stats kernel (validation and the two layer-wide
+// factors over all experts) before anything is written to `dst`. The second pass converts ceil(expert_chunk / 2)
+// experts at a time through two device buffer sets (GPU peak ~ one chunk): uploads and kernels run on `stream`,
+// copies out on an internal stream, so the D2H of one set overlaps the H2D of the other. Returns after both streams
+// drained. Byte-identical to repack_layer_device. Warnings go to `warn` if given.
 [[nodiscard]] inline Result<Nvfp4LayerReport> repack_layer_host_chunked(const Nvfp4Marlin& layout,
                                                                         const Nvfp4CheckpointLayer& src,
                                                                         const Nvfp4MarlinLayer& dst,

@@ -189,10 +189,10 @@ struct LinkProfile {
   }
 
   /// The same for fills used as `use` (fill_use_of in device_cache/options.hpp). With
-  /// FillUse::overlapped_lookahead: copy_engine, whatever the bandwidths. The next layer's speculative fills then run while this layer's consumer
-  /// computes, and with SM loads their fill kernels take SMs from that consumer: on H100 hosts
-  /// where SM loads reached 0.52 and 0.94 of the copy engine's batch bandwidth, the overlapping
-  /// rows with lookahead ran 1.50x and 1.13x faster on the copy engine (docs/prefetch.md).
+  /// FillUse::overlapped_lookahead: copy_engine, whatever the bandwidths. The next layer's speculative fills then run
+  /// while this layer's consumer computes, and with SM loads their fill kernels take SMs from that consumer: on H100
+  /// hosts where SM loads reached 0.52 and 0.94 of the copy engine's batch bandwidth, the overlapping rows with
+  /// lookahead ran 1.50x and 1.13x faster on the copy engine (docs/prefetch.md).
   [[nodiscard]] FillEngine choose_engine(FillUse use, std::string* reason = nullptr) const {
     const bool measured = copy_engine_gbps_batch > 0 && std::isfinite(copy_engine_gbps_batch) &&
                           sm_load_gbps >= 0 && std::isfinite(sm_load_gbps);

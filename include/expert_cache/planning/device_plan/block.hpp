@@ -1,5 +1,6 @@
 #pragma once
-/// What the device plan needs from the group of threads that runs it: the plan_block concept, the host's one-thread SequentialBlock, and the two ways a step reports through a block (an error bit, the published counters).
+/// What the device plan needs from the group of threads that runs it: the plan_block concept, the host's one-thread
+/// SequentialBlock, and the two ways a step reports through a block (an error bit, the published counters).
 //
 // The planning code is written once as __host__ __device__ code over these primitives, so the
 // CPU suite runs with SequentialBlock (or several host threads, tests/host/

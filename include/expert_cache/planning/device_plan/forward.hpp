@@ -1,5 +1,7 @@
 #pragma once
-/// The device plan of one forward: plan_forward deduplicates top-k routing ids into the ascending unique list, records the group count and plans group 0 (group.hpp), by a register small path for a few ids or a marking path for any number.
+/// The device plan of one forward: plan_forward deduplicates top-k routing ids into the ascending unique list,
+/// records the group count and plans group 0 (group.hpp), by a register small path for a few ids or a marking path
+/// for any number.
 //
 // Ids: -1 is padding (ignored, like the host). Any other id outside [0, E) — INT32_MIN, -7,
 // E, INT32_MAX: values a broken router writes, not padding — is counted in stats.bad_ids, flags

@@ -1,5 +1,7 @@
 #pragma once
-/// The device plan's group step: plan_group plans one group of the current forward (up to a capacity's worth of its unique experts: hits, fills, victims, maps) with ForwardPlanner<host policy>::plan_unique's decisions; plan_forward (forward.hpp) runs it for group 0.
+/// The device plan's group step: plan_group plans one group of the current forward (up to a capacity's worth of its
+/// unique experts: hits, fills, victims, maps) with ForwardPlanner<host policy>::plan_unique's decisions;
+/// plan_forward (forward.hpp) runs it for group 0.
 //
 // Why the host planner's LRU list becomes a recency tick: Lru's list, head to tail, is in order
 // of last touch, and a forward touches its unique ids in ascending order. So a global counter

@@ -1,5 +1,6 @@
 #pragma once
-/// A device plan state in host memory (HostPlanStorage) and the host's write of its prior biases (plan_set_bias): what the CPU suite plans on.
+/// A device plan state in host memory (HostPlanStorage) and the host's write of its prior biases (plan_set_bias):
+/// what the CPU suite plans on.
 //
 // Host only: the block is a std::vector, reset on construction with SequentialBlock.
 #include <cstddef>

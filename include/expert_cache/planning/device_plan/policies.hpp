@@ -1,5 +1,7 @@
 #pragma once
-/// The device policies, each a host policy of eviction/ run on the device plan's state with the same decisions: DeviceLru = Lru (eviction/lru.hpp), DeviceLfru = Lfru (eviction/lfru.hpp), DeviceCrf = Crf (eviction/crf.hpp), and DeviceRuntimePolicy, which plans with whichever of the three the state names.
+/// The device policies, each a host policy of eviction/ run on the device plan's state with the same decisions:
+/// DeviceLru = Lru (eviction/lru.hpp), DeviceLfru = Lfru (eviction/lfru.hpp), DeviceCrf = Crf (eviction/crf.hpp), and
+/// DeviceRuntimePolicy, which plans with whichever of the three the state names.
 //
 // Named Device* for what differs from the host classes: a device policy is a tag, a template
 // argument of every planning function, the kernels and DeviceExpertCache, and its state lives

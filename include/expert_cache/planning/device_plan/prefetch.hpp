@@ -1,5 +1,6 @@
 #pragma once
-/// The device plan's speculative fills: plan_prefetch makes predicted experts resident with ForwardPlanner<host policy>::plan_prefetch's decisions, in the fill and eviction lists a forward's fill kernels copy.
+/// The device plan's speculative fills: plan_prefetch makes predicted experts resident with ForwardPlanner<host
+/// policy>::plan_prefetch's decisions, in the fill and eviction lists a forward's fill kernels copy.
 #include <cstdint>
 
 #include "expert_cache/base/config.hpp"

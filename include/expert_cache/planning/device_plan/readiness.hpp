@@ -1,5 +1,6 @@
 #pragma once
-/// Per-slot readiness of the device plan's fills (edges D4 and D4c of docs/design.md): the wrap-safe sequence comparison and SlotReadiness, the view a consumer waits on before it reads a slot.
+/// Per-slot readiness of the device plan's fills (edges D4 and D4c of docs/design.md): the wrap-safe sequence
+/// comparison and SlotReadiness, the view a consumer waits on before it reads a slot.
 //
 // The plan writes slot_needed (state.hpp), the overlapped fill stores slot_ready; a consumer
 // needs only these words, not the planner (kernels/slot_ready.cuh waits on them).

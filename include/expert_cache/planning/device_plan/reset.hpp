@@ -1,5 +1,6 @@
 #pragma once
-/// The device plan's resets outside a forward: reset_plan_state empties the whole cache (the state's start), plan_invalidate drops one expert with ForwardPlanner::invalidate's decisions.
+/// The device plan's resets outside a forward: reset_plan_state empties the whole cache (the state's start),
+/// plan_invalidate drops one expert with ForwardPlanner::invalidate's decisions.
 #include <cstdint>
 
 #include "expert_cache/base/config.hpp"

@@ -1,5 +1,6 @@
 #pragma once
-/// The device plan's state: the flat arrays and scalars one cache's planner works on, their layout in one allocation, and the checks that a view of them is consistent.
+/// The device plan's state: the flat arrays and scalars one cache's planner works on, their layout in one allocation,
+/// and the checks that a view of them is consistent.
 //
 // Plain pointers and sizes (PlanSpan) fixed for the cache's lifetime: a view passed by value as
 // a kernel parameter stays valid in a replayed graph, and the same layout on the host and the

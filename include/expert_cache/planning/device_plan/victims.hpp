@@ -1,5 +1,6 @@
 #pragma once
-/// The device plan's victim search: the keys one thread loads for its strided slots (VictimChunk) and when a group takes its victims by rank instead of one block arg-min per victim.
+/// The device plan's victim search: the keys one thread loads for its strided slots (VictimChunk) and when a group
+/// takes its victims by rank instead of one block arg-min per victim.
 //
 // Used by the group step (group.hpp) and by plan_prefetch (prefetch.hpp), which search the
 // same keys under different exclusions.
