@@ -23,7 +23,8 @@ git rev-parse --short HEAD > "$out/commit.txt" 2>/dev/null || true
 
 gpu_tests=(tests/test_gpu_marlin_repack tests/test_gpu_cache_cuda tests/test_gpu_moe_consumer tests/test_gpu_moe_consumer_host tests/test_gpu_moe_grouped tests/test_gpu_device_plan
            tests/test_gpu_device_cache tests/test_gpu_storage_cuda tests/test_gpu_any_cache_cuda
-           tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda tests/any_cache_cuda_header_only examples/quickstart_cuda)
+           tests/test_gpu_parallel_cuda tests/test_gpu_wide_cuda tests/test_gpu_copy_engine tests/test_gpu_link_profile_cuda
+           tests/any_cache_cuda_header_only examples/quickstart_cuda)
 subset=${GPU_TESTS:-}
 if [ -n "$subset" ]; then read -r -a gpu_tests <<< "$subset"; fi
 gpu_benches=(bench/bench_device_plan bench/expert-cache-bench bench/bench_staging bench/bench_consumer_host)

@@ -808,7 +808,7 @@ TEST_CASE("moe consumer: batch-1 weight-read bandwidth against the HBM copy (rep
                                             << " GB/s; HBM copy (read+write) " << hbm_gbs << " GB/s; ratio "
                                             << consumer_gbs / hbm_gbs);
   // Informational: the speed target (>= 50% of HBM at batch 1) is a benchmark number, reported
-  // by bench/expert_cache_bench and docs/benchmarks.md, not a unit-test assertion.
+  // by bench/programs/expert_cache_bench.cu and docs/benchmarks.md, not a unit-test assertion.
   REQUIRE_CUDA_OK(cudaEventDestroy(e0));
   REQUIRE_CUDA_OK(cudaEventDestroy(e1));
 }
