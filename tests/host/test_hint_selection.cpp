@@ -494,6 +494,19 @@ TEST_CASE("rank precision: trusted at first, throttled after wasted fills, probe
   CHECK(r.admit(0, 0.5f));
 }
 
+// Outcomes of one kind (0 = wasted) that bring a rank's moving average from `from` to the other
+// side of the admission floor (RankPrecision::min_admit_precision): what feedback needs before it acts.
+int outcomes_to_cross(float from, bool used) {
+  float p = from;
+  int n = 0;
+  const float floor = RankPrecision::min_admit_precision;
+  while (used ? p < floor : p >= floor) {
+    p += RankPrecision::weight * ((used ? 1.0f : 0.0f) - p);
+    ++n;
+  }
+  return n;
+}
+
 TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: ranks whose fills go unused stop fetching, the others keep on",
                    Policy, Lru, Lfru) {
   // Each round: a forward of {0, 1}, then a prefetch of [2 + r % 8 (used next round), 20 + r % 8
@@ -519,9 +532,11 @@ TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: ranks whose fills go 
       CHECK(rank1_fills == 200);
       CHECK(imprecise == 0);
     } else {
-      // 11 wasted fills bring rank 1 below 0.5; its skipped hints, watched, are never read, and
-      // 11 of them end the probes before the first one would run.
-      CHECK(rank1_fills == 11);
+      // Four wasted fills bring rank 1 below the floor of 0.8 (the threshold min_score 0.5 alone took
+      // eleven); its skipped hints, watched, are never read, and as many of them end the probes before
+      // the first one would run.
+      CHECK(rank1_fills == static_cast<std::uint64_t>(outcomes_to_cross(1.0f, false)));
+      CHECK(rank1_fills == 4);
       CHECK(imprecise == 200 - rank1_fills);
     }
     CHECK(c.speculative_used >= 190);  // rank 0 is never throttled (its fills are used)
@@ -532,17 +547,18 @@ TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: ranks whose fills go 
 
 TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: a throttled rank is probed again once its skipped hints turn right",
                    Policy, Lru, Lfru) {
-  // Rounds 0-99: rank 0's hint is never read (throttled after 11 wasted fills, no probe once its
+  // Rounds 0-99: rank 0's hint is never read (throttled after 4 wasted fills, no probe once its
   // watched hints are seen unread). From round 100 on it is the next forward's expert: its
-  // watched hints turn out read, the probes resume, and the first probe's fill, used, restores
-  // the rank.
+  // watched hints turn out read, the probes resume, and the probes' fills, used, restore the rank
+  // once its precision is back over the floor of 0.8.
   auto p = make_planner<Policy>(CacheShape{40, 8});
   ForwardPlan fwd;
   PrefetchPlan pre;
   Ids next_forward{0, 1};
-  int fills_while_wrong = 0, first_fill_when_right = -1;
+  int fills_while_wrong = 0, first_fill_when_right = -1, last_round_without_fill = -1;
   std::uint64_t watched_used = 0;
-  for (int round = 0; round < 160; ++round) {
+  constexpr int rounds = 400;
+  for (int round = 0; round < rounds; ++round) {
     REQUIRE(p.plan_unique(next_forward, fwd).ok());
     const std::int32_t hint = 2 + round % 30;
     const bool right = round >= 100;
@@ -551,14 +567,25 @@ TEST_CASE_TEMPLATE("plan_prefetch with precision feedback: a throttled rank is p
     if (!right) fills_while_wrong += static_cast<int>(pre.fills.size());
     if (right && !pre.fills.empty() && first_fill_when_right < 0) first_fill_when_right = round;
     if (right && pre.skipped_imprecise == 1) ++watched_used;
+    if (pre.fills.empty()) last_round_without_fill = round;
     next_forward = right ? Ids{0, hint} : Ids{0, 1};
   }
-  CHECK(fills_while_wrong == 11);
+  const int to_throttle = outcomes_to_cross(1.0f, false);
+  CHECK(fills_while_wrong == to_throttle);
   REQUIRE(first_fill_when_right >= 100);
-  // About ten read watches bring the watched precision back to 0.5, then at most one probe period.
-  CHECK(first_fill_when_right <= 100 + 12 + static_cast<int>(RankPrecision::probe_every));
+  // Read watches bring the watched precision back over the floor (from at worst 0), then at most one
+  // probe period passes before a probe.
+  const int period = static_cast<int>(RankPrecision::probe_every);
+  const int watches_to_recover = outcomes_to_cross(0.0f, true);
+  CHECK(first_fill_when_right <= 100 + watches_to_recover + 1 + period);
   CHECK(watched_used >= 1);
-  CHECK(p.counters().speculative_used >= 160 - first_fill_when_right - 1);
+  // Each used probe raises the rank's precision; as many as the floor needs restore it, one period apart.
+  float after_throttle = 1.0f;
+  for (int i = 0; i < to_throttle; ++i) after_throttle -= RankPrecision::weight * after_throttle;
+  const int probes_to_restore = outcomes_to_cross(after_throttle, true);
+  CHECK(probes_to_restore >= 1);
+  CHECK(last_round_without_fill < 100 + watches_to_recover + 1 + probes_to_restore * period);
+  CHECK(p.counters().speculative_used >= static_cast<std::uint64_t>(rounds - last_round_without_fill - 2));
 }
 
 TEST_CASE("plan_prefetch with precision feedback: fills that are used but evict what the next forward misses stop") {
@@ -566,7 +593,7 @@ TEST_CASE("plan_prefetch with precision feedback: fills that are used but evict 
   // hint. Every hint is used, but its fill evicts the least recently used of the other forward's
   // experts (0, 1 and h are protected), which the next forward misses: each fill saves one copy
   // and costs one. With feedback the rank's
-  // precision net of that regret falls below 0.5 and its fills stop but for probes.
+  // precision net of that regret falls below the floor (0.8) and its fills stop but for probes.
   for (const bool feedback : {false, true}) {
     CAPTURE(feedback);
     auto p = make_planner<Lru>(CacheShape{200, 5});
@@ -583,7 +610,7 @@ TEST_CASE("plan_prefetch with precision feedback: fills that are used but evict 
     }
     CHECK(p.counters().speculative_wasted == 0u);  // every fill issued was used
     if (feedback) {
-      CHECK(p.snapshot().precision.regret(0) > 0.5f);
+      CHECK(p.snapshot().precision.regret(0) > 1.0f - RankPrecision::min_admit_precision);
       CHECK(late_fills <= 3);  // probes only: the skipped hints are read, so probes go on
     } else {
       CHECK(late_fills == 60);
@@ -621,7 +648,7 @@ TEST_CASE("plan_prefetch with precision feedback: a watched hint that is fetched
   ForwardPlan fwd;
   PrefetchPlan pre;
   REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
-  for (std::int32_t i = 0; i < 11; ++i) {  // rank 0 throttled
+  for (std::int32_t i = 0; i < outcomes_to_cross(1.0f, false); ++i) {  // rank 0 throttled
     REQUIRE(p.plan_prefetch(Ids{1 + i % 9}, Scores{}, 0.5f, 1, 1, pre, true).ok());
     REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
   }
@@ -648,8 +675,8 @@ TEST_CASE("plan_prefetch with precision feedback: a skipped hint is not protecte
   ForwardPlan fwd;
   PrefetchPlan pre;
   REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
-  // Rank 0 wasted eleven times: throttled.
-  for (std::int32_t i = 0; i < 11; ++i) {
+  // Rank 0 wasted until it is throttled.
+  for (std::int32_t i = 0; i < outcomes_to_cross(1.0f, false); ++i) {
     REQUIRE(p.plan_prefetch(Ids{1 + i % 9}, Scores{}, 0.5f, 1, 1, pre, true).ok());
     REQUIRE(pre.fills.size() == 1);
     REQUIRE(p.plan_unique(Ids{0}, fwd).ok());  // the fill expires unused

@@ -45,10 +45,11 @@ struct PrefetchOptions {
   /// Scored hints below this probability are skipped, in [0, 1] (hint_selection.hpp: why 0.5).
   float min_score = default_min_score;
   /// The cache measures how often its speculative fills at each rank of the hint list are used
-  /// and skips ranks whose precision is below min_score, but for a periodic probe that runs only
-  /// while the skipped hints turn out read (prefetch/rank_precision.hpp): hints that turn out
-  /// wrong, scored or not, stop costing link time. Host-planned caches; the device-planned cache
-  /// plans on the device and ignores it.
+  /// and skips ranks whose precision is below min_score, and never admits one below
+  /// RankPrecision::min_admit_precision (0.8), but for a periodic probe that runs only while the
+  /// skipped hints turn out read (prefetch/rank_precision.hpp): hints that turn out wrong, scored
+  /// or not, stop costing link time. Host-planned caches; the device-planned cache plans on the
+  /// device and ignores it.
   bool precision_feedback = true;
 };
 

@@ -281,7 +281,8 @@ class ForwardPlanner {
   /// planned highest score first, equal scores in the given order (HintSelector,
   /// prefetch/hint_selection.hpp), under the rules above: the same protections, at most
   /// max_fills fills. With `precision_feedback`, a non-resident entry at a rank of that order
-  /// whose measured precision (prefetch/rank_precision.hpp) is below `min_score` is skipped too
+  /// whose measured precision (prefetch/rank_precision.hpp) is below `min_score`, or below
+  /// RankPrecision::min_admit_precision whatever `min_score` says, is skipped too
   /// (out.skipped_imprecise, not protected), except for the rank's periodic probe, which runs only
   /// while the rank's skipped hints, watched, turn out read by the next forwards. A rank's precision
   /// is net of its regret: how often a forward missed the expert one of its fills evicted.
@@ -291,7 +292,7 @@ class ForwardPlanner {
   /// @param max_fills           the most fills to plan (>= 0)
   /// @param expires_after       accepted forwards a fill stays protected unused (>= 1)
   /// @param out                 receives the plan; left as it was when the call is rejected
-  /// @param precision_feedback  skip ranks whose measured precision is below min_score
+  /// @param precision_feedback  skip ranks whose measured precision is below min_score or min_admit_precision
   /// @return ok. Errors, before any state change: those above (every entry's id is checked, skipped ones
   ///         too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
   ///         than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
@@ -300,8 +301,10 @@ class ForwardPlanner {
                        bool precision_feedback = false) noexcept {
     if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
     if (Status s = hints_.select(predicted, scores, min_score); !s) return s;
+    const float feedback_threshold = std::max(min_score, RankPrecision::min_admit_precision);
     const Status s =
-        plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out, precision_feedback ? min_score : -1.0f);
+        plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out,
+                              precision_feedback ? feedback_threshold : -1.0f);
     out.skipped_unlikely = hints_.skipped_unlikely();
     return s;
   }

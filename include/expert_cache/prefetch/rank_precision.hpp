@@ -45,6 +45,14 @@ class RankPrecision {
   static constexpr std::size_t buckets = 16;
   static constexpr float weight = 1.0f / 16.0f;
   static constexpr std::uint32_t probe_every = 32;
+  /// The least net precision feedback admits a rank at, whatever the prefetch's min_score. Speculative
+  /// fills move bytes a link-bound decode step also needs: at precision p a rank moves 1/p copies per
+  /// demand copy it saves, and latency hiding must pay for the rest. In the decode model (SimRuntime,
+  /// host-planned copies, docs/prefetch.md) a floor of 0.5 let hints of recall 0.8 with uniform wrong ids,
+  /// whose fetched half is wrong, cost 27 % at batch 1; floors of 0.6, 0.7, 0.8 and 0.9 left the worst of
+  /// 30 lookahead rows at 0.83, 0.96, 0.977 and 0.979 of no lookahead, while the rows with recall-0.9
+  /// hints kept their gains up to 0.8.
+  static constexpr float min_admit_precision = 0.8f;
 
   /// The bucket of a hint's rank: the rank itself, the last bucket for every rank past it.
   [[nodiscard]] static constexpr std::uint8_t bucket(std::size_t rank) noexcept {
