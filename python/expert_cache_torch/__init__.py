@@ -305,7 +305,7 @@ class ExpertCache:
         reads it (a float tensor or a sequence of numbers, read as float32); the ids scoring below
         `min_score` are skipped (counted in skipped_unlikely, not fetched), the others taken highest
         score first (docs/prefetch.md "Scored hints"). Scores need CPU ids with provider "device".
-        The host-planned providers also skip ids at ranks whose earlier fills went mostly unused
+        The host-planned providers also skip ids at ranks where fewer than 8 of 10 earlier fills were used
         (counted in skipped_imprecise; docs/prefetch.md "Precision feedback").
         Returns {issued, evictions, skipped_resident, skipped_no_victim, skipped_unlikely,
         skipped_imprecise, bytes}."""
