@@ -480,8 +480,11 @@ def case_prefetch_scores():
            "the scores drop the wrong ids' fills", exact, plain)
     expect(exact["hit_rate"] > by["decode/cached/copy_stream"]["hit_rate"], "the true ids still raise the hit rate",
            exact)
-    expect(blind["speculative_issued_per_token"] < plain["speculative_issued_per_token"],
-           "noise 1: about half of the hints skipped, true and wrong alike", blind, plain)
+    # Both rows' wrong fills also meet the precision feedback, which throttles a rank after a few wasted
+    # fills; what the scores add is that true hints are skipped with the wrong ones.
+    expect(blind["speculative_issued_per_token"] <= plain["speculative_issued_per_token"]
+           and blind["speculative_used_per_token"] < plain["speculative_used_per_token"],
+           "noise 1: hints skipped, true and wrong alike (no more fills, fewer of them used)", blind, plain)
     expect("hint:0.5:recent:noise=0.3 (emulated hint)" in out, "the table names the scored row", out)
 
 
