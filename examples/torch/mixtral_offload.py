@@ -17,7 +17,13 @@ Both variants do the same GEMMs in the same shapes and dtype and combine the exp
 same fixed order, so the generated tokens, the prompt's logits and every decode logit must be
 bit-identical (torch.equal) to the all-resident run. ResidentExperts itself is checked against the
 model's stock MixtralExperts (one prompt and one decode forward) with a stated bf16 tolerance (the
-stock module runs different kernels). Usage (docs/torch_example.md):
+stock module runs different kernels).
+
+Lookahead with real hints (--lookahead, default both: each provider without and with it): layer L's decode
+forward applies layer L+1's router weight to layer L's MoE input and prefetches its --lookahead-ids best
+experts into layer L+1's cache before layer L's GEMMs run. It reports the hints' measured recall on this
+model, the speculative fills used and issued, and decode tokens/s against the same provider without
+lookahead; the generated tokens and logits must stay bit-identical. Usage (docs/torch_example.md):
 
   python examples/torch/mixtral_offload.py --tokens 64 --capacity 4 --provider all --json out.json
   python examples/torch/mixtral_offload.py --check          # small, fast run; exit 0 pass, 77 skip, 1 fail
@@ -97,6 +103,11 @@ def parse_args(argv):
     p.add_argument("--vocab", type=int, default=32000, help="vocabulary size")
     p.add_argument("--seed", type=int, default=0, help="torch.manual_seed for weights and prompt")
     p.add_argument("--repeats", type=int, default=None, help="timed generations per variant (median; default 3)")
+    p.add_argument("--lookahead", default="both", choices=("off", "on", "both"),
+                   help="decode lookahead with real hints (layer L+1's router applied to layer L's MoE input): "
+                        "off, on, or both (each provider without and with it; the default)")
+    p.add_argument("--lookahead-ids", type=int, default=None,
+                   help="hinted experts per layer, best first (default top_k)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--check", action="store_true",
                    help="test mode: small model, validates every expert map; exit 0/1/77")
@@ -116,6 +127,9 @@ def parse_args(argv):
     if not names or bad:
         p.error(f"--provider: unknown {bad or a.provider!r}; choose from {', '.join(PROVIDERS)} or all")
     a.providers = list(dict.fromkeys(names))
+    if a.lookahead_ids is None:
+        a.lookahead_ids = a.top_k
+    a.lookahead_modes = {"off": [False], "on": [True], "both": [False, True]}[a.lookahead]
     if a.tokens < 2:
         p.error("--tokens must be >= 2 (the first comes from the prompt forward, the others are decode forwards)")
     if a.prompt_len < 2 or a.repeats < 1 or a.layers < 1:
@@ -129,6 +143,9 @@ def parse_args(argv):
     if not (a.top_k <= a.capacity <= a.experts):
         p.error(f"--capacity {a.capacity} must be in [top_k {a.top_k}, experts {a.experts}] "
                 "(a forward of one token needs top_k experts resident at once)")
+    if not (1 <= a.lookahead_ids <= a.capacity):
+        p.error(f"--lookahead-ids {a.lookahead_ids} must be in [1, --capacity {a.capacity}] (a prefetch fills at "
+                "most the slots the cache may evict)")
     if a.hidden % a.heads != 0 or a.heads % a.kv_heads != 0:
         p.error(f"--hidden {a.hidden} must divide by --heads {a.heads}, and heads by --kv-heads {a.kv_heads}")
     return a
@@ -275,15 +292,49 @@ def make_modules(torch):
             self.act_fn = act_fn
             self.validate_maps = validate_maps
             self.admission = admission   # prepare_wide admission: "stream" (host) or "admit" (device)
-            self.prepare_s = 0.0         # time inside prepare() of single-token forwards, perf_counter
+            self.prepare_s = 0.0         # time inside prepare() (and prefetch()) of single-token forwards
             self.forwards = 0
             self.wide = []               # prepare_wide summaries since the last reset
+            # Lookahead: (the next layer's router weight [E, K], the next layer's CachedExperts, ids per
+            # hint), set by enable_lookahead; None for the last layer or without lookahead.
+            self.lookahead = None
+            self.hint = None             # the ids the previous layer hinted for this one (CUDA int64), or None
+            self.reset_recall()
+
+        def reset_recall(self):
+            # Kept on the GPU (no synchronisation per forward); read once after a generation.
+            self.hinted_hits = None      # routed (token, k) entries this layer was hinted, a CUDA scalar
+            self.hinted_routed = 0       # routed (token, k) entries of forwards that had a hint
+
+        def enable_lookahead(self, next_router_weight, next_module, n_ids):
+            require(next_router_weight.dim() == 2 and next_router_weight.shape[0] == next_module.cache.num_experts,
+                    f"layer {self.layer}: the next layer's router weight is {tuple(next_router_weight.shape)}, "
+                    f"expected [{next_module.cache.num_experts}, hidden]")
+            self.lookahead = (next_router_weight, next_module, n_ids)
 
         def forward(self, hidden_states, top_k_index, top_k_weights):
             if hidden_states.shape[0] > 1:
+                self.hint = None         # a prompt forward is served whole by prepare_wide: no hint
                 return self.forward_wide(hidden_states, top_k_index, top_k_weights)
+            if self.hint is not None:
+                # Recall of the previous layer's hint: the routed experts it named.
+                hit = torch.isin(top_k_index.flatten(), self.hint).sum()
+                self.hinted_hits = hit if self.hinted_hits is None else self.hinted_hits + hit
+                self.hinted_routed += top_k_index.numel()
+                self.hint = None
             t0 = time.perf_counter()
             view = self.cache.prepare(top_k_index)
+            if self.lookahead is not None:
+                # Real hints: the next layer's router applied to this layer's MoE input (the residual
+                # stream changes little from one layer to the next). Its best ids, as a CUDA tensor: the
+                # device provider plans them on the GPU without a synchronisation; a host-planned one
+                # reads them back (one synchronisation). Issued before this layer's GEMMs so that the
+                # copies overlap them; prepare(L+1) waits only for the slots it reads.
+                weight, nxt, n_ids = self.lookahead
+                logits = F.linear(hidden_states, weight)                          # [1, E]
+                ids = logits.float().topk(n_ids, dim=-1).indices.flatten()        # best first
+                nxt.cache.prefetch(ids)
+                nxt.hint = ids
             self.prepare_s += time.perf_counter() - t0
             self.forwards += 1
             slot = view.expert_map[top_k_index]          # device gather, no host sync: [T, k] int32
@@ -397,6 +448,10 @@ def check_structure(model, a):
         mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
         require(mlp is not None, f"layer {i}: no .mlp (MixtralSparseMoeBlock) found")
         require(hasattr(mlp, "gate") and hasattr(mlp, "experts"), f"layer {i}: mlp has no .gate/.experts")
+        gw = getattr(mlp.gate, "weight", None)
+        require(gw is not None and tuple(gw.shape) == (a.experts, a.hidden),
+                f"layer {i}: mlp.gate has no weight [{a.experts}, {a.hidden}] (got "
+                f"{None if gw is None else tuple(gw.shape)}): lookahead applies it to the previous layer's input")
         ex = mlp.experts
         for name in ("gate_up_proj", "down_proj", "act_fn"):
             require(hasattr(ex, name), f"layer {i}: mlp.experts ({type(ex).__name__}) has no .{name}: this example "
@@ -431,6 +486,7 @@ def greedy(torch, model, prompt, n_new, timers):
         for m in timers:
             m.prepare_s = 0.0
             m.wide = []
+            m.reset_recall()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = model(input_ids=prompt, use_cache=True)
@@ -452,10 +508,16 @@ def greedy(torch, model, prompt, n_new, timers):
         torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1
     prepare_s = sum(m.prepare_s for m in timers)
+    hinted = [m for m in timers if m.hinted_routed]
+    recall = None
+    if hinted:
+        recall = sum(int(m.hinted_hits.item()) for m in hinted) / sum(m.hinted_routed for m in hinted)
     return dict(tokens=torch.cat(tokens, dim=1).flatten().cpu(), logits=torch.cat(logits, dim=0),
-                prompt_logits=prompt_logits, ttft_s=ttft_s, decode_s=decode_s, prepare_s=prepare_s, wide=wide)
+                prompt_logits=prompt_logits, ttft_s=ttft_s, decode_s=decode_s, prepare_s=prepare_s, wide=wide,
+                hint_recall=recall)
 
 
+SPECULATIVE_KEYS = ("speculative_issued", "speculative_used", "speculative_wasted")
 WIDE_KEYS = ("rounds", "unique", "hits", "streamed", "admitted", "copies", "bytes")
 
 
@@ -498,10 +560,12 @@ def run_variant(torch, model, prompt, a, timers, caches, ref):
         after = stats_sum(caches)[0] if caches else {}
         hits = after.get("hits", 0) - before.get("hits", 0)
         misses = after.get("misses", 0) - before.get("misses", 0)
+        speculative = {key: after.get(key, 0) - before.get(key, 0) for key in SPECULATIVE_KEYS}
         entry = dict(run=r, warmup=(r == 0), ttft_ms=1e3 * g["ttft_s"], decode_s=g["decode_s"],
                      tokens_per_s=decode_tokens / g["decode_s"], prepare_s=g["prepare_s"],
                      prepare_share=g["prepare_s"] / g["decode_s"], hits=hits, misses=misses,
-                     hit_rate=hit_rate(hits, misses), prompt_wide=wide_total(g["wide"]))
+                     hit_rate=hit_rate(hits, misses), prompt_wide=wide_total(g["wide"]),
+                     hint_recall=g["hint_recall"], speculative=speculative)
         if ref is None:
             ref = g
         entry["tokens_equal"] = bool(torch.equal(g["tokens"], ref["tokens"]))
@@ -515,13 +579,17 @@ def run_variant(torch, model, prompt, a, timers, caches, ref):
             entry["first_token_mismatch"] = int((g["tokens"] != ref["tokens"]).nonzero()[0].item())
         runs.append(entry)
         pw = entry["prompt_wide"]
+        look_txt = "" if g["hint_recall"] is None else (
+            f", hint recall {100 * g['hint_recall']:.1f}%, speculative issued {speculative['speculative_issued']} "
+            f"used {speculative['speculative_used']} wasted {speculative['speculative_wasted']}")
         wide_txt = "" if pw is None else (f", prompt forward: {pw['rounds']} rounds over {pw['layers']} layers, "
                                           f"{pw['hits']} pool hits, {pw['streamed']} streamed, {pw['admitted']} admitted")
         log(f"    run {r}{' (warm-up)' if r == 0 else ''}: TTFT {entry['ttft_ms']:.2f} ms{wide_txt}; decode "
             f"{entry['tokens_per_s']:.1f} tok/s, prepare {1e3 * g['prepare_s'] / decode_tokens:.3f} ms/token "
             f"({100 * entry['prepare_share']:.1f}%), hits {hits} misses {misses}, tokens equal {entry['tokens_equal']}, "
             f"logits bit-identical {entry['logits_equal']} (max |diff| {entry['max_abs_logit_diff']:.3g}), prompt "
-            f"logits bit-identical {entry['prompt_logits_equal']} (max |diff| {entry['max_abs_prompt_logit_diff']:.3g})")
+            f"logits bit-identical {entry['prompt_logits_equal']} (max |diff| {entry['max_abs_prompt_logit_diff']:.3g})"
+            f"{look_txt}")
     timed = runs[1:]
     hits = sum(x["hits"] for x in timed)
     misses = sum(x["misses"] for x in timed)
@@ -535,6 +603,8 @@ def run_variant(torch, model, prompt, a, timers, caches, ref):
         hits=hits, misses=misses, hit_rate=hit_rate(hits, misses),
         cold_hits=runs[0]["hits"], cold_misses=runs[0]["misses"],
         cold_hit_rate=hit_rate(runs[0]["hits"], runs[0]["misses"]),
+        hint_recall=None if timed[0]["hint_recall"] is None else statistics.median(x["hint_recall"] for x in timed),
+        speculative={key: sum(x["speculative"][key] for x in timed) for key in SPECULATIVE_KEYS},
         prompt_wide=timed[-1]["prompt_wide"], cold_prompt_wide=runs[0]["prompt_wide"],
         tokens_equal=all(x["tokens_equal"] for x in runs),
         logits_equal=all(x["logits_equal"] for x in runs),
@@ -559,14 +629,20 @@ def print_table(a, results):
         f"top-{a.top_k}, capacity {a.capacity}/layer (+{a.stream_slots} stream slots, host providers), prompt "
         f"{a.prompt_len} tokens as one forward, {a.tokens} new tokens, median of {a.repeats} timed runs after a warm-up")
     head = ("variant", "TTFT ms", "cold TTFT ms", "decode tok/s", "ms/token", "prepare ms/token", "cache share",
-            "hit rate", "cold hit rate", "prompt rounds", "tokens", "logits")
+            "hit rate", "cold hit rate", "prompt rounds", "hint recall", "spec. used/issued", "vs no lookahead",
+            "tokens", "logits")
     rows = []
     for name, r in results.items():
         pw = r.get("prompt_wide")
+        spec = r.get("speculative") or {}
+        base = results.get(name[:-len("+lookahead")]) if name.endswith("+lookahead") else None
         rows.append((name, f"{r['ttft_ms']:.2f}", f"{r['cold_ttft_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
                      f"{r['ms_per_token']:.3f}", f"{r['prepare_ms_per_token']:.3f}", f"{100 * r['prepare_share']:.1f}%",
                      fmt_rate(r.get("hit_rate")), fmt_rate(r.get("cold_hit_rate")),
                      "-" if pw is None else str(pw["rounds"]),
+                     fmt_rate(r.get("hint_recall")),
+                     f"{spec['speculative_used']}/{spec['speculative_issued']}" if spec.get("speculative_issued") else "-",
+                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-",
                      "same" if r["tokens_equal"] else "DIFFERENT",
                      "bit-identical" if r["logits_equal"] and r["prompt_logits_equal"]
                      else f"max|diff| {max(r['max_abs_logit_diff'], r['max_abs_prompt_logit_diff']):.3g}"))
@@ -583,7 +659,11 @@ def print_table(a, results):
         "between runs); host providers count decode prepares only (stream admission reads the pool without "
         "counting), the device provider also the prompt forward's rounds. prompt rounds: prepare_wide rounds of "
         "one prompt forward, summed over layers.")
-    log("cache share: time inside prepare() (perf_counter) / wall time of the decode forwards. The host-planned "
+    log("hint recall: of the experts a decode forward routes, the share its previous layer's hint named (layer "
+        "L+1's router applied to layer L's MoE input, the lookahead-ids best); spec. used/issued: speculative fills "
+        "the next prepare read / fills issued (stats(), timed runs); vs no lookahead: decode tok/s over the same "
+        "provider's row without lookahead, in the same process.")
+    log("cache share: time inside prepare() and the lookahead's prefetch() (perf_counter) / wall time of the decode forwards. The host-planned "
         "providers (row, cached) include their one id read-back synchronisation per prepare(), which also "
         "waits for the GPU work queued before it.")
 
@@ -714,7 +794,8 @@ def run(a, report):
 
     # 4. Through the cache, per provider.
     layout = ect.DenseBf16(hidden=a.hidden, intermediate=a.intermediate)
-    for provider in a.providers:
+    for provider, look in [(p, look) for p in a.providers for look in a.lookahead_modes]:
+        name = provider + ("+lookahead" if look else "")
         caches = []
         for i, (gu, dn) in enumerate(host):
             try:
@@ -733,7 +814,7 @@ def run(a, report):
                                   f"(host tensors w13 {tuple(gu.shape)} @0x{gu.data_ptr():x}, w2 {tuple(dn.shape)} "
                                   f"@0x{dn.data_ptr():x}; providers before it: {a.providers[:a.providers.index(provider)]})")
         st = caches[0].slot_tensors
-        log(f"variant {provider}: {len(caches)} caches, capacity {caches[0].capacity}/{caches[0].num_experts}, "
+        log(f"variant {name}: {len(caches)} caches, capacity {caches[0].capacity}/{caches[0].num_experts}, "
             f"provider {caches[0].provider}, slot tensors "
             + ", ".join(f"{k} {tuple(t.shape)} {t.dtype} {t.device}" for k, t in st.items()))
         slots = a.capacity + (0 if provider == "device" else a.stream_slots)
@@ -743,6 +824,11 @@ def run(a, report):
                 f"{provider}: slot tensors have unexpected shapes/dtype (expected {slots} slots)")
         admission = "admit" if provider == "device" else "stream"
         modules = [CachedExperts(i, c, act_fn, a.validate_maps, admission) for i, c in enumerate(caches)]
+        if look:
+            for i in range(len(modules) - 1):
+                modules[i].enable_lookahead(mlps[i + 1].gate.weight, modules[i + 1], a.lookahead_ids)
+            log(f"  lookahead: layer L's decode forward prefetches the {a.lookahead_ids} best experts of layer L+1's "
+                "router applied to layer L's MoE input (real hints, not emulated)")
         set_experts(mlps, modules)
         res, _ = run_variant(torch, model, prompt, a, modules, caches, ref)
         if provider == "device":
@@ -756,29 +842,39 @@ def run(a, report):
         res["per_layer_hit_rate"] = [hit_rate(s.get("hits", 0), s.get("misses", 0)) for s in per_layer]
         log("  per-layer hit rate (all runs): " + ", ".join(fmt_rate(x) for x in res["per_layer_hit_rate"]))
         log("  stats (sum over layers): " + ", ".join(f"{k}={val}" for k, val in total.items()))
-        results[provider] = res
+        results[name] = res
         if not res["tokens_equal"]:
             bad = [x for x in res["runs"] if not x["tokens_equal"]]
-            failures.append(f"{provider}: tokens differ from the all-resident run (run {bad[0]['run']}, first "
+            failures.append(f"{name}: tokens differ from the all-resident run (run {bad[0]['run']}, first "
                             f"mismatch at new token {bad[0].get('first_token_mismatch')})")
         if not res["logits_equal"]:
-            failures.append(f"{provider}: logits not bit-identical to the all-resident run "
+            failures.append(f"{name}: logits not bit-identical to the all-resident run "
                             f"(max |diff| {res['max_abs_logit_diff']:.4g})")
         if not res["prompt_logits_equal"]:
-            failures.append(f"{provider}: the prompt forward's logits not bit-identical to the all-resident one "
+            failures.append(f"{name}: the prompt forward's logits not bit-identical to the all-resident one "
                             f"(max |diff| {res['max_abs_prompt_logit_diff']:.4g})")
         pw = res["cold_prompt_wide"]
         if pw is None or pw["layers"] != a.layers or pw["rounds"] < a.layers:
-            failures.append(f"{provider}: the prompt forward did not go through prepare_wide in every layer ({pw})")
+            failures.append(f"{name}: the prompt forward did not go through prepare_wide in every layer ({pw})")
         elif provider != "device" and (pw["fell_back"] or pw["admission"] != ["stream"]
                                        or pw["streamed"] + pw["hits"] != pw["unique"]):
-            failures.append(f"{provider}: the prompt was not served by stream admission ({pw})")
+            failures.append(f"{name}: the prompt was not served by stream admission ({pw})")
         # Capacity < experts and empty caches at the start: a host-planned cache must miss. (The
         # device provider's stats may not count hits/misses; its bit-identity is the check.)
         if provider != "device" and total.get("misses", 0) == 0:
-            failures.append(f"{provider}: no misses recorded: the cache was not exercised")
+            failures.append(f"{name}: no misses recorded: the cache was not exercised")
         if total.get("faults", 0):
-            failures.append(f"{provider}: cache reported {total['faults']} faults")
+            failures.append(f"{name}: cache reported {total['faults']} faults")
+        if look:
+            spec = res["speculative"]
+            rec = res["hint_recall"]
+            log(f"  lookahead (timed runs): hint recall {fmt_rate(rec)}, speculative issued "
+                f"{spec['speculative_issued']}, used {spec['speculative_used']}, wasted {spec['speculative_wasted']}")
+            if a.layers > 1 and (rec is None or not 0.0 <= rec <= 1.0):
+                failures.append(f"{name}: no hint recall measured ({rec}): the hints never reached the next layer")
+            # The warm-up run starts from empty caches: its first hints name experts that are not resident.
+            if a.layers > 1 and sum(x["speculative"]["speculative_issued"] for x in res["runs"]) == 0:
+                failures.append(f"{name}: lookahead issued no speculative fill in any run")
         # Unregister the host tensors before the next provider registers them again.
         set_experts(mlps, [torch.nn.Identity() for _ in mlps])
         del modules, caches, st

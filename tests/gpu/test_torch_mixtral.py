@@ -5,8 +5,10 @@ Each run builds a small random-weight transformers Mixtral, generates greedily w
 resident, then with the expert weights in host memory behind expert_cache_torch (capacity below
 the number of experts). Every generation feeds the prompt as ONE forward (through prepare_wide for
 the cached variants) and must reproduce the resident tokens, the prompt forward's logits and every
-decode logit bit for bit; TTFT and decode tok/s must be reported. This test also reads the run's JSON
-and checks it independently of the example's own verdict.
+decode logit bit for bit; TTFT and decode tok/s must be reported. Each provider runs twice, without and
+with lookahead (real hints: layer L+1's router on layer L's MoE input, prefetched into layer L+1's cache);
+the lookahead run must stay bit-identical, measure a hint recall in [0, 1] and issue speculative fills.
+This test also reads the run's JSON and checks it independently of the example's own verdict.
 
 Exit codes: 0 all runs passed; 77 (skip) when the example skipped for every provider (no torch,
 CUDA device, transformers or extension: the reason is printed); 1 otherwise.
@@ -23,6 +25,58 @@ DEFAULT_EXAMPLE = os.path.join(HERE, "..", "..", "examples", "torch", "mixtral_o
 PROVIDERS = ("row", "cached", "device")
 TIMEOUT_S = 900
 REPEATS = 3  # the example's --check default; the JSON must list REPEATS + 1 runs per variant
+
+
+def check_variant(provider, name, r, args, report, need):
+    """The checks of one variant's results (`name`: the provider, or the provider + "+lookahead")."""
+    runs = r.get("runs", [])
+    need(len(runs) == REPEATS + 1, f"{name}: {len(runs)} runs, expected {REPEATS + 1}")
+    need(all(x.get("tokens_equal") and x.get("logits_equal") and x.get("prompt_logits_equal") for x in runs),
+         f"{name}: a run differs from the all-resident one: "
+         f"{[(x.get('run'), x.get('tokens_equal'), x.get('max_abs_logit_diff'), x.get('max_abs_prompt_logit_diff')) for x in runs]}")
+    need(all(x.get("max_abs_logit_diff") == 0.0 and x.get("max_abs_prompt_logit_diff") == 0.0 for x in runs),
+         f"{name}: nonzero logit difference")
+    # The prompt went through the wide path, in every layer, every run.
+    for x in runs:
+        pw = x.get("prompt_wide") or {}
+        # The device provider plans on the GPU: its summary counts rounds only (the unique ids never
+        # reach the host), so there the check is more rounds than layers.
+        wide = (pw.get("rounds", 0) > args.get("layers", 1) if provider == "device"
+                else pw.get("rounds", 0) >= args.get("layers", 1) and pw.get("unique", 0) > 0)
+        need(pw.get("layers") == args.get("layers") and wide,
+             f"{name}: run {x.get('run')}: prompt forward not wide: {pw}")
+        if provider == "device":
+            need(pw.get("admission") == ["admit"], f"{name}: run {x.get('run')}: admission {pw.get('admission')}")
+        else:
+            need(pw.get("admission") == ["stream"] and not pw.get("fell_back")
+                 and pw.get("hits", 0) + pw.get("streamed", 0) == pw.get("unique"),
+                 f"{name}: run {x.get('run')}: not served by stream admission: {pw}")
+        need(x.get("ttft_ms", 0) > 0, f"{name}: run {x.get('run')}: TTFT {x.get('ttft_ms')}")
+    # Cold: empty pools, a prompt routing more experts than the pool holds in some layer.
+    cold = runs[0].get("prompt_wide") or {} if runs else {}
+    if provider != "device":
+        need(cold.get("streamed", 0) > 0, f"{name}: the cold prompt forward streamed nothing: {cold}")
+    else:
+        need(r.get("device_errors") is not None and not any(r["device_errors"]),
+             f"{name}: error words {r.get('device_errors')} after wide forwards")
+    for key in ("ttft_ms", "cold_ttft_ms"):
+        need(r.get(key, 0) > 0, f"{name}: {key} {r.get(key)}")
+    need(r.get("misses", 0) > 0 or r.get("cold_misses", 0) > 0, f"{name}: the cache never missed")
+    hr = r.get("hit_rate")
+    need(hr is not None and 0.0 <= hr <= 1.0, f"{name}: hit rate {hr} not in [0, 1]")
+    need(r.get("cold_misses", 0) >= report["args"]["capacity"],
+         f"{name}: {r.get('cold_misses')} cold misses, at least capacity ({report['args']['capacity']}) "
+         "expected from empty caches")
+    need(r.get("tokens_per_s", 0) > 0, f"{name}: decode tokens/s {r.get('tokens_per_s')}")
+    need(0.0 < r.get("prepare_share", 0) < 1.0, f"{name}: cache share {r.get('prepare_share')} not in (0, 1)")
+
+    if name.endswith("+lookahead"):
+        rec = r.get("hint_recall")
+        need(rec is not None and 0.0 <= rec <= 1.0, f"{name}: hint recall {rec} not in [0, 1]")
+        issued = sum((x.get("speculative") or {}).get("speculative_issued", 0) for x in runs)
+        used = sum((x.get("speculative") or {}).get("speculative_used", 0) for x in runs)
+        need(issued > 0, f"{name}: lookahead issued no speculative fill")
+        need(0 <= used <= issued, f"{name}: {used} speculative fills used of {issued} issued")
 
 
 def check_report(provider, report):
@@ -47,48 +101,11 @@ def check_report(provider, report):
          f"stock check failed: {layers}")
     need(report.get("gpu_mib_released", 0) >= 0.95 * report.get("expert_host_mib", float("inf")),
          f"GPU expert copies not released: {report.get('gpu_mib_released')} of {report.get('expert_host_mib')} MiB")
-    r = results.get(provider)
-    if r:
-        runs = r.get("runs", [])
-        need(len(runs) == REPEATS + 1, f"{provider}: {len(runs)} runs, expected {REPEATS + 1}")
-        need(all(x.get("tokens_equal") and x.get("logits_equal") and x.get("prompt_logits_equal") for x in runs),
-             f"{provider}: a run differs from the all-resident one: "
-             f"{[(x.get('run'), x.get('tokens_equal'), x.get('max_abs_logit_diff'), x.get('max_abs_prompt_logit_diff')) for x in runs]}")
-        need(all(x.get("max_abs_logit_diff") == 0.0 and x.get("max_abs_prompt_logit_diff") == 0.0 for x in runs),
-             f"{provider}: nonzero logit difference")
-        # The prompt went through the wide path, in every layer, every run.
-        for x in runs:
-            pw = x.get("prompt_wide") or {}
-            # The device provider plans on the GPU: its summary counts rounds only (the unique ids never
-            # reach the host), so there the check is more rounds than layers.
-            wide = (pw.get("rounds", 0) > args.get("layers", 1) if provider == "device"
-                    else pw.get("rounds", 0) >= args.get("layers", 1) and pw.get("unique", 0) > 0)
-            need(pw.get("layers") == args.get("layers") and wide,
-                 f"{provider}: run {x.get('run')}: prompt forward not wide: {pw}")
-            if provider == "device":
-                need(pw.get("admission") == ["admit"], f"{provider}: run {x.get('run')}: admission {pw.get('admission')}")
-            else:
-                need(pw.get("admission") == ["stream"] and not pw.get("fell_back")
-                     and pw.get("hits", 0) + pw.get("streamed", 0) == pw.get("unique"),
-                     f"{provider}: run {x.get('run')}: not served by stream admission: {pw}")
-            need(x.get("ttft_ms", 0) > 0, f"{provider}: run {x.get('run')}: TTFT {x.get('ttft_ms')}")
-        # Cold: empty pools, a prompt routing more experts than the pool holds in some layer.
-        cold = runs[0].get("prompt_wide") or {} if runs else {}
-        if provider != "device":
-            need(cold.get("streamed", 0) > 0, f"{provider}: the cold prompt forward streamed nothing: {cold}")
-        else:
-            need(r.get("device_errors") is not None and not any(r["device_errors"]),
-                 f"device: error words {r.get('device_errors')} after wide forwards")
-        for key in ("ttft_ms", "cold_ttft_ms"):
-            need(r.get(key, 0) > 0, f"{provider}: {key} {r.get(key)}")
-        need(r.get("misses", 0) > 0 or r.get("cold_misses", 0) > 0, f"{provider}: the cache never missed")
-        hr = r.get("hit_rate")
-        need(hr is not None and 0.0 <= hr <= 1.0, f"{provider}: hit rate {hr} not in [0, 1]")
-        need(r.get("cold_misses", 0) >= report["args"]["capacity"],
-             f"{provider}: {r.get('cold_misses')} cold misses, at least capacity ({report['args']['capacity']}) "
-             "expected from empty caches")
-        need(r.get("tokens_per_s", 0) > 0, f"{provider}: decode tokens/s {r.get('tokens_per_s')}")
-        need(0.0 < r.get("prepare_share", 0) < 1.0, f"{provider}: cache share {r.get('prepare_share')} not in (0, 1)")
+    for name in (provider, provider + "+lookahead"):
+        r = results.get(name)
+        need(r is not None, f"results lack {name}: {sorted(results)}")
+        if r:
+            check_variant(provider, name, r, args, report, need)
     return problems
 
 
