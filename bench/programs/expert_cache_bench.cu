@@ -656,8 +656,18 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     check_cuda(cudaGetDevice(&device), "cudaGetDevice");
     LinkProfile lp;
     if (Status st = link_profile_for(device, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
+    // The use the caches were built for (fill_use_of, as the executor resolves automatic): the
+    // note then names the engine the caches run, and says so if they differ.
+    DeviceCacheOptions built;
+    built.capacity = m.capacity;
+    built.max_ids = n;
+    built.overlap = overlap;
+    built.lookahead = lookahead_row;
     std::string reason;
-    (void)lp.choose_engine(lookahead_row && overlap ? FillUse::overlapped_lookahead : FillUse::demand, &reason);
+    const FillEngine picked = lp.choose_engine(fill_use_of(built), &reason);
+    if (picked != caches[0]->fill_engine()) {
+      reason += std::string(" (but the cache runs ") + std::string(to_string(caches[0]->fill_engine())) + ")";
+    }
     notes.push_back(std::string("device/") + device_staging + (lookahead_row ? "+" + prefetch : std::string()) +
                     ": automatic picked " + reason);
   }
