@@ -302,9 +302,19 @@ def make_modules(torch):
             self.reset_recall()
 
         def reset_recall(self):
-            # Kept on the GPU (no synchronisation per forward); read once after a generation.
-            self.hinted_hits = None      # routed (token, k) entries this layer was hinted, a CUDA scalar
-            self.hinted_routed = 0       # routed (token, k) entries of forwards that had a hint
+            # (hinted ids, routed ids) of each decode forward that had a hint, kept on the GPU and compared
+            # once after a generation: the recall costs the timed loop no launch and no synchronisation.
+            self.hint_pairs = []
+
+        def hint_recall_counts(self):
+            """(routed (token, k) entries the previous layer's hints named, routed entries), over the
+            decode forwards since reset_recall."""
+            if not self.hint_pairs:
+                return 0, 0
+            hints = torch.stack([h for h, _ in self.hint_pairs])                # [F, n_ids]
+            routed = torch.stack([r for _, r in self.hint_pairs])               # [F, T*k]
+            named = (routed.unsqueeze(-1) == hints.unsqueeze(1)).any(dim=-1)    # [F, T*k]
+            return int(named.sum().item()), routed.numel()
 
         def enable_lookahead(self, next_router_weight, next_module, n_ids):
             require(next_router_weight.dim() == 2 and next_router_weight.shape[0] == next_module.cache.num_experts,
@@ -317,10 +327,7 @@ def make_modules(torch):
                 self.hint = None         # a prompt forward is served whole by prepare_wide: no hint
                 return self.forward_wide(hidden_states, top_k_index, top_k_weights)
             if self.hint is not None:
-                # Recall of the previous layer's hint: the routed experts it named.
-                hit = torch.isin(top_k_index.flatten(), self.hint).sum()
-                self.hinted_hits = hit if self.hinted_hits is None else self.hinted_hits + hit
-                self.hinted_routed += top_k_index.numel()
+                self.hint_pairs.append((self.hint, top_k_index.flatten()))   # the recall, after the generation
                 self.hint = None
             t0 = time.perf_counter()
             view = self.cache.prepare(top_k_index)
@@ -332,7 +339,7 @@ def make_modules(torch):
                 # copies overlap them; prepare(L+1) waits only for the slots it reads.
                 weight, nxt, n_ids = self.lookahead
                 logits = F.linear(hidden_states, weight)                          # [1, E]
-                ids = logits.float().topk(n_ids, dim=-1).indices.flatten()        # best first
+                ids = logits.topk(n_ids, dim=-1).indices.flatten()                # best first
                 nxt.cache.prefetch(ids)
                 nxt.hint = ids
             self.prepare_s += time.perf_counter() - t0
@@ -508,10 +515,9 @@ def greedy(torch, model, prompt, n_new, timers):
         torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1
     prepare_s = sum(m.prepare_s for m in timers)
-    hinted = [m for m in timers if m.hinted_routed]
-    recall = None
-    if hinted:
-        recall = sum(int(m.hinted_hits.item()) for m in hinted) / sum(m.hinted_routed for m in hinted)
+    counts = [m.hint_recall_counts() for m in timers]
+    routed = sum(n for _, n in counts)
+    recall = sum(h for h, _ in counts) / routed if routed else None
     return dict(tokens=torch.cat(tokens, dim=1).flatten().cpu(), logits=torch.cat(logits, dim=0),
                 prompt_logits=prompt_logits, ttft_s=ttft_s, decode_s=decode_s, prepare_s=prepare_s, wide=wide,
                 hint_recall=recall)
