@@ -10,15 +10,27 @@
 //                                expert-major pool scattered into per-tensor slot arrays)
 //   host/<cache>/all_hit, host/<cache>/misses:10   wall-clock of the prepare() call alone (the
 //                                GPU is drained before each call and not waited after it)
+//   proxy_issue/<mode>/fills:16  GPU time (cudaEvents) of 16 back-to-back expert fills on one copy
+//                                stream, issued as the copy-engine proxy issues them
+//                                (device_cache/copy_proxy.cuh); counters GBps, ratio, us_per_fill.
+//                                <mode>: one_copy (the expert's bytes as one copy), regions (its six
+//                                regions in one cudaMemcpyBatchAsync), regions+word (and its ready word,
+//                                cuStreamWriteValue32), two_parts+words (the first part and its word, then
+//                                the rest and the whole word: the overlapped consumer's W13-first pass),
+//                                regions+words_batched (the two words in one cuStreamBatchMemOp), and
+//                                request+words_batched (every fill's regions in one batch call, then every
+//                                word in one cuStreamBatchMemOp: readiness per request, not per fill)
 //
 // What to read: the best staging policy's ratio of the ceiling at >= 8 misses, and the host us of an
 // all-hit prepare and of one with 10 misses. Run with --benchmark_repetitions=5
 // --benchmark_report_aggregates_only=true and read the medians.
 #include <benchmark/benchmark.h>
 
+#include <cuda.h>  // the stream memory operations' driver types; the functions come through the runtime
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +38,7 @@
 #include <memory>
 #include <string>
 #include <typeinfo>
+#include <utility>
 #include <vector>
 
 #include "expert_cache/cuda.hpp"
@@ -205,6 +218,166 @@ void BM_HostPrepare(benchmark::State& state, std::int32_t misses) {
   BENCH_CUDA(cudaDeviceSynchronize());
 }
 
+// The proxy's copy-stream work for 16 fills (see the header). Raw CUDA: this measures what the
+// copy engine does with the proxy's sequence of calls, not the proxy's host time.
+enum class ProxyIssueMode { one_copy, regions, regions_word, two_parts_words, regions_words_batched, request_words_batched };
+
+void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
+  constexpr int proxy_fills = 16, proxy_experts = 64, proxy_slots = 32;
+  // nvfp4_layout()'s regions in its order; the first part is w13, w13_scale, w13_scale_2.
+  constexpr std::array<std::size_t, 6> region_bytes = {1u << 20, 512u << 10, 128u << 10, 64u << 10, 4, 4};
+  constexpr std::array<bool, 6> first_part = {true, false, true, false, true, false};
+  using WriteValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  using BatchMemOp = CUresult (*)(CUstream, unsigned int, CUstreamBatchMemOpParams*, unsigned int);
+  void* wv_fn = nullptr;
+  void* bm_fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  BENCH_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &wv_fn, 12000, cudaEnableDefault, &found));
+  BENCH_CUDA(cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &bm_fn, 12000, cudaEnableDefault, &found));
+  if (wv_fn == nullptr || bm_fn == nullptr) {
+    state.SkipWithError("the driver has no cuStreamWriteValue32 / cuStreamBatchMemOp");
+    return;
+  }
+  const auto write_value = reinterpret_cast<WriteValue32>(wv_fn);
+  const auto batch_mem_op = reinterpret_cast<BatchMemOp>(bm_fn);
+  std::array<unsigned char*, 6> host{}, dev{};
+  for (std::size_t r = 0; r < region_bytes.size(); ++r) {
+    BENCH_CUDA(cudaHostAlloc(&host[r], region_bytes[r] * proxy_experts, cudaHostAllocMapped | cudaHostAllocPortable));
+    BENCH_CUDA(cudaMalloc(&dev[r], region_bytes[r] * proxy_slots));
+  }
+  unsigned char* host_whole = nullptr;
+  unsigned char* dev_whole = nullptr;
+  BENCH_CUDA(cudaHostAlloc(&host_whole, expert_bytes * proxy_experts, cudaHostAllocDefault));
+  BENCH_CUDA(cudaMalloc(&dev_whole, expert_bytes * proxy_slots));
+  std::uint32_t* words = nullptr;  // two per slot: the first part's and the whole expert's
+  BENCH_CUDA(cudaMalloc(&words, sizeof(std::uint32_t) * 2 * proxy_slots));
+  cudaStream_t s = nullptr;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t a = nullptr, b = nullptr;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&b));
+  const auto copy_batch = [&](std::vector<void*>& d, std::vector<const void*>& h, std::vector<std::size_t>& z) {
+    if (d.empty()) return;
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    std::size_t attr_index = 0;
+    BENCH_CUDA(cudaMemcpyBatchAsync(d.data(), h.data(), z.data(), d.size(), &attr, &attr_index, 1, s));
+    d.clear(), h.clear(), z.clear();
+  };
+  const auto word_op = [&](int slot, int which, std::uint32_t tag) {
+    CUstreamBatchMemOpParams op{};
+    op.writeValue.operation = CU_STREAM_MEM_OP_WRITE_VALUE_32;
+    op.writeValue.address = reinterpret_cast<CUdeviceptr>(words + 2 * slot + which);
+    op.writeValue.value = tag;
+    return op;
+  };
+  std::vector<void*> d;
+  std::vector<const void*> h;
+  std::vector<std::size_t> z;
+  std::vector<CUstreamBatchMemOpParams> ops;
+  std::uint32_t tag = 0;
+  double gpu_seconds = 0;
+  std::uint64_t bytes = 0;
+  bool failed = false;
+  for (auto _ : state) {
+    BENCH_CUDA(cudaStreamSynchronize(s));
+    BENCH_CUDA(cudaEventRecord(a, s));
+    ++tag;
+    for (int f = 0; f < proxy_fills; ++f) {
+      const int slot = f % proxy_slots, expert = static_cast<int>((f * 5 + tag) % proxy_experts);
+      const auto add = [&](bool first) {
+        for (std::size_t r = 0; r < region_bytes.size(); ++r) {
+          if (first_part[r] != first) continue;
+          d.push_back(dev[r] + static_cast<std::size_t>(slot) * region_bytes[r]);
+          h.push_back(host[r] + static_cast<std::size_t>(expert) * region_bytes[r]);
+          z.push_back(region_bytes[r]);
+        }
+      };
+      switch (mode) {
+        case ProxyIssueMode::one_copy:
+          BENCH_CUDA(cudaMemcpyAsync(dev_whole + static_cast<std::size_t>(slot) * expert_bytes,
+                                     host_whole + static_cast<std::size_t>(expert) * expert_bytes, expert_bytes,
+                                     cudaMemcpyHostToDevice, s));
+          break;
+        case ProxyIssueMode::regions:
+        case ProxyIssueMode::regions_word:
+        case ProxyIssueMode::regions_words_batched:
+          add(true), add(false), copy_batch(d, h, z);
+          if (mode == ProxyIssueMode::regions_word) {
+            failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot + 1), tag, 0) != CUDA_SUCCESS;
+          } else if (mode == ProxyIssueMode::regions_words_batched) {
+            std::array<CUstreamBatchMemOpParams, 2> two = {word_op(slot, 0, tag), word_op(slot, 1, tag)};
+            failed |= batch_mem_op(reinterpret_cast<CUstream>(s), 2, two.data(), 0) != CUDA_SUCCESS;
+          }
+          break;
+        case ProxyIssueMode::two_parts_words:
+          add(true), copy_batch(d, h, z);
+          failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot), tag, 0) != CUDA_SUCCESS;
+          add(false), copy_batch(d, h, z);
+          failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot + 1), tag, 0) != CUDA_SUCCESS;
+          break;
+        case ProxyIssueMode::request_words_batched:
+          add(true), add(false);
+          ops.push_back(word_op(slot, 0, tag)), ops.push_back(word_op(slot, 1, tag));
+          break;
+      }
+    }
+    if (mode == ProxyIssueMode::request_words_batched) {
+      copy_batch(d, h, z);
+      failed |= batch_mem_op(reinterpret_cast<CUstream>(s), static_cast<unsigned int>(ops.size()), ops.data(), 0) != CUDA_SUCCESS;
+      ops.clear();
+    }
+    BENCH_CUDA(cudaEventRecord(b, s));
+    BENCH_CUDA(cudaEventSynchronize(b));
+    if (failed) {
+      state.SkipWithError("a stream memory operation was refused");
+      break;
+    }
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, b));
+    state.SetIterationTime(ms / 1e3);
+    gpu_seconds += ms / 1e3;
+    bytes += proxy_fills * expert_bytes;
+  }
+  // Every ready word holds the last tag: the memops ran (and after every copy of the stream).
+  std::vector<std::uint32_t> seen(2 * proxy_slots);
+  BENCH_CUDA(cudaMemcpy(seen.data(), words, sizeof(std::uint32_t) * seen.size(), cudaMemcpyDeviceToHost));
+  const bool wrote_words = mode != ProxyIssueMode::one_copy && mode != ProxyIssueMode::regions;
+  if (wrote_words && !failed && seen[1] != tag) state.SkipWithError("a ready word does not hold the last tag");
+  const double gbps = gpu_seconds > 0 ? static_cast<double>(bytes) / gpu_seconds / 1e9 : 0.0;
+  state.counters["GBps"] = gbps;
+  state.counters["ratio"] = g_ceiling_gbps > 0 ? gbps / g_ceiling_gbps : 0.0;
+  state.counters["us_per_fill"] = bytes > 0 ? gpu_seconds * 1e6 * expert_bytes / static_cast<double>(bytes) : 0.0;
+  BENCH_CUDA(cudaEventDestroy(a));
+  BENCH_CUDA(cudaEventDestroy(b));
+  BENCH_CUDA(cudaStreamDestroy(s));
+  BENCH_CUDA(cudaFree(words));
+  BENCH_CUDA(cudaFree(dev_whole));
+  BENCH_CUDA(cudaFreeHost(host_whole));
+  for (std::size_t r = 0; r < region_bytes.size(); ++r) {
+    BENCH_CUDA(cudaFree(dev[r]));
+    BENCH_CUDA(cudaFreeHost(host[r]));
+  }
+}
+
+void register_proxy_issue() {
+  const std::array<std::pair<const char*, ProxyIssueMode>, 6> modes = {{
+      {"one_copy", ProxyIssueMode::one_copy},
+      {"regions", ProxyIssueMode::regions},
+      {"regions+word", ProxyIssueMode::regions_word},
+      {"two_parts+words", ProxyIssueMode::two_parts_words},
+      {"regions+words_batched", ProxyIssueMode::regions_words_batched},
+      {"request+words_batched", ProxyIssueMode::request_words_batched},
+  }};
+  for (const auto& [name, mode] : modes) {
+    benchmark::RegisterBenchmark((std::string("proxy_issue/") + name + "/fills:16").c_str(),
+                                 [mode](benchmark::State& st) { BM_ProxyIssue(st, mode); })
+        ->UseManualTime()
+        ->MinTime(0.2)
+        ->Unit(benchmark::kMicrosecond);
+  }
+}
+
 template <template <class> class S, class P>
 using BenchCache = ExpertCache<S, Lru, P, ExplicitLayout, CudaRuntime>;
 
@@ -264,6 +437,8 @@ int main(int argc, char** argv) {
   register_fill<TensorMajorStorage, Gather>("gather", "tensor_major");
   register_fill<ExpertMajorStorage, Gather>("gather", "expert_major");
   register_fill<ExpertMajorHostStorage, Gather>("gather", "expert_major_host");
+
+  register_proxy_issue();
 
   register_host<RowCache<CudaRuntime, ExplicitLayout>>("row_cache");
   register_host<WholeExpertCache<CudaRuntime, ExplicitLayout>>("whole_expert_cache");
