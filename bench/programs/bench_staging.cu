@@ -19,7 +19,9 @@
 //                                the rest and the whole word: the overlapped consumer's W13-first pass),
 //                                regions+words_batched (the two words in one cuStreamBatchMemOp), and
 //                                request+words_batched (every fill's regions in one batch call, then every
-//                                word in one cuStreamBatchMemOp: readiness per request, not per fill)
+//                                word in one cuStreamBatchMemOp: readiness per request, not per fill),
+//                                regions+tag_copy and two_parts+tag_copies (each word written by a
+//                                4-byte copy of its tag after the part's copies, instead of a memop)
 //
 // What to read: the best staging policy's ratio of the ceiling at >= 8 misses, and the host us of an
 // all-hit prepare and of one with 10 misses. Run with --benchmark_repetitions=5
@@ -220,7 +222,16 @@ void BM_HostPrepare(benchmark::State& state, std::int32_t misses) {
 
 // The proxy's copy-stream work for 16 fills (see the header). Raw CUDA: this measures what the
 // copy engine does with the proxy's sequence of calls, not the proxy's host time.
-enum class ProxyIssueMode { one_copy, regions, regions_word, two_parts_words, regions_words_batched, request_words_batched };
+enum class ProxyIssueMode {
+  one_copy,
+  regions,
+  regions_word,
+  two_parts_words,
+  regions_words_batched,
+  request_words_batched,
+  regions_tag_copy,
+  two_parts_tag_copies
+};
 
 void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
   constexpr int proxy_fills = 16, proxy_experts = 64, proxy_slots = 32;
@@ -251,6 +262,8 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
   BENCH_CUDA(cudaMalloc(&dev_whole, expert_bytes * proxy_slots));
   std::uint32_t* words = nullptr;  // two per slot: the first part's and the whole expert's
   BENCH_CUDA(cudaMalloc(&words, sizeof(std::uint32_t) * 2 * proxy_slots));
+  std::uint32_t* host_tag = nullptr;  // the tag a ready word takes, as the source of a 4-byte copy
+  BENCH_CUDA(cudaHostAlloc(&host_tag, sizeof(std::uint32_t), cudaHostAllocDefault));
   cudaStream_t s = nullptr;
   BENCH_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   cudaEvent_t a = nullptr, b = nullptr;
@@ -263,6 +276,11 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
     std::size_t attr_index = 0;
     BENCH_CUDA(cudaMemcpyBatchAsync(d.data(), h.data(), z.data(), d.size(), &attr, &attr_index, 1, s));
     d.clear(), h.clear(), z.clear();
+  };
+  // A ready word written by a 4-byte copy after the fill's copies, in stream order (the copy
+  // engine's own ordering instead of a stream memory operation).
+  const auto tag_copy = [&](int slot, int which) {
+    BENCH_CUDA(cudaMemcpyAsync(words + 2 * slot + which, host_tag, sizeof(std::uint32_t), cudaMemcpyHostToDevice, s));
   };
   const auto word_op = [&](int slot, int which, std::uint32_t tag) {
     CUstreamBatchMemOpParams op{};
@@ -283,6 +301,7 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
     BENCH_CUDA(cudaStreamSynchronize(s));
     BENCH_CUDA(cudaEventRecord(a, s));
     ++tag;
+    *host_tag = tag;  // the stream was drained: no copy still reads the previous tag
     for (int f = 0; f < proxy_fills; ++f) {
       const int slot = f % proxy_slots, expert = static_cast<int>((f * 5 + tag) % proxy_experts);
       const auto add = [&](bool first) {
@@ -302,7 +321,9 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
         case ProxyIssueMode::regions:
         case ProxyIssueMode::regions_word:
         case ProxyIssueMode::regions_words_batched:
+        case ProxyIssueMode::regions_tag_copy:
           add(true), add(false), copy_batch(d, h, z);
+          if (mode == ProxyIssueMode::regions_tag_copy) tag_copy(slot, 1);
           if (mode == ProxyIssueMode::regions_word) {
             failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot + 1), tag, 0) != CUDA_SUCCESS;
           } else if (mode == ProxyIssueMode::regions_words_batched) {
@@ -315,6 +336,10 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
           failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot), tag, 0) != CUDA_SUCCESS;
           add(false), copy_batch(d, h, z);
           failed |= write_value(reinterpret_cast<CUstream>(s), reinterpret_cast<CUdeviceptr>(words + 2 * slot + 1), tag, 0) != CUDA_SUCCESS;
+          break;
+        case ProxyIssueMode::two_parts_tag_copies:
+          add(true), copy_batch(d, h, z), tag_copy(slot, 0);
+          add(false), copy_batch(d, h, z), tag_copy(slot, 1);
           break;
         case ProxyIssueMode::request_words_batched:
           add(true), add(false);
@@ -352,6 +377,7 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
   BENCH_CUDA(cudaEventDestroy(b));
   BENCH_CUDA(cudaStreamDestroy(s));
   BENCH_CUDA(cudaFree(words));
+  BENCH_CUDA(cudaFreeHost(host_tag));
   BENCH_CUDA(cudaFree(dev_whole));
   BENCH_CUDA(cudaFreeHost(host_whole));
   for (std::size_t r = 0; r < region_bytes.size(); ++r) {
@@ -361,13 +387,15 @@ void BM_ProxyIssue(benchmark::State& state, ProxyIssueMode mode) {
 }
 
 void register_proxy_issue() {
-  const std::array<std::pair<const char*, ProxyIssueMode>, 6> modes = {{
+  const std::array<std::pair<const char*, ProxyIssueMode>, 8> modes = {{
       {"one_copy", ProxyIssueMode::one_copy},
       {"regions", ProxyIssueMode::regions},
       {"regions+word", ProxyIssueMode::regions_word},
       {"two_parts+words", ProxyIssueMode::two_parts_words},
       {"regions+words_batched", ProxyIssueMode::regions_words_batched},
       {"request+words_batched", ProxyIssueMode::request_words_batched},
+      {"regions+tag_copy", ProxyIssueMode::regions_tag_copy},
+      {"two_parts+tag_copies", ProxyIssueMode::two_parts_tag_copies},
   }};
   for (const auto& [name, mode] : modes) {
     benchmark::RegisterBenchmark((std::string("proxy_issue/") + name + "/fills:16").c_str(),
