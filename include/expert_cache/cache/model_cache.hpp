@@ -47,7 +47,9 @@
 #include "expert_cache/base/concepts.hpp"
 #include "expert_cache/base/nvtx.hpp"
 #include "expert_cache/base/status.hpp"
+#include "expert_cache/base/tensor_bytes.hpp"
 #include "expert_cache/cache/model_options.hpp"
+#include "expert_cache/cache/options.hpp"
 #include "expert_cache/cache/stats.hpp"
 #include "expert_cache/cache/views.hpp"
 #include "expert_cache/cache/wide.hpp"
@@ -70,10 +72,14 @@ struct LayerCopyRegions {
 };
 }  // namespace detail
 
+namespace detail {
+
+/// The model-level cache with its ordering edges as a parameter: ModelExpertCache (below) has every edge on;
+/// tests remove one to show the race detector then fires (ExpertCacheWithEdges does the same).
 template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
-          allocating_runtime Runtime>
+          allocating_runtime Runtime, class Edges>
   requires staging_policy_for<StagingPolicy, Runtime, Storage>
-class ModelExpertCache {
+class ModelExpertCacheWithEdges {
  public:
   using Stream = typename Runtime::Stream;
   using StorageType = Storage<Runtime>;
@@ -97,7 +103,7 @@ class ModelExpertCache {
   ///         caller memory; the runtime's error when an allocation, a stream or an event cannot be made
   template <class MakePolicy>
     requires std::is_invocable_r_v<EvictionPolicy, MakePolicy&, CacheShape, PoolLayout>
-  ModelExpertCache(Runtime& rt, ModelCacheOptions options, Layout layout, MakePolicy make_policy)
+  ModelExpertCacheWithEdges(Runtime& rt, ModelCacheOptions options, Layout layout, MakePolicy make_policy)
       : rt_(&rt),
         options_(validated(std::move(options))),
         layout_(validated(layout)),
@@ -166,10 +172,10 @@ class ModelExpertCache {
   /// @param options  the model's shape, pool mode, sinks and caller memory (ModelCacheOptions)
   /// @param layout   the per-expert tensors and their sizes
   /// @throws Error as the constructor above
-  ModelExpertCache(Runtime& rt, ModelCacheOptions options, Layout layout)
+  ModelExpertCacheWithEdges(Runtime& rt, ModelCacheOptions options, Layout layout)
     requires std::constructible_from<EvictionPolicy, CacheShape> ||
              std::constructible_from<EvictionPolicy, CacheShape, PoolLayout>
-      : ModelExpertCache(rt, std::move(options), layout, [](CacheShape shape, PoolLayout pool) {
+      : ModelExpertCacheWithEdges(rt, std::move(options), layout, [](CacheShape shape, PoolLayout pool) {
           if constexpr (std::constructible_from<EvictionPolicy, CacheShape, PoolLayout>) {
             return EvictionPolicy(shape, pool);
           } else {
@@ -178,8 +184,8 @@ class ModelExpertCache {
           }
         }) {}
 
-  ModelExpertCache(const ModelExpertCache&) = delete;
-  ModelExpertCache& operator=(const ModelExpertCache&) = delete;
+  ModelExpertCacheWithEdges(const ModelExpertCacheWithEdges&) = delete;
+  ModelExpertCacheWithEdges& operator=(const ModelExpertCacheWithEdges&) = delete;
 
   /// Layer `layer`'s forward, as ExpertCache::prepare on that layer's planner (per_layer) or on the one pool
   /// (global, the ids keyed layer * E + id). The misses' copies go on the model's fill stream (copy_stream(), or
@@ -217,6 +223,126 @@ class ModelExpertCache {
                                      Stream stream) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prepare_unique");
     return prepare_impl<true>(layer, unique_ids, stream);
+  }
+
+  /// Speculative fills of layer `layer`'s predicted experts for a later prepare(layer, ...) (ExpertCache::prefetch,
+  /// for one layer: the engine's lookahead, e.g. layer L+1's hints made while layer L computes). At most
+  /// min(the layer's slots (global: the pool's), max_bytes / bytes per expert) fills; never evicts an expert of
+  /// the layer's most recent forward (global: of the pool's most recent forward, whichever layer it was) or an
+  /// unused, unexpired speculative fill. The fills go on the model's fill stream, ordered after the layer's
+  /// owner's readers (global: the pool's) and the last writer of any layer (edges 1, 2), with the resident-map
+  /// range that is behind; `stream` does not wait for them and the owner is unchanged. The forward map is not
+  /// touched. A later prepare of the layer whose forward uses a fill waits for exactly that fill (edge 9), and
+  /// a later write of the slot waits for it (edge 11). Global pool: a prefetch may evict any layer's experts,
+  /// so like a prepare it ends the views of every layer. With `options.scores`, the hints are selected first
+  /// (PrefetchOptions), and precision feedback works per layer (global: per pool), as in ExpertCache.
+  /// @param layer      the layer, in [0, num_layers)
+  /// @param predicted  that layer's predicted expert ids, best first, in [0, E), at most E entries; host
+  ///                   memory, read during the call only
+  /// @param stream     the caller's stream: refused while capturing; the fills' stream with an inline staging
+  ///                   policy
+  /// @param options    byte budget, expiry, scores and precision feedback (PrefetchOptions)
+  /// @return what the call did (PrefetchView); nothing is enqueued when no fill was planned. Errors, with
+  ///         nothing changed: invalid_argument (a bad layer, max_bytes < 0, expires_after == 0, the scored-hint
+  ///         errors of PrefetchOptions), expert_out_of_range, too_many_experts (more than E entries),
+  ///         capture_unsupported, a staging policy's precheck, the runtime's error when the first prefetch's
+  ///         per-slot events cannot be made. A runtime failure while enqueueing drops the call's fills and
+  ///         counts a fault for the layer.
+  Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int32_t> predicted, Stream stream,
+                                PrefetchOptions options = {}) noexcept {
+    EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prefetch");
+    if (Status s = check_layer(layer, "prefetch"); !s) return s;
+    if (options.max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "prefetch of layer %d: max_bytes must be >= 0, got %lld",
+                            layer, static_cast<long long>(options.max_bytes));
+    }
+    const auto l = static_cast<std::size_t>(layer);
+    StagingPolicy& staging = stagings_[global() ? 0 : l];
+    const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
+    const std::int32_t pool = global() ? options_.capacity : capacities_[l];
+    const auto max_fills = static_cast<std::int32_t>(std::min<std::uint64_t>(
+        static_cast<std::uint64_t>(options.max_bytes) / bytes_per_expert, static_cast<std::uint64_t>(pool)));
+    if constexpr (requires { staging.precheck(*rt_, stream); }) {
+      if (Status s = staging.precheck(*rt_, stream); !s) return s;
+    }
+    Result<bool> capturing = rt_->is_capturing(stream);
+    if (!capturing.ok()) return capturing.status();
+    if (capturing.value()) {
+      return Status(ErrorCode::capture_unsupported,
+                    "prefetch() under stream capture: its per-slot events must be recorded eagerly");
+    }
+    std::span<const std::int32_t> ids = predicted;
+    if (global()) {
+      // The one planner sees L*E ids: an id of another layer's range must not pass as this layer's.
+      if (predicted.size() > experts()) {
+        return Status::format(ErrorCode::too_many_experts, "prefetch of layer %d got %zu predicted ids, more than the %d experts",
+                              layer, predicted.size(), options_.num_experts);
+      }
+      for (const std::int32_t id : predicted) {
+        if (id < 0 || id >= options_.num_experts) return out_of_range(layer, id);
+      }
+      try {
+        ids_.resize(predicted.size());
+      } catch (...) {
+        return Status(ErrorCode::invalid_argument, "out of memory translating the prefetch's ids");
+      }
+      for (std::size_t i = 0; i < predicted.size(); ++i) ids_[i] = key(l, predicted[i]);
+      ids = ids_;
+    }
+    // The one-time per-slot events (every slot of the model), then the plan (which validates before any
+    // state change).
+    if (max_fills > 0) {
+      if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(total_slots())); !s) return s;
+    }
+    if (Status s = planner_of(l).plan_prefetch(ids, options.scores, options.min_score, max_fills, options.expires_after,
+                                               prefetch_plan_, options.precision_feedback);
+        !s) {
+      return s.with_context("prefetch of layer %d", layer);
+    }
+    if (prefetch_plan_.fills.empty()) return prefetch_view(bytes_per_expert);
+    LayerCounters& lc = layer_counters_[l];
+    if (global()) {
+      for (const SlotEviction& ev : prefetch_plan_.evictions) {
+        const std::size_t victim_layer = ev.expert.index() / experts();
+        resident_dirty_[victim_layer] = 1;
+        --layer_counters_[victim_layer].resident;
+        ++layer_counters_[victim_layer].evictions;
+      }
+      lc.resident += static_cast<std::int64_t>(prefetch_plan_.fills.size());
+    }
+    resident_dirty_[l] = 1;
+    Status s = core_.write(stream, WritePurpose::speculative, resident_upload(l), [&](Stream fill) noexcept {
+      for (const SlotFill& f : prefetch_plan_.fills) {
+        const std::size_t slot = model_slot(l, f.slot.value);
+        if (Status w = core_.order_slot_write(slot, fill); !w) return w;
+        const std::span<const SlotFill> one(&f, 1);
+        if (Status w = global() ? staging.issue(*rt_, fill, storage_, one) : staging.issue(*rt_, fill, regions_[l], one);
+            !w) {
+          return w;
+        }
+        if (Status w = core_.record_speculative(slot, fill); !w) return w;
+      }
+      return Status();
+    }, reader(l));
+    if (!s) {
+      // As roll_back(): the slots' contents are unknown; drop them, re-upload the maps next time. A
+      // fill already recorded stays pending: the slot's next write waits for it (edge 11).
+      for (const SlotFill& f : prefetch_plan_.fills) {
+        (void)planner_of(l).invalidate(f.expert.value);
+        if (global()) {
+          --lc.resident;
+          ++lc.invalidations;
+        }
+      }
+      if (global()) std::fill(resident_dirty_.begin(), resident_dirty_.end(), 1);
+      ++lc.faults;
+      return s.with_context("prefetch of layer %d failed after planning (%zu speculative experts dropped)", layer,
+                            prefetch_plan_.fills.size());
+    }
+    clear_dirty(l);
+    lc.total_copies += prefetch_plan_.fills.size() * copies_per_fill_;
+    lc.speculative_bytes += prefetch_plan_.fills.size() * bytes_per_expert;
+    return prefetch_view(bytes_per_expert);
   }
 
   /// A wide forward of layer `layer` (ExpertCache::prepare_wide, same contract per layer): the rounds' views are
@@ -270,6 +396,13 @@ class ModelExpertCache {
     wide_misses_.clear();
     for (const std::int32_t e : wide_unique_) {
       (resident[static_cast<std::size_t>(e)] != absent_slot ? wide_hits_ : wide_misses_).push_back(e);
+    }
+    // Edge 9: a hit that is a speculative fill no prepare waited for yet is read only after its copy.
+    for (const std::int32_t e : wide_hits_) {
+      if (Status s = core_.wait_speculative(model_slot(l, resident[static_cast<std::size_t>(e)]), stream); !s) {
+        ++lc.faults;
+        return s.with_context("prepare_wide of layer %d: waiting for a speculative fill", layer);
+      }
     }
     WideSummary summary;
     summary.unique = static_cast<std::uint32_t>(wide_unique_.size());
@@ -420,6 +553,9 @@ class ModelExpertCache {
         s.prepare_calls = c.prepare_calls;
         s.generation = c.generation;
         s.resident = planners_[l].resident_count();
+        s.speculative_issued = c.speculative_issued;
+        s.speculative_used = c.speculative_used;
+        s.speculative_wasted = c.speculative_wasted;
         s.capacity = capacities_[l];
         s.slot_bytes = slot_bytes_per_slot() * static_cast<std::size_t>(capacities_[l]) + 2 * layer_map_bytes();
       } else {
@@ -437,6 +573,7 @@ class ModelExpertCache {
       s.last_copies = lc.last_copies;
       s.total_copies = lc.total_copies;
       s.faults = lc.faults;
+      s.speculative_bytes = lc.speculative_bytes;
       s.host_bytes = (storage_.host_bytes() + core_.staging_bytes()) / L;
       t.hits += s.hits;
       t.misses += s.misses;
@@ -447,9 +584,20 @@ class ModelExpertCache {
       t.resident += s.resident;
       t.total_copies += s.total_copies;
       t.faults += s.faults;
+      t.speculative_issued += s.speculative_issued;
+      t.speculative_used += s.speculative_used;
+      t.speculative_wasted += s.speculative_wasted;
+      t.speculative_bytes += s.speculative_bytes;
       if (!global()) t.generation += s.generation;
     }
-    if (global()) t.generation = planners_[0].counters().generation;
+    if (global()) {
+      // One planner for the pool: its speculative fills are counted for the model, not per layer.
+      const PlannerCounters& c = planners_[0].counters();
+      t.generation = c.generation;
+      t.speculative_issued = c.speculative_issued;
+      t.speculative_used = c.speculative_used;
+      t.speculative_wasted = c.speculative_wasted;
+    }
     t.capacity = total_slots();
     t.last_copies = last_copies_;
     const OrderingCounters& o = core_.counters();
@@ -501,7 +649,7 @@ class ModelExpertCache {
   /// @return the stream of the last accepted prepare-family call of any layer; nullopt before the first
   [[nodiscard]] std::optional<Stream> owner() const noexcept { return core_.owner(); }
   /// @return the model's one ordering core (per-layer owners, counters)
-  [[nodiscard]] const OrderingCore<Runtime>& core() const noexcept { return core_; }
+  [[nodiscard]] const OrderingCore<Runtime, Edges>& core() const noexcept { return core_; }
   /// Layer `layer`'s E entries of the host maps (global: slot ids of the pool). In global mode
   /// the host forward map holds only the model's last forward; the device keeps every layer's.
   /// @param layer  the layer, in [0, num_layers) (not checked)
@@ -520,6 +668,7 @@ class ModelExpertCache {
     std::uint64_t hits = 0, misses = 0, evictions = 0, invalidations = 0, prepare_calls = 0;  // global mode
     std::int64_t resident = 0;                                                             // global mode
     std::uint64_t last_copies = 0, total_copies = 0, faults = 0;
+    std::uint64_t speculative_bytes = 0;
   };
 
   [[nodiscard]] bool global() const noexcept { return options_.pool == ModelPool::global; }
@@ -749,7 +898,17 @@ class ModelExpertCache {
     if (!plan_.fills.empty()) resident_dirty_[l] = 1;
     const bool writes = global() ? any_dirty() : resident_dirty_[l] != 0;
     Status s = core_.write(stream, writes ? WritePurpose::fill : WritePurpose::read_only, resident_upload(l),
-                           [&](Stream fill) noexcept { return issue(staging, l, fill); }, reader(l));
+                           [&](Stream fill) noexcept {
+                             // Edge 11: a slot this forward refills waits for its pending speculative fill.
+                             if (core_.any_speculative_pending()) {
+                               for (const SlotFill& f : plan_.fills) {
+                                 if (Status w = core_.order_slot_write(model_slot(l, f.slot.value), fill); !w) return w;
+                               }
+                             }
+                             return issue(staging, l, fill);
+                           },
+                           reader(l));
+    if (s) s = wait_speculative_fills(l, stream);
     if (s && !forward_map_uploaded(l)) s = upload_forward_map(l, stream);
     if (!s) return roll_back(l, s);
     if (writes) clear_dirty(l);
@@ -760,6 +919,37 @@ class ModelExpertCache {
     v.hits = plan_.hits;
     v.misses = plan_.misses;
     v.generation = planner_of(l).counters().generation;
+    return v;
+  }
+
+  // Layer l's slot `slot` (its planner's numbering) in the model's slot storage: the index of the
+  // core's per-slot speculative events.
+  [[nodiscard]] std::size_t model_slot(std::size_t l, std::int32_t slot) const noexcept {
+    return static_cast<std::size_t>(slot_offsets_[l]) + static_cast<std::size_t>(slot);
+  }
+
+  // Edge 9: the forward's experts that are speculative fills no prepare waited for yet: `stream`
+  // waits for each one's own event (ExpertCache::wait_speculative_fills). Slots the forward fills
+  // again were waited for by the fill's stream (edge 11).
+  Status wait_speculative_fills(std::size_t l, Stream stream) noexcept {
+    if (!core_.any_speculative_pending()) return {};
+    const auto map = planner_of(l).forward_map();
+    for (const ExpertId e : plan_.unique) {
+      if (!core_.any_speculative_pending()) break;  // the rest cannot be pending
+      if (Status s = core_.wait_speculative(model_slot(l, map[e.index()]), stream); !s) return s;
+    }
+    return {};
+  }
+
+  [[nodiscard]] PrefetchView prefetch_view(std::uint64_t bytes_per_expert) const noexcept {
+    PrefetchView v;
+    v.issued = static_cast<std::uint32_t>(prefetch_plan_.fills.size());
+    v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
+    v.skipped_resident = prefetch_plan_.skipped_resident;
+    v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
+    v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
+    v.skipped_imprecise = prefetch_plan_.skipped_imprecise;
+    v.bytes = prefetch_plan_.fills.size() * bytes_per_expert;
     return v;
   }
 
@@ -851,7 +1041,7 @@ class ModelExpertCache {
   std::vector<std::int32_t> capacities_;  // per layer (per_layer mode)
   std::vector<Planner> planners_;         // per layer, or one (global)
   StorageType storage_;                   // L*E experts; all slots of the model
-  OrderingCore<Runtime> core_;            // the model's one copy stream and event set
+  OrderingCore<Runtime, Edges> core_;     // the model's one copy stream and event set
   RuntimeBuffer<Runtime> resident_device_;  // [L][E]
   RuntimeBuffer<Runtime> forward_device_;   // [L][E]
   RuntimeBuffer<Runtime> wide_device_;      // [E]: the odd wide rounds' forward map (any layer)
@@ -871,8 +1061,18 @@ class ModelExpertCache {
   std::vector<SlotFill> wide_fills_;
   std::vector<CopyDesc> wide_batch_;  // a stream round's copies for one batched call (WideOptions::batch_copies)
   ForwardPlan plan_;
+  PrefetchPlan prefetch_plan_;
   std::size_t copies_per_fill_ = 0;
   std::uint64_t last_copies_ = 0;
 };
+
+}  // namespace detail
+
+/// One cache object for all MoE layers of a model (see the file comment), every ordering edge on.
+template <template <class> class Storage, eviction_policy EvictionPolicy, class StagingPolicy, expert_layout Layout,
+          allocating_runtime Runtime>
+  requires staging_policy_for<StagingPolicy, Runtime, Storage>
+using ModelExpertCache = detail::ModelExpertCacheWithEdges<Storage, EvictionPolicy, StagingPolicy, Layout, Runtime,
+                                                           OrderingEdges>;
 
 }  // namespace expert_cache::inline v0

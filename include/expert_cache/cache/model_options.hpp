@@ -57,7 +57,8 @@ struct ModelCacheOptions {
 /// stats(): the model's totals and one entry per layer. Ordering counters (owner_changes,
 /// map_uploads, staging_stalls) exist only in the total (the core is shared). Global mode, per
 /// layer: capacity is the pool's, evictions count the layer's experts that were evicted (by
-/// any layer's forward), slot_bytes are the layer's maps plus the slots it holds now.
+/// any layer's forward), slot_bytes are the layer's maps plus the slots it holds now; the speculative
+/// counters (prefetch) are the one planner's and exist only in the total, except speculative_bytes.
 struct ModelCacheStats {
   CacheStats total;                   ///< the whole model (capacity: the layers' slots, stream slots not counted)
   std::vector<CacheStats> per_layer;  ///< one entry per layer
