@@ -377,7 +377,7 @@ class ModelExpertCache:
     per prepare, and prepare cannot be captured in a CUDA graph.
 
     Views: layer l's view is valid until the next prepare()/invalidate() of layer l (per_layer), or
-    of ANY layer (global: any layer's forward may evict any layer's slots).
+    of ANY layer, prefetch() included (global: any layer's forward may evict any layer's slots).
     """
 
     def __init__(self, layout, host_tensors, num_layers, num_experts, capacity, top_k=1, pool="per_layer", policy="",
@@ -441,6 +441,25 @@ class ModelExpertCache:
     def invalidate(self, layer, expert_id):
         """Drops layer `layer`'s expert (a no-op when absent), on the current stream."""
         self._impl.invalidate(self._layer(layer), int(expert_id))
+
+    def prefetch(self, layer, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
+        """Speculative fills of layer `layer`'s predicted experts (distinct ids in [0, num_experts), best
+        first), as ExpertCache.prefetch: the engine's lookahead, e.g. layer L+1's hints while layer L
+        computes. On the current stream; max_bytes (None: up to the layer's slots, the pool's in
+        global mode) bounds the bytes copied. Never evicts an expert of the layer's latest forward
+        (global: of the pool's latest forward) or an unused, unexpired speculative fill; the next
+        prepare of the layer that uses a fill waits for exactly that fill. CUDA ids are read back
+        (one synchronisation); not capturable. scores / min_score select the hints as in
+        ExpertCache.prefetch (docs/prefetch.md "Scored hints"). Global pool: like a prepare, a
+        prefetch ends every layer's view. Returns {issued, evictions, skipped_resident,
+        skipped_no_victim, skipped_unlikely, skipped_imprecise, bytes}."""
+        layer = self._layer(layer)
+        if not isinstance(predicted_ids, torch.Tensor):
+            predicted_ids = torch.tensor(_id_list(predicted_ids, "predicted_ids"), dtype=torch.int64)
+        if max_bytes is None:
+            max_bytes = 1 << 62  # the cache caps the fills at the layer's (or the pool's) slots
+        return self._impl.prefetch(layer, predicted_ids, int(max_bytes), int(expires_after), _score_tensor(scores),
+                                   _real_arg(min_score, "min_score"))
 
     def stats(self):
         """{"total": {...}, "per_layer": [{...} per layer]}: hits, misses, promotions, evictions,

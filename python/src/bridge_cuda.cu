@@ -126,6 +126,10 @@ class CudaModelBridgeImpl final : public CudaModelBridge {
   Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept override {
     return bridge_->invalidate(layer, expert, static_cast<cudaStream_t>(stream));
   }
+  Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int64_t> predicted, std::int64_t max_bytes,
+                                std::int64_t expires_after, void* stream, const HintScores& hints) noexcept override {
+    return bridge_->prefetch(layer, predicted, max_bytes, expires_after, static_cast<cudaStream_t>(stream), hints);
+  }
   [[nodiscard]] std::vector<std::vector<StatEntry>> stats() const override { return bridge_->stats(); }
   [[nodiscard]] const std::vector<SlotDescriptor>& slots() const noexcept override { return bridge_->slots(); }
   [[nodiscard]] const std::vector<LayerDescriptor>& layers() const noexcept override { return bridge_->layers(); }

@@ -663,6 +663,35 @@ class TorchModelCache {
     const c10::cuda::CUDAStream stream = current_stream();
     check(bridge_->invalidate(layer, expert, static_cast<void*>(stream.stream())));
   }
+  // Speculative fills of layer `layer`'s predicted experts (int32/int64, distinct, in [0, E), best
+  // first). The model cache plans on the host: CUDA ids are read back first (one synchronisation
+  // of the current stream), and it cannot be captured. `scores` as ExpertCache.prefetch takes them.
+  py::dict prefetch(std::int32_t layer, const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after,
+                    const std::optional<at::Tensor>& scores, double min_score) {
+    if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": prefetch ids must be a CPU or CUDA tensor");
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    at::Tensor score_tensor;
+    ec::HintScores hints;
+    hints.min_score = static_cast<float>(min_score);
+    if (scores) {
+      score_tensor = host_scores(*scores, label_);
+      hints.scores = std::span<const float>(score_tensor.data_ptr<float>(), static_cast<std::size_t>(score_tensor.numel()));
+    }
+    const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
+    const auto r = bridge_->prefetch(layer,
+                                     std::span<const std::int64_t>(host.data_ptr<std::int64_t>(),
+                                                                   static_cast<std::size_t>(host.numel())),
+                                     max_bytes, expires_after, static_cast<void*>(stream.stream()), hints);
+    check(r.status());
+    return prefetch_dict(r.value());
+  }
   // {"total": {...}, "per_layer": [{...}, ...]}
   py::dict stats() {
     const auto all = bridge_->stats();
@@ -833,6 +862,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("admission") = "stream", py::arg("copy") = "automatic")
       .def("prepare_unique", &TorchModelCache::prepare_unique, py::arg("layer"), py::arg("unique_ids"))
       .def("invalidate", &TorchModelCache::invalidate, py::arg("layer"), py::arg("expert"))
+      .def("prefetch", &TorchModelCache::prefetch, py::arg("layer"), py::arg("ids"), py::arg("max_bytes"),
+           py::arg("expires_after"), py::arg("scores") = py::none(),
+           py::arg("min_score") = static_cast<double>(expert_cache::default_min_score))
       .def("stats", &TorchModelCache::stats)
       .def("layer_tensors", &TorchModelCache::layer_tensors, py::arg("layer"))
       .def("expert_map", &TorchModelCache::expert_map, py::arg("layer"))

@@ -57,6 +57,8 @@ class ModelCacheBase {
                                            ::expert_cache::detail::WideConsumerRef consumer,
                                            WideOptions options) noexcept = 0;
   virtual Status invalidate(std::int32_t layer, std::int32_t expert, Stream s) noexcept = 0;
+  virtual Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int32_t> ids, Stream s,
+                                        PrefetchOptions options) noexcept = 0;
   [[nodiscard]] virtual ModelCacheStats stats() const = 0;
   [[nodiscard]] virtual Result<ForwardView> layer_view(std::int32_t layer) const noexcept = 0;
   [[nodiscard]] virtual std::span<const std::int32_t> forward_map_host(std::int32_t layer) const noexcept = 0;
@@ -75,6 +77,10 @@ class ModelCacheModel final : public ModelCacheBase<Runtime> {
       : policy_(policy), cache_(std::forward<Args>(args)...) {}
   Result<ForwardView> prepare(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept override {
     return cache_.prepare(layer, ids, s);
+  }
+  Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int32_t> ids, Stream s,
+                                PrefetchOptions options) noexcept override {
+    return cache_.prefetch(layer, ids, s, options);
   }
   Result<ForwardView> prepare_unique(std::int32_t layer, std::span<const std::int32_t> ids, Stream s) noexcept override {
     return cache_.prepare_unique(layer, ids, s);
@@ -354,6 +360,59 @@ class ModelBridge {
     }
     return counts(cache_->prepare_unique(layer, std::span<const std::int32_t>(ids32_), stream));
   }
+  // Speculative fills of layer `layer`'s predicted experts (ModelExpertCache::prefetch): ids in
+  // [0, num_experts), distinct, best first; max_bytes >= 0 bounds the bytes copied; hints.scores
+  // (one per id, in [0, 1]) select them as CacheBridge::prefetch does. Every check runs before the
+  // cache is touched.
+  Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int64_t> predicted, std::int64_t max_bytes,
+                                std::int64_t expires_after, Stream stream, const HintScores& hints = {}) noexcept {
+    if (Status s = check_layer(layer); !s) return s;
+    if (max_bytes < 0) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes = %lld (accepted: >= 0)",
+                            config_.label.c_str(), static_cast<long long>(max_bytes));
+    }
+    if (expires_after < 1 || expires_after > (std::int64_t{1} << 30)) {
+      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after = %lld (accepted: 1..2^30)",
+                            config_.label.c_str(), static_cast<long long>(expires_after));
+    }
+    if (predicted.size() > static_cast<std::size_t>(config_.num_experts)) {
+      return Status::format(ErrorCode::too_many_experts, "%s: layer %d: prefetch of %zu ids, more than the %d experts",
+                            config_.label.c_str(), layer, predicted.size(), config_.num_experts);
+    }
+    try {
+      ids32_.resize(predicted.size());
+    } catch (...) {
+      return Status(ErrorCode::runtime_failure, "prefetch: out of host memory");
+    }
+    if (++epoch_ == 0) {
+      std::fill(stamps_.begin(), stamps_.end(), 0u);
+      epoch_ = 1;
+    }
+    for (std::size_t i = 0; i < predicted.size(); ++i) {
+      if (predicted[i] < 0 || predicted[i] >= config_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: layer %d: predicted ids[%zu] = %lld outside [0, %d)",
+                              config_.label.c_str(), layer, i, static_cast<long long>(predicted[i]), config_.num_experts);
+      }
+      auto& stamp = stamps_[static_cast<std::size_t>(predicted[i])];
+      if (stamp == epoch_) {
+        return Status::format(ErrorCode::duplicate_expert, "%s: layer %d: predicted ids[%zu] = %lld appears twice",
+                              config_.label.c_str(), layer, i, static_cast<long long>(predicted[i]));
+      }
+      stamp = epoch_;
+      ids32_[i] = static_cast<std::int32_t>(predicted[i]);
+    }
+    const std::span<const std::int32_t> ids(ids32_);
+    if (hints.scores && hints.scores->size() != ids.size()) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "%s: prefetch got %zu scores for %zu predicted ids (scores[i] belongs to ids[i]; no "
+                            "scores: None)",
+                            config_.label.c_str(), hints.scores->size(), ids.size());
+    }
+    const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
+    if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
+    return cache_->prefetch(layer, ids, stream,
+                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score});
+  }
   Status invalidate(std::int32_t layer, std::int64_t expert, Stream stream) noexcept {
     if (Status s = check_layer(layer); !s) return s;
     if (expert < 0 || expert >= config_.num_experts) {
@@ -416,6 +475,10 @@ class ModelBridge {
             i("map_uploads", s.map_uploads),
             i("staging_stalls", s.staging_stalls),
             i("faults", s.faults),
+            i("speculative_issued", s.speculative_issued),
+            i("speculative_used", s.speculative_used),
+            i("speculative_wasted", s.speculative_wasted),
+            i("speculative_bytes", s.speculative_bytes),
             i("slot_bytes", s.slot_bytes),
             i("host_bytes", s.host_bytes),
             StatEntry{"hit_rate", 0, s.hit_rate(), true}};
@@ -450,6 +513,9 @@ class CudaModelBridge {
                                            const WideConsumerFn& consumer, std::string_view admission,
                                            std::string_view copy) noexcept = 0;
   virtual Status invalidate(std::int32_t layer, std::int64_t expert, void* stream) noexcept = 0;
+  virtual Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int64_t> predicted,
+                                        std::int64_t max_bytes, std::int64_t expires_after, void* stream,
+                                        const HintScores& hints) noexcept = 0;
   [[nodiscard]] virtual std::vector<std::vector<StatEntry>> stats() const = 0;
   [[nodiscard]] virtual const std::vector<SlotDescriptor>& slots() const noexcept = 0;
   [[nodiscard]] virtual const std::vector<LayerDescriptor>& layers() const noexcept = 0;

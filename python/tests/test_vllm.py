@@ -657,6 +657,64 @@ class PrefetchModelPolicyTest(unittest.TestCase):
                                      **kw)
             self.assertIn(text, str(cm.exception))
 
+    def test_model_cache_prefetch(self):
+        # Lookahead through the model-level cache: layer l+1's hints while layer l computes, per layer
+        # and in a global pool; the same fills and hits as separate caches' prefetch (per_layer).
+        L, experts, hidden, inter = 3, 8, 32, 16
+        g = torch.Generator().manual_seed(12)
+        w13 = ect.to_host((torch.randn(L, experts, 2 * inter, hidden, generator=g)).to(torch.bfloat16))
+        w2 = ect.to_host((torch.randn(L, experts, hidden, inter, generator=g)).to(torch.bfloat16))
+        layout = ect.DenseBf16(hidden=hidden, intermediate=inter)
+        model = ect.ModelExpertCache(layout, {"w13": w13, "w2": w2}, num_layers=L, num_experts=experts, capacity=4,
+                                     top_k=2, pool="per_layer", policy="lru", label="model")
+        singles = [ect.ExpertCache(layout, {"w13": ect.to_host(w13[l]), "w2": ect.to_host(w2[l])}, num_experts=experts,
+                                   capacity=4, top_k=2, provider="row", policy="lru") for l in range(L)]
+        expert_bytes = singles[0].bytes_per_expert
+        for step in range(30):
+            forwards = [random_topk(g, 2, 2, experts=experts, unique_at_most=3) for _ in range(L)]
+            for layer in range(L):
+                v = model.prepare(layer, forwards[layer])
+                s = singles[layer].prepare(forwards[layer])
+                self.assertEqual((v.hits, v.misses), (s.hits, s.misses), f"step {step} layer {layer}")
+                if layer + 1 < L:
+                    hints = list(dict.fromkeys(int(e) for e in forwards[layer + 1].flatten().tolist() if e >= 0))[:2]
+                    hints += [e for e in (int(torch.randint(0, experts, (1,), generator=g)),) if e not in hints]
+                    ids = torch.tensor(hints, dtype=torch.int64, device="cuda" if step % 2 else "cpu")
+                    a = model.prefetch(layer + 1, ids, max_bytes=2 * expert_bytes)
+                    b = singles[layer + 1].prefetch(ids, max_bytes=2 * expert_bytes)
+                    self.assertEqual(a, b, f"step {step} layer {layer}")
+                torch.cuda.synchronize()
+                for e, slot in enumerate(v.expert_map.cpu().tolist()):
+                    if slot >= 0:
+                        self.assertTrue(torch.equal(v.tensors["w13"][slot].cpu(), w13[layer, e]))
+        st = model.stats()
+        for key in ("speculative_issued", "speculative_used", "speculative_wasted", "speculative_bytes"):
+            self.assertEqual(st["total"][key], sum(c.stats()[key] for c in singles), key)
+        self.assertGreater(st["total"]["speculative_used"], 0)
+        scored = model.prefetch(1, [5, 6], max_bytes=2 * expert_bytes, scores=[0.1, 0.9])
+        self.assertEqual(scored["skipped_unlikely"], 1)
+        for fn, text in ((lambda: model.prefetch(L, [1]), "layer 3 out of range"),
+                         (lambda: model.prefetch(0, [experts]), "outside [0, 8)"),
+                         (lambda: model.prefetch(0, [1, 1]), "appears twice"),
+                         (lambda: model.prefetch(0, [1, 2], scores=[0.5]), "1 scores for 2")):
+            with self.assertRaises(ValueError) as cm:
+                fn()
+            self.assertIn(text, str(cm.exception))
+        del model, singles, v, s
+        glob = ect.ModelExpertCache(layout, {"w13": w13, "w2": w2}, num_layers=L, num_experts=experts, capacity=6,
+                                    top_k=2, pool="global", policy="lru")
+        glob.prepare(0, torch.tensor([[0, 1]]))
+        p = glob.prefetch(1, [4, 5], max_bytes=2 * expert_bytes)
+        self.assertEqual(p["issued"], 2)
+        v = glob.prepare(1, torch.tensor([[4, 5]]))
+        self.assertEqual((v.hits, v.misses), (2, 0))
+        torch.cuda.synchronize()
+        for e in (4, 5):
+            slot = int(v.expert_map[e])
+            self.assertTrue(torch.equal(v.tensors["w13"][slot].cpu(), w13[1, e]))
+        self.assertEqual(glob.stats()["total"]["speculative_used"], 2)
+        del glob, v
+
     def test_policy_by_name(self):
         src = nvfp4_sources(12)
         host = {"w13": src["w13_weight"].view(torch.uint8).reshape(E, -1),

@@ -273,3 +273,73 @@ TEST_CASE("ModelBridge::prepare_wide: a layer's wide forward over the stream slo
     CHECK(rt.races().empty());
   }
 }
+
+TEST_CASE("ModelBridge::prefetch: layer L+1's hints fill its slots, the next prepare hits them; bad hints change nothing") {
+  for (const char* pool : {"per_layer", "global"}) {
+    CAPTURE(pool);
+    SimRuntime rt(sim_options());
+    const Stream s = rt.create_stream().value();
+    ModelWeights w;
+    auto made = Model::create(rt, model_config(pool, std::string(pool) == "global" ? 6 : 4), w.args);
+    REQUIRE(made.ok());
+    Model& m = *made.value();
+    const auto expert_bytes = static_cast<std::int64_t>(tensors[0].second + tensors[1].second);
+    REQUIRE(m.prepare(0, std::vector<std::int64_t>{0, 1}, s).ok());
+    // Layer 1's experts while layer 0 computes: two fills, the third hint is beyond the budget.
+    const auto p = m.prefetch(1, std::vector<std::int64_t>{5, 6, 7}, 2 * expert_bytes, 1, s);
+    REQUIRE(p.ok());
+    CHECK(p.value().issued == 2);
+    CHECK(p.value().bytes == static_cast<std::uint64_t>(2 * expert_bytes));
+    const auto stat_maps = [&] {
+      std::vector<std::map<std::string, std::int64_t>> out;
+      for (const auto& entries : m.stats()) out.push_back(as_map(entries));
+      return out;
+    };
+    const auto before = stat_maps();
+    rt.drain();
+    const std::size_t ops_before = rt.counters().copies;
+    // Every bad hint is refused by name before the cache is touched.
+    const auto refused = [&](const Result<PrefetchView>& r, ErrorCode code, const char* words) {
+      REQUIRE_FALSE(r.ok());
+      CHECK(r.status().code() == code);
+      CHECK(std::string(r.status().message()).find(words) != std::string::npos);
+    };
+    refused(m.prefetch(L, std::vector<std::int64_t>{1}, expert_bytes, 1, s), ErrorCode::invalid_argument, "layer 3");
+    refused(m.prefetch(1, std::vector<std::int64_t>{E}, expert_bytes, 1, s), ErrorCode::expert_out_of_range, "outside [0, 8)");
+    refused(m.prefetch(1, std::vector<std::int64_t>{-1}, expert_bytes, 1, s), ErrorCode::expert_out_of_range, "outside");
+    refused(m.prefetch(1, std::vector<std::int64_t>{2, 2}, expert_bytes, 1, s), ErrorCode::duplicate_expert, "twice");
+    refused(m.prefetch(1, std::vector<std::int64_t>{2}, -1, 1, s), ErrorCode::invalid_argument, "max_bytes");
+    refused(m.prefetch(1, std::vector<std::int64_t>{2}, expert_bytes, 0, s), ErrorCode::invalid_argument, "expires_after");
+    const std::vector<float> two = {0.9f, 0.8f};
+    HintScores wrong_count;
+    wrong_count.scores = std::span<const float>(two);
+    refused(m.prefetch(1, std::vector<std::int64_t>{2}, expert_bytes, 1, s, wrong_count), ErrorCode::invalid_argument,
+            "2 scores for 1");
+    const std::vector<float> above = {1.5f};
+    HintScores out_of_range;
+    out_of_range.scores = std::span<const float>(above);
+    refused(m.prefetch(1, std::vector<std::int64_t>{2}, expert_bytes, 1, s, out_of_range), ErrorCode::invalid_argument, "score");
+    CHECK(stat_maps() == before);
+    CHECK(rt.counters().copies == ops_before);
+    // Scored hints: the unlikely one is skipped, the likely one fetched.
+    const std::vector<float> scores = {0.2f, 0.9f};
+    HintScores scored;
+    scored.scores = std::span<const float>(scores);
+    const auto q = m.prefetch(2, std::vector<std::int64_t>{3, 4}, 2 * expert_bytes, 1, s, scored);
+    REQUIRE(q.ok());
+    CHECK(q.value().issued == 1);
+    CHECK(q.value().skipped_unlikely == 1);
+    // The next prepare of layer 1 uses the fills: hits, counted as used.
+    const auto v = m.prepare(1, std::vector<std::int64_t>{5, 6}, s);
+    REQUIRE(v.ok());
+    CHECK(v.value().hits == 2);
+    CHECK(v.value().misses == 0);
+    check_layer_slots(rt, m, w, 1);
+    const auto st = m.stats();
+    CHECK(as_map(st[0])["speculative_issued"] == 3);
+    CHECK(as_map(st[0])["speculative_used"] == 2);
+    CHECK(as_map(st[0])["speculative_bytes"] == 3 * expert_bytes);
+    if (std::string(pool) == "per_layer") CHECK(as_map(st[2])["speculative_issued"] == 2);
+    CHECK(rt.race_count() == 0);
+  }
+}
