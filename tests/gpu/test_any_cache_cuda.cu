@@ -214,3 +214,56 @@ TEST_CASE("any cache on CUDA: a bad config is refused with a named error") {
   REQUIRE_FALSE(made.ok());
   CHECK(std::string(made.status().message()).find("gahter") != std::string::npos);
 }
+
+TEST_CASE("any cache on CUDA: device provider with overlap hands the consumer its per-slot readiness") {
+  CudaRuntime rt;
+  for (const char* engine : {"sm_loads", "copy_engine"}) {
+    CAPTURE(engine);
+    AnyCacheConfig c = config_of("device", "", "tensor_major");
+    c.overlap = true;
+    c.lookahead = true;
+    c.fill_engine = std::string_view(engine) == "copy_engine" ? FillEngine::copy_engine : FillEngine::sm_loads;
+    auto made = make_expert_cache(rt, c);
+    REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+    AnyExpertCache<CudaRuntime> any = std::move(made.value());
+    fill_host(any);
+    REQUIRE(any.fill_engine() == c.fill_engine);
+    const SlotReadiness r = any.readiness();
+    REQUIRE(r.enabled());
+    CHECK(r.capacity == kCapacity);
+    auto stream_or = rt.create_stream();
+    REQUIRE(stream_or.ok());
+    const CudaRuntime::Stream stream = stream_or.value();
+    DeviceBuffer<std::int32_t> device_ids(kTopK);
+    int words_checked = 0;
+    for (const auto& ids : make_trace(7)) {
+      device_ids.upload(ids);
+      REQUIRE(any.prepare(std::span<const std::int32_t>(device_ids.get(), ids.size()), stream).ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      // Every slot the forward maps gets its ready word at the value the consumer waits for. With the
+      // copy engine the proxy writes it on its own stream, after the bytes: poll (bounded) as a
+      // consumer would, then read the slots.
+      const auto forward = download_map(any.forward_map_device());
+      std::vector<std::uint32_t> ready(kCapacity), needed(kCapacity);
+      bool all_ready = false;
+      for (int poll = 0; poll < 20000 && !all_ready; ++poll) {
+        REQUIRE_CUDA_OK(cudaMemcpy(ready.data(), r.ready, kCapacity * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
+        REQUIRE_CUDA_OK(cudaMemcpy(needed.data(), r.needed, kCapacity * sizeof(std::uint32_t), cudaMemcpyDeviceToHost));
+        all_ready = true;
+        for (const std::int32_t id : ids) {
+          const std::int32_t slot = forward[static_cast<std::size_t>(id)];
+          REQUIRE(slot >= 0);
+          REQUIRE(slot < kCapacity);
+          all_ready = all_ready && slot_seq_reached(ready[static_cast<std::size_t>(slot)], needed[static_cast<std::size_t>(slot)]);
+        }
+      }
+      REQUIRE(all_ready);
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      REQUIRE(any.take_errors() == 0u);
+      words_checked += static_cast<int>(ids.size());
+      check_resident_slots(any, download_map(any.resident_map_device()));
+    }
+    CHECK(words_checked > kSteps);
+    rt.destroy_stream(stream);
+  }
+}

@@ -424,6 +424,36 @@ TEST_CASE("AnyExpertCache: provider device = DeviceExpertCache on the same devic
   }
 }
 
+TEST_CASE("AnyExpertCache: readiness() is the device provider's; overlap on SimRuntime is refused, nothing allocated") {
+  constexpr std::int32_t E = 16, C = 6, max_ids = 4;
+  SimRuntime rt(sim_options());
+  {
+    AnyCacheConfig c = config_of("device", "", "", "", E, C, 2);
+    c.max_ids = max_ids;
+    c.lookahead = true;  // accepted with the device provider (it steers automatic's engine choice)
+    auto made = make_expert_cache(rt, c);
+    REQUIRE(made.ok());
+    CHECK_FALSE(made.value().readiness().enabled());  // no overlap: the consumer relies on stream order
+  }
+  // SimRuntime's run-time-selected executor is compiled without the overlapped fill (build time);
+  // the static DeviceExpertCache models overlap, and the CUDA build's erased executor runs it
+  // (tests/gpu/test_any_cache_cuda.cu).
+  AnyCacheConfig c = config_of("device", "", "", "", E, C, 2);
+  c.max_ids = max_ids;
+  c.overlap = true;
+  const SimCounters before = rt.counters();
+  auto refused = make_expert_cache(rt, c);
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().code() == ErrorCode::not_supported);
+  CHECK(std::string(refused.status().message()).find("overlap") != std::string::npos);
+  CHECK(rt.counters() == before);
+  CHECK(rt.allocated_bytes() == 0);
+  // The host providers have no per-slot readiness (prepare orders the consumer after the copies).
+  auto row = make_expert_cache(rt, config_of("row", "", "", "", E, C, 2));
+  REQUIRE(row.ok());
+  CHECK_FALSE(row.value().readiness().enabled());
+}
+
 TEST_CASE("AnyExpertCache: prefetch_device is the device provider's; host providers refuse it") {
   SimRuntime rt(sim_options());
   const Stream s = rt.create_stream().value();
@@ -479,6 +509,10 @@ TEST_CASE("make_expert_cache: every bad name is refused, naming the valid ones, 
   cases.push_back({"device with a staging", with([](auto& c) { c.provider = "device"; c.staging = "copy_stream"; c.max_ids = 8; }),
                    ErrorCode::invalid_argument, {"lru", "inline"}});
   cases.push_back({"device without max_ids", with([](auto& c) { c.provider = "device"; }), ErrorCode::invalid_argument, {"max_ids"}});
+  cases.push_back({"overlap with a host provider", with([](auto& c) { c.overlap = true; }), ErrorCode::invalid_argument,
+                   {"overlap", "provider 'device'", "'row'"}});
+  cases.push_back({"lookahead with a host provider", with([](auto& c) { c.provider = "cached"; c.lookahead = true; }),
+                   ErrorCode::invalid_argument, {"lookahead", "provider 'device'", "'cached'"}});
   cases.push_back({"layout that does not validate",
                    with([](auto& c) { c.layout.validation = Status(ErrorCode::invalid_argument, "k not a multiple of 64"); }),
                    ErrorCode::invalid_argument, {"multiple of 64"}});

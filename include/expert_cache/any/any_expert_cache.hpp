@@ -22,6 +22,7 @@
 #include "expert_cache/cache/views.hpp"
 #include "expert_cache/cache/wide.hpp"
 #include "expert_cache/planning/device_plan.hpp"
+#include "expert_cache/planning/device_plan/readiness.hpp"
 #include "expert_cache/planning/split.hpp"
 
 namespace expert_cache::inline v0 {
@@ -189,6 +190,11 @@ class AnyExpertCache {
   /// cache was made); none for the host-planned providers, which copy on their copy stream.
   /// @return the engine, or nullopt for a host provider
   [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept { return impl_->fill_engine(); }
+  /// The device provider built with AnyCacheConfig::overlap: what a consumer waits on before it reads each
+  /// slot (DeviceExpertCache::readiness). Empty (enabled() false) otherwise: the consumer relies on stream
+  /// order after prepare().
+  /// @return the readiness words (device pointers, fixed for the cache's lifetime), or an empty view
+  [[nodiscard]] SlotReadiness readiness() const noexcept { return impl_->readiness(); }
   /// Replaces the stats callback (ExpertCache::set_stats_callback). Host providers only.
   /// @param callback  receives stats() from a successful prepare when prepare_calls is a multiple of `every`
   /// @param every     the period in accepted forwards; 0 = never

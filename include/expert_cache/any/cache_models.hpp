@@ -21,6 +21,7 @@
 #include "expert_cache/device_cache/device_cache.hpp"
 #include "expert_cache/eviction/any_policy.hpp"
 #include "expert_cache/layout/explicit.hpp"
+#include "expert_cache/planning/device_plan/readiness.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
 #include "expert_cache/staging/any_staging.hpp"
 #include "expert_cache/storage/copy_region.hpp"
@@ -67,6 +68,7 @@ class AnyCacheBase {
   virtual Status set_stats_callback(std::function<void(const CacheStats&)> callback, std::uint64_t every) = 0;
   [[nodiscard]] virtual std::uint32_t take_errors() noexcept = 0;
   [[nodiscard]] virtual std::optional<FillEngine> fill_engine() const noexcept = 0;
+  [[nodiscard]] virtual SlotReadiness readiness() const noexcept = 0;
 };
 
 // Shared by both models: the storage accessors and what both caches spell alike (invalidate).
@@ -140,6 +142,7 @@ class HostCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   }
   [[nodiscard]] std::uint32_t take_errors() noexcept final { return 0; }
   [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept final { return std::nullopt; }
+  [[nodiscard]] SlotReadiness readiness() const noexcept final { return {}; }
 };
 
 // A DeviceExpertCache (provider device): ids are device memory, no host maps or plans.
@@ -225,6 +228,7 @@ class DeviceCacheModel final : public AnyCacheModelBase<Runtime, Cache> {
   }
   [[nodiscard]] std::uint32_t take_errors() noexcept final { return this->cache_.take_errors(); }
   [[nodiscard]] std::optional<FillEngine> fill_engine() const noexcept final { return this->cache_.fill_engine(); }
+  [[nodiscard]] SlotReadiness readiness() const noexcept final { return this->cache_.readiness(); }
 };
 
 // The calls AnyCacheBase leaves out, on the model the provider kind names (defined below,

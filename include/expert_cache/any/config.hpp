@@ -76,6 +76,12 @@ struct AnyCacheConfig {
   FillEngine fill_engine = FillEngine::automatic;
   /// device: a stored link profile for automatic (DeviceCacheOptions::link_profile).
   std::optional<LinkProfile> link_profile;
+  /// device: overlapped fills (DeviceCacheOptions::overlap): the consumer computes resident experts at once and
+  /// waits per slot, through AnyExpertCache::readiness(), for each missing one. Host providers refuse it.
+  bool overlap = false;
+  /// device: the engine looks ahead with prefetch (DeviceCacheOptions::lookahead): with overlap and room in the
+  /// pool, automatic then picks the copy engine (fill_use_of). Host providers refuse it.
+  bool lookahead = false;
 };
 
 /// The provider names AnyCacheConfig::provider accepts, in index order.
@@ -229,6 +235,12 @@ inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<con
     return Status::format(ErrorCode::invalid_argument, "unknown storage '%.*s' (valid: %s)",
                           static_cast<int>(std::min<std::size_t>(storage_name.size(), 40)), storage_name.data(),
                           NameListText(storage_names).text);
+  }
+  if (!device && (config.overlap || config.lookahead)) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s is for provider 'device' (its fills and the consumer's per-slot waits); provider "
+                          "'%.*s' copies on its copy stream, which its prepare() orders before the consumer",
+                          config.overlap ? "overlap" : "lookahead", clip(config.provider), config.provider.c_str());
   }
   if (device) {
     if (staging_name != "inline") {

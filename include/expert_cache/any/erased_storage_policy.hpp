@@ -215,10 +215,18 @@ class AnyDevicePlanExecutor {
   Held held_;
 };
 
+// Whether the runtime's erased device executor has the overlapped fill (AnyCacheConfig::overlap).
+template <class Runtime>
+inline constexpr bool any_device_overlap = true;
+
 // SimRuntime plans on the host: ONE executor, whose policy is a run-time value of its state
 // (DeviceRuntimePolicy), instead of one per policy. The kernels of a GPU runtime need their
 // policy at compile time; the host planning code does not, and each of its instantiations costs
-// a user's -O2 build seconds. Without the overlapped fill: AnyCacheConfig has no overlap.
+// a user's -O2 build seconds. Without the overlapped fill, for the same reason: make_expert_cache
+// refuses AnyCacheConfig::overlap on SimRuntime (the static DeviceExpertCache models it).
+template <>
+inline constexpr bool any_device_overlap<SimRuntime> = false;
+
 template <>
 class AnyDevicePlanExecutor<SimRuntime> : public BasicSimPlanExecutor<DeviceRuntimePolicy, false> {
  public:

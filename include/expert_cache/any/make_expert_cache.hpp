@@ -51,7 +51,9 @@ namespace detail {
 /// @return the cache; or invalid_argument for an unknown provider, policy, staging or storage name, an
 ///         offline-only policy (belady, opt), staging gather without the CUDA tier, a device-provider
 ///         combination it cannot run (staging other than inline, a policy other than lru on a storage other
-///         than tensor_major, max_ids <= 0, a stats callback); not_supported for the device provider on a
+///         than tensor_major, max_ids <= 0, a stats callback), overlap or lookahead with a host provider;
+///         not_supported for overlap on a runtime whose erased executor lacks it (SimRuntime), and for the
+///         device provider on a
 ///         runtime without a plan executor or a staging the runtime cannot run; the layout's validation error;
 ///         AnyPolicy::make's error; the static cache's error for an impossible configuration
 ///         (invalid_capacity, invalid_argument, the runtime's error for an allocation); runtime_failure when
@@ -69,6 +71,11 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   }
   const bool device = chosen.device;
   const std::string_view policy_name = chosen.policy_name;
+  if (device && config.overlap && !detail::any_device_overlap<Runtime>) {
+    return Status(ErrorCode::not_supported,
+                  "overlap: this runtime's run-time-selected device executor has no overlapped fill (a simulated "
+                  "runtime; DeviceExpertCache with options.overlap models it)");
+  }
 
   // ---- construction ----
   CacheOptions inner = config.options;
@@ -89,6 +96,8 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
           o.fused_plan_fill = config.fused_plan_fill;
           o.fill_engine = config.fill_engine;
           o.link_profile = config.link_profile;
+          o.overlap = config.overlap;
+          o.lookahead = config.lookahead;
           o.stream_slots = inner.stream_slots;
           o.max_wide_ids = inner.max_wide_ids;
           o.label = inner.label;
