@@ -917,25 +917,28 @@ ModelDetected model_reads_speculative_fill(ModelPool pool) {
   return {rt.races().size(), log->mismatches};
 }
 
-// Edge 11, inline staging (each call's fills on its caller's stream): prefetch(layer 0, {2}) on
-// stream a, invalidate(2), then a forward on stream b whose miss takes 2's freed slot: only the
-// slot's pending-fill event orders that copy after the speculative one.
+// Edge 11: forward {0, 1} of layer 0, a first prefetch (reserves the speculative stream), the same
+// forward again (adopted after it), prefetch(layer 0, {2}) (on the speculative stream, after that
+// adoption), invalidate(2), then a forward whose miss 3 takes 2's freed slot: only the slot's
+// pending-fill event orders that copy after the speculative one.
 template <class Edges>
 ModelDetected model_refills_pending_slot(ModelPool pool) {
   SimRuntime rt;
-  const Stream a = rt.create_stream().value();
-  const Stream b = rt.create_stream().value();
-  EdgeModel<Edges, Inline> model(rt, model_options(2, 8, 4, 2, pool), six_tensor_layout());
+  const Stream x = rt.create_stream().value();
+  EdgeModel<Edges, CopyStream> model(rt, model_options(2, 8, 4, 2, pool), six_tensor_layout());
   fill_model(model);
   auto log = std::make_shared<LayerReaderLog>();
-  REQUIRE(model.prepare(0, Ids{0, 1}, b).ok());
-  REQUIRE(model.prefetch(0, Ids{2}, a, budget_of(1)).ok());
+  REQUIRE(model.prepare(0, Ids{0, 1}, x).ok());
+  REQUIRE(model.prefetch(0, Ids{0}, x, budget_of(1)).ok());  // resident: no fill
+  REQUIRE(model.prepare(0, Ids{0, 1}, x).ok());
+  REQUIRE(model.prefetch(0, Ids{2}, x, budget_of(1)).ok());
+  REQUIRE(model.stats().total.speculative_issued == 1);
   const std::int32_t freed = model.resident_map_host(0)[2];
-  REQUIRE(model.invalidate(0, 2, a).ok());
-  Result<ForwardView> v = model.prepare(0, Ids{0, 3}, b);
+  REQUIRE(model.invalidate(0, 2, x).ok());
+  Result<ForwardView> v = model.prepare(0, Ids{0, 3}, x);
   REQUIRE(v.ok());
   REQUIRE(model.forward_map_host(0)[3] == freed);
-  REQUIRE(launch_layer_reader(rt, model, 0, v.value(), Ids{0, 3}, b, log).ok());
+  REQUIRE(launch_layer_reader(rt, model, 0, v.value(), Ids{0, 3}, x, log).ok());
   rt.drain();
   if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
   return {rt.races().size(), log->mismatches};
@@ -954,22 +957,51 @@ TEST_CASE("negative (edge 9, model cache): a prepare using a speculative fill wa
   }
 }
 
-// The model cache's speculative fills go through the core's write() on the fill stream (its
-// layers are several readers, so there is no speculative stream of one owner), which makes that
-// stream the last writer: a later fill is ordered after them by edge 2, whatever the slot. Edge
-// 11 (the slot's pending fill) is therefore implied here; the race detector agrees with either
-// on, and edge 11's own negative test is ExpertCache's (test_prefetch.cpp).
-TEST_CASE("model cache: a refill of a slot with a pending speculative fill is ordered after it (edge 2 implies edge 11)") {
+TEST_CASE("negative (edge 11, model cache): a refill of a slot waits for its pending speculative fill; without it the writes race") {
   for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
     CAPTURE(to_string(pool));
     const ModelDetected with = model_refills_pending_slot<OrderingEdges>(pool);
     CHECK(with.races == 0);
     CHECK(with.mismatches == 0);
-    const ModelDetected without_11 = model_refills_pending_slot<NoSpeculativeOverwriteWait>(pool);
-    CHECK(without_11.races == 0);
-    CHECK(without_11.mismatches == 0);
+    const ModelDetected without = model_refills_pending_slot<NoSpeculativeOverwriteWait>(pool);
+    CHECK(without.races > 0);
   }
 }
+
+TEST_CASE("model cache prefetch after the layer's adopted forward: on the speculative stream, not ahead of the next prepare's copies") {
+  for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
+    CAPTURE(to_string(pool));
+    SimRuntime rt;
+    const Stream x = rt.create_stream().value();
+    RowLru::Model model(rt, model_options(3, 8, 4, 2, pool), six_tensor_layout());
+    fill_model(model);
+    REQUIRE(model.prepare(1, Ids{0, 1}, x).ok());
+    REQUIRE(model.prefetch(1, Ids{0}, x, budget_of(1)).ok());  // resident: reserves the speculative stream
+    REQUIRE(model.prepare(1, Ids{0, 1}, x).ok());              // adopted after it
+    REQUIRE(model.prepare(0, Ids{5, 6}, x).ok());              // layer 0's forward (global: now the latest)
+    REQUIRE(model.copy_stream().has_value());
+    const Stream copy = *model.copy_stream();
+    const std::size_t on_caller = rt.pending_ops(x), on_copy = rt.pending_ops(copy), total = rt.pending_ops();
+    const Result<PrefetchView> p = model.prefetch(1, Ids{2, 3}, x, budget_of(2));
+    REQUIRE(p.ok());
+    REQUIRE(p.value().issued == 2);
+    // Global: the pool's latest forward is layer 0's, adopted after the first prefetch, and its
+    // experts are protected: the same path.
+    CHECK(rt.pending_ops() > total);
+    CHECK(rt.pending_ops(x) == on_caller);
+    CHECK(rt.pending_ops(copy) == on_copy);  // nothing in front of layer 1's next demand copies
+    Result<ForwardView> v = model.prepare(1, Ids{2, 7}, x);
+    REQUIRE(v.ok());
+    CHECK(v.value().hits == 1);
+    auto log = std::make_shared<LayerReaderLog>();
+    REQUIRE(launch_layer_reader(rt, model, 1, v.value(), Ids{2, 7}, x, log).ok());
+    rt.drain();
+    CHECK(rt.race_count() == 0);
+    CHECK(log->mismatches == 0);
+    CHECK(bad_slots(model, 1) == 0);
+  }
+}
+
 
 namespace {
 

@@ -311,7 +311,7 @@ class ModelExpertCacheWithEdges {
       lc.resident += static_cast<std::int64_t>(prefetch_plan_.fills.size());
     }
     resident_dirty_[l] = 1;
-    Status s = core_.write(stream, WritePurpose::speculative, resident_upload(l), [&](Stream fill) noexcept {
+    const auto fills = [&](Stream fill) noexcept {
       for (const SlotFill& f : prefetch_plan_.fills) {
         const std::size_t slot = model_slot(l, f.slot.value);
         if (Status w = core_.order_slot_write(slot, fill); !w) return w;
@@ -323,7 +323,14 @@ class ModelExpertCacheWithEdges {
         if (Status w = core_.record_speculative(slot, fill); !w) return w;
       }
       return Status();
-    }, reader(l));
+    };
+    // The fills never touch a slot of the latest forward of the layer (global: of the pool), so
+    // where the core can they go on its speculative stream after that forward's adoption, not
+    // after its consumers, and ahead of nothing on the fill stream: the layer's next prepare's
+    // demand copies do not queue behind them. The resident map then goes with the next prepare.
+    const bool before_forward = core_.speculative_before_forward(reader(l));
+    Status s = before_forward ? core_.write_speculative_slots(fills, reader(l))
+                              : core_.write(stream, WritePurpose::speculative, resident_upload(l), fills, reader(l));
     if (!s) {
       // As roll_back(): the slots' contents are unknown; drop them, re-upload the maps next time. A
       // fill already recorded stays pending: the slot's next write waits for it (edge 11).
@@ -339,7 +346,7 @@ class ModelExpertCacheWithEdges {
       return s.with_context("prefetch of layer %d failed after planning (%zu speculative experts dropped)", layer,
                             prefetch_plan_.fills.size());
     }
-    clear_dirty(l);
+    if (!before_forward) clear_dirty(l);
     lc.total_copies += prefetch_plan_.fills.size() * copies_per_fill_;
     lc.speculative_bytes += prefetch_plan_.fills.size() * bytes_per_expert;
     return prefetch_view(bytes_per_expert);

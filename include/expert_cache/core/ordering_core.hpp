@@ -125,11 +125,12 @@ class OrderingCore {
         map_bytes_(map_entries * sizeof(std::int32_t)),
         release_owner_(rt),
         release_fill_(rt),
-        ready_(rt),
-        before_forward_(rt) {
+        ready_(rt) {
     if (staging_ring < 2) throw Error(ErrorCode::invalid_argument, "staging ring needs at least 2 buffers");
     if (readers < 1) throw Error(ErrorCode::invalid_argument, "an ordering core needs at least 1 reader");
     owners_.resize(readers);
+    before_forward_.emplace_back(rt);  // reader 0's; the others' with the first prefetch
+    before_forward_valid_.assign(readers, 0);
     if (fill_on_copy_stream) copy_stream_.emplace(rt);
     ring_.reserve(staging_ring);
     for (std::size_t i = 0; i < staging_ring; ++i) {
@@ -195,7 +196,7 @@ class OrderingCore {
     if (purpose == WritePurpose::read_only) return adopt_reader(caller, false, reader);
     // invalidate() may free a slot the latest forward's consumers still read: a speculative
     // write into it must follow them (the owner's release made then), until the next forward.
-    if (purpose == WritePurpose::invalidate) before_forward_valid_ = false;
+    if (purpose == WritePurpose::invalidate) before_forward_valid_[reader] = 0;
     const Stream fill = fill_stream(caller);
     if (purpose == WritePurpose::speculative) {
       // Edges 1 and 2 as for a fill. The resident map goes first and `ready` right after it, so
@@ -223,10 +224,12 @@ class OrderingCore {
     return s;
   }
 
-  // Whether write_speculative_slots may run: one reader, whose latest forward reads only its own
-  // experts' slots and was adopted after the first prefetch, and no invalidate() since.
-  [[nodiscard]] bool speculative_before_forward() const noexcept {
-    return before_forward_valid_ && owners_.size() == 1 && speculative_stream_.has_value();
+  // Whether write_speculative_slots may run for `reader`: its latest forward reads only its own
+  // experts' slots (no other reader reads them: a model cache's layers have their own slots) and
+  // was adopted after the first prefetch, and no invalidate() of it since.
+  [[nodiscard]] bool speculative_before_forward(std::size_t reader = 0) const noexcept {
+    return reader < before_forward_valid_.size() && before_forward_valid_[reader] != 0 &&
+           reader < before_forward_.size() && speculative_stream_.has_value();
   }
 
   // Speculative slot writes that touch no slot of the latest forward (ExpertCache::prefetch,
@@ -239,14 +242,14 @@ class OrderingCore {
   // holds these fills, so the next forward's own writes do not queue behind them.
   template <class Writes>
     requires std::is_nothrow_invocable_r_v<Status, Writes&, Stream>
-  Status write_speculative_slots(Writes&& writes) noexcept {
-    if (!speculative_before_forward()) {
+  Status write_speculative_slots(Writes&& writes, std::size_t reader = 0) noexcept {
+    if (!speculative_before_forward(reader)) {
       return Status(ErrorCode::internal, "write_speculative_slots without an adopted forward to order after");
     }
     const Stream spec = speculative_stream_->get();
     if constexpr (Edges::release_wait) {
-      if (owners_[0] && *owners_[0] != spec) {
-        if (Status s = rt_->wait(spec, before_forward_.get()); !s) return s;
+      if (owners_[reader] && *owners_[reader] != spec) {
+        if (Status s = rt_->wait(spec, before_forward_[reader].get()); !s) return s;
         ++counters_.release_edges;
       }
     }
@@ -267,7 +270,14 @@ class OrderingCore {
   // Per-slot events of speculative fills (edge 9), created on the first prefetch: `slots` is the
   // cache's capacity. An event that cannot be made fails the call (the events made so far are kept).
   Status reserve_speculative_slots(std::size_t slots) noexcept {
-    if (owners_.size() == 1 && !speculative_stream_) {
+    if (before_forward_.size() < owners_.size()) {
+      try {
+        while (before_forward_.size() < owners_.size()) before_forward_.emplace_back(*rt_);
+      } catch (...) {
+        return Status(ErrorCode::runtime_failure, "could not create the readers' speculative ordering events");
+      }
+    }
+    if (!speculative_stream_) {
       try {
         speculative_stream_.emplace(*rt_);
       } catch (const Error& e) {
@@ -485,7 +495,7 @@ class OrderingCore {
     if constexpr (OwnerRelease) {
       if (owner && *owner != fill) {
         if (owner_before_forward) {
-          if (Status s = rt_->wait(fill, before_forward_.get()); !s) return s;
+          if (Status s = rt_->wait(fill, before_forward_[reader].get()); !s) return s;
         } else {
           if (Status s = rt_->record(release_owner_.get(), *owner); !s) return s;
           if (Status s = rt_->wait(fill, release_owner_.get()); !s) return s;
@@ -547,10 +557,10 @@ class OrderingCore {
         }
       }
     }
-    before_forward_valid_ = false;
-    if (slots_of_own_experts && owners_.size() == 1 && !speculative_.empty()) {
-      if (Status s = rt_->record(before_forward_.get(), caller); !s) return s;
-      before_forward_valid_ = true;
+    before_forward_valid_[reader] = 0;
+    if (slots_of_own_experts && !speculative_.empty() && reader < before_forward_.size()) {
+      if (Status s = rt_->record(before_forward_[reader].get(), caller); !s) return s;
+      before_forward_valid_[reader] = 1;
     }
     reader_owner = caller;
     owner_ = caller;
@@ -597,15 +607,15 @@ class OrderingCore {
   std::size_t map_bytes_;
   std::optional<RuntimeStream<R>> copy_stream_;
   std::optional<RuntimeStream<R>> wide_stream_;  // inline mode, add_wide_stream(): wide fills only
-  std::optional<RuntimeStream<R>> speculative_stream_;  // S: write_speculative_slots (one reader)
+  std::optional<RuntimeStream<R>> speculative_stream_;  // S: write_speculative_slots (every reader)
   RuntimeEvent<R> release_owner_;
   RuntimeEvent<R> release_fill_;
   RuntimeEvent<R> ready_;
   // Single-reader cores after the first prefetch: recorded on the reader's stream when a forward
   // that reads only its own experts' slots is adopted, i.e. after every earlier forward's
   // consumer and before this one's (see write_speculative_slots).
-  RuntimeEvent<R> before_forward_;
-  bool before_forward_valid_ = false;
+  std::vector<RuntimeEvent<R>> before_forward_;  // per reader: recorded when its latest forward was adopted
+  std::vector<char> before_forward_valid_;        // per reader
   bool ready_recorded_ = false;
   std::array<Stream, 4> ready_seen_{};  // streams that already waited for the latest `ready`
   std::size_t ready_seen_count_ = 0;
