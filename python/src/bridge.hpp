@@ -245,6 +245,37 @@ struct HintScores {
   float min_score = default_min_score;
 };
 
+namespace detail {
+// A prefetch's byte budget and expiry as Python gives them (int64), checked before the cache is touched.
+inline Status check_prefetch_budget(const std::string& label, std::int64_t max_bytes, std::int64_t expires_after) noexcept {
+  if (max_bytes < 0) {
+    return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes = %lld (accepted: >= 0)", label.c_str(),
+                          static_cast<long long>(max_bytes));
+  }
+  if (expires_after < 1 || expires_after > (std::int64_t{1} << 30)) {
+    return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after = %lld (accepted: 1..2^30)",
+                          label.c_str(), static_cast<long long>(expires_after));
+  }
+  return {};
+}
+// The PrefetchOptions of host ids `ids` (already checked) with `hints`: one score per id when
+// scores are given, each valid (check_hint_scores; its message prefixed with the label).
+inline Result<PrefetchOptions> hinted_prefetch_options(const std::string& label, std::span<const std::int32_t> ids,
+                                                       std::int64_t max_bytes, std::int64_t expires_after,
+                                                       const HintScores& hints) noexcept {
+  if (Status s = check_prefetch_budget(label, max_bytes, expires_after); !s) return s;
+  if (hints.scores && hints.scores->size() != ids.size()) {
+    return Status::format(ErrorCode::invalid_argument,
+                          "%s: prefetch got %zu scores for %zu predicted ids (scores[i] belongs to ids[i]; no "
+                          "scores: None)",
+                          label.c_str(), hints.scores->size(), ids.size());
+  }
+  const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
+  if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", label.c_str());
+  return PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score};
+}
+}  // namespace detail
+
 struct PrepareResult {
   bool has_counts = true;  // false for the device provider (counts live on the device)
   std::int64_t hits = 0;
@@ -523,19 +554,12 @@ class CacheBridge {
   // (check_hint_scores), prefixed with the label.
   Result<PrefetchView> prefetch(std::span<const std::int64_t> predicted, std::int64_t max_bytes,
                                 std::int64_t expires_after, Stream stream, const HintScores& hints = {}) noexcept {
-    if (Status s = prefetch_options(max_bytes, expires_after); !s) return s;
+    if (Status s = detail::check_prefetch_budget(config_.label, max_bytes, expires_after); !s) return s;
     if (Status s = narrow_unique(predicted, "predicted ids"); !s) return s;
     const std::span<const std::int32_t> ids(ids32_);
-    if (hints.scores && hints.scores->size() != ids.size()) {
-      return Status::format(ErrorCode::invalid_argument,
-                            "%s: prefetch got %zu scores for %zu predicted ids (scores[i] belongs to ids[i]; no "
-                            "scores: None)",
-                            config_.label.c_str(), hints.scores->size(), ids.size());
-    }
-    const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
-    if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
-    return cache_->prefetch(ids, stream,
-                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score});
+    const Result<PrefetchOptions> options = detail::hinted_prefetch_options(config_.label, ids, max_bytes, expires_after, hints);
+    if (!options.ok()) return options.status();
+    return cache_->prefetch(ids, stream, options.value());
   }
   // Predicted int32 ids in device memory (written by a kernel, e.g. inside a captured step):
   // the device provider only; planned on the device in the given order, so no scores (the
@@ -548,7 +572,7 @@ class CacheBridge {
                             "pass CPU ids)",
                             config_.label.c_str(), config_.provider.c_str());
     }
-    if (Status s = prefetch_options(max_bytes, expires_after); !s) return s;
+    if (Status s = detail::check_prefetch_budget(config_.label, max_bytes, expires_after); !s) return s;
     if (n < 0 || n > config_.num_experts) {
       return Status::format(ErrorCode::invalid_argument, "%s: prefetch of %lld device ids (accepted: 0..num_experts = %d)",
                             config_.label.c_str(), static_cast<long long>(n), config_.num_experts);
@@ -816,17 +840,6 @@ class CacheBridge {
       }
       stamp = epoch_;
       ids32_[i] = static_cast<std::int32_t>(ids[i]);
-    }
-    return {};
-  }
-  Status prefetch_options(std::int64_t max_bytes, std::int64_t expires_after) const noexcept {
-    if (max_bytes < 0) {
-      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes = %lld (accepted: >= 0)",
-                            config_.label.c_str(), static_cast<long long>(max_bytes));
-    }
-    if (expires_after < 1 || expires_after > (std::int64_t{1} << 30)) {
-      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after = %lld (accepted: 1..2^30)",
-                            config_.label.c_str(), static_cast<long long>(expires_after));
     }
     return {};
   }

@@ -81,6 +81,18 @@ at::Tensor host_scores(const at::Tensor& scores, const std::string& label) {
   return scores.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kFloat)).contiguous();
 }
 
+// The HintScores of one prefetch: `holder` keeps the host copy of the scores the span reads.
+ec::HintScores hint_scores(const std::optional<at::Tensor>& scores, double min_score, const std::string& label,
+                           at::Tensor& holder) {
+  ec::HintScores hints;
+  hints.min_score = static_cast<float>(min_score);
+  if (scores) {
+    holder = host_scores(*scores, label);
+    hints.scores = std::span<const float>(holder.data_ptr<float>(), static_cast<std::size_t>(holder.numel()));
+  }
+  return hints;
+}
+
 ec::DType dtype_of(at::ScalarType t) {
   switch (t) {
     case at::kByte: return ec::DType::uint8;
@@ -313,12 +325,7 @@ class TorchCache {
                     "CUDA graph cannot capture: pass CPU scores");
     }
     at::Tensor score_tensor;
-    ec::HintScores hints;
-    hints.min_score = static_cast<float>(min_score);
-    if (scores) {
-      score_tensor = host_scores(*scores, label_);
-      hints.scores = std::span<const float>(score_tensor.data_ptr<float>(), static_cast<std::size_t>(score_tensor.numel()));
-    }
+    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor);
     if (ids.is_cuda() && bridge_->device_provider()) {
       if (ids.device().index() != device_) {
         fail_value(label_ + ": prefetch ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
@@ -678,12 +685,7 @@ class TorchModelCache {
       fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
     }
     at::Tensor score_tensor;
-    ec::HintScores hints;
-    hints.min_score = static_cast<float>(min_score);
-    if (scores) {
-      score_tensor = host_scores(*scores, label_);
-      hints.scores = std::span<const float>(score_tensor.data_ptr<float>(), static_cast<std::size_t>(score_tensor.numel()));
-    }
+    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor);
     const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
     const auto r = bridge_->prefetch(layer,
                                      std::span<const std::int64_t>(host.data_ptr<std::int64_t>(),

@@ -336,28 +336,7 @@ class ModelBridge {
   // An explicit unique list of layer `layer` (distinct, in [0, E)), in its order.
   Result<PrepareResult> prepare_unique(std::int32_t layer, std::span<const std::int64_t> ids, Stream stream) noexcept {
     if (Status s = check_layer(layer); !s) return s;
-    try {
-      ids32_.resize(ids.size());
-    } catch (...) {
-      return Status(ErrorCode::runtime_failure, "prepare: out of host memory");
-    }
-    if (++epoch_ == 0) {
-      std::fill(stamps_.begin(), stamps_.end(), 0u);
-      epoch_ = 1;
-    }
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      if (ids[i] < 0 || ids[i] >= config_.num_experts) {
-        return Status::format(ErrorCode::expert_out_of_range, "%s: layer %d: unique_ids[%zu] = %lld outside [0, %d)",
-                              config_.label.c_str(), layer, i, static_cast<long long>(ids[i]), config_.num_experts);
-      }
-      auto& stamp = stamps_[static_cast<std::size_t>(ids[i])];
-      if (stamp == epoch_) {
-        return Status::format(ErrorCode::duplicate_expert, "%s: layer %d: unique_ids[%zu] = %lld appears twice",
-                              config_.label.c_str(), layer, i, static_cast<long long>(ids[i]));
-      }
-      stamp = epoch_;
-      ids32_[i] = static_cast<std::int32_t>(ids[i]);
-    }
+    if (Status s = narrow_unique(layer, ids, "unique_ids"); !s) return s;
     return counts(cache_->prepare_unique(layer, std::span<const std::int32_t>(ids32_), stream));
   }
   // Speculative fills of layer `layer`'s predicted experts (ModelExpertCache::prefetch): ids in
@@ -367,51 +346,16 @@ class ModelBridge {
   Result<PrefetchView> prefetch(std::int32_t layer, std::span<const std::int64_t> predicted, std::int64_t max_bytes,
                                 std::int64_t expires_after, Stream stream, const HintScores& hints = {}) noexcept {
     if (Status s = check_layer(layer); !s) return s;
-    if (max_bytes < 0) {
-      return Status::format(ErrorCode::invalid_argument, "%s: prefetch max_bytes = %lld (accepted: >= 0)",
-                            config_.label.c_str(), static_cast<long long>(max_bytes));
-    }
-    if (expires_after < 1 || expires_after > (std::int64_t{1} << 30)) {
-      return Status::format(ErrorCode::invalid_argument, "%s: prefetch expires_after = %lld (accepted: 1..2^30)",
-                            config_.label.c_str(), static_cast<long long>(expires_after));
-    }
+    if (Status s = detail::check_prefetch_budget(config_.label, max_bytes, expires_after); !s) return s;
     if (predicted.size() > static_cast<std::size_t>(config_.num_experts)) {
       return Status::format(ErrorCode::too_many_experts, "%s: layer %d: prefetch of %zu ids, more than the %d experts",
                             config_.label.c_str(), layer, predicted.size(), config_.num_experts);
     }
-    try {
-      ids32_.resize(predicted.size());
-    } catch (...) {
-      return Status(ErrorCode::runtime_failure, "prefetch: out of host memory");
-    }
-    if (++epoch_ == 0) {
-      std::fill(stamps_.begin(), stamps_.end(), 0u);
-      epoch_ = 1;
-    }
-    for (std::size_t i = 0; i < predicted.size(); ++i) {
-      if (predicted[i] < 0 || predicted[i] >= config_.num_experts) {
-        return Status::format(ErrorCode::expert_out_of_range, "%s: layer %d: predicted ids[%zu] = %lld outside [0, %d)",
-                              config_.label.c_str(), layer, i, static_cast<long long>(predicted[i]), config_.num_experts);
-      }
-      auto& stamp = stamps_[static_cast<std::size_t>(predicted[i])];
-      if (stamp == epoch_) {
-        return Status::format(ErrorCode::duplicate_expert, "%s: layer %d: predicted ids[%zu] = %lld appears twice",
-                              config_.label.c_str(), layer, i, static_cast<long long>(predicted[i]));
-      }
-      stamp = epoch_;
-      ids32_[i] = static_cast<std::int32_t>(predicted[i]);
-    }
+    if (Status s = narrow_unique(layer, predicted, "predicted ids"); !s) return s;
     const std::span<const std::int32_t> ids(ids32_);
-    if (hints.scores && hints.scores->size() != ids.size()) {
-      return Status::format(ErrorCode::invalid_argument,
-                            "%s: prefetch got %zu scores for %zu predicted ids (scores[i] belongs to ids[i]; no "
-                            "scores: None)",
-                            config_.label.c_str(), hints.scores->size(), ids.size());
-    }
-    const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
-    if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
-    return cache_->prefetch(layer, ids, stream,
-                            PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score});
+    const Result<PrefetchOptions> options = detail::hinted_prefetch_options(config_.label, ids, max_bytes, expires_after, hints);
+    if (!options.ok()) return options.status();
+    return cache_->prefetch(layer, ids, stream, options.value());
   }
   Status invalidate(std::int32_t layer, std::int64_t expert, Stream stream) noexcept {
     if (Status s = check_layer(layer); !s) return s;
@@ -451,6 +395,32 @@ class ModelBridge {
 
  private:
   ModelBridge() = default;
+  // `ids` of layer `layer` narrowed into ids32_: each in [0, E), none twice (`what` names them).
+  Status narrow_unique(std::int32_t layer, std::span<const std::int64_t> ids, const char* what) noexcept {
+    try {
+      ids32_.resize(ids.size());
+    } catch (...) {
+      return Status::format(ErrorCode::runtime_failure, "%s: out of host memory", what);
+    }
+    if (++epoch_ == 0) {
+      std::fill(stamps_.begin(), stamps_.end(), 0u);
+      epoch_ = 1;
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] < 0 || ids[i] >= config_.num_experts) {
+        return Status::format(ErrorCode::expert_out_of_range, "%s: layer %d: %s[%zu] = %lld outside [0, %d)",
+                              config_.label.c_str(), layer, what, i, static_cast<long long>(ids[i]), config_.num_experts);
+      }
+      auto& stamp = stamps_[static_cast<std::size_t>(ids[i])];
+      if (stamp == epoch_) {
+        return Status::format(ErrorCode::duplicate_expert, "%s: layer %d: %s[%zu] = %lld appears twice",
+                              config_.label.c_str(), layer, what, i, static_cast<long long>(ids[i]));
+      }
+      stamp = epoch_;
+      ids32_[i] = static_cast<std::int32_t>(ids[i]);
+    }
+    return {};
+  }
   Status check_layer(std::int32_t layer) const noexcept {
     if (layer < 0 || layer >= config_.num_layers) {
       return Status::format(ErrorCode::invalid_argument, "%s: layer %d out of range [0, %d)", config_.label.c_str(), layer,

@@ -180,23 +180,11 @@ class ExpertCacheWithEdges {
   Result<PrefetchView> prefetch(std::span<const std::int32_t> predicted, Stream stream,
                                 PrefetchOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::prefetch");
-    if (options.max_bytes < 0) {
-      return Status::format(ErrorCode::invalid_argument, "prefetch max_bytes must be >= 0, got %lld",
-                            static_cast<long long>(options.max_bytes));
-    }
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
-    const std::uint64_t budget_fills = static_cast<std::uint64_t>(options.max_bytes) / bytes_per_expert;
-    const auto max_fills = static_cast<std::int32_t>(
-        std::min<std::uint64_t>(budget_fills, static_cast<std::uint64_t>(options_.capacity)));
-    if constexpr (requires { staging_.precheck(*rt_, stream); }) {
-      if (Status s = staging_.precheck(*rt_, stream); !s) return s;
-    }
-    Result<bool> capturing = rt_->is_capturing(stream);
-    if (!capturing.ok()) return capturing.status();
-    if (capturing.value()) {
-      return Status(ErrorCode::capture_unsupported,
-                    "prefetch() under stream capture: its per-slot events must be recorded eagerly");
-    }
+    const Result<std::int32_t> budget = detail::prefetch_fill_budget(options.max_bytes, bytes_per_expert, options_.capacity);
+    if (!budget.ok()) return budget.status();
+    const std::int32_t max_fills = budget.value();
+    if (Status s = detail::prefetch_allowed(*rt_, staging_, stream); !s) return s;
     // The one-time per-slot events, then the plan (which validates before any state change).
     if (max_fills > 0) {
       if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;

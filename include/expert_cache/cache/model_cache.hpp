@@ -252,25 +252,14 @@ class ModelExpertCacheWithEdges {
                                 PrefetchOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prefetch");
     if (Status s = check_layer(layer, "prefetch"); !s) return s;
-    if (options.max_bytes < 0) {
-      return Status::format(ErrorCode::invalid_argument, "prefetch of layer %d: max_bytes must be >= 0, got %lld",
-                            layer, static_cast<long long>(options.max_bytes));
-    }
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
-    const std::int32_t pool = global() ? options_.capacity : capacities_[l];
-    const auto max_fills = static_cast<std::int32_t>(std::min<std::uint64_t>(
-        static_cast<std::uint64_t>(options.max_bytes) / bytes_per_expert, static_cast<std::uint64_t>(pool)));
-    if constexpr (requires { staging.precheck(*rt_, stream); }) {
-      if (Status s = staging.precheck(*rt_, stream); !s) return s;
-    }
-    Result<bool> capturing = rt_->is_capturing(stream);
-    if (!capturing.ok()) return capturing.status();
-    if (capturing.value()) {
-      return Status(ErrorCode::capture_unsupported,
-                    "prefetch() under stream capture: its per-slot events must be recorded eagerly");
-    }
+    const Result<std::int32_t> budget = detail::prefetch_fill_budget(options.max_bytes, bytes_per_expert,
+                                                                     global() ? options_.capacity : capacities_[l]);
+    if (!budget.ok()) return budget.status().with_context("prefetch of layer %d", layer);
+    const std::int32_t max_fills = budget.value();
+    if (Status s = detail::prefetch_allowed(*rt_, staging, stream); !s) return s;
     std::span<const std::int32_t> ids = predicted;
     if (global()) {
       // The one planner sees L*E ids: an id of another layer's range must not pass as this layer's.

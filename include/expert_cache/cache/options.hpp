@@ -1,6 +1,7 @@
 #pragma once
 /// What a caller passes a host-planned cache: its construction parameters (CacheOptions) and
 /// one prefetch()'s budget and hints (PrefetchOptions).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -80,5 +81,35 @@ struct CacheOptions {
   /// Most top-k ids one prepare_wide() accepts (too_many_experts beyond).
   std::int64_t max_wide_ids = default_max_wide_ids;
 };
+
+namespace detail {
+
+// What a host-planned prefetch checks before it plans (ExpertCache, ModelExpertCache): the
+// staging policy's precheck, and no capture of `stream` (the per-slot events are recorded eagerly).
+template <class Runtime, class Staging>
+Status prefetch_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream) noexcept {
+  if constexpr (requires { staging.precheck(rt, stream); }) {
+    if (Status s = staging.precheck(rt, stream); !s) return s;
+  }
+  Result<bool> capturing = rt.is_capturing(stream);
+  if (!capturing.ok()) return capturing.status();
+  if (capturing.value()) {
+    return Status(ErrorCode::capture_unsupported, "prefetch() under stream capture: its per-slot events must be recorded eagerly");
+  }
+  return {};
+}
+
+// The fills a prefetch may issue: min(slots, max_bytes / bytes per expert); invalid_argument for max_bytes < 0.
+[[nodiscard]] inline Result<std::int32_t> prefetch_fill_budget(std::int64_t max_bytes, std::uint64_t bytes_per_expert,
+                                                               std::int32_t slots) noexcept {
+  if (max_bytes < 0) {
+    return Status::format(ErrorCode::invalid_argument, "prefetch max_bytes must be >= 0, got %lld",
+                          static_cast<long long>(max_bytes));
+  }
+  const std::uint64_t fills = bytes_per_expert == 0 ? 0 : static_cast<std::uint64_t>(max_bytes) / bytes_per_expert;
+  return static_cast<std::int32_t>(std::min<std::uint64_t>(fills, static_cast<std::uint64_t>(std::max(slots, 0))));
+}
+
+}  // namespace detail
 
 }  // namespace expert_cache::inline v0

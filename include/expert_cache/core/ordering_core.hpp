@@ -611,11 +611,12 @@ class OrderingCore {
   RuntimeEvent<R> release_owner_;
   RuntimeEvent<R> release_fill_;
   RuntimeEvent<R> ready_;
-  // Single-reader cores after the first prefetch: recorded on the reader's stream when a forward
-  // that reads only its own experts' slots is adopted, i.e. after every earlier forward's
-  // consumer and before this one's (see write_speculative_slots).
-  std::vector<RuntimeEvent<R>> before_forward_;  // per reader: recorded when its latest forward was adopted
-  std::vector<char> before_forward_valid_;        // per reader
+  // Per reader, after the first prefetch: recorded on the reader's stream when a forward that
+  // reads only its own experts' slots is adopted, i.e. after every earlier forward's consumer of
+  // that reader and before this one's (see write_speculative_slots); valid until the reader's next
+  // adoption without it, or an invalidate() of it.
+  std::vector<RuntimeEvent<R>> before_forward_;
+  std::vector<char> before_forward_valid_;
   bool ready_recorded_ = false;
   std::array<Stream, 4> ready_seen_{};  // streams that already waited for the latest `ready`
   std::size_t ready_seen_count_ = 0;
