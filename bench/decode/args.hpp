@@ -89,10 +89,12 @@ struct BenchArgs {
   bool prompt_bf16 = true;
   // --consumer-order: the overlapped consumer's block order (device::MoePairOrder): pairs or experts.
   std::string consumer_order = "pairs";
-  // --overlap-parts: the overlapped fill copies every missing expert's W13 tensors first, on their
-  // own ready word (w13-first), or each expert whole (whole); auto: w13-first when the consumer's
-  // first kernel fits on the device at once (batch 1 at the defaults), else whole.
-  std::string overlap_parts = "auto";
+  // --overlap-parts: the overlapped fill copies each expert whole (whole, the default) or every
+  // missing expert's W13 tensors first, on their own ready word (w13-first).
+  std::string overlap_parts = "whole";
+  // --host-wait: how the host thread waits for the device (cudaSetDeviceFlags before the run):
+  // auto (CUDA's default), spin, yield or blocking.
+  std::string host_wait = "auto";
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -144,9 +146,10 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      ::crf_decay_q32)\n"
                "  --consumer-order O  with --overlap, the order in which the consumer's blocks take the\n"
                "                      (token, expert) pairs: pairs (default) or experts (the fill's order)\n"
-               "  --overlap-parts P   with --overlap: w13-first (every missing expert's W13 tensors first, on\n"
-               "                      their own ready word), whole (each expert in one piece), or auto\n"
-               "                      (default: w13-first when the consumer's grid is one wave, else whole)\n"
+               "  --overlap-parts P   with --overlap: whole (each expert in one piece, default) or w13-first\n"
+               "                      (every missing expert's W13 tensors first, on their own ready word)\n"
+               "  --host-wait W       how the host thread waits for the GPU: auto (CUDA's default), spin,\n"
+               "                      yield or blocking (cudaSetDeviceFlags); GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
                "                      only): the time a perfectly hidden consumer would leave; outputs unchecked\n"
                "  --budget            the device provider's time per layer: rows with a stage left out or doubled\n"
@@ -343,9 +346,13 @@ inline BenchArgs parse_args(int argc, char** argv) {
       a.consumer_order = v;
     } else if (arg == "--overlap-parts") {
       const std::string v(value());
-      if (v != "auto" && v != "w13-first" && v != "whole")
-        throw UsageError{"--overlap-parts: '" + v + "' is not auto, w13-first or whole"};
+      if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};
       a.overlap_parts = v;
+    } else if (arg == "--host-wait") {
+      const std::string v(value());
+      if (v != "auto" && v != "spin" && v != "yield" && v != "blocking")
+        throw UsageError{"--host-wait: '" + v + "' is not auto, spin, yield or blocking"};
+      a.host_wait = v;
     } else if (arg == "--crf-half-life") {
       const std::string v(value());
       char* end = nullptr;

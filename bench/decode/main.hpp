@@ -74,6 +74,8 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
         throw UsageError{"--fill-engine needs the device provider (--provider device or all)"};
       if (!use_gpu) throw UsageError{"--fill-engine needs the CUDA runtime (a GPU): the modelled run has no proxy"};
     }
+    if (args.host_wait != "auto" && !use_gpu)
+      throw UsageError{"--host-wait needs the CUDA runtime (a GPU): the modelled run does not wait for a device"};
     if (args.fill_only) {
       const char* flag = args.budget ? "--budget" : "--fill-only";
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())

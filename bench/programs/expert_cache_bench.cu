@@ -596,13 +596,9 @@ __global__ void add_round_kernel(float* out, const float* part, std::int32_t n) 
   if (i < n && part[i] != 0.0f) out[i] += part[i];
 }
 
-// Whether the overlapped fill copies W13 first (--overlap-parts; auto: when the consumer's first
-// kernel is one wave. With more waves the W2 parts all landing last hold back moe_w2, measured
-// slower at batch 16).
-inline bool overlap_w13_first(const BenchArgs& a, const Model& m, const GpuContext& ctx) {
-  if (a.overlap_parts == "auto") return ctx.moe->one_wave(m.batch);
-  return a.overlap_parts == "w13-first";
-}
+// Whether the overlapped fill copies W13 first (--overlap-parts w13-first; whole experts by
+// default: measured faster at batch 1 and 16, docs/benchmarks.md).
+inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w13-first"; }
 
 // overlap: DeviceCacheOptions::overlap and the consumer given the cache's readiness: the row
 // "device/overlap", otherwise "device/graph".
@@ -646,7 +642,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.fill_engine = engine;
     o.lookahead = lookahead_row;  // automatic: FillUse::overlapped_lookahead with overlap
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
-    o.ready_first_regions = overlap && overlap_w13_first(a, m, ctx) ? device::MoeConsumer::first_pass_regions : 0u;
+    o.ready_first_regions = overlap && overlap_w13_first(a) ? device::MoeConsumer::first_pass_regions : 0u;
     o.memory = shared_host_pools(m, ctx, progress, l);
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
@@ -1036,6 +1032,12 @@ void budget_notes(const Model& m, const Report& rep, std::vector<std::string>& n
 Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, Progress& progress) {
   Report rep;
   rep.modelled = false;
+  if (a.host_wait != "auto") {
+    const unsigned flags = a.host_wait == "spin"    ? cudaDeviceScheduleSpin
+                           : a.host_wait == "yield" ? cudaDeviceScheduleYield
+                                                    : cudaDeviceScheduleBlockingSync;
+    check_cuda(cudaSetDeviceFlags(flags), "cudaSetDeviceFlags (--host-wait)");
+  }
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   rep.runtime_name = std::string("CUDA: ") + prop.name + " (sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + ")";
@@ -1121,9 +1123,10 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
                   "device/overlap: the consumer's blocks take the pairs in %s order (--consumer-order %s); the fill "
                   "copies %s",
                   ctx.moe->expert_order_for(m.batch, m.experts) ? "expert" : "pair", a.consumer_order.c_str(),
-                  overlap_w13_first(a, m, ctx) ? "every missing expert's W13 tensors first" : "each expert whole");
+                  overlap_w13_first(a) ? "every missing expert's W13 tensors first" : "each expert whole");
     rep.notes.emplace_back(buf);
   }
+  if (a.host_wait != "auto") rep.notes.emplace_back("host thread waits for the GPU by " + a.host_wait + " (--host-wait)");
   if (plain != nullptr && ov != nullptr && plain->tokens_per_second() > 0) {
     char buf[256];
     std::snprintf(buf, sizeof buf, "device/overlap: %.3fx the tokens per second of device/graph",
