@@ -139,7 +139,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      mapped host memory as it computes (one_pass: no fill node); GPU only\n"
                "  --fill-engine E,... the engines of the device rows' fills: sm_loads (default: the SMs read\n"
                "                      mapped host memory), copy_engine (a host proxy copies the plan's fill list;\n"
-               "                      rows +ce), automatic (the link profile decides; rows +auto), or all; GPU only\n"
+               "                      rows +ce), automatic (the link profile decides; rows +auto), split (SM\n"
+               "                      loads for forwards, the copy engine for prefetches; overlap rows +split,\n"
+               "                      DeviceCacheOptions::speculate_on_copy_engine), or all (the first three); GPU only\n"
                "  --device-policy P,... the device provider's planning policy: lru (default), lfru, crf, a comma\n"
                "                      list, or all (docs/policies.md); one device row per policy, same routing\n"
                "  --crf-half-life H   the device crf policy's half-life in forwards (default 8; DeviceCacheOptions\n"
@@ -320,8 +322,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
           a.fill_engines = {"sm_loads", "copy_engine", "automatic"};
           break;
         }
-        if (e != "sm_loads" && e != "copy_engine" && e != "automatic")
-          throw UsageError{"--fill-engine: '" + e + "' in '" + std::string(list) + "' (sm_loads, copy_engine, automatic or all)"};
+        if (e != "sm_loads" && e != "copy_engine" && e != "automatic" && e != "split")
+          throw UsageError{"--fill-engine: '" + e + "' in '" + std::string(list) +
+                           "' (sm_loads, copy_engine, automatic, split or all)"};
         if (std::find(a.fill_engines.begin(), a.fill_engines.end(), e) == a.fill_engines.end()) a.fill_engines.push_back(e);
       }
     } else if (arg == "--device-policy") {
@@ -429,12 +432,14 @@ inline constexpr const char* device_fill_only_staging = "fill_only";
 inline std::string fill_engine_suffix(std::string_view engine) {
   if (engine == "copy_engine") return "+ce";
   if (engine == "automatic") return "+auto";
+  if (engine == "split") return "+split";
   return "";
 }
 // The engine of a device row's staging label, and the label without the suffix.
 inline std::string_view fill_engine_of_staging(std::string_view staging) {
   if (staging.ends_with("+ce")) return "copy_engine";
   if (staging.ends_with("+auto")) return "automatic";
+  if (staging.ends_with("+split")) return "split";
   return "sm_loads";
 }
 inline std::string staging_without_engine(std::string_view staging) {
@@ -505,6 +510,14 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
         const std::string dp = device_policy_labelled(a) ? policy : std::string();
         for (const std::string& engine : a.fill_engines) {
           const std::string suffix = fill_engine_suffix(engine);
+          // split: the overlap row only (speculate_on_copy_engine needs overlap).
+          if (engine == "split") {
+            if (!a.overlap) continue;
+            out.push_back({p, device_overlap_staging + suffix, a.prefetch.empty() ? "" : "none", dp});
+            for (const std::string& spec : a.prefetch)
+              if (spec != "none") out.push_back({p, device_overlap_staging + suffix, spec, dp});
+            continue;
+          }
           // The time budget's rows once per engine (its table is given per engine).
           if (a.budget) {
             out.push_back({p, budget_router_staging + suffix, "", dp});

@@ -73,6 +73,8 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())
         throw UsageError{"--fill-engine needs the device provider (--provider device or all)"};
       if (!use_gpu) throw UsageError{"--fill-engine needs the CUDA runtime (a GPU): the modelled run has no proxy"};
+      if (std::find(args.fill_engines.begin(), args.fill_engines.end(), "split") != args.fill_engines.end() && !args.overlap)
+        throw UsageError{"--fill-engine split needs --overlap (forwards then wait per slot for the speculative copies)"};
     }
     if (args.host_wait != "auto" && !use_gpu)
       throw UsageError{"--host-wait needs the CUDA runtime (a GPU): the modelled run does not wait for a device"};

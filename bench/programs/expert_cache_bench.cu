@@ -640,6 +640,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.overlap = overlap;
     o.fill_by_consumer = one_pass;
     o.fill_engine = engine;
+    o.speculate_on_copy_engine = overlap && a.fill_engine == "split";
     o.lookahead = lookahead_row;  // automatic: FillUse::overlapped_lookahead with overlap
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a) ? device::MoeConsumer::first_pass_regions : 0u;
@@ -943,7 +944,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                 key.c_str(), nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
-  if (caches[0]->fill_engine() == FillEngine::copy_engine) {
+  if (caches[0]->fill_engine() == FillEngine::copy_engine || caches[0]->speculates_on_copy_engine()) {
     std::uint64_t requests = 0, fills = 0, issue_ns = 0;
     for (const auto& c : caches) {
       requests += c->executor().proxy_requests();
@@ -1082,8 +1083,10 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
       rep.runs.push_back(run_resident(m, routing, a, ctx, progress, rep.notes));
     } else if (cfg.provider == "device") {
       const std::string base = staging_without_engine(cfg.staging);
-      const Result<FillEngine> engine = parse_fill_engine(fill_engine_of_staging(cfg.staging));
-      rep.runs.push_back(run_device(m, routing, with_device_policy(a, cfg), ctx, rt, progress, rep.notes,
+      const Result<FillEngine> engine = parse_fill_engine(fill_engine_of_staging(cfg.staging));  // split: sm_loads
+      BenchArgs row_args = with_device_policy(a, cfg);
+      row_args.fill_engine = std::string(fill_engine_of_staging(cfg.staging));
+      rep.runs.push_back(run_device(m, routing, row_args, ctx, rt, progress, rep.notes,
                                     base == device_overlap_staging, cfg.prefetch, base == device_fill_only_staging,
                                     budget_staging(base) ? base : "", base == device_one_pass_staging,
                                     engine.ok() ? engine.value() : FillEngine::sm_loads));

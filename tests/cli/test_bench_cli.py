@@ -162,7 +162,7 @@ def case_bad_args():
     expect_usage_error(["--overlap-parts", "auto"], "is not whole or w13-first")
     expect_usage_error(["--host-wait", "sleep"], "is not auto, spin, yield or blocking")
     expect_usage_error(["--host-wait", "blocking", "--runtime", "sim"], "--host-wait needs the CUDA runtime")
-    expect_usage_error(["--fill-engine", "dma"], "'dma' in 'dma' (sm_loads, copy_engine, automatic or all)")
+    expect_usage_error(["--fill-engine", "dma"], "'dma' in 'dma' (sm_loads, copy_engine, automatic, split or all)")
     expect_usage_error(["--fill-engine", "copy_engine", "--runtime", "sim"], "--fill-engine needs the CUDA runtime")
     expect_usage_error(["--fill-engine", "all", "--provider", "row"], "--fill-engine needs the device provider")
     rc, out, err = run("--help")

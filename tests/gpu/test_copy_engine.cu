@@ -93,11 +93,11 @@ struct CeRig {
   DeviceBuffer<std::int32_t> ids{static_cast<std::size_t>(n)};
   DeviceBuffer<unsigned long long> bad{1};
 
-  explicit CeRig(DeviceCacheOptions o) {
+  explicit CeRig(DeviceCacheOptions o, FillEngine engine = FillEngine::copy_engine) {
     o.num_experts = experts;
     o.capacity = capacity;
     o.max_ids = n;
-    o.fill_engine = FillEngine::copy_engine;
+    o.fill_engine = engine;
     cache = std::make_unique<CeCache>(cuda_runtime(), o, big_layout());
     fill_big_pools(*cache, experts);
     REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
@@ -169,6 +169,72 @@ TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and 
     CHECK(r.cache->executor().proxy_fills() == r.cache->device_stats().misses);
     CHECK(r.cache->executor().proxy_fills() == 12u * CeRig::n);
   }
+}
+
+// speculate_on_copy_engine, `rounds` fresh caches: a prefetch of `capacity` experts into the
+// empty pool through the proxy (about 80 us a copy, one after another), then at once a forward
+// of n other experts, which evicts prefetched slots and fills them with SM loads while the
+// proxy's later copies are still in flight; the forward is checked with readiness. Returns the
+// words that differed and ORs the error words into `errors`.
+unsigned long long speculate_then_evict(const DeviceCacheOptions& o, int rounds, std::uint32_t& errors,
+                                        std::uint64_t& speculative, std::uint64_t& proxy_fills) {
+  unsigned long long bad = 0;
+  for (int k = 0; k < rounds; ++k) {
+    CeRig r(o, FillEngine::sm_loads);
+    REQUIRE(r.cache->speculates_on_copy_engine());
+    DeviceBuffer<std::int32_t> hint{static_cast<std::size_t>(CeRig::capacity)};
+    std::vector<std::int32_t> h(CeRig::capacity);
+    // Experts the forward of step 0 (ids 0..n-1) does not read.
+    for (std::int32_t i = 0; i < CeRig::capacity; ++i) h[static_cast<std::size_t>(i)] = CeRig::n + i;
+    REQUIRE_CUDA_OK(cudaMemcpyAsync(hint.get(), h.data(), h.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice, r.x));
+    PrefetchOptions po;
+    po.max_bytes = std::int64_t{1} << 40;  // the capacity bounds it
+    auto pv = r.cache->prefetch(hint.get(), CeRig::capacity, r.x, po);
+    REQUIRE_MESSAGE(pv.ok(), std::string(pv.status().message()));
+    bad += r.step(0, true);
+    errors |= r.cache->take_errors();
+    speculative += r.cache->device_stats().speculative_issued;
+    proxy_fills += r.cache->executor().proxy_fills();
+  }
+  return bad;
+}
+
+TEST_CASE("speculate_on_copy_engine: prefetches through the proxy, forwards with SM loads; every slot holds its bytes") {
+  DeviceCacheOptions o;
+  o.overlap = true;
+  o.speculate_on_copy_engine = true;
+  std::uint32_t errors = 0;
+  std::uint64_t speculative = 0, proxy_fills = 0;
+  CHECK(speculate_then_evict(o, 6, errors, speculative, proxy_fills) == 0ull);
+  CHECK(errors == 0u);
+  CHECK(speculative == 6u * CeRig::capacity);
+  CHECK(proxy_fills == speculative);  // only the prefetches went through the proxy
+  // Later steps: forwards (all misses) after the speculative fills, still byte-exact.
+  CeRig r(o, FillEngine::sm_loads);
+  CHECK(r.cache->fill_engine() == FillEngine::sm_loads);
+  for (int s = 0; s < 6; ++s) CHECK(r.step(s, true) == 0ull);
+  CHECK(r.cache->executor().proxy_fills() == 0u);
+  DeviceCacheOptions plain;
+  plain.speculate_on_copy_engine = true;  // without overlap
+  plain.num_experts = CeRig::experts;
+  plain.capacity = CeRig::capacity;
+  plain.max_ids = CeRig::n;
+  plain.fill_engine = FillEngine::sm_loads;
+  expect_refused(plain, "speculate_on_copy_engine without overlap");
+}
+
+TEST_CASE("speculate_on_copy_engine: edge P6 removed (the SM-load fill does not wait for a pending copy) -> stale slots") {
+  DeviceCacheOptions o;
+  o.overlap = true;
+  o.speculate_on_copy_engine = true;
+  o.test_skip_pending_copy_wait = true;
+  std::uint32_t errors = 0;
+  std::uint64_t speculative = 0, proxy_fills = 0;
+  const unsigned long long bad = speculate_then_evict(o, 6, errors, speculative, proxy_fills);
+  MESSAGE("P6 removed: " << bad << " words differed, error word " << errors);
+  // The proxy's late copy overwrote a slot the forward filled (wrong bytes), or set its ready
+  // word back so that the consumer's wait gave up.
+  CHECK((bad > 0ull || (errors & plan_error_wait_timeout) != 0u));
 }
 
 TEST_CASE("copy engine: edge P2 removed (ready word before the copy) -> the consumer reads stale slots") {

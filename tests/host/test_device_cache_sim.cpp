@@ -470,9 +470,12 @@ namespace {
 // final state against the host reference.
 template <class Edges>
 std::uint64_t run_schedule(std::uint64_t seed, bool check_races, bool overlap = false, bool prefetches = false,
-                           bool by_consumer = false, FillEngine engine = FillEngine::sm_loads) {
-  Fixture<Edges> f(12, 4, seed, overlap, crf_default_decay_q32, by_consumer,
-                   [engine](DeviceCacheOptions& o) { o.fill_engine = engine; });
+                           bool by_consumer = false, FillEngine engine = FillEngine::sm_loads,
+                           bool speculate_on_copy_engine = false) {
+  Fixture<Edges> f(12, 4, seed, overlap, crf_default_decay_q32, by_consumer, [=](DeviceCacheOptions& o) {
+    o.fill_engine = engine;
+    o.speculate_on_copy_engine = speculate_on_copy_engine;
+  });
   std::mt19937_64 rng(seed);
   const int actions = 6 + static_cast<int>(rng() % 8);
   bool last_full = true;
@@ -1618,6 +1621,81 @@ TEST_CASE("negative (edge P2): ready words published before the proxy's copies: 
     copy_engine_steps(*g);
     g->check_clean();
     g->check_equal(true);
+  }
+}
+
+// speculate_on_copy_engine: prefetches through the proxy, forwards' fills on SM loads (lanes).
+namespace {
+auto speculating_with(bool skip_pending_copy_wait) {
+  return std::make_unique<Fixture<>>(12, 4, 1, true, crf_default_decay_q32, false, [=](DeviceCacheOptions& o) {
+    o.fill_engine = FillEngine::sm_loads;
+    o.speculate_on_copy_engine = true;
+    o.test_skip_pending_copy_wait = skip_pending_copy_wait;
+  });
+}
+// A forward of 0 and 1, a prefetch of 6 and 7 into the two free slots through the proxy, then a
+// forward that misses 8, 9 and 10 while the prefetch's copies may still be in flight.
+void speculating_steps(Fixture<>& f) {
+  (void)f.step(0, {0, 1});
+  f.settle();
+  f.prefetch(0, Ids{6, 7}, 2, 1);
+  (void)f.step(0, {8, 9, 10});
+  f.settle();
+}
+}  // namespace
+
+TEST_CASE("speculate_on_copy_engine (SimRuntime): no race over seeded random schedules; state equal to the host reference") {
+  std::uint64_t races = 0, runs = 0;
+  for (std::uint64_t seed = 1; seed <= 600; ++seed) {
+    races += run_schedule<OrderingEdges>(seed, true, true, true, false, FillEngine::sm_loads, true);
+    ++runs;
+  }
+  MESSAGE("speculating schedules checked: " << runs);
+  CHECK(races == 0);
+  auto f = speculating_with(false);
+  CHECK(f->dev->fill_engine() == FillEngine::sm_loads);
+  CHECK(f->dev->speculates_on_copy_engine());
+  speculating_steps(*f);
+  f->check_clean();
+  f->check_equal(true);
+  const DevicePlanStats st = f->dev->device_stats();
+  CHECK(st.speculative_issued == 2);
+  CHECK(st.misses == 5);
+  // The option changes nothing with the copy engine (every fill goes through the proxy already).
+  Fixture<> g(12, 4, 1, true, crf_default_decay_q32, false, [](DeviceCacheOptions& o) {
+    o.fill_engine = FillEngine::copy_engine;
+    o.speculate_on_copy_engine = true;
+  });
+  CHECK_FALSE(g.dev->speculates_on_copy_engine());
+}
+
+TEST_CASE("negative (edge P6): a forward's SM-load fill that does not wait for a slot's pending speculative copy races it") {
+  auto f = speculating_with(true);
+  speculating_steps(*f);
+  REQUIRE(f->rt.race_count() > 0);
+  const std::string d = f->rt.races()[0].description;
+  MESSAGE(d);
+  CHECK(d.find("proxy copy") != std::string::npos);
+  CHECK(d.find("plan_fill_ready") != std::string::npos);
+  auto g = speculating_with(false);
+  speculating_steps(*g);
+  g->check_clean();
+  g->check_equal(true);
+}
+
+TEST_CASE("speculate_on_copy_engine without overlap is refused") {
+  SimRuntime rt;
+  DeviceCacheOptions o;
+  o.num_experts = 12;
+  o.capacity = 4;
+  o.max_ids = 8;
+  o.speculate_on_copy_engine = true;
+  try {
+    DevCacheE<OrderingEdges> bad(rt, o, six_tensor_layout());
+    FAIL("speculate_on_copy_engine without overlap was accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ErrorCode::invalid_argument);
+    CHECK(std::string(e.what()).find("speculate_on_copy_engine without overlap") != std::string::npos);
   }
 }
 

@@ -103,6 +103,9 @@ struct ProxyPostParams {
   // kernel last read it (a post reads the mapped word over PCIe only when that copy shows the
   // ring full).
   std::uint32_t* post_count = nullptr;
+  // Device memory, one word per slot (speculate_on_copy_engine; null otherwise): each posted
+  // fill's tag at its slot, which a later SM-load fill of the slot waits for (edge P6).
+  std::uint32_t* slot_posted = nullptr;
   unsigned char* ring = nullptr;               // device address of the mapped ring
   std::uint32_t* error_word = nullptr;
   std::int32_t capacity = 0;
@@ -160,7 +163,9 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(proxy_post_threads) proxy_post_kernel
     for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < n; i += blockDim.x) {
       const PlanEntry f = p.fills[i];
       const bool ok = f.slot >= 0 && f.slot < p.capacity;
-      fills[i] = ProxyFill{f.expert, ok ? f.slot : -1, ok ? p.slot_needed[f.slot] : 0u, 0u};
+      const std::uint32_t tag = ok ? p.slot_needed[f.slot] : 0u;
+      fills[i] = ProxyFill{f.expert, ok ? f.slot : -1, tag, 0u};
+      if (ok && p.slot_posted != nullptr) p.slot_posted[f.slot] = tag;
     }
     if (threadIdx.x == 0) *reinterpret_cast<std::uint32_t*>(req) = static_cast<std::uint32_t>(n);
     // Every thread's entry stores, then the barrier, then thread 0's system fence and release

@@ -98,6 +98,11 @@ class BasicCudaPlanExecutor {
                                  options.label.c_str()));
     }
     copy_engine_ = options.fill_engine == FillEngine::copy_engine;
+    speculate_on_proxy_ = !copy_engine_ && options.speculate_on_copy_engine;
+    if (speculate_on_proxy_ && !overlap_) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: speculate_on_copy_engine needs overlap",
+                                 options.label.c_str()));
+    }
     if (copy_engine_ && by_consumer_) {
       throw Error(Status::format(ErrorCode::invalid_argument,
                                  "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the copy_engine "
@@ -111,7 +116,7 @@ class BasicCudaPlanExecutor {
     throw_on(make_plan_fill_params(mapped, storage_.state(), fill_, options.ready_first_regions),
              "make_plan_fill_params");
     throw_on(cudaStreamSynchronize(init.get()), "cudaStreamSynchronize (plan state reset)");
-    if (copy_engine_) start_proxy(regions, options);
+    if (copy_engine_ || speculate_on_proxy_) start_proxy(regions, options);
   }
   ~BasicCudaPlanExecutor() { release(); }
 
@@ -204,6 +209,8 @@ class BasicCudaPlanExecutor {
   [[nodiscard]] FillEngine fill_engine() const noexcept {
     return copy_engine_ ? FillEngine::copy_engine : FillEngine::sm_loads;
   }
+  // Prefetches go through the proxy while forwards' fills use SM loads (speculate_on_copy_engine).
+  [[nodiscard]] bool speculates_on_copy_engine() const noexcept { return speculate_on_proxy_; }
   // Requests and fills the proxy took for this cache (copy engine; 0 otherwise).
   [[nodiscard]] std::uint64_t proxy_requests() const noexcept { return channel_ ? channel_->requests.load() : 0; }
   [[nodiscard]] std::uint64_t proxy_fills() const noexcept { return channel_ ? channel_->fills.load() : 0; }
@@ -219,7 +226,7 @@ class BasicCudaPlanExecutor {
     EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch<Policy>(state(), ids, n, max_fills, expires_after, s));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_prefetch_kernel"); !st) return st;
-    if (copy_engine_) {  // posted only: a later forward waits for the slots it reads
+    if (copy_engine_ || speculate_on_proxy_) {  // posted only: a later forward waits for the slots it reads
       EXPERT_CACHE_TRY_CUDA(launch_proxy_post(post_, false, s));
       return rt_->after_enqueue(s, "proxy_post_kernel (prefetch)");
     }
@@ -285,13 +292,16 @@ class BasicCudaPlanExecutor {
     unsigned char* ring_dev = nullptr;
     throw_on(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev), ring_.get(), 0),
              "cudaHostGetDevicePointer (copy proxy ring)");
+    // Two counters, then (speculate_on_copy_engine) one word per slot: the tag of the slot's latest
+    // posted fill, which a forward's SM-load fill of that slot waits for (edge P6).
+    const std::size_t words = 2 + static_cast<std::size_t>(speculate_on_proxy_ ? st.capacity : 0);
     void* count = nullptr;
-    throw_on(cudaMalloc(&count, 2 * sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
+    throw_on(cudaMalloc(&count, words * sizeof(std::uint32_t)), "cudaMalloc (copy proxy post count)");
     post_count_.reset(static_cast<std::uint32_t*>(count));
     // Waited for: the caller's streams may be non-blocking, unordered with the legacy stream.
     {
       RuntimeStream<CudaRuntime> zero(*rt_);
-      throw_on(cudaMemsetAsync(post_count_.get(), 0, 2 * sizeof(std::uint32_t), zero.get()), "cudaMemsetAsync (copy proxy post count)");
+      throw_on(cudaMemsetAsync(post_count_.get(), 0, words * sizeof(std::uint32_t), zero.get()), "cudaMemsetAsync (copy proxy post count)");
       throw_on(cudaStreamSynchronize(zero.get()), "cudaStreamSynchronize (copy proxy post count)");
     }
     label_ = o.label;
@@ -301,6 +311,10 @@ class BasicCudaPlanExecutor {
     post_.slot_needed = st.slot_needed.data;
     post_.slot_ready = st.slot_ready.data;
     post_.post_count = post_count_.get();
+    if (speculate_on_proxy_) {
+      post_.slot_posted = post_count_.get() + 2;
+      if (!o.test_skip_pending_copy_wait) fill_.slot_posted = post_.slot_posted;
+    }
     post_.ring = ring_dev;
     post_.error_word = st.error_word;
     post_.capacity = st.capacity;
@@ -383,6 +397,8 @@ class BasicCudaPlanExecutor {
   bool plan_pdl_ = by_consumer_ && plan_fill_ready_pdl_supported();
   // The copy engine (FillEngine::copy_engine): every fill is a post to the device's proxy.
   bool copy_engine_ = false;
+  // speculate_on_copy_engine: only prefetches post; forwards' fills stay SM loads.
+  bool speculate_on_proxy_ = false;
   bool skip_release_drain_ = false;  // DeviceCacheOptions::test_skip_release_drain
   std::string label_ = "device_expert_cache";
   struct FreeHost {

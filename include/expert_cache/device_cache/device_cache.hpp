@@ -106,7 +106,7 @@ class DeviceExpertCacheWithEdges {
   /// @param layout   the per-expert tensors and their sizes; validated here
   /// @throws Error invalid_capacity for capacity outside [1, num_experts]; invalid_argument for stream_slots
   ///         outside [0, num_experts], max_wide_ids < 0, max_ids <= 0, fill_by_consumer with overlap or with
-  ///         FillEngine::copy_engine, crf_decay_q32 outside [1, 2^32 - 1], ready_first_regions naming a copy
+  ///         FillEngine::copy_engine, speculate_on_copy_engine without overlap, crf_decay_q32 outside [1, 2^32 - 1], ready_first_regions naming a copy
   ///         region the storage lacks, a link_profile of another device or expert size; the layout's validate()
   ///         error; the storage's invalid_argument for bad caller memory; the runtime's error when an
   ///         allocation, a stream or an event cannot be made
@@ -559,6 +559,11 @@ class DeviceExpertCacheWithEdges {
   [[nodiscard]] std::uint32_t take_errors() noexcept { return exec_.take_error_word(); }
   /// @return the engine that moves this cache's fills (FillEngine::automatic resolved at construction)
   [[nodiscard]] FillEngine fill_engine() const noexcept { return options_.fill_engine; }
+  /// Whether prefetches' fills go through the copy proxy while forwards' fills use SM loads
+  /// (DeviceCacheOptions::speculate_on_copy_engine with the engine resolved to sm_loads).
+  [[nodiscard]] bool speculates_on_copy_engine() const noexcept {
+    return options_.speculate_on_copy_engine && options_.fill_engine == FillEngine::sm_loads;
+  }
 
   /// @return the host pools (write the experts' weights here: host_tensor(t, expert)) and slot buffers
   [[nodiscard]] StorageType& storage() noexcept { return storage_; }
@@ -633,6 +638,12 @@ class DeviceExpertCacheWithEdges {
       throw Error(Status::format(ErrorCode::invalid_argument,
                                  "%s: fill_by_consumer with overlap (the consumer fills the missing experts itself, so "
                                  "there is no fill to overlap)",
+                                 o.label.c_str()));
+    }
+    if (o.speculate_on_copy_engine && !o.overlap) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: speculate_on_copy_engine without overlap (a forward then reads its slots "
+                                 "without waiting for their ready words, so a speculative copy it hits may not have landed)",
                                  o.label.c_str()));
     }
     if (o.crf_decay_q32 == 0 || o.crf_decay_q32 >= crf_one) {

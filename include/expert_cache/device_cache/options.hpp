@@ -83,6 +83,14 @@ struct DeviceCacheOptions {
   /// (FillUse::overlapped_lookahead): speculative copies on a copy engine take no SMs from the
   /// consumer. Read by automatic only.
   bool lookahead = false;
+  /// Prefetches' fills go through the copy proxy while the forwards' fills use SM loads (needs
+  /// overlap; with fill_engine resolved to copy_engine every fill goes through the proxy anyway).
+  /// A demand fill starts as soon as its plan ends, without the proxy's round trip, and the
+  /// speculative copies take no SMs from the consumer. A forward's fill of a slot first waits
+  /// until the slot's pending speculative copy landed (edge P6 of docs/design.md).
+  bool speculate_on_copy_engine = false;
+  /// Test-only: the forward's fill does not wait for a slot's pending speculative copy (P6 removed).
+  bool test_skip_pending_copy_wait = false;
   /// Test-only knobs of the copy engine (each removes one ordering edge of docs/design.md):
   /// the post publishes before the fill list is written (P1), the proxy publishes a ready word
   /// before its copies (P2); test_fail_copies makes the proxy's copies fail.

@@ -63,6 +63,11 @@ namespace expert_cache::inline v0 {
 //          stream (SimRuntime::set_host_issued): the executor's destructor waits for it (edge P4);
 //          test_skip_shutdown_wait removes that wait, and freeing the slots under its pending
 //          copy is then reported.
+//   speculate_on_copy_engine (with overlap): prefetches post to the proxy as above, forwards
+//          fill on the lanes. Each lane first waits for `proxy_done` (edge P6: a slot's pending
+//          speculative copy, and its ready-word store, land before the lane writes the slot; on the
+//          GPU per slot, for the tag the post stored); its ready_event(j) then follows both.
+//          test_skip_pending_copy_wait removes that wait.
 //
 // Overlap = false: no overlapped fill is compiled and options.overlap is refused
 // (ErrorCode::invalid_argument): make_expert_cache's executor, whose config has no overlap.
@@ -90,6 +95,8 @@ class BasicSimPlanExecutor {
         overlap_(options.overlap),
         by_consumer_(options.fill_by_consumer),
         copy_engine_(options.fill_engine == FillEngine::copy_engine),
+        speculate_on_proxy_(!copy_engine_ && options.speculate_on_copy_engine),
+        skip_pending_copy_wait_(options.test_skip_pending_copy_wait),
         post_before_list_(options.test_post_before_list),
         ready_before_copy_(options.test_ready_before_copy),
         fail_copies_(options.test_fail_copies),
@@ -124,7 +131,11 @@ class BasicSimPlanExecutor {
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
       slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
     }
-    if (copy_engine_) {
+    if (speculate_on_proxy_ && !overlap_) {
+      throw Error(Status::format(ErrorCode::invalid_argument, "%s: speculate_on_copy_engine needs overlap",
+                                 options.label.c_str()));
+    }
+    if (uses_proxy()) {
       proxy_stream_ = RuntimeStream<SimRuntime>(rt);
       rt.set_host_issued(proxy_stream_.get());  // its ops stand for the proxy thread's calls
       posted_ = RuntimeEvent<SimRuntime>(rt);
@@ -150,7 +161,7 @@ class BasicSimPlanExecutor {
   // memory goes, as the CUDA executor's detach waits for the proxy to take every request and
   // synchronises its copy stream.
   [[gnu::cold]] ~BasicSimPlanExecutor() {
-    if (copy_engine_ && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
+    if (uses_proxy() && !skip_shutdown_wait_) (void)rt_->synchronize(proxy_stream_.get());
   }
   BasicSimPlanExecutor(const BasicSimPlanExecutor&) = delete;
   BasicSimPlanExecutor& operator=(const BasicSimPlanExecutor&) = delete;
@@ -166,7 +177,7 @@ class BasicSimPlanExecutor {
   // Overlap: the stream the last fill forked from waits for every lane (see above). The copy
   // engine: a failed copy since the last call is returned once.
   Status join_fills() noexcept {
-    if (copy_engine_ && *proxy_failed_) {
+    if (uses_proxy() && *proxy_failed_) {
       *proxy_failed_ = false;
       return Status(ErrorCode::runtime_failure, "device_expert_cache: a copy-engine fill failed (simulated)");
     }
@@ -248,7 +259,7 @@ class BasicSimPlanExecutor {
       return r;
     }
     planned = true;
-    if (copy_engine_) return fill_by_proxy(s, false);
+    if (uses_proxy()) return fill_by_proxy(s, false);
     return fill_stream_ordered(s, overlap_);
   }
 
@@ -361,7 +372,7 @@ class BasicSimPlanExecutor {
         array_of(state_.crf_pow),
     };
     for (const StateArray& a : arrays) {
-      if ((a.when == Declared::forward && !forward) || (a.when == Declared::unless_copy_engine && copy_engine_)) continue;
+      if ((a.when == Declared::forward && !forward) || (a.when == Declared::unless_copy_engine && uses_proxy())) continue;
       acc.push_back({a.data, a.bytes, AccessMode::read});
       acc.push_back({a.data, a.bytes, AccessMode::write});
     }
@@ -495,6 +506,9 @@ class BasicSimPlanExecutor {
     for (std::int32_t j = 0; j < st.capacity; ++j) {
       const Stream lane = lanes_[static_cast<std::size_t>(j)].get();
       if (Status r = rt_->wait(lane, planned_.get()); !r) return r;
+      if (speculate_on_proxy_ && !skip_pending_copy_wait_) {  // edge P6
+        if (Status r = rt_->wait(lane, proxy_done_.get()); !r) return r;
+      }
       std::vector<Access> acc;
       acc.push_back({st.scalars, sizeof(DevicePlanScalars), AccessMode::read});
       acc.push_back({st.fills.data, static_cast<std::size_t>(st.capacity) * sizeof(PlanEntry), AccessMode::read});
@@ -535,6 +549,9 @@ class BasicSimPlanExecutor {
   bool overlap_;
   bool by_consumer_;  // fill_by_consumer: plans enqueue no fill
   bool copy_engine_;  // FillEngine::copy_engine: fills through the modelled proxy
+  bool speculate_on_proxy_;      // speculate_on_copy_engine: prefetches through the proxy, forwards on the lanes
+  bool skip_pending_copy_wait_;  // test knob (edge P6)
+  [[nodiscard]] bool uses_proxy() const noexcept { return copy_engine_ || speculate_on_proxy_; }
   bool post_before_list_, ready_before_copy_, fail_copies_;  // test knobs (edges P1, P2; failures)
   bool skip_shutdown_wait_;                                    // test knob (edge P4)
   RuntimeStream<SimRuntime> proxy_stream_;

@@ -87,6 +87,12 @@ struct PlanFillParams {
   std::uint32_t* fill_arrivals = nullptr;
   std::uint32_t* slot_ready_first = nullptr;
   std::uint32_t* fill_arrivals_first = nullptr;
+  // Device memory, one word per slot, or null: the tag of the slot's latest fill posted to the
+  // copy proxy (speculate_on_copy_engine). The overlapped fill waits until a slot's ready word
+  // reached it before it writes the slot (edge P6): the proxy's copy and its ready-word store
+  // must not land after this fill's.
+  const std::uint32_t* slot_posted = nullptr;
+  std::uint32_t* error_word = nullptr;  // the state's (mapped): a timed-out wait above is flagged here
   // Items of a fill's first part (edge D4c): the regions make_plan_fill_params was told to
   // copy first, placed at the front of `regions`. 0: one part (the whole expert).
   std::uint32_t first_part_items = 0;
@@ -191,6 +197,20 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(plan_fill_threads)
           const std::uint64_t until = global_timer_ns() + debug.delay_ns;
           while (global_timer_ns() < until) __nanosleep(1000);
         }
+      }
+      // Edge P6: a copy-engine fill of this slot still in flight lands first (one thread per
+      // block acquires the ready word; the barrier orders the block's stores after it).
+      if (p.slot_posted != nullptr && part == 0) {
+        if (threadIdx.x == 0) {
+          const PlanEntry f = p.fills[i];
+          if (f.slot >= 0 && f.slot < p.capacity) {
+            const std::uint32_t want = __ldcg(p.slot_posted + f.slot);
+            cuda::atomic_ref<std::uint32_t, cuda::thread_scope_device> ready(p.slot_ready[f.slot]);
+            (void)bounded_spin([&] { return slot_seq_reached(ready.load(cuda::memory_order_acquire), want); }, 0,
+                               p.error_word);
+          }
+        }
+        __syncthreads();
       }
       // Fill i's part, shared by all blocks (grid-stride over its items): parts become ready in
       // list order, the first one after about 1/n of the part's bytes.
@@ -325,6 +345,7 @@ inline cudaError_t make_plan_fill_params(const CopyRegions& regions, const Devic
   p.fill_arrivals = s.fill_arrivals.data;
   p.slot_ready_first = s.slot_ready_first.data;
   p.fill_arrivals_first = s.fill_arrivals_first.data;
+  p.error_word = s.error_word;
   std::uint64_t items = 0;
   for (std::size_t i = 0; i < regions.count; ++i) {
     const CopyRegion& r = p.regions.regions[i];
