@@ -624,7 +624,9 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                       : (fill_only ? device_fill_only_staging
                                    : (overlap ? device_overlap_staging
                                               : (one_pass ? device_one_pass_staging : bench::device_staging)));
-  const std::string device_staging_label = device_staging_text + fill_engine_suffix(to_string(engine));
+  // split (speculate_on_copy_engine) runs with engine sm_loads; its rows say +split.
+  const std::string device_staging_label =
+      device_staging_text + fill_engine_suffix(overlap && a.fill_engine == "split" ? "split" : to_string(engine));
   const char* const device_staging = device_staging_label.c_str();
   const std::int32_t n = m.ids_per_forward();
   const auto un = static_cast<std::size_t>(n);
