@@ -663,9 +663,11 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     built.overlap = overlap;
     built.lookahead = lookahead_row;
     std::string reason;
-    const FillEngine picked = lp.choose_engine(fill_use_of(built), &reason);
-    if (picked != caches[0]->fill_engine()) {
-      reason += std::string(" (but the cache runs ") + std::string(to_string(caches[0]->fill_engine())) + ")";
+    const LinkProfile::EngineChoice picked = lp.choose_engines(fill_use_of(built), &reason);
+    if (picked.forwards != caches[0]->fill_engine() ||
+        picked.speculate_on_copy_engine != caches[0]->speculates_on_copy_engine()) {
+      reason += std::string(" (but the cache runs ") + std::string(to_string(caches[0]->fill_engine())) +
+                (caches[0]->speculates_on_copy_engine() ? ", prefetches on the copy engine" : "") + ")";
     }
     notes.push_back(std::string("device/") + device_staging + (lookahead_row ? "+" + prefetch : std::string()) +
                     ": automatic picked " + reason);

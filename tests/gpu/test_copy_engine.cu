@@ -362,16 +362,33 @@ TEST_CASE("fill engine automatic: resolved from the link profile; a stored profi
   other.sm_load_gbps = other.copy_engine_gbps_batch;
   o.link_profile = other;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
-  // Lookahead: an overlapping cache with room for the next forward's experts takes the copy
-  // engine even where SM loads are as fast; one that does not overlap, or whose pool holds only
-  // the current forward (4 slots, 4 ids), decides from the bandwidths.
+  // Lookahead: an overlapping cache with room for the next forward's experts puts its
+  // speculative copies on the copy engine where SM loads are as fast (forwards stay SM loads);
+  // one that does not overlap, or whose pool holds only the current forward (4 slots, 4 ids),
+  // decides from the bandwidths alone; with slow SM loads every fill takes the copy engine.
   o.lookahead = true;
   o.max_ids = 2;
   CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
+  CHECK_FALSE(CeCache(cuda_runtime(), o, big_layout()).speculates_on_copy_engine());
   o.overlap = true;
-  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::copy_engine);
+  {
+    CeCache split(cuda_runtime(), o, big_layout());
+    CHECK(split.fill_engine() == FillEngine::sm_loads);
+    CHECK(split.speculates_on_copy_engine());
+  }
   o.max_ids = 4;
-  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::sm_loads);
+  CHECK_FALSE(CeCache(cuda_runtime(), o, big_layout()).speculates_on_copy_engine());
+  o.max_ids = 2;
+  other.sm_load_gbps = other.copy_engine_gbps_batch * 0.5;
+  o.link_profile = other;
+  {
+    CeCache ce(cuda_runtime(), o, big_layout());
+    CHECK(ce.fill_engine() == FillEngine::copy_engine);
+    CHECK_FALSE(ce.speculates_on_copy_engine());
+  }
+  other.sm_load_gbps = other.copy_engine_gbps_batch;
+  o.link_profile = other;
+  o.max_ids = 4;
   o.overlap = false;
   o.lookahead = false;
   // fill_by_consumer where the copy engine is picked: the cache overlaps instead.

@@ -192,22 +192,34 @@ TEST_CASE("LinkProfile::choose_engine: SM loads from 0.8 of the copy engine's ba
   CHECK(reason.find("no copy-engine") != std::string::npos);
 }
 
-TEST_CASE("LinkProfile::choose_engine for overlapped lookahead: the copy engine, whatever the bandwidths") {
+TEST_CASE("LinkProfile::choose_engines for overlapped lookahead: split with fast SM loads, else the copy engine") {
   LinkProfile p = sample_profile();
   p.copy_engine_gbps_batch = 100.0;
-  p.sm_load_gbps = 94.0;  // fast SM loads: demand fills take them
+  p.sm_load_gbps = 94.0;  // fast SM loads: forwards' fills take them
   std::string reason;
-  CHECK(p.choose_engine(FillUse::demand, &reason) == FillEngine::sm_loads);
+  LinkProfile::EngineChoice c = p.choose_engines(FillUse::demand, &reason);
+  CHECK(c.forwards == FillEngine::sm_loads);
+  CHECK_FALSE(c.speculate_on_copy_engine);
   CHECK(reason == "sm_loads: SM loads 94.0 GB/s are 0.940 of the copy engine's batch 100.0 GB/s (at least 0.80)");
-  CHECK(p.choose_engine(FillUse::overlapped_lookahead, &reason) == FillEngine::copy_engine);
+  c = p.choose_engines(FillUse::overlapped_lookahead, &reason);
+  CHECK(c.forwards == FillEngine::sm_loads);
+  CHECK(c.speculate_on_copy_engine);
   CHECK(reason ==
-        "copy_engine: overlapped lookahead, whose speculative copies must not take SMs from the consumer; SM loads 94.0 "
-        "GB/s are 0.940 of the copy engine's batch 100.0 GB/s (at least 0.80)");
-  p.sm_load_gbps = 50.0;  // slow SM loads: the copy engine either way
-  CHECK(p.choose_engine(FillUse::demand) == FillEngine::copy_engine);
-  CHECK(p.choose_engine(FillUse::overlapped_lookahead) == FillEngine::copy_engine);
+        "split: SM loads 94.0 GB/s are 0.940 of the copy engine's batch 100.0 GB/s (at least 0.80); forwards' fills "
+        "with SM loads, the overlapped lookahead's speculative copies on the copy engine, which takes no SMs from the "
+        "consumer");
+  CHECK(p.choose_engine(FillUse::overlapped_lookahead) == FillEngine::sm_loads);
+  p.sm_load_gbps = 50.0;  // slow SM loads: the copy engine for every fill
+  for (const FillUse use : {FillUse::demand, FillUse::overlapped_lookahead}) {
+    c = p.choose_engines(use, &reason);
+    CHECK(c.forwards == FillEngine::copy_engine);
+    CHECK_FALSE(c.speculate_on_copy_engine);
+    CHECK(reason == "copy_engine: SM loads 50.0 GB/s are 0.500 of the copy engine's batch 100.0 GB/s (below 0.80)");
+  }
   LinkProfile empty;  // no measurement: the copy engine
-  CHECK(empty.choose_engine(FillUse::overlapped_lookahead, &reason) == FillEngine::copy_engine);
+  c = empty.choose_engines(FillUse::overlapped_lookahead, &reason);
+  CHECK(c.forwards == FillEngine::copy_engine);
+  CHECK_FALSE(c.speculate_on_copy_engine);
   CHECK(reason.find("no copy-engine") != std::string::npos);
 }
 
@@ -228,14 +240,17 @@ TEST_CASE("fill_use_of: overlapped lookahead only with lookahead, overlap and ro
   o.capacity = 64;
   o.max_ids = std::numeric_limits<std::int32_t>::max();  // no overflow in the room test
   CHECK(fill_use_of(o) == FillUse::demand);
-  // With the profile: a fast-SM host takes SM loads unless the cache really looks ahead.
+  // With the profile: a fast-SM host takes SM loads for the forwards, and the copy engine for
+  // the speculation only when the cache really looks ahead.
   LinkProfile p = sample_profile();
   p.copy_engine_gbps_batch = 100.0;
   p.sm_load_gbps = 94.0;
   o.max_ids = 10;
-  CHECK(p.choose_engine(fill_use_of(o)) == FillEngine::copy_engine);
+  CHECK(p.choose_engines(fill_use_of(o)).forwards == FillEngine::sm_loads);
+  CHECK(p.choose_engines(fill_use_of(o)).speculate_on_copy_engine);
   o.capacity = 10;
-  CHECK(p.choose_engine(fill_use_of(o)) == FillEngine::sm_loads);
+  CHECK(p.choose_engines(fill_use_of(o)).forwards == FillEngine::sm_loads);
+  CHECK_FALSE(p.choose_engines(fill_use_of(o)).speculate_on_copy_engine);
 }
 
 TEST_CASE("LinkProfile::sm_load_share and describe") {

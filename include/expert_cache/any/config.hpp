@@ -80,7 +80,8 @@ struct AnyCacheConfig {
   /// waits per slot, through AnyExpertCache::readiness(), for each missing one. Host providers refuse it.
   bool overlap = false;
   /// device: the engine looks ahead with prefetch (DeviceCacheOptions::lookahead): with overlap and room in the
-  /// pool, automatic then picks the copy engine (fill_use_of). Host providers refuse it.
+  /// pool, automatic then puts the speculative copies on the copy engine (fill_use_of,
+  /// LinkProfile::choose_engines). Host providers refuse it.
   bool lookahead = false;
 };
 

@@ -128,8 +128,9 @@ class BasicCudaPlanExecutor {
     channel_.reset();
   }
 
-  // FillEngine::automatic -> the engine the link profile picks for this device and expert size
-  // (options.link_profile when given, checked against both; else measured once per process). When
+  // FillEngine::automatic -> the engines the link profile picks for this device and expert size
+  // (options.link_profile when given, checked against both; else measured once per process): with
+  // overlapped lookahead and fast SM loads, SM loads for forwards and the proxy for prefetches. When
   // it picks copy_engine for fill_by_consumer, the cache overlaps instead (DeviceCacheOptions).
   static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, std::uint64_t expert_bytes) {
     if (o.fill_engine != FillEngine::automatic) return o;
@@ -146,7 +147,9 @@ class BasicCudaPlanExecutor {
     } else if (Status s = link_profile_for(device, expert_bytes, p); !s) {
       throw Error(s.with_context("%s: measuring the link profile for FillEngine::automatic", o.label.c_str()));
     }
-    o.fill_engine = p.choose_engine(fill_use_of(o));
+    const LinkProfile::EngineChoice choice = p.choose_engines(fill_use_of(o));
+    o.fill_engine = choice.forwards;
+    o.speculate_on_copy_engine = o.speculate_on_copy_engine || choice.speculate_on_copy_engine;
     if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {
       o.fill_by_consumer = false;
       o.overlap = true;

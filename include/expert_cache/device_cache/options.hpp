@@ -79,9 +79,11 @@ struct DeviceCacheOptions {
   /// measurement. One from another device or expert size is refused at construction.
   std::optional<LinkProfile> link_profile;
   /// The engine prefetches the next layer's experts while this one computes (lookahead). With
-  /// overlap and room to look ahead (fill_use_of), automatic then picks the copy engine
-  /// (FillUse::overlapped_lookahead): speculative copies on a copy engine take no SMs from the
-  /// consumer. Read by automatic only.
+  /// overlap and room to look ahead (fill_use_of), automatic then puts the speculative copies on
+  /// the copy engine (FillUse::overlapped_lookahead; LinkProfile::choose_engines): they take no SMs
+  /// from the consumer. With fast SM loads the forwards' fills stay SM loads
+  /// (speculate_on_copy_engine), otherwise every fill goes through the copy engine. Read by
+  /// automatic only.
   bool lookahead = false;
   /// Prefetches' fills go through the copy proxy while the forwards' fills use SM loads (needs
   /// overlap; with fill_engine resolved to copy_engine every fill goes through the proxy anyway).

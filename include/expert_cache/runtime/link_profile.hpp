@@ -188,31 +188,47 @@ struct LinkProfile {
     return choose_engine(FillUse::demand, reason);
   }
 
-  /// The same for fills used as `use` (fill_use_of in device_cache/options.hpp). With
-  /// FillUse::overlapped_lookahead: copy_engine, whatever the bandwidths. The next layer's speculative fills then run
-  /// while this layer's consumer computes, and with SM loads their fill kernels take SMs from that consumer: on H100
-  /// hosts where SM loads reached 0.52 and 0.94 of the copy engine's batch bandwidth, the overlapping rows with
-  /// lookahead ran 1.50x and 1.13x faster on the copy engine (docs/prefetch.md).
+  /// The same for fills used as `use` (fill_use_of in device_cache/options.hpp): the engine of the
+  /// forwards' fills (choose_engines(use).forwards).
   [[nodiscard]] FillEngine choose_engine(FillUse use, std::string* reason = nullptr) const {
+    return choose_engines(use, reason).forwards;
+  }
+
+  /// What FillEngine::automatic picks for fills used as `use`: the forwards' engine, and whether
+  /// prefetches go through the copy engine beside SM-load forwards (DeviceCacheOptions::
+  /// speculate_on_copy_engine). Slow SM loads (below sm_load_min_share of the copy engine's batch
+  /// bandwidth), or no measurement: the copy engine for every fill. Fast SM loads: SM loads for the
+  /// forwards, and with FillUse::overlapped_lookahead the speculative copies on the copy engine,
+  /// where they take no SMs from the consumer they run beside while a forward's fill still starts
+  /// without the proxy's round trip. On an H100 host where SM loads reached 0.93 of the copy
+  /// engine's batch bandwidth, the overlapping rows with lookahead ran at 0.730 of the PCIe bound
+  /// this way against 0.717-0.727 with every fill on the copy engine and 0.658-0.662 with every fill
+  /// on SM loads (docs/prefetch.md).
+  struct EngineChoice {
+    FillEngine forwards = FillEngine::copy_engine;
+    bool speculate_on_copy_engine = false;
+  };
+  [[nodiscard]] EngineChoice choose_engines(FillUse use, std::string* reason = nullptr) const {
     const bool measured = copy_engine_gbps_batch > 0 && std::isfinite(copy_engine_gbps_batch) &&
                           sm_load_gbps >= 0 && std::isfinite(sm_load_gbps);
     if (!measured) {
       if (reason != nullptr) *reason = "copy_engine: the profile holds no copy-engine and SM-load measurement";
-      return FillEngine::copy_engine;
+      return {};
     }
     const bool fast_sm = sm_load_gbps >= sm_load_min_share * copy_engine_gbps_batch;
-    const bool lookahead = use == FillUse::overlapped_lookahead;
-    const bool sm = fast_sm && !lookahead;
+    const bool split = fast_sm && use == FillUse::overlapped_lookahead;
     if (reason != nullptr) {
-      char buf[320];
-      std::snprintf(buf, sizeof buf, "%s: %sSM loads %.1f GB/s are %.3f of the copy engine's batch %.1f GB/s (%s %.2f)",
-                    sm ? "sm_loads" : "copy_engine",
-                    lookahead ? "overlapped lookahead, whose speculative copies must not take SMs from the consumer; " : "",
-                    sm_load_gbps, sm_load_gbps / copy_engine_gbps_batch, copy_engine_gbps_batch,
-                    fast_sm ? "at least" : "below", sm_load_min_share);
+      char buf[400];
+      std::snprintf(buf, sizeof buf, "%s: SM loads %.1f GB/s are %.3f of the copy engine's batch %.1f GB/s (%s %.2f)%s",
+                    split ? "split" : (fast_sm ? "sm_loads" : "copy_engine"), sm_load_gbps,
+                    sm_load_gbps / copy_engine_gbps_batch, copy_engine_gbps_batch, fast_sm ? "at least" : "below",
+                    sm_load_min_share,
+                    split ? "; forwards' fills with SM loads, the overlapped lookahead's speculative copies on the copy "
+                            "engine, which takes no SMs from the consumer"
+                          : "");
       *reason = buf;
     }
-    return sm ? FillEngine::sm_loads : FillEngine::copy_engine;
+    return EngineChoice{fast_sm ? FillEngine::sm_loads : FillEngine::copy_engine, split};
   }
 
   /// Whether a stored profile belongs to this device and expert size.
