@@ -605,15 +605,8 @@ class TorchModelCache {
 
   // (hits, misses, generation) of layer `layer`'s forward, on torch's current stream.
   py::tuple prepare(std::int32_t layer, const at::Tensor& ids) {
-    if (!ids.defined()) fail_value(label_ + ": topk_ids is undefined");
-    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
-      fail_value(label_ + ": topk_ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
-    }
-    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": topk_ids must be a CPU or CUDA tensor");
-    const c10::cuda::CUDAStream stream = current_stream();
-    if (capturing(stream.stream())) {
-      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
-    }
+    check_id_tensor(ids, "topk_ids", false);
+    const c10::cuda::CUDAStream stream = host_planning_stream();
     // One copy into a pinned int64 buffer on the current stream, one synchronisation (CUDA ids).
     at::Tensor host = ids.reshape({-1});
     if (ids.is_cuda()) {
@@ -658,10 +651,7 @@ class TorchModelCache {
         consumer);
   }
   py::tuple prepare_unique(std::int32_t layer, const std::vector<std::int64_t>& unique_ids) {
-    const c10::cuda::CUDAStream stream = current_stream();
-    if (capturing(stream.stream())) {
-      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
-    }
+    const c10::cuda::CUDAStream stream = host_planning_stream();
     const auto r = bridge_->prepare_unique(layer, unique_ids, static_cast<void*>(stream.stream()));
     check(r.status());
     return py::make_tuple(r.value().hits, r.value().misses, r.value().generation);
@@ -675,15 +665,8 @@ class TorchModelCache {
   // of the current stream), and it cannot be captured. `scores` as ExpertCache.prefetch takes them.
   py::dict prefetch(std::int32_t layer, const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after,
                     const std::optional<at::Tensor>& scores, double min_score) {
-    if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
-    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
-      fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
-    }
-    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": prefetch ids must be a CPU or CUDA tensor");
-    const c10::cuda::CUDAStream stream = current_stream();
-    if (capturing(stream.stream())) {
-      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
-    }
+    check_id_tensor(ids, "prefetch ids", true);
+    const c10::cuda::CUDAStream stream = host_planning_stream();
     at::Tensor score_tensor;
     const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor);
     const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
@@ -754,6 +737,23 @@ class TorchModelCache {
   std::string policy() const { return bridge_->policy(); }
 
  private:
+  // Ids the model cache reads: defined, int32 or int64, on the CPU or a CUDA device. `what` names
+  // them in the errors ("<what> is undefined", or "are" when `plural`).
+  void check_id_tensor(const at::Tensor& ids, const char* what, bool plural) const {
+    if (!ids.defined()) fail_value(label_ + ": " + what + (plural ? " are" : " is") + " undefined");
+    if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
+      fail_value(label_ + ": " + what + " must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
+    }
+    if (!ids.is_cuda() && ids.device().type() != at::kCPU) fail_value(label_ + ": " + what + " must be a CPU or CUDA tensor");
+  }
+  // torch's current stream, refused while it captures: the model cache plans on the host.
+  c10::cuda::CUDAStream host_planning_stream() const {
+    const c10::cuda::CUDAStream stream = current_stream();
+    if (capturing(stream.stream())) {
+      fail(label_ + ": the model cache plans on the host and cannot be captured in a CUDA graph");
+    }
+    return stream;
+  }
   const ec::LayerDescriptor& layer_of(std::int32_t layer) const {
     if (layer < 0 || layer >= num_layers_) {
       fail_value(label_ + ": layer " + std::to_string(layer) + " out of range [0, " + std::to_string(num_layers_) + ")");

@@ -657,15 +657,7 @@ class ExpertCacheWithEdges {
   }
 
   PrefetchView prefetch_view(std::uint64_t bytes_per_expert) const noexcept {
-    PrefetchView v;
-    v.issued = static_cast<std::uint32_t>(prefetch_plan_.fills.size());
-    v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
-    v.skipped_resident = prefetch_plan_.skipped_resident;
-    v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
-    v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
-    v.skipped_imprecise = prefetch_plan_.skipped_imprecise;
-    v.bytes = v.issued * bytes_per_expert;
-    return v;
+    return detail::prefetch_view_of(prefetch_plan_, bytes_per_expert);
   }
 
   // The device forward map already holds the host's: the last upload had the same entries, was

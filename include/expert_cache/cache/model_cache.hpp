@@ -267,15 +267,7 @@ class ModelExpertCacheWithEdges {
         return Status::format(ErrorCode::too_many_experts, "prefetch of layer %d got %zu predicted ids, more than the %d experts",
                               layer, predicted.size(), options_.num_experts);
       }
-      for (const std::int32_t id : predicted) {
-        if (id < 0 || id >= options_.num_experts) return out_of_range(layer, id);
-      }
-      try {
-        ids_.resize(predicted.size());
-      } catch (...) {
-        return Status(ErrorCode::invalid_argument, "out of memory translating the prefetch's ids");
-      }
-      for (std::size_t i = 0; i < predicted.size(); ++i) ids_[i] = key(l, predicted[i]);
+      if (Status s = key_ids(l, predicted, false, "prefetch"); !s) return s;
       ids = ids_;
     }
     // The one-time per-slot events (every slot of the model), then the plan (which validates before any
@@ -854,16 +846,7 @@ class ModelExpertCacheWithEdges {
   template <bool Unique>
   Status plan(std::size_t l, std::span<const std::int32_t> ids) noexcept {
     if (!global()) return Unique ? planners_[l].plan_unique(ids, plan_) : planners_[l].plan_topk(ids, plan_);
-    const auto layer = static_cast<std::int32_t>(l);
-    for (const std::int32_t id : ids) {
-      if (id >= options_.num_experts || (Unique && id < 0)) return out_of_range(layer, id);
-    }
-    try {
-      ids_.resize(ids.size());
-    } catch (...) {
-      return Status(ErrorCode::invalid_argument, "out of memory translating the forward's ids");
-    }
-    for (std::size_t i = 0; i < ids.size(); ++i) ids_[i] = ids[i] < 0 ? ids[i] : key(l, ids[i]);
+    if (Status s = key_ids(l, ids, !Unique, "forward"); !s) return s;
     const std::span<const std::int32_t> keyed(ids_);
     return Unique ? planners_[0].plan_unique(keyed, plan_) : planners_[0].plan_topk(keyed, plan_);
   }
@@ -918,6 +901,22 @@ class ModelExpertCacheWithEdges {
     return v;
   }
 
+  // Global pool: layer l's ids as the one planner's keys (layer * E + id) in ids_. An id >= E (or
+  // negative, unless `negatives_pass`: top-k padding the planner handles) is out of range: an id
+  // of another layer's key range must not pass as this layer's.
+  Status key_ids(std::size_t l, std::span<const std::int32_t> ids, bool negatives_pass, const char* what) noexcept {
+    for (const std::int32_t id : ids) {
+      if (id >= options_.num_experts || (!negatives_pass && id < 0)) return out_of_range(static_cast<std::int32_t>(l), id);
+    }
+    try {
+      ids_.resize(ids.size());
+    } catch (...) {
+      return Status::format(ErrorCode::invalid_argument, "out of memory translating the %s's ids", what);
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) ids_[i] = ids[i] < 0 ? ids[i] : key(l, ids[i]);
+    return {};
+  }
+
   // Layer l's slot `slot` (its planner's numbering) in the model's slot storage: the index of the
   // core's per-slot speculative events.
   [[nodiscard]] std::size_t model_slot(std::size_t l, std::int32_t slot) const noexcept {
@@ -938,15 +937,7 @@ class ModelExpertCacheWithEdges {
   }
 
   [[nodiscard]] PrefetchView prefetch_view(std::uint64_t bytes_per_expert) const noexcept {
-    PrefetchView v;
-    v.issued = static_cast<std::uint32_t>(prefetch_plan_.fills.size());
-    v.evictions = static_cast<std::uint32_t>(prefetch_plan_.evictions.size());
-    v.skipped_resident = prefetch_plan_.skipped_resident;
-    v.skipped_no_victim = prefetch_plan_.skipped_no_victim;
-    v.skipped_unlikely = prefetch_plan_.skipped_unlikely;
-    v.skipped_imprecise = prefetch_plan_.skipped_imprecise;
-    v.bytes = prefetch_plan_.fills.size() * bytes_per_expert;
-    return v;
+    return detail::prefetch_view_of(prefetch_plan_, bytes_per_expert);
   }
 
   Status issue(StagingPolicy& staging, std::size_t l, Stream fill) noexcept {

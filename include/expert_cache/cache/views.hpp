@@ -66,4 +66,20 @@ struct PrefetchView {
   std::uint64_t bytes = 0;              ///< bytes enqueued
 };
 
+namespace detail {
+// The view of a planned prefetch (ForwardPlanner's PrefetchPlan), for the caches that issue it.
+template <class Plan>
+[[nodiscard]] PrefetchView prefetch_view_of(const Plan& plan, std::uint64_t bytes_per_expert) noexcept {
+  PrefetchView v;
+  v.issued = static_cast<std::uint32_t>(plan.fills.size());
+  v.evictions = static_cast<std::uint32_t>(plan.evictions.size());
+  v.skipped_resident = plan.skipped_resident;
+  v.skipped_no_victim = plan.skipped_no_victim;
+  v.skipped_unlikely = plan.skipped_unlikely;
+  v.skipped_imprecise = plan.skipped_imprecise;
+  v.bytes = v.issued * bytes_per_expert;
+  return v;
+}
+}  // namespace detail
+
 }  // namespace expert_cache::inline v0

@@ -98,11 +98,7 @@ class BasicCudaPlanExecutor {
                                  options.label.c_str()));
     }
     copy_engine_ = options.fill_engine == FillEngine::copy_engine;
-    speculate_on_proxy_ = !copy_engine_ && options.speculate_on_copy_engine;
-    if (speculate_on_proxy_ && !overlap_) {
-      throw Error(Status::format(ErrorCode::invalid_argument, "%s: speculate_on_copy_engine needs overlap",
-                                 options.label.c_str()));
-    }
+    speculate_on_proxy_ = !copy_engine_ && options.speculate_on_copy_engine;  // with overlap (the cache checks)
     if (copy_engine_ && by_consumer_) {
       throw Error(Status::format(ErrorCode::invalid_argument,
                                  "%s: fill_by_consumer reads host memory with SM loads; it cannot run with the copy_engine "

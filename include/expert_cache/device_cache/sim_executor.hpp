@@ -131,10 +131,6 @@ class BasicSimPlanExecutor {
       pools_.push_back({r.host_base, extent(r.host_stride, num_experts, r.bytes), AccessMode::read});
       slots_.push_back({r.slot_base, extent(r.slot_stride, capacity, r.bytes), AccessMode::write});
     }
-    if (speculate_on_proxy_ && !overlap_) {
-      throw Error(Status::format(ErrorCode::invalid_argument, "%s: speculate_on_copy_engine needs overlap",
-                                 options.label.c_str()));
-    }
     if (uses_proxy()) {
       proxy_stream_ = RuntimeStream<SimRuntime>(rt);
       rt.set_host_issued(proxy_stream_.get());  // its ops stand for the proxy thread's calls
