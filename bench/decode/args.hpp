@@ -95,6 +95,10 @@ struct BenchArgs {
   // --host-wait: how the host thread waits for the device (cudaSetDeviceFlags before the run):
   // auto (CUDA's default), spin, yield or blocking.
   std::string host_wait = "auto";
+  // --prefetch-at: where the device rows' lookahead issues layer l+1's prefetch: after layer l's
+  // router (router, the default: the engine's hint, layer l+1's router applied to layer l's
+  // input, is known there) or after layer l's prepare (prepare).
+  std::string prefetch_at = "router";
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -150,6 +154,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      (token, expert) pairs: pairs (default) or experts (the fill's order)\n"
                "  --overlap-parts P   with --overlap: whole (each expert in one piece, default) or w13-first\n"
                "                      (every missing expert's W13 tensors first, on their own ready word)\n"
+               "  --prefetch-at P     where the device rows' lookahead prefetches layer l+1: after layer l's\n"
+               "                      router (router, default) or after its prepare (prepare); GPU only\n"
                "  --host-wait W       how the host thread waits for the GPU: auto (CUDA's default), spin,\n"
                "                      yield or blocking (cudaSetDeviceFlags); GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
@@ -158,8 +164,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      (router only, router+plan, fill_only, plan doubled, consumer doubled) and\n"
                "                      the per-layer table they give; measured on a GPU only (implies --fill-only)\n"
                "  --prefetch P,...    lookahead rows for row/cached with copy_stream staging and (measured only)\n"
-               "                      the device rows: after layer L's prepare, prefetch layer L+1's predicted\n"
-               "                      experts (device: on a side stream inside the captured step): none, coact\n"
+               "                      the device rows: after layer L's prepare (device rows: --prefetch-at),\n"
+               "                      prefetch layer L+1's predicted experts (device: on a side stream inside\n"
+               "                      the captured step): none, coact\n"
                "                      (co-activation table), prev (previous token), hint:R[:W][:noise=N]\n"
                "                      (EMULATED engine hints of recall R in (0, 1], drawn from the routing's\n"
                "                      future; wrong ids W: uniform (default), recent (the next layer's recent\n"
@@ -351,6 +358,10 @@ inline BenchArgs parse_args(int argc, char** argv) {
       const std::string v(value());
       if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};
       a.overlap_parts = v;
+    } else if (arg == "--prefetch-at") {
+      const std::string v(value());
+      if (v != "router" && v != "prepare") throw UsageError{"--prefetch-at: '" + v + "' is not router or prepare"};
+      a.prefetch_at = v;
     } else if (arg == "--host-wait") {
       const std::string v(value());
       if (v != "auto" && v != "spin" && v != "yield" && v != "blocking")

@@ -139,6 +139,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
   rep.steps = args.steps;
   rep.warmup = args.warmup;
   rep.prefetch_budget = prefetch_budget(args, model);
+  rep.prefetch_at = args.prefetch_at;
   print_table(stdout, rep);
   std::fflush(stdout);
   if (args.json_path) {

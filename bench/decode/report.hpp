@@ -66,6 +66,7 @@ struct Report {
   std::vector<RunResult> runs;
   std::vector<std::string> notes;  // extra lines printed under the table
   std::int32_t prefetch_budget = 0;  // experts per layer (--prefetch runs)
+  std::string prefetch_at = "router";  // where the device rows prefetch layer L+1 (--prefetch-at)
   [[nodiscard]] bool has_lookahead() const noexcept {
     for (const RunResult& r : runs)
       if (!r.prefetch.empty()) return true;
@@ -118,9 +119,10 @@ inline std::string mode_label(bool modelled) {
 // --prefetch: the baseline and predictor rows (hint rows labelled emulated).
 inline void print_lookahead_table(std::FILE* out, const Report& rep) {
   std::fprintf(out,
-               "\nlookahead (after layer L's prepare and consumer, cache[L+1].prefetch() of the predicted experts;\n"
-               "budget %d experts per layer and token; the predictor ranks max(budget, widest forward) experts)\n",
-               rep.prefetch_budget);
+               "\nlookahead (cache[L+1].prefetch() of the predicted experts: host-planned rows after layer L's prepare\n"
+               "and consumer, device rows after layer L's %s; budget %d experts per layer and token; the predictor\n"
+               "ranks max(budget, widest forward) experts)\n",
+               rep.prefetch_at.c_str(), rep.prefetch_budget);
   std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
                "tok/s", "hit%", "spec_iss", "spec_use", "spec_wst", "MB/tok", "MB/tok", "vs_pcie", "vs_pcie");
   std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "", "", "", "", "", "/tok", "/tok", "/tok",

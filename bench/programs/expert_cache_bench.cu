@@ -605,7 +605,8 @@ inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w
 // prefetch ("", "none" or a predictor): lookahead. The predictor runs on the host BEFORE timing
 // over the whole routing (the same calls, in the same order, as the host-planned rows make
 // during their loop); its lists are uploaded with the routing. In the graph, after layer l's
-// prepare, a side stream forks from the consumer stream, a kernel copies layer l+1's list of
+// router (--prefetch-at router) or prepare (--prefetch-at prepare), a side stream forks from
+// the consumer stream, a kernel copies layer l+1's list of
 // the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
 // layer l's consumer; prepare(l+1) joins the side stream (edge 2).
 // budget (a --budget staging, or empty): the row leaves a stage out or doubles it (see
@@ -697,6 +698,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   // Lookahead lists: [steps][layers][list_length], -1 padded (the last layer's is empty).
   Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
   const std::int32_t list_n = lookahead.active() ? lookahead.list_length() : 0;
+  const bool prefetch_at_router = a.prefetch_at == "router";
   std::vector<std::int32_t> hints;
   if (lookahead.active()) {
     hints.assign(static_cast<std::size_t>(routing.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), -1);
@@ -782,20 +784,25 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                        shadows[static_cast<std::size_t>(l)].state(), l_ids, n, nullptr, ctx.consumer)),
                    "launch_plan_forward (shadow)");
       }
+      // Layer l+1's prefetch on the side stream, forked from the consumer stream (the caches are
+      // per layer, so it depends on no step of cache l).
+      const auto fork_prefetch = [&] {
+        if (list_n == 0 || l + 1 >= m.layers) return;
+        std::int32_t* h = layer_hints.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
+        check_cuda(cudaEventRecord(forked, ctx.consumer), "cudaEventRecord(fork)");
+        check_cuda(cudaStreamWaitEvent(side, forked, 0), "cudaStreamWaitEvent(fork)");
+        hint_kernel<<<1, 32, 0, side>>>(table_hints.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
+                                        m.layers, l, list_n, h);
+        check_cuda(cudaGetLastError(), "hint_kernel");
+        Result<PrefetchView> pv =
+            caches[static_cast<std::size_t>(l + 1)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
+        if (!pv.ok()) throw Error(pv.status());
+      };
+      if (prefetch_at_router) fork_prefetch();
       for (std::int32_t g = 0; g < rounds; ++g) {
         Result<ForwardView> view = g == 0 ? cache.prepare(l_ids, n, ctx.consumer) : cache.prepare_group(g, ctx.consumer);
         if (!view.ok()) throw Error(view.status());
-        if (g == 0 && list_n > 0 && l + 1 < m.layers) {
-          std::int32_t* h = layer_hints.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
-          check_cuda(cudaEventRecord(forked, ctx.consumer), "cudaEventRecord(fork)");
-          check_cuda(cudaStreamWaitEvent(side, forked, 0), "cudaStreamWaitEvent(fork)");
-          hint_kernel<<<1, 32, 0, side>>>(table_hints.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
-                                          m.layers, l, list_n, h);
-          check_cuda(cudaGetLastError(), "hint_kernel");
-          Result<PrefetchView> pv =
-              caches[static_cast<std::size_t>(l + 1)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
-          if (!pv.ok()) throw Error(pv.status());
-        }
+        if (g == 0 && !prefetch_at_router) fork_prefetch();
         float* dst = g == 0 ? out : part.as<float>();
         if (g > 0) check_cuda(cudaMemsetAsync(dst, 0, act * sizeof(float), ctx.consumer), "cudaMemsetAsync(round)");
         if (fill_only) continue;  // the timing decomposition: router, plan and fills only
