@@ -96,9 +96,14 @@ struct BenchArgs {
   // auto (CUDA's default), spin, yield or blocking.
   std::string host_wait = "auto";
   // --prefetch-at: where the device rows' lookahead issues layer l+1's prefetch: after layer l's
-  // router (router, the default: the engine's hint, layer l+1's router applied to layer l's
-  // input, is known there) or after layer l's prepare (prepare).
-  std::string prefetch_at = "router";
+  // router (router: the engine's hint, layer l+1's router applied to layer l's input, is known
+  // there), after layer l's prepare (prepare), or auto (the default): router where the
+  // prefetch's fills run on the copy engine, prepare where they take SM loads (they would
+  // otherwise compete with layer l's own fills for the link and the SMs).
+  std::string prefetch_at = "auto";
+  // --timeline: the device rows log their step from the device (decode/timeline.cuh) and print a
+  // summary per row: layer time, the consumer's tail, fill latencies, the link's idle time.
+  bool timeline = false;
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -155,7 +160,11 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --overlap-parts P   with --overlap: whole (each expert in one piece, default) or w13-first\n"
                "                      (every missing expert's W13 tensors first, on their own ready word)\n"
                "  --prefetch-at P     where the device rows' lookahead prefetches layer l+1: after layer l's\n"
-               "                      router (router, default) or after its prepare (prepare); GPU only\n"
+               "                      router (router), after its prepare (prepare), or auto (default: router\n"
+               "                      where the prefetch fills run on the copy engine, else prepare); GPU only\n"
+               "  --timeline          the device rows watch their plan's slot words from a monitor kernel and\n"
+               "                      print where a layer's time goes (diagnostic: the monitor costs a little\n"
+               "                      speed); GPU only\n"
                "  --host-wait W       how the host thread waits for the GPU: auto (CUDA's default), spin,\n"
                "                      yield or blocking (cudaSetDeviceFlags); GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
@@ -358,9 +367,12 @@ inline BenchArgs parse_args(int argc, char** argv) {
       const std::string v(value());
       if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};
       a.overlap_parts = v;
+    } else if (arg == "--timeline") {
+      a.timeline = true;
     } else if (arg == "--prefetch-at") {
       const std::string v(value());
-      if (v != "router" && v != "prepare") throw UsageError{"--prefetch-at: '" + v + "' is not router or prepare"};
+      if (v != "router" && v != "prepare" && v != "auto")
+        throw UsageError{"--prefetch-at: '" + v + "' is not router, prepare or auto"};
       a.prefetch_at = v;
     } else if (arg == "--host-wait") {
       const std::string v(value());

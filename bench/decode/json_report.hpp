@@ -108,7 +108,7 @@ inline void write_json(std::ostream& out, const Report& rep, const std::string& 
           << ", \"prefetch_label\": " << json_string(prefetch_label(r.prefetch))
           << ", \"prefetch_emulated\": " << (prefetch_is_emulated(r.prefetch) ? "true" : "false")
           << ", \"prefetch_budget\": " << rep.prefetch_budget
-          << ", \"prefetch_at\": " << json_string(r.provider == "device" ? rep.prefetch_at : std::string("prepare"))
+          << ", \"prefetch_at\": " << json_string(r.prefetch_at)
           << ", \"speculative_issued_per_token\": " << json_number(r.per_token(r.speculative_issued))
           << ", \"speculative_used_per_token\": " << json_number(r.per_token(r.speculative_used))
           << ", \"speculative_wasted_per_token\": " << json_number(r.per_token(r.speculative_wasted))

@@ -36,6 +36,7 @@ struct RunResult {
   // Lookahead (--prefetch): "" = not asked, "none" = the baseline row, else the predictor.
   // With a predictor, pcie_bytes includes the speculative fills (wasted ones too).
   std::string prefetch;
+  std::string prefetch_at = "prepare";  // where layer L+1's prefetch was issued: prepare or router (device rows)
   std::uint64_t speculative_issued = 0;
   std::uint64_t speculative_used = 0;
   std::uint64_t speculative_wasted = 0;
@@ -66,7 +67,7 @@ struct Report {
   std::vector<RunResult> runs;
   std::vector<std::string> notes;  // extra lines printed under the table
   std::int32_t prefetch_budget = 0;  // experts per layer (--prefetch runs)
-  std::string prefetch_at = "router";  // where the device rows prefetch layer L+1 (--prefetch-at)
+  std::string prefetch_at = "auto";  // where the device rows prefetch layer L+1 (--prefetch-at)
   [[nodiscard]] bool has_lookahead() const noexcept {
     for (const RunResult& r : runs)
       if (!r.prefetch.empty()) return true;
@@ -122,7 +123,10 @@ inline void print_lookahead_table(std::FILE* out, const Report& rep) {
                "\nlookahead (cache[L+1].prefetch() of the predicted experts: host-planned rows after layer L's prepare\n"
                "and consumer, device rows after layer L's %s; budget %d experts per layer and token; the predictor\n"
                "ranks max(budget, widest forward) experts)\n",
-               rep.prefetch_at.c_str(), rep.prefetch_budget);
+               rep.prefetch_at == "auto" ? "router where the prefetch fills run on the copy engine (+ce, +split), "
+                                           "else after its prepare"
+                                         : rep.prefetch_at.c_str(),
+               rep.prefetch_budget);
   std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "provider", "staging", "prefetch",
                "tok/s", "hit%", "spec_iss", "spec_use", "spec_wst", "MB/tok", "MB/tok", "vs_pcie", "vs_pcie");
   std::fprintf(out, "%-11s %-12s %-34s %9s %7s %8s %8s %8s %9s %9s %8s %8s\n", "", "", "", "", "", "/tok", "/tok", "/tok",

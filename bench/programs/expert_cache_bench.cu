@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "../decode/decode_bench.hpp"
+#include "../decode/timeline.cuh"
 #include "expert_cache/cuda.hpp"
 #include "expert_cache/device_cache/cuda_executor.cuh"
 #include "expert_cache/prefetch/hint_selection.hpp"
@@ -147,6 +148,7 @@ struct GpuContext {
   std::unique_ptr<PinnedBuffer> staging;  // ids + weights upload
   std::vector<float> resident_out;        // the all-resident run's last-step outputs
   std::uint64_t host_syncs = 0;           // the bench's own host waits (counted_sync)
+  double pcie_ceiling_bytes_per_s = 0;    // the same-run pinned ceiling
   // Outputs of the check steps per run ("provider/staging" -> step -> [layers, batch, hidden]).
   std::map<std::string, std::map<std::int32_t, std::vector<float>>> snapshots;
   std::string row_reference;  // the first host-planned row run: the device provider's reference
@@ -605,7 +607,8 @@ inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w
 // prefetch ("", "none" or a predictor): lookahead. The predictor runs on the host BEFORE timing
 // over the whole routing (the same calls, in the same order, as the host-planned rows make
 // during their loop); its lists are uploaded with the routing. In the graph, after layer l's
-// router (--prefetch-at router) or prepare (--prefetch-at prepare), a side stream forks from
+// router or prepare (--prefetch-at; auto: the router where the prefetch's fills run on the copy
+// engine), a side stream forks from
 // the consumer stream, a kernel copies layer l+1's list of
 // the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
 // layer l's consumer; prepare(l+1) joins the side stream (edge 2).
@@ -698,7 +701,11 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   // Lookahead lists: [steps][layers][list_length], -1 padded (the last layer's is empty).
   Lookahead lookahead(prefetch, m.layers, m.experts, prefetch_budget(a, m), routing.widest, a.seed);
   const std::int32_t list_n = lookahead.active() ? lookahead.list_length() : 0;
-  const bool prefetch_at_router = a.prefetch_at == "router";
+  // auto: after the router where the prefetch's fills leave the SMs and the forwards' fills alone.
+  const bool prefetch_at_router =
+      a.prefetch_at == "router" ||
+      (a.prefetch_at == "auto" &&
+       (caches[0]->fill_engine() == FillEngine::copy_engine || caches[0]->speculates_on_copy_engine()));
   std::vector<std::int32_t> hints;
   if (lookahead.active()) {
     hints.assign(static_cast<std::size_t>(routing.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), -1);
@@ -849,6 +856,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   r.provider = "device";
   r.staging = device_staging;
   r.prefetch = prefetch;
+  r.prefetch_at = prefetch_at_router ? "router" : "prepare";
   r.modelled = false;
   const std::vector<std::int32_t> checks = check_steps(a, routing.steps);
   const std::string key = provider_label("device", device_policy_labelled(a) ? a.device_policy : std::string()) + "/" +
@@ -859,6 +867,19 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   std::uint64_t spec0[3] = {0, 0, 0};
   double launch_ns = 0;
   Clock::time_point measure_start{};
+  // --timeline: the monitor watches the measured steps (started after the warm-up's wait).
+  std::unique_ptr<Timeline> timeline;
+  if (a.timeline && !fill_only && budget.empty()) {
+    std::vector<Timeline::Layer> tl;
+    for (std::int32_t l = 0; l < m.layers; ++l) {
+      const DevicePlanState& st = caches[static_cast<std::size_t>(l)]->plan_state();
+      tl.push_back(Timeline::Layer{
+          reinterpret_cast<const std::uint32_t*>(ids.as<std::int32_t>() + static_cast<std::size_t>(l) * un),
+          reinterpret_cast<const std::uint32_t*>(ctx.out.as<float>() + static_cast<std::size_t>(l) * act),
+          st.slot_needed.data, st.slot_ready.data});
+    }
+    timeline = std::make_unique<Timeline>(std::move(tl), m.capacity);
+  }
   for (std::int32_t s = 0; s < routing.steps; ++s) {
     if (s == a.warmup) {
       // Exact device stats need an idle stream; this wait is before the measured steps.
@@ -873,6 +894,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
         spec0[2] += cs.speculative_wasted;
       }
       syncs0 = ctx.host_syncs;
+      if (timeline) timeline->start();
       measure_start = Clock::now();
     }
     const auto step_start = Clock::now();
@@ -892,6 +914,10 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");  // stops the clock, after the last step
   r.time_ns = ns_since(measure_start);
   r.tokens = static_cast<std::int64_t>(a.steps) * m.batch;
+  if (timeline) {
+    notes.push_back(key + ": " +
+                    timeline->stop_and_summarise(static_cast<double>(m.expert_bytes()), ctx.pcie_ceiling_bytes_per_s));
+  }
   snaps[routing.steps - 1] = last_outputs(m, ctx);
   std::uint64_t stalls = 0, errors = 0;
   for (auto& c : caches) {
@@ -1060,6 +1086,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     ~StreamGuard() { cudaStreamDestroy(s); }
   } guard{ctx.consumer};
   rep.pcie_ceiling_bytes_per_s = measure_pcie_ceiling(ctx.consumer);
+  ctx.pcie_ceiling_bytes_per_s = rep.pcie_ceiling_bytes_per_s;
   {
     // The host's link at this model's expert size: what FillEngine::automatic decides from.
     LinkProfile lp;
