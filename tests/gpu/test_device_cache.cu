@@ -359,7 +359,8 @@ struct RigT {
       }
       REQUIRE_CUDA_OK(cudaDeviceSynchronize());
       const DevicePlanStats now = dev[li]->device_stats();
-      INFO("step " << s << " layer " << l << " groups " << groups.size());
+      INFO("step " << s << " layer " << l << " groups " << groups.size() << "; copy proxy requests "
+                    << dev[li]->executor().proxy_requests() << ", fills " << dev[li]->executor().proxy_fills());
       CHECK(now.hits - before[li].hits == hits);
       CHECK(now.misses - before[li].misses == miss);
       const auto bad = static_cast<std::uint64_t>(std::count_if(
