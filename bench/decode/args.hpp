@@ -104,6 +104,9 @@ struct BenchArgs {
   // --timeline: the device rows log their step from the device (decode/timeline.cuh) and print a
   // summary per row: layer time, the consumer's tail, fill latencies, the link's idle time.
   bool timeline = false;
+  // --step-sync: the device rows wait for each step before launching the next, as an engine
+  // that reads each step's sampled token back does (default: steps launched back to back).
+  bool step_sync = false;
 };
 
 inline const std::vector<std::string>& provider_names() {
@@ -165,6 +168,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --timeline          the device rows watch their plan's slot words from a monitor kernel and\n"
                "                      print where a layer's time goes (diagnostic: the monitor costs a little\n"
                "                      speed); GPU only\n"
+               "  --step-sync         the device rows wait for each step before the next (as an engine that\n"
+               "                      reads each sampled token back); default: steps launched back to back\n"
                "  --host-wait W       how the host thread waits for the GPU: auto (CUDA's default), spin,\n"
                "                      yield or blocking (cudaSetDeviceFlags); GPU only\n"
                "  --fill-only         the device provider once more with no consumer (router, plan and fills\n"
@@ -367,6 +372,8 @@ inline BenchArgs parse_args(int argc, char** argv) {
       const std::string v(value());
       if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};
       a.overlap_parts = v;
+    } else if (arg == "--step-sync") {
+      a.step_sync = true;
     } else if (arg == "--timeline") {
       a.timeline = true;
     } else if (arg == "--prefetch-at") {

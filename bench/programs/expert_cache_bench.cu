@@ -900,6 +900,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     const auto step_start = Clock::now();
     check_cuda(cudaGraphLaunch(exec, ctx.consumer), "cudaGraphLaunch");  // the whole step
     if (s >= a.warmup) launch_ns += ns_since(step_start);
+    if (a.step_sync && s > 0) counted_sync(ctx, ctx.consumer);  // the engine reads the step's token
     if (s == 0) {  // the cold start (a warm-up step)
       counted_sync(ctx, ctx.consumer);
       r.cold_start_ns = ns_since(step_start);
@@ -910,7 +911,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     }
     progress.step(s + 1, routing.steps);
   }
-  r.host_syncs = ctx.host_syncs - syncs0;  // waits inside the measured steps: none are issued
+  r.host_syncs = ctx.host_syncs - syncs0;  // waits inside the measured steps: none, or one per step with --step-sync
   check_cuda(cudaStreamSynchronize(ctx.consumer), "cudaStreamSynchronize");  // stops the clock, after the last step
   r.time_ns = ns_since(measure_start);
   r.tokens = static_cast<std::int64_t>(a.steps) * m.batch;
