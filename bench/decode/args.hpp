@@ -96,11 +96,11 @@ struct BenchArgs {
   // auto (CUDA's default), spin, yield or blocking.
   std::string host_wait = "auto";
   // --prefetch-at: where the device rows' lookahead issues layer l+1's prefetch: after layer l's
-  // router (router: the engine's hint, layer l+1's router applied to layer l's input, is known
-  // there), after layer l's prepare (prepare), or auto (the default): router where the
-  // prefetch's fills run on the copy engine, prepare where they take SM loads (they would
-  // otherwise compete with layer l's own fills for the link and the SMs).
-  std::string prefetch_at = "auto";
+  // prepare (prepare, the default: in the graph the fork then follows layer l's own fills, so
+  // demand goes before speculation), after layer l's router (router: the engine's hint, layer
+  // l+1's router applied to layer l's input, is known there), or auto: router where the
+  // prefetch's fills run on the copy engine, prepare where they take SM loads.
+  std::string prefetch_at = "prepare";
   // --timeline: the device rows log their step from the device (decode/timeline.cuh) and print a
   // summary per row: layer time, the consumer's tail, fill latencies, the link's idle time.
   bool timeline = false;
@@ -163,8 +163,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --overlap-parts P   with --overlap: whole (each expert in one piece, default) or w13-first\n"
                "                      (every missing expert's W13 tensors first, on their own ready word)\n"
                "  --prefetch-at P     where the device rows' lookahead prefetches layer l+1: after layer l's\n"
-               "                      router (router), after its prepare (prepare), or auto (default: router\n"
-               "                      where the prefetch fills run on the copy engine, else prepare); GPU only\n"
+               "                      prepare (prepare, default: after its own fills), after its router\n"
+               "                      (router), or auto (router where the prefetch fills run on the copy\n"
+               "                      engine, else prepare); GPU only\n"
                "  --timeline          the device rows watch their plan's slot words from a monitor kernel and\n"
                "                      print where a layer's time goes (diagnostic: the monitor costs a little\n"
                "                      speed); GPU only\n"

@@ -78,6 +78,11 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     }
     if (args.host_wait != "auto" && !use_gpu)
       throw UsageError{"--host-wait needs the CUDA runtime (a GPU): the modelled run does not wait for a device"};
+    if ((args.timeline || args.step_sync) && !use_gpu)
+      throw UsageError{std::string(args.timeline ? "--timeline" : "--step-sync") +
+                       " needs the CUDA runtime (a GPU): the modelled run has no device step"};
+    if (args.prefetch_at != "prepare" && (args.prefetch.empty() || !use_gpu))
+      throw UsageError{"--prefetch-at needs --prefetch and the CUDA runtime (a GPU): it places the device rows' prefetch"};
     if (args.fill_only) {
       const char* flag = args.budget ? "--budget" : "--fill-only";
       if (std::find(args.providers.begin(), args.providers.end(), "device") == args.providers.end())

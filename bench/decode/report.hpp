@@ -67,7 +67,7 @@ struct Report {
   std::vector<RunResult> runs;
   std::vector<std::string> notes;  // extra lines printed under the table
   std::int32_t prefetch_budget = 0;  // experts per layer (--prefetch runs)
-  std::string prefetch_at = "auto";  // where the device rows prefetch layer L+1 (--prefetch-at)
+  std::string prefetch_at = "prepare";  // where the device rows prefetch layer L+1 (--prefetch-at)
   [[nodiscard]] bool has_lookahead() const noexcept {
     for (const RunResult& r : runs)
       if (!r.prefetch.empty()) return true;
