@@ -104,6 +104,9 @@ struct BenchArgs {
   // --timeline: the device rows log their step from the device (decode/timeline.cuh) and print a
   // summary per row: layer time, the consumer's tail, fill latencies, the link's idle time.
   bool timeline = false;
+  // --timeline-csv PREFIX: with --timeline, each device row's events also go to
+  // PREFIX.<row>.csv (decode/timeline_summary.hpp, write_timeline_csv).
+  std::string timeline_csv;
   // --step-sync: the device rows wait for each step before launching the next, as an engine
   // that reads each step's sampled token back does (default: steps launched back to back).
   bool step_sync = false;
@@ -169,6 +172,7 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --timeline          the device rows watch their plan's slot words from a monitor kernel and\n"
                "                      print where a layer's time goes (diagnostic: the monitor costs a little\n"
                "                      speed); GPU only\n"
+               "  --timeline-csv P    with --timeline, each device row's events also to P.<row>.csv\n"
                "  --step-sync         the device rows wait for each step before the next (as an engine that\n"
                "                      reads each sampled token back); default: steps launched back to back\n"
                "  --host-wait W       how the host thread waits for the GPU: auto (CUDA's default), spin,\n"
@@ -377,6 +381,9 @@ inline BenchArgs parse_args(int argc, char** argv) {
       a.step_sync = true;
     } else if (arg == "--timeline") {
       a.timeline = true;
+    } else if (arg == "--timeline-csv") {
+      a.timeline_csv = std::string(value());
+      if (a.timeline_csv.empty()) throw UsageError{"--timeline-csv needs a file prefix"};
     } else if (arg == "--prefetch-at") {
       const std::string v(value());
       if (v != "router" && v != "prepare" && v != "auto")

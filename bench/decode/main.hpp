@@ -78,6 +78,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
     }
     if (args.host_wait != "auto" && !use_gpu)
       throw UsageError{"--host-wait needs the CUDA runtime (a GPU): the modelled run does not wait for a device"};
+    if (!args.timeline_csv.empty() && !args.timeline) throw UsageError{"--timeline-csv needs --timeline"};
     if ((args.timeline || args.step_sync) && !use_gpu)
       throw UsageError{std::string(args.timeline ? "--timeline" : "--step-sync") +
                        " needs the CUDA runtime (a GPU): the modelled run has no device step"};

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cctype>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -916,8 +917,14 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   r.time_ns = ns_since(measure_start);
   r.tokens = static_cast<std::int64_t>(a.steps) * m.batch;
   if (timeline) {
-    notes.push_back(key + ": " +
-                    timeline->stop_and_summarise(static_cast<double>(m.expert_bytes()), ctx.pcie_ceiling_bytes_per_s));
+    std::string csv;
+    if (!a.timeline_csv.empty()) {
+      csv = a.timeline_csv + ".";
+      for (const char c : key) csv += std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ? c : '_';
+      csv += ".csv";
+    }
+    notes.push_back(key + ": " + timeline->stop_and_summarise(static_cast<double>(m.expert_bytes()),
+                                                              ctx.pcie_ceiling_bytes_per_s, csv));
   }
   snaps[routing.steps - 1] = last_outputs(m, ctx);
   std::uint64_t stalls = 0, errors = 0;

@@ -166,6 +166,7 @@ def case_bad_args():
     expect_usage_error(["--prefetch-at", "router", "--runtime", "sim"], "--prefetch-at needs --prefetch")
     expect_usage_error(["--timeline", "--runtime", "sim"], "--timeline needs the CUDA runtime")
     expect_usage_error(["--step-sync", "--runtime", "sim"], "--step-sync needs the CUDA runtime")
+    expect_usage_error(["--timeline-csv", "tl"], "--timeline-csv needs --timeline")
     expect_usage_error(["--fill-engine", "dma"], "'dma' in 'dma' (sm_loads, copy_engine, automatic, split or all)")
     expect_usage_error(["--fill-engine", "copy_engine", "--runtime", "sim"], "--fill-engine needs the CUDA runtime")
     expect_usage_error(["--fill-engine", "all", "--provider", "row"], "--fill-engine needs the device provider")
