@@ -21,8 +21,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cctype>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -608,11 +608,10 @@ inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w
 // prefetch ("", "none" or a predictor): lookahead. The predictor runs on the host BEFORE timing
 // over the whole routing (the same calls, in the same order, as the host-planned rows make
 // during their loop); its lists are uploaded with the routing. In the graph, after layer l's
-// router or prepare (--prefetch-at; auto: the router where the prefetch's fills run on the copy
-// engine), a side stream forks from
-// the consumer stream, a kernel copies layer l+1's list of
-// the step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping
-// layer l's consumer; prepare(l+1) joins the side stream (edge 2).
+// prepare or router (--prefetch-at; auto: the router where the prefetch's fills run on the copy
+// engine), a side stream forks from the consumer stream, a kernel copies layer l+1's list of the
+// step, and cache[l+1].prefetch() plans and fills it on the device there, overlapping layer l's
+// consumer; prepare(l+1) joins the side stream (edge 2).
 // budget (a --budget staging, or empty): the row leaves a stage out or doubles it (see
 // budget_router_staging and the others in decode/args.hpp); its outputs are not checked.
 template <class Policy>
