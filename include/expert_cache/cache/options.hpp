@@ -88,15 +88,8 @@ namespace detail {
 // staging policy's precheck, and no capture of `stream` (the per-slot events are recorded eagerly).
 template <class Runtime, class Staging>
 Status prefetch_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream) noexcept {
-  if constexpr (requires { staging.precheck(rt, stream); }) {
-    if (Status s = staging.precheck(rt, stream); !s) return s;
-  }
-  Result<bool> capturing = rt.is_capturing(stream);
-  if (!capturing.ok()) return capturing.status();
-  if (capturing.value()) {
-    return Status(ErrorCode::capture_unsupported, "prefetch() under stream capture: its per-slot events must be recorded eagerly");
-  }
-  return {};
+  return eager_call_allowed(rt, staging, stream,
+                            "prefetch() under stream capture: its per-slot events must be recorded eagerly");
 }
 
 // The fills a prefetch may issue: min(slots, max_bytes / bytes per expert); invalid_argument for max_bytes < 0.

@@ -363,20 +363,25 @@ struct ClearWideRowsOnExit {
   ~ClearWideRowsOnExit() { clear_wide_rows(unique, rows); }
 };
 
-// The checks every wide forward starts with, before its cache changes anything (the ids are
-// checked next, by wide_unique): the staging's own precheck where it has one, and no stream
-// capture (the rounds wait on the host).
+// The checks of a call that must run eagerly, before its cache changes anything: the staging's
+// own precheck where it has one, and no stream capture of `stream` (`under_capture` says why).
 template <class Runtime, class Staging>
-Status wide_forward_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream) noexcept {
+Status eager_call_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream,
+                          const char* under_capture) noexcept {
   if constexpr (requires { staging.precheck(rt, stream); }) {
     if (Status s = staging.precheck(rt, stream); !s) return s;
   }
   Result<bool> capturing = rt.is_capturing(stream);
   if (!capturing.ok()) return capturing.status();
-  if (capturing.value()) {
-    return Status(ErrorCode::capture_unsupported, "prepare_wide() under stream capture is not supported");
-  }
+  if (capturing.value()) return Status(ErrorCode::capture_unsupported, under_capture);
   return {};
+}
+
+// The checks every wide forward starts with (the ids are checked next, by wide_unique): the
+// rounds wait on the host, so no capture.
+template <class Runtime, class Staging>
+Status wide_forward_allowed(Runtime& rt, Staging& staging, typename Runtime::Stream stream) noexcept {
+  return eager_call_allowed(rt, staging, stream, "prepare_wide() under stream capture is not supported");
 }
 
 // Which rounds of a stream-admitted wide forward read which hits: round r reads hits
