@@ -67,6 +67,9 @@ struct BenchArgs {
   // the host-planned providers with copy_stream staging; empty = none asked (output as before).
   std::vector<std::string> prefetch;
   std::optional<std::int32_t> prefetch_budget;  // experts per layer; default top_k
+  // --two-ahead R,...: each hint row of --prefetch once more per R, also prefetching layer L+2
+  // after layer L from emulated hints of recall R (the row's wrong ids and noise); as spelled.
+  std::vector<std::string> two_ahead;
   RuntimeChoice runtime = RuntimeChoice::automatic;
   std::optional<std::string> json_path;
   std::int64_t sim_scale = 1024;  // SimRuntime holds weights scaled down by this factor
@@ -192,6 +195,9 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      choices) or coact; noise=N in [0, 1]: scored hints, those below 0.5 not\n"
                "                      fetched)\n"
                "  --prefetch-budget N speculative fills per layer and token (default top-k)\n"
+               "  --two-ahead R,...   each hint row of --prefetch once more per R, also prefetching layer L+2\n"
+               "                      at the same point from EMULATED hints of recall R in (0, 1] (the row's\n"
+               "                      wrong ids and noise); rows labelled +ahead2:R; GPU only\n"
                "prompts (measured on a GPU, else MODELLED; docs/benchmarks.md \"Prompts\")\n"
                "  --prompt LIST       TTFT of prompts of these lengths (e.g. 128,512,2048,8192), each served as one\n"
                "                      wide forward per layer, next to the streaming bound and an all-resident prefill;\n"
@@ -416,6 +422,16 @@ inline BenchArgs parse_args(int argc, char** argv) {
         if (std::find(a.prefetch.begin(), a.prefetch.end(), name) == a.prefetch.end()) a.prefetch.push_back(name);
       }
       if (a.prefetch.empty()) throw UsageError{"--prefetch needs a predictor (none, coact, prev, hint:R[:W][:noise=N])"};
+    } else if (arg == "--two-ahead") {
+      for (const std::string_view item : split_commas(value())) {
+        const std::string v(item);
+        char* end = nullptr;
+        const double r = std::strtod(v.c_str(), &end);
+        if (v.empty() || end != v.c_str() + v.size() || !(r > 0.0 && r <= 1.0))
+          throw UsageError{"--two-ahead: '" + v + "' is not a recall in (0, 1]"};
+        if (std::find(a.two_ahead.begin(), a.two_ahead.end(), v) == a.two_ahead.end()) a.two_ahead.push_back(v);
+      }
+      if (a.two_ahead.empty()) throw UsageError{"--two-ahead needs a recall in (0, 1]"};
     } else if (arg == "--prefetch-budget") {
       a.prefetch_budget = static_cast<std::int32_t>(parse_int(arg, value(), 0, 1 << 16));
     } else if (arg == "--prompt") {
@@ -536,6 +552,21 @@ inline std::string run_label(const RunConfig& c) {
   return s;
 }
 
+// A lookahead row that also prefetches layer L+2: "SPEC" + two_ahead_marker + "R" (lookahead.hpp).
+inline constexpr std::string_view two_ahead_marker = "+ahead2:";
+// The lookahead rows after a row's "none" baseline: each predictor of --prefetch, each hint one
+// followed by its --two-ahead twins ("hint:0.9:recent:noise=0.3+ahead2:0.7").
+inline std::vector<std::string> row_prefetches(const BenchArgs& a) {
+  std::vector<std::string> out;
+  for (const std::string& spec : a.prefetch) {
+    if (spec == "none") continue;
+    out.push_back(spec);
+    if (spec.rfind("hint", 0) != 0) continue;
+    for (const std::string& r : a.two_ahead) out.push_back(spec + std::string(two_ahead_marker) + r);
+  }
+  return out;
+}
+
 inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<std::string>& staging) {
   std::vector<RunConfig> out;
   for (const std::string& p : a.providers) {
@@ -552,8 +583,8 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
           if (engine == "split") {
             if (!a.overlap) continue;
             out.push_back({p, device_overlap_staging + suffix, a.prefetch.empty() ? "" : "none", dp});
-            for (const std::string& spec : a.prefetch)
-              if (spec != "none") out.push_back({p, device_overlap_staging + suffix, spec, dp});
+            for (const std::string& spec : row_prefetches(a))
+              out.push_back({p, device_overlap_staging + suffix, spec, dp});
             continue;
           }
           // The time budget's rows once per engine (its table is given per engine).
@@ -570,8 +601,7 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
           if (a.one_pass && engine != "copy_engine") rows.emplace_back(device_one_pass_staging);
           for (const std::string& s : rows) {
             out.push_back({p, s + suffix, a.prefetch.empty() ? "" : "none", dp});
-            for (const std::string& spec : a.prefetch)
-              if (spec != "none") out.push_back({p, s + suffix, spec, dp});
+            for (const std::string& spec : row_prefetches(a)) out.push_back({p, s + suffix, spec, dp});
           }
         }
       }
@@ -581,8 +611,7 @@ inline std::vector<RunConfig> run_configs(const BenchArgs& a, const std::vector<
       const bool lookahead = !a.prefetch.empty() && s == prefetch_staging && prefetch_provider(p);
       out.push_back({p, s, lookahead ? "none" : ""});
       if (!lookahead) continue;
-      for (const std::string& spec : a.prefetch)
-        if (spec != "none") out.push_back({p, s, spec});
+      for (const std::string& spec : row_prefetches(a)) out.push_back({p, s, spec});
     }
   }
   // The all-resident run goes first: the ratios need it, and it is the cheapest.

@@ -90,6 +90,10 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
         throw UsageError{std::string(flag) + " needs the device provider (--provider device or all)"};
       if (!use_gpu) throw UsageError{std::string(flag) + " needs the CUDA runtime (a GPU)"};
     }
+    if (!args.two_ahead.empty() &&
+        std::none_of(args.prefetch.begin(), args.prefetch.end(), [](const std::string& p) { return p.rfind("hint", 0) == 0; }))
+      throw UsageError{"--two-ahead needs a hint predictor in --prefetch (hint:R...): layer L+2's lists are emulated hints "
+                       "with that row's wrong ids and noise"};
     if (!args.prefetch.empty() || args.prefetch_budget) {
       if (args.prefetch.empty()) throw UsageError{"--prefetch-budget needs --prefetch"};
       const bool host_planned = std::any_of(args.providers.begin(), args.providers.end(), prefetch_provider);

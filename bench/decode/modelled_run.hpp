@@ -420,6 +420,13 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
                 caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, consumer, lookahead.prefetch_options(prefetch_bytes));
             if (!pv.ok()) throw Error(pv.status());
           }
+          // --two-ahead: layer L+2 too, after layer L+1's (its fills queue behind them).
+          if (lookahead.two_layers() && l + 2 < m.layers) {
+            const std::span<const std::int32_t> two = lookahead.two_ahead(s, l, routing.forward(s, l + 2));
+            Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 2)]->prefetch(
+                two, consumer, lookahead.prefetch_options_two_ahead(prefetch_bytes));
+            if (!pv.ok()) throw Error(pv.status());
+          }
         }
       } else {
         if (Status st = rt.launch(consumer, accesses, {}, consumer_ns); !st) throw Error(st);

@@ -1,6 +1,7 @@
 #pragma once
 // expert-cache-bench: result rows (RunResult), the whole report, and the text table that
 // bench/scripts/run.sh prints. Host-only.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -144,6 +145,11 @@ inline void print_lookahead_table(std::FILE* out, const Report& rep) {
                "token; MB/tok(moved) = all expert bytes copied, wasted fills included; MB/tok(needed) = the misses of\n"
                "the prefetch-none row (what a perfect cache moves); vs_pcie = (MB/tok / ceiling) / time per token.\n"
                "hint rows are EMULATED engine hints drawn from the routing's future (the benchmark has no hidden states).\n");
+  if (std::any_of(rep.runs.begin(), rep.runs.end(),
+                  [](const RunResult& r) { return split_row_prefetch(r.prefetch).two_ahead.has_value(); }))
+    std::fprintf(out,
+                 "+ahead2:R rows also prefetch layer L+2 at the same point, after layer L+1's prefetch, from EMULATED\n"
+                 "hints of recall R with the row's wrong ids and noise.\n");
 }
 
 inline void print_table(std::FILE* out, const Report& rep) {

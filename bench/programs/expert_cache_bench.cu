@@ -499,6 +499,12 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     Result<PrefetchView> pv =
         caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, ctx.consumer, lookahead.prefetch_options(prefetch_bytes));
     if (!pv.ok()) throw Error(pv.status());
+    // --two-ahead: layer l+2 too, after layer l+1's (its fills queue behind them).
+    if (!lookahead.two_layers() || l + 2 >= m.layers) return;
+    const std::span<const std::int32_t> two = lookahead.two_ahead(s, l, routing.forward(s, l + 2));
+    Result<PrefetchView> pv2 = caches[static_cast<std::size_t>(l + 2)]->prefetch(
+        two, ctx.consumer, lookahead.prefetch_options_two_ahead(prefetch_bytes));
+    if (!pv2.ok()) throw Error(pv2.status());
   };
   decode_loop(m, routing, a, ctx, r, progress, key, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
     if (measured && !snap) {
@@ -582,8 +588,9 @@ __global__ void router_kernel(const std::int32_t* ids_table, const float* w_tabl
   }
 }
 __global__ void step_counter_kernel(std::uint32_t* counter) { *counter += 1; }
-// Lookahead stand-in: the predictions for layer `layer` + 1 of step *counter (computed on the
-// host before timing, -1 padded), read in the graph like the router's ids.
+// Lookahead stand-in: the predictions made after layer `layer` of step *counter (for layer + 1, or
+// layer + 2 from the two-ahead table; computed on the host before timing, -1 padded), read in the
+// graph like the router's ids.
 __global__ void hint_kernel(const std::int32_t* table, const std::uint32_t* counter, std::int32_t steps,
                             std::int32_t layers, std::int32_t layer, std::int32_t n, std::int32_t* out) {
   const std::uint32_t step = *counter % static_cast<std::uint32_t>(steps);
@@ -706,9 +713,11 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
       a.prefetch_at == "router" ||
       (a.prefetch_at == "auto" &&
        (caches[0]->fill_engine() == FillEngine::copy_engine || caches[0]->speculates_on_copy_engine()));
-  std::vector<std::int32_t> hints;
+  // hints: layer l+1's list after layer l; hints_two: layer l+2's (--two-ahead rows), same shape.
+  std::vector<std::int32_t> hints, hints_two;
   if (lookahead.active()) {
     hints.assign(static_cast<std::size_t>(routing.steps) * static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), -1);
+    if (lookahead.two_layers()) hints_two.assign(hints.size(), -1);
     // Scored hints: selected on the host as the cache's host-ids prefetch selects them (score
     // order, below min_score dropped); the device prefetch then takes the selected ids.
     HintSelector selector(m.experts);
@@ -722,8 +731,16 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
           if (Status st = selector.select(p, o.scores, o.min_score); !st) throw Error(st);
           p = selector.ids();
         }
-        std::copy(p.begin(), p.end(),
-                  hints.begin() + static_cast<std::ptrdiff_t>((static_cast<std::size_t>(s) * m.layers + l) * list_n));
+        const auto at = static_cast<std::ptrdiff_t>((static_cast<std::size_t>(s) * m.layers + l) * list_n);
+        std::copy(p.begin(), p.end(), hints.begin() + at);
+        if (!lookahead.two_layers() || l + 2 >= m.layers) continue;
+        std::span<const std::int32_t> p2 = lookahead.two_ahead(s, l, routing.forward(s, l + 2));
+        if (lookahead.scored()) {
+          const PrefetchOptions o = lookahead.prefetch_options_two_ahead(0);
+          if (Status st = selector.select(p2, o.scores, o.min_score); !st) throw Error(st);
+          p2 = selector.ids();
+        }
+        std::copy(p2.begin(), p2.end(), hints_two.begin() + at);
       }
     }
   }
@@ -734,8 +751,16 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     check_cuda(cudaMemcpy(table_hints.p, hints.data(), hints.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice),
                "cudaMemcpy(lookahead lists)");
   }
+  DeviceBuffer table_hints_two(std::max<std::size_t>(hints_two.size(), 1) * sizeof(std::int32_t));
+  if (!hints_two.empty()) {
+    check_cuda(cudaMemcpy(table_hints_two.p, hints_two.data(), hints_two.size() * sizeof(std::int32_t),
+                          cudaMemcpyHostToDevice),
+               "cudaMemcpy(two-ahead lists)");
+  }
   DeviceBuffer layer_hints(std::max<std::size_t>(static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), 1) *
                            sizeof(std::int32_t));
+  DeviceBuffer layer_hints_two(std::max<std::size_t>(static_cast<std::size_t>(m.layers) * static_cast<std::size_t>(list_n), 1) *
+                               sizeof(std::int32_t));
   cudaStream_t side = nullptr;
   cudaEvent_t forked = nullptr;
   check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreateWithFlags(side)");
@@ -804,6 +829,17 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
         Result<PrefetchView> pv =
             caches[static_cast<std::size_t>(l + 1)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
         if (!pv.ok()) throw Error(pv.status());
+        // --two-ahead: layer l+2's list on the same side stream, after layer l+1's prefetch (its
+        // plan, and so its fills, go first).
+        if (hints_two.empty() || l + 2 >= m.layers) return;
+        std::int32_t* h2 =
+            layer_hints_two.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
+        hint_kernel<<<1, 32, 0, side>>>(table_hints_two.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
+                                        m.layers, l, list_n, h2);
+        check_cuda(cudaGetLastError(), "hint_kernel (two ahead)");
+        Result<PrefetchView> pv2 =
+            caches[static_cast<std::size_t>(l + 2)]->prefetch(h2, list_n, side, PrefetchOptions{prefetch_bytes, 1});
+        if (!pv2.ok()) throw Error(pv2.status());
       };
       if (prefetch_at_router) fork_prefetch();
       for (std::int32_t g = 0; g < rounds; ++g) {

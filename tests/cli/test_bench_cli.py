@@ -258,6 +258,22 @@ def case_prefetch():
         expect(b["hit_rate"] == none["hit_rate"] and b["misses_per_token"] == none["misses_per_token"]
                and b["speculative_issued_per_token"] == 0 and b["bytes_moved_per_token"] == none["bytes_moved_per_token"],
                f"{b['name']}: budget 0 equals no prefetch", b, none)
+    # --two-ahead: each hint row once more, also prefetching layer L+2 from hints of recall R. Exact
+    # two-ahead lists add what half-recall next-layer lists miss (layers 2 and up), all of it used.
+    rc, out, err = run(*base, "--provider", "cached", "--staging", "copy_stream", "--prefetch", "none,coact,hint:0.5",
+                       "--two-ahead", "1", "--json", out_json)
+    expect(rc == 0 and "+ahead2:R rows also prefetch layer L+2" in out, "two-ahead run and legend", out, err)
+    by = {b["name"]: b for b in load(out_json)["benchmarks"]}
+    expect(sorted(by) == ["decode/cached/copy_stream", "decode/cached/copy_stream/prefetch:coact",
+                          "decode/cached/copy_stream/prefetch:hint:0.5",
+                          "decode/cached/copy_stream/prefetch:hint:0.5+ahead2:1"], "a twin for the hint row only", list(by))
+    one, two = by["decode/cached/copy_stream/prefetch:hint:0.5"], by["decode/cached/copy_stream/prefetch:hint:0.5+ahead2:1"]
+    expect(two["check_failures"] == 0 and two["prefetch_emulated"] and "+ahead2:1 (emulated hint)" in two["prefetch_label"],
+           "two-ahead row checked and labelled", two)
+    expect(two["hit_rate"] > one["hit_rate"] and two["speculative_issued_per_token"] > one["speculative_issued_per_token"],
+           "exact two-ahead lists raise the hit rate", one, two)
+    expect(two["speculative_used_per_token"] + two["speculative_wasted_per_token"] <= two["speculative_issued_per_token"] + 1e-9,
+           "two-ahead used + wasted <= issued", two)
     # Without --prefetch: no lookahead output, no prefetch fields; the table is the one a
     # --prefetch run prints above its lookahead table.
     rc, plain, err = run(*base, "--json", out_json)
@@ -288,6 +304,10 @@ def case_prefetch_bad_args():
     expect_usage_error(["--prefetch", "coact", "--provider", "device"], "host-planned provider")
     expect_usage_error(["--prefetch", "prev", "--provider", "resident"], "host-planned provider")
     expect_usage_error(["--prefetch", "coact", "--staging", "inline,batched"], "--staging copy_stream")
+    expect_usage_error(["--prefetch", "hint:0.9", "--two-ahead", "0"], "'0' is not a recall in (0, 1]")
+    expect_usage_error(["--prefetch", "hint:0.9", "--two-ahead", "0.7x"], "'0.7x' is not a recall in (0, 1]")
+    expect_usage_error(["--prefetch", "coact,prev", "--two-ahead", "0.7"], "--two-ahead needs a hint predictor")
+    expect_usage_error(["--two-ahead", "0.7"], "--two-ahead needs a hint predictor")
     rc, out, err = run("--help")
     expect(rc == 0 and "--prefetch P" in out and "--prefetch-budget N" in out and "EMULATED" in out,
            "--help documents --prefetch", out, err)

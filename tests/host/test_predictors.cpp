@@ -592,6 +592,53 @@ TEST_CASE("hint wrong ids, recent: drawn from the next layer's last 8 forwards, 
   CHECK(predict(fresh, 0, {0}, 64, Ids{1, 2}).size() == 2);
 }
 
+TEST_CASE("hint distance 2: lists for layer L+2, wrong ids from its recent choices, none past the last layer") {
+  EmulatedHintPredictor p(4, 64, 0.5, 11, HintWrongIds::recent, std::nullopt, 2);
+  CHECK(p.distance() == 2);
+  // Layer 2 chose 40..47 lately, layer 1 chose 20..27: a query after layer 0 is about layer 2.
+  for (std::int32_t s = 0; s < 8; ++s) {
+    observe(p, s, 1, {20, 21, 22, 23, 24, 25, 26, 27});
+    observe(p, s, 2, {40, 41, 42, 43, 44, 45, 46, 47});
+  }
+  const Ids truth{1, 2, 3, 4, 5, 6};  // layer 2's experts: 3 true, 3 wrong per list at recall 0.5
+  for (int q = 0; q < 50; ++q) {
+    const Ids got = predict(p, 0, {0}, 64, truth);
+    REQUIRE(got.size() == truth.size());
+    CHECK(count_in(got, truth) == 3);
+    for (const std::int32_t id : got) {
+      if (std::find(truth.begin(), truth.end(), id) != truth.end()) continue;
+      CAPTURE(id);
+      CHECK((id >= 40 && id <= 47));  // layer 2's recent choices, not layer 1's
+    }
+  }
+  // After layer 1 the list is for layer 3, the last one; after layer 2 there is no layer 4.
+  CHECK(predict(p, 1, {0}, 64, truth).size() == truth.size());
+  CHECK(predict(p, 2, {0}, 64, truth).empty());
+  CHECK(predict(p, 3, {0}, 64, truth).empty());
+  // Distance 1 is the default and keeps its lists: the same seed gives the same draws as before.
+  EmulatedHintPredictor one(4, 64, 0.5, 11, HintWrongIds::uniform);
+  EmulatedHintPredictor one_explicit(4, 64, 0.5, 11, HintWrongIds::uniform, std::nullopt, 1);
+  CHECK(one.distance() == 1);
+  CHECK(predict(one, 0, {0}, 64, truth) == predict(one_explicit, 0, {0}, 64, truth));
+  CHECK(predict(one, 2, {0}, 64, truth).size() == truth.size());  // layer 3 exists
+  // Bad distances and co-activation further than one layer are refused with the reason.
+  const auto message = [](auto&& make) {
+    try {
+      make();
+    } catch (const Error& e) {
+      CHECK(e.code() == ErrorCode::invalid_argument);
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(message([] { EmulatedHintPredictor(4, 64, 0.9, 1, HintWrongIds::uniform, std::nullopt, 0); }).find(
+            "distance must be in [1, 3]") != std::string::npos);
+  CHECK(message([] { EmulatedHintPredictor(4, 64, 0.9, 1, HintWrongIds::uniform, std::nullopt, 4); }).find(
+            "got 4") != std::string::npos);
+  CHECK(message([] { EmulatedHintPredictor(4, 64, 0.9, 1, HintWrongIds::coact, std::nullopt, 2); }).find(
+            "one layer ahead only") != std::string::npos);
+}
+
 TEST_CASE("hint wrong ids, coact: the next layer's experts most often seen with the current ones") {
   EmulatedHintPredictor p(2, 32, 0.5, 5, HintWrongIds::coact);
   // Layer 0 expert 7 is always followed by layer 1 experts 20, 21 (often) and 22 (less often).

@@ -342,6 +342,11 @@ inline constexpr std::int32_t hint_recent_window = 8;
 /// ids score above 1 - noise and wrong ones below noise. The u come from a second SplitMix64
 /// stream of the same seed, so the ids are the same with and without scores (and any noise).
 /// Without `noise`, scores() is empty: an unscored list.
+///
+/// Distance (`distance` = d, default 1): the lists are for layer L+d, so a query's truth is layer L+d's
+/// experts, `recent` draws from layer L+d's recent choices, and a query with L+d past the last layer
+/// gets an empty list. An engine that prefetches two layers ahead models its second list with a second
+/// predictor of distance 2 and, usually, a lower recall. `coact` is one layer ahead only.
 class EmulatedHintPredictor {
  public:
   static constexpr std::string_view name = "hint";
@@ -352,11 +357,14 @@ class EmulatedHintPredictor {
   /// @param seed         the SplitMix64 seed of the draws
   /// @param wrong        where the wrong ids come from
   /// @param noise        with a value in [0, 1]: scored lists (see above); without: unscored
-  /// @throws Error invalid_argument for a bad shape, recall or noise
+  /// @param distance     how many layers ahead the lists are, in [1, num_layers); 1 with `coact`
+  /// @throws Error invalid_argument for a bad shape, recall, noise or distance
   EmulatedHintPredictor(std::int32_t num_layers, std::int32_t num_experts, double recall, std::uint64_t seed = 1,
-                        HintWrongIds wrong = HintWrongIds::uniform, std::optional<double> noise = std::nullopt)
+                        HintWrongIds wrong = HintWrongIds::uniform, std::optional<double> noise = std::nullopt,
+                        std::int32_t distance = 1)
       : layers_(num_layers), experts_(num_experts), recall_(checked(num_layers, num_experts, recall)), wrong_(wrong),
-        noise_(checked_noise(noise)), ids_(num_experts), rng_{seed}, score_rng_{score_seed(seed)} {
+        noise_(checked_noise(noise)), distance_(checked_distance(num_layers, wrong, distance)), ids_(num_experts),
+        rng_{seed}, score_rng_{score_seed(seed)} {
     pool_.assign(static_cast<std::size_t>(num_experts), 0);
     out_.assign(static_cast<std::size_t>(num_experts), 0);
     if (noise_) scores_.assign(static_cast<std::size_t>(num_experts), 0.0f);
@@ -373,6 +381,7 @@ class EmulatedHintPredictor {
   [[nodiscard]] double recall() const noexcept { return recall_; }
   [[nodiscard]] HintWrongIds wrong_ids() const noexcept { return wrong_; }
   [[nodiscard]] std::optional<double> noise() const noexcept { return noise_; }
+  [[nodiscard]] std::int32_t distance() const noexcept { return distance_; }
   /// The last predict()'s scores, parallel to its list (empty without noise, or after an error
   /// or an empty list); a view into the predictor, valid until its next call.
   [[nodiscard]] std::span<const float> scores() const noexcept {
@@ -405,7 +414,7 @@ class EmulatedHintPredictor {
       if (Status s = coact_->predict(q, experts_, ranked); !s) return s.with_context("hint predict (coact)");
     }
     if (Status s = ids_.check(q.truth, "hint predict (truth)", true); !s) return s;
-    if (q.layer + 1 >= layers_ || q.truth.empty()) return {};
+    if (q.layer + distance_ >= layers_ || q.truth.empty()) return {};
     const std::size_t k = q.truth.size();
     // Running target: round(R * total), so the share of true ids is R up to one id overall.
     const std::uint64_t before = true_returned_;
@@ -435,8 +444,8 @@ class EmulatedHintPredictor {
       for (std::size_t i = 0; i < ranked.size() && n_wrong < want; ++i) {
         if (!ids_.marked(ranked[i])) take(ranked[i]);
       }
-    } else if (wrong_ == HintWrongIds::recent && observed_[static_cast<std::size_t>(q.layer + 1)] > 0) {
-      const auto l = static_cast<std::size_t>(q.layer + 1);
+    } else if (wrong_ == HintWrongIds::recent && observed_[static_cast<std::size_t>(q.layer + distance_)] > 0) {
+      const auto l = static_cast<std::size_t>(q.layer + distance_);
       const std::int64_t since = observed_[l] - hint_recent_window;
       std::size_t m = 0;
       for (std::int32_t id = 0; id < experts_; ++id) {
@@ -485,6 +494,19 @@ class EmulatedHintPredictor {
     }
     return noise;
   }
+  static std::int32_t checked_distance(std::int32_t num_layers, HintWrongIds wrong, std::int32_t distance) {
+    if (distance < 1 || distance >= std::max(num_layers, 2)) {
+      throw Error(ErrorCode::invalid_argument, "emulated hint distance must be in [1, " +
+                                                   std::to_string(std::max(num_layers, 2) - 1) + "] layers, got " +
+                                                   std::to_string(distance));
+    }
+    if (distance != 1 && wrong == HintWrongIds::coact) {
+      throw Error(ErrorCode::invalid_argument,
+                  "emulated hints with co-activation wrong ids are one layer ahead only, got distance " +
+                      std::to_string(distance));
+    }
+    return distance;
+  }
   // The scores' own stream: another SplitMix64 sequence of the same seed.
   static std::uint64_t score_seed(std::uint64_t seed) noexcept { return detail::SplitMix64{~seed}.next(); }
   static double checked(std::int32_t num_layers, std::int32_t num_experts, double recall) {
@@ -499,6 +521,7 @@ class EmulatedHintPredictor {
   double recall_;
   HintWrongIds wrong_;
   std::optional<double> noise_;  // scores: none without
+  std::int32_t distance_;        // the lists are for layer L + distance_
   detail::IdChecker ids_;
   detail::SplitMix64 rng_;
   detail::SplitMix64 score_rng_;  // the scores' u, apart from the ids' draws
