@@ -84,6 +84,9 @@ void print_help(std::ostream& out) {
          "                        coverage, precision, fills issued / used / wasted, extra MB per\n"
          "                        token, and with scores the hints skipped as unlikely (docs/prefetch.md)\n"
          "  --prefetch-budget N   speculative fills per forward (default: the widest forward, top_k)\n"
+         "  --two-ahead R         with --prefetch hint:...: after layer L's prefetch of layer L+1, also\n"
+         "                        prefetch layer L+2 from EMULATED hints of recall R in (0, 1] (the same\n"
+         "                        wrong ids and noise; its own draws)\n"
          "  --precision-feedback  plan as a cache does by default: skip hint ranks whose fills were mostly\n"
          "                        wasted, but for one probe in 32 while the skipped hints turn out read\n"
          "                        (column 'imprecise'; default off: the\n"
@@ -126,6 +129,7 @@ struct Args {
   std::optional<std::int32_t> prefetch_budget;
   std::optional<float> min_score;
   bool precision_feedback = false;
+  std::optional<double> two_ahead;  // --two-ahead R
   std::uint64_t expert_bytes = 0;
   double calibrate = 0.0;
   double prior_weight = 1.0;
@@ -201,6 +205,12 @@ Args parse_args(int argc, char** argv) {
       a.expert_bytes = static_cast<std::uint64_t>(n);
     } else if (arg == "--precision-feedback") {
       a.precision_feedback = true;
+    } else if (arg == "--two-ahead") {
+      const std::string v(value());
+      const std::optional<double> x = ec::detail::parse_fixed_decimal(v);
+      if (!x) throw UsageError{"--two-ahead: '" + v + "' is not a decimal number"};
+      if (!(*x > 0.0 && *x <= 1.0)) throw UsageError{"--two-ahead: " + v + " is not a recall in (0, 1]"};
+      a.two_ahead = *x;
     } else if (arg == "--min-score") {
       const std::string v(value());
       const std::optional<double> x = ec::detail::parse_fixed_decimal(v);
@@ -254,6 +264,10 @@ Args parse_args(int argc, char** argv) {
   }
   if (a.precision_feedback && a.prefetch.kind == ec::PrefetchKind::none) {
     throw UsageError{"--precision-feedback needs --prefetch"};
+  }
+  if (a.two_ahead && (a.prefetch.kind != ec::PrefetchKind::hint || a.prefetch.wrong == ec::HintWrongIds::coact)) {
+    throw UsageError{"--two-ahead needs --prefetch hint:R[:uniform|recent][:noise=N] (layer L+2's lists are emulated "
+                     "hints with that predictor's wrong ids and noise; coact pairs consecutive layers only)"};
   }
   if (a.min_score && !ec::is_scored(a.prefetch)) {
     throw UsageError{"--min-score applies to scored hints only (--prefetch hint:R[:W]:noise=N)"};
@@ -472,7 +486,8 @@ void print_prefetch_json(std::ostream& out, const std::string& source, const ec:
       << ", \"emulated\": " << (ec::is_emulated(p.prefetch) ? "true" : "false")
       << ", \"scored\": " << (ec::is_scored(p.prefetch) ? "true" : "false") << ", \"min_score\": "
       << (p.min_score ? json_number(std::optional<double>(*p.min_score)) : std::string("null"))
-      << ", \"precision_feedback\": " << (p.precision_feedback ? "true" : "false") << ", \"budget\": " << p.budget
+      << ", \"precision_feedback\": " << (p.precision_feedback ? "true" : "false")
+      << ", \"two_ahead\": " << json_number(p.two_ahead) << ", \"budget\": " << p.budget
       << ", \"list_length\": " << p.list_length << ", \"expires_after\": " << p.expires_after
       << ", \"expert_bytes\": " << p.expert_bytes << ", \"tokens\": " << json_number(p.tokens) << "}"
       << ",\n  \"results\": [";
@@ -529,6 +544,14 @@ void print_prefetch_table(std::ostream& out, const std::string& source, const ec
     std::snprintf(line, sizeof line,
                   "  scored hints: highest score first, those below min_score %g skipped (column 'unlikely')\n",
                   static_cast<double>(*p.min_score));
+    out << line;
+  }
+  if (p.two_ahead) {
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "  two layers ahead: then up to %d fills of layer L+2's EMULATED hints of recall %g (the same wrong "
+                  "ids and noise)\n",
+                  p.budget, *p.two_ahead);
     out << line;
   }
   if (p.precision_feedback) {
@@ -704,6 +727,7 @@ int run(int argc, char** argv) {
     po.budget = args.prefetch_budget;
     if (args.min_score) po.min_score = *args.min_score;
     po.precision_feedback = args.precision_feedback;
+    po.two_ahead = args.two_ahead;
     po.expert_bytes = args.expert_bytes;
     po.progress = options.progress;
     po.progress_every = options.progress_every;

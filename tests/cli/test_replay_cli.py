@@ -305,10 +305,33 @@ def case_prefetch_scores():
     expect(rc == 0 and "unlikely" not in out, "unscored table has no 'unlikely' column", out, err)
     rc, out, err = run("--help")
     expect("--min-score" in out and "noise=N" in out, "--help lists the scored hints", out)
+    # --two-ahead: layer L+2 from exact hints too. Three layers (layers 0 and 1 as above); layer 2 runs
+    # {2s, 2s+1}: the next-layer hints give it one of two per step, the two-ahead ones both.
+    path3 = write("two.trace", "0 0 0 1\n0 1 0 1\n0 2 0 1\n1 0 0 1\n1 1 0 1\n1 2 2 3\n2 0 0 1\n2 1 0 1\n2 2 4 5\n")
+    base3 = ["--trace", path3, "--capacity", "6", "--policy", "lru", "--prefetch-budget", "2", "--json",
+             "--prefetch", "hint:0.5:noise=0"]
+    rc, out, err = run(*base3)
+    one = json.loads(out)
+    rc2, out2, err2 = run(*base3, "--two-ahead", "1")
+    two = json.loads(out2)
+    expect(rc == 0 and rc2 == 0 and one["prefetch"]["two_ahead"] is None and two["prefetch"]["two_ahead"] == 1.0,
+           "two_ahead in the prefetch header", out, out2, err2)
+    a, b = one["results"][0], two["results"][0]
+    expect(a["hits"] == b["hits"] and b["prefetch_misses"] == a["prefetch_misses"] - 3 and b["wasted"] == 0,
+           "two layers ahead: layer 2's three remaining misses become hits", a, b)
+    rc, out, err = run(*base3[:-3], "--prefetch", "hint:0.5:noise=0", "--two-ahead", "0.7")
+    expect(rc == 0 and "two layers ahead" in out and "recall 0.7" in out, "two-ahead table header", out, err)
 
 
 def case_prefetch_scores_bad_args():
     path = generated_file()
+    for args, needle in [(["--prefetch", "hint:0.9", "--two-ahead", "0"], "--two-ahead: 0 is not a recall in (0, 1]"),
+                         (["--prefetch", "hint:0.9", "--two-ahead", "x"], "--two-ahead: 'x' is not a decimal number"),
+                         (["--prefetch", "coact", "--two-ahead", "0.7"], "--two-ahead needs --prefetch hint"),
+                         (["--prefetch", "hint:0.9:coact", "--two-ahead", "0.7"], "--two-ahead needs --prefetch hint"),
+                         (["--two-ahead", "0.7"], "--two-ahead needs --prefetch hint")]:
+        rc, out, err = expect_usage_error(["--trace", path, *args], needle)
+        expect(out == "", f"{args} prints nothing", out)
     for bad, needle in [("hint:0.5:noise=1.5", "noise 1.5 is outside [0, 1]"),
                         ("hint:0.5:noise=x", "decimal number in [0, 1]"),
                         ("hint:0.5:noise=0.1:recent", "'recent' is out of place"),

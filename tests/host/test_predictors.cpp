@@ -466,6 +466,67 @@ TEST_CASE("prefetch replay: counts by hand (hint:1, layer and global scope)") {
   }
 }
 
+TEST_CASE("prefetch replay two layers ahead: counts by hand, the next-layer lists unchanged, bad options refused") {
+  // Three layers: layers 0 and 1 route {0, 1} every step, layer 2 two new experts per step {2s, 2s+1}.
+  // Layer scope, 4 slots, the widest forward (2) as the budget. Next-layer hints of recall 0.5 with
+  // exact scores (noise 0): one true id per list, the wrong one scores 0 and is skipped.
+  const Trace trace = parsed(
+      "0 0 0 1\n0 1 0 1\n0 2 0 1\n1 0 0 1\n1 1 0 1\n1 2 2 3\n"
+      "2 0 0 1\n2 1 0 1\n2 2 4 5\n3 0 0 1\n3 1 0 1\n3 2 6 7\n");
+  PrefetchReplayOptions o;
+  o.capacities = {4};
+  o.policies = {"lru"};
+  o.prefetch = parse_prefetch_spec("hint:0.5:noise=0").value();
+  o.expert_bytes = 1000;
+  Result<PrefetchReplayReport> one = replay_with_prefetch(trace, o);
+  REQUIRE(one.ok());
+  // One layer ahead: layer 1 gets one of its two experts at step 0 (then they stay), layer 2 one
+  // of its two every step.
+  const PrefetchRow& a = one.value().rows[0];
+  CHECK(a.without.hits == 12);
+  CHECK(a.without.misses == 12);
+  CHECK(a.with->hits == 17);
+  CHECK(a.with->misses == 7);
+  CHECK(a.speculative->issued == 5);
+  CHECK(a.speculative->used == 5);
+  CHECK(!one.value().two_ahead);
+  // And layer 2 from exact hints after each layer-0 forward: both of layer 2's experts every step,
+  // so its next-layer hint (after layer 1) finds them resident.
+  o.two_ahead = 1.0;
+  Result<PrefetchReplayReport> two = replay_with_prefetch(trace, o);
+  REQUIRE(two.ok());
+  const PrefetchRow& b = two.value().rows[0];
+  CHECK(two.value().two_ahead == 1.0);
+  CHECK(b.without == a.without);
+  CHECK(b.with->hits == 21);
+  CHECK(b.with->misses == 3);
+  CHECK(b.speculative->issued == 9);
+  CHECK(b.speculative->used == 9);
+  CHECK(b.speculative->wasted == 0);
+  CHECK(b.speculative->skipped_resident >= 4);  // layer 1's four hints for layer 2, at least
+  // A two-layer trace has no layer two ahead of another: the same counts as one layer ahead.
+  const Trace short_trace = parsed("0 0 0\n0 1 1\n1 0 2\n1 1 3\n");
+  o.two_ahead.reset();
+  Result<PrefetchReplayReport> s1 = replay_with_prefetch(short_trace, o);
+  o.two_ahead = 1.0;
+  Result<PrefetchReplayReport> s2 = replay_with_prefetch(short_trace, o);
+  REQUIRE((s1.ok() && s2.ok()));
+  CHECK(*s1.value().rows[0].with == *s2.value().rows[0].with);
+  CHECK(*s1.value().rows[0].speculative == *s2.value().rows[0].speculative);
+  // Refused: a recall outside (0, 1], a predictor other than emulated hints, coact wrong ids.
+  for (const double bad : {0.0, -0.5, 1.5}) {
+    o.two_ahead = bad;
+    CHECK(replay_with_prefetch(trace, o).status().code() == ErrorCode::invalid_argument);
+  }
+  o.two_ahead = 0.7;
+  for (const char* spec : {"prev", "coact", "hint:0.9:coact"}) {
+    CAPTURE(spec);
+    o.prefetch = parse_prefetch_spec(spec).value();
+    const Result<PrefetchReplayReport> r = replay_with_prefetch(trace, o);
+    CHECK(r.status().code() == ErrorCode::invalid_argument);
+  }
+}
+
 TEST_CASE("prefetch replay: budget 0 and prefetch none equal the plain replay exactly") {
   const Trace trace = generate_trace(GeneratorSpec{4, 24, 3, 300, 1.0, 0.4, 5});
   for (const ReplayScope scope : {ReplayScope::layer, ReplayScope::global}) {

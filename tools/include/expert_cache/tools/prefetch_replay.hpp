@@ -191,6 +191,10 @@ struct PrefetchReplayOptions {
   // The caches' precision feedback (PrefetchOptions::precision_feedback): off by default, so a
   // replay measures the predictor's own coverage and waste; on, what a cache would fetch of it.
   bool precision_feedback = false;
+  // Two layers of lookahead: with emulated hints (prefetch.kind hint, wrong ids not coact), after
+  // layer L's prefetch of layer L+1 also prefetch layer L+2 from emulated hints of this recall, with
+  // the same wrong ids, noise and min_score (EmulatedHintPredictor with distance 2, its own seed).
+  std::optional<double> two_ahead;
   std::function<void(const ReplayProgress&)> progress;  // optional (plain and prefetch runs)
   std::uint64_t progress_every = 1u << 16;
 };
@@ -232,6 +236,7 @@ struct PrefetchReplayReport {
   std::uint32_t expires_after = 0;
   std::optional<float> min_score;  // scored predictors only
   bool precision_feedback = false;
+  std::optional<double> two_ahead;  // layer L+2's hint recall, when the run prefetched two layers ahead
   std::uint64_t expert_bytes = 0;
   double tokens = 0.0;           // records / layers (a record is one token at one layer)
   std::vector<PrefetchRow> rows;
@@ -239,11 +244,12 @@ struct PrefetchReplayReport {
 
 namespace detail {
 
-// The trace's forwards with what the prefetch loop needs: layer rank and the forward of the
-// next layer at the same step (for emulated hints).
+// The trace's forwards with what the prefetch loop needs: layer rank and the forwards of the
+// next layer and the one after at the same step (for emulated hints).
 struct PrefetchForwards {
   std::vector<std::int32_t> layer_index;
   std::vector<std::int64_t> next_layer_forward;  // -1: no forward (step, next layer)
+  std::vector<std::int64_t> two_layers_forward;  // -1: no forward (step, layer after the next)
   std::int32_t widest = 0;
 };
 
@@ -252,6 +258,7 @@ inline PrefetchForwards index_prefetch_forwards(const Trace& trace, const std::v
   const std::size_t n = trace.forwards.size();
   out.layer_index.resize(n);
   out.next_layer_forward.assign(n, -1);
+  out.two_layers_forward.assign(n, -1);
   std::unordered_map<std::uint64_t, std::size_t> by_key;
   by_key.reserve(n);
   auto key = [](std::int32_t step, std::int32_t layer_rank) {
@@ -267,6 +274,8 @@ inline PrefetchForwards index_prefetch_forwards(const Trace& trace, const std::v
   for (std::size_t i = 0; i < n; ++i) {
     const auto it = by_key.find(key(trace.forwards[i].step, out.layer_index[i] + 1));
     if (it != by_key.end()) out.next_layer_forward[i] = static_cast<std::int64_t>(it->second);
+    const auto two = by_key.find(key(trace.forwards[i].step, out.layer_index[i] + 2));
+    if (two != by_key.end()) out.two_layers_forward[i] = static_cast<std::int64_t>(two->second);
   }
   return out;
 }
@@ -282,6 +291,19 @@ inline AnyPredictor make_predictor(const PrefetchSpec& s, std::int32_t layers, s
     case PrefetchKind::none: break;
   }
   return NoPredictor{};
+}
+
+// Layer L+2's emulated hints of a two-ahead run (PrefetchReplayOptions::two_ahead): the row's wrong
+// ids and noise, distance 2, a seed of their own so that layer L+1's lists stay those of the run
+// without. Throws Error (invalid_argument) for a predictor that is not hint, or coact wrong ids.
+inline std::optional<EmulatedHintPredictor> make_two_ahead(const PrefetchReplayOptions& o, std::int32_t layers,
+                                                           std::int32_t experts) {
+  if (!o.two_ahead) return std::nullopt;
+  if (o.prefetch.kind != PrefetchKind::hint) {
+    throw Error(ErrorCode::invalid_argument, "two layers ahead takes emulated hints (hint:R...), not " + to_string(o.prefetch));
+  }
+  if (layers < 3) return std::nullopt;  // no layer two ahead of another
+  return EmulatedHintPredictor(layers, experts, *o.two_ahead, ~o.prefetch.seed, o.prefetch.wrong, o.prefetch.noise, 2);
 }
 
 struct PrefetchRunCounts {
@@ -317,6 +339,7 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
   planners.reserve(caches);
   for (std::size_t c = 0; c < caches; ++c) planners.emplace_back(shape, 1, make_replay_policy<P>(shape, shape_of, no_future));
   AnyPredictor predictor = make_predictor(options.prefetch, num_layers, E);
+  std::optional<EmulatedHintPredictor> two_ahead = make_two_ahead(options, num_layers, E);
   const std::uint32_t expires_after = global ? static_cast<std::uint32_t>(num_layers) : 1u;
 
   ForwardPlan plan;
@@ -369,6 +392,28 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
         },
         predictor);
     if (!st.ok()) return Status(st.code(), forward_where(trace, i) + ": prefetch: " + std::string(st.message()));
+    if (two_ahead) {  // layer L+2, after layer L+1's prefetch
+      if (Status s = two_ahead->observe(f.step, li, local); !s) {
+        return Status(s.code(), forward_where(trace, i) + ": two ahead: " + std::string(s.message()));
+      }
+      const std::int64_t two = index.two_layers_forward[i];
+      if (li + 2 < num_layers && two >= 0) {
+        std::span<const std::int32_t> ranked;
+        Status s = two_ahead->predict(PredictionQuery{f.step, li, local, trace.experts(static_cast<std::size_t>(two))},
+                                      list_length, ranked);
+        if (s) {
+          run.speculative.predicted += ranked.size();
+          ForwardPlanner<P>& target = planners[global ? 0 : static_cast<std::size_t>(li + 2)];
+          s = target.plan_prefetch(to_keys(ranked, global ? (li + 2) * E : 0), two_ahead->scores(), options.min_score,
+                                   budget, expires_after, prefetch, options.precision_feedback);
+        }
+        if (!s) return Status(s.code(), forward_where(trace, i) + ": two ahead: " + std::string(s.message()));
+        run.speculative.skipped_resident += prefetch.skipped_resident;
+        run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
+        run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
+        run.speculative.skipped_imprecise += prefetch.skipped_imprecise;
+      }
+    }
     ++progress.done;
     progress.tick(P::name, capacity);
   }
@@ -406,7 +451,8 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
 
 // Replay `trace` without and with prefetch for every (capacity, policy). Errors: those of
 // replay(), and invalid_argument for a negative budget, a min_score outside [0, 1] (checked for
-// every predictor) or a predictor that cannot be built.
+// every predictor), a predictor that cannot be built, or a two-ahead recall outside (0, 1] or
+// without emulated hints (or with coact wrong ids).
 [[nodiscard]] inline Result<PrefetchReplayReport> replay_with_prefetch(const Trace& trace,
                                                                        const PrefetchReplayOptions& options) noexcept {
   try {
@@ -417,6 +463,12 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
     // A predictor's own limits (e.g. the coact table size) are errors before any run.
     if (!trace.forwards.empty() && trace.num_experts > 0) {
       (void)detail::make_predictor(options.prefetch, static_cast<std::int32_t>(trace.layers().size()), trace.num_experts);
+    }
+    if (options.two_ahead) {  // checked with or without a trace
+      if (!(*options.two_ahead > 0.0 && *options.two_ahead <= 1.0)) {
+        return Status::format(ErrorCode::invalid_argument, "two-ahead hint recall %g is outside (0, 1]", *options.two_ahead);
+      }
+      (void)detail::make_two_ahead(options, 3, std::max(trace.num_experts, 1));
     }
     ReplayOptions plain_options;
     plain_options.scope = options.scope;
@@ -435,6 +487,7 @@ inline std::optional<double> share(std::uint64_t a, std::uint64_t b) noexcept {
     report.expires_after = options.scope == ReplayScope::global ? static_cast<std::uint32_t>(num_layers) : 1u;
     if (is_scored(options.prefetch)) report.min_score = options.min_score;
     report.precision_feedback = options.precision_feedback;
+    report.two_ahead = options.two_ahead;
     report.tokens = static_cast<double>(trace.records) / static_cast<double>(num_layers);
     const detail::PrefetchForwards index = detail::index_prefetch_forwards(trace, report.plain.layers);
     report.budget = options.budget.value_or(index.widest);
