@@ -513,6 +513,7 @@ inline Report run_modelled(const Model& m, const Routing& routing, const BenchAr
     } else {
       rep.runs.push_back(run_sim_staging<ExpertMajorStorage, Lfru>(m, routing, a, costs, cfg, progress));
     }
+    progress.run_done(rep.runs.back().tokens_per_second(), rep.runs.back().hit_rate());
   }
   progress.finish();
   if (device_policy_labelled(a) && std::find(a.providers.begin(), a.providers.end(), "device") != a.providers.end()) {

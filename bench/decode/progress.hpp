@@ -30,6 +30,13 @@ class Progress {
     last_ = now;
     line(done, total, false);
   }
+  // The row's result as soon as it is known, so that a run cut short still shows the rows it finished.
+  void run_done(double tokens_per_second, double hit_rate) {
+    if (!enabled_) return;
+    std::fprintf(stderr, "%sexpert-cache-bench: [%zu/%zu] %s done: %.2f tok/s, hit %.1f%%\n", tty_ ? "\r\033[K" : "",
+                 index_ + 1, total_, what_.c_str(), tokens_per_second, 100.0 * hit_rate);
+    std::fflush(stderr);
+  }
   void note(const std::string& text) {
     if (!enabled_) return;
     std::fprintf(stderr, "%sexpert-cache-bench: %s%s", tty_ ? "\r\033[K" : "", text.c_str(), tty_ ? "" : "\n");

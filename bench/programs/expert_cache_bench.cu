@@ -1177,6 +1177,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     } else {
       rep.runs.push_back(run_cached_staging<ExpertMajorStorage, Lfru>(m, routing, a, ctx, rt, cfg, progress));
     }
+    progress.run_done(rep.runs.back().tokens_per_second(), rep.runs.back().hit_rate());
   }
   progress.finish();
   // Every copy-engine / automatic row against its SM-load twin (same row, same lookahead).

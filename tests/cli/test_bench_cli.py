@@ -120,6 +120,11 @@ def case_smoke():
     expect(rc == 0, "trace run exits 0", out, err)
     expect("cached" in out and "copy_stream" in out and "row" not in out.split("provider")[1], "only cached", out)
     expect("expert-cache-bench: [1/1]" in err, "--progress reports on stderr", err)
+    # Each row's result on stderr as soon as it is known, the same tok/s as the table's.
+    done = [line for line in err.split("\n") if "[1/1] cached/copy_stream done: " in line]
+    row = [line for line in out.split("\n") if line.startswith("cached ")]
+    expect(len(done) == 1 and len(row) == 1 and f"done: {row[0].split()[2]} tok/s" in done[0],
+           "--progress prints the row's tok/s when it is done", err, out)
 
 
 def expect_usage_error(args, needle):
