@@ -279,7 +279,8 @@ struct Fixture {
     const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, {}, default_min_score, false};
     auto r = dev->prefetch(dst, static_cast<std::int32_t>(predicted.size()), streams[s], o);
     REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
-    REQUIRE(host->prefetch(predicted, host_stream, o).ok());
+    const auto h = host->prefetch(predicted, host_stream, o);
+    REQUIRE_MESSAGE(h.ok(), std::string(h.status().message()));
     host_rt.drain();
   }
   // Host ids with scores: the device cache selects on the host and plans the selected ids on
@@ -916,6 +917,50 @@ TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's p
   CHECK(issued > 200);
   CHECK(used > 50);
   CHECK(wasted > 50);
+}
+
+TEST_CASE("device prefetch: two prefetches before each forward (two layers of lookahead) equal the host-planned cache") {
+  // An engine that prefetches two layers ahead calls prefetch() twice on a layer's cache before
+  // its next forward: once two layers before (a first list), once a layer before (a refresh
+  // that overlaps it). The second call must skip what the first fetched and never evict its
+  // unused fills; both may run on different side streams.
+  std::uint64_t issued = 0, used = 0;
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+    Fixture<> f(20, 8, seed);
+    std::mt19937_64 rng(seed * 7919);
+    for (int step = 0; step < 50; ++step) {
+      const Ids next = random_ids(rng, 1 + static_cast<std::int32_t>(rng() % 5), 20, false);
+      // The first list: some of the next forward's experts and some others.
+      Ids first;
+      for (const std::int32_t e : next)  // -1 is a forward's padding, not a hint
+        if (e >= 0 && rng() % 3 != 0) first.push_back(e);
+      for (auto n = rng() % 3; n > 0; --n) first.push_back(static_cast<std::int32_t>(rng() % 20));
+      f.prefetch(1 + rng() % 2, first, 1 + static_cast<std::int32_t>(rng() % 4), 1);
+      // The refresh: most of the next forward's experts, the first list's among them.
+      Ids refresh;
+      for (const std::int32_t e : next)
+        if (e >= 0 && rng() % 5 != 0) refresh.push_back(e);
+      f.prefetch(1 + rng() % 2, refresh, 1 + static_cast<std::int32_t>(rng() % 4), 1);
+      f.settle();
+      f.check_equal(true);
+      (void)f.step(0, next);
+      f.settle();
+      f.check_equal(true);
+    }
+    f.check_clean();
+    const CacheStats cs = f.dev->stats(), hs = f.host->stats();
+    CHECK(cs.hits == hs.hits);
+    CHECK(cs.misses == hs.misses);
+    CHECK(cs.evictions == hs.evictions);
+    CHECK(cs.speculative_issued == hs.speculative_issued);
+    CHECK(cs.speculative_used == hs.speculative_used);
+    CHECK(cs.speculative_wasted == hs.speculative_wasted);
+    issued += cs.speculative_issued;
+    used += cs.speculative_used;
+  }
+  MESSAGE("two prefetches per forward: speculative fills issued " << issued << ", used " << used);
+  CHECK(issued > 300);
+  CHECK(used > 200);
 }
 
 TEST_CASE("device prefetch from host ids with scores: step by step equal to the host-planned scored prefetch") {
