@@ -156,8 +156,11 @@ struct GpuContext {
   // Every layer's tensor-major host pools, pinned, mapped and filled once: each tensor-major
   // row's caches adopt them (StorageMemory, host_registered) instead of pinning and filling the
   // whole model's bytes again, which costs tens of seconds per row at the default model. An
-  // expert-major row releases them before it pins its own.
+  // expert-major row releases them before it adopts its own.
   std::vector<std::array<std::unique_ptr<PinnedBuffer>, num_expert_tensors>> host_pools;
+  // The same for the expert-major rows: every layer's [E, blob] pool, shared by those rows; a
+  // tensor-major row releases them, so that pinned memory never holds the model twice.
+  std::vector<std::unique_ptr<PinnedBuffer>> expert_pools;
 };
 
 // Layer l's tensor-major host pools as caller memory, made on first use (synth_fill's bytes,
@@ -166,6 +169,7 @@ StorageMemory shared_host_pools(const Model& m, GpuContext& ctx, Progress& progr
   const ExpertTensorBytes tensors = m.layout.tensors();
   const auto E = static_cast<std::size_t>(m.experts);
   if (ctx.host_pools.empty()) {
+    ctx.expert_pools.clear();
     progress.note("allocating and filling the pinned host pools of every layer (shared by the rows)");
     ctx.host_pools.resize(static_cast<std::size_t>(m.layers));
     for (auto& layer : ctx.host_pools)
@@ -183,6 +187,25 @@ StorageMemory shared_host_pools(const Model& m, GpuContext& ctx, Progress& progr
   mem.host_registered = true;
   for (std::size_t t = 0; t < num_expert_tensors; ++t)
     if (const auto& buf = ctx.host_pools[static_cast<std::size_t>(l)][t]) mem.host_tensors[t] = {buf->p, tensors[t].bytes_per_expert * E};
+  return mem;
+}
+
+// Layer l's expert-major host pool ([E, blob_bytes]) as caller memory, made on first use; `fresh`
+// is set when this call made them (the row then fills them through its caches' storage).
+StorageMemory shared_expert_pools(const Model& m, GpuContext& ctx, Progress& progress, std::int32_t l,
+                                  std::size_t blob_bytes, bool& fresh) {
+  const auto E = static_cast<std::size_t>(m.experts);
+  if (ctx.expert_pools.empty()) {
+    ctx.host_pools.clear();
+    progress.note("allocating the pinned expert-major host pools of every layer (shared by the rows)");
+    ctx.expert_pools.resize(static_cast<std::size_t>(m.layers));
+    for (auto& pool : ctx.expert_pools)
+      pool = std::make_unique<PinnedBuffer>(blob_bytes * E, cudaHostAllocMapped | cudaHostAllocPortable);
+    fresh = true;
+  }
+  StorageMemory mem;
+  mem.host_registered = true;
+  mem.host_pool = {ctx.expert_pools[static_cast<std::size_t>(l)]->p, blob_bytes * E};
   return mem;
 }
 
@@ -439,25 +462,28 @@ template <class Cache>
 RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                      const RunConfig& cfg, Progress& progress) {
   std::vector<std::unique_ptr<Cache>> caches;
-  // Tensor-major rows adopt the shared pools; expert-major ones pin and fill their own.
+  // Tensor-major rows adopt the shared tensor-major pools, expert-major ones the shared expert-major
+  // pools (made and filled by the first such row; each kind releases the other's first, so that
+  // pinned memory never holds the model twice).
   constexpr bool shared_pools = !Cache::StorageType::expert_contiguous;
-  if constexpr (!shared_pools) {
-    // The shared pools go first, so that pinned memory never holds the model twice (a later
-    // tensor-major row pins and fills them again).
-    ctx.host_pools.clear();
-    progress.note(cfg.provider + "/" + cfg.staging + ": allocating and filling pinned host pools");
-  }
+  bool fill_expert_pools = false;
   for (std::int32_t l = 0; l < m.layers; ++l) {
     CacheOptions o;
     o.num_experts = m.experts;
     o.capacity = m.capacity;
     o.top_k = m.top_k;
     o.log = {};
-    if constexpr (shared_pools) o.memory = shared_host_pools(m, ctx, progress, l);
+    if constexpr (shared_pools) {
+      o.memory = shared_host_pools(m, ctx, progress, l);
+    } else {
+      o.memory = shared_expert_pools(m, ctx, progress, l,
+                                     Cache::StorageType::blob_layout(m.layout.tensors()).blob_bytes, fill_expert_pools);
+    }
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   const ExpertTensorBytes tensors = m.layout.tensors();
-  if constexpr (!shared_pools) {
+  if (fill_expert_pools) {  // through the storage: each tensor at its place in the blob
+    progress.note(cfg.provider + "/" + cfg.staging + ": filling the expert-major host pools");
     parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
       auto& st = caches[static_cast<std::size_t>(l)]->storage();
       for (std::size_t t = 0; t < num_expert_tensors; ++t)
