@@ -153,6 +153,29 @@ TEST_CASE_TEMPLATE("plan_prefetch skips resident and repeated ids and respects m
   check_maps_consistent(p);
 }
 
+TEST_CASE_TEMPLATE("plan_prefetch never evicts a resident the list names, wherever it is listed", Policy,
+                   PREFETCH_POLICIES) {
+  // Two slots: 0 and 1 resident, 1 the most recent forward's. A list that names 0 after a missing
+  // 3 keeps 0: no victim is left for 3. Without 0 in the list, 3 takes 0's slot.
+  auto p = make_planner<Policy>(CacheShape{6, 2});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  REQUIRE(p.plan_unique(Ids{0}, fwd).ok());
+  REQUIRE(p.plan_unique(Ids{1}, fwd).ok());
+  REQUIRE(p.plan_prefetch(Ids{3, 0}, 1, 1, pre).ok());
+  CHECK(pre.fills.empty());
+  CHECK(pre.evictions.empty());
+  CHECK(pre.skipped_no_victim == 1);
+  CHECK(p.is_resident(0));
+  CHECK_FALSE(p.is_resident(3));
+  REQUIRE(p.plan_prefetch(Ids{3}, 1, 1, pre).ok());
+  REQUIRE(pre.fills.size() == 1);
+  CHECK(pre.fills[0].expert == ExpertId(3));
+  REQUIRE(pre.evictions.size() == 1);
+  CHECK(pre.evictions[0].expert == ExpertId(0));
+  check_maps_consistent(p);
+}
+
 TEST_CASE_TEMPLATE("plan_prefetch rejects bad input before any state change", Policy, PREFETCH_POLICIES) {
   auto p = make_planner<Policy>(CacheShape{8, 4});
   ForwardPlan fwd;
@@ -268,6 +291,7 @@ TEST_CASE_TEMPLATE("plan_prefetch over random forwards, prefetches and invalidat
       CHECK(static_cast<std::int32_t>(pre.fills.size()) <= max_fills);
       CHECK_FALSE(evicted_any_of(pre, last_forward));
       CHECK_FALSE(evicted_any_of(pre, live));
+      CHECK_FALSE(evicted_any_of(pre, ids));  // a listed resident, wherever it is listed
       for (const SlotFill& f : pre.fills) CHECK(p.is_speculative(f.expert.value));
       fills += pre.fills.size();
     } else {

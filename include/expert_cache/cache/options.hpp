@@ -25,8 +25,8 @@ namespace expert_cache::inline v0 {
 ///  (b) skips every hint scoring below `min_score` (PrefetchView::skipped_unlikely): it is never
 ///      fetched and, like an unhinted resident, not protected;
 ///  (c) evicts for the others only what an unscored prefetch may evict: never an expert of the
-///      most recent forward, an unused unexpired speculative fill, or a hint taken earlier in
-///      this call (a higher-scored one);
+///      most recent forward, an unused unexpired speculative fill, or a resident named by any
+///      hint this call takes (a hint is never evicted for another hint);
 ///  (d) copies at most `max_bytes`, as without scores.
 /// The selection rule lives in one place, HintSelector (prefetch/hint_selection.hpp), which
 /// also says why `min_score` defaults to 0.5: from there on a fill is at least as likely used as

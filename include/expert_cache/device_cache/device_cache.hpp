@@ -316,7 +316,7 @@ class DeviceExpertCacheWithEdges {
   /// Speculative fills of predicted experts (docs/prefetch.md), planned ON THE DEVICE
   /// on `stream` with ForwardPlanner<Lru>::plan_prefetch's rules (planning/device_plan.hpp,
   /// plan_prefetch): at most min(capacity, options.max_bytes / bytes-per-expert) fills; never a victim from
-  /// the last prepared forward, an unused unexpired speculative fill or an earlier id of the list. Ordered
+  /// the last prepared forward, an unused unexpired speculative fill or a resident the list names. Ordered
   /// like a write (edges 1, 2: after the owner's readers enqueued so far and after the last writer); the
   /// owner does not change and nothing waits for the fills now, so they overlap whatever the
   /// owner's stream runs next. The next prepare() (any stream) is ordered after them: this

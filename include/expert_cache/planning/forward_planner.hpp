@@ -256,8 +256,10 @@ class ForwardPlanner {
 
   /// Speculative fills for `predicted` (best first), at most `max_fills`. A victim is chosen by the
   /// policy among residents that are neither in the most recent accepted forward, nor an unused,
-  /// unexpired speculative fill, nor predicted earlier in this list (evicting one prediction for
-  /// another undoes the first). No such resident: the remaining ids are skipped, not an error.
+  /// unexpired speculative fill, nor named anywhere in this list (evicting one prediction for
+  /// another costs a copy and, at similar likelihoods, saves nothing; a resident named after the
+  /// budget ran out is a prediction too). No such resident: the remaining ids are skipped, not an
+  /// error.
   /// A fill is speculative until a forward uses it (a hit, counted used) or `expires_after`
   /// accepted forwards pass without one (counted wasted; then evictable like any resident).
   /// The forward map is not touched: the current forward's readers keep reading it.
@@ -421,8 +423,10 @@ class ForwardPlanner {
                                std::uint32_t expires_after, PrefetchPlan& out, float feedback_threshold = -1.0f) noexcept {
     out.clear();
     reserve(out);
-    // Protected residents: the most recent forward's, the live speculative fills, and (below)
-    // the ids of this list already examined. `needed` marks them for choose_victim.
+    // Protected residents: the most recent forward's, the live speculative fills, every resident
+    // the list names (a hint is never evicted for another hint: at similar likelihoods the swap
+    // costs a copy and saves nothing), and (below) the fills made. `needed` marks them for
+    // choose_victim.
     next_epoch();
     std::int32_t protected_residents = 0;
     const auto protect = [&](ExpertId e) noexcept {
@@ -433,6 +437,9 @@ class ForwardPlanner {
     };
     for (const ExpertId e : previous_forward_) protect(e);
     for (const ExpertId e : speculative_) protect(e);
+    for (const std::int32_t id : predicted) {
+      if (resident_map_[static_cast<std::size_t>(id)] != absent_slot) protect(ExpertId(id));
+    }
     const ForwardSet needed(stamps_.data(), epoch_);
     std::size_t next = 0;
     bool no_victim = false;

@@ -13,10 +13,10 @@ namespace expert_cache::inline v0 {
 
 // Speculative fills for `n_ids` predicted ids (best first), with the decisions of
 // ForwardPlanner<Lru>::plan_prefetch: at most `max_fills` fills (clamped to C); an id already
-// resident is skipped (and protected for the rest of the list); a fill takes a free slot, else
-// the least recently used resident that is neither in the last planned group (ticks >=
-// protect_tick), nor an unused, unexpired speculative fill, nor an earlier id of this list; no
-// such resident: the rest is skipped (counted in prefetch_skipped_no_victim). A fill is
+// resident is skipped; a fill takes a free slot, else the least recently used resident that is
+// neither in the last planned group (ticks >= protect_tick), nor an unused, unexpired
+// speculative fill, nor named anywhere in this list (every listed resident is marked before the
+// first fill); no such resident: the rest is skipped (counted in prefetch_skipped_no_victim). A fill is
 // inserted as the most recent resident (Lru::on_insert), lives `expires_after` forwards unless a
 // forward hits it (used), and takes a fill-sequence value like a forward's miss (edge D4). The
 // forward map is not touched: the current forward's readers keep reading it. The fill and
@@ -50,6 +50,13 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
     if (id != plan_padding_id && (id < 0 || id >= E)) ++bad;
   }
   const std::int32_t bad_total = b.sum(bad);
+  // Every resident the list names is protected from this call's victim searches (racing stores
+  // of 1 for a duplicate id; the barrier publishes them before the first search).
+  for (std::int32_t i = rank; i < n_ids; i += nt) {
+    const std::int32_t id = ids[i];
+    if (id >= 0 && id < E && s.resident_map[id] >= 0) b.mark(s.marks[id]);
+  }
+  b.sync();
 
   // One id at a time (a victim search is block-collective); every branch below is uniform:
   // each thread reads the same id and the same state (rank 0's writes of the previous id are
@@ -62,10 +69,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   for (; next < n_ids; ++next) {
     const std::int32_t e = ids[next];
     if (e < 0 || e >= E) continue;  // padding or a bad id (counted above)
-    if (s.resident_map[e] >= 0) {
+    if (s.resident_map[e] >= 0) {  // marked above (a fill of this call is protected by its count)
       ++skipped_resident;
-      if (rank == 0) b.mark(s.marks[e]);  // protected for the rest of the list
-      b.sync();
       continue;
     }
     if (fills >= max_fills) break;
