@@ -447,7 +447,8 @@ class ModelExpertCache:
         first), as ExpertCache.prefetch: the engine's lookahead, e.g. layer L+1's hints while layer L
         computes. On the current stream; max_bytes (None: up to the layer's slots, the pool's in
         global mode) bounds the bytes copied. Never evicts an expert of the layer's latest forward
-        (global: of the pool's latest forward) or an unused, unexpired speculative fill; the next
+        (global: of the pool's latest forward), an unused, unexpired speculative fill or an expert the
+        list names; the next
         prepare of the layer that uses a fill waits for exactly that fill. CUDA ids are read back
         (one synchronisation); not capturable. scores / min_score select the hints as in
         ExpertCache.prefetch (docs/prefetch.md "Scored hints"). Global pool: like a prepare, a

@@ -70,8 +70,9 @@ class VllmModel:
 
     def prefetch(self, predicted, max_fills, protected):
         """The library's prefetch on these rules: absent predicted experts in list order, at most
-        max_fills, never evicting `protected` (the last forward's experts) or this list's."""
-        protected = set(protected)
+        max_fills, never evicting `protected` (the last forward's experts) or any expert this list
+        names, wherever it is listed."""
+        protected = set(protected) | {e for e in predicted if e in self.table}
         fills = 0
         for e in predicted:
             if e in self.table:

@@ -153,7 +153,8 @@ class ExpertCacheWithEdges {
   }
 
   /// Speculative fills of `predicted` for a later prepare(), at most min(capacity, max_bytes / bytes per
-  /// expert). Never evicts an expert of the most recent prepare() or an unused, unexpired speculative fill.
+  /// expert). Never evicts an expert of the most recent prepare(), an unused, unexpired speculative fill or
+  /// an expert `predicted` names.
   /// The fills are ordered after the owner's readers and the last writer (edges 1, 2): on the fill stream
   /// (copy_stream(), or `stream` with an inline staging policy) with the resident map (edge 7), or, when the
   /// latest forward was adopted after the first prefetch and no invalidate() came since, on a cache-owned

@@ -228,8 +228,8 @@ class ModelExpertCacheWithEdges {
   /// Speculative fills of layer `layer`'s predicted experts for a later prepare(layer, ...) (ExpertCache::prefetch,
   /// for one layer: the engine's lookahead, e.g. layer L+1's hints made while layer L computes). At most
   /// min(the layer's slots (global: the pool's), max_bytes / bytes per expert) fills; never evicts an expert of
-  /// the layer's most recent forward (global: of the pool's most recent forward, whichever layer it was) or an
-  /// unused, unexpired speculative fill. The fills go on the model's fill stream, ordered after the layer's
+  /// the layer's most recent forward (global: of the pool's most recent forward, whichever layer it was), an
+  /// unused, unexpired speculative fill or an expert `predicted` names. The fills go on the model's fill stream, ordered after the layer's
   /// owner's readers (global: the pool's) and the last writer of any layer (edges 1, 2), with the resident-map
   /// range that is behind; `stream` does not wait for them and the owner is unchanged. The forward map is not
   /// touched. A later prepare of the layer whose forward uses a fill waits for exactly that fill (edge 9), and

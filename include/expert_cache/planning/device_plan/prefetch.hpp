@@ -69,7 +69,11 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   for (; next < n_ids; ++next) {
     const std::int32_t e = ids[next];
     if (e < 0 || e >= E) continue;  // padding or a bad id (counted above)
-    if (s.resident_map[e] >= 0) {  // marked above (a fill of this call is protected by its count)
+    const bool resident = s.resident_map[e] >= 0;
+    // Every thread has read the residency before rank 0 changes it below: a fill into a free slot
+    // has no collective that would otherwise keep a late thread from reading the new value.
+    b.sync();
+    if (resident) {  // marked above (a fill of this call is protected by its count)
       ++skipped_resident;
       continue;
     }
