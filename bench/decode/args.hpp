@@ -425,10 +425,8 @@ inline BenchArgs parse_args(int argc, char** argv) {
     } else if (arg == "--two-ahead") {
       for (const std::string_view item : split_commas(value())) {
         const std::string v(item);
-        char* end = nullptr;
-        const double r = std::strtod(v.c_str(), &end);
-        if (v.empty() || end != v.c_str() + v.size() || !(r > 0.0 && r <= 1.0))
-          throw UsageError{"--two-ahead: '" + v + "' is not a recall in (0, 1]"};
+        const std::optional<double> r = expert_cache::detail::parse_fixed_decimal(v);
+        if (!r || !(*r > 0.0 && *r <= 1.0)) throw UsageError{"--two-ahead: '" + v + "' is not a recall in (0, 1]"};
         if (std::find(a.two_ahead.begin(), a.two_ahead.end(), v) == a.two_ahead.end()) a.two_ahead.push_back(v);
       }
       if (a.two_ahead.empty()) throw UsageError{"--two-ahead needs a recall in (0, 1]"};
@@ -554,6 +552,8 @@ inline std::string run_label(const RunConfig& c) {
 
 // A lookahead row that also prefetches layer L+2: "SPEC" + two_ahead_marker + "R" (lookahead.hpp).
 inline constexpr std::string_view two_ahead_marker = "+ahead2:";
+// Whether a --prefetch name is an emulated hint (hint:R...), the only predictor --two-ahead extends.
+inline bool hint_spec(const std::string& spec) { return spec.rfind("hint", 0) == 0; }
 // The lookahead rows after a row's "none" baseline: each predictor of --prefetch, each hint one
 // followed by its --two-ahead twins ("hint:0.9:recent:noise=0.3+ahead2:0.7").
 inline std::vector<std::string> row_prefetches(const BenchArgs& a) {
@@ -561,7 +561,7 @@ inline std::vector<std::string> row_prefetches(const BenchArgs& a) {
   for (const std::string& spec : a.prefetch) {
     if (spec == "none") continue;
     out.push_back(spec);
-    if (spec.rfind("hint", 0) != 0) continue;
+    if (!hint_spec(spec)) continue;
     for (const std::string& r : a.two_ahead) out.push_back(spec + std::string(two_ahead_marker) + r);
   }
   return out;

@@ -91,7 +91,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (!use_gpu) throw UsageError{std::string(flag) + " needs the CUDA runtime (a GPU)"};
     }
     if (!args.two_ahead.empty() &&
-        std::none_of(args.prefetch.begin(), args.prefetch.end(), [](const std::string& p) { return p.rfind("hint", 0) == 0; }))
+        std::none_of(args.prefetch.begin(), args.prefetch.end(), hint_spec))
       throw UsageError{"--two-ahead needs a hint predictor in --prefetch (hint:R...): layer L+2's lists are emulated hints "
                        "with that row's wrong ids and noise"};
     if (!args.prefetch.empty() || args.prefetch_budget) {

@@ -844,28 +844,25 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
       }
       // Layer l+1's prefetch on the side stream, forked from the consumer stream (the caches are
       // per layer, so it depends on no step of cache l).
-      const auto fork_prefetch = [&] {
-        if (list_n == 0 || l + 1 >= m.layers) return;
-        std::int32_t* h = layer_hints.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
-        check_cuda(cudaEventRecord(forked, ctx.consumer), "cudaEventRecord(fork)");
-        check_cuda(cudaStreamWaitEvent(side, forked, 0), "cudaStreamWaitEvent(fork)");
-        hint_kernel<<<1, 32, 0, side>>>(table_hints.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
-                                        m.layers, l, list_n, h);
+      // Layer `target`'s list made after layer l (from `table`) into `lists`, then its prefetch,
+      // both on the side stream.
+      const auto prefetch_list = [&](DeviceBuffer& table, DeviceBuffer& lists, std::int32_t target) {
+        std::int32_t* h = lists.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
+        hint_kernel<<<1, 32, 0, side>>>(table.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps, m.layers,
+                                        l, list_n, h);
         check_cuda(cudaGetLastError(), "hint_kernel");
         Result<PrefetchView> pv =
-            caches[static_cast<std::size_t>(l + 1)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
+            caches[static_cast<std::size_t>(target)]->prefetch(h, list_n, side, PrefetchOptions{prefetch_bytes, 1});
         if (!pv.ok()) throw Error(pv.status());
-        // --two-ahead: layer l+2's list on the same side stream, after layer l+1's prefetch (its
-        // plan, and so its fills, go first).
-        if (hints_two.empty() || l + 2 >= m.layers) return;
-        std::int32_t* h2 =
-            layer_hints_two.as<std::int32_t>() + static_cast<std::size_t>(l) * static_cast<std::size_t>(list_n);
-        hint_kernel<<<1, 32, 0, side>>>(table_hints_two.as<std::int32_t>(), counter.as<std::uint32_t>(), routing.steps,
-                                        m.layers, l, list_n, h2);
-        check_cuda(cudaGetLastError(), "hint_kernel (two ahead)");
-        Result<PrefetchView> pv2 =
-            caches[static_cast<std::size_t>(l + 2)]->prefetch(h2, list_n, side, PrefetchOptions{prefetch_bytes, 1});
-        if (!pv2.ok()) throw Error(pv2.status());
+      };
+      const auto fork_prefetch = [&] {
+        if (list_n == 0 || l + 1 >= m.layers) return;
+        check_cuda(cudaEventRecord(forked, ctx.consumer), "cudaEventRecord(fork)");
+        check_cuda(cudaStreamWaitEvent(side, forked, 0), "cudaStreamWaitEvent(fork)");
+        prefetch_list(table_hints, layer_hints, l + 1);
+        // --two-ahead: layer l+2's list after layer l+1's prefetch (its plan, and so its fills, go
+        // first).
+        if (!hints_two.empty() && l + 2 < m.layers) prefetch_list(table_hints_two, layer_hints_two, l + 2);
       };
       if (prefetch_at_router) fork_prefetch();
       for (std::int32_t g = 0; g < rounds; ++g) {

@@ -68,6 +68,16 @@ std::vector<Ids> groups_of(const Ids& ids, std::int32_t experts, std::int32_t ca
 }
 
 // Router output: padding, duplicates, and (with `bad`) values a broken router writes.
+// The device-planned cache's demand and speculative counters against the host-planned reference's.
+void check_same_prefetch_stats(const CacheStats& dev, const CacheStats& host) {
+  CHECK(dev.hits == host.hits);
+  CHECK(dev.misses == host.misses);
+  CHECK(dev.evictions == host.evictions);
+  CHECK(dev.speculative_issued == host.speculative_issued);
+  CHECK(dev.speculative_used == host.speculative_used);
+  CHECK(dev.speculative_wasted == host.speculative_wasted);
+}
+
 Ids random_ids(std::mt19937_64& rng, std::int32_t n, std::int32_t experts, bool bad) {
   Ids ids;
   for (std::int32_t i = 0; i < n; ++i) {
@@ -901,13 +911,8 @@ TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's p
     }
     f.check_clean();
     const CacheStats cs = f.dev->stats(), hs = f.host->stats();
-    CHECK(cs.hits == hs.hits);
-    CHECK(cs.misses == hs.misses);
-    CHECK(cs.evictions == hs.evictions);
+    check_same_prefetch_stats(cs, hs);
     CHECK(cs.resident == hs.resident);
-    CHECK(cs.speculative_issued == hs.speculative_issued);
-    CHECK(cs.speculative_used == hs.speculative_used);
-    CHECK(cs.speculative_wasted == hs.speculative_wasted);
     CHECK(cs.speculative_bytes == hs.speculative_bytes);
     issued += cs.speculative_issued;
     used += cs.speculative_used;
@@ -949,12 +954,7 @@ TEST_CASE("device prefetch: two prefetches before each forward (two layers of lo
     }
     f.check_clean();
     const CacheStats cs = f.dev->stats(), hs = f.host->stats();
-    CHECK(cs.hits == hs.hits);
-    CHECK(cs.misses == hs.misses);
-    CHECK(cs.evictions == hs.evictions);
-    CHECK(cs.speculative_issued == hs.speculative_issued);
-    CHECK(cs.speculative_used == hs.speculative_used);
-    CHECK(cs.speculative_wasted == hs.speculative_wasted);
+    check_same_prefetch_stats(cs, hs);
     issued += cs.speculative_issued;
     used += cs.speculative_used;
   }
@@ -986,12 +986,7 @@ TEST_CASE("device prefetch from host ids with scores: step by step equal to the 
     }
     f.check_clean();
     const CacheStats cs = f.dev->stats(), hs = f.host->stats();
-    CHECK(cs.hits == hs.hits);
-    CHECK(cs.misses == hs.misses);
-    CHECK(cs.evictions == hs.evictions);
-    CHECK(cs.speculative_issued == hs.speculative_issued);
-    CHECK(cs.speculative_used == hs.speculative_used);
-    CHECK(cs.speculative_wasted == hs.speculative_wasted);
+    check_same_prefetch_stats(cs, hs);
     issued += cs.speculative_issued;
     evictions += cs.evictions;
   }

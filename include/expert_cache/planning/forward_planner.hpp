@@ -445,9 +445,8 @@ class ForwardPlanner {
     bool no_victim = false;
     for (; next < predicted.size(); ++next) {
       const ExpertId e(predicted[next]);
-      if (resident_map_[e.index()] != absent_slot) {
+      if (resident_map_[e.index()] != absent_slot) {  // protected above, or one of this call's fills
         ++out.skipped_resident;
-        protect(e);
         continue;
       }
       if (static_cast<std::int32_t>(out.fills.size()) >= max_fills) break;

@@ -73,7 +73,7 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
     // Every thread has read the residency before rank 0 changes it below: a fill into a free slot
     // has no collective that would otherwise keep a late thread from reading the new value.
     b.sync();
-    if (resident) {  // marked above (a fill of this call is protected by its count)
+    if (resident) {  // marked above, or one of this call's fills (excluded by its speculative count)
       ++skipped_resident;
       continue;
     }
