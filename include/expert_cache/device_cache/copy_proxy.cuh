@@ -248,8 +248,9 @@ class CopyProxy {
     Status status;            // the first failure since the cache last asked
     std::atomic<bool> failed{false};  // status holds one: the cache's calls lock only then
     std::atomic<std::uint64_t> requests{0}, fills{0};
-    // Host time from seeing a request to the last call issued for it, summed (nanoseconds).
-    std::atomic<std::uint64_t> issue_ns{0};
+    // Host time from seeing a request to the last call issued for it, summed (nanoseconds), and
+    // the part of it spent inside the copy calls and inside the ready-word memops.
+    std::atomic<std::uint64_t> issue_ns{0}, copy_call_ns{0}, word_call_ns{0};
   };
 
   /// The device's proxy, started on first use and shared by every cache of the device.
@@ -499,10 +500,19 @@ class CopyProxy {
           publish(c, f, split, part);
           std::this_thread::sleep_for(std::chrono::microseconds(200));
         }
+        const auto t0 = std::chrono::steady_clock::now();
         copy(c, f, lo, hi);
+        const auto t1 = std::chrono::steady_clock::now();
         if (!k.test_ready_before_copy) publish(c, f, split, part);
+        const auto t2 = std::chrono::steady_clock::now();
+        c.copy_call_ns.fetch_add(elapsed_ns(t0, t1), std::memory_order_relaxed);
+        c.word_call_ns.fetch_add(elapsed_ns(t1, t2), std::memory_order_relaxed);
       }
     }
+  }
+
+  static std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    return static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
   }
 
   // Regions [lo, hi) of one fill: one batch call (per-region copies where it is missing or
