@@ -95,6 +95,11 @@ struct BenchArgs {
   // --overlap-parts: the overlapped fill copies each expert whole (whole, the default) or every
   // missing expert's W13 tensors first, on their own ready word (w13-first).
   std::string overlap_parts = "whole";
+  // --device-storage: how the measured device rows store experts: tensor_major (one host pool and
+  // one slot array per tensor: a fill is one copy per tensor, six for NVFP4) or expert_major (each
+  // expert's tensors contiguous on the host and in its slot: a fill is one copy, the fewest calls
+  // for the copy proxy).
+  std::string device_storage = "tensor_major";
   // --host-wait: how the host thread waits for the device (cudaSetDeviceFlags before the run):
   // auto (CUDA's default), spin, yield or blocking.
   std::string host_wait = "auto";
@@ -166,6 +171,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "                      ::crf_decay_q32)\n"
                "  --consumer-order O  with --overlap, the order in which the consumer's blocks take the\n"
                "                      (token, expert) pairs: pairs (default) or experts (the fill's order)\n"
+               "  --device-storage S the measured device rows' storage: tensor_major (default; a fill is one copy\n"
+               "                      per tensor) or expert_major (a fill is one copy); GPU only\n"
                "  --overlap-parts P   with --overlap: whole (each expert in one piece, default) or w13-first\n"
                "                      (every missing expert's W13 tensors first, on their own ready word)\n"
                "  --prefetch-at P     where the device rows' lookahead prefetches layer l+1: after layer l's\n"
@@ -379,6 +386,11 @@ inline BenchArgs parse_args(int argc, char** argv) {
       const std::string v(value());
       if (v != "pairs" && v != "experts") throw UsageError{"--consumer-order: '" + v + "' is not pairs or experts"};
       a.consumer_order = v;
+    } else if (arg == "--device-storage") {
+      const std::string v(value());
+      if (v != "tensor_major" && v != "expert_major")
+        throw UsageError{"--device-storage: '" + v + "' is not tensor_major or expert_major"};
+      a.device_storage = v;
     } else if (arg == "--overlap-parts") {
       const std::string v(value());
       if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};

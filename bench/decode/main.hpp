@@ -76,6 +76,13 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (std::find(args.fill_engines.begin(), args.fill_engines.end(), "split") != args.fill_engines.end() && !args.overlap)
         throw UsageError{"--fill-engine split needs --overlap (forwards then wait per slot for the speculative copies)"};
     }
+    if (args.device_storage != "tensor_major") {
+      if (args.overlap_parts == "w13-first")
+        throw UsageError{"--device-storage expert_major cannot take --overlap-parts w13-first: a fill is one copy, "
+                         "so no part lands first"};
+      if (!use_gpu)
+        throw UsageError{"--device-storage needs the CUDA runtime (a GPU): it sets the measured device rows' storage"};
+    }
     if (args.host_wait != "auto" && !use_gpu)
       throw UsageError{"--host-wait needs the CUDA runtime (a GPU): the modelled run does not wait for a device"};
     if (!args.timeline_csv.empty() && !args.timeline) throw UsageError{"--timeline-csv needs --timeline"};

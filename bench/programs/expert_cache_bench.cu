@@ -209,6 +209,19 @@ StorageMemory shared_expert_pools(const Model& m, GpuContext& ctx, Progress& pro
   return mem;
 }
 
+// Fills the shared expert-major pools that shared_expert_pools just made, through the caches'
+// storage: each tensor at its place in the blob (synth_fill's bytes, as in the tensor-major pools).
+template <class Caches>
+void fill_shared_expert_pools(const Model& m, Caches& caches, Progress& progress, const std::string& row) {
+  const ExpertTensorBytes tensors = m.layout.tensors();
+  progress.note(row + ": filling the expert-major host pools");
+  parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
+    auto& st = caches[static_cast<std::size_t>(l)]->storage();
+    for (std::size_t t = 0; t < num_expert_tensors; ++t)
+      synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
+  });
+}
+
 // Every host wait of a decode loop goes through here, so it is counted.
 void counted_sync(GpuContext& ctx, cudaStream_t s) {
   ++ctx.host_syncs;
@@ -482,14 +495,7 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
   const ExpertTensorBytes tensors = m.layout.tensors();
-  if (fill_expert_pools) {  // through the storage: each tensor at its place in the blob
-    progress.note(cfg.provider + "/" + cfg.staging + ": filling the expert-major host pools");
-    parallel_experts(m.layers, m.experts, [&](std::int32_t l, std::int32_t e) {
-      auto& st = caches[static_cast<std::size_t>(l)]->storage();
-      for (std::size_t t = 0; t < num_expert_tensors; ++t)
-        synth_fill(reinterpret_cast<unsigned char*>(st.host_tensor(t, e)), tensors[t].bytes_per_expert, l, e, t);
-    });
-  }
+  if (fill_expert_pools) fill_shared_expert_pools(m, caches, progress, cfg.provider + "/" + cfg.staging);
   std::size_t bytes_per_fill = 0;
   {
     const auto& st = caches[0]->storage();
@@ -647,12 +653,12 @@ inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w
 // consumer; prepare(l+1) joins the side stream (edge 2).
 // budget (a --budget staging, or empty): the row leaves a stage out or doubles it (see
 // budget_router_staging and the others in decode/args.hpp); its outputs are not checked.
-template <class Policy>
+template <class Policy, template <class> class Storage = TensorMajorStorage>
 RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                           Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
                           bool fill_only, const std::string& budget = "", bool one_pass = false,
                           FillEngine engine = FillEngine::sm_loads) {
-  using Cache = DeviceExpertCache<TensorMajorStorage, Nvfp4Marlin, CudaRuntime, Policy>;
+  using Cache = DeviceExpertCache<Storage, Nvfp4Marlin, CudaRuntime, Policy>;
   const bool router_only = budget == budget_router_staging, plan_only = budget == budget_plan_staging;
   const bool plan_x2 = budget == budget_plan_x2_staging, consumer_x2 = budget == budget_consumer_x2_staging;
   fill_only = fill_only || plan_x2;  // plan_x2 is fill_only with a second plan
@@ -670,6 +676,10 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   const std::size_t act = static_cast<std::size_t>(m.batch) * static_cast<std::size_t>(m.layout.hidden);
   std::vector<std::unique_ptr<Cache>> caches;
   const bool lookahead_row = !prefetch.empty() && prefetch != "none";
+  // Expert-major rows (--device-storage expert_major) take the shared expert-major pools, the
+  // host-planned rows' (made and filled by the first row that uses them).
+  constexpr bool expert_major = Cache::StorageType::expert_contiguous;
+  bool fill_expert_pools = false;
   for (std::int32_t l = 0; l < m.layers; ++l) {
     DeviceCacheOptions o;
     o.num_experts = m.experts;
@@ -683,9 +693,15 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     o.lookahead = lookahead_row;  // automatic: FillUse::overlapped_lookahead with overlap
     // Overlap: every missing expert's W13 tensors first, on their own ready word (edge D4c).
     o.ready_first_regions = overlap && overlap_w13_first(a) ? device::MoeConsumer::first_pass_regions : 0u;
-    o.memory = shared_host_pools(m, ctx, progress, l);
+    if constexpr (expert_major) {
+      o.memory = shared_expert_pools(m, ctx, progress, l, Cache::StorageType::blob_layout(m.layout.tensors()).blob_bytes,
+                                     fill_expert_pools);
+    } else {
+      o.memory = shared_host_pools(m, ctx, progress, l);
+    }
     caches.push_back(std::make_unique<Cache>(rt, o, m.layout));
   }
+  if (fill_expert_pools) fill_shared_expert_pools(m, caches, progress, "device");
   if (engine == FillEngine::automatic) {
     // Which engine automatic picked, and why (the profile is measured once per process).
     int device = 0;
@@ -1043,8 +1059,9 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
   r.check_failures += differ;
   std::snprintf(buf, sizeof buf,
                 "%s: one CUDA graph per step (%zu nodes, %d round(s) per layer; captured and instantiated "
-                "once in %.1f ms); cudaGraphLaunch %.1f us of host time per step; %s",
+                "once in %.1f ms); cudaGraphLaunch %.1f us of host time per step; %s storage; %s",
                 key.c_str(), nodes, rounds, capture_ms, a.steps ? launch_ns * 1e-3 / a.steps : 0.0,
+                expert_major ? "expert-major (a fill is one copy)" : "tensor-major (a fill is one copy per tensor)",
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
   if (caches[0]->fill_engine() == FillEngine::copy_engine || caches[0]->speculates_on_copy_engine()) {
@@ -1075,6 +1092,10 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
                      const std::string& prefetch = "", bool fill_only = false, const std::string& budget = "",
                      bool one_pass = false, FillEngine engine = FillEngine::sm_loads) {
   return visit_device_policy(a.device_policy, [&]<class Policy>(Policy) {
+    if (a.device_storage == "expert_major") {
+      return run_device_with<Policy, ExpertMajorStorage>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch,
+                                                         fill_only, budget, one_pass, engine);
+    }
     return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget, one_pass,
                                    engine);
   });

@@ -165,6 +165,10 @@ def case_bad_args():
     expect_usage_error(["--consumer-order", "tokens"], "--consumer-order")
     expect_usage_error(["--overlap-parts", "w2-first"], "--overlap-parts")
     expect_usage_error(["--overlap-parts", "auto"], "is not whole or w13-first")
+    expect_usage_error(["--device-storage", "blob"], "--device-storage: 'blob' is not tensor_major or expert_major")
+    expect_usage_error(["--device-storage", "expert_major", "--runtime", "sim"], "--device-storage needs the CUDA runtime")
+    expect_usage_error(["--device-storage", "expert_major", "--overlap-parts", "w13-first"],
+                       "--device-storage expert_major cannot take --overlap-parts w13-first")
     expect_usage_error(["--host-wait", "sleep"], "is not auto, spin, yield or blocking")
     expect_usage_error(["--host-wait", "blocking", "--runtime", "sim"], "--host-wait needs the CUDA runtime")
     expect_usage_error(["--prefetch-at", "layer"], "is not router, prepare or auto")
