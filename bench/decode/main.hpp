@@ -80,6 +80,9 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
       if (args.overlap_parts == "w13-first")
         throw UsageError{"--device-storage expert_major cannot take --overlap-parts w13-first: a fill is one copy, "
                          "so no part lands first"};
+      if (!args.prompts.empty() || args.prompt_trace_path)
+        throw UsageError{"--device-storage sets the decode run's device rows; the prompt run's device rows are "
+                         "tensor-major (leave out --prompt and --prompt-trace)"};
       if (!use_gpu)
         throw UsageError{"--device-storage needs the CUDA runtime (a GPU): it sets the measured device rows' storage"};
     }

@@ -169,6 +169,8 @@ def case_bad_args():
     expect_usage_error(["--device-storage", "expert_major", "--runtime", "sim"], "--device-storage needs the CUDA runtime")
     expect_usage_error(["--device-storage", "expert_major", "--overlap-parts", "w13-first"],
                        "--device-storage expert_major cannot take --overlap-parts w13-first")
+    expect_usage_error(["--device-storage", "expert_major", "--prompt", "128"],
+                       "--device-storage sets the decode run's device rows")
     expect_usage_error(["--host-wait", "sleep"], "is not auto, spin, yield or blocking")
     expect_usage_error(["--host-wait", "blocking", "--runtime", "sim"], "--host-wait needs the CUDA runtime")
     expect_usage_error(["--prefetch-at", "layer"], "is not router, prepare or auto")
