@@ -3,6 +3,8 @@
 #   bench/scripts/gpu_suite.sh test  OUT   build the GPU targets, the GPU test suite, compute-sanitizer
 #                                  memcheck / racecheck / synccheck on the device-planned paths
 #   bench/scripts/gpu_suite.sh bench OUT   the GPU benchmarks (device planner, decode loop, staging fills)
+#   bench/scripts/gpu_suite.sh lookahead OUT  the decode benchmark's lookahead rows (batch 1, batch 16, and the
+#                                  real traces with TRACE_DIR), the device rows on both storages
 #   bench/scripts/gpu_suite.sh python OUT  the PyTorch extension (build + its tests) and the transformers Mixtral
 #                                  served through it (examples/torch, --check for both providers)
 # GPU_TESTS="tests/test_gpu_x ..." restricts the test phase to those targets (and skips the sanitizers).
@@ -92,6 +94,32 @@ bench)
     >"$out/bench_consumer_host.txt" 2>&1 || { note "bench_consumer_host failed"; status=1; }
   grep -E "_median" "$out/bench_device_plan.txt" "$out/bench_staging.txt" "$out/bench_consumer_host.txt" | head -100
   ;;
+lookahead)
+  # The lookahead rows of docs/benchmarks.md ("With the listed-resident rule, after the router", "Where the
+  # proxy's host time goes"): batch 1, batch 16 and, with TRACE_DIR (a folder holding the public
+  # qwen3-30b-a3b-top6-decode.trace and granite-1b-a400m-decode.trace routing traces), the Qwen3 trace at 32
+  # slots and the Granite trace at 8; the device rows once per storage (--device-storage).
+  meson compile -C "$build" bench/expert-cache-bench >"$out/compile.log" 2>&1 || { note "compile failed"; exit 1; }
+  common=(--staging copy_stream --overlap --fill-engine split --prefetch none,hint:0.9:recent:noise=0.3 --two-ahead 0.7
+          --prefetch-at router --progress --provider resident,device,cached)
+  rows() {  # name, then the invocation's own arguments
+    local name=$1; shift
+    if "$build/bench/expert-cache-bench" "${common[@]}" "$@" --json "$out/$name.json" >"$out/$name.txt" 2>&1; then
+      note "$name: $(grep -cE 'done:' "$out/$name.txt") rows"
+    else note "$name: FAILED"; tail -20 "$out/$name.txt"; status=1; fi
+    grep -E "^(device|cached) .*(none|hint)|proxy served" "$out/$name.txt"
+  }
+  for storage in tensor_major expert_major; do
+    rows "b1_$storage" --device-storage "$storage" --steps 16 --warmup 32
+    rows "b16_$storage" --device-storage "$storage" --batch 16 --steps 8 --warmup 16
+    if [ -n "${TRACE_DIR:-}" ]; then
+      rows "qwen3_$storage" --device-storage "$storage" --trace "$TRACE_DIR/qwen3-30b-a3b-top6-decode.trace" --capacity 32 \
+        --steps 16 --warmup 32
+      rows "granite_$storage" --device-storage "$storage" --trace "$TRACE_DIR/granite-1b-a400m-decode.trace" --capacity 8 \
+        --steps 16 --warmup 32
+    fi
+  done
+  ;;
 python)
   py_out="$out/python"; mkdir -p "$py_out"
   python/run_gpu_tests.sh "$py_out" 2>&1 | tail -60 | tee "$out/python_tests.txt"
@@ -112,7 +140,7 @@ python)
     tail -16 "$out/mixtral_e32.txt"
   fi
   ;;
-*) echo "usage: bench/scripts/gpu_suite.sh test|bench|python [OUT]"; exit 2 ;;
+*) echo "usage: bench/scripts/gpu_suite.sh test|bench|lookahead|python [OUT]"; exit 2 ;;
 esac
 note "phase $phase: status $status"
 exit $status
