@@ -653,7 +653,7 @@ inline bool overlap_w13_first(const BenchArgs& a) { return a.overlap_parts == "w
 // consumer; prepare(l+1) joins the side stream (edge 2).
 // budget (a --budget staging, or empty): the row leaves a stage out or doubles it (see
 // budget_router_staging and the others in decode/args.hpp); its outputs are not checked.
-template <class Policy, template <class> class Storage = TensorMajorStorage>
+template <class Policy, template <class> class Storage>
 RunResult run_device_with(const Model& m, const Routing& routing, const BenchArgs& a, GpuContext& ctx, CudaRuntime& rt,
                           Progress& progress, std::vector<std::string>& notes, bool overlap, const std::string& prefetch,
                           bool fill_only, const std::string& budget = "", bool one_pass = false,
@@ -1096,8 +1096,8 @@ RunResult run_device(const Model& m, const Routing& routing, const BenchArgs& a,
       return run_device_with<Policy, ExpertMajorStorage>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch,
                                                          fill_only, budget, one_pass, engine);
     }
-    return run_device_with<Policy>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch, fill_only, budget, one_pass,
-                                   engine);
+    return run_device_with<Policy, TensorMajorStorage>(m, routing, a, ctx, rt, progress, notes, overlap, prefetch,
+                                                       fill_only, budget, one_pass, engine);
   });
 }
 

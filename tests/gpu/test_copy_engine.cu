@@ -38,7 +38,8 @@ std::uint32_t word_of(std::size_t t, std::int32_t e, std::size_t i) {
                                     static_cast<std::uint32_t>(i) * 0xC2B2AE35u);
 }
 
-void fill_big_pools(CeCache& c, std::int32_t experts) {
+template <class Cache>
+void fill_big_pools(Cache& c, std::int32_t experts) {
   const auto& tensors = c.storage().tensors();
   for (std::int32_t e = 0; e < experts; ++e) {
     for (std::size_t t = 0; t < num_expert_tensors; ++t) {
@@ -86,24 +87,27 @@ __global__ void check_slots_kernel(const CheckParams p) {
   if (bad != 0) atomicAdd(p.bad, bad);
 }
 
-struct CeRig {
+// Storage: tensor-major (a fill is one copy per tensor) or expert-major (a fill is one copy).
+template <template <class> class Storage>
+struct BasicCeRig {
+  using Cache = DeviceExpertCache<Storage, ExplicitLayout, CudaRuntime>;
   static constexpr std::int32_t experts = 24, capacity = 8, n = 6;
-  std::unique_ptr<CeCache> cache;
+  std::unique_ptr<Cache> cache;
   cudaStream_t x = nullptr;
   DeviceBuffer<std::int32_t> ids{static_cast<std::size_t>(n)};
   DeviceBuffer<unsigned long long> bad{1};
 
-  explicit CeRig(DeviceCacheOptions o, FillEngine engine = FillEngine::copy_engine) {
+  explicit BasicCeRig(DeviceCacheOptions o, FillEngine engine = FillEngine::copy_engine) {
     o.num_experts = experts;
     o.capacity = capacity;
     o.max_ids = n;
     o.fill_engine = engine;
-    cache = std::make_unique<CeCache>(cuda_runtime(), o, big_layout());
+    cache = std::make_unique<Cache>(cuda_runtime(), o, big_layout());
     fill_big_pools(*cache, experts);
     REQUIRE_CUDA_OK(cudaStreamCreateWithFlags(&x, cudaStreamNonBlocking));
     load_kernels(&check_slots_kernel<0>);
   }
-  ~CeRig() {
+  ~BasicCeRig() {
     (void)cudaStreamSynchronize(x);
     cache.reset();
     (void)cudaStreamDestroy(x);
@@ -135,6 +139,8 @@ struct CeRig {
     REQUIRE_CUDA_OK(cudaGetLastError());
   }
 };
+
+using CeRig = BasicCeRig<TensorMajorStorage>;
 
 // Construction with `o` throws invalid_argument naming `needle`.
 void expect_refused(const DeviceCacheOptions& o, const char* needle) {
@@ -176,11 +182,12 @@ TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and 
 // of n other experts, which evicts prefetched slots and fills them with SM loads while the
 // proxy's later copies are still in flight; the forward is checked with readiness. Returns the
 // words that differed and ORs the error words into `errors`.
+template <class Rig = CeRig>
 unsigned long long speculate_then_evict(const DeviceCacheOptions& o, int rounds, std::uint32_t& errors,
                                         std::uint64_t& speculative, std::uint64_t& proxy_fills) {
   unsigned long long bad = 0;
   for (int k = 0; k < rounds; ++k) {
-    CeRig r(o, FillEngine::sm_loads);
+    Rig r(o, FillEngine::sm_loads);
     REQUIRE(r.cache->speculates_on_copy_engine());
     DeviceBuffer<std::int32_t> hint{static_cast<std::size_t>(CeRig::capacity)};
     std::vector<std::int32_t> h(CeRig::capacity);
@@ -221,6 +228,34 @@ TEST_CASE("speculate_on_copy_engine: prefetches through the proxy, forwards with
   plain.max_ids = CeRig::n;
   plain.fill_engine = FillEngine::sm_loads;
   expect_refused(plain, "speculate_on_copy_engine without overlap");
+}
+
+TEST_CASE("copy engine on the expert-major storage (a fill is one copy): every slot holds its bytes, with and "
+          "without readiness, and with the speculation only on the copy engine") {
+  using Rig = BasicCeRig<ExpertMajorStorage>;
+  for (const bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    DeviceCacheOptions o;
+    o.overlap = overlap;
+    Rig r(o);
+    CHECK(r.cache->fill_engine() == FillEngine::copy_engine);
+    for (int s = 0; s < 12; ++s) {
+      CAPTURE(s);
+      CHECK(r.step(s, overlap) == 0ull);
+      CHECK(r.cache->take_errors() == 0u);
+    }
+    CHECK(r.cache->executor().proxy_fills() == 12u * Rig::n);
+    CHECK(r.cache->executor().proxy_copy_call_ns() > 0u);
+  }
+  DeviceCacheOptions o;
+  o.overlap = true;
+  o.speculate_on_copy_engine = true;
+  std::uint32_t errors = 0;
+  std::uint64_t speculative = 0, proxy_fills = 0;
+  CHECK(speculate_then_evict<Rig>(o, 4, errors, speculative, proxy_fills) == 0ull);
+  CHECK(errors == 0u);
+  CHECK(speculative == 4u * Rig::capacity);
+  CHECK(proxy_fills == speculative);
 }
 
 TEST_CASE("speculate_on_copy_engine: edge P6 removed (the SM-load fill does not wait for a pending copy) -> stale slots") {
