@@ -155,12 +155,16 @@ void expect_refused(const DeviceCacheOptions& o, const char* needle) {
 
 }  // namespace
 
-TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and with per-slot readiness") {
+namespace {
+// Every fill through the proxy, 12 forwards of all misses, stream ordered and with per-slot readiness:
+// each slot's bytes checked, no error word, one proxy fill per miss.
+template <class Rig>
+void every_slot_holds_its_bytes() {
   for (const bool overlap : {false, true}) {
     CAPTURE(overlap);
     DeviceCacheOptions o;
     o.overlap = overlap;
-    CeRig r(o);
+    Rig r(o);
     CHECK(r.cache->fill_engine() == FillEngine::copy_engine);
     unsigned long long bad = 0;
     for (int s = 0; s < 12; ++s) {
@@ -173,8 +177,14 @@ TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and 
     }
     CHECK(bad == 0ull);
     CHECK(r.cache->executor().proxy_fills() == r.cache->device_stats().misses);
-    CHECK(r.cache->executor().proxy_fills() == 12u * CeRig::n);
+    CHECK(r.cache->executor().proxy_fills() == 12u * Rig::n);
+    CHECK(r.cache->executor().proxy_copy_call_ns() > 0u);
   }
+}
+}  // namespace
+
+TEST_CASE("copy engine: every slot holds its expert's bytes, stream ordered and with per-slot readiness") {
+  every_slot_holds_its_bytes<CeRig>();
 }
 
 // speculate_on_copy_engine, `rounds` fresh caches: a prefetch of `capacity` experts into the
@@ -233,20 +243,7 @@ TEST_CASE("speculate_on_copy_engine: prefetches through the proxy, forwards with
 TEST_CASE("copy engine on the expert-major storage (a fill is one copy): every slot holds its bytes, with and "
           "without readiness, and with the speculation only on the copy engine") {
   using Rig = BasicCeRig<ExpertMajorStorage>;
-  for (const bool overlap : {false, true}) {
-    CAPTURE(overlap);
-    DeviceCacheOptions o;
-    o.overlap = overlap;
-    Rig r(o);
-    CHECK(r.cache->fill_engine() == FillEngine::copy_engine);
-    for (int s = 0; s < 12; ++s) {
-      CAPTURE(s);
-      CHECK(r.step(s, overlap) == 0ull);
-      CHECK(r.cache->take_errors() == 0u);
-    }
-    CHECK(r.cache->executor().proxy_fills() == 12u * Rig::n);
-    CHECK(r.cache->executor().proxy_copy_call_ns() > 0u);
-  }
+  every_slot_holds_its_bytes<Rig>();
   DeviceCacheOptions o;
   o.overlap = true;
   o.speculate_on_copy_engine = true;

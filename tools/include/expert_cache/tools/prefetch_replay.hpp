@@ -355,6 +355,22 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
       for (std::size_t k = 0; k < ids.size(); ++k) keys[k] = offset + ids[k];
       return std::span<const std::int32_t>(keys.data(), ids.size());
     };
+    // A ranked list prefetched into layer `target`'s planner, its counts added to the run's.
+    auto prefetch_into = [&](std::int32_t target, std::span<const std::int32_t> ranked,
+                             std::span<const float> scores) -> Status {
+      run.speculative.predicted += ranked.size();
+      ForwardPlanner<P>& planner = planners[global ? 0 : static_cast<std::size_t>(target)];
+      if (Status s = planner.plan_prefetch(to_keys(ranked, global ? target * E : 0), scores, options.min_score, budget,
+                                           expires_after, prefetch, options.precision_feedback);
+          !s) {
+        return s;
+      }
+      run.speculative.skipped_resident += prefetch.skipped_resident;
+      run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
+      run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
+      run.speculative.skipped_imprecise += prefetch.skipped_imprecise;
+      return {};
+    };
     ForwardPlanner<P>& own = planners[global ? 0 : static_cast<std::size_t>(li)];
     if (Status st = own.plan_unique(to_keys(local, base), plan); !st.ok()) {
       return Status(st.code(), forward_where(trace, i) + ": " + std::string(st.message()));
@@ -374,20 +390,9 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
                 next < 0 ? std::span<const std::int32_t>() : trace.experts(static_cast<std::size_t>(next));
             std::span<const std::int32_t> ranked;
             if (Status s = p.predict(PredictionQuery{f.step, li, local, truth}, list_length, ranked); !s) return s;
-            run.speculative.predicted += ranked.size();
             std::span<const float> scores;  // parallel to `ranked`; empty = unscored
             if constexpr (requires { p.scores(); }) scores = p.scores();
-            ForwardPlanner<P>& target = planners[global ? 0 : static_cast<std::size_t>(li + 1)];
-            if (Status s = target.plan_prefetch(to_keys(ranked, global ? (li + 1) * E : 0), scores, options.min_score,
-                                                budget, expires_after, prefetch, options.precision_feedback);
-                !s) {
-              return s;
-            }
-            run.speculative.skipped_resident += prefetch.skipped_resident;
-            run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
-            run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
-            run.speculative.skipped_imprecise += prefetch.skipped_imprecise;
-            return {};
+            return prefetch_into(li + 1, ranked, scores);
           }
         },
         predictor);
@@ -401,17 +406,8 @@ Result<PrefetchRunCounts> prefetch_run(const Trace& trace, const PrefetchForward
         std::span<const std::int32_t> ranked;
         Status s = two_ahead->predict(PredictionQuery{f.step, li, local, trace.experts(static_cast<std::size_t>(two))},
                                       list_length, ranked);
-        if (s) {
-          run.speculative.predicted += ranked.size();
-          ForwardPlanner<P>& target = planners[global ? 0 : static_cast<std::size_t>(li + 2)];
-          s = target.plan_prefetch(to_keys(ranked, global ? (li + 2) * E : 0), two_ahead->scores(), options.min_score,
-                                   budget, expires_after, prefetch, options.precision_feedback);
-        }
+        if (s) s = prefetch_into(li + 2, ranked, two_ahead->scores());
         if (!s) return Status(s.code(), forward_where(trace, i) + ": two ahead: " + std::string(s.message()));
-        run.speculative.skipped_resident += prefetch.skipped_resident;
-        run.speculative.skipped_no_victim += prefetch.skipped_no_victim;
-        run.speculative.skipped_unlikely += prefetch.skipped_unlikely;
-        run.speculative.skipped_imprecise += prefetch.skipped_imprecise;
       }
     }
     ++progress.done;
