@@ -12,6 +12,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "expert_cache/any/any_cache_cuda.cuh"
@@ -217,15 +218,20 @@ TEST_CASE("any cache on CUDA: a bad config is refused with a named error") {
 
 TEST_CASE("any cache on CUDA: device provider with overlap hands the consumer its per-slot readiness") {
   CudaRuntime rt;
-  for (const char* engine : {"sm_loads", "copy_engine"}) {
+  // Storage "": the device provider's default, expert-major where every fill goes through the proxy.
+  for (const auto& [engine, storage] : {std::pair{"sm_loads", "tensor_major"}, std::pair{"copy_engine", "tensor_major"},
+                                        std::pair{"copy_engine", ""}, std::pair{"sm_loads", ""}}) {
     CAPTURE(engine);
-    AnyCacheConfig c = config_of("device", "", "tensor_major");
+    CAPTURE(storage);
+    AnyCacheConfig c = config_of("device", "", storage);
     c.overlap = true;
     c.lookahead = true;
     c.fill_engine = std::string_view(engine) == "copy_engine" ? FillEngine::copy_engine : FillEngine::sm_loads;
     auto made = make_expert_cache(rt, c);
     REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
     AnyExpertCache<CudaRuntime> any = std::move(made.value());
+    const bool default_expert_major = std::string_view(storage).empty() && c.fill_engine == FillEngine::copy_engine;
+    CHECK(any.storage() == (default_expert_major ? "expert_major" : "tensor_major"));
     fill_host(any);
     REQUIRE(any.fill_engine() == c.fill_engine);
     const SlotReadiness r = any.readiness();

@@ -454,6 +454,64 @@ TEST_CASE("AnyExpertCache: readiness() is the device provider's; overlap on SimR
   CHECK_FALSE(row.value().readiness().enabled());
 }
 
+TEST_CASE("make_expert_cache: the device provider's default storage is expert-major where the copy proxy moves fills") {
+  constexpr std::int32_t E = 16, C = 8, max_ids = 4;  // room to look ahead: C >= 2 * max_ids
+  const auto storage_of = [](const AnyCacheConfig& c) {
+    const std::array<std::string_view, 2> stagings = {"inline", "copy_stream"};
+    detail::AnyCacheChoices chosen;
+    const Status s = detail::check_any_cache_config(c, stagings, true, chosen);
+    REQUIRE_MESSAGE(s.ok(), std::string(s.message()));
+    return std::string(chosen.storage_name);
+  };
+  const auto device = [&](FillEngine engine, bool overlap, bool lookahead) {
+    AnyCacheConfig c = config_of("device", "", "", "", E, C, 2);
+    c.max_ids = max_ids;
+    c.fill_engine = engine;
+    c.overlap = overlap;
+    c.lookahead = lookahead;
+    return c;
+  };
+  // Every fill through the proxy, or automatic's speculation on the copy engine: one copy per fill.
+  CHECK(storage_of(device(FillEngine::copy_engine, false, false)) == "expert_major");
+  CHECK(storage_of(device(FillEngine::copy_engine, true, true)) == "expert_major");
+  CHECK(storage_of(device(FillEngine::automatic, true, true)) == "expert_major");
+  // SM-load fills, or automatic without the overlapped lookahead (the demand fills choose alone).
+  CHECK(storage_of(device(FillEngine::sm_loads, true, true)) == "tensor_major");
+  CHECK(storage_of(device(FillEngine::automatic, false, true)) == "tensor_major");
+  CHECK(storage_of(device(FillEngine::automatic, true, false)) == "tensor_major");
+  CHECK(storage_of(device(FillEngine::automatic, false, false)) == "tensor_major");
+  {  // no room to look ahead: automatic's speculation stays off the copy engine
+    AnyCacheConfig c = device(FillEngine::automatic, true, true);
+    c.options.capacity = 2 * max_ids - 1;
+    CHECK(storage_of(c) == "tensor_major");
+  }
+  {  // expert-major takes policy lru only
+    AnyCacheConfig c = device(FillEngine::copy_engine, true, true);
+    c.policy = "lfru";
+    CHECK(storage_of(c) == "tensor_major");
+  }
+  {  // caller memory keeps the tensor-major default its spans were made for
+    std::vector<std::byte> host(64);
+    AnyCacheConfig c = device(FillEngine::copy_engine, true, true);
+    c.options.memory.host_tensors[0] = MemorySpan{host.data(), host.size()};
+    CHECK(storage_of(c) == "tensor_major");
+  }
+  {  // a named storage is kept
+    AnyCacheConfig c = device(FillEngine::copy_engine, true, true);
+    c.storage = "tensor_major";
+    CHECK(storage_of(c) == "tensor_major");
+  }
+  // The host providers keep theirs.
+  CHECK(storage_of(config_of("row", "", "", "", E, C, 2)) == "tensor_major");
+  CHECK(storage_of(config_of("cached", "", "", "", E, C, 2)) == "expert_major");
+  // Built on the simulated runtime: every fill through the proxy, on the expert-major storage.
+  SimRuntime rt(sim_options());
+  auto made = make_expert_cache(rt, device(FillEngine::copy_engine, false, false));
+  REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+  CHECK(made.value().storage() == "expert_major");
+  CHECK(made.value().copy_regions().count == 1u);
+}
+
 TEST_CASE("AnyExpertCache: prefetch_device is the device provider's; host providers refuse it") {
   SimRuntime rt(sim_options());
   const Stream s = rt.create_stream().value();

@@ -60,8 +60,8 @@ struct AnyCacheConfig {
   /// Staging policy: the runtime's AnyCacheStagings list (device provider: inline only); "" = the provider's
   /// default (row, cached: copy_stream; device: inline).
   std::string staging;
-  /// Storage: tensor_major, expert_major or expert_major_host; "" = the provider's default (row, device:
-  /// tensor_major; cached: expert_major).
+  /// Storage: tensor_major, expert_major or expert_major_host; "" = the provider's default (row: tensor_major;
+  /// cached: expert_major; device: device_default_storage below).
   std::string storage;
   AnyLayout layout;  ///< the per-expert tensors (make_expert_cache refuses one whose validation failed)
   /// num_experts, capacity, top_k, staging_ring, label, log (one line at construction, naming
@@ -84,6 +84,26 @@ struct AnyCacheConfig {
   /// LinkProfile::choose_engines). Host providers refuse it.
   bool lookahead = false;
 };
+
+/// The device provider's storage when AnyCacheConfig::storage is "": expert_major where the copy proxy moves
+/// fills (fill_engine copy_engine, or automatic with lookahead, overlap and room to look ahead, which puts the
+/// speculative copies on the copy engine), with policy lru and no caller memory; tensor_major otherwise. The
+/// proxy's host time per fill grows with the copies of a fill, six for a tensor-major NVFP4 expert and one for an
+/// expert-major one, and decides when a prefetched fill starts; SM-load fills of tensor-major slots were the
+/// faster ones without lookahead (docs/cuda_backend.md, "Storage and the proxy").
+/// @param config the config; its provider is taken to be "device"
+/// @param policy_name the resolved policy name
+[[nodiscard]] inline std::string_view device_default_storage(const AnyCacheConfig& config,
+                                                             std::string_view policy_name) noexcept {
+  const StorageMemory& m = config.options.memory;
+  const bool caller_memory = m.caller_host_tensors() || !m.host_pool.empty() || !m.slot_workspace.empty();
+  const bool proxy_moves_fills =
+      config.fill_engine == FillEngine::copy_engine ||
+      (config.fill_engine == FillEngine::automatic &&
+       fill_use_of(config.lookahead, config.overlap, config.options.capacity, config.max_ids) ==
+           FillUse::overlapped_lookahead);
+  return proxy_moves_fills && policy_name == "lru" && !caller_memory ? "expert_major" : "tensor_major";
+}
 
 /// The provider names AnyCacheConfig::provider accepts, in index order.
 inline constexpr std::array<std::string_view, 3> any_cache_providers = {"row", "cached", "device"};
@@ -190,10 +210,12 @@ inline Status check_any_cache_config(const AnyCacheConfig& config, std::span<con
   const bool device = *provider == 2;
   static constexpr std::array<std::string_view, 3> default_policy = {"lru", "lfru", "lru"};
   static constexpr std::array<std::string_view, 3> default_staging = {"copy_stream", "copy_stream", "inline"};
-  static constexpr std::array<std::string_view, 3> default_storage = {"tensor_major", "expert_major", "tensor_major"};
+  static constexpr std::array<std::string_view, 2> default_host_storage = {"tensor_major", "expert_major"};
   const std::string_view policy_name = config.policy.empty() ? default_policy[*provider] : std::string_view(config.policy);
   const std::string_view staging_name = config.staging.empty() ? default_staging[*provider] : std::string_view(config.staging);
-  const std::string_view storage_name = config.storage.empty() ? default_storage[*provider] : std::string_view(config.storage);
+  const std::string_view storage_name =
+      !config.storage.empty() ? std::string_view(config.storage)
+                              : (device ? device_default_storage(config, policy_name) : default_host_storage[*provider]);
 
   // The device provider plans with a device policy (DeviceExpertCache's Policy, one type each).
   constexpr auto device_policy_names = any_device_policy_names;

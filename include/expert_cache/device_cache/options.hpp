@@ -117,17 +117,21 @@ enum class DeviceForward : std::uint8_t {
   in_rounds,  ///< the caller runs prepare_group for every further group: the overflow is planned
 };
 
-/// How the fills of a cache built with `o` are used, for FillEngine::automatic.
-/// @param o  the cache's options
+/// How the fills of a cache are used, for FillEngine::automatic.
 /// @return FillUse::overlapped_lookahead when the engine looks ahead (`lookahead`), the cache overlaps
 ///         (`overlap`) and the pool holds the next forward's experts beside the current one's
 ///         (capacity >= 2 * max_ids); FillUse::demand otherwise. Without that room a speculative fill
 ///         finds no slot outside the current forward, so lookahead moves no bytes and the demand fills
 ///         alone should choose the engine (on an 8-slot pool with top-8 routing, taking the copy engine
 ///         for lookahead only made decode slower: docs/benchmarks.md).
+[[nodiscard]] constexpr FillUse fill_use_of(bool lookahead, bool overlap, std::int32_t capacity,
+                                          std::int32_t max_ids) noexcept {
+  const bool room = static_cast<std::int64_t>(capacity) >= 2 * static_cast<std::int64_t>(max_ids);
+  return lookahead && overlap && room ? FillUse::overlapped_lookahead : FillUse::demand;
+}
+/// The same from a cache's options.
 [[nodiscard]] constexpr FillUse fill_use_of(const DeviceCacheOptions& o) noexcept {
-  const bool room = static_cast<std::int64_t>(o.capacity) >= 2 * static_cast<std::int64_t>(o.max_ids);
-  return o.lookahead && o.overlap && room ? FillUse::overlapped_lookahead : FillUse::demand;
+  return fill_use_of(o.lookahead, o.overlap, o.capacity, o.max_ids);
 }
 
 }  // namespace expert_cache::inline v0
