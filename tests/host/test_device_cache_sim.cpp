@@ -67,7 +67,6 @@ std::vector<Ids> groups_of(const Ids& ids, std::int32_t experts, std::int32_t ca
   return out;
 }
 
-// Router output: padding, duplicates, and (with `bad`) values a broken router writes.
 // The device-planned cache's demand and speculative counters against the host-planned reference's.
 void check_same_prefetch_stats(const CacheStats& dev, const CacheStats& host) {
   CHECK(dev.hits == host.hits);
@@ -78,6 +77,7 @@ void check_same_prefetch_stats(const CacheStats& dev, const CacheStats& host) {
   CHECK(dev.speculative_wasted == host.speculative_wasted);
 }
 
+// Router output: padding, duplicates, and (with `bad`) values a broken router writes.
 Ids random_ids(std::mt19937_64& rng, std::int32_t n, std::int32_t experts, bool bad) {
   Ids ids;
   for (std::int32_t i = 0; i < n; ++i) {
