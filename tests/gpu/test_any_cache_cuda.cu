@@ -17,6 +17,7 @@
 
 #include "expert_cache/any/any_cache_cuda.cuh"
 #include "expert_cache/runtime/sim_runtime.hpp"
+#include "expert_cache/staging/link_probe.cuh"  // link_profile_for, set_link_profile (compiled mode leaves them out)
 #include "support/cuda_support.hpp"
 
 using namespace expert_cache;
@@ -272,4 +273,62 @@ TEST_CASE("any cache on CUDA: device provider with overlap hands the consumer it
     CHECK(words_checked > kSteps);
     rt.destroy_stream(stream);
   }
+}
+
+TEST_CASE("any cache on CUDA: the device provider's default storage follows automatic's engines on the device's link") {
+  CudaRuntime rt;
+  int device = 0;
+  REQUIRE_CUDA_OK(cudaGetDevice(&device));
+  // An expert size of this case's own: the profiles it installs (set_link_profile) reach no other case.
+  ExpertTensorBytes tensors = layout_under_test().tensors();
+  tensors[5].bytes_per_expert = 1004;
+  AnyCacheConfig base = config_of("device", "", "");
+  base.layout.tensors = tensors;
+  base.overlap = true;
+  LinkProfile measured;
+  REQUIRE(link_profile_for(device, total_bytes_per_expert(tensors), measured).ok());
+  LinkProfile slow = measured, fast = measured;  // SM loads at 0.5 and 1.0 of the copy engine's batch rate
+  slow.sm_load_gbps = 0.5 * measured.copy_engine_gbps_batch;
+  fast.sm_load_gbps = measured.copy_engine_gbps_batch;
+  struct Case {
+    const char* what;
+    const LinkProfile* profile;
+    bool lookahead;
+    const char* storage;
+    FillEngine forwards;
+  };
+  for (const Case& k : {Case{"slow SM loads: every fill through the proxy", &slow, false, "expert_major", FillEngine::copy_engine},
+                        Case{"fast SM loads, no lookahead", &fast, false, "tensor_major", FillEngine::sm_loads},
+                        Case{"fast SM loads, lookahead: speculation through the proxy", &fast, true, "expert_major",
+                             FillEngine::sm_loads}}) {
+    CAPTURE(k.what);
+    REQUIRE(set_link_profile(*k.profile).ok());
+    AnyCacheConfig c = base;
+    c.lookahead = k.lookahead;
+    REQUIRE(c.fill_engine == FillEngine::automatic);
+    auto made = make_expert_cache(rt, c);
+    REQUIRE_MESSAGE(made.ok(), std::string(made.status().message()));
+    AnyExpertCache<CudaRuntime> any = std::move(made.value());
+    CHECK(any.storage() == k.storage);
+    CHECK(any.fill_engine() == k.forwards);
+    fill_host(any);
+    auto stream_or = rt.create_stream();
+    REQUIRE(stream_or.ok());
+    const CudaRuntime::Stream stream = stream_or.value();
+    DeviceBuffer<std::int32_t> device_ids(kTopK);
+    int slots_checked = 0;
+    for (const auto& ids : make_trace(11)) {
+      device_ids.upload(ids);
+      REQUIRE(any.prepare(std::span<const std::int32_t>(device_ids.get(), ids.size()), stream).ok());
+      REQUIRE_CUDA_OK(cudaStreamSynchronize(stream));
+      // Overlap: the proxy's or the fill kernel's ready words come after the prepare's stream work;
+      // the device going idle covers both before the slots are read.
+      REQUIRE_CUDA_OK(cudaDeviceSynchronize());
+      REQUIRE(any.take_errors() == 0u);
+      slots_checked += check_resident_slots(any, download_map(any.resident_map_device()));
+    }
+    CHECK(slots_checked > kSteps);
+    rt.destroy_stream(stream);
+  }
+  REQUIRE(set_link_profile(measured).ok());
 }

@@ -485,6 +485,27 @@ TEST_CASE("make_expert_cache: the device provider's default storage is expert-ma
     c.options.capacity = 2 * max_ids - 1;
     CHECK(storage_of(c) == "tensor_major");
   }
+  {  // automatic with the link's profile in the config: the engines it picks there decide
+    LinkProfile slow;
+    slow.copy_engine_gbps_batch = 50.0;
+    slow.sm_load_gbps = 30.0;  // 0.6 of the copy engine: every fill through the proxy
+    LinkProfile fast = slow;
+    fast.sm_load_gbps = 47.0;  // 0.94: SM loads for the forwards
+    AnyCacheConfig c = device(FillEngine::automatic, false, false);
+    c.link_profile = slow;
+    CHECK(storage_of(c) == "expert_major");
+    c.link_profile = fast;
+    CHECK(storage_of(c) == "tensor_major");
+    c = device(FillEngine::automatic, true, true);
+    c.link_profile = fast;
+    CHECK(storage_of(c) == "expert_major");  // the speculative copies through the proxy
+    c.options.capacity = 2 * max_ids - 1;
+    CHECK(storage_of(c) == "tensor_major");  // no room: no speculation
+    c.link_profile = slow;
+    CHECK(storage_of(c) == "expert_major");
+    c.link_profile = LinkProfile{};  // no measurement: automatic takes the copy engine
+    CHECK(storage_of(c) == "expert_major");
+  }
   {  // expert-major takes policy lru only
     AnyCacheConfig c = device(FillEngine::copy_engine, true, true);
     c.policy = "lfru";

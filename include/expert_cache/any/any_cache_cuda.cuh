@@ -35,6 +35,24 @@ struct AnyCacheStagings<CudaRuntime> {
 };
 #endif
 
+#if (!defined(EXPERT_CACHE_SEPARATE_COMPILATION) || defined(EXPERT_CACHE_ANY_CACHE_INSTANTIATION)) && \
+    __has_include("expert_cache/device_cache/cuda_executor.cuh")
+// The current device's profile (link_profile_for: measured once per process), which the device
+// provider's default storage follows; none when it cannot be measured (the executor then reports why).
+template <>
+struct detail::AnyLinkProfileSource<CudaRuntime> {
+  static std::optional<LinkProfile> measure(std::uint64_t expert_bytes) noexcept {
+    int device = 0;
+    LinkProfile p;
+    if (cudaGetDevice(&device) != cudaSuccess || !link_profile_for(device, expert_bytes, p).ok()) {
+      (void)cudaGetLastError();
+      return std::nullopt;
+    }
+    return p;
+  }
+};
+#endif
+
 #if defined(EXPERT_CACHE_SEPARATE_COMPILATION)
 // Also the non-virtual calls: instantiated here they would cast to the types this translation unit
 // sees, which lack gather and the device planner.

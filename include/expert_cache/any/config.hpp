@@ -86,22 +86,30 @@ struct AnyCacheConfig {
 };
 
 /// The device provider's storage when AnyCacheConfig::storage is "": expert_major where the copy proxy moves
-/// fills (fill_engine copy_engine, or automatic with lookahead, overlap and room to look ahead, which puts the
-/// speculative copies on the copy engine), with policy lru and no caller memory; tensor_major otherwise. The
-/// proxy's host time per fill grows with the copies of a fill, six for a tensor-major NVFP4 expert and one for an
-/// expert-major one, and decides when a prefetched fill starts; SM-load fills of tensor-major slots were the
-/// faster ones without lookahead (docs/cuda_backend.md, "Storage and the proxy").
+/// fills, with policy lru and no caller memory; tensor_major otherwise. The proxy moves fills with fill_engine
+/// copy_engine, and with automatic where the link profile puts fills on the copy engine: every fill on a host
+/// whose SM loads are slow, the speculative copies of an overlapped lookahead on one whose SM loads are fast
+/// (LinkProfile::choose_engines). Without a profile in the config, automatic counts as the copy engine for the
+/// overlapped lookahead only (make_expert_cache on CUDA measures the device's profile first). The proxy's host
+/// time per fill grows with the copies of a fill, six for a tensor-major NVFP4 expert and one for an
+/// expert-major one, and decides when a copied fill starts; SM-load fills of tensor-major slots were the faster
+/// ones without lookahead (docs/cuda_backend.md, "Storage and the proxy").
 /// @param config the config; its provider is taken to be "device"
 /// @param policy_name the resolved policy name
 [[nodiscard]] inline std::string_view device_default_storage(const AnyCacheConfig& config,
                                                              std::string_view policy_name) noexcept {
   const StorageMemory& m = config.options.memory;
   const bool caller_memory = m.caller_host_tensors() || !m.host_pool.empty() || !m.slot_workspace.empty();
-  const bool proxy_moves_fills =
-      config.fill_engine == FillEngine::copy_engine ||
-      (config.fill_engine == FillEngine::automatic &&
-       fill_use_of(config.lookahead, config.overlap, config.options.capacity, config.max_ids) ==
-           FillUse::overlapped_lookahead);
+  const FillUse use = fill_use_of(config.lookahead, config.overlap, config.options.capacity, config.max_ids);
+  bool proxy_moves_fills = config.fill_engine == FillEngine::copy_engine;
+  if (config.fill_engine == FillEngine::automatic) {
+    if (config.link_profile) {
+      const LinkProfile::EngineChoice choice = config.link_profile->choose_engines(use);
+      proxy_moves_fills = choice.forwards == FillEngine::copy_engine || choice.speculate_on_copy_engine;
+    } else {
+      proxy_moves_fills = use == FillUse::overlapped_lookahead;
+    }
+  }
   return proxy_moves_fills && policy_name == "lru" && !caller_memory ? "expert_major" : "tensor_major";
 }
 

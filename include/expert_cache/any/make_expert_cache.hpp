@@ -7,6 +7,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -21,6 +22,7 @@
 #include "expert_cache/eviction/any_policy.hpp"
 #include "expert_cache/layout/explicit.hpp"
 #include "expert_cache/planning/forward_planner.hpp"
+#include "expert_cache/runtime/link_profile.hpp"
 
 namespace expert_cache::inline v0 {
 
@@ -36,6 +38,15 @@ namespace detail {
   }
   return Status(e.code(), m);
 }
+
+// The device's link profile, for the device provider's default storage (device_default_storage) when
+// automatic picks the engine and the config holds no profile: none where the runtime cannot measure one
+// (SimRuntime); any/any_cache_cuda.cuh gives CudaRuntime's (measured once per process and device, the profile
+// the executor's automatic then uses too).
+template <class Runtime>
+struct AnyLinkProfileSource {
+  static std::optional<LinkProfile> measure(std::uint64_t /*expert_bytes*/) noexcept { return std::nullopt; }
+};
 
 }  // namespace detail
 
@@ -68,6 +79,23 @@ Result<AnyExpertCache<Runtime>> make_expert_cache(Runtime& rt, const AnyCacheCon
   detail::AnyCacheChoices chosen;
   if (Status s = detail::check_any_cache_config(config, staging_names, has_device_plan_executor<Runtime>, chosen); !s) {
     return s;
+  }
+  // The device provider's default storage follows the engines automatic picks on this device's link.
+  if (chosen.device && config.storage.empty() && config.fill_engine == FillEngine::automatic && !config.link_profile) {
+    if (std::optional<LinkProfile> measured =
+            detail::AnyLinkProfileSource<Runtime>::measure(total_bytes_per_expert(config.layout.tensors))) {
+      AnyCacheConfig profiled = config;
+      profiled.link_profile = std::move(measured);
+      detail::AnyCacheChoices with_profile;
+      if (Status s =
+              detail::check_any_cache_config(profiled, staging_names, has_device_plan_executor<Runtime>, with_profile);
+          !s) {
+        return s;
+      }
+      // Only the storage: the other names may view the copy's strings (a default storage is a literal).
+      chosen.storage = with_profile.storage;
+      chosen.storage_name = with_profile.storage_name;
+    }
   }
   const bool device = chosen.device;
   const std::string_view policy_name = chosen.policy_name;
