@@ -170,11 +170,12 @@ struct Pair {
     check_maps();
   }
 
-  void prefetch(const Ids& ids, std::int32_t max_fills, std::uint32_t expires_after) {
+  void prefetch(const Ids& ids, std::int32_t max_fills, std::uint32_t expires_after, bool evict_last_forward = false) {
     const DevicePlanState& s = dev.state();
     PrefetchPlan hp;
-    REQUIRE(host.plan_prefetch(ids, max_fills, expires_after, hp));
-    plan_prefetch<Plan>(block, view, ids.data(), static_cast<std::int32_t>(ids.size()), max_fills, expires_after);
+    REQUIRE(host.plan_prefetch(ids, max_fills, expires_after, hp, evict_last_forward));
+    plan_prefetch<Plan>(block, view, ids.data(), static_cast<std::int32_t>(ids.size()), max_fills, expires_after,
+                        evict_last_forward);
     ++prefetches;
     const DevicePlanScalars& k = *s.scalars;
     REQUIRE(k.fill_count == static_cast<std::int32_t>(hp.fills.size()));
@@ -201,12 +202,24 @@ constexpr Config configs[] = {
     {128, 10, 10, 2},
 };
 
+// Evictions of the pair's last prefetch whose victim the last forward's map still names.
+template <class P>
+std::uint64_t last_forward_evictions(const P& p) {
+  const DevicePlanState& s = p.dev.state();
+  std::uint64_t n = 0;
+  for (std::int32_t i = 0; i < s.scalars->eviction_count; ++i) {
+    const std::int32_t victim = s.evictions[i].expert;
+    if (!p.forward_cleared && victim >= 0 && victim < s.num_experts && s.forward_map[victim] >= 0) ++n;
+  }
+  return n;
+}
+
 // Random forwards (small and general path, overflow groups, padding, bad ids), invalidations and
 // prefetches; `policy` builds each run's host policy (fresh state).
 template <class D, class Plan = D, class MakePolicy>
 void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, std::uint64_t clock0 = 0,
                    std::uint64_t crf_decay = crf_default_decay_q32) {
-  std::uint64_t evictions = 0, overflows = 0, spec_used = 0, spec_wasted = 0, no_victim = 0;
+  std::uint64_t evictions = 0, overflows = 0, spec_used = 0, spec_wasted = 0, no_victim = 0, last_forward_victims = 0;
   for (const Config& c : configs) {
     for (int rep = 0; rep < 2; ++rep) {
       CAPTURE(c.E);
@@ -234,7 +247,10 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
             }
             const auto max_fills = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(c.top_k + 2));
             const auto expires = static_cast<std::uint32_t>(1 + rng() % 3);
-            p.prefetch(pred, max_fills, expires);
+            // Half the prefetches may evict the last forward's residents (PrefetchOptions::evict_last_forward).
+            const bool evict_last = rng() % 2 == 0;
+            p.prefetch(pred, max_fills, expires, evict_last);
+            last_forward_victims += evict_last ? last_forward_evictions(p) : 0;
             no_victim += static_cast<std::uint64_t>(p.dev.state().scalars->prefetch_skipped_no_victim);
           }
         }
@@ -247,13 +263,14 @@ void random_parity(MakePolicy policy, std::uint64_t seed, bool with_prefetch, st
     }
   }
   MESSAGE(std::string(D::name), " (", std::string(Plan::name), "): evictions ", evictions, ", overflowing forwards ", overflows, ", speculative used ", spec_used,
-          ", wasted ", spec_wasted, ", skipped (no victim) ", no_victim);
+          ", wasted ", spec_wasted, ", skipped (no victim) ", no_victim, ", last-forward victims ", last_forward_victims);
   CHECK(evictions > 5000);
   CHECK(overflows > 50);
   if (with_prefetch) {
     CHECK(spec_used > 100);
     CHECK(spec_wasted > 100);
     CHECK(no_victim > 0);
+    CHECK(last_forward_victims > 50);  // the flag's branch ran, and both planners took it alike
   }
 }
 

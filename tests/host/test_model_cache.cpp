@@ -877,6 +877,15 @@ TEST_CASE("model cache prefetch: bad input gets a specific error and changes not
     const std::vector<float> nan_score = {std::numeric_limits<float>::quiet_NaN()};
     scored.scores = nan_score;
     CHECK(model.prefetch(1, Ids{4}, x, scored).status().code() == ErrorCode::invalid_argument);
+    // A shared pool's last forward is another layer's: the promise cannot cover it.
+    if (pool == ModelPool::global) {
+      PrefetchOptions evict = budget_of(1);
+      evict.evict_last_forward = true;
+      const Result<PrefetchView> p = model.prefetch(1, Ids{4}, x, evict);
+      REQUIRE_FALSE(p.ok());
+      CHECK(p.status().code() == ErrorCode::invalid_argument);
+      CHECK(std::string(p.status().message()).find("evict_last_forward") != std::string::npos);
+    }
     CHECK(snapshot(model, rt) == before);
     // Still usable afterwards; a zero budget plans nothing and enqueues nothing.
     REQUIRE(model.prefetch(2, Ids{5}, x, budget_of(0)).ok());

@@ -97,6 +97,41 @@ TEST_CASE_TEMPLATE("plan_prefetch never evicts an expert of the most recent forw
   check_maps_consistent(p);
 }
 
+TEST_CASE_TEMPLATE("plan_prefetch with evict_last_forward: the last forward's residents are victims, but not the ones the list names",
+                   Policy, Lru, Lfru, S3Fifo) {
+  auto p = make_planner<Policy>(CacheShape{10, 4});
+  ForwardPlan fwd;
+  PrefetchPlan pre;
+  REQUIRE(p.plan_unique(Ids{0, 1, 2, 3}, fwd).ok());
+  // A cache of top_k slots: without the promise nothing may go.
+  REQUIRE(p.plan_prefetch(Ids{4, 1, 5}, 3, 1, pre).ok());
+  CHECK(pre.fills.empty());
+  CHECK(pre.skipped_no_victim == 2);
+  // With it, 4 and 5 take slots of 0, 2 or 3; 1 is named, so it stays.
+  REQUIRE(p.plan_prefetch(Ids{4, 1, 5}, 3, 1, pre, true).ok());
+  CHECK(pre.fills.size() == 2);
+  CHECK(pre.evictions.size() == 2);
+  CHECK_FALSE(evicted_any_of(pre, Ids{1}));
+  CHECK(pre.skipped_resident == 1);
+  CHECK(p.is_speculative(4));
+  CHECK(p.is_speculative(5));
+  CHECK(p.is_resident(1));
+  // The forward map is untouched (stale for the evicted: the caller promised no reader is left).
+  CHECK(p.forward_map()[1] != absent_slot);
+  check_maps_consistent(p);
+  // The fills are protected like any speculative fill, and 1 is named again: the one resident left
+  // of the forward besides 1 is the only victim.
+  REQUIRE(p.plan_prefetch(Ids{6, 1, 7}, 3, 1, pre, true).ok());
+  CHECK(pre.fills.size() == 1);
+  CHECK_FALSE(evicted_any_of(pre, Ids{1, 4, 5}));
+  CHECK(pre.skipped_resident == 1);
+  CHECK(pre.skipped_no_victim == 1);
+  // The next forward uses what was prefetched.
+  REQUIRE(p.plan_unique(Ids{4, 5, 1, 6}, fwd).ok());
+  CHECK(fwd.hits == 4);
+  check_maps_consistent(p);
+}
+
 // LayerShare (and Lrfu) choose among heap tops only: a protected top blocks its layer, so they may
 // skip a prediction although another resident could go (never an error, never a protected
 // victim: the random test below covers them).
@@ -803,6 +838,56 @@ TEST_CASE("negative (edge 11): a slot write waits for the slot's pending specula
   CHECK(with.mismatches == 0);
   const Detected without = refill_slot_of_pending_fill<NoSpeculativeOverwriteWait>();
   CHECK(without.races > 0);
+}
+
+namespace {
+
+// A cache of top_k slots: forward {0, 1}, a prefetch that reserves the speculative stream, forward
+// {1, 0} (adopted: the latest forward, its reader enqueued on streams[0]), then, from streams[1],
+// a prefetch that promises the forward's readers are enqueued (evict_last_forward) and evicts 0
+// or 1: only the slot's release (edge 1, as for a prepare's eviction) orders the fill after that
+// reader; the adoption event, which orders a prefetch that leaves the latest forward's slots
+// alone, comes before it.
+template <class Edges>
+Detected evict_last_forward_slot() {
+  Fixture<EdgeCache<Edges>> f(8, 2, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  REQUIRE(f.cache->prefetch(Ids{0}, f.streams[0], f.budget(1)).ok());  // resident: no fill; reserves the speculative stream
+  REQUIRE(f.forward(Ids{1, 0}, f.streams[0]).ok());                    // adopted: the latest forward, read again
+  PrefetchOptions o = f.budget(1);
+  o.evict_last_forward = true;
+  REQUIRE(f.cache->prefetch(Ids{2}, f.streams[1], o).ok());
+  REQUIRE(f.cache->stats().speculative_issued == 1);
+  REQUIRE(f.forward(Ids{2, 0}, f.streams[1]).ok());  // the prefetched expert is read and checked
+  f.rt.drain();
+  if (!f.rt.races().empty()) MESSAGE(f.rt.races()[0].description);
+  return {f.rt.races().size(), f.log->mismatches};
+}
+
+}  // namespace
+
+TEST_CASE("negative (edge 1, evict_last_forward): a prefetch into the last forward's slots waits for its reader") {
+  const Detected with = evict_last_forward_slot<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const Detected without = evict_last_forward_slot<NoReleaseWait>();
+  CHECK(without.races > 0);
+}
+
+TEST_CASE("prefetch: a cache of top_k slots looks ahead only with evict_last_forward") {
+  // The per-layer ExpertCache takes it; a model cache with a shared pool refuses it (tests/host/test_model_cache.cpp).
+  Fixture<RowSim> f(8, 2, 2);
+  REQUIRE(f.forward(Ids{0, 1}, f.streams[0]).ok());
+  PrefetchOptions o = f.budget(1);
+  auto without = f.cache->prefetch(Ids{2}, f.streams[0], o);
+  REQUIRE(without.ok());
+  CHECK(without.value().issued == 0);
+  CHECK(without.value().skipped_no_victim == 1);
+  o.evict_last_forward = true;
+  auto with = f.cache->prefetch(Ids{2}, f.streams[0], o);
+  REQUIRE(with.ok());
+  CHECK(with.value().issued == 1);
+  f.check_clean_after_drain();
 }
 
 TEST_CASE("prefetch after an adopted forward: the fills do not wait for that forward's consumer, nor the next prepare for them") {

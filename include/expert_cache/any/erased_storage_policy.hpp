@@ -186,8 +186,10 @@ class AnyDevicePlanExecutor {
     return with_alternative(held_, [&](auto& x) { return x.invalidate(s, expert); });
   }
   Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
-                  bool& planned) noexcept {
-    return with_alternative(held_, [&](auto& x) { return x.prefetch(s, ids, n, max_fills, expires_after, planned); });
+                  bool& planned, bool evict_last_forward = false) noexcept {
+    return with_alternative(held_, [&](auto& x) {
+      return x.prefetch(s, ids, n, max_fills, expires_after, planned, evict_last_forward);
+    });
   }
   Status drop_fills(Stream s) noexcept {
     return with_alternative(held_, [&](auto& x) { return x.drop_fills(s); });

@@ -191,7 +191,8 @@ class ExpertCacheWithEdges {
       if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(options_.capacity)); !s) return s;
     }
     if (Status s = planner_.plan_prefetch(predicted, options.scores, options.min_score, max_fills,
-                                          options.expires_after, prefetch_plan_, options.precision_feedback);
+                                          options.expires_after, prefetch_plan_, options.precision_feedback,
+                                          options.evict_last_forward);
         !s) {
       return s;
     }
@@ -207,8 +208,10 @@ class ExpertCacheWithEdges {
     };
     // The fills never touch a slot of the latest forward (plan_prefetch protects its experts), so
     // where the core can, they follow that forward's adoption rather than its consumers, and the
-    // resident map goes with the next prepare (OrderingCore::write_speculative_slots).
-    const bool before_forward = core_.speculative_before_forward();
+    // resident map goes with the next prepare (OrderingCore::write_speculative_slots). With
+    // evict_last_forward they may: then they follow `stream` and the forward's owner, as a
+    // prepare's copies do (edge 1).
+    const bool before_forward = !options.evict_last_forward && core_.speculative_before_forward();
     Status s = before_forward ? core_.write_speculative_slots(fills)
                               : core_.write(stream, WritePurpose::speculative, resident_upload(), fills);
     if (!s) {

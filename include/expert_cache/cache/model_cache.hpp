@@ -244,7 +244,8 @@ class ModelExpertCacheWithEdges {
   /// @param options    byte budget, expiry, scores and precision feedback (PrefetchOptions)
   /// @return what the call did (PrefetchView); nothing is enqueued when no fill was planned. Errors, with
   ///         nothing changed: invalid_argument (a bad layer, max_bytes < 0, expires_after == 0, the scored-hint
-  ///         errors of PrefetchOptions), expert_out_of_range, too_many_experts (more than E entries),
+  ///         errors of PrefetchOptions, evict_last_forward with a shared pool), expert_out_of_range, too_many_experts
+  ///         (more than E entries),
   ///         capture_unsupported, a staging policy's precheck, the runtime's error when the first prefetch's
   ///         per-slot events cannot be made. A runtime failure while enqueueing drops the call's fills and
   ///         counts a fault for the layer.
@@ -252,6 +253,12 @@ class ModelExpertCacheWithEdges {
                                 PrefetchOptions options = {}) noexcept {
     EXPERT_CACHE_NVTX_RANGE("expert_cache::model_prefetch");
     if (Status s = check_layer(layer, "prefetch"); !s) return s;
+    if (options.evict_last_forward && global()) {
+      return Status::format(ErrorCode::invalid_argument,
+                            "prefetch of layer %d: evict_last_forward needs per-layer caches (the shared pool's last "
+                            "forward is another layer's, which may still be read)",
+                            layer);
+    }
     const auto l = static_cast<std::size_t>(layer);
     StagingPolicy& staging = stagings_[global() ? 0 : l];
     const std::uint64_t bytes_per_expert = total_bytes_per_expert(layout_.tensors());
@@ -276,7 +283,7 @@ class ModelExpertCacheWithEdges {
       if (Status s = core_.reserve_speculative_slots(static_cast<std::size_t>(total_slots())); !s) return s;
     }
     if (Status s = planner_of(l).plan_prefetch(ids, options.scores, options.min_score, max_fills, options.expires_after,
-                                               prefetch_plan_, options.precision_feedback);
+                                               prefetch_plan_, options.precision_feedback, options.evict_last_forward);
         !s) {
       return s.with_context("prefetch of layer %d", layer);
     }
@@ -309,7 +316,9 @@ class ModelExpertCacheWithEdges {
     // where the core can they go on its speculative stream after that forward's adoption, not
     // after its consumers, and ahead of nothing on the fill stream: the layer's next prepare's
     // demand copies do not queue behind them. The resident map then goes with the next prepare.
-    const bool before_forward = core_.speculative_before_forward(reader(l));
+    // With evict_last_forward they may touch them: then they follow `stream` and the forward's
+    // owner, as a prepare's copies do (edge 1).
+    const bool before_forward = !options.evict_last_forward && core_.speculative_before_forward(reader(l));
     Status s = before_forward ? core_.write_speculative_slots(fills, reader(l))
                               : core_.write(stream, WritePurpose::speculative, resident_upload(l), fills, reader(l));
     if (!s) {

@@ -52,6 +52,15 @@ struct PrefetchOptions {
   /// or not, stop costing link time. Host-planned caches; the device-planned cache plans on the
   /// device and ignores it.
   bool precision_feedback = true;
+  /// The caller's promise that every reader of this cache's last forward is enqueued before this
+  /// call, in stream order (a per-layer cache prefetched for its next forward after its previous
+  /// forward's consumer, as in a decode loop): that forward's residents may then be evicted like
+  /// any other, except the ones this list names, so a cache of top_k slots can look ahead. Its
+  /// expert map is then stale (slots may hold other experts) until the next prepare. Without it a
+  /// prefetch never evicts the last forward's residents (the consumer may still read them).
+  /// A model-level cache with a pool shared by layers refuses it (its last forward is another
+  /// layer's, which may be the one being consumed).
+  bool evict_last_forward = false;
 };
 
 /// Construction parameters of an ExpertCache. The constructor throws Error when they are

@@ -223,9 +223,9 @@ class BasicCudaPlanExecutor {
   // (launched in plain stream order), so a later readiness consumer finds every prefetched
   // slot's ready word published; otherwise the plain fill.
   Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
-                  bool& planned) noexcept {
+                  bool& planned, bool evict_last_forward = false) noexcept {
     planned = false;
-    EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch<Policy>(state(), ids, n, max_fills, expires_after, s));
+    EXPERT_CACHE_TRY_CUDA(launch_plan_prefetch<Policy>(state(), ids, n, max_fills, expires_after, s, evict_last_forward));
     planned = true;
     if (Status st = rt_->after_enqueue(s, "plan_prefetch_kernel"); !st) return st;
     if (copy_engine_ || speculate_on_proxy_) {  // posted only: a later forward waits for the slots it reads

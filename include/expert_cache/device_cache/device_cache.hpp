@@ -358,7 +358,8 @@ class DeviceExpertCacheWithEdges {
     if (Status s = check_stream(stream, "prefetch"); !s) return s;
     if (n_ids == 0 || max_fills.value() == 0) return PrefetchView{};
     Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
-      return exec_.prefetch(f, device_ids, n_ids, max_fills.value(), options.expires_after, planned);
+      return exec_.prefetch(f, device_ids, n_ids, max_fills.value(), options.expires_after, planned,
+                            options.evict_last_forward);
     });
     if (!s) return s.with_context("%s: prefetch(%d ids)", options_.label.c_str(), n_ids);
     ++generation_;
@@ -407,7 +408,8 @@ class DeviceExpertCacheWithEdges {
     auto* ids = reinterpret_cast<std::int32_t*>(prefetch_ids_.data());
     Status s = write(stream, WritePurpose::speculative, [&](Stream f, bool& planned) noexcept {
       if (Status u = core_.upload_map(chosen.data(), ids, f, static_cast<std::size_t>(n_chosen)); !u) return u;
-      return exec_.prefetch(f, ids, n_chosen, max_fills.value(), options.expires_after, planned);
+      return exec_.prefetch(f, ids, n_chosen, max_fills.value(), options.expires_after, planned,
+                            options.evict_last_forward);
     });
     if (!s) return s.with_context("%s: prefetch(%d host ids)", options_.label.c_str(), n);
     ++generation_;

@@ -240,16 +240,16 @@ class BasicSimPlanExecutor {
   // consumer reads a prefetched slot only after the next prepare, which is ordered after this
   // call's stream by the core, and whose lane for that slot waits for its plan).
   Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
-                  bool& planned) noexcept {
+                  bool& planned, bool evict_last_forward = false) noexcept {
     planned = false;
     std::vector<Access> acc;
     if (n > 0) acc.push_back({ids, static_cast<std::size_t>(n) * sizeof(std::int32_t), AccessMode::read});
     add_state_accesses(acc, false);
     const DevicePlanState st = state_;
     rt_->set_next_label("device plan_prefetch");
-    if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after] {
+    if (Status r = rt_->launch(s, acc, [st, ids, n, max_fills, expires_after, evict_last_forward] {
           SequentialBlock b;
-          plan_prefetch<Policy>(b, st, ids, n, max_fills, expires_after);
+          plan_prefetch<Policy>(b, st, ids, n, max_fills, expires_after, evict_last_forward);
         });
         !r) {
       return r;

@@ -130,14 +130,15 @@ EXPERT_CACHE_KERNEL void __launch_bounds__(Threads)
 /// @param n_ids how many ids
 /// @param max_fills most fills this call makes
 /// @param expires_after forwards an unused speculative fill stays protected (>= 1)
+/// @param evict_last_forward the last forward's residents are victims too (PrefetchOptions)
 template <int Unused = 0, device_plan_policy Policy = DeviceLru>
 EXPERT_CACHE_KERNEL void __launch_bounds__(32)
     plan_prefetch_kernel(const __grid_constant__ DevicePlanState s, const std::int32_t* ids, std::int32_t n_ids,
-                         std::int32_t max_fills, std::uint32_t expires_after) {
+                         std::int32_t max_fills, std::uint32_t expires_after, bool evict_last_forward) {
   WarpBlock b;
   detail::griddep_launch_dependents();
   detail::griddep_wait();
-  plan_prefetch<Policy>(b, s, ids, n_ids, max_fills, expires_after);
+  plan_prefetch<Policy>(b, s, ids, n_ids, max_fills, expires_after, evict_last_forward);
 }
 
 // ---- host side --------------------------------------------------------------------------------
@@ -208,8 +209,9 @@ inline cudaError_t launch_plan_invalidate(const DevicePlanState& s, std::int32_t
 
 template <device_plan_policy Policy = DeviceLru>
 inline cudaError_t launch_plan_prefetch(const DevicePlanState& s, const std::int32_t* ids, std::int32_t n_ids,
-                                        std::int32_t max_fills, std::uint32_t expires_after, cudaStream_t stream) noexcept {
-  void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &max_fills, &expires_after};
+                                        std::int32_t max_fills, std::uint32_t expires_after, cudaStream_t stream,
+                                        bool evict_last_forward = false) noexcept {
+  void* args[] = {const_cast<DevicePlanState*>(&s), &ids, &n_ids, &max_fills, &expires_after, &evict_last_forward};
   return cudaLaunchKernel(reinterpret_cast<const void*>(&plan_prefetch_kernel<0, Policy>), dim3(1), dim3(32), args, 0,
                           stream);
 }

@@ -255,7 +255,8 @@ class ForwardPlanner {
   }
 
   /// Speculative fills for `predicted` (best first), at most `max_fills`. A victim is chosen by the
-  /// policy among residents that are neither in the most recent accepted forward, nor an unused,
+  /// policy among residents that are neither in the most recent accepted forward (unless
+  /// `evict_last_forward`: PrefetchOptions::evict_last_forward states the caller's promise), nor an unused,
   /// unexpired speculative fill, nor named anywhere in this list (evicting one prediction for
   /// another costs a copy and, at similar likelihoods, saves nothing; a resident named after the
   /// budget ran out is a prediction too). No such resident: the remaining ids are skipped, not an
@@ -267,13 +268,14 @@ class ForwardPlanner {
   /// @param max_fills      the most fills to plan (>= 0)
   /// @param expires_after  accepted forwards a fill stays protected unused (>= 1)
   /// @param out            receives the plan (cleared first); left as it was when the call is rejected
+  /// @param evict_last_forward  the last forward's residents are victims too (its readers are done)
   /// @return ok. Errors, before any state change: an id outside [0, num_experts) (expert_out_of_range), more
   ///         than num_experts entries (too_many_experts: a priority list never needs more), max_fills < 0
   ///         or expires_after == 0 (invalid_argument); internal when the policy returns an invalid victim
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::int32_t max_fills, std::uint32_t expires_after,
-                       PrefetchPlan& out) noexcept {
+                       PrefetchPlan& out, bool evict_last_forward = false) noexcept {
     if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
-    return plan_prefetch_checked(predicted, max_fills, expires_after, out);
+    return plan_prefetch_checked(predicted, max_fills, expires_after, out, -1.0f, evict_last_forward);
   }
 
   /// The same with the caller's scores (PrefetchOptions in cache/options.hpp states the contract):
@@ -295,18 +297,19 @@ class ForwardPlanner {
   /// @param expires_after       accepted forwards a fill stays protected unused (>= 1)
   /// @param out                 receives the plan; left as it was when the call is rejected
   /// @param precision_feedback  skip ranks whose measured precision is below min_score or min_admit_precision
+  /// @param evict_last_forward  the last forward's residents are victims too (its readers are done)
   /// @return ok. Errors, before any state change: those above (every entry's id is checked, skipped ones
   ///         too), and invalid_argument for a min_score outside [0, 1] or NaN, a number of scores other
   ///         than predicted.size(), or a score that is NaN, infinite or outside [0, 1].
   Status plan_prefetch(std::span<const std::int32_t> predicted, std::span<const float> scores, float min_score,
                        std::int32_t max_fills, std::uint32_t expires_after, PrefetchPlan& out,
-                       bool precision_feedback = false) noexcept {
+                       bool precision_feedback = false, bool evict_last_forward = false) noexcept {
     if (Status s = check_prefetch(predicted, max_fills, expires_after); !s) return s;
     if (Status s = hints_.select(predicted, scores, min_score); !s) return s;
     const float feedback_threshold = std::max(min_score, RankPrecision::min_admit_precision);
     const Status s =
         plan_prefetch_checked(hints_.ids(), max_fills, expires_after, out,
-                              precision_feedback ? feedback_threshold : -1.0f);
+                              precision_feedback ? feedback_threshold : -1.0f, evict_last_forward);
     out.skipped_unlikely = hints_.skipped_unlikely();
     return s;
   }
@@ -420,7 +423,8 @@ class ForwardPlanner {
   // plan_prefetch once its arguments were checked.
   // `feedback_threshold` >= 0: the least measured precision a rank needs (< 0: no feedback).
   Status plan_prefetch_checked(std::span<const std::int32_t> predicted, std::int32_t max_fills,
-                               std::uint32_t expires_after, PrefetchPlan& out, float feedback_threshold = -1.0f) noexcept {
+                               std::uint32_t expires_after, PrefetchPlan& out, float feedback_threshold = -1.0f,
+                               bool evict_last_forward = false) noexcept {
     out.clear();
     reserve(out);
     // Protected residents: the most recent forward's, the live speculative fills, every resident
@@ -435,7 +439,9 @@ class ForwardPlanner {
       stamp = epoch_;
       if (resident_map_[e.index()] != absent_slot) ++protected_residents;
     };
-    for (const ExpertId e : previous_forward_) protect(e);
+    if (!evict_last_forward) {
+      for (const ExpertId e : previous_forward_) protect(e);
+    }
     for (const ExpertId e : speculative_) protect(e);
     for (const std::int32_t id : predicted) {
       if (resident_map_[static_cast<std::size_t>(id)] != absent_slot) protect(ExpertId(id));

@@ -14,7 +14,8 @@ namespace expert_cache::inline v0 {
 // Speculative fills for `n_ids` predicted ids (best first), with the decisions of
 // ForwardPlanner<Lru>::plan_prefetch: at most `max_fills` fills (clamped to C); an id already
 // resident is skipped; a fill takes a free slot, else the least recently used resident that is
-// neither in the last planned group (ticks >= protect_tick), nor an unused, unexpired
+// neither in the last planned group (ticks >= protect_tick; not with `evict_last_forward`, whose
+// caller ordered the prefetch after that forward's readers: PrefetchOptions), nor an unused, unexpired
 // speculative fill, nor named anywhere in this list (every listed resident is marked before the
 // first fill); no such resident: the rest is skipped (counted in prefetch_skipped_no_victim). A fill is
 // inserted as the most recent resident (Lru::on_insert), lives `expires_after` forwards unless a
@@ -27,7 +28,7 @@ namespace expert_cache::inline v0 {
 template <device_plan_policy Policy = DeviceLru, plan_block Block>
 EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, const std::int32_t* ids,
                                             std::int32_t n_ids, std::int32_t max_fills,
-                                            std::uint32_t expires_after) noexcept {
+                                            std::uint32_t expires_after, bool evict_last_forward = false) noexcept {
   if (!plan_state_ok(s)) return detail::plan_fail(b, s, plan_error_bad_state);
   if (n_ids < 0 || (ids == nullptr && n_ids > 0) || max_fills < 0 || expires_after == 0) {
     return detail::plan_fail(b, s, plan_error_bad_argument);
@@ -36,7 +37,8 @@ EXPERT_CACHE_HOST_DEVICE void plan_prefetch(Block& b, const DevicePlanState& s, 
   const std::int32_t E = s.num_experts, C = s.capacity;
   DevicePlanScalars& sc = *s.scalars;
   // Read once by every thread; only rank 0 writes the scalars, after the last barrier below.
-  const std::uint64_t protect = sc.protect_tick;
+  // No tick reaches the maximum: with evict_last_forward only the speculative counts and the marks protect.
+  const std::uint64_t protect = evict_last_forward ? ~std::uint64_t{0} : sc.protect_tick;
   std::uint64_t tick = sc.tick;
   std::int32_t free = sc.free_count;
   const std::uint32_t seq0 = sc.fill_seq;
