@@ -276,7 +276,8 @@ struct Fixture {
 
   // A predictor kernel on stream s writes `predicted` (valid ids) into device memory, then the
   // device cache prefetches them there; the host reference prefetches the same ids.
-  void prefetch(std::size_t s, const Ids& predicted, std::int32_t max_fills, std::uint32_t expires_after) {
+  void prefetch(std::size_t s, const Ids& predicted, std::int32_t max_fills, std::uint32_t expires_after,
+                bool evict_last_forward = false) {
     std::int32_t* dst = prefetch_ids_of(s);
     const Access w{dst, predicted.size() * sizeof(std::int32_t), AccessMode::write};
     rt.set_next_label("predictor");
@@ -286,7 +287,8 @@ struct Fixture {
     const std::int64_t bytes = static_cast<std::int64_t>(total_bytes_per_expert(six_tensor_layout().tensors()));
     // A budget between whole experts; the host reference without precision feedback, which the
     // device-planned cache does not apply.
-    const PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, {}, default_min_score, false};
+    PrefetchOptions o{max_fills * bytes + bytes / 2, expires_after, {}, default_min_score, false};
+    o.evict_last_forward = evict_last_forward;
     auto r = dev->prefetch(dst, static_cast<std::int32_t>(predicted.size()), streams[s], o);
     REQUIRE_MESSAGE(r.ok(), std::string(r.status().message()));
     const auto h = host->prefetch(predicted, host_stream, o);
@@ -937,6 +939,53 @@ TEST_CASE("device prefetch: step by step equal to the host-planned Lru cache's p
   CHECK(issued > 200);
   CHECK(used > 50);
   CHECK(wasted > 50);
+}
+
+TEST_CASE("device prefetch with evict_last_forward: a cache of top_k slots looks ahead, step by step equal to the host-planned cache") {
+  // Every forward fills all C slots; each prefetch comes from the forward's own stream after its
+  // consumer (the promise evict_last_forward states), so the last forward's residents are victims.
+  constexpr std::int32_t E = 16, C = 4;
+  const auto run = [](bool evict_last_forward) {
+    std::uint64_t issued = 0, used = 0;
+    for (std::uint64_t seed = 1; seed <= 20; ++seed) {
+      Fixture<> f(E, C, seed);
+      std::mt19937_64 rng(seed * 7919);
+      for (int step = 0; step < 50; ++step) {
+        Ids ids;
+        while (static_cast<std::int32_t>(ids.size()) < C) {
+          const auto e = static_cast<std::int32_t>(rng() % E);
+          if (std::find(ids.begin(), ids.end(), e) == ids.end()) ids.push_back(e);
+        }
+        (void)f.step(0, ids);
+        Ids predicted;
+        for (auto n = rng() % 6; n > 0; --n) predicted.push_back(static_cast<std::int32_t>(rng() % E));
+        f.prefetch(0, predicted, static_cast<std::int32_t>(rng() % 4), 1, evict_last_forward);
+        f.settle();
+        f.check_equal(true);
+      }
+      f.check_clean();
+      const CacheStats cs = f.dev->stats(), hs = f.host->stats();
+      check_same_prefetch_stats(cs, hs);
+      issued += cs.speculative_issued;
+      used += cs.speculative_used;
+    }
+    return std::pair{issued, used};
+  };
+  const auto [issued, used] = run(true);
+  MESSAGE("speculative fills issued " << issued << ", used " << used);
+  CHECK(issued > 200);
+  CHECK(used > 20);
+  CHECK(run(false).first == 0);  // without the promise every slot holds the last forward: no victim
+}
+
+TEST_CASE("negative (edge 1, evict_last_forward): a side-stream prefetch into the latest forward's slots waits for its consumer") {
+  auto run = [](auto& f) {
+    (void)f.step(0, {0, 1, 2, 3});     // all four slots, read by stream 0's consumer: the latest forward
+    f.prefetch(1, {7, 8}, 2, 1, true);  // the promise: evicts two of them, from stream 1
+    f.settle();
+  };
+  auto g = races_only_without<NoReleaseWait>(run);
+  CHECK(g->dev->stats().speculative_issued == 2);
 }
 
 TEST_CASE("device prefetch: two prefetches before each forward (two layers of lookahead) equal the host-planned cache") {

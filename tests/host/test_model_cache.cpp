@@ -956,7 +956,41 @@ ModelDetected model_refills_pending_slot(ModelPool pool) {
   return {rt.races().size(), log->mismatches};
 }
 
+// evict_last_forward (per-layer pool, 2 slots per layer, top_k 2): forward {0, 1} of layer 0, a
+// prefetch that reserves the speculative stream, forward {1, 0} (adopted, its reader on x), then
+// from another stream a prefetch of layer 0 that may evict that forward's slots: only the slot's
+// release (edge 1) orders the fill after the reader; the adoption event comes before it.
+template <class Edges>
+ModelDetected model_evicts_last_forward() {
+  SimRuntime rt;
+  const Stream x = rt.create_stream().value();
+  const Stream y = rt.create_stream().value();
+  EdgeModel<Edges, CopyStream> model(rt, model_options(2, 8, 2, 2, ModelPool::per_layer), six_tensor_layout());
+  fill_model(model);
+  auto log = std::make_shared<LayerReaderLog>();
+  REQUIRE(model.prepare(0, Ids{0, 1}, x).ok());
+  REQUIRE(model.prefetch(0, Ids{0}, x, budget_of(1)).ok());  // resident: no fill
+  Result<ForwardView> v = model.prepare(0, Ids{1, 0}, x);
+  REQUIRE(v.ok());
+  REQUIRE(launch_layer_reader(rt, model, 0, v.value(), Ids{1, 0}, x, log).ok());
+  PrefetchOptions o = budget_of(1);
+  o.evict_last_forward = true;
+  REQUIRE(model.prefetch(0, Ids{2}, y, o).ok());
+  REQUIRE(model.stats().total.speculative_issued == 1);
+  rt.drain();
+  if (!rt.races().empty()) MESSAGE(rt.races()[0].description);
+  return {rt.races().size(), log->mismatches};
+}
+
 }  // namespace
+
+TEST_CASE("negative (edge 1, model cache, evict_last_forward): a prefetch into the last forward's slots waits for its reader") {
+  const ModelDetected with = model_evicts_last_forward<OrderingEdges>();
+  CHECK(with.races == 0);
+  CHECK(with.mismatches == 0);
+  const ModelDetected without = model_evicts_last_forward<NoReleaseWait>();
+  CHECK(without.races > 0);
+}
 
 TEST_CASE("negative (edge 9, model cache): a prepare using a speculative fill waits for its slot; without the wait it races the copy") {
   for (const ModelPool pool : {ModelPool::per_layer, ModelPool::global}) {
