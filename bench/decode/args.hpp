@@ -70,6 +70,10 @@ struct BenchArgs {
   // --two-ahead R,...: each hint row of --prefetch once more per R, also prefetching layer L+2
   // after layer L from emulated hints of recall R (the row's wrong ids and noise); as spelled.
   std::vector<std::string> two_ahead;
+  // --evict-last-forward: the lookahead rows' prefetches may evict the target cache's last forward
+  // (PrefetchOptions::evict_last_forward; the loop prefetches layer L+1 after that cache's previous
+  // forward was consumed), so a cache of top_k slots looks ahead too.
+  bool evict_last_forward = false;
   RuntimeChoice runtime = RuntimeChoice::automatic;
   std::optional<std::string> json_path;
   std::int64_t sim_scale = 1024;  // SimRuntime holds weights scaled down by this factor
@@ -205,6 +209,8 @@ inline void print_help(std::FILE* out, bool cuda_built) {
                "  --two-ahead R,...   each hint row of --prefetch once more per R, also prefetching layer L+2\n"
                "                      at the same point from EMULATED hints of recall R in (0, 1] (the row's\n"
                "                      wrong ids and noise); rows labelled +ahead2:R; GPU only\n"
+               "  --evict-last-forward the lookahead rows' prefetches may evict the cache's last forward\n"
+               "                      (PrefetchOptions::evict_last_forward: a cache of top_k slots looks ahead)\n"
                "prompts (measured on a GPU, else MODELLED; docs/benchmarks.md \"Prompts\")\n"
                "  --prompt LIST       TTFT of prompts of these lengths (e.g. 128,512,2048,8192), each served as one\n"
                "                      wide forward per layer, next to the streaming bound and an all-resident prefill;\n"
@@ -395,6 +401,8 @@ inline BenchArgs parse_args(int argc, char** argv) {
       const std::string v(value());
       if (v != "w13-first" && v != "whole") throw UsageError{"--overlap-parts: '" + v + "' is not whole or w13-first"};
       a.overlap_parts = v;
+    } else if (arg == "--evict-last-forward") {
+      a.evict_last_forward = true;
     } else if (arg == "--step-sync") {
       a.step_sync = true;
     } else if (arg == "--timeline") {

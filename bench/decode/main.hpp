@@ -100,6 +100,8 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
         throw UsageError{std::string(flag) + " needs the device provider (--provider device or all)"};
       if (!use_gpu) throw UsageError{std::string(flag) + " needs the CUDA runtime (a GPU)"};
     }
+    if (args.evict_last_forward && args.prefetch.empty())
+      throw UsageError{"--evict-last-forward needs --prefetch: it sets the lookahead rows' prefetches"};
     if (!args.two_ahead.empty() &&
         std::none_of(args.prefetch.begin(), args.prefetch.end(), hint_spec))
       throw UsageError{"--two-ahead needs a hint predictor in --prefetch (hint:R...): layer L+2's lists are emulated hints "
@@ -160,6 +162,7 @@ inline int bench_main(int argc, char** argv, const GpuHooks& gpu) {
   rep.warmup = args.warmup;
   rep.prefetch_budget = prefetch_budget(args, model);
   rep.prefetch_at = args.prefetch_at;
+  rep.evict_last_forward = args.evict_last_forward;
   print_table(stdout, rep);
   std::fflush(stdout);
   if (args.json_path) {

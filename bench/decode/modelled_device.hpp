@@ -62,10 +62,10 @@ class ModelledPlanExecutor {
   }
   // Costed like a forward's plan + fill (the modelled run issues no prefetch today).
   Status prefetch(Stream s, const std::int32_t* ids, std::int32_t n, std::int32_t max_fills, std::uint32_t expires_after,
-                  bool& planned) noexcept {
+                  bool& planned, bool evict_last_forward = false) noexcept {
     rt_->set_call_costs(rt_->costs().launch_host_ns, 0.0);
     rt_->sim().set_next_duration_ns(rt_->costs().plan_ns);
-    if (Status st = inner_.prefetch(s, ids, n, max_fills, expires_after, planned); !st) return st;
+    if (Status st = inner_.prefetch(s, ids, n, max_fills, expires_after, planned, evict_last_forward); !st) return st;
     return charge_fill(s);
   }
   Status invalidate(Stream s, std::int32_t expert) noexcept {

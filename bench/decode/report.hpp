@@ -69,6 +69,7 @@ struct Report {
   std::vector<std::string> notes;  // extra lines printed under the table
   std::int32_t prefetch_budget = 0;  // experts per layer (--prefetch runs)
   std::string prefetch_at = "prepare";  // where the device rows prefetch layer L+1 (--prefetch-at)
+  bool evict_last_forward = false;       // --evict-last-forward
   [[nodiscard]] bool has_lookahead() const noexcept {
     for (const RunResult& r : runs)
       if (!r.prefetch.empty()) return true;
@@ -150,6 +151,10 @@ inline void print_lookahead_table(std::FILE* out, const Report& rep) {
     std::fprintf(out,
                  "+ahead2:R rows also prefetch layer L+2 at the same point, after layer L+1's prefetch, from EMULATED\n"
                  "hints of recall R with the row's wrong ids and noise.\n");
+  if (rep.evict_last_forward)
+    std::fprintf(out,
+                 "every prefetch may evict its cache's last forward (PrefetchOptions::evict_last_forward; each layer's\n"
+                 "previous forward was consumed before its next prefetch), except the residents its list names.\n");
 }
 
 inline void print_table(std::FILE* out, const Report& rep) {

@@ -295,7 +295,8 @@ class ExpertCache:
         return ForwardView(self.slot_tensors, self._expert_map, self._resident_map, self._impl.expert_map_host(),
                            hits, misses, generation)
 
-    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5,
+                 evict_last_forward=False):
         """Speculative fills of predicted experts (distinct ids in [0, num_experts), best first),
         on the current stream, within max_bytes (None: up to every slot). A prefetched expert is
         protected from eviction until `expires_after` further prepares have passed without using
@@ -307,6 +308,10 @@ class ExpertCache:
         score first (docs/prefetch.md "Scored hints"). Scores need CPU ids with provider "device".
         The host-planned providers also skip ids at ranks where fewer than 8 of 10 earlier fills were used
         (counted in skipped_imprecise; docs/prefetch.md "Precision feedback").
+        `evict_last_forward=True` is the caller's promise that every kernel reading the last
+        prepare's experts is already enqueued (e.g. this layer's previous forward in a decode loop):
+        that forward's experts may then be evicted, except the ones the list names, so a cache of
+        top_k slots can look ahead.
         Returns {issued, evictions, skipped_resident, skipped_no_victim, skipped_unlikely,
         skipped_imprecise, bytes}."""
         if not isinstance(predicted_ids, torch.Tensor):
@@ -314,7 +319,7 @@ class ExpertCache:
         if max_bytes is None:
             max_bytes = self.capacity * self.bytes_per_expert
         return self._impl.prefetch(predicted_ids, int(max_bytes), int(expires_after), _score_tensor(scores),
-                                   _real_arg(min_score, "min_score"))
+                                   _real_arg(min_score, "min_score"), bool(evict_last_forward))
 
     def resident_map_host(self):
         """Host-planned providers: the planner's resident map (int32 [E] CPU tensor, expert -> pool
@@ -442,7 +447,8 @@ class ModelExpertCache:
         """Drops layer `layer`'s expert (a no-op when absent), on the current stream."""
         self._impl.invalidate(self._layer(layer), int(expert_id))
 
-    def prefetch(self, layer, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
+    def prefetch(self, layer, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5,
+                 evict_last_forward=False):
         """Speculative fills of layer `layer`'s predicted experts (distinct ids in [0, num_experts), best
         first), as ExpertCache.prefetch: the engine's lookahead, e.g. layer L+1's hints while layer L
         computes. On the current stream; max_bytes (None: up to the layer's slots, the pool's in
@@ -452,7 +458,9 @@ class ModelExpertCache:
         prepare of the layer that uses a fill waits for exactly that fill. CUDA ids are read back
         (one synchronisation); not capturable. scores / min_score select the hints as in
         ExpertCache.prefetch (docs/prefetch.md "Scored hints"). Global pool: like a prepare, a
-        prefetch ends every layer's view. Returns {issued, evictions, skipped_resident,
+        prefetch ends every layer's view. `evict_last_forward=True` (per-layer pools only) promises
+        that every kernel reading the layer's latest forward is already enqueued: its experts may
+        then be evicted, as ExpertCache.prefetch says. Returns {issued, evictions, skipped_resident,
         skipped_no_victim, skipped_unlikely, skipped_imprecise, bytes}."""
         layer = self._layer(layer)
         if not isinstance(predicted_ids, torch.Tensor):
@@ -460,7 +468,7 @@ class ModelExpertCache:
         if max_bytes is None:
             max_bytes = 1 << 62  # the cache caps the fills at the layer's (or the pool's) slots
         return self._impl.prefetch(layer, predicted_ids, int(max_bytes), int(expires_after), _score_tensor(scores),
-                                   _real_arg(min_score, "min_score"))
+                                   _real_arg(min_score, "min_score"), bool(evict_last_forward))
 
     def stats(self):
         """{"total": {...}, "per_layer": [{...} per layer]}: hits, misses, promotions, evictions,

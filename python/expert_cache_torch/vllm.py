@@ -316,14 +316,16 @@ class ExpertCacheProvider:
         order = unique_ids if unique_ids is not None else [e for e, s in enumerate(slots) if s >= 0]
         self._ledger.forward(order, slots)
 
-    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5):
+    def prefetch(self, predicted_ids, max_bytes=None, expires_after=1, scores=None, min_score=0.5,
+                 evict_last_forward=False):
         """Speculative fills of predicted experts (ExpertCache.prefetch): CPU ids for every
         semantics, CUDA ids planned on the GPU for "device". `scores` (None: none): one probability
         in [0, 1] per id; the ids below `min_score` are skipped, the others taken highest score
-        first (CPU ids for "device"). Returns the counts dict (skipped_unlikely: the ids skipped)."""
+        first (CPU ids for "device"). `evict_last_forward` as ExpertCache.prefetch takes it.
+        Returns the counts dict (skipped_unlikely: the ids skipped)."""
         scores = _score_tensor(scores)
         counts = self._cache.prefetch(predicted_ids, max_bytes=max_bytes, expires_after=expires_after, scores=scores,
-                                      min_score=min_score)
+                                      min_score=min_score, evict_last_forward=evict_last_forward)
         if self._ledger is not None and counts["issued"]:
             predicted = _id_list(predicted_ids, "predicted_ids")
             if scores is not None:

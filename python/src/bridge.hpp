@@ -240,9 +240,11 @@ inline Status call_wide_consumer(const WideConsumerFn& consumer, const WideRound
 // The scored-hint arguments of one prefetch as Python gives them (PrefetchOptions::scores and
 // min_score; docs/prefetch.md "Scored hints"): `scores` nullopt for None (no scores), else one
 // score per predicted id (an empty span for an empty id list). The span is read during the call.
+// With them the call's PrefetchOptions::evict_last_forward (the caller's ordering promise).
 struct HintScores {
   std::optional<std::span<const float>> scores;
   float min_score = default_min_score;
+  bool evict_last_forward = false;
 };
 
 namespace detail {
@@ -272,7 +274,9 @@ inline Result<PrefetchOptions> hinted_prefetch_options(const std::string& label,
   }
   const std::span<const float> scores = hints.scores.value_or(std::span<const float>{});
   if (Status s = check_hint_scores(ids, scores, hints.min_score); !s) return s.with_context("%s", label.c_str());
-  return PrefetchOptions{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score};
+  PrefetchOptions o{max_bytes, static_cast<std::uint32_t>(expires_after), scores, hints.min_score};
+  o.evict_last_forward = hints.evict_last_forward;
+  return o;
 }
 }  // namespace detail
 
@@ -590,6 +594,7 @@ class CacheBridge {
     if (Status s = check_hint_scores({}, {}, hints.min_score); !s) return s.with_context("%s", config_.label.c_str());
     PrefetchOptions options{max_bytes, static_cast<std::uint32_t>(expires_after)};
     options.min_score = hints.min_score;
+    options.evict_last_forward = hints.evict_last_forward;
     return cache_->prefetch_device(device_ids, static_cast<std::int32_t>(n), stream, options);
   }
 

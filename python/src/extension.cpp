@@ -83,9 +83,10 @@ at::Tensor host_scores(const at::Tensor& scores, const std::string& label) {
 
 // The HintScores of one prefetch: `holder` keeps the host copy of the scores the span reads.
 ec::HintScores hint_scores(const std::optional<at::Tensor>& scores, double min_score, const std::string& label,
-                           at::Tensor& holder) {
+                           at::Tensor& holder, bool evict_last_forward) {
   ec::HintScores hints;
   hints.min_score = static_cast<float>(min_score);
+  hints.evict_last_forward = evict_last_forward;
   if (scores) {
     holder = host_scores(*scores, label);
     hints.scores = std::span<const float>(holder.data_ptr<float>(), static_cast<std::size_t>(holder.numel()));
@@ -314,7 +315,7 @@ class TorchCache {
   // floating-point score per id (host_scores), the hints selected on the host (bridge.hpp
   // HintScores); with CUDA ids the device provider refuses them (its plan takes the ids as given).
   py::dict prefetch(const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after,
-                    const std::optional<at::Tensor>& scores, double min_score) {
+                    const std::optional<at::Tensor>& scores, double min_score, bool evict_last_forward) {
     if (!ids.defined()) fail_value(label_ + ": prefetch ids are undefined");
     if (ids.scalar_type() != at::kInt && ids.scalar_type() != at::kLong) {
       fail_value(label_ + ": prefetch ids must be int32 or int64 (got " + std::string(c10::toString(ids.scalar_type())) + ")");
@@ -325,7 +326,7 @@ class TorchCache {
                     "CUDA graph cannot capture: pass CPU scores");
     }
     at::Tensor score_tensor;
-    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor);
+    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor, evict_last_forward);
     if (ids.is_cuda() && bridge_->device_provider()) {
       if (ids.device().index() != device_) {
         fail_value(label_ + ": prefetch ids on " + ids.device().str() + ", the cache on cuda:" + std::to_string(device_));
@@ -664,11 +665,11 @@ class TorchModelCache {
   // first). The model cache plans on the host: CUDA ids are read back first (one synchronisation
   // of the current stream), and it cannot be captured. `scores` as ExpertCache.prefetch takes them.
   py::dict prefetch(std::int32_t layer, const at::Tensor& ids, std::int64_t max_bytes, std::int64_t expires_after,
-                    const std::optional<at::Tensor>& scores, double min_score) {
+                    const std::optional<at::Tensor>& scores, double min_score, bool evict_last_forward) {
     check_id_tensor(ids, "prefetch ids", true);
     const c10::cuda::CUDAStream stream = host_planning_stream();
     at::Tensor score_tensor;
-    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor);
+    const ec::HintScores hints = hint_scores(scores, min_score, label_, score_tensor, evict_last_forward);
     const at::Tensor host = ids.reshape({-1}).to(at::TensorOptions().device(at::kCPU).dtype(at::kLong)).contiguous();
     const auto r = bridge_->prefetch(layer,
                                      std::span<const std::int64_t>(host.data_ptr<std::int64_t>(),
@@ -812,7 +813,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prepare", &TorchCache::prepare, py::arg("topk_ids"), py::arg("name_experts") = false)
       .def("prepare_unique", &TorchCache::prepare_unique, py::arg("unique_ids"))
       .def("prefetch", &TorchCache::prefetch, py::arg("ids"), py::arg("max_bytes"), py::arg("expires_after"),
-           py::arg("scores") = py::none(), py::arg("min_score") = static_cast<double>(expert_cache::default_min_score))
+           py::arg("scores") = py::none(), py::arg("min_score") = static_cast<double>(expert_cache::default_min_score),
+           py::arg("evict_last_forward") = false)
       .def("last_fills", &TorchCache::last_fills)
       .def("last_evictions", &TorchCache::last_evictions)
       .def("resident_map_host", &TorchCache::resident_map_host)
@@ -866,7 +868,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("invalidate", &TorchModelCache::invalidate, py::arg("layer"), py::arg("expert"))
       .def("prefetch", &TorchModelCache::prefetch, py::arg("layer"), py::arg("ids"), py::arg("max_bytes"),
            py::arg("expires_after"), py::arg("scores") = py::none(),
-           py::arg("min_score") = static_cast<double>(expert_cache::default_min_score))
+           py::arg("min_score") = static_cast<double>(expert_cache::default_min_score),
+           py::arg("evict_last_forward") = false)
       .def("stats", &TorchModelCache::stats)
       .def("layer_tensors", &TorchModelCache::layer_tensors, py::arg("layer"))
       .def("expert_map", &TorchModelCache::expert_map, py::arg("layer"))

@@ -1025,6 +1025,30 @@ struct ScoredSetup {
 
 }  // namespace
 
+TEST_CASE("CacheBridge prefetch with evict_last_forward: the last forward's experts make room, every provider") {
+  for (const std::string provider : {"row", "cached", "device"}) {
+    CAPTURE(provider);
+    ScoredSetup x(provider.c_str());
+    Bridge& b = *x.bridge;
+    x.prepare({0, 1, 2, 3});  // every slot holds the last forward
+    const std::vector<std::int64_t> ids{5, 1};
+    HintScores keep;  // no promise: nothing may go
+    const auto p = b.prefetch(ids, 2 * ScoredSetup::per_expert, 1, x.s, keep);
+    REQUIRE_MESSAGE(p.ok(), std::string(p.status().message()));
+    x.rt.drain();
+    CHECK(x.resident()[5] < 0);
+    HintScores evict;
+    evict.evict_last_forward = true;
+    const auto q = b.prefetch(ids, 2 * ScoredSetup::per_expert, 1, x.s, evict);
+    REQUIRE_MESSAGE(q.ok(), std::string(q.status().message()));
+    x.rt.drain();
+    const std::vector<std::int32_t> r = x.resident();
+    CHECK(r[5] >= 0);  // fetched into a slot of 0, 2 or 3
+    CHECK(r[1] >= 0);  // named: kept
+    CHECK(x.rt.races().empty());
+  }
+}
+
 TEST_CASE("CacheBridge prefetch with scores: below min_score skipped, the rest highest score first, every provider") {
   for (const std::string provider : {"row", "cached", "device"}) {
     CAPTURE(provider);
