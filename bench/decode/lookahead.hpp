@@ -105,16 +105,20 @@ class Lookahead {
     return two_->scores();
   }
   // The options of the prefetch() of the last after_layer() list: `max_bytes`, expiry after one
-  // forward, and its scores (if any).
-  [[nodiscard]] PrefetchOptions prefetch_options(std::int64_t max_bytes) const noexcept {
+  // forward, its scores (if any) and --evict-last-forward (the loop prefetches a layer's cache after
+  // its previous forward was consumed).
+  [[nodiscard]] PrefetchOptions prefetch_options(std::int64_t max_bytes, bool evict_last_forward = false) const noexcept {
     PrefetchOptions o{max_bytes, 1};
     o.scores = scores();
+    o.evict_last_forward = evict_last_forward;
     return o;
   }
   // The same for the last two_ahead() list (expiry after layer L+2's next forward).
-  [[nodiscard]] PrefetchOptions prefetch_options_two_ahead(std::int64_t max_bytes) const noexcept {
+  [[nodiscard]] PrefetchOptions prefetch_options_two_ahead(std::int64_t max_bytes,
+                                                           bool evict_last_forward = false) const noexcept {
     PrefetchOptions o{max_bytes, 1};
     o.scores = scores_two_ahead();
+    o.evict_last_forward = evict_last_forward;
     return o;
   }
 

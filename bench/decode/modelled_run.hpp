@@ -416,17 +416,15 @@ RunResult run_sim(const Model& m, const Routing& routing, const BenchArgs& a, co
           const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
           const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, ids, next, last);
           if (!last) {
-            PrefetchOptions o = lookahead.prefetch_options(prefetch_bytes);
-            o.evict_last_forward = a.evict_last_forward;  // cache l+1's last forward was consumed a step ago
-            Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, consumer, o);
+            Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 1)]->prefetch(
+                predicted, consumer, lookahead.prefetch_options(prefetch_bytes, a.evict_last_forward));
             if (!pv.ok()) throw Error(pv.status());
           }
           // --two-ahead: layer L+2 too, after layer L+1's (its fills queue behind them).
           if (lookahead.two_layers() && l + 2 < m.layers) {
             const std::span<const std::int32_t> two = lookahead.two_ahead(s, l, routing.forward(s, l + 2));
-            PrefetchOptions o = lookahead.prefetch_options_two_ahead(prefetch_bytes);
-            o.evict_last_forward = a.evict_last_forward;
-            Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 2)]->prefetch(two, consumer, o);
+            Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 2)]->prefetch(
+                two, consumer, lookahead.prefetch_options_two_ahead(prefetch_bytes, a.evict_last_forward));
             if (!pv.ok()) throw Error(pv.status());
           }
         }

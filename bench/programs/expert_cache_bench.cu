@@ -528,17 +528,14 @@ RunResult run_cached(const Model& m, const Routing& routing, const BenchArgs& a,
     const auto next = last ? std::span<const std::int32_t>{} : routing.forward(s, l + 1);
     const std::span<const std::int32_t> predicted = lookahead.after_layer(s, l, routing.forward(s, l), next, last);
     if (last) return;
-    // --evict-last-forward: cache l+1's last forward was consumed in the step before.
-    PrefetchOptions o = lookahead.prefetch_options(prefetch_bytes);
-    o.evict_last_forward = a.evict_last_forward;
-    Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 1)]->prefetch(predicted, ctx.consumer, o);
+    Result<PrefetchView> pv = caches[static_cast<std::size_t>(l + 1)]->prefetch(
+        predicted, ctx.consumer, lookahead.prefetch_options(prefetch_bytes, a.evict_last_forward));
     if (!pv.ok()) throw Error(pv.status());
     // --two-ahead: layer l+2 too, after layer l+1's (its fills queue behind them).
     if (!lookahead.two_layers() || l + 2 >= m.layers) return;
     const std::span<const std::int32_t> two = lookahead.two_ahead(s, l, routing.forward(s, l + 2));
-    PrefetchOptions o2 = lookahead.prefetch_options_two_ahead(prefetch_bytes);
-    o2.evict_last_forward = a.evict_last_forward;
-    Result<PrefetchView> pv2 = caches[static_cast<std::size_t>(l + 2)]->prefetch(two, ctx.consumer, o2);
+    Result<PrefetchView> pv2 = caches[static_cast<std::size_t>(l + 2)]->prefetch(
+        two, ctx.consumer, lookahead.prefetch_options_two_ahead(prefetch_bytes, a.evict_last_forward));
     if (!pv2.ok()) throw Error(pv2.status());
   };
   decode_loop(m, routing, a, ctx, r, progress, key, [&](std::int32_t l, std::span<const std::int32_t> ids, bool measured) {
