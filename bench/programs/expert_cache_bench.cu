@@ -716,7 +716,7 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     built.overlap = overlap;
     built.lookahead = lookahead_row;
     std::string reason;
-    const LinkProfile::EngineChoice picked = lp.choose_engines(fill_use_of(built), &reason);
+    const LinkProfile::EngineChoice picked = lp.choose_engines(fill_use_of(built), &reason, cuda_work_queues_from_env());
     if (picked.forwards != caches[0]->fill_engine() ||
         picked.speculate_on_copy_engine != caches[0]->speculates_on_copy_engine()) {
       reason += std::string(" (but the cache runs ") + std::string(to_string(caches[0]->fill_engine())) +
@@ -1185,7 +1185,7 @@ Report run_measured(const Model& m, const Routing& routing, const BenchArgs& a, 
     LinkProfile lp;
     if (Status st = link_profile_for(0, total_bytes_per_expert(m.layout.tensors()), lp); !st) throw Error(st);
     std::string reason;
-    (void)lp.choose_engine(&reason);
+    (void)lp.choose_engines(FillUse::demand, &reason, cuda_work_queues_from_env());
     rep.notes.push_back(lp.describe());
     rep.notes.push_back("fill engine automatic: " + reason);
   }

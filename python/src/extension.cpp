@@ -129,7 +129,10 @@ py::dict link_profile_dict(const expert_cache::LinkProfile& p) {
   d["measure_ms"] = p.measure_ms;
   d["sm_load_share"] = p.sm_load_share();
   std::string reason;
-  d["engine"] = std::string(expert_cache::to_string(p.choose_engine(&reason)));
+  // What automatic picks for demand fills in this process (CUDA_DEVICE_MAX_CONNECTIONS included).
+  const expert_cache::FillEngine engine =
+      p.choose_engines(expert_cache::FillUse::demand, &reason, expert_cache::cuda_work_queues_from_env()).forwards;
+  d["engine"] = std::string(expert_cache::to_string(engine));
   d["reason"] = reason;
   d["text"] = p.serialize();
   d["describe"] = p.describe();

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -431,4 +432,55 @@ TEST_CASE("fill engine automatic: resolved from the link profile; a stored profi
   CHECK(e.fill_engine() == FillEngine::copy_engine);
   CHECK(e.view().missing == nullptr);
   CHECK(e.readiness().enabled());
+}
+
+// CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware work queue per context): the copy engine's forwards
+// stall there (docs/design.md, "One hardware work queue"), so a cache naming copy_engine is refused
+// before it allocates anything and automatic takes SM loads even where the profile says copy
+// engine. The rule reads the variable when a cache is built; CUDA reads it when it creates a
+// context, so this process's queues stay as they were.
+TEST_CASE("copy engine with CUDA_DEVICE_MAX_CONNECTIONS=1: copy_engine refused, automatic takes SM loads") {
+  const char* before = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string saved = before != nullptr ? before : "";
+  REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 1) == 0);
+  DeviceCacheOptions o;
+  o.num_experts = CeRig::experts;
+  o.capacity = CeRig::capacity;
+  o.max_ids = 2;
+  o.fill_engine = FillEngine::copy_engine;
+  size_t free_before = 0, free_after = 0, total = 0;
+  REQUIRE_CUDA_OK(cudaMemGetInfo(&free_before, &total));
+  expect_refused(o, "CUDA_DEVICE_MAX_CONNECTIONS=1");
+  REQUIRE_CUDA_OK(cudaMemGetInfo(&free_after, &total));
+  CHECK(free_after == free_before);
+  // automatic with a stored profile of slow SM loads (alone: the copy engine for every fill), and
+  // with lookahead room: SM loads for every fill, no speculation on the copy engine.
+  LinkProfile slow;
+  int device = 0;
+  REQUIRE_CUDA_OK(cudaGetDevice(&device));
+  char bus[32] = {};
+  REQUIRE_CUDA_OK(cudaDeviceGetPCIBusId(bus, static_cast<int>(sizeof bus), device));
+  slow.device = device;
+  slow.pci_bus_id = bus;
+  slow.expert_bytes = total_bytes_per_expert(big_layout().tensors());
+  slow.copy_engine_gbps_batch = 50.0;
+  slow.sm_load_gbps = 25.0;
+  o.fill_engine = FillEngine::automatic;
+  o.link_profile = slow;
+  o.overlap = true;
+  o.lookahead = true;
+  {
+    CeCache c(cuda_runtime(), o, big_layout());
+    CHECK(c.fill_engine() == FillEngine::sm_loads);
+    CHECK_FALSE(c.speculates_on_copy_engine());
+    CHECK(c.executor().proxy_fills() == 0u);
+  }
+  // The same options with eight queues: the profile decides again.
+  REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1) == 0);
+  CHECK(CeCache(cuda_runtime(), o, big_layout()).fill_engine() == FillEngine::copy_engine);
+  if (before != nullptr) {
+    REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", saved.c_str(), 1) == 0);
+  } else {
+    REQUIRE(unsetenv("CUDA_DEVICE_MAX_CONNECTIONS") == 0);
+  }
 }

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstring>
 #include <random>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -505,6 +506,23 @@ TEST_CASE("make_expert_cache: the device provider's default storage is expert-ma
     CHECK(storage_of(c) == "expert_major");
     c.link_profile = LinkProfile{};  // no measurement: automatic takes the copy engine
     CHECK(storage_of(c) == "expert_major");
+    // One hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1): automatic keeps every fill on SM loads.
+    const char* before = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    const std::string saved = before != nullptr ? before : "";
+    REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1", 1) == 0);
+    c.link_profile = slow;
+    CHECK(storage_of(c) == "tensor_major");
+    c.link_profile.reset();
+    c.options.capacity = C;  // room to look ahead again
+    CHECK(storage_of(c) == "tensor_major");
+    CHECK(storage_of(device(FillEngine::copy_engine, true, true)) == "expert_major");  // named: the CUDA cache refuses it
+    REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8", 1) == 0);
+    CHECK(storage_of(c) == "expert_major");
+    if (before != nullptr) {
+      REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", saved.c_str(), 1) == 0);
+    } else {
+      REQUIRE(unsetenv("CUDA_DEVICE_MAX_CONNECTIONS") == 0);
+    }
   }
   {  // expert-major takes policy lru only
     AnyCacheConfig c = device(FillEngine::copy_engine, true, true);

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <limits>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 
@@ -221,6 +222,55 @@ TEST_CASE("LinkProfile::choose_engines for overlapped lookahead: split with fast
   CHECK(c.forwards == FillEngine::copy_engine);
   CHECK_FALSE(c.speculate_on_copy_engine);
   CHECK(reason.find("no copy-engine") != std::string::npos);
+}
+
+TEST_CASE("LinkProfile::choose_engines with one hardware work queue: SM loads for every fill, whatever the profile") {
+  LinkProfile slow = sample_profile();
+  slow.copy_engine_gbps_batch = 100.0;
+  slow.sm_load_gbps = 50.0;  // alone it would put every fill on the copy engine
+  LinkProfile fast = slow;
+  fast.sm_load_gbps = 94.0;  // alone it would split with lookahead
+  const LinkProfile empty;   // alone: the copy engine
+  for (const LinkProfile* p : std::initializer_list<const LinkProfile*>{&slow, &fast, &empty}) {
+    for (const FillUse use : {FillUse::demand, FillUse::overlapped_lookahead}) {
+      std::string reason;
+      const LinkProfile::EngineChoice c = p->choose_engines(use, &reason, 1);
+      CHECK(c.forwards == FillEngine::sm_loads);
+      CHECK_FALSE(c.speculate_on_copy_engine);
+      CHECK(reason.find("CUDA_DEVICE_MAX_CONNECTIONS=1") != std::string::npos);
+      // More queues, or none named: the profile decides as before.
+      for (const int queues : {0, 2, 8, 32}) {
+        const LinkProfile::EngineChoice d = p->choose_engines(use, nullptr, queues);
+        const LinkProfile::EngineChoice unlimited = p->choose_engines(use);
+        CHECK(d.forwards == unlimited.forwards);
+        CHECK(d.speculate_on_copy_engine == unlimited.speculate_on_copy_engine);
+      }
+    }
+  }
+  CHECK(slow.choose_engines(FillUse::demand).forwards == FillEngine::copy_engine);
+  CHECK(fast.choose_engines(FillUse::overlapped_lookahead).speculate_on_copy_engine);
+}
+
+TEST_CASE("cuda_work_queues_from_env: CUDA_DEVICE_MAX_CONNECTIONS as a whole number from 1 to 1024, else 0") {
+  const char* before = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  const std::string saved = before != nullptr ? before : "";
+  const auto with = [](const char* v) {
+    REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", v, 1) == 0);
+    return cuda_work_queues_from_env();
+  };
+  CHECK(with("1") == 1);
+  CHECK(with("8") == 8);
+  CHECK(with("32") == 32);
+  CHECK(with("1024") == 1024);
+  CHECK(with("0") == 0);
+  CHECK(with("1025") == 0);
+  CHECK(with("-1") == 0);
+  CHECK(with("1x") == 0);
+  CHECK(with(" 1") == 0);
+  CHECK(with("") == 0);
+  REQUIRE(unsetenv("CUDA_DEVICE_MAX_CONNECTIONS") == 0);
+  CHECK(cuda_work_queues_from_env() == 0);
+  if (before != nullptr) REQUIRE(setenv("CUDA_DEVICE_MAX_CONNECTIONS", saved.c_str(), 1) == 0);
 }
 
 TEST_CASE("fill_use_of: overlapped lookahead only with lookahead, overlap and room for the next forward") {

@@ -90,7 +90,8 @@ struct AnyCacheConfig {
 /// copy_engine, and with automatic where the link profile puts fills on the copy engine: every fill on a host
 /// whose SM loads are slow, the speculative copies of an overlapped lookahead on one whose SM loads are fast
 /// (LinkProfile::choose_engines). Without a profile in the config, automatic counts as the copy engine for the
-/// overlapped lookahead only (make_expert_cache on CUDA measures the device's profile first). The proxy's host
+/// overlapped lookahead only (make_expert_cache on CUDA measures the device's profile first). With
+/// CUDA_DEVICE_MAX_CONNECTIONS=1 automatic moves no fill through the proxy (cuda_work_queues_from_env). The proxy's host
 /// time per fill grows with the copies of a fill, six for a tensor-major NVFP4 expert and one for an
 /// expert-major one, and decides when a copied fill starts; SM-load fills of tensor-major slots were the faster
 /// ones without lookahead (docs/cuda_backend.md, "Storage and the proxy").
@@ -103,11 +104,12 @@ struct AnyCacheConfig {
   const FillUse use = fill_use_of(config.lookahead, config.overlap, config.options.capacity, config.max_ids);
   bool proxy_moves_fills = config.fill_engine == FillEngine::copy_engine;
   if (config.fill_engine == FillEngine::automatic) {
+    const int work_queues = cuda_work_queues_from_env();  // one: automatic keeps every fill on SM loads
     if (config.link_profile) {
-      const LinkProfile::EngineChoice choice = config.link_profile->choose_engines(use);
+      const LinkProfile::EngineChoice choice = config.link_profile->choose_engines(use, nullptr, work_queues);
       proxy_moves_fills = choice.forwards == FillEngine::copy_engine || choice.speculate_on_copy_engine;
     } else {
-      proxy_moves_fills = use == FillUse::overlapped_lookahead;
+      proxy_moves_fills = use == FillUse::overlapped_lookahead && work_queues != 1;
     }
   }
   return proxy_moves_fills && policy_name == "lru" && !caller_memory ? "expert_major" : "tensor_major";

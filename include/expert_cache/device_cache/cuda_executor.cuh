@@ -128,7 +128,18 @@ class BasicCudaPlanExecutor {
   // (options.link_profile when given, checked against both; else measured once per process): with
   // overlapped lookahead and fast SM loads, SM loads for forwards and the proxy for prefetches. When
   // it picks copy_engine for fill_by_consumer, the cache overlaps instead (DeviceCacheOptions).
+  // With one hardware work queue per context (CUDA_DEVICE_MAX_CONNECTIONS=1) the forwards' fills
+  // cannot go through the proxy (LinkProfile::choose_engines): copy_engine is refused, automatic
+  // takes SM loads.
   static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, std::uint64_t expert_bytes) {
+    const int work_queues = cuda_work_queues_from_env();
+    if (o.fill_engine == FillEngine::copy_engine && work_queues == 1) {
+      throw Error(Status::format(ErrorCode::invalid_argument,
+                                 "%s: fill_engine copy_engine with CUDA_DEVICE_MAX_CONNECTIONS=1: every stream then shares "
+                                 "one hardware work queue and a step that waits for the copy proxy stalls; use sm_loads or "
+                                 "automatic, or unset the variable",
+                                 o.label.c_str()));
+    }
     if (o.fill_engine != FillEngine::automatic) return o;
     int device = 0;
     throw_on(cudaGetDevice(&device), "cudaGetDevice");
@@ -143,7 +154,7 @@ class BasicCudaPlanExecutor {
     } else if (Status s = link_profile_for(device, expert_bytes, p); !s) {
       throw Error(s.with_context("%s: measuring the link profile for FillEngine::automatic", o.label.c_str()));
     }
-    const LinkProfile::EngineChoice choice = p.choose_engines(fill_use_of(o));
+    const LinkProfile::EngineChoice choice = p.choose_engines(fill_use_of(o), nullptr, work_queues);
     o.fill_engine = choice.forwards;
     o.speculate_on_copy_engine = o.speculate_on_copy_engine || choice.speculate_on_copy_engine;
     if (o.fill_engine == FillEngine::copy_engine && o.fill_by_consumer) {

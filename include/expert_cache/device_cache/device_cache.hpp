@@ -107,7 +107,8 @@ class DeviceExpertCacheWithEdges {
   /// @throws Error invalid_capacity for capacity outside [1, num_experts]; invalid_argument for stream_slots
   ///         outside [0, num_experts], max_wide_ids < 0, max_ids <= 0, fill_by_consumer with overlap or with
   ///         FillEngine::copy_engine, speculate_on_copy_engine without overlap, crf_decay_q32 outside [1, 2^32 - 1], ready_first_regions naming a copy
-  ///         region the storage lacks, a link_profile of another device or expert size; the layout's validate()
+  ///         region the storage lacks, a link_profile of another device or expert size, FillEngine::copy_engine on
+  ///         CUDA with CUDA_DEVICE_MAX_CONNECTIONS=1; the layout's validate()
   ///         error; the storage's invalid_argument for bad caller memory; the runtime's error when an
   ///         allocation, a stream or an event cannot be made
   [[gnu::cold]] DeviceExpertCacheWithEdges(Runtime& rt, DeviceCacheOptions options, Layout layout)

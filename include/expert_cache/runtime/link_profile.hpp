@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -70,6 +71,19 @@ enum class FillUse : std::uint8_t { demand, overlapped_lookahead };
 /// benchmark beat the copy engine's by 1.3-1.6x, and where they reached 0.53 the copy engine won
 /// by 1.08-1.21x (docs/cuda_backend.md "Link profile").
 inline constexpr double sm_load_min_share = 0.8;
+
+/// The process's CUDA_DEVICE_MAX_CONNECTIONS: how many hardware work queues CUDA gives each context
+/// it creates (its default is 8). 0 when the variable is unset or not a whole number from 1 to 1024.
+/// Engines set it to 1 to keep kernels in launch order; the copy engine's fills for the forwards
+/// then stall (LinkProfile::choose_engines).
+[[nodiscard]] inline int cuda_work_queues_from_env() noexcept {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (v == nullptr) return 0;
+  const std::string_view text(v);
+  int n = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), n);
+  return ec == std::errc{} && end == text.data() + text.size() && n >= 1 && n <= 1024 ? n : 0;
+}
 
 /// One device's link at one expert size. Bandwidths in GB/s (1e9 bytes/s), latencies in us.
 struct LinkProfile {
@@ -208,7 +222,21 @@ struct LinkProfile {
     FillEngine forwards = FillEngine::copy_engine;
     bool speculate_on_copy_engine = false;
   };
-  [[nodiscard]] EngineChoice choose_engines(FillUse use, std::string* reason = nullptr) const {
+  ///
+  /// `work_queues`: the process's hardware work queues per context (cuda_work_queues_from_env; 0:
+  /// not limited). With one, every fill goes to SM loads whatever the profile: all streams of the
+  /// context then share one queue, and a step whose kernel waits for the copy proxy stalls, because
+  /// the copies and ready words the proxy issues after the kernel started queue behind work of the
+  /// same step; each such wait then ends only at its bounded timeout (on an H100 host every
+  /// copy-engine step of the GPU tests did; docs/design.md, "One hardware work queue").
+  [[nodiscard]] EngineChoice choose_engines(FillUse use, std::string* reason = nullptr, int work_queues = 0) const {
+    if (work_queues == 1) {
+      if (reason != nullptr) {
+        *reason = "sm_loads: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream on one hardware work queue, where a step "
+                  "that waits for the copy proxy stalls";
+      }
+      return EngineChoice{FillEngine::sm_loads, false};
+    }
     const bool measured = copy_engine_gbps_batch > 0 && std::isfinite(copy_engine_gbps_batch) &&
                           sm_load_gbps >= 0 && std::isfinite(sm_load_gbps);
     if (!measured) {
