@@ -1068,8 +1068,9 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
                 errors == 0 ? "device error word 0" : "DEVICE ERROR WORD SET (bad ids, overflow or a wait timeout)");
   notes.emplace_back(buf);
   if (caches[0]->fill_engine() == FillEngine::copy_engine || caches[0]->speculates_on_copy_engine()) {
-    std::uint64_t requests = 0, fills = 0, issue_ns = 0, copy_ns = 0, word_ns = 0;
+    std::uint64_t requests = 0, fills = 0, issue_ns = 0, copy_ns = 0, word_ns = 0, longest_ns = 0;
     for (const auto& c : caches) {
+      longest_ns = std::max(longest_ns, c->executor().proxy_longest_call_ns());
       requests += c->executor().proxy_requests();
       fills += c->executor().proxy_fills();
       issue_ns += c->executor().proxy_issue_ns();
@@ -1079,11 +1080,12 @@ RunResult run_device_with(const Model& m, const Routing& routing, const BenchArg
     const auto per_fill = [&](std::uint64_t ns) { return fills ? static_cast<double>(ns) * 1e-3 / static_cast<double>(fills) : 0.0; };
     std::snprintf(buf, sizeof buf,
                   "%s: copy proxy served %llu requests of %.2f fills on average (warm-up included); host time "
-                  "issuing a request %.2f us, %.2f us per fill (copy calls %.2f, ready-word memops %.2f)",
+                  "issuing a request %.2f us, %.2f us per fill (copy calls %.2f, ready-word memops %.2f; the longest "
+                  "call %.1f us)",
                   key.c_str(), static_cast<unsigned long long>(requests),
                   requests ? static_cast<double>(fills) / static_cast<double>(requests) : 0.0,
                   requests ? static_cast<double>(issue_ns) * 1e-3 / static_cast<double>(requests) : 0.0,
-                  per_fill(issue_ns), per_fill(copy_ns), per_fill(word_ns));
+                  per_fill(issue_ns), per_fill(copy_ns), per_fill(word_ns), static_cast<double>(longest_ns) * 1e-3);
     notes.emplace_back(buf);
   }
   return r;

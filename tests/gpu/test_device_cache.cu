@@ -360,7 +360,8 @@ struct RigT {
       REQUIRE_CUDA_OK(cudaDeviceSynchronize());
       const DevicePlanStats now = dev[li]->device_stats();
       INFO("step " << s << " layer " << l << " groups " << groups.size() << "; copy proxy requests "
-                    << dev[li]->executor().proxy_requests() << ", fills " << dev[li]->executor().proxy_fills());
+                    << dev[li]->executor().proxy_requests() << ", fills " << dev[li]->executor().proxy_fills()
+                    << ", longest driver call " << dev[li]->executor().proxy_longest_call_ns() / 1000 << " us");
       CHECK(now.hits - before[li].hits == hits);
       CHECK(now.misses - before[li].misses == miss);
       const auto bad = static_cast<std::uint64_t>(std::count_if(

@@ -251,6 +251,9 @@ class CopyProxy {
     // Host time from seeing a request to the last call issued for it, summed (nanoseconds), and
     // the part of it spent inside the copy calls and inside the ready-word memops.
     std::atomic<std::uint64_t> issue_ns{0}, copy_call_ns{0}, word_call_ns{0};
+    // The longest single copy call or memop (nanoseconds): a call that waited for the device, or
+    // for a driver lock another thread held, shows here (a stalled step's diagnosis).
+    std::atomic<std::uint64_t> longest_call_ns{0};
   };
 
   /// The device's proxy, started on first use and shared by every cache of the device.
@@ -507,6 +510,10 @@ class CopyProxy {
         const auto t2 = std::chrono::steady_clock::now();
         c.copy_call_ns.fetch_add(elapsed_ns(t0, t1), std::memory_order_relaxed);
         c.word_call_ns.fetch_add(elapsed_ns(t1, t2), std::memory_order_relaxed);
+        const std::uint64_t longest = std::max(elapsed_ns(t0, t1), elapsed_ns(t1, t2));
+        if (longest > c.longest_call_ns.load(std::memory_order_relaxed)) {
+          c.longest_call_ns.store(longest, std::memory_order_relaxed);  // the proxy's thread is the only writer
+        }
       }
     }
   }

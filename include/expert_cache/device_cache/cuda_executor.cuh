@@ -229,6 +229,8 @@ class BasicCudaPlanExecutor {
   // Of that, the time inside the copy calls and inside the ready-word memops (ns).
   [[nodiscard]] std::uint64_t proxy_copy_call_ns() const noexcept { return channel_ ? channel_->copy_call_ns.load() : 0; }
   [[nodiscard]] std::uint64_t proxy_word_call_ns() const noexcept { return channel_ ? channel_->word_call_ns.load() : 0; }
+  /// The proxy's longest single copy call or ready-word memop for this cache, in nanoseconds.
+  [[nodiscard]] std::uint64_t proxy_longest_call_ns() const noexcept { return channel_ ? channel_->longest_call_ns.load() : 0; }
 
   // plan_prefetch (one warp), then the fill of its list: with overlap the ready-word fill
   // (launched in plain stream order), so a later readiness consumer finds every prefetched
