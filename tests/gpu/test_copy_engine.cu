@@ -448,6 +448,8 @@ TEST_CASE("copy engine with CUDA_DEVICE_MAX_CONNECTIONS=1: copy_engine refused, 
   o.capacity = CeRig::capacity;
   o.max_ids = 2;
   o.fill_engine = FillEngine::copy_engine;
+  (void)cuda_runtime();  // the runtime object's own setup is not the refused cache's
+  REQUIRE_CUDA_OK(cudaDeviceSynchronize());
   size_t free_before = 0, free_after = 0, total = 0;
   REQUIRE_CUDA_OK(cudaMemGetInfo(&free_before, &total));
   expect_refused(o, "CUDA_DEVICE_MAX_CONNECTIONS=1");
