@@ -128,9 +128,8 @@ class BasicCudaPlanExecutor {
   // (options.link_profile when given, checked against both; else measured once per process): with
   // overlapped lookahead and fast SM loads, SM loads for forwards and the proxy for prefetches. When
   // it picks copy_engine for fill_by_consumer, the cache overlaps instead (DeviceCacheOptions).
-  // With one hardware work queue per context (CUDA_DEVICE_MAX_CONNECTIONS=1) the forwards' fills
-  // cannot go through the proxy (LinkProfile::choose_engines): copy_engine is refused, automatic
-  // takes SM loads.
+  // With one hardware work queue per context (CUDA_DEVICE_MAX_CONNECTIONS=1) steps that wait for the
+  // proxy stall (LinkProfile::choose_engines): copy_engine is refused, automatic takes SM loads.
   static DeviceCacheOptions resolve_fill_engine(DeviceCacheOptions o, std::uint64_t expert_bytes) {
     const int work_queues = cuda_work_queues_from_env();
     if (o.fill_engine == FillEngine::copy_engine && work_queues == 1) {

@@ -225,10 +225,9 @@ struct LinkProfile {
   ///
   /// `work_queues`: the process's hardware work queues per context (cuda_work_queues_from_env; 0:
   /// not limited). With one, every fill goes to SM loads whatever the profile: all streams of the
-  /// context then share one queue, and a step whose kernel waits for the copy proxy stalls, because
-  /// the copies and ready words the proxy issues after the kernel started queue behind work of the
-  /// same step; each such wait then ends only at its bounded timeout (on an H100 host every
-  /// copy-engine step of the GPU tests did; docs/design.md, "One hardware work queue").
+  /// context then share one queue, and on an H100 host every copy-engine step of the GPU tests
+  /// waited for the proxy's copies until its bounded wait gave up (docs/design.md, "One hardware
+  /// work queue"; which queued work holds the copies back is not established).
   [[nodiscard]] EngineChoice choose_engines(FillUse use, std::string* reason = nullptr, int work_queues = 0) const {
     if (work_queues == 1) {
       if (reason != nullptr) {
